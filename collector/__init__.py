@@ -1,0 +1,1 @@
+"""The collector: spooled samples -> committed shards in storage -> done in the ledger."""

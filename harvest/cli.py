@@ -1,0 +1,219 @@
+"""The `harvest` command: the composition root that wires producer, workers and collector.
+
+Nothing imports this module; it imports the services lazily so `harvest --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import sys
+
+import click
+
+DEFAULT_REDIS = os.environ.get("HARVEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _fail(msg: str) -> None:
+    click.echo(f"harvest: error: {msg}", err=True)
+    sys.exit(2)
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+
+def _default_run_name(dataset: str) -> str:
+    stem = os.path.basename(dataset.rstrip("/")).split(".")[0]
+    return re.sub(r"[^A-Za-z0-9_-]", "_", stem) or "run"
+
+
+redis_option = click.option("--redis", "redis_url", default=DEFAULT_REDIS, show_default=True, help="Redis URL (password and user go in the URL).")
+run_option = click.option("--run", "run", required=True, help="Run name ([A-Za-z0-9_-]+).")
+
+
+@click.group()
+@click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
+def main(verbose: bool) -> None:
+    """harvest: extract an LLM's hidden states for whole datasets (EAGLE-3 drafter training data)."""
+    _logging(verbose)
+
+
+@main.command("run")
+@click.argument("dataset", type=click.Path())
+@click.option("--model", required=True, type=click.Path(), help="Local HF model directory.")
+@click.option("--out", "out_url", required=True, help="Output folder or fsspec URL (file://, s3://).")
+@click.option("--run", "run", default=None, help="Run name; defaults to the dataset's file name.")
+@click.option("--layers", default="eagle3", show_default=True, help="'eagle3' or HF hidden_states indices, e.g. 2,4,7.")
+@click.option("--dtype", "storage_dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp16", "fp32"]))
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 256))
+@click.option("--redis", "redis_url", default=None, help="Use this Redis instead of starting a private one.")
+@click.option("--engine-url", default=None, help="Use this engine instead of starting the reference engine.")
+@click.option("--chunked-prefill-size", default=0, show_default=True, type=click.IntRange(0), help="Reference engine chunk size (0: whole prompts).")
+@click.option("--work-dir", default=None, type=click.Path(), help="Node-local state (Redis data, spool, logs).")
+@click.option("--dump-dir", default=None, type=click.Path(), help="Engine dump directory (default under /dev/shm).")
+@click.option("--max-queued", default=20000, show_default=True, type=click.IntRange(1))
+@click.option("--shard-mb", default=1024, show_default=True, type=click.IntRange(1), help="Target shard size in MiB.")
+@click.option("--no-progress", is_flag=True)
+def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
+            work_dir, dump_dir, max_queued, shard_mb, no_progress) -> None:
+    """Extract hidden states for DATASET end to end on this machine."""
+    from harvest.config import ConfigError, build_config
+    from harvest.redisproc import RedisNotInstalled
+    from harvest.runner import run_all
+
+    try:
+        cfg = build_config(run or _default_run_name(dataset), model, out_url, layers, storage_dtype, shard_bytes=shard_mb << 20)
+        summary = run_all(cfg, dataset, workers=workers, redis_url=redis_url, engine_url=engine_url, work_dir=work_dir,
+                          dump_dir=dump_dir, chunked_prefill_size=chunked_prefill_size, max_queued=max_queued,
+                          progress=not no_progress)
+    except (ConfigError, RedisNotInstalled, FileNotFoundError, ValueError, RuntimeError) as e:
+        _fail(str(e))
+    for line in summary.lines():
+        click.echo(line)
+    sys.exit(1 if summary.failed else 0)
+
+
+@main.command("demo")
+@click.option("--out", "out_dir", default="harvest-demo", show_default=True, type=click.Path())
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 64))
+def demo_cmd(out_dir: str, workers: int) -> None:
+    """Build a tiny model offline and run the whole pipeline on a bundled dataset."""
+    from harvest.demo import build_tiny_model, demo_rows, write_jsonl
+
+    click.echo("building the tiny demo model (cached after the first time)...")
+    model = build_tiny_model()
+    dataset = write_jsonl(os.path.join(out_dir, "demo.jsonl"), demo_rows())
+    ctx = click.get_current_context()
+    ctx.invoke(
+        run_cmd, dataset=dataset, model=model, out_url=os.path.join(out_dir, "output"), run="demo", layers="eagle3",
+        storage_dtype="bf16", workers=workers, redis_url=None, engine_url=None, chunked_prefill_size=64,
+        work_dir=os.path.join(out_dir, "work"), dump_dir=None, max_queued=20000, shard_mb=1024, no_progress=False,
+    )
+
+
+@main.command("produce")
+@click.argument("dataset", type=click.Path())
+@run_option
+@redis_option
+@click.option("--model", default=None, type=click.Path(), help="Model directory (needed when the run is new).")
+@click.option("--out", "out_url", default=None, help="Output URL (needed when the run is new).")
+@click.option("--layers", default="eagle3", show_default=True)
+@click.option("--dtype", "storage_dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp16", "fp32"]))
+@click.option("--max-queued", default=20000, show_default=True, type=click.IntRange(1))
+@click.option("--strict", is_flag=True, help="Stop at the first bad row.")
+def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, strict) -> None:
+    """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded)."""
+    import redis as redislib
+
+    from harvest.config import ConfigError, build_config
+    from harvest.reconcile import reconcile
+    from harvest.runstore import load_run, publish_run
+    from producer.producer import produce
+
+    conn = redislib.Redis.from_url(redis_url)
+    try:
+        if model and out_url:
+            cfg = publish_run(conn, build_config(run, model, out_url, layers, storage_dtype))
+            reconcile(conn, cfg)
+        else:
+            cfg = load_run(conn, run)
+        s = produce(conn, cfg, dataset, max_queued=max_queued, strict=strict)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    click.echo(f"rows {s.rows}: enqueued {s.enqueued} samples in {s.jobs} jobs ({s.tokens} tokens), "
+               f"skipped {s.skipped} already known, bad {s.bad}")
+    for line in s.bad_rows[:20]:
+        click.echo(f"  bad row {line}", err=True)
+    sys.exit(1 if s.bad else 0)
+
+
+@main.command("worker")
+@run_option
+@redis_option
+@click.option("--engine-url", default="http://127.0.0.1:30000", show_default=True)
+@click.option("--dump-dir", required=True, type=click.Path())
+@click.option("--spool-dir", required=True, type=click.Path())
+@click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
+@click.option("--dump-timeout", default=60.0, show_default=True, help="Seconds to wait for a request's dump files.")
+def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_timeout) -> None:
+    """Take jobs of RUN: engine call, claim dumps, verify, spool."""
+    from harvest.config import ConfigError
+    from workers.worker import run_worker
+
+    try:
+        run_worker(redis_url, run, engine_url, dump_dir, spool_dir, burst=burst, dump_timeout=dump_timeout)
+    except ConfigError as e:
+        _fail(str(e))
+
+
+@main.command("collect")
+@run_option
+@redis_option
+@click.option("--spool-dir", required=True, type=click.Path())
+@click.option("--max-wait", default=60.0, show_default=True, help="Commit a partial shard once its oldest sample is this old (s).")
+@click.option("--node", default=None, help="Node name (default: host name).")
+def collect_cmd(run, redis_url, spool_dir, max_wait, node) -> None:
+    """Pack this node's spool into shards and commit them to the run's output."""
+    import redis as redislib
+
+    from collector.collector import Collector
+    from harvest.config import ConfigError
+    from harvest.runstore import load_run
+
+    conn = redislib.Redis.from_url(redis_url)
+    try:
+        cfg = load_run(conn, run)
+    except ConfigError as e:
+        _fail(str(e))
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+    os.makedirs(spool_dir, mode=0o700, exist_ok=True)
+    Collector(conn, cfg, spool_dir, node=node, max_wait=max_wait).run(lambda: stop["now"])
+
+
+@main.command("engine")
+@click.option("--model", required=True, type=click.Path(exists=True))
+@click.option("--dump-dir", required=True, type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=30000, show_default=True, type=int)
+@click.option("--layers", default="eagle3", show_default=True)
+@click.option("--chunked-prefill-size", default=0, show_default=True, type=click.IntRange(0))
+def engine_cmd(model, dump_dir, host, port, layers, chunked_prefill_size) -> None:
+    """Serve the CPU reference engine (SGLang /generate subset, harvest dump contract)."""
+    from workers.refengine import ReferenceEngine, serve
+
+    engine = ReferenceEngine(model, dump_dir, layers=layers, chunked_prefill_size=chunked_prefill_size)
+    server = serve(engine, host, port)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    click.echo(f"reference engine on http://{host}:{port} capturing {engine.capture_points}", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+@main.command("reconcile")
+@run_option
+@redis_option
+def reconcile_cmd(run, redis_url) -> None:
+    """Rebuild the Redis done-set of RUN from the index files in storage."""
+    import redis as redislib
+
+    from harvest.reconcile import reconcile
+    from harvest.runstore import load_run
+
+    conn = redislib.Redis.from_url(redis_url)
+    n = reconcile(conn, load_run(conn, run))
+    click.echo(f"marked {n} samples done from storage")
+
+
+if __name__ == "__main__":
+    main()

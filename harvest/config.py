@@ -1,0 +1,133 @@
+"""The run: what every node of one extraction must agree on.
+
+A run fixes model, capture points, storage dtype and output; it is written to Redis when the
+run starts and copied to `<out>/<run>/run.json`. Workers and collectors read it from there,
+never from their own flags, so two nodes can never capture different layers into one run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from harvest.ids import check_id
+
+STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+ENGINE_KINDS = ("reference", "sglang")
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used, or that contradicts the stored one."""
+
+
+def eagle3_layers(num_layers: int) -> list[int]:
+    """EAGLE-3 preset `[2, L//2, L-3, L]` in HF hidden_states indices (DESIGN 4.1),
+    deduplicated and sorted so tiny models with L < 6 still get a valid list."""
+    if num_layers < 1:
+        raise ConfigError(f"model has {num_layers} layers; need at least 1")
+    pts = {min(2, num_layers), num_layers // 2, max(num_layers - 3, 0), num_layers}
+    return sorted(pts)
+
+
+def parse_layers(spec: str, num_layers: int) -> list[int]:
+    """`eagle3` or a comma list of HF hidden_states indices in [0, L]."""
+    spec = spec.strip()
+    if spec == "eagle3":
+        return eagle3_layers(num_layers)
+    try:
+        pts = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--layers {spec!r}: expected 'eagle3' or comma-separated integers like 2,4,7") from None
+    if not pts:
+        raise ConfigError("--layers is empty")
+    bad = [p for p in pts if p < 0 or p > num_layers]
+    if bad:
+        raise ConfigError(f"--layers {bad}: capture points must lie in [0, {num_layers}] for a {num_layers}-layer model")
+    return pts
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run: str
+    model: str
+    capture_points: list[int]
+    hidden_size: int
+    out_url: str
+    storage_dtype: str = "bf16"
+    engine: str = "reference"
+    tokenizer: str | None = None
+    max_batch_samples: int = 32
+    max_batch_tokens: int = 16384
+    shard_bytes: int = 1 << 30
+    allow_nonfinite: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_id(self.run, "run name")
+        if self.storage_dtype not in STORAGE_DTYPES:
+            raise ConfigError(f"storage dtype {self.storage_dtype!r}: choose one of {', '.join(STORAGE_DTYPES)}")
+        if self.engine not in ENGINE_KINDS:
+            raise ConfigError(f"engine {self.engine!r}: choose one of {', '.join(ENGINE_KINDS)}")
+        if list(self.capture_points) != sorted(set(self.capture_points)) or not self.capture_points:
+            raise ConfigError(f"capture points {self.capture_points} must be a non-empty ascending list")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return STORAGE_DTYPES[self.storage_dtype]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RunConfig:
+        data = json.loads(text)
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"run config has unknown fields {sorted(unknown)}: written by a newer harvest?")
+        return cls(**data)
+
+    def identity(self) -> dict:
+        """The fields that change what is stored; two runs of one name must agree on all of them."""
+        d = asdict(self)
+        for k in ("max_batch_samples", "max_batch_tokens", "shard_bytes", "extra"):
+            d.pop(k)
+        return d
+
+
+def build_config(
+    run: str,
+    model: str,
+    out_url: str,
+    layers: str = "eagle3",
+    storage_dtype: str = "bf16",
+    engine: str = "reference",
+    tokenizer: str | None = None,
+    **extra,
+) -> RunConfig:
+    """A RunConfig from a model directory: its layer count and width come from its config.json."""
+    from transformers import AutoConfig
+
+    try:
+        mc = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the model config in {model!r}: {e}") from None
+    mc = getattr(mc, "text_config", None) or mc
+    points = parse_layers(layers, mc.num_hidden_layers)
+    return RunConfig(
+        run=run,
+        model=model,
+        capture_points=points,
+        hidden_size=mc.hidden_size,
+        out_url=out_url,
+        storage_dtype=storage_dtype,
+        engine=engine,
+        tokenizer=tokenizer,
+        **extra,
+    )

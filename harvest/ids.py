@@ -1,0 +1,67 @@
+"""Content-derived identifiers and the one place that decides which ids may touch a path.
+
+Every id that crosses a process boundary (sample, rid, job, shard) is derived from content,
+so a rerun or a retried job names the same thing, and is checked against a strict alphabet
+before it is joined onto a directory: whoever can write to Redis must not reach `../`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+
+import numpy as np
+
+ID_PATTERN = re.compile(r"[A-Za-z0-9_-]+")
+RID_PREFIX = "hv-"
+_RID_PATTERN = re.compile(r"hv-([0-9a-f]{32})-([0-9]+)")
+
+
+class InvalidId(ValueError):
+    """An id that does not match `[A-Za-z0-9_-]+` (so it must never become a file name)."""
+
+
+def check_id(value: str, kind: str = "id") -> str:
+    if not isinstance(value, str) or not ID_PATTERN.fullmatch(value) or len(value) > 200:
+        raise InvalidId(f"invalid {kind} {value!r}: must match [A-Za-z0-9_-]+ (at most 200 characters)")
+    return value
+
+
+def sample_id(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
+    """blake2b-128 of the int32 LE token ids followed by the loss-mask bytes (DESIGN 4.2)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.ascontiguousarray(input_ids, dtype="<i4").tobytes())
+    h.update(np.ascontiguousarray(loss_mask, dtype=np.uint8).tobytes())
+    return h.hexdigest()
+
+
+def _digest_of(ids: Iterable[str]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for i in ids:
+        h.update(check_id(i, "sample id").encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def job_id_for(run: str, sample_ids: Iterable[str]) -> str:
+    """Same batch, same job id: a re-enqueue of identical content is recognisable in RQ."""
+    return f"hv-{check_id(run, 'run name')}-{_digest_of(sample_ids)}"
+
+
+def shard_id_for(sample_ids: Iterable[str]) -> str:
+    """A shard is named by the ordered samples it holds, so re-packing the same set rewrites the same object."""
+    return _digest_of(sample_ids)
+
+
+def rid_for(sid: str, attempt: int) -> str:
+    """Unique per attempt, so files of a timed-out earlier attempt are never mistaken for this one's."""
+    check_id(sid, "sample id")
+    return f"{RID_PREFIX}{sid}-{int(attempt)}"
+
+
+def parse_rid(rid: str) -> tuple[str, int]:
+    m = _RID_PATTERN.fullmatch(rid)
+    if not m:
+        raise InvalidId(f"invalid rid {rid!r}: expected hv-<32 hex>-<attempt>")
+    return m.group(1), int(m.group(2))

@@ -1,0 +1,115 @@
+"""The per-sample ledger in Redis: a fast cache of what storage says is done.
+
+States are one letter: `q` queued (a job holds it), `s` spooled (hidden states on a node's
+spool, not yet in a committed shard), `d` done (in a committed shard), `f` failed (with a
+reason). Every move goes through one Lua script that checks the allowed source states and
+keeps the per-state counters exact, so status and completion checks never scan the hash.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+
+import redis
+
+from harvest.keys import Keys
+
+QUEUED, SPOOLED, DONE, FAILED = "q", "s", "d", "f"
+ABSENT = "_"
+STATE_NAMES = {QUEUED: "queued", SPOOLED: "spooled", DONE: "done", FAILED: "failed"}
+
+# KEYS: state, counts, failed. ARGV: to, allowed-from letters, n, id_1..id_n, info_1..info_n
+_TRANSITION = """
+local to, allowed, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local changed = {}
+for i = 1, n do
+  local id = ARGV[3 + i]
+  local info = ARGV[3 + n + i]
+  local cur = redis.call('HGET', KEYS[1], id)
+  local c = cur or '_'
+  if string.find(allowed, c, 1, true) and c ~= to then
+    redis.call('HSET', KEYS[1], id, to)
+    if cur then redis.call('HINCRBY', KEYS[2], cur, -1) end
+    redis.call('HINCRBY', KEYS[2], to, 1)
+    if to == 'f' then
+      redis.call('HSET', KEYS[3], id, info)
+    elseif c == 'f' then
+      redis.call('HDEL', KEYS[3], id)
+    end
+    changed[#changed + 1] = id
+  end
+end
+return changed
+"""
+
+
+class Ledger:
+    def __init__(self, conn: redis.Redis, run: str) -> None:
+        self.conn = conn
+        self.keys = Keys(run)
+        self._script = conn.register_script(_TRANSITION)
+
+    def _move(self, ids: list[str], to: str, allowed: str, infos: list[str] | None = None, pipe=None) -> list[str]:
+        if not ids:
+            return []
+        infos = infos or [""] * len(ids)
+        args = [to, allowed, len(ids), *ids, *infos]
+        keys = [self.keys.state, self.keys.counts, self.keys.failed]
+        res = self._script(keys=keys, args=args, client=pipe if pipe is not None else self.conn)
+        if pipe is not None:
+            return []
+        return [r.decode() if isinstance(r, bytes) else r for r in res]
+
+    def states(self, ids: list[str]) -> list[str | None]:
+        if not ids:
+            return []
+        vals = self.conn.hmget(self.keys.state, ids)
+        return [v.decode() if v is not None else None for v in vals]
+
+    def add_queued(self, ids: list[str], pipe=None) -> list[str]:
+        """New samples only: an id with any state is left as it is (idempotent enqueue)."""
+        return self._move(ids, QUEUED, ABSENT, pipe=pipe)
+
+    def requeue(self, ids: list[str], pipe=None) -> list[str]:
+        return self._move(ids, QUEUED, FAILED, pipe=pipe)
+
+    def mark_spooled(self, ids: list[str]) -> list[str]:
+        return self._move(ids, SPOOLED, QUEUED)
+
+    def mark_failed(self, failures: Mapping[str, tuple[str, str]]) -> list[str]:
+        ids = list(failures)
+        infos = [json.dumps({"reason": r, "message": m}) for r, m in failures.values()]
+        return self._move(ids, FAILED, QUEUED + SPOOLED, infos)
+
+    def mark_done(self, ids: list[str], pipe=None) -> list[str]:
+        """Only the collector (after its index file is written) and reconcile call this."""
+        return self._move(ids, DONE, ABSENT + QUEUED + SPOOLED + FAILED, pipe=pipe)
+
+    def counts(self) -> dict[str, int]:
+        raw = self.conn.hgetall(self.keys.counts)
+        c = {name: 0 for name in STATE_NAMES.values()}
+        for k, v in raw.items():
+            name = STATE_NAMES.get(k.decode())
+            if name:
+                c[name] = int(v)
+        c["total"] = sum(c[n] for n in STATE_NAMES.values())
+        return c
+
+    def failures(self) -> dict[str, dict]:
+        return {k.decode(): json.loads(v) for k, v in self.conn.hgetall(self.keys.failed).items()}
+
+    def next_attempts(self, ids: Iterable[str]) -> list[int]:
+        pipe = self.conn.pipeline(transaction=False)
+        for i in ids:
+            pipe.hincrby(self.keys.attempts, i, 1)
+        return [int(x) for x in pipe.execute()]
+
+    def add_stats(self, **incr: int) -> None:
+        pipe = self.conn.pipeline(transaction=False)
+        for k, v in incr.items():
+            pipe.hincrby(self.keys.stats, k, int(v))
+        pipe.execute()
+
+    def stats(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.conn.hgetall(self.keys.stats).items()}

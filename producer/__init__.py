@@ -1,0 +1,1 @@
+"""The producer: dataset rows -> tokenized samples with loss masks -> bounded, idempotent RQ jobs."""

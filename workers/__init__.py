@@ -1,0 +1,1 @@
+"""Workers: the RQ job (engine call -> claim -> verify -> spool), engine clients, the engines' dump side."""

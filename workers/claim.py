@@ -1,0 +1,145 @@
+"""Claiming a request's dump files, verifying them, and assembling the sample.
+
+The worker owns the files of its rids: it waits until their chunks tile [0, T), moves them
+by rename into its private claim directory (so no other worker or janitor can touch them),
+then checks every chunk against what was sent before accepting a single value. Each
+rejection is a `SampleFailure` whose reason names the cause and its fix.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from harvest.dump import DumpError, parse_chunk_name, read_chunk
+from harvest.payload import Sample
+from harvest.spool import SpooledSample
+
+
+class SampleFailure(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason, self.message = reason, message
+
+
+def _coverage(spans: list[tuple[int, int]], total: int) -> str | None:
+    """None if the spans tile [0, total) exactly once; otherwise what is wrong."""
+    pos = 0
+    for a, b in sorted(spans):
+        if a < pos:
+            return f"chunks overlap at position {a}"
+        if a > pos:
+            return f"positions [{pos}, {a}) missing"
+        pos = b
+    if pos != total:
+        return f"positions [{pos}, {total}) missing" if pos < total else f"chunks run past the prompt end {total} to {pos}"
+    return None
+
+
+@dataclass
+class Claimed:
+    rid: str
+    paths: list[str]
+
+
+def claim(
+    dump_dir: str, claim_dir: str, wanted: dict[str, int], timeout: float, poll: float = 0.02
+) -> tuple[dict[str, Claimed], dict[str, SampleFailure]]:
+    """Wait for every wanted rid (rid -> prompt length) to be fully dumped, and claim it.
+    Files that arrive for a rid after it timed out are left to the janitor."""
+    claimed: dict[str, Claimed] = {}
+    failed: dict[str, SampleFailure] = {}
+    deadline = time.monotonic() + timeout
+    pending = dict(wanted)
+    while pending:
+        seen: dict[str, list[tuple[int, int, str]]] = {}
+        with os.scandir(dump_dir) as it:
+            for e in it:
+                p = parse_chunk_name(e.name)
+                if p and p[0] in pending:
+                    seen.setdefault(p[0], []).append((p[1], p[2], e.name))
+        expired = time.monotonic() >= deadline
+        for rid, total in list(pending.items()):
+            chunks = seen.get(rid, [])
+            problem = _coverage([(a, b) for a, b, _ in chunks], total)
+            waiting = problem is not None and problem.startswith("positions")
+            if waiting and not expired:
+                continue
+            del pending[rid]
+            moved = []
+            for _, _, name in chunks:
+                dst = os.path.join(claim_dir, name)
+                try:
+                    os.rename(os.path.join(dump_dir, name), dst)
+                    moved.append(dst)
+                except FileNotFoundError:
+                    problem = problem or f"chunk {name} was claimed by someone else"
+            if problem is None:
+                claimed[rid] = Claimed(rid, moved)
+                continue
+            for path in moved:
+                os.unlink(path)
+            if waiting:
+                failed[rid] = SampleFailure(
+                    "incomplete-dump",
+                    f"dump of {rid} is incomplete after {timeout:.0f}s: {problem} of [0, {total}). "
+                    "Is the harvest dump plugin loaded in the engine, and are prefill CUDA graphs off?",
+                )
+            else:
+                failed[rid] = SampleFailure("bad-chunks", f"dump of {rid}: {problem} of [0, {total})")
+        if pending:
+            time.sleep(poll)
+    return claimed, failed
+
+
+def assemble(
+    claimed: Claimed,
+    sample: Sample,
+    capture_points: Sequence[int],
+    dtype: torch.dtype,
+    allow_nonfinite: bool = False,
+) -> SpooledSample:
+    """Read and verify the claimed chunks; the `[T, K, H]` result in the storage dtype."""
+    chunks = []
+    try:
+        for path in claimed.paths:
+            chunks.append(read_chunk(path))
+    except DumpError as e:
+        raise SampleFailure("bad-dump", str(e)) from None
+    chunks.sort(key=lambda c: c.start)
+    problem = _coverage([(c.start, c.end) for c in chunks], sample.num_tokens)
+    if problem:
+        raise SampleFailure("incomplete-dump", f"{problem} of [0, {sample.num_tokens})")
+    for c in chunks:
+        if c.capture_points != list(capture_points):
+            raise SampleFailure(
+                "capture-mismatch",
+                f"engine captured layers {c.capture_points}, the run captures {list(capture_points)}: "
+                "restart the engine with the run's capture points (harvest sglang-args)",
+            )
+    ids = torch.cat([c.input_ids for c in chunks]).to(torch.int64)
+    sent = torch.from_numpy(sample.input_ids.astype("int64"))
+    if not torch.equal(ids, sent):
+        pos = int((ids != sent).nonzero()[0, 0])
+        raise SampleFailure(
+            "token-mismatch",
+            f"dumped token at position {pos} is {int(ids[pos])}, sent {int(sent[pos])}: the dump belongs to another request",
+        )
+    hs = chunks[0].hidden_states if len(chunks) == 1 else torch.cat([c.hidden_states for c in chunks])
+    if not allow_nonfinite and not torch.isfinite(hs).all():
+        bad = (~torch.isfinite(hs)).nonzero()[0].tolist()
+        raise SampleFailure(
+            "nonfinite",
+            f"hidden states hold NaN/Inf (first at position {bad[0]}, capture slot {bad[1]}); "
+            "check the engine's dtype and model, or set allow_nonfinite in the run",
+        )
+    return SpooledSample(
+        sample.id,
+        torch.from_numpy(sample.input_ids.copy()),
+        torch.from_numpy(sample.loss_mask.copy()),
+        hs.to(dtype),
+    )

@@ -1,0 +1,121 @@
+"""The worker's client for SGLang's native `/generate` (the reference engine speaks the same).
+
+One batched request per job: token ids in, one unique rid per sample, one new token out,
+and a unique `extra_key` per request so the radix cache can never serve a prefix (a cached
+prefix is a prefix whose hidden states are never computed, hence never dumped).
+Timeouts, connection errors and 5xx are transient and retried with backoff; a 4xx names a
+bad request, and a batch that gets one is split so that only the offending sample fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import httpx
+
+log = logging.getLogger("harvest.worker")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine did not answer usefully after all retries (transient cause persisted)."""
+
+
+@dataclass
+class Generated:
+    rid: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Rejected:
+    rid: str
+    message: str
+
+
+class EngineClient:
+    def __init__(self, url: str, timeout: float = 600.0, retries: int = 4, backoff: float = 0.5) -> None:
+        self.url = url.rstrip("/")
+        self.retries, self.backoff = retries, backoff
+        self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def health(self) -> bool:
+        try:
+            return self.http.get(f"{self.url}/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def model_info(self) -> dict:
+        r = self.http.get(f"{self.url}/get_model_info", timeout=10.0)
+        r.raise_for_status()
+        return r.json()
+
+    def generate(self, rids: list[str], prompts: list[list[int]]) -> list[Generated | Rejected]:
+        status, body = self._post(rids, prompts)
+        if status < 400:
+            items = body if isinstance(body, list) else [body]
+            if len(items) != len(rids):
+                raise EngineUnavailable(f"engine answered {len(items)} results for {len(rids)} prompts")
+            out: list[Generated | Rejected] = []
+            for rid, item in zip(rids, items):
+                meta = (item or {}).get("meta_info") or {}
+                if meta.get("id", rid) != rid:
+                    raise EngineUnavailable(f"engine answered rid {meta.get('id')!r} in the place of {rid!r}")
+                out.append(Generated(rid, int(meta.get("prompt_tokens", -1)), int(meta.get("cached_tokens", 0) or 0)))
+            return out
+        message = _error_message(body)
+        if len(rids) == 1:
+            return [Rejected(rids[0], f"engine rejected the request (HTTP {status}): {message}")]
+        log.warning("engine rejected a batch of %d (HTTP %d: %s); retrying one by one", len(rids), status, message)
+        out = []
+        for rid, p in zip(rids, prompts):
+            out.extend(self.generate([rid], [p]))
+        return out
+
+    def _post(self, rids: list[str], prompts: list[list[int]]) -> tuple[int, object]:
+        body = {
+            "input_ids": prompts,
+            "rid": rids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "extra_key": rids,
+        }
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                r = self.http.post(f"{self.url}/generate", json=body)
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+                log.warning("engine %s unreachable (%s), attempt %d", self.url, last, attempt + 1)
+                continue
+            if r.status_code >= 500:
+                last = f"HTTP {r.status_code}: {_error_message(_json(r))}"
+                log.warning("engine %s error (%s), attempt %d", self.url, last, attempt + 1)
+                continue
+            return r.status_code, _json(r)
+        raise EngineUnavailable(f"engine {self.url} failed {self.retries + 1} times; last error: {last}")
+
+
+def _json(r: httpx.Response) -> object:
+    try:
+        return r.json()
+    except ValueError:
+        return r.text
+
+
+def _error_message(body: object) -> str:
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in body:
+            return str(body["message"])
+        if "detail" in body:
+            return str(body["detail"])
+    return str(body)[:500]
