@@ -111,7 +111,7 @@ def demo_rows(n: int = 40, seed: int = 1, vocab_size: int = 512) -> list[dict]:
                 msgs.append({"role": "assistant", "content": _sentence(rng, rng.randint(3, 30))})
             rows.append({"messages": msgs})
         else:
-            length = rng.choice([1, 2, 17, 64, 65, 130])
+            length = (1, 2, 17, 64, 65, 130, 129, 3, 320, 8)[(i // 4) % 10]  # chunk edges at 64
             rows.append({"input_ids": [rng.randrange(5, vocab_size) for _ in range(length)]})
     rows.append({"text": " ".join(_sentence(rng, 20) for _ in range(20))})  # a long one, > 300 tokens
     return rows

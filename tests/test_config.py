@@ -1,0 +1,27 @@
+import pytest
+
+from harvest.config import ConfigError, RunConfig, eagle3_layers, parse_layers
+
+
+def test_eagle3_preset_in_hf_indices():
+    assert eagle3_layers(32) == [2, 16, 29, 32]
+    assert eagle3_layers(61) == [2, 30, 58, 61]
+    assert eagle3_layers(8) == [2, 4, 5, 8]
+    assert eagle3_layers(4) == [1, 2, 4]  # deduplicated and sorted for tiny models
+
+
+def test_parse_layers_errors_are_exact():
+    assert parse_layers("7,2,4,2", 8) == [2, 4, 7]
+    with pytest.raises(ConfigError, match=r"--layers \[9\]: capture points must lie in \[0, 8\] for a 8-layer model"):
+        parse_layers("2,9", 8)
+    with pytest.raises(ConfigError, match="expected 'eagle3' or comma-separated integers"):
+        parse_layers("two", 8)
+
+
+def test_run_config_json_round_trip_and_validation():
+    cfg = RunConfig(run="r1", model="/m", capture_points=[2, 4], hidden_size=64, out_url="/o", storage_dtype="fp32")
+    assert RunConfig.from_json(cfg.to_json()) == cfg
+    with pytest.raises(ConfigError, match="storage dtype 'int4'"):
+        RunConfig(run="r1", model="/m", capture_points=[2], hidden_size=64, out_url="/o", storage_dtype="int4")
+    with pytest.raises(ValueError, match="invalid run name"):
+        RunConfig(run="../r", model="/m", capture_points=[2], hidden_size=64, out_url="/o")

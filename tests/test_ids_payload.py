@@ -1,0 +1,59 @@
+import base64
+import hashlib
+
+import numpy as np
+import pytest
+
+from harvest.ids import InvalidId, check_id, job_id_for, parse_rid, rid_for, sample_id, shard_id_for
+from harvest.payload import PayloadError, Sample, decode_batch, encode_batch
+
+
+def test_sample_id_is_blake2b128_of_int32le_ids_then_mask_bytes():
+    ids = np.array([1, 2, 300, 70000], np.int32)
+    mask = np.array([0, 1, 1, 0], np.uint8)
+    expect = hashlib.blake2b(ids.astype("<i4").tobytes() + mask.tobytes(), digest_size=16).hexdigest()
+    assert sample_id(ids, mask) == expect
+    assert sample_id(ids, 1 - mask) != expect
+
+
+@pytest.mark.parametrize("bad", ["../etc", "a/b", "", "a b", "x.y", "é", None, "a" * 201])
+def test_check_id_refuses_anything_that_could_escape_a_path(bad):
+    with pytest.raises(InvalidId, match=r"must match \[A-Za-z0-9_-\]\+"):
+        check_id(bad)
+
+
+def test_rid_round_trip_and_rejection():
+    sid = "0123456789abcdef0123456789abcdef"
+    assert parse_rid(rid_for(sid, 3)) == (sid, 3)
+    with pytest.raises(InvalidId, match="expected hv-<32 hex>-<attempt>"):
+        parse_rid("hv-../../x-1")
+
+
+def test_job_and_shard_ids_depend_on_order_and_content():
+    a, b = "a" * 32, "b" * 32
+    assert job_id_for("r", [a, b]) == job_id_for("r", [a, b]) != job_id_for("r", [b, a])
+    assert shard_id_for([a, b]) != shard_id_for([a])
+
+
+def test_payload_round_trip_is_json_with_base64_int32():
+    s = [Sample.build([5, 6, 70000]), Sample.build([9], [0])]
+    p = encode_batch("run1", s)
+    assert base64.b64decode(p["samples"][0]["ids"]) == np.array([5, 6, 70000], "<i4").tobytes()
+    run, back = decode_batch(p)
+    assert run == "run1"
+    assert [x.id for x in back] == [x.id for x in s]
+    assert back[0].input_ids.tolist() == [5, 6, 70000] and back[1].loss_mask.tolist() == [0]
+
+
+def test_payload_with_id_not_matching_content_is_refused():
+    p = encode_batch("run1", [Sample.build([5, 6])])
+    p["samples"][0]["id"] = "f" * 32
+    with pytest.raises(PayloadError, match=f"sample {'f' * 32} does not match its content"):
+        decode_batch(p)
+
+
+def test_payload_that_is_not_ours_is_refused():
+    with pytest.raises(PayloadError, match="not a harvest v1 job payload"):
+        decode_batch({"samples": []})
+    with pytest.raises(PayloadError, match="loss_mask has 1 entries for 2 tokens"):
+        Sample.build([1, 2], [1])

@@ -1,0 +1,28 @@
+import json
+
+from harvest.ledger import Ledger
+
+
+def test_transitions_keep_exact_counts(conn):
+    led = Ledger(conn, "r1")
+    a, b, c = "a" * 32, "b" * 32, "c" * 32
+    assert led.add_queued([a, b, c]) == [a, b, c]
+    assert led.add_queued([a, b]) == []  # idempotent: known ids are left alone
+    assert led.mark_spooled([a, b]) == [a, b]
+    assert led.mark_failed({c: ("bad-dump", "truncated")}) == [c]
+    assert led.mark_done([a]) == [a]
+    assert led.counts() == {"queued": 0, "spooled": 1, "done": 1, "failed": 1, "total": 3}
+    assert led.failures() == {c: {"reason": "bad-dump", "message": "truncated"}}
+    assert led.mark_spooled([a]) == []  # done is final for workers
+    assert led.requeue([c, a]) == [c]
+    assert led.failures() == {}
+    assert led.states([a, b, c, "d" * 32]) == ["d", "s", "q", None]
+    assert led.counts() == {"queued": 1, "spooled": 1, "done": 1, "failed": 0, "total": 3}
+
+
+def test_ledger_values_are_plain_strings(conn):
+    led = Ledger(conn, "r2")
+    led.add_queued(["a" * 32])
+    led.mark_failed({"a" * 32: ("x", "y")})
+    raw = conn.hget(led.keys.failed, "a" * 32)
+    assert json.loads(raw) == {"reason": "x", "message": "y"}

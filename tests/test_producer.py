@@ -1,0 +1,113 @@
+"""Producer: row kinds, bad rows with file and line, idempotent and bounded enqueue on real Redis."""
+
+import json
+import zlib
+
+import numpy as np
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from harvest.config import RunConfig
+from harvest.ids import sample_id
+from harvest.keys import Keys
+from harvest.ledger import Ledger
+from harvest.payload import decode_batch
+from producer.producer import produce
+from producer.sources import BadRow, Row
+from producer.tokenize import RowTokenizer
+
+
+def _cfg(tiny_model, tmp_path, **kw):
+    return RunConfig(run="p", model=tiny_model, capture_points=[2, 4], hidden_size=64, out_url=str(tmp_path), **kw)
+
+
+def test_row_kinds(tokenizer):
+    t = RowTokenizer(tokenizer)
+    s = t(Row({"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, "f:1"))
+    assert s.input_ids.tolist() == [5, 6, 7] and s.loss_mask.tolist() == [0, 1, 1]
+    assert s.id == sample_id(np.array([5, 6, 7]), np.array([0, 1, 1]))
+    s = t(Row({"text": "the model"}, "f:2"))
+    assert s.input_ids.tolist() == tokenizer("the model")["input_ids"] and s.loss_mask.all()
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the data"}]
+    s = t(Row({"messages": msgs}, "f:3"))
+    enc = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert s.input_ids.tolist() == enc["input_ids"] and s.loss_mask.tolist() == enc["assistant_masks"]
+    # the mask is the assistant content and its end-of-turn token, not the header
+    masked = tokenizer.decode([i for i, m in zip(s.input_ids, s.loss_mask) if m])
+    assert masked == "the data<|im_end|>"
+
+
+def test_bad_rows_name_file_and_line(tokenizer):
+    t = RowTokenizer(tokenizer)
+    cases = [
+        ({"input_ids": [1, 99999]}, "f:1: token id 99999 outside the vocabulary [0, 512)"),
+        ({"input_ids": "1 2"}, "f:1: 'input_ids' must be a list of integers"),
+        ({"foo": 1}, "f:1: no usable field: expected one of input_ids, messages, text; got ['foo']"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "f:1: message 0 has role 'robot'"),
+        ({"text": ""}, "f:1: empty sample (0 tokens)"),
+        ([1, 2], "f:1: row is a JSON list, expected an object"),
+    ]
+    for data, msg in cases:
+        r = t(Row(data, "f:1"))
+        assert isinstance(r, BadRow) and str(r).startswith(msg), str(r)
+
+
+def test_produce_reports_bad_rows_and_enqueues_the_rest_once(conn, tiny_model, tokenizer, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(
+        b'{"text": "the model reads"}\n'
+        b"{broken\n"
+        b"\n"
+        b'{"text": "\xff\xfe"}\n'
+        b'{"input_ids": [5, 6, 7]}\n'
+        b'{"input_ids": [5, 6, 7]}\n'
+    )
+    cfg = _cfg(tiny_model, tmp_path, max_batch_samples=1)
+    s = produce(conn, cfg, str(path), tokenizer=tokenizer, progress=False)
+    assert (s.rows, s.enqueued, s.skipped, s.bad, s.jobs) == (5, 2, 1, 2, 2)
+    assert s.bad_rows[0] == f"{path}:2: invalid JSON (Expecting property name enclosed in double quotes at column 2)"
+    assert s.bad_rows[1].startswith(f"{path}:4: not UTF-8")
+    q = Queue(Keys("p").queue_name, connection=conn, serializer=JSONSerializer)
+    assert q.count == 2
+    # Job data is JSON (no pickle) and decodes to the samples.
+    job = q.jobs[0]
+    raw = zlib.decompress(conn.hget(job.key, "data"))  # RQ compresses job data
+    assert json.loads(raw)[2][0]["v"] == 1  # JSON: [func, instance, args, kwargs]
+    assert decode_batch(job.args[0])[0] == "p"
+    s2 = produce(conn, cfg, str(path), tokenizer=tokenizer, progress=False)
+    assert (s2.enqueued, s2.skipped, s2.jobs) == (0, 3, 0)
+    assert q.count == 2
+    assert Ledger(conn, "p").counts()["queued"] == 2
+
+
+def test_enqueue_waits_while_queue_is_full(conn, tiny_model, tokenizer, tmp_path):
+    import threading
+    import time
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": [5, i + 6]}) + "\n" for i in range(10)))
+    cfg = _cfg(tiny_model, tmp_path, max_batch_samples=2)
+    led = Ledger(conn, "p")
+    peak = []
+    done = threading.Event()
+
+    def drain():  # a stand-in worker: marks queued samples done, slowly
+        q = Queue(Keys("p").queue_name, connection=conn, serializer=JSONSerializer)
+        while not done.is_set():
+            peak.append(led.counts()["queued"])
+            job = q.dequeue_any([q], None, connection=conn, serializer=JSONSerializer) if q.count else None
+            if job:
+                _, samples = decode_batch(job[0].args[0])
+                time.sleep(0.05)
+                led.mark_done([x.id for x in samples])
+            time.sleep(0.01)
+
+    th = threading.Thread(target=drain)
+    th.start()
+    s = produce(conn, cfg, str(path), tokenizer=tokenizer, progress=False, max_queued=4)
+    time.sleep(0.5)
+    done.set()
+    th.join()
+    assert s.enqueued == 10
+    assert max(peak) <= 4
+    assert led.counts()["done"] == 10
