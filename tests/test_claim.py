@@ -1,0 +1,76 @@
+"""Claim and verification of dump files, with real chunk files written by the shared writer."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from harvest.dump import Chunk, write_chunk
+from harvest.ids import rid_for
+from harvest.payload import Sample
+from workers.claim import SampleFailure, assemble, claim
+
+SAMPLE = Sample.build(list(range(10, 20)))
+RID = rid_for(SAMPLE.id, 1)
+HS = torch.arange(10 * 2 * 4, dtype=torch.float32).reshape(10, 2, 4)
+
+
+def _dump(d, start, end, ids=None, hs=None, points=(2, 4)):
+    ids = torch.tensor(SAMPLE.input_ids[start:end].astype(np.int64)) if ids is None else ids
+    write_chunk(str(d), Chunk(RID, start, end, ids, HS[start:end] if hs is None else hs), list(points), "m")
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    dump, claimed = tmp_path / "dump", tmp_path / "claimed"
+    dump.mkdir()
+    claimed.mkdir()
+    return dump, claimed
+
+
+def test_chunks_are_claimed_assembled_and_cast(dirs):
+    dump, claimed = dirs
+    for a, b in [(0, 4), (4, 8), (8, 10)]:
+        _dump(dump, a, b)
+    ok, failed = claim(str(dump), str(claimed), {RID: 10}, timeout=1)
+    assert failed == {} and os.listdir(dump) == [] and len(ok[RID].paths) == 3
+    s = assemble(ok[RID], SAMPLE, [2, 4], torch.bfloat16)
+    assert torch.equal(s.hidden_states, HS.to(torch.bfloat16))
+    assert s.input_ids.tolist() == list(range(10, 20))
+
+
+def test_missing_chunk_times_out_with_a_reason_that_names_the_fix(dirs):
+    dump, claimed = dirs
+    _dump(dump, 0, 4)
+    _dump(dump, 8, 10)
+    ok, failed = claim(str(dump), str(claimed), {RID: 10}, timeout=0.2)
+    assert ok == {} and failed[RID].reason == "incomplete-dump"
+    assert "positions [4, 8) missing of [0, 10)" in failed[RID].message
+    assert "harvest dump plugin" in failed[RID].message
+    assert os.listdir(dump) == [] and os.listdir(claimed) == []  # nothing left behind
+
+
+def test_overlapping_chunks_fail_at_once(dirs):
+    dump, claimed = dirs
+    _dump(dump, 0, 6)
+    _dump(dump, 4, 10)
+    ok, failed = claim(str(dump), str(claimed), {RID: 10}, timeout=30)
+    assert failed[RID].reason == "bad-chunks" and "chunks overlap at position 4" in failed[RID].message
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason, text",
+    [
+        ({"ids": torch.tensor([10, 11, 99, 13, 14, 15, 16, 17, 18, 19])}, "token-mismatch", "position 2 is 99, sent 12"),
+        ({"points": (2, 5)}, "capture-mismatch", "engine captured layers [2, 5], the run captures [2, 4]"),
+        ({"hs": torch.full((10, 2, 4), float("nan"))}, "nonfinite", "NaN/Inf (first at position 0, capture slot 0)"),
+    ],
+)
+def test_verification_failures(dirs, kwargs, reason, text):
+    dump, claimed = dirs
+    _dump(dump, 0, 10, **kwargs)
+    ok, _ = claim(str(dump), str(claimed), {RID: 10}, timeout=1)
+    with pytest.raises(SampleFailure) as e:
+        assemble(ok[RID], SAMPLE, [2, 4], torch.float32)
+    assert e.value.reason == reason and text in e.value.message
