@@ -215,5 +215,37 @@ def reconcile_cmd(run, redis_url) -> None:
     click.echo(f"marked {n} samples done from storage")
 
 
+@main.command("sglang-args")
+@click.option("--model", "model_path", required=True, help="Model path as the SGLang server will see it.")
+@click.option("--layers", default="eagle3", show_default=True, help="'eagle3' or HF hidden_states indices.")
+@click.option("--num-layers", default=None, type=click.IntRange(1), help="Decoder layers (default: read MODEL/config.json).")
+@click.option("--run", "run", default=None, help="Take the capture points from this run in Redis instead of --layers.")
+@redis_option
+@click.option("--tp", "tp_size", default=1, show_default=True, type=click.IntRange(1))
+@click.option("--dump-dir", default="/dev/shm/harvest", show_default=True)
+@click.option("--port", default=30000, show_default=True, type=int)
+@click.option("--chunked-prefill-size", default=8192, show_default=True, type=click.IntRange(1))
+@click.option("--sglang-version", default="0.5.23", show_default=True, help="Flag spellings differ between versions.")
+def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, tp_size, dump_dir, port, chunked_prefill_size, sglang_version) -> None:
+    """Print the SGLang launch command (with the plugin's environment) for a run."""
+    from harvest.config import ConfigError, parse_layers
+    from workers.sglang_launch import launch_command, model_layers
+
+    try:
+        n = num_layers or model_layers(model_path)
+        if run:
+            import redis as redislib
+
+            from harvest.runstore import load_run
+
+            points = load_run(redislib.Redis.from_url(redis_url), run).capture_points
+        else:
+            points = parse_layers(layers, n)
+        click.echo(launch_command(model_path, points, n, dump_dir=dump_dir, tp_size=tp_size, port=port,
+                                  chunked_prefill_size=chunked_prefill_size, sglang_version=sglang_version))
+    except (ConfigError, ValueError) as e:
+        _fail(str(e))
+
+
 if __name__ == "__main__":
     main()

@@ -18,6 +18,7 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn,  # with a float32 scale per token and capture point (harvest.fp8)
 }
 ENGINE_KINDS = ("reference", "sglang")
 
@@ -66,6 +67,7 @@ class RunConfig:
     max_batch_tokens: int = 16384
     shard_bytes: int = 1 << 30
     allow_nonfinite: bool = False
+    num_layers: int = 0  # the model's decoder layers (0: unknown, runs written before it was recorded)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -81,6 +83,13 @@ class RunConfig:
     def torch_dtype(self) -> torch.dtype:
         return STORAGE_DTYPES[self.storage_dtype]
 
+    @property
+    def final_point(self) -> int | None:
+        """The capture point holding the final (post-norm) hidden state, if the run captured it.
+        A run that does not know its layer count follows the EAGLE-3 preset, which ends at L."""
+        last = self.capture_points[-1]
+        return last if self.num_layers in (0, last) else None
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, indent=1)
 
@@ -94,9 +103,10 @@ class RunConfig:
         return cls(**data)
 
     def identity(self) -> dict:
-        """The fields that change what is stored; two runs of one name must agree on all of them."""
+        """The fields that change what is stored; two runs of one name must agree on all of them.
+        `num_layers` follows from the model, and runs stored before it was recorded lack it."""
         d = asdict(self)
-        for k in ("max_batch_samples", "max_batch_tokens", "shard_bytes", "extra"):
+        for k in ("max_batch_samples", "max_batch_tokens", "shard_bytes", "num_layers", "extra"):
             d.pop(k)
         return d
 
@@ -129,5 +139,6 @@ def build_config(
         storage_dtype=storage_dtype,
         engine=engine,
         tokenizer=tokenizer,
+        num_layers=mc.num_hidden_layers,
         **extra,
     )

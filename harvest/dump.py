@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
 from harvest.ids import RID_PREFIX, parse_rid
+from harvest.stformat import encode
 
 FORMAT = "harvest-dump-1"
 _NAME = re.compile(r"(hv-[0-9a-f]{32}-[0-9]+)\.([0-9]+)-([0-9]+)\.safetensors")
@@ -98,7 +98,7 @@ def encode_chunk(chunk: Chunk, capture_points: Sequence[int], model: str) -> byt
         "hidden_states": chunk.hidden_states.detach().to("cpu").contiguous(),
         "input_ids": chunk.input_ids.detach().to("cpu", torch.int64).contiguous(),
     }
-    return save(tensors, metadata=meta)
+    return encode(tensors, meta)
 
 
 def write_chunk(dump_dir: str, chunk: Chunk, capture_points: Sequence[int], model: str) -> str:
@@ -155,3 +155,68 @@ def read_chunk(path: str) -> ChunkFile:
     if hs.shape[1] != len(cps):
         raise DumpError(f"{path}: {hs.shape[1]} capture slots for capture points {cps}")
     return ChunkFile(rid, start, end, cps, meta.get("model", ""), ids, hs)
+
+
+class DumpWriter:
+    """Writes chunks off the forward loop: device-to-host copies are started at submit time
+    (into pinned memory, on the current stream, so later kernels cannot overwrite the rows
+    first) and a background thread waits for them and writes the files. The queue is
+    bounded: when the disk falls behind, `submit` blocks and the forward waits rather than
+    dropping a chunk."""
+
+    def __init__(self, dump_dir: str, capture_points: Sequence[int], model: str, max_pending: int = 64) -> None:
+        import queue
+        import threading
+
+        self.dump_dir, self.capture_points, self.model = dump_dir, list(capture_points), model
+        self.errors = 0
+        self._q: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._thread = threading.Thread(target=self._run, name="harvest-dump-writer", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _to_host(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            return t.clone()  # the engine may reuse its batch buffers after this forward
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def submit(self, chunks: Sequence[Chunk]) -> None:
+        if not chunks:
+            return
+        staged = [Chunk(c.rid, c.start, c.end, self._to_host(c.input_ids), self._to_host(c.hidden_states)) for c in chunks]
+        event = None
+        if any(c.hidden_states.device.type == "cuda" for c in chunks):
+            event = torch.cuda.Event()
+            event.record()
+        self._q.put((event, staged))
+
+    def _run(self) -> None:
+        import logging
+
+        log = logging.getLogger("harvest.dump")
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                event, staged = item
+                if event is not None:
+                    event.synchronize()
+                for c in staged:
+                    try:
+                        write_chunk(self.dump_dir, c, self.capture_points, self.model)
+                    except OSError:
+                        self.errors += 1
+                        log.exception("harvest: could not write dump chunk %s [%d, %d)", c.rid, c.start, c.end)
+            finally:
+                self._q.task_done()
+
+    def flush(self) -> None:
+        """Block until every submitted chunk is on disk (or failed)."""
+        self._q.join()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()

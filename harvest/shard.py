@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import save
+
 
 from harvest.ids import check_id, shard_id_for
 from harvest.spool import SpooledSample
+from harvest.stformat import encode
 from harvest.storage import Location
 
 FORMAT = "harvest-shard-1"
@@ -68,7 +69,7 @@ def build_shard(samples: Sequence[SpooledSample], run: str, capture_points: Sequ
         "sample_ids": json.dumps(ids),
         "capture_points": json.dumps(list(capture_points)),
     }
-    data = save(tensors, metadata=meta)
+    data = encode(tensors, meta)
     index = {
         "format": FORMAT,
         "shard_id": sid,

@@ -1,8 +1,9 @@
 """The spool: finished samples waiting on a node for the collector (DESIGN 4.4).
 
 One file a sample, `<spool>/<sample_id>.safetensors`, written atomically, holding the tokens,
-the loss mask and the hidden states `[T, K, H]` already in the run's storage dtype, so the
-collector only concatenates.
+the loss mask and the hidden states `[T, K, H]` already in the run's storage dtype (with their
+`hidden_scale` `[T, K]` when that is fp8), so the collector only concatenates: it checks each
+file's header against the run and then copies tensor bytes without decoding them.
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
+
+from harvest.fp8 import is_fp8
 from harvest.ids import check_id
+from harvest.stformat import FormatError, TensorSpan, encode, read_file_header
 from harvest.storage import atomic_write_local
 
 _NAME = re.compile(r"([0-9a-f]{32})\.safetensors")
+SCALE = "hidden_scale"
+
+
+class SpoolError(ValueError):
+    """A spool file that does not hold what the run stores (or is not a spool file at all)."""
 
 
 @dataclass
@@ -26,11 +34,22 @@ class SpooledSample:
     id: str
     input_ids: torch.Tensor  # int32 [T]
     loss_mask: torch.Tensor  # uint8 [T]
-    hidden_states: torch.Tensor  # [T, K, H]
+    hidden_states: torch.Tensor  # [T, K, H] in the storage dtype
+    hidden_scale: torch.Tensor | None = None  # float32 [T, K], only for fp8 storage
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class SpoolEntry:
+    """A checked spool file: where each tensor's bytes lie, so they can be copied undecoded."""
+
+    id: str
+    path: str
+    num_tokens: int
+    spans: dict[str, TensorSpan]
 
 
 def spool_path(spool_dir: str, sid: str) -> str:
@@ -43,7 +62,9 @@ def encode_sample(s: SpooledSample, run: str) -> bytes:
         "loss_mask": s.loss_mask.to(torch.uint8).contiguous(),
         "hidden_states": s.hidden_states.contiguous(),
     }
-    return save(tensors, metadata={"sample_id": s.id, "run": run})
+    if s.hidden_scale is not None:
+        tensors[SCALE] = s.hidden_scale.to(torch.float32).contiguous()
+    return encode(tensors, {"sample_id": s.id, "run": run})
 
 
 def write_sample(spool_dir: str, s: SpooledSample, run: str) -> int:
@@ -60,7 +81,36 @@ def read_sample(path: str) -> SpooledSample:
             f.get_tensor("input_ids"),
             f.get_tensor("loss_mask"),
             f.get_tensor("hidden_states"),
+            f.get_tensor(SCALE) if SCALE in f.keys() else None,
         )
+
+
+def inspect_sample(path: str, sid: str, num_points: int, hidden_size: int, dtype: torch.dtype) -> SpoolEntry:
+    """Read only the header of `path` and check it is sample `sid` as the run stores it."""
+    try:
+        spans, meta = read_file_header(path)
+    except (OSError, FormatError, KeyError, TypeError, ValueError) as e:
+        raise SpoolError(f"{path}: unreadable spool file ({e})") from None
+    if meta.get("sample_id") != sid:
+        raise SpoolError(f"{path}: holds sample {meta.get('sample_id')!r}, its name says {sid}")
+    ids = spans.get("input_ids")
+    if ids is None or ids.dtype != torch.int32 or len(ids.shape) != 1:
+        raise SpoolError(f"{path}: input_ids must be int32 [T]")
+    t = ids.shape[0]
+    want = {
+        "input_ids": (torch.int32, (t,)),
+        "loss_mask": (torch.uint8, (t,)),
+        "hidden_states": (dtype, (t, num_points, hidden_size)),
+    }
+    if is_fp8(dtype):
+        want[SCALE] = (torch.float32, (t, num_points))
+    if set(spans) != set(want):
+        raise SpoolError(f"{path}: tensors {sorted(spans)}, the run stores {sorted(want)}")
+    for name, (dt, shape) in want.items():
+        got = spans[name]
+        if got.dtype != dt or got.shape != shape:
+            raise SpoolError(f"{path}: {name} is {got.dtype} {list(got.shape)}, the run stores {dt} {list(shape)}")
+    return SpoolEntry(sid, path, t, spans)
 
 
 def list_spooled(spool_dir: str) -> list[tuple[str, str, int]]:

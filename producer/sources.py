@@ -1,33 +1,56 @@
-"""Dataset sources: rows with the place they came from, so a bad row can be named."""
+"""Dataset sources: rows with the place they came from, so a bad row can be named.
+
+Every reader streams: JSONL line by line (plain, .gz or .zst), Parquet and Arrow record batch
+by record batch, so memory stays flat whatever the dataset size. A path may be one file, a
+dataset saved with HF `datasets` (`save_to_disk`), or a directory of such files and datasets.
+"""
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
+COLUMNAR_SUFFIXES = (".parquet", ".arrow")
+
 
 @dataclass(frozen=True)
 class Row:
     data: object  # the parsed row; anything but a dict is a bad row downstream
-    where: str  # "file:line"
+    where: str  # "file:line" (JSONL) or "file:row N" (Parquet, Arrow; N counts from 0)
 
 
 @dataclass(frozen=True)
 class BadRow:
+    """A row that gives no sample. `kind` is `bad` (broken input, counted against the exit
+    status), `empty` (0 tokens) or `overlong` (over --max-len with --overlong skip)."""
+
     where: str
     reason: str
+    kind: str = "bad"
 
     def __str__(self) -> str:
         return f"{self.where}: {self.reason}"
 
 
+def _open_binary(path: str) -> io.BufferedIOBase:
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
+        import zstandard
+
+        raw = open(path, "rb")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+    return open(path, "rb")
+
+
 def read_jsonl(path: str) -> Iterator[Row | BadRow]:
     """Stream a JSONL file line by line; blank lines are skipped, broken ones reported."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"dataset {path} does not exist")
-    with open(path, "rb") as f:
+    with _open_binary(path) as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
             if not raw.strip():
@@ -43,7 +66,69 @@ def read_jsonl(path: str) -> Iterator[Row | BadRow]:
                 yield BadRow(where, f"invalid JSON ({e.msg} at column {e.colno})")
 
 
+def _is_hf_dataset(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json"))
+
+
+def _hf_files(path: str) -> list[str]:
+    """The Arrow files of a `save_to_disk` dataset, in its row order."""
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        with open(os.path.join(path, "dataset_dict.json"), encoding="utf-8") as f:
+            splits = json.load(f).get("splits", [])
+        raise ValueError(
+            f"dataset {path} is a DatasetDict with splits {splits}: pass one split's folder, e.g. {path}/{splits[0] if splits else 'train'}"
+        )
+    with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
+        state = json.load(f)
+    return [os.path.join(path, d["filename"]) for d in state.get("_data_files", [])]
+
+
+def _walk(path: str) -> list[str]:
+    if _is_hf_dataset(path):
+        return _hf_files(path)
+    files: list[str] = []
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name.startswith("."):
+            continue
+        if os.path.isdir(full):
+            files.extend(_walk(full))
+        elif name.endswith(JSONL_SUFFIXES + COLUMNAR_SUFFIXES):
+            files.append(full)
+    return files
+
+
+def dataset_files(path: str) -> list[str]:
+    """The files a dataset path stands for, in reading order (sorted within a directory)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"dataset {path} does not exist")
+    if os.path.isfile(path):
+        if not path.endswith(JSONL_SUFFIXES + COLUMNAR_SUFFIXES):
+            raise ValueError(
+                f"dataset {path}: unsupported format; expected one of {', '.join(JSONL_SUFFIXES + COLUMNAR_SUFFIXES)}, "
+                "a dataset saved with datasets.save_to_disk, or a directory of those"
+            )
+        return [path]
+    files = _walk(path)
+    if not files:
+        raise ValueError(f"dataset {path}: no {', '.join(JSONL_SUFFIXES + COLUMNAR_SUFFIXES)} files or saved datasets in it")
+    return files
+
+
+def read_file(path: str) -> Iterator[Row | BadRow]:
+    if path.endswith(COLUMNAR_SUFFIXES):
+        from producer.columnar import read_arrow, read_parquet
+
+        return read_parquet(path) if path.endswith(".parquet") else read_arrow(path)
+    return read_jsonl(path)
+
+
 def read_dataset(path: str) -> Iterator[Row | BadRow]:
-    if path.endswith(".jsonl") or path.endswith(".json"):
-        return read_jsonl(path)
-    raise ValueError(f"dataset {path}: unsupported format (this version reads .jsonl)")
+    """All rows of a dataset path; the files are resolved (and errors raised) before the first row."""
+    files = dataset_files(path)
+
+    def rows() -> Iterator[Row | BadRow]:
+        for f in files:
+            yield from read_file(f)
+
+    return rows()

@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from harvest.config import parse_layers
-from harvest.dump import cut_batch, write_chunk
+from harvest.dump import DumpWriter, cut_batch
 
 log = logging.getLogger("harvest.engine")
 
@@ -65,6 +65,7 @@ class ReferenceEngine:
         self.chunk = int(chunked_prefill_size or 0)
         self.model_name = os.path.basename(os.path.abspath(model_dir))
         self._lock = threading.Lock()
+        self.writer = DumpWriter(dump_dir, self.capture_points, self.model_name)
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     def info(self) -> dict:
@@ -107,8 +108,7 @@ class ReferenceEngine:
                     ids.append(torch.tensor(r.ids[r.done : r.done + n]))
                     hs.append(self._forward(r, n))
                     r.done += n
-                for c in cut_batch(step_rids, prefix, lens, torch.cat(ids), torch.cat(hs)):
-                    write_chunk(self.dump_dir, c, self.capture_points, self.model_name)
+                self.writer.submit(cut_batch(step_rids, prefix, lens, torch.cat(ids), torch.cat(hs)))
         out = []
         for r in reqs:
             tok = int(torch.argmax(r.last_logits))

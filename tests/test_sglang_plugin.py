@@ -1,0 +1,213 @@
+"""The SGLang dump plugin, driven with real torch tensors laid out as SGLang lays them out.
+
+SGLang itself needs CUDA and cannot be installed here, so its ForwardBatch and ForwardMode are
+stand-ins carrying the same fields (rids, extend_prefix_lens_cpu, extend_seq_lens_cpu,
+input_ids, forward_mode.is_extend()/is_target_verify()); tests/test_sglang_contract.py checks
+those names against the real SGLang source.
+"""
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load
+
+from harvest.ids import rid_for
+from harvest.payload import Sample
+from workers import sglang_plugin as sp
+from workers.claim import assemble, claim
+
+L, H = 8, 6
+POINTS = [2, 4, 5, 8]  # eagle3 for 8 layers: aux 2, 4, 5 and the final post-norm state
+
+
+class Mode:
+    def __init__(self, extend=True, verify=False):
+        self.extend, self.verify = extend, verify
+
+    def is_extend(self):
+        return self.extend
+
+    def is_target_verify(self):
+        return self.verify
+
+
+def fb(rids, prefix, seq, input_ids, mode=None):
+    return SimpleNamespace(forward_mode=mode or Mode(), rids=rids, extend_prefix_lens_cpu=prefix,
+                           extend_seq_lens_cpu=seq, input_ids=input_ids)
+
+
+def states(rows, pad=0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    aux = [torch.randn(rows + pad, H, generator=g) for _ in range(3)]
+    final = torch.randn(rows + pad, H, generator=g)
+    return aux, final
+
+
+def capture_for(tmp_path):
+    c = sp.Capture(sp.PluginConfig(str(tmp_path), POINTS, "tiny"))
+    c.set_layers(L)
+    return c
+
+
+def expected_bytes(rid, start, end, ids, hs):
+    """The file written independently: sorted header JSON, padded to 8 bytes, then the raw tensors."""
+    import json
+    import struct
+
+    meta = {"capture_points": "[2, 4, 5, 8]", "end": str(end), "format": "harvest-dump-1", "model": "tiny",
+            "rid": rid, "start": str(start)}
+    hs_bytes = hs.contiguous().numpy().tobytes()
+    ids_bytes = ids.to(torch.int64).numpy().tobytes()
+    doc = {"__metadata__": meta,
+           "hidden_states": {"dtype": "F32", "shape": list(hs.shape), "data_offsets": [0, len(hs_bytes)]},
+           "input_ids": {"dtype": "I64", "shape": [len(ids)], "data_offsets": [len(hs_bytes), len(hs_bytes) + len(ids_bytes)]}}
+    js = json.dumps(doc, separators=(",", ":")).encode()
+    js += b" " * (-len(js) % 8)
+    data = struct.pack("<Q", len(js)) + js + hs_bytes + ids_bytes
+    assert torch.equal(load(data)["hidden_states"], hs)  # and the safetensors library reads it
+    return data
+
+
+A = rid_for("a" * 32, 1)
+B = rid_for("b" * 32, 2)
+
+
+def test_flat_batch_with_warmup_writes_exact_files(tmp_path):
+    cap = capture_for(tmp_path)
+    ids = torch.arange(100, 112)
+    aux, final = states(12, pad=4)  # a static prefill batch may carry padding rows
+    # A: new request, 5 tokens; a warmup request, 3 tokens; B: continues at prefix 4 with 4 tokens.
+    cap.on_logits(fb([A, "warmup_0", B], [0, 0, 4], [5, 3, 4], ids), final, aux)
+    cap.writer().flush()
+    assert sorted(os.listdir(tmp_path)) == sorted([f"{A}.0-5.safetensors", f"{B}.4-8.safetensors"])
+    for rid, (a, b), (s, e) in [(A, (0, 5), (0, 5)), (B, (8, 12), (4, 8))]:
+        hs = torch.stack([aux[0][a:b], aux[1][a:b], aux[2][a:b], final[a:b]], dim=1)
+        with open(tmp_path / f"{rid}.{s}-{e}.safetensors", "rb") as f:
+            assert f.read() == expected_bytes(rid, s, e, ids[a:b], hs)
+
+
+def test_packed_aux_like_deepseek_gives_the_same_rows():
+    aux, final = states(7)
+    packed = torch.cat(aux, dim=-1)  # [N, 3H]
+    assert torch.equal(sp.stack_states(final, packed, 3, True, 7), sp.stack_states(final, aux, 3, True, 7))
+
+
+def test_one_request_over_three_chunks_assembles_exactly(tmp_path):
+    dump, claimed = tmp_path / "d", tmp_path / "c"
+    dump.mkdir()
+    claimed.mkdir()
+    cap = capture_for(dump)
+    sample = Sample.build(list(range(200, 210)))
+    rid = rid_for(sample.id, 1)
+    aux, final = states(10, seed=3)
+    ids = torch.tensor(sample.input_ids, dtype=torch.int64)
+    for a, b in [(0, 4), (4, 8), (8, 10)]:  # chunked prefill: three forwards
+        cap.on_logits(fb([rid], [a], [b - a], ids[a:b]), final[a:b], [x[a:b] for x in aux])
+        cap.on_logits(fb([A], [20], [1], ids[:1], mode=Mode(extend=False)), final[:1], [x[:1] for x in aux])  # decode step
+    cap.writer().flush()
+    assert sorted(os.listdir(dump)) == [f"{rid}.0-4.safetensors", f"{rid}.4-8.safetensors", f"{rid}.8-10.safetensors"]
+    ok, failed = claim(str(dump), str(claimed), {rid: 10}, timeout=1)
+    assert failed == {}
+    got = assemble(ok[rid], sample, POINTS, torch.float32)
+    assert torch.equal(got.hidden_states, torch.stack([*aux, final], dim=1))
+
+
+def test_decode_verify_and_foreign_batches_write_nothing(tmp_path):
+    cap = capture_for(tmp_path)
+    aux, final = states(3)
+    ids = torch.arange(3)
+    cap.on_logits(fb([A, B, "x"], [9, 9, 9], [1, 1, 1], ids, mode=Mode(extend=False)), final, aux)
+    cap.on_logits(fb([A], [0], [3], ids, mode=Mode(verify=True)), final, aux)
+    cap.on_logits(fb(["warmup", "health_check"], [0, 0], [2, 1], ids), final, aux)
+    assert os.listdir(tmp_path) == []
+
+
+def test_non_zero_tp_rank_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(sp, "_tp_writer", lambda: False)
+    cap = capture_for(tmp_path)
+    aux, final = states(3)
+    cap.on_logits(fb([A], [0], [3], torch.arange(3)), final, aux)
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_aux_states_is_a_clear_error():
+    with pytest.raises(ValueError, match="expected 3 aux hidden states, got none: is aux capture configured"):
+        sp.stack_states(torch.zeros(2, H), None, 3, True, 2)
+
+
+class _Inner:
+    layers_to_capture: list = []
+
+
+class _Llama:  # SGLang's Llama/Qwen setter: +1 on every id
+    def __init__(self):
+        self.model = _Inner()
+
+    def set_eagle3_layers_to_capture(self, ids):
+        self.capture_aux_hidden_states = True
+        self.model.layers_to_capture = [v + 1 for v in ids]
+
+
+class _DeepSeek(_Llama):  # 0.5.14+ quirk: +1 only when the first id is 1
+    def set_eagle3_layers_to_capture(self, ids):
+        self.capture_aux_hidden_states = True
+        self.model.layers_to_capture = [v + 1 for v in ids] if ids and ids[0] == 1 else list(ids)
+
+
+@pytest.mark.parametrize("model", [_Llama(), _DeepSeek(), SimpleNamespace(language_model=_DeepSeek())])
+def test_configure_model_captures_hf_indices_whatever_the_setter_does(tmp_path, model):
+    cap = sp.Capture(sp.PluginConfig(str(tmp_path), [0, 2, 30, 58, 61], ""))
+    cap.configure_model(model, 61)
+    lm = getattr(model, "language_model", model)
+    assert lm.model.layers_to_capture == [0, 2, 30, 58] and lm.capture_aux_hidden_states is True
+    assert cap.include_final
+
+
+def test_forward_hooks_path_rebuilds_the_residual_stream(tmp_path, monkeypatch):
+    monkeypatch.setenv("HARVEST_NUM_LAYERS", str(L))
+    hook = sp.forward_hook_factory({"HARVEST_DUMP_DIR": str(tmp_path), "HARVEST_CAPTURE": "2,4,5,8", "HARVEST_MODEL_NAME": "tiny"})
+    ids = torch.arange(50, 54)
+    g = torch.Generator().manual_seed(5)
+    outs = {i: (torch.randn(4, H, generator=g), torch.randn(4, H, generator=g)) for i in range(L)}
+    for i in range(L):  # layer i returns (hidden, residual); the stream entering i+1 is their sum
+        hook(SimpleNamespace(layer_id=i), (None, torch.zeros(4, H), None, None), outs[i])
+    final = torch.randn(4, H, generator=g)
+    hook(SimpleNamespace(), (ids, final, None, fb([A], [0], [4], ids)), None)
+    hook.capture.writer().flush()
+    want = torch.stack([outs[1][0] + outs[1][1], outs[3][0] + outs[3][1], outs[4][0] + outs[4][1], final], dim=1)
+    with open(tmp_path / f"{A}.0-4.safetensors", "rb") as f:
+        assert f.read() == expected_bytes(A, 0, 4, ids, want)
+
+
+def test_register_is_inert_without_dump_dir(monkeypatch):
+    monkeypatch.delenv("HARVEST_DUMP_DIR", raising=False)
+    sp.register()
+    assert "sglang" not in sys.modules and sp._capture is None
+
+
+def test_bad_capture_env_is_refused(monkeypatch):
+    monkeypatch.setenv("HARVEST_DUMP_DIR", "/tmp/x")
+    monkeypatch.setenv("HARVEST_CAPTURE", "2,four")
+    with pytest.raises(ValueError, match="HARVEST_CAPTURE='2,four': expected comma-separated HF hidden_states indices"):
+        sp.PluginConfig.from_env()
+
+
+@pytest.mark.parametrize(
+    "args, on",
+    [
+        ({"disable_prefill_cuda_graph": False}, True),  # 0.5.14+ default
+        ({"disable_prefill_cuda_graph": True}, False),
+        ({"disable_prefill_cuda_graph": False, "cuda_graph_backend_prefill": "disabled"}, False),
+        ({"disable_cuda_graph": True, "disable_prefill_cuda_graph": False}, False),
+        ({"disable_piecewise_cuda_graph": False}, True),  # 0.5.10-0.5.13 default
+        ({"enable_piecewise_cuda_graph": False}, False),  # 0.5.5-0.5.9 default
+    ],
+)
+def test_prefill_graph_detection(args, on):
+    assert sp.prefill_graphs_on(SimpleNamespace(**args)) is on
+    warned = []
+    sp.check_server_args(SimpleNamespace(**args), lambda key, *a: warned.append(key))
+    assert ("prefill-graph" in warned) is on
