@@ -36,7 +36,7 @@ def model_layers(model_dir: str) -> int:
     raise ValueError(f"{path} has no num_hidden_layers; pass --num-layers")
 
 
-def launch_command(
+def launch_spec(
     model_path: str,
     capture_points: Sequence[int],
     num_layers: int,
@@ -47,7 +47,8 @@ def launch_command(
     sglang_version: str = "0.5.23",
     skip_warmup: bool = True,
     extra_args: Sequence[str] = (),
-) -> str:
+) -> tuple[dict[str, str], list[str]]:
+    """The environment and argv of an SGLang server that dumps the given capture points."""
     v = _version(sglang_version)
     if v < _version(SUPPORTED[0]):
         raise ValueError(f"SGLang {sglang_version} is not supported: the plugin needs ForwardBatch.rids (0.5.10 or newer)")
@@ -74,5 +75,11 @@ def launch_command(
         args += ["--forward-hooks", json.dumps(spec, separators=(",", ":"))]
         env = {}
     args += list(extra_args)
+    return env, args
+
+
+def launch_command(model_path: str, capture_points: Sequence[int], num_layers: int, **kwargs) -> str:
+    """`launch_spec` as one shell command line, for the README and `harvest sglang-args`."""
+    env, args = launch_spec(model_path, capture_points, num_layers, **kwargs)
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     return (prefix + " \\\n  " if prefix else "") + " ".join(shlex.quote(a) for a in args)
