@@ -29,7 +29,7 @@ class RedisServer:
                 "redis-server not found on PATH: install it (Debian/Ubuntu: apt-get install redis-server; "
                 "macOS: brew install redis) or pass --redis URL to use a running Redis"
             )
-        self.data_dir = data_dir
+        self.data_dir = os.path.abspath(data_dir)  # redis-server chdirs to --dir, so relative paths would break
         self.port = port or free_port()
         self.password = password
         self.appendonly = appendonly
