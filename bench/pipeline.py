@@ -1,0 +1,188 @@
+"""Is the engine the bottleneck? The full pipeline against a direct client, same engine, same run.
+
+(a) direct: W threads send the same batches of token ids to one reference engine, wait for
+    each request's dump files, read them and delete them. This is the most a worker could
+    do: nothing but the engine and reading its output.
+(b) pipeline: `harvest run --engine-url` on the same rows against the same engine: producer,
+    a private Redis, W workers (claim, verify, spool) and the collector committing shards to
+    a local folder, timed from start to the last commit.
+
+Prints samples/s of both and (b)/(a) (goal >= 0.95). The model is a random Llama large enough
+that its forward dominates the engine's own HTTP and file overhead; its size is printed.
+
+    python bench/pipeline.py --samples 160 --workers 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import numpy as np
+from safetensors import safe_open
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from harvest.demo import build_tiny_model  # noqa: E402
+from harvest.dump import parse_chunk_name  # noqa: E402
+from harvest.ids import rid_for, sample_id  # noqa: E402
+
+
+def make_rows(n: int, mean_tokens: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(rng.randint(mean_tokens // 2, mean_tokens * 3 // 2))] for _ in range(n)]
+
+
+def batches(rows: list[list[int]], max_samples: int, max_tokens: int) -> list[list[list[int]]]:
+    """The producer's batching rule (count and token bounds), so both sides send the same work."""
+    out, cur, tok = [], [], 0
+    for r in rows:
+        if cur and (len(cur) >= max_samples or tok + len(r) > max_tokens):
+            out.append(cur)
+            cur, tok = [], 0
+        cur.append(r)
+        tok += len(r)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def wait_engine(url: str, proc: subprocess.Popen) -> None:
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit("engine exited")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit("engine did not start")
+
+
+def direct(url: str, dump_dir: str, work: list[list[list[int]]], threads: int, attempt: int) -> float:
+    """Seconds for W threads to push every batch through the engine and read every dump."""
+    todo = list(reversed(work))
+    lock = threading.Lock()
+    client = httpx.Client(timeout=600)
+
+    def run() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                batch = todo.pop()
+            rids = [rid_for(sample_id(np.array(ids, np.int32), np.ones(len(ids), np.uint8)), attempt) for ids in batch]
+            r = client.post(f"{url}/generate", json={"input_ids": batch, "rid": rids, "extra_key": rids,
+                                                    "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+            r.raise_for_status()
+            want = {rid: len(ids) for rid, ids in zip(rids, batch)}
+            while want:
+                for name in os.listdir(dump_dir):
+                    p = parse_chunk_name(name)
+                    if p is None or p[0] not in want:
+                        continue
+                    path = os.path.join(dump_dir, name)
+                    with safe_open(path, "pt") as f:
+                        f.get_tensor("hidden_states")
+                        f.get_tensor("input_ids")
+                    os.unlink(path)
+                    want[p[0]] -= p[2] - p[1]
+                    if want[p[0]] == 0:
+                        del want[p[0]]
+                if want:
+                    time.sleep(0.005)
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=run) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def pipeline(url: str, dump_dir: str, model: str, data: str, out: str, workers: int, run: str) -> float:
+    t0 = time.perf_counter()
+    p = subprocess.run(
+        [sys.executable, "-m", "harvest.cli", "run", data, "--model", model, "--out", out, "--run", run,
+         "--engine-url", url, "--dump-dir", dump_dir, "--workers", str(workers), "--no-progress",
+         "--work-dir", out + "-work"],
+        cwd=REPO, capture_output=True, text=True,
+    )
+    dt = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"harvest run failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=int, default=160)
+    ap.add_argument("--tokens", type=int, default=256, help="mean prompt length")
+    ap.add_argument("--workers", default="1,2,4", help="comma-separated worker counts (the scaling curve)")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--max-batch-samples", type=int, default=32)
+    ap.add_argument("--max-batch-tokens", type=int, default=16384)
+    args = ap.parse_args()
+
+    tmp = tempfile.mkdtemp(prefix="harvest-bench-")
+    model = build_tiny_model(os.path.join(os.path.expanduser("~/.cache/harvest"), f"bench-model-{args.layers}x{args.hidden}"),
+                             layers=args.layers, hidden=args.hidden)
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    import torch
+    from safetensors.torch import load_file
+
+    params = sum(t.numel() for name in os.listdir(model) if name.endswith(".safetensors")
+                 for t in load_file(os.path.join(model, name)).values())
+    del torch
+    print(f"model: Llama {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, {params / 1e6:.1f}M params; "
+          f"{args.samples} samples of ~{args.tokens} tokens", flush=True)
+    dump_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tmp, f"harvest-bench-{os.getpid()}")
+    os.makedirs(dump_dir, mode=0o700)
+    port = 31000 + os.getpid() % 1000
+    url = f"http://127.0.0.1:{port}"
+    engine = subprocess.Popen([sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dump_dir,
+                               "--port", str(port)], cwd=REPO, stderr=subprocess.DEVNULL)
+    try:
+        wait_engine(url, engine)
+        results = []
+        for i, w in enumerate(int(x) for x in args.workers.split(",")):
+            rows = make_rows(args.samples, args.tokens, cfg["vocab_size"], seed=100 + i)  # fresh rows: no run reuse
+            data = os.path.join(tmp, f"rows-{w}.jsonl")
+            with open(data, "w") as f:
+                for r in rows:
+                    f.write(json.dumps({"input_ids": r}) + "\n")
+            work = batches(rows, args.max_batch_samples, args.max_batch_tokens)
+            direct(url, dump_dir, work[:2], w, attempt=9)  # warm the engine's allocator
+            a = direct(url, dump_dir, work, w, attempt=1)
+            b = pipeline(url, dump_dir, model, data, os.path.join(tmp, f"out-{w}"), w, f"bench{w}")
+            a2 = direct(url, dump_dir, work, w, attempt=2)
+            a_mean = (a + a2) / 2
+            results.append((w, args.samples / a_mean, args.samples / b))
+            print(f"workers {w}: direct {args.samples / a:.2f} / {args.samples / a2:.2f} samples/s, "
+                  f"pipeline {args.samples / b:.2f} samples/s, ratio {a_mean / b:.3f}", flush=True)
+        print("\nworkers  direct_sps  pipeline_sps  ratio")
+        for w, da, pb in results:
+            print(f"{w:7d}  {da:10.2f}  {pb:12.2f}  {pb / da:5.3f}")
+    finally:
+        engine.terminate()
+        engine.wait()
+        shutil.rmtree(dump_dir, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
