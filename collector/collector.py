@@ -1,14 +1,20 @@
 """One collector per node packs the node's spool into shards and commits them.
 
-Commit order is the contract readers rely on: record the shard's sample set in Redis, write
-the shard, write its index file (the commit), mark the samples done, delete their spool
-files, clear the record. A collector killed anywhere in that sequence finds the record on
-restart and finishes the same shard (same samples, same order, same bytes, same id), so no
-sample is packed twice and none is lost.
+Commit order is the contract readers rely on: record the shard's sample set in Redis, stream
+the shard into a local temporary file, upload it whole, write its index file (the commit),
+mark the samples done, delete their spool files, clear the record. A collector killed
+anywhere in that sequence finds the record on restart and finishes the same shard (same
+samples, same order, same bytes, same id): an uploaded shard that lacks its index is simply
+overwritten by the identical re-pack, so no sample is packed twice and none is lost.
+
+Memory stays at one copy buffer: the shard is written by copying tensor bytes out of the
+spool files (never decoded), and uploaded from the finished file. Storage errors that persist
+stop the collector with a `StorageError`; the spool and the record stay, so a restart resumes.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -19,11 +25,15 @@ from collections.abc import Callable
 
 import redis
 
+from collector.faults import CrashHook
 from harvest.config import RunConfig
+from harvest.heartbeat import CollectorBeat
+from harvest.ids import check_id
 from harvest.ledger import DONE, Ledger
 from harvest.runstore import run_location
-from harvest.shard import build_shard, index_file, shard_file
-from harvest.spool import list_spooled, read_sample, spool_path
+from harvest.shard import SHARDS, ShardPlan, index_file, plan_shard, shard_file, write_shard
+from harvest.spool import SpoolEntry, SpoolError, inspect_sample, list_spooled, spool_path
+from harvest.storage import retry
 
 log = logging.getLogger("harvest.collector")
 
@@ -41,26 +51,61 @@ class Collector:
         node: str | None = None,
         shard_bytes: int | None = None,
         max_wait: float = 60.0,
+        part_bytes: int | None = None,
+        retries: int = 5,
+        retry_delay: float = 0.5,
     ) -> None:
         self.conn, self.cfg, self.spool_dir = conn, cfg, spool_dir
+        self.node = check_id(node or node_name(), "node name")
         self.ledger = Ledger(conn, cfg.run)
-        self.packing_key = self.ledger.keys.packing(node or node_name())
+        self.packing_key = self.ledger.keys.packing(self.node)
         self.shard_bytes = shard_bytes or cfg.shard_bytes
         self.max_wait = max_wait
+        self.part_bytes = part_bytes
+        self.retries, self.retry_delay = retries, retry_delay
         self.out = run_location(cfg.out_url, cfg.run)
+        # Local output: build the shard in its final folder so committing is a rename.
+        self.stage = self.out.local_staging_dir(SHARDS) or os.path.join(spool_dir, ".pack")
         self.shards_committed = 0
+        self._crash = CrashHook.from_env()
+
+    def _retry(self, fn, what: str):
+        return retry(fn, what, attempts=self.retries, base_delay=self.retry_delay)
+
+    def _temp_path(self, shard_id: str) -> str:
+        return os.path.join(self.stage, f".tmp-{self.node}-{shard_id}.safetensors")
+
+    def _clear_temps(self) -> None:
+        """Temporary shard files a killed incarnation of this node's collector left behind."""
+        for p in glob.glob(os.path.join(glob.escape(self.stage), f".tmp-{self.node}-*.safetensors")):
+            _unlink(p)
 
     def resume(self) -> None:
         """Finish the shard a previous incarnation of this collector was committing."""
+        self._clear_temps()
         raw = self.conn.get(self.packing_key)
         if raw is None:
             return
         rec = json.loads(raw)
         log.info("resuming shard %s (%d samples)", rec["shard_id"], len(rec["sample_ids"]))
-        self._commit(rec["sample_ids"], resumed_shard=rec["shard_id"])
+        self._commit(rec["sample_ids"], resumed_shard=check_id(rec["shard_id"], "shard id"))
+
+    def _inspect(self, sid: str, path: str) -> SpoolEntry:
+        c = self.cfg
+        return inspect_sample(path, sid, len(c.capture_points), c.hidden_size, c.torch_dtype)
+
+    def _reject(self, sid: str, path: str, err: SpoolError) -> None:
+        """A spool file that is not what the run stores: fail its sample, keep the file aside."""
+        log.error("%s", err)
+        self.ledger.mark_failed({sid: ("bad-spool", str(err))})
+        try:
+            os.replace(path, os.path.join(self.spool_dir, f".bad-{os.path.basename(path)}"))
+        except FileNotFoundError:
+            pass
 
     def step(self, force: bool = False) -> int:
-        """Commit one shard if one is due; returns the number of samples committed."""
+        """Commit one shard if one is due (full, or its oldest sample older than max_wait, or
+        nothing left queued); returns the number of samples committed."""
         files = list_spooled(self.spool_dir)
         if not files:
             return 0
@@ -74,13 +119,23 @@ class Collector:
         if not ready:
             return 0
         chosen, total = [], 0
-        for sid, _, size in ready:
+        for sid, path, size in ready:
             if chosen and total + size > self.shard_bytes:
                 break
+            try:
+                self._inspect(sid, path)
+            except SpoolError as e:
+                self._reject(sid, path, e)
+                continue
             chosen.append(sid)
             total += size
+        if not chosen:
+            return 0
         full = total >= self.shard_bytes or len(chosen) < len(ready)
-        oldest_age = time.time() - os.stat(ready[0][1]).st_mtime
+        try:
+            oldest_age = time.time() - os.stat(ready[0][1]).st_mtime
+        except FileNotFoundError:
+            oldest_age = 0.0
         idle = self.ledger.counts()["queued"] == 0
         if not (force or full or idle or oldest_age >= self.max_wait):
             return 0
@@ -91,37 +146,74 @@ class Collector:
         present = [os.path.exists(p) for p in paths]
         if resumed_shard and not all(present):
             # Spool files are deleted only after the index was written and the ledger updated.
-            if self.out.exists(index_file(resumed_shard)):
-                self.ledger.mark_done(sample_ids)
-                for p in paths:
-                    _unlink(p)
-                self.conn.delete(self.packing_key)
+            if self._retry(lambda: self.out.exists(index_file(resumed_shard)), f"checking {index_file(resumed_shard)}"):
+                self._finish(sample_ids, paths)
                 return 0
             raise RuntimeError(
                 f"shard {resumed_shard} was being packed but {present.count(False)} of its spool files are gone "
                 "and it has no index file: the spool was modified outside harvest"
             )
-        samples = [read_sample(p) for p in paths]
-        shard_id, data, index = build_shard(samples, self.cfg.run, self.cfg.capture_points)
-        if resumed_shard and shard_id != resumed_shard:
-            raise RuntimeError(f"re-packed shard id {shard_id} differs from the recorded {resumed_shard}")
-        self.conn.set(self.packing_key, json.dumps({"shard_id": shard_id, "sample_ids": sample_ids}))
-        if not self.out.exists(index_file(shard_id)):
-            self.out.write_atomic(shard_file(shard_id), data)
-            self.out.write_atomic(index_file(shard_id), json.dumps(index, indent=1).encode())
-        changed = self.ledger.mark_done(sample_ids)
-        tokens = {s.id: s.num_tokens for s in samples}
-        self.ledger.add_stats(tokens_done=sum(tokens[i] for i in changed), bytes_done=len(data), shards=1)
+        plan = plan_shard(
+            [self._inspect(s, p) for s, p in zip(sample_ids, paths)],
+            self.cfg.run,
+            self.cfg.capture_points,
+            self.cfg.torch_dtype,
+        )
+        if resumed_shard and plan.shard_id != resumed_shard:
+            raise RuntimeError(f"re-packed shard id {plan.shard_id} differs from the recorded {resumed_shard}")
+        self.conn.set(self.packing_key, json.dumps({"shard_id": plan.shard_id, "sample_ids": sample_ids}))
+        self._crash("recorded")
+        idx = index_file(plan.shard_id)
+        if not self._retry(lambda: self.out.exists(idx), f"checking {idx}"):
+            self._upload(plan)
+        self.ledger.add_stats(
+            tokens_done=sum(e.num_tokens for e, c in zip(plan.entries, self._finish(sample_ids, paths)) if c),
+            bytes_done=plan.nbytes,
+            shards=1,
+        )
+        self.shards_committed += 1
+        log.info("committed shard %s: %d samples, %d bytes", plan.shard_id, len(sample_ids), plan.nbytes)
+        return len(sample_ids)
+
+    def _upload(self, plan: ShardPlan) -> None:
+        """Shard bytes into a local temp file, the file up whole, then the index (the commit)."""
+        os.makedirs(self.stage, exist_ok=True)
+        tmp = self._temp_path(plan.shard_id)
+        name = shard_file(plan.shard_id)
+        try:
+            with open(tmp, "wb") as f:
+                sha = write_shard(plan, f, progress=lambda _: self._crash("packing"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            self._crash("packed")
+            self._retry(
+                lambda: self.out.put_file(tmp, name, self.part_bytes, progress=lambda _: self._crash("uploading")),
+                f"upload of {self.out.path(name)}",
+            )
+            self._crash("uploaded")
+        finally:
+            _unlink(tmp)
+        body = json.dumps(plan.index(sha), indent=1).encode()
+        self._retry(lambda: self.out.write_atomic(index_file(plan.shard_id), body), f"writing {self.out.path(index_file(plan.shard_id))}")
+        self._crash("indexed")
+
+    def _finish(self, sample_ids: list[str], paths: list[str]) -> list[bool]:
+        """After the index exists: ledger done, spool files gone, record cleared. Returns, per
+        sample, whether this call moved it to done."""
+        changed = set(self.ledger.mark_done(sample_ids))
+        self._crash("marked")
         for p in paths:
             _unlink(p)
+            self._crash("unlinking")
         self.conn.delete(self.packing_key)
-        self.shards_committed += 1
-        log.info("committed shard %s: %d samples, %d bytes", shard_id, len(samples), len(data))
-        return len(samples)
+        return [s in changed for s in sample_ids]
 
     def run(self, should_stop: Callable[[], bool] = lambda: False, poll: float = 0.5) -> None:
         self.resume()
+        beat = CollectorBeat(self.conn, self.cfg.run, self.node, self.spool_dir)  # for `harvest status`
         while not should_stop():
+            beat.maybe_beat(self.shards_committed)
             if self.step() == 0:
                 time.sleep(poll)
         while self.step(force=True):

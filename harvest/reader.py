@@ -1,7 +1,9 @@
 """Read a finished (or growing) run from `<out>/<run>`, local or any fsspec URL.
 
 Only shards with an index file exist for the reader. Opening a run reads the index files
-(small); a sample is fetched with range reads of its rows, not by downloading its shard.
+(small); a sample is fetched with range reads of its rows (harvest.shard_reader), never by
+downloading its shard. Hidden states come back in the stored dtype, or converted on request
+(fp8 is dequantized with its per-token scales).
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ import torch
 
 from harvest.config import RunConfig
 from harvest.runstore import read_run_json
-from harvest.shard import INDEX, ShardError, ShardReader
+from harvest.shard import INDEX, ShardError
+from harvest.shard_reader import ShardReader
 from harvest.storage import Location
 
 
 class RunReader:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, dtype: torch.dtype | None = None) -> None:
+        """`dtype`: default conversion of `hidden_states` for `get` (None: as stored)."""
         self.loc = Location.from_url(url)
+        self.dtype = dtype
         self.config: RunConfig = read_run_json(self.loc)
         self._where: dict[str, tuple[str, int]] = {}
         self._indexes: dict[str, dict] = {}
@@ -40,6 +45,7 @@ class RunReader:
 
     @property
     def sample_ids(self) -> list[str]:
+        """Every committed sample, in storage order (shard by shard, as packed)."""
         return list(self._where)
 
     @property
@@ -49,18 +55,23 @@ class RunReader:
     def shard_ids(self) -> list[str]:
         return list(self._indexes)
 
+    def shard_samples(self, shard_id: str) -> list[str]:
+        return list(self._indexes[shard_id]["samples"])
+
     def _shard(self, shard_id: str) -> ShardReader:
         if shard_id not in self._shards:
             self._shards[shard_id] = ShardReader(self.loc, self._indexes[shard_id])
         return self._shards[shard_id]
 
-    def get(self, sample_id: str) -> dict:
-        """`input_ids` [T] int32, `loss_mask` [T] uint8, `hidden_states` [T, K, H], `capture_points`."""
+    def get(self, sample_id: str, dtype: torch.dtype | None = None) -> dict:
+        """`input_ids` [T] int32, `loss_mask` [T] uint8, `hidden_states` [T, K, H] (in `dtype`,
+        else the reader's, else as stored, with `hidden_scale` [T, K] for fp8),
+        `capture_points`, `sample_id`."""
         try:
             shard_id, i = self._where[sample_id]
         except KeyError:
             raise KeyError(f"sample {sample_id} is not in any committed shard of {self.loc.url()}") from None
-        out: dict = self._shard(shard_id).sample(i)
+        out: dict = self._shard(shard_id).sample(i, dtype or self.dtype)
         out["capture_points"] = self.capture_points
         out["sample_id"] = sample_id
         return out

@@ -1,10 +1,16 @@
-"""The shard layout in storage (DESIGN 4.5): many samples on one token axis, plus the index
-file that commits it.
+"""The shard layout in storage (DESIGN 4.5) and its streaming writer.
 
-`shards/<id>.safetensors` holds `input_ids` `[N]`, `loss_mask` `[N]`, `hidden_states`
-`[N, K, H]` and `offsets` `[S+1]`; `index/<id>.json` lists the sample ids, their token
-counts and offsets, the shard's size and checksum. Readers trust only shards that have an
-index file, and fetch one sample with byte-range reads computed from the safetensors header.
+`shards/<id>.safetensors` holds `input_ids` `[N]` int32, `loss_mask` `[N]` uint8,
+`hidden_states` `[N, K, H]` (storage dtype), `offsets` `[S+1]` int64 and, for fp8 runs,
+`hidden_scale` `[N, K]` float32; tensors lie in sorted name order and the metadata lists the
+sample ids in order. `index/<id>.json` lists the samples, their token counts and offsets, the
+shard's size and sha256; it is written only after the shard and commits it.
+
+A shard is up to a few GiB, so it is never built in memory: `plan_shard` reads only the spool
+files' headers and fixes the layout (and with it the header bytes), and `write_shard` copies
+each tensor's bytes straight out of the spool files into the output, undecoded, through one
+small buffer. The same samples in the same order give the same bytes (and the same id), which
+is what lets a collector that crashed mid-commit re-pack and overwrite instead of duplicate.
 """
 
 from __future__ import annotations
@@ -12,27 +18,20 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import torch
 
-
+from harvest.fp8 import is_fp8
 from harvest.ids import check_id, shard_id_for
-from harvest.spool import SpooledSample
-from harvest.stformat import encode
-from harvest.storage import Location
+from harvest.spool import SCALE, SpoolEntry, SpoolError
+from harvest.stformat import Planned, encode_header
 
 FORMAT = "harvest-shard-1"
 SHARDS, INDEX = "shards", "index"
-_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "U8": torch.uint8,
-}
+COPY_BUFFER = 8 << 20
 
 
 class ShardError(ValueError):
@@ -47,86 +46,114 @@ def index_file(shard_id: str) -> str:
     return f"{INDEX}/{check_id(shard_id, 'shard id')}.json"
 
 
-def build_shard(samples: Sequence[SpooledSample], run: str, capture_points: Sequence[int]) -> tuple[str, bytes, dict]:
-    """Concatenate samples into shard bytes and the index document that will commit them."""
-    if not samples:
+def dtype_name(dtype: torch.dtype) -> str:
+    """How the index file names the storage dtype (`bfloat16`, `float8_e4m3fn`, ...)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Everything about a shard except its tensor bytes: decided from spool headers alone."""
+
+    shard_id: str
+    entries: tuple[SpoolEntry, ...]
+    tensors: tuple[Planned, ...]
+    header: bytes
+    offsets: tuple[int, ...]
+    dtype: torch.dtype
+    capture_points: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + sum(t.nbytes for t in self.tensors)
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [e.id for e in self.entries]
+
+    def index(self, sha256: str) -> dict:
+        """The index document that commits this shard once its bytes (with `sha256`) are stored."""
+        return {
+            "format": FORMAT,
+            "shard_id": self.shard_id,
+            "shard": shard_file(self.shard_id),
+            "samples": self.sample_ids,
+            "tokens": [e.num_tokens for e in self.entries],
+            "offsets": list(self.offsets),
+            "bytes": self.nbytes,
+            "sha256": sha256,
+            "dtype": dtype_name(self.dtype),
+            "capture_points": list(self.capture_points),
+        }
+
+
+def plan_shard(
+    entries: Sequence[SpoolEntry], run: str, capture_points: Sequence[int], dtype: torch.dtype
+) -> ShardPlan:
+    """The layout of a shard of `entries` (checked spool files, in this order)."""
+    if not entries:
         raise ShardError("a shard needs at least one sample")
-    ids = [s.id for s in samples]
-    sid = shard_id_for(ids)
-    lens = [s.num_tokens for s in samples]
+    ids = [e.id for e in entries]
     offsets = [0]
-    for n in lens:
-        offsets.append(offsets[-1] + n)
-    tensors = {
-        "input_ids": torch.cat([s.input_ids.to(torch.int32) for s in samples]),
-        "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples]),
-        "hidden_states": torch.cat([s.hidden_states for s in samples]),
-        "offsets": torch.tensor(offsets, dtype=torch.int64),
+    for e in entries:
+        offsets.append(offsets[-1] + e.num_tokens)
+    n, k = offsets[-1], len(capture_points)
+    hidden = entries[0].spans["hidden_states"].shape[2]
+    for e in entries:
+        hs = e.spans["hidden_states"]
+        if hs.dtype != dtype or hs.shape[1:] != (k, hidden):
+            raise ShardError(f"{e.path}: hidden_states {hs.dtype} {list(hs.shape)} do not fit a shard of {dtype} [*, {k}, {hidden}]")
+    shapes = {
+        "hidden_states": (dtype, (n, k, hidden)),
+        "input_ids": (torch.int32, (n,)),
+        "loss_mask": (torch.uint8, (n,)),
+        "offsets": (torch.int64, (len(offsets),)),
     }
+    if is_fp8(dtype):
+        shapes[SCALE] = (torch.float32, (n, k))
+    tensors = tuple(Planned(name, *shapes[name]) for name in sorted(shapes))
     meta = {
         "format": FORMAT,
         "run": run,
         "sample_ids": json.dumps(ids),
         "capture_points": json.dumps(list(capture_points)),
     }
-    data = encode(tensors, meta)
-    index = {
-        "format": FORMAT,
-        "shard_id": sid,
-        "shard": shard_file(sid),
-        "samples": ids,
-        "tokens": lens,
-        "offsets": offsets,
-        "bytes": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "dtype": str(tensors["hidden_states"].dtype).removeprefix("torch."),
-        "capture_points": list(capture_points),
-    }
-    return sid, data, index
+    return ShardPlan(
+        shard_id_for(ids), tuple(entries), tensors, encode_header(tensors, meta), tuple(offsets), dtype, tuple(capture_points)
+    )
 
 
-@dataclass
-class _TensorInfo:
-    dtype: torch.dtype
-    shape: list[int]
-    begin: int  # absolute byte offset in the file
+def write_shard(plan: ShardPlan, out: BinaryIO, progress: Callable[[int], None] | None = None) -> str:
+    """Stream the shard into `out` (header, then each tensor's rows copied from the spool files
+    in sample order); returns the sha256 of everything written. Memory: one copy buffer."""
+    digest = hashlib.sha256()
+    buf = memoryview(bytearray(COPY_BUFFER))
+    written = 0
 
-    @property
-    def row_bytes(self) -> int:
-        n = 1
-        for d in self.shape[1:]:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+    def emit(data) -> None:
+        nonlocal written
+        digest.update(data)
+        out.write(data)
+        written += len(data)
+        if progress:
+            progress(written)
 
-
-class ShardReader:
-    """Random access into one committed shard by byte ranges: the header once, then only the
-    rows asked for, so a sample can be read from object storage without the whole shard."""
-
-    def __init__(self, loc: Location, index: dict) -> None:
-        self.loc, self.index = loc, index
-        self.name = index["shard"]
-        head = loc.read_range(self.name, 0, 8)
-        (hlen,) = struct.unpack("<Q", head)
-        if hlen > 100_000_000:
-            raise ShardError(f"{self.name}: header of {hlen} bytes is not plausible")
-        header = json.loads(loc.read_range(self.name, 8, 8 + hlen))
-        self.metadata = header.pop("__metadata__", {})
-        base = 8 + hlen
-        self.tensors = {}
-        for name, info in header.items():
-            if info["dtype"] not in _DTYPES:
-                raise ShardError(f"{self.name}: unsupported dtype {info['dtype']}")
-            self.tensors[name] = _TensorInfo(_DTYPES[info["dtype"]], info["shape"], base + info["data_offsets"][0])
-        if json.loads(self.metadata.get("sample_ids", "[]")) != index["samples"]:
-            raise ShardError(f"{self.name}: sample ids differ from its index file")
-
-    def rows(self, tensor: str, start: int, end: int) -> torch.Tensor:
-        t = self.tensors[tensor]
-        rb = t.row_bytes
-        raw = self.loc.read_range(self.name, t.begin + start * rb, t.begin + end * rb)
-        return torch.frombuffer(bytearray(raw), dtype=t.dtype).reshape([end - start, *t.shape[1:]])
-
-    def sample(self, i: int) -> dict[str, torch.Tensor]:
-        a, b = self.index["offsets"][i], self.index["offsets"][i + 1]
-        return {name: self.rows(name, a, b) for name in ("input_ids", "loss_mask", "hidden_states")}
+    emit(plan.header)
+    for t in plan.tensors:
+        if t.name == "offsets":
+            emit(struct.pack(f"<{len(plan.offsets)}q", *plan.offsets))
+            continue
+        for e in plan.entries:
+            span = e.spans[t.name]
+            with open(e.path, "rb") as f:
+                f.seek(span.begin)
+                left = span.end - span.begin
+                while left:
+                    got = f.readinto(buf[: min(left, COPY_BUFFER)])
+                    if not got:
+                        raise SpoolError(f"{e.path}: ends inside tensor {t.name} (spool file truncated)")
+                    emit(buf[:got])
+                    left -= got
+    if written != plan.nbytes:
+        raise ShardError(f"shard {plan.shard_id}: wrote {written} bytes, planned {plan.nbytes}")
+    return digest.hexdigest()

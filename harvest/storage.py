@@ -2,28 +2,106 @@
 either absent or complete.
 
 Local files are written to a temporary name in the same directory, fsynced and renamed.
-Object stores get the whole body in one call (`pipe_file`: a single PUT, or a multipart
-upload completed at the end), never a streaming `open(..., 'wb')` that an exception could
-leave half-written.
+Object stores get a whole body in one call: small documents with `pipe_file` (one PUT),
+shards with `put_file` of a finished local file (one PUT, or a multipart upload that s3fs
+completes only after the last part and aborts on any exception, so no object appears),
+never a streaming `open(..., 'wb')` that an exception could leave half-written.
+
+Storage calls go through `retry`: transient errors (connection resets, timeouts, 5xx the
+client gave up on) are retried with exponential backoff; persistent ones (no such bucket,
+access denied, disk full) and exhausted retries become a `StorageError` whose message says
+what to fix, so the collector stops with its spool intact instead of looping or losing data.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import posixpath
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+log = logging.getLogger("harvest.storage")
+T = TypeVar("T")
+
+# Environment read for s3:// URLs (flags of `harvest collect`/`run` set the HARVEST_ ones).
+S3_ENDPOINT_VARS = ("HARVEST_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+S3_REGION_VARS = ("HARVEST_S3_REGION", "AWS_REGION", "AWS_DEFAULT_REGION")
+_PERSISTENT_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENAMETOOLONG}
+
+
+class StorageError(RuntimeError):
+    """A storage operation that failed for good; the message names the object and the cause."""
+
+
+def _first_env(names: tuple[str, ...]) -> str | None:
+    for n in names:
+        if os.environ.get(n):
+            return os.environ[n]
+    return None
+
+
+def s3_options() -> dict:
+    """s3fs options from the environment: endpoint (MinIO, Ceph, moto), region, credentials.
+    Credentials stay in the environment only (never flags: they would show in `ps`)."""
+    opts: dict = {}
+    client: dict = {}
+    endpoint = _first_env(S3_ENDPOINT_VARS)
+    if endpoint:
+        client["endpoint_url"] = endpoint
+    region = _first_env(S3_REGION_VARS)
+    if region:
+        client["region_name"] = region
+    if client:
+        opts["client_kwargs"] = client
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        opts["key"] = os.environ["AWS_ACCESS_KEY_ID"]
+        opts["secret"] = os.environ["AWS_SECRET_ACCESS_KEY"]
+        if os.environ.get("AWS_SESSION_TOKEN"):
+            opts["token"] = os.environ["AWS_SESSION_TOKEN"]
+    return opts
+
 
 def _storage_options(protocol: str) -> dict:
-    if protocol in ("s3", "s3a"):
-        endpoint = os.environ.get("HARVEST_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
-        return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
-    return {}
+    return s3_options() if protocol in ("s3", "s3a") else {}
+
+
+def is_transient(e: BaseException) -> bool:
+    """Worth retrying: the same call may succeed in a moment."""
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
+        return False
+    if isinstance(e, OSError) and e.errno in _PERSISTENT_ERRNOS:
+        return False
+    if isinstance(e, (TimeoutError, ConnectionError, OSError)):
+        return True
+    # botocore/aiohttp errors that s3fs did not translate (endpoint unreachable, read timeouts)
+    name = type(e).__name__
+    return any(k in name for k in ("Connection", "Timeout", "EndpointConnection", "ClientPayload", "ServerDisconnected"))
+
+
+def retry(fn: Callable[[], T], what: str, attempts: int = 5, base_delay: float = 0.5, max_delay: float = 20.0) -> T:
+    """`fn()` with transient failures retried (exponential backoff); anything else, or the last
+    failure, raised as a StorageError naming `what`."""
+    for i in range(1, attempts + 1):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - classified below
+            if not is_transient(e):
+                raise StorageError(f"{what} failed: {type(e).__name__}: {e}") from e
+            if i == attempts:
+                raise StorageError(f"{what} failed after {attempts} attempts: {type(e).__name__}: {e}") from e
+            delay = min(max_delay, base_delay * 2 ** (i - 1))
+            log.warning("%s failed (%s: %s); retry %d/%d in %.1fs", what, type(e).__name__, e, i, attempts - 1, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -57,37 +135,125 @@ class Location:
     def exists(self, name: str) -> bool:
         return self.fs.exists(self.path(name))
 
+    def size(self, name: str) -> int:
+        return int(self.fs.size(self.path(name)))
+
     def read_bytes(self, name: str) -> bytes:
         return self.fs.cat_file(self.path(name))
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of `name`: one ranged GET on object stores."""
+        if end <= start:
+            return b""
         return self.fs.cat_file(self.path(name), start=start, end=end)
 
     def read_json(self, name: str):
         return json.loads(self.read_bytes(name))
 
     def list(self, folder: str, suffix: str = "") -> list[str]:
-        """Names (not paths) in `folder`, sorted; an absent folder is empty."""
+        """Names (not paths) in `folder`, sorted, fresh from the store; an absent folder is
+        empty; dot-names (temporary files) are not listed."""
         p = self.path(folder)
         try:
-            entries = self.fs.ls(p, detail=False)
+            entries = self.fs.ls(p, detail=False, refresh=True)
         except FileNotFoundError:
             return []
         names = sorted(posixpath.basename(e.rstrip("/")) for e in entries)
         return [n for n in names if n.endswith(suffix) and not n.startswith(".")]
 
     def write_atomic(self, name: str, data: bytes) -> None:
+        """A small document (index, run.json), whole or not at all."""
         path = self.path(name)
         if self.is_local:
             atomic_write_local(path, data)
         else:
             self.fs.pipe_file(path, data)
 
+    def local_staging_dir(self, folder: str) -> str | None:
+        """Where to build a file that will become `folder/<name>`: the folder itself when the
+        store is local (so committing is a rename, not a copy), else None (stage elsewhere)."""
+        if not self.is_local:
+            return None
+        d = self.path(folder)
+        os.makedirs(d, exist_ok=True)
+        return d
+
+    def put_file(
+        self,
+        local: str,
+        name: str,
+        part_bytes: int | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """Commit the complete local file `local` as `name`, whole or not at all.
+
+        Local stores: a rename when `local` already lies in the destination folder (it is
+        consumed), else copy to a temporary name, fsync, rename. Object stores: s3fs
+        `put_file`, which PUTs small files in one request and sends large ones as a multipart
+        upload completed after the last part (`part_bytes` each) and aborted on any exception.
+        `progress(n)` is told the bytes sent so far."""
+        path = self.path(name)
+        if self.is_local:
+            if os.path.dirname(os.path.abspath(local)) == os.path.dirname(path):
+                if progress:
+                    progress(os.path.getsize(local))
+                os.replace(local, path)
+                return
+            _copy_local_atomic(local, path, progress)
+            return
+        kwargs: dict = {}
+        if part_bytes:
+            kwargs["chunksize"] = part_bytes
+        if progress is not None:
+            kwargs["callback"] = _Progress(progress)
+        self.fs.put_file(local, path, **kwargs)
+
+    def modified(self, name: str) -> float | None:
+        """Last-modified time (Unix seconds) of `name`, None if the store does not say."""
+        try:
+            m = self.fs.modified(self.path(name))
+        except (NotImplementedError, AttributeError):
+            return None
+        return m.timestamp()
+
     def delete(self, name: str) -> None:
         try:
             self.fs.rm_file(self.path(name))
         except FileNotFoundError:
             pass
+
+
+class _Progress(fsspec.callbacks.Callback):
+    def __init__(self, fn: Callable[[int], None]) -> None:
+        super().__init__()
+        self._fn = fn
+
+    def call(self, *args, **kwargs) -> None:
+        self._fn(self.value)
+
+
+def _copy_local_atomic(src: str, dst: str, progress: Callable[[int], None] | None) -> None:
+    folder = os.path.dirname(dst)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
+            done = 0
+            while True:
+                buf = inp.read(8 << 20)
+                if not buf:
+                    break
+                out.write(buf)
+                done += len(buf)
+                if progress:
+                    progress(done)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
 
 
 def atomic_write_local(path: str, data: bytes | memoryview) -> None:
@@ -102,8 +268,12 @@ def atomic_write_local(path: str, data: bytes | memoryview) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _unlink_quiet(tmp)
         raise
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

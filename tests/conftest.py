@@ -51,3 +51,44 @@ def harvest_cli(*args: str, timeout: float = 300, env: dict | None = None) -> su
         cwd=REPO,
         env={**os.environ, **(env or {})},
     )
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 protocol server (moto's, in a thread on a free port) for the whole session;
+    the S3 environment harvest reads (endpoint, region, credentials) points at it meanwhile."""
+    from moto.server import ThreadedMotoServer
+
+    from harvest.redisproc import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        "HARVEST_S3_ENDPOINT": url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield url
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint) -> str:
+    """A fresh, empty bucket on the session's S3 server; returns its s3:// URL."""
+    import uuid
+
+    import boto3
+
+    name = f"harvest-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    return f"s3://{name}"

@@ -1,36 +1,97 @@
+"""The streaming shard writer against the in-memory reference encoding, and range reads back."""
+
+import io
+import json
+
+import pytest
 import torch
 
-from harvest.shard import ShardReader, build_shard, index_file, shard_file
-from harvest.spool import SpooledSample
+from harvest.shard import ShardError, index_file, plan_shard, shard_file, write_shard
+from harvest.shard_reader import ShardReader
+from harvest.spool import SpoolError, inspect_sample, spool_path
+from harvest.stformat import encode
 from harvest.storage import Location
+from tests.synth import HIDDEN, POINTS, make_config, spool_samples
 
 
-def _sample(i: int, n: int) -> SpooledSample:
-    g = torch.Generator().manual_seed(i)
-    return SpooledSample(
-        f"{i:032x}",
-        torch.randint(0, 500, (n,), generator=g, dtype=torch.int32),
-        torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8),
-        torch.randn(n, 3, 8, generator=g).to(torch.bfloat16),
-    )
+def _plan(spool, cfg, samples):
+    entries = [inspect_sample(spool_path(spool, s.id), s.id, len(POINTS), HIDDEN, cfg.torch_dtype) for s in samples]
+    return plan_shard(entries, cfg.run, cfg.capture_points, cfg.torch_dtype)
 
 
-def test_shard_round_trip_by_byte_ranges(tmp_path):
-    samples = [_sample(i, n) for i, n in enumerate([1, 17, 5])]
-    sid, data, index = build_shard(samples, "r", [2, 4, 8])
-    loc = Location.from_url(str(tmp_path))
-    loc.write_atomic(shard_file(sid), data)
-    loc.write_atomic(index_file(sid), b"{}")
-    assert index["offsets"] == [0, 1, 18, 23] and index["samples"] == [s.id for s in samples]
+def _stream(plan) -> tuple[bytes, str]:
+    buf = io.BytesIO()
+    sha = write_shard(plan, buf)
+    return buf.getvalue(), sha
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32", "fp8_e4m3"])
+def test_streamed_shard_equals_reference_encoding_and_reads_back_by_range(tmp_path, dtype):
+    import hashlib
+
+    cfg = make_config(str(tmp_path / "out"), dtype=dtype)
+    spool = tmp_path / "spool"
+    samples = spool_samples(str(spool), cfg, [1, 17, 5, 300])
+    plan = _plan(str(spool), cfg, samples)
+    data, sha = _stream(plan)
+    # Byte for byte what stformat.encode makes of the concatenated tensors (sorted names).
+    offsets = [0, 1, 18, 23, 323]
+    ref = {
+        "input_ids": torch.cat([s.input_ids for s in samples]),
+        "loss_mask": torch.cat([s.loss_mask for s in samples]),
+        "hidden_states": torch.cat([s.hidden_states for s in samples]),
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+    }
+    if dtype == "fp8_e4m3":
+        ref["hidden_scale"] = torch.cat([s.hidden_scale for s in samples])
+    meta = {"format": "harvest-shard-1", "run": "r", "sample_ids": json.dumps([s.id for s in samples]),
+            "capture_points": json.dumps(POINTS)}
+    assert data == encode(ref, meta)
+    assert sha == hashlib.sha256(data).hexdigest() and plan.nbytes == len(data)
+    index = plan.index(sha)
+    assert index["offsets"] == offsets and index["samples"] == [s.id for s in samples]
+    assert index["tokens"] == [1, 17, 5, 300] and index["dtype"] == str(cfg.torch_dtype).removeprefix("torch.")
+
+    loc = Location.from_url(str(tmp_path / "out"))
+    loc.write_atomic(shard_file(plan.shard_id), data)
+    loc.write_atomic(index_file(plan.shard_id), json.dumps(index).encode())
     r = ShardReader(loc, index)
     for i, s in enumerate(samples):
         got = r.sample(i)
         assert torch.equal(got["input_ids"], s.input_ids)
         assert torch.equal(got["loss_mask"], s.loss_mask)
-        assert torch.equal(got["hidden_states"], s.hidden_states)
+        assert got["hidden_states"].dtype == cfg.torch_dtype
+        assert torch.equal(got["hidden_states"].view(torch.uint8), s.hidden_states.view(torch.uint8))
+        if dtype == "fp8_e4m3":
+            assert torch.equal(got["hidden_scale"], s.hidden_scale)
 
 
-def test_same_samples_same_bytes():
-    a = build_shard([_sample(1, 4), _sample(2, 3)], "r", [1])
-    b = build_shard([_sample(1, 4), _sample(2, 3)], "r", [1])
-    assert a[0] == b[0] and a[1] == b[1]
+def test_same_samples_same_bytes_and_id(tmp_path):
+    cfg = make_config(str(tmp_path / "out"))
+    samples = spool_samples(str(tmp_path / "spool"), cfg, [4, 3, 9])
+    a, b = _plan(str(tmp_path / "spool"), cfg, samples), _plan(str(tmp_path / "spool"), cfg, samples)
+    assert a.shard_id == b.shard_id and _stream(a) == _stream(b)
+    c = _plan(str(tmp_path / "spool"), cfg, samples[::-1])
+    assert c.shard_id != a.shard_id  # the order is part of the identity
+
+
+def test_truncated_spool_file_is_refused_while_streaming(tmp_path):
+    cfg = make_config(str(tmp_path / "out"))
+    spool = str(tmp_path / "spool")
+    samples = spool_samples(spool, cfg, [5, 6])
+    plan = _plan(spool, cfg, samples)
+    path = spool_path(spool, samples[1].id)
+    with open(path, "r+b") as f:
+        f.truncate(plan.entries[1].spans["hidden_states"].begin + 3)
+    with pytest.raises(SpoolError, match=f"{path}: ends inside tensor hidden_states \\(spool file truncated\\)"):
+        _stream(plan)
+
+
+def test_spool_file_of_another_dtype_cannot_join_a_shard(tmp_path):
+    cfg = make_config(str(tmp_path / "out"))
+    spool = str(tmp_path / "spool")
+    s = spool_samples(spool, make_config("x", dtype="fp16"), [3])[0]
+    with pytest.raises(SpoolError, match="hidden_states is torch.float16 \\[3, 4, 16\\], the run stores torch.bfloat16"):
+        inspect_sample(spool_path(spool, s.id), s.id, len(POINTS), HIDDEN, cfg.torch_dtype)
+    with pytest.raises(ShardError, match="at least one sample"):
+        plan_shard([], "r", POINTS, torch.bfloat16)

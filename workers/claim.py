@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from harvest.dump import DumpError, parse_chunk_name, read_chunk
+from harvest.fp8 import to_storage
 from harvest.payload import Sample
 from harvest.spool import SpooledSample
 
@@ -103,7 +104,8 @@ def assemble(
     dtype: torch.dtype,
     allow_nonfinite: bool = False,
 ) -> SpooledSample:
-    """Read and verify the claimed chunks; the `[T, K, H]` result in the storage dtype."""
+    """Read and verify the claimed chunks; the `[T, K, H]` result in the storage dtype (for
+    fp8, quantized with a float32 scale per token and capture point, harvest.fp8)."""
     chunks = []
     try:
         for path in claimed.paths:
@@ -137,9 +139,11 @@ def assemble(
             f"hidden states hold NaN/Inf (first at position {bad[0]}, capture slot {bad[1]}); "
             "check the engine's dtype and model, or set allow_nonfinite in the run",
         )
+    stored, scale = to_storage(hs, dtype)
     return SpooledSample(
         sample.id,
         torch.from_numpy(sample.input_ids.copy()),
         torch.from_numpy(sample.loss_mask.copy()),
-        hs.to(dtype),
+        stored,
+        scale,
     )
