@@ -1,9 +1,19 @@
 """Bounded, idempotent enqueue of sample batches as RQ jobs.
 
-A batch is checked against the ledger first, and only samples the ledger has never seen are
-enqueued; the ledger update and the RQ job go in one MULTI/EXEC, so a kill at any moment
-leaves either both or neither. The producer waits while the run has `max_queued` samples
-queued or in flight, so Redis memory stays bounded whatever the dataset size.
+Samples are buffered and sent in groups. For a group, the ledger is read (one HMGET) and only
+samples it has never seen are kept; they are cut into jobs bounded by count and tokens, and
+as many jobs as the queue has room for go in one MULTI/EXEC: for each job the ledger's
+absent -> `q` move (Lua) and RQ's job hash and queue push. A kill at any moment therefore
+leaves either a job and its ledger entries, or neither: nothing lost (a sample marked `q`
+always has a job) and nothing doubled (a rerun skips every `q`).
+
+Two producers on one run: each transaction also increments a per-run counter that both WATCH
+before they read the ledger, so when two race on the same samples one transaction aborts and
+its producer reads the ledger again. Workers and collectors never touch that counter, so their
+ledger moves do not abort producers.
+
+The producer waits while `queued + next job > max_queued`, so the samples held in Redis (the
+queue and in flight) never exceed the bound, whatever the dataset size.
 """
 
 from __future__ import annotations
@@ -19,10 +29,13 @@ from rq.serializers import JSONSerializer
 from harvest.config import RunConfig
 from harvest.ids import job_id_for
 from harvest.keys import JOB_FUNCTION, Keys
-from harvest.ledger import Ledger
+from harvest.ledger import QUEUED, Ledger
 from harvest.payload import Sample, encode_batch
 
 JOB_FAILURE_TTL = 7 * 24 * 3600
+DEFAULT_MAX_QUEUED = 20000
+GROUP_SAMPLES = 1024  # samples per ledger read and per transaction (at most)
+_WAIT_MIN_S, _WAIT_MAX_S = 0.005, 0.25
 
 
 def job_timeout(num_tokens: int) -> int:
@@ -30,12 +43,18 @@ def job_timeout(num_tokens: int) -> int:
     return 600 + num_tokens // 50
 
 
+def enqueue_counter_key(run: str) -> str:
+    """The counter producers WATCH (see the module docstring)."""
+    return f"{Keys(run).prefix}:enqueues"
+
+
 @dataclass
 class EnqueueStats:
     enqueued: int = 0
-    skipped: int = 0  # already queued, in flight, done or failed
+    skipped: int = 0  # already queued, in flight, spooled, done or failed (or twice in this dataset)
     jobs: int = 0
     tokens: int = 0
+    waits: int = 0  # times the producer waited for room in the queue
 
 
 class Enqueuer:
@@ -43,66 +62,105 @@ class Enqueuer:
         self,
         conn: redis.Redis,
         cfg: RunConfig,
-        max_queued: int = 20000,
+        max_queued: int = DEFAULT_MAX_QUEUED,
         on_wait: Callable[[int], None] | None = None,
     ) -> None:
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be at least 1, got {max_queued}")
         self.conn, self.cfg = conn, cfg
         self.keys = Keys(cfg.run)
+        self.counter = enqueue_counter_key(cfg.run)
         self.ledger = Ledger(conn, cfg.run)
         self.queue = Queue(self.keys.queue_name, connection=conn, serializer=JSONSerializer)
         self.max_queued = max_queued
+        self.job_samples = max(1, min(cfg.max_batch_samples, max_queued))  # a job never exceeds the bound alone
+        self.group = max(self.job_samples, min(GROUP_SAMPLES, max_queued))
         self.on_wait = on_wait
         self.stats = EnqueueStats()
-        self._buf: list[Sample] = []
-        self._buf_tokens = 0
-        self._seen: set[str] = set()
+        self._pending: dict[str, Sample] = {}  # insertion-ordered; a repeat within the group is one sample
 
     def add(self, sample: Sample) -> None:
-        if sample.id in self._seen:  # the same content twice in one dataset is one sample
+        if sample.id in self._pending:
             self.stats.skipped += 1
             return
-        self._seen.add(sample.id)
-        if self._buf and (
-            len(self._buf) >= self.cfg.max_batch_samples or self._buf_tokens + sample.num_tokens > self.cfg.max_batch_tokens
-        ):
+        self._pending[sample.id] = sample
+        if len(self._pending) >= self.group:
             self.flush()
-        self._buf.append(sample)
-        self._buf_tokens += sample.num_tokens
 
     def flush(self) -> None:
-        batch, self._buf, self._buf_tokens = self._buf, [], 0
-        if not batch:
-            return
-        states = self.ledger.states([s.id for s in batch])
-        new = [s for s, st in zip(batch, states) if st is None]
-        self.stats.skipped += len(batch) - len(new)
-        if not new:
-            return
-        self._wait_for_room(len(new))
-        ids = [s.id for s in new]
-        tokens = sum(s.num_tokens for s in new)
-        with self.conn.pipeline(transaction=True) as pipe:
-            pipe.multi()
-            self.ledger.add_queued(ids, pipe=pipe)
-            self.queue.enqueue_call(
-                JOB_FUNCTION,
-                args=(encode_batch(self.cfg.run, new),),
-                job_id=job_id_for(self.cfg.run, ids),
-                timeout=job_timeout(tokens),
-                result_ttl=0,
-                failure_ttl=JOB_FAILURE_TTL,
-                pipeline=pipe,
-            )
-            pipe.execute()
-        self.stats.enqueued += len(new)
-        self.stats.jobs += 1
-        self.stats.tokens += tokens
+        """Enqueue everything pending (waiting for room as needed)."""
+        wait = _WAIT_MIN_S
+        while self._pending:
+            if self._try_send():
+                wait = _WAIT_MIN_S
+                continue
+            self.stats.waits += 1
+            time.sleep(wait)
+            wait = min(wait * 2, _WAIT_MAX_S)
 
-    def _wait_for_room(self, n: int) -> None:
-        while True:
-            queued = self.ledger.counts()["queued"]
-            if queued + n <= self.max_queued or queued == 0:
-                return
-            if self.on_wait:
-                self.on_wait(queued)
-            time.sleep(0.2)
+    def _jobs(self, samples: list[Sample]) -> list[list[Sample]]:
+        jobs: list[list[Sample]] = []
+        cur: list[Sample] = []
+        tokens = 0
+        for s in samples:
+            if cur and (len(cur) >= self.job_samples or tokens + s.num_tokens > self.cfg.max_batch_tokens):
+                jobs.append(cur)
+                cur, tokens = [], 0
+            cur.append(s)
+            tokens += s.num_tokens
+        if cur:
+            jobs.append(cur)
+        return jobs
+
+    def _try_send(self) -> bool:
+        """One transaction's worth. False when the queue is full (the caller waits)."""
+        with self.conn.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(self.counter)
+                ids = list(self._pending)
+                states = pipe.hmget(self.keys.state, ids)
+                known = [i for i, st in zip(ids, states) if st is not None]
+                for i in known:
+                    del self._pending[i]
+                self.stats.skipped += len(known)
+                if not self._pending:
+                    return True
+                queued = int(pipe.hget(self.keys.counts, QUEUED) or 0)
+                room = self.max_queued - queued
+                sending: list[list[Sample]] = []
+                for job in self._jobs(list(self._pending.values())):
+                    if len(job) > room:
+                        break
+                    sending.append(job)
+                    room -= len(job)
+                if not sending:
+                    if self.on_wait:
+                        self.on_wait(queued)
+                    return False
+                pipe.multi()
+                pipe.incr(self.counter)
+                for job in sending:
+                    self._enqueue(pipe, job)
+                pipe.execute()
+            except redis.WatchError:
+                return True  # another producer enqueued meanwhile: read the ledger again
+        for job in sending:
+            for s in job:
+                del self._pending[s.id]
+            self.stats.enqueued += len(job)
+            self.stats.jobs += 1
+            self.stats.tokens += sum(s.num_tokens for s in job)
+        return True
+
+    def _enqueue(self, pipe: redis.client.Pipeline, job: list[Sample]) -> None:
+        ids = [s.id for s in job]
+        self.ledger.add_queued(ids, pipe=pipe)
+        self.queue.enqueue_call(
+            JOB_FUNCTION,
+            args=(encode_batch(self.cfg.run, job),),
+            job_id=job_id_for(self.cfg.run, ids),
+            timeout=job_timeout(sum(s.num_tokens for s in job)),
+            result_ttl=0,
+            failure_ttl=JOB_FAILURE_TTL,
+            pipeline=pipe,
+        )

@@ -1,72 +1,134 @@
-"""The producer's main loop: read, tokenize, enqueue, report."""
+"""The producer's main loop: read rows, tokenize them a batch at a time, enqueue, report.
+
+Rows that give no sample are counted by kind: `bad` (broken input: it sets the exit status,
+and `--strict` stops at the first), `empty` and `overlong` (reported, never enqueued).
+"""
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import redis
 from tqdm import tqdm
 
 from harvest.config import RunConfig
-from producer.enqueue import Enqueuer
+from harvest.payload import Sample
+from producer.enqueue import DEFAULT_MAX_QUEUED, Enqueuer
+from producer.rowkinds import FieldMap
 from producer.sources import BadRow, read_dataset
-from producer.tokenize import RowTokenizer
+from producer.tokenize import LengthPolicy, RowTokenizer
 
 log = logging.getLogger("harvest.producer")
+BATCH_ROWS = 256  # rows tokenized together (one encode_batch call)
+KEEP_BAD_ROWS = 1000  # the first ones are kept for the summary; all are logged and counted
+
+
+class BadRowError(ValueError):
+    """A bad row under --strict."""
 
 
 @dataclass
 class ProduceSummary:
     rows: int = 0
+    samples: int = 0  # rows that gave a sample (before the ledger check)
+    sample_tokens: int = 0
     enqueued: int = 0
     skipped: int = 0
     bad: int = 0
-    tokens: int = 0
+    empty: int = 0
+    overlong: int = 0
+    truncated: int = 0
+    tokens: int = 0  # tokens enqueued
     jobs: int = 0
-    sample_ids: list[str] = field(default_factory=list)
+    dry_run: bool = False
     bad_rows: list[str] = field(default_factory=list)
 
+    def text(self) -> str:
+        head = f"rows {self.rows}: {self.samples} samples ({self.sample_tokens} tokens)"
+        if self.dry_run:
+            body = "dry run, nothing enqueued"
+        else:
+            body = f"enqueued {self.enqueued} in {self.jobs} jobs ({self.tokens} tokens), skipped {self.skipped} already known"
+        tail = f"bad {self.bad}, empty {self.empty}, overlong {self.overlong} skipped, truncated {self.truncated}"
+        return f"{head}; {body}; {tail}"
 
-def load_tokenizer(path: str, chat_template: str | None = None):
+
+def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
-    if chat_template:
-        with open(chat_template, encoding="utf-8") as f:
-            tok.chat_template = f.read()
-    return tok
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _batches(rows: Iterable, n: int) -> Iterator[list]:
+    it = iter(rows)
+    while batch := list(itertools.islice(it, n)):
+        yield batch
 
 
 def produce(
-    conn: redis.Redis,
+    conn: redis.Redis | None,
     cfg: RunConfig,
     dataset: str,
     tokenizer=None,
-    max_queued: int = 20000,
+    max_queued: int = DEFAULT_MAX_QUEUED,
     progress: bool = True,
     strict: bool = False,
+    *,
+    fields: FieldMap = FieldMap(),
+    chat_template: str | None = None,
+    length: LengthPolicy = LengthPolicy(),
+    dry_run: bool = False,
+    on_bad: Callable[[BadRow], None] | None = None,
 ) -> ProduceSummary:
+    """Tokenize DATASET and enqueue its samples for the run (or only count them, with dry_run).
+
+    `chat_template` is the template's text (overrides the tokenizer's). `conn` may be None for a dry run.
+    """
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer or cfg.model)
-    to_sample = RowTokenizer(tokenizer)
-    summary = ProduceSummary()
-    bar = tqdm(desc="produce", unit=" rows", disable=not progress, leave=False)
-    enq = Enqueuer(conn, cfg, max_queued=max_queued, on_wait=lambda q: bar.set_postfix_str(f"waiting: {q} queued"))
-    for item in read_dataset(dataset):
-        summary.rows += 1
-        bar.update(1)
-        result = item if isinstance(item, BadRow) else to_sample(item)
-        if isinstance(result, BadRow):
-            summary.bad += 1
-            summary.bad_rows.append(str(result))
-            log.warning("bad row %s", result)
-            if strict:
-                raise ValueError(f"bad row (--strict): {result}")
-            continue
-        summary.sample_ids.append(result.id)
-        enq.add(result)
-    enq.flush()
-    bar.close()
-    summary.enqueued, summary.skipped = enq.stats.enqueued, enq.stats.skipped
-    summary.tokens, summary.jobs = enq.stats.tokens, enq.stats.jobs
-    return summary
+    to_samples = RowTokenizer(tokenizer, fields=fields, chat_template=chat_template, length=length)
+    rows = read_dataset(dataset)
+    s = ProduceSummary(dry_run=dry_run)
+    bar = tqdm(desc="produce", unit=" rows", disable=not progress, dynamic_ncols=True)
+    enq = None
+    if not dry_run:
+        enq = Enqueuer(conn, cfg, max_queued=max_queued, on_wait=lambda q: bar.set_postfix_str(f"waiting: {q} queued"))
+    try:
+        for batch in _batches(rows, BATCH_ROWS):
+            for result in to_samples(batch):
+                _count(s, result, enq, strict, on_bad)
+            s.rows += len(batch)
+            bar.update(len(batch))
+            if enq:
+                bar.set_postfix(enqueued=enq.stats.enqueued, skipped=enq.stats.skipped, bad=s.bad, refresh=False)
+        if enq:
+            enq.flush()
+    finally:
+        bar.close()
+    s.truncated = to_samples.truncated
+    if enq:
+        s.enqueued, s.skipped, s.tokens, s.jobs = enq.stats.enqueued, enq.stats.skipped, enq.stats.tokens, enq.stats.jobs
+    return s
+
+
+def _count(s: ProduceSummary, result: Sample | BadRow, enq: Enqueuer | None, strict: bool, on_bad) -> None:
+    if isinstance(result, Sample):
+        s.samples += 1
+        s.sample_tokens += result.num_tokens
+        if enq:
+            enq.add(result)
+        return
+    setattr(s, result.kind, getattr(s, result.kind) + 1)
+    if result.kind == "bad":
+        if strict:
+            raise BadRowError(f"bad row (--strict): {result}")
+        if len(s.bad_rows) < KEEP_BAD_ROWS:
+            s.bad_rows.append(str(result))
+    (on_bad or _log_bad)(result)
+
+
+def _log_bad(r: BadRow) -> None:
+    log.warning("%s row %s", r.kind, r)
+

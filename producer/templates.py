@@ -1,77 +1,104 @@
 """Chat templates and the loss mask of a conversation.
 
 The mask covers exactly the assistant turns' tokens: their content and the end-of-turn token
-the model must learn to emit, never the role headers. Templates with `{% generation %}`
-markers give the mask directly; for the rest it is derived by rendering prefixes of the
-conversation and comparing (text spans, mapped to tokens by offsets), which works for any
-template whose rendering of a prefix is a prefix of the whole.
+the model must learn to emit, never the role headers or the whitespace the template puts
+between turns. A conversation renders to text plus the character spans of its assistant
+turns; tokenization (batched, elsewhere) maps spans to tokens through the offsets.
+
+Templates with `{% generation %}` markers give the spans directly. For the rest they are
+derived by rendering prefixes of the conversation and comparing: turn i spans from the end
+of `render(messages[:i], add_generation_prompt=True)` (everything up to and including the
+assistant header) to the end of `render(messages[:i+1])`, less trailing whitespace. This
+needs no per-template regex and works for every template whose rendering of a prefix is a
+prefix of the whole; one that is not (e.g. it rewrites earlier turns) is refused with a
+message that says to add markers.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import re
+from collections.abc import Sequence
 
-ROLES = ("system", "user", "assistant", "tool")
+from transformers.utils.chat_template_utils import render_jinja_template
+
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+Span = tuple[int, int]
 
 
 class TemplateError(ValueError):
     """A conversation the chat template cannot render into masked tokens."""
 
 
-def has_generation_markers(tokenizer) -> bool:
-    tpl = tokenizer.chat_template or ""
-    return "{% generation %}" in tpl or "{%- generation %}" in tpl
+def load_chat_template(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
-def check_messages(messages: object) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise TemplateError("'messages' must be a non-empty list")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise TemplateError(f"message {i} is not an object")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise TemplateError(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
-        if not isinstance(content, str):
-            raise TemplateError(f"message {i} content must be a string, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
-    return out
+class ChatRenderer:
+    """Renders conversations with one chat template (the tokenizer's, or one given)."""
+
+    def __init__(self, tokenizer, chat_template: str | None = None) -> None:
+        tpl = chat_template if chat_template is not None else tokenizer.chat_template
+        if isinstance(tpl, dict):  # named templates: the default one renders chats
+            tpl = tpl.get("default")
+        self.template = tpl
+        self.markers = bool(tpl) and bool(_GENERATION.search(tpl))
+        # apply_chat_template passes the special tokens (bos_token, eos_token, ...) to the template too
+        self._vars = dict(tokenizer.special_tokens_map)
+
+    def _render(self, messages: list[dict], gen_prompt: bool = False) -> str:
+        try:
+            text, _ = render_jinja_template([messages], chat_template=self.template, add_generation_prompt=gen_prompt, **self._vars)
+        except Exception as e:  # the template's own raise_exception, or a Jinja error
+            raise TemplateError(f"chat template failed: {e}") from None
+        return text[0]
+
+    def render(self, messages: list[dict]) -> tuple[str, list[Span]]:
+        """The whole conversation as text, and the character spans the loss mask covers."""
+        if not self.template:
+            raise TemplateError("the tokenizer has no chat template; pass --chat-template FILE")
+        if self.markers:
+            try:
+                text, spans = render_jinja_template(
+                    [messages], chat_template=self.template, return_assistant_tokens_mask=True, **self._vars
+                )
+            except Exception as e:
+                raise TemplateError(f"chat template failed: {e}") from None
+            return text[0], [(a, b) for a, b in spans[0]]
+        return self._by_prefixes(messages)
+
+    def _by_prefixes(self, messages: list[dict]) -> tuple[str, list[Span]]:
+        full = self._render(messages)
+        spans: list[Span] = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self._render(messages[:i], gen_prompt=True) if i else ""
+            upto = self._render(messages[: i + 1])
+            if not (full.startswith(upto) and upto.startswith(before)):
+                raise TemplateError(
+                    f"the chat template does not render the conversation up to message {i} as a prefix of the whole, "
+                    "so the assistant tokens cannot be found; add {% generation %} markers to the template"
+                )
+            end = len(upto.rstrip())
+            if end > len(before):
+                spans.append((len(before), end))
+        return full, spans
 
 
-def render_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    if tokenizer.chat_template is None:
-        raise TemplateError("the tokenizer has no chat template; pass --chat-template FILE")
-    if has_generation_markers(tokenizer):
-        enc = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        return list(enc["input_ids"]), [int(x) for x in enc["assistant_masks"]]
-    return _mask_by_prefixes(tokenizer, messages)
-
-
-def _render(tokenizer, messages: list[dict], gen_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen_prompt)
-
-
-def _mask_by_prefixes(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    full = _render(tokenizer, messages, False)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = _render(tokenizer, messages[:i], True) if i else ""
-        upto = _render(tokenizer, messages[: i + 1], False)
-        if not (full.startswith(before) and full.startswith(upto) and len(upto) >= len(before)):
-            raise TemplateError(
-                f"the chat template does not render turn {i} as a prefix of the whole conversation; "
-                "add {% generation %} markers to the template"
-            )
-        end = len(before) + len(full[len(before) : len(upto)].rstrip())
-        spans.append((len(before), end))
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    mask = np.zeros(len(enc["input_ids"]), np.uint8)
-    for t, (a, b) in enumerate(enc["offset_mapping"]):
-        if b > a and any(s <= a and b <= e for s, e in spans):
+def mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: Sequence[Span]) -> list[int]:
+    """1 for every token whose characters overlap a span (a token straddling a span's edge is
+    one the model emits, so it counts), 0 for the rest."""
+    mask = [0] * len(offsets)
+    if not spans:
+        return mask
+    j = 0
+    for t, (a, b) in enumerate(offsets):
+        while j < len(spans) and spans[j][1] <= a:
+            j += 1
+        if j == len(spans):
+            break
+        s, e = spans[j]
+        if b > a and a < e and b > s:
             mask[t] = 1
-    return list(enc["input_ids"]), mask.tolist()
+    return mask

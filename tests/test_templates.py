@@ -1,0 +1,207 @@
+"""Chat templates and loss masks, token by token, for four template styles written here, plus the
+tokenizer's own template with `{% generation %}` markers.
+
+Each expectation is a list of (text, mask) pieces cut where the tokenizer cuts anyway (special
+tokens, newlines, word starts), so encoding the pieces one by one gives the exact token ids the
+whole conversation must have, and the mask every one of those tokens must carry.
+"""
+
+import pytest
+from transformers import AutoTokenizer
+
+from producer.sources import BadRow, Row
+from producer.templates import ChatRenderer, TemplateError, mask_from_offsets
+from producer.tokenize import RowTokenizer
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3 = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+MISTRAL = (
+    "{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] + '\n\n' %}{% set msgs = messages[1:] %}"
+    "{% else %}{% set sys = '' %}{% set msgs = messages %}{% endif %}"
+    "{{ bos_token }}{% for m in msgs %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "{% if m['role'] == 'user' %}[INST] {{ (sys if loop.first else '') + m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+QWEN_DEFAULT_SYSTEM = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3_SPECIALS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+SYS = {"role": "system", "content": "Be brief."}
+TWO_TURNS = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "the model"},
+    {"role": "user", "content": "and?"},
+    {"role": "assistant", "content": "a data token."},
+]
+EMPTY_LAST = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    """The tiny tokenizer with Llama-3's header tokens added as special tokens."""
+    t = AutoTokenizer.from_pretrained(tiny_model)
+    t.add_special_tokens({"additional_special_tokens": LLAMA3_SPECIALS})
+    return t
+
+
+def expected(tok, pieces):
+    ids, mask = [], []
+    for text, m in pieces:
+        e = tok.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        ids += e
+        mask += [m] * len(e)
+    return ids, mask
+
+
+def check(tok, template, messages, pieces):
+    s = RowTokenizer(tok, chat_template=template).one(Row({"messages": messages}, "t:1"))
+    assert not isinstance(s, BadRow), s
+    ids, mask = expected(tok, pieces)
+    assert s.input_ids.tolist() == ids
+    assert s.loss_mask.tolist() == mask
+    return s
+
+
+def test_chatml_multi_turn_with_system(tok):
+    check(tok, CHATML, [SYS, *TWO_TURNS], [
+        ("<|im_start|>system\nBe brief.<|im_end|>\n", 0),
+        ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("the model<|im_end|>", 1),
+        ("\n<|im_start|>user\nand?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("a data token.<|im_end|>", 1),
+        ("\n", 0),
+    ])
+
+
+def test_chatml_token_strings(tok):
+    """The same thing spelled as token strings, for one short chat: headers 0, content and <|im_end|> 1."""
+    s = RowTokenizer(tok, chat_template=CHATML).one(Row({"messages": TWO_TURNS[:2]}, "t:1"))
+    pairs = [(tok.convert_ids_to_tokens(int(i)), int(m)) for i, m in zip(s.input_ids, s.loss_mask)]
+    assert pairs == [
+        ("<|im_start|>", 0), ("u", 0), ("s", 0), ("er", 0), ("Ċ", 0), ("h", 0), ("i", 0), ("<|im_end|>", 0), ("Ċ", 0),
+        ("<|im_start|>", 0), ("a", 0), ("s", 0), ("s", 0), ("i", 0), ("s", 0), ("ta", 0), ("n", 0), ("t", 0), ("Ċ", 0),
+        ("t", 1), ("h", 1), ("e", 1), ("Ġmodel", 1), ("<|im_end|>", 1), ("Ċ", 0),
+    ]
+
+
+def test_llama3_headers(tok):
+    check(tok, LLAMA3, [SYS, *TWO_TURNS], [
+        ("<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>", 0),
+        ("<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>", 0),
+        ("<|start_header_id|>assistant<|end_header_id|>\n\n", 0),
+        ("the model<|eot_id|>", 1),
+        ("<|start_header_id|>user<|end_header_id|>\n\nand?<|eot_id|>", 0),
+        ("<|start_header_id|>assistant<|end_header_id|>\n\n", 0),
+        ("a data token.<|eot_id|>", 1),
+    ])
+
+
+def test_mistral_inst(tok):
+    """System prompt folded into the first [INST]; the assistant's leading space and </s> are its tokens."""
+    check(tok, MISTRAL, [SYS, *TWO_TURNS], [
+        ("<s>[INST] Be brief.\n\nhi [/INST]", 0),
+        (" the model</s>", 1),
+        ("[INST] and? [/INST]", 0),
+        (" a data token.</s>", 1),
+    ])
+
+
+def test_mistral_template_error_is_a_bad_row(tok):
+    r = RowTokenizer(tok, chat_template=MISTRAL).one(Row({"messages": [TWO_TURNS[1]]}, "t:9"))
+    assert isinstance(r, BadRow)
+    assert str(r) == "t:9: chat template failed: roles must alternate user/assistant"
+
+
+def test_default_system_prompt(tok):
+    """The template adds its own system prompt when the chat has none: never masked."""
+    check(tok, QWEN_DEFAULT_SYSTEM, TWO_TURNS, [
+        ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n", 0),
+        ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("the model<|im_end|>", 1),
+        ("\n<|im_start|>user\nand?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("a data token.<|im_end|>", 1),
+        ("\n", 0),
+    ])
+    check(tok, QWEN_DEFAULT_SYSTEM, [SYS, *TWO_TURNS[:2]], [
+        ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("the model<|im_end|>", 1),
+        ("\n", 0),
+    ])
+
+
+@pytest.mark.parametrize(
+    "template,pieces",
+    [
+        (CHATML, [("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", 0), ("<|im_end|>", 1), ("\n", 0)]),
+        (LLAMA3, [("<s><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>", 0),
+                  ("<|start_header_id|>assistant<|end_header_id|>\n\n", 0), ("<|eot_id|>", 1)]),
+        (MISTRAL, [("<s>[INST] hi [/INST]", 0), (" </s>", 1)]),
+    ],
+    ids=["chatml", "llama3", "mistral"],
+)
+def test_empty_assistant_turn_masks_only_its_end_of_turn(tok, template, pieces):
+    check(tok, template, EMPTY_LAST, pieces)
+
+
+def test_generation_markers_are_used_when_present(tok, tokenizer):
+    """The demo tokenizer's ChatML template marks assistant turns with {% generation %}: the same mask
+    as transformers' own assistant mask, content and <|im_end|> only."""
+    msgs = [SYS, *TWO_TURNS]
+    r = ChatRenderer(tokenizer)
+    assert r.markers
+    s = RowTokenizer(tokenizer).one(Row({"messages": msgs}, "t:1"))
+    enc = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert s.input_ids.tolist() == list(enc["input_ids"])
+    assert s.loss_mask.tolist() == list(enc["assistant_masks"])
+    ids, mask = expected(tokenizer, [
+        ("<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("the model<|im_end|>", 1),  # trim_blocks eats the newline after {% endgeneration %}
+        ("<|im_start|>user\nand?<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("a data token.<|im_end|>", 1),
+    ])
+    assert (s.input_ids.tolist(), s.loss_mask.tolist()) == (ids, mask)
+
+
+def test_prefix_derivation_agrees_with_markers(tokenizer):
+    """The same ChatML rendering without markers: prefix comparison finds the very same mask."""
+    # (an empty block in place of each marker keeps the rendering identical: trim_blocks still applies)
+    no_markers = tokenizer.chat_template.replace("{% generation %}", "{% if true %}{% endif %}").replace(
+        "{% endgeneration %}", "{% if true %}{% endif %}"
+    )
+    msgs = [SYS, *TWO_TURNS]
+    a = RowTokenizer(tokenizer).one(Row({"messages": msgs}, "t:1"))
+    b = RowTokenizer(tokenizer, chat_template=no_markers).one(Row({"messages": msgs}, "t:1"))
+    assert not ChatRenderer(tokenizer, no_markers).markers
+    assert (a.input_ids.tolist(), a.loss_mask.tolist()) == (b.input_ids.tolist(), b.loss_mask.tolist())
+
+
+def test_template_that_rewrites_earlier_turns_is_refused(tok):
+    counting = "{{ messages | length }}" + CHATML  # every prefix renders a different head
+    r = RowTokenizer(tok, chat_template=counting).one(Row({"messages": TWO_TURNS}, "t:3"))
+    assert str(r) == (
+        "t:3: the chat template does not render the conversation up to message 1 as a prefix of the whole, "
+        "so the assistant tokens cannot be found; add {% generation %} markers to the template"
+    )
+
+
+def test_no_chat_template(tok):
+    r = RowTokenizer(tok, chat_template="").one(Row({"messages": TWO_TURNS}, "t:4"))
+    assert str(r) == "t:4: the tokenizer has no chat template; pass --chat-template FILE"
+
+
+def test_mask_from_offsets_counts_straddling_tokens():
+    offsets = [(0, 3), (3, 6), (6, 9), (9, 9), (9, 12)]
+    assert mask_from_offsets(offsets, [(4, 7)]) == [0, 1, 1, 0, 0]
+    assert mask_from_offsets(offsets, [(0, 3), (9, 12)]) == [1, 0, 0, 0, 1]
+    assert mask_from_offsets(offsets, []) == [0, 0, 0, 0, 0]
