@@ -48,22 +48,35 @@ def _open_binary(path: str) -> io.BufferedIOBase:
     return open(path, "rb")
 
 
+def _lines(path: str) -> Iterator[tuple[int, bytes | BadRow]]:
+    """Numbered lines; a truncated or corrupt file ends with one BadRow at the line it broke."""
+    lineno = 0
+    try:
+        with _open_binary(path) as f:
+            for lineno, raw in enumerate(f, 1):
+                yield lineno, raw
+    except (EOFError, OSError) as e:  # gzip/zstd errors are OSError subclasses or EOFError
+        yield lineno + 1, BadRow(f"{path}:{lineno + 1}", f"file unreadable from here on ({type(e).__name__}: {e})")
+
+
 def read_jsonl(path: str) -> Iterator[Row | BadRow]:
     """Stream a JSONL file line by line; blank lines are skipped, broken ones reported."""
-    with _open_binary(path) as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield BadRow(where, f"not UTF-8 ({e.reason} at byte {e.start})")
-                continue
-            try:
-                yield Row(json.loads(text), where)
-            except json.JSONDecodeError as e:
-                yield BadRow(where, f"invalid JSON ({e.msg} at column {e.colno})")
+    for lineno, raw in _lines(path):
+        if isinstance(raw, BadRow):
+            yield raw
+            return
+        where = f"{path}:{lineno}"
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield BadRow(where, f"not UTF-8 ({e.reason} at byte {e.start})")
+            continue
+        try:
+            yield Row(json.loads(text), where)
+        except json.JSONDecodeError as e:
+            yield BadRow(where, f"invalid JSON ({e.msg} at column {e.colno})")
 
 
 def _is_hf_dataset(path: str) -> bool:
