@@ -33,7 +33,7 @@ from harvest.ledger import DONE, Ledger
 from harvest.runstore import run_location
 from harvest.shard import SHARDS, ShardPlan, index_file, plan_shard, shard_file, write_shard
 from harvest.spool import SpoolEntry, SpoolError, inspect_sample, list_spooled, spool_path
-from harvest.storage import retry
+from harvest.storage import StorageError, retry
 
 log = logging.getLogger("harvest.collector")
 
@@ -87,8 +87,12 @@ class Collector:
         if raw is None:
             return
         rec = json.loads(raw)
-        log.info("resuming shard %s (%d samples)", rec["shard_id"], len(rec["sample_ids"]))
-        self._commit(rec["sample_ids"], resumed_shard=check_id(rec["shard_id"], "shard id"))
+        shard_id = check_id(rec["shard_id"], "shard id")
+        log.info("resuming shard %s (%d samples)", shard_id, len(rec["sample_ids"]))
+        name = shard_file(shard_id)
+        if self._retry(lambda: self.out.abort_uploads(name), f"aborting unfinished uploads of {self.out.path(name)}"):
+            log.info("aborted the unfinished upload of %s left by the previous collector", name)
+        self._commit(rec["sample_ids"], resumed_shard=shard_id)
 
     def _inspect(self, sid: str, path: str) -> SpoolEntry:
         c = self.cfg
@@ -177,15 +181,18 @@ class Collector:
 
     def _upload(self, plan: ShardPlan) -> None:
         """Shard bytes into a local temp file, the file up whole, then the index (the commit)."""
-        os.makedirs(self.stage, exist_ok=True)
         tmp = self._temp_path(plan.shard_id)
         name = shard_file(plan.shard_id)
         try:
-            with open(tmp, "wb") as f:
-                sha = write_shard(plan, f, progress=lambda _: self._crash("packing"))
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
+            try:
+                os.makedirs(self.stage, exist_ok=True)
+                with open(tmp, "wb") as f:
+                    sha = write_shard(plan, f, progress=lambda _: self._crash("packing"))
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.chmod(tmp, 0o644)
+            except OSError as e:  # disk full, read-only, not a folder: as persistent as storage errors
+                raise StorageError(f"packing {tmp} failed: {type(e).__name__}: {e}") from e
             self._crash("packed")
             self._retry(
                 lambda: self.out.put_file(tmp, name, self.part_bytes, progress=lambda _: self._crash("uploading")),
@@ -223,5 +230,5 @@ class Collector:
 def _unlink(path: str) -> None:
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         pass

@@ -152,29 +152,56 @@ def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_time
         _fail(str(e))
 
 
+def _s3_env(endpoint: str | None, region: str | None) -> None:
+    """S3 flags override the environment for this process and the ones it starts."""
+    if endpoint:
+        os.environ["HARVEST_S3_ENDPOINT"] = endpoint
+    if region:
+        os.environ["HARVEST_S3_REGION"] = region
+
+
+s3_endpoint_option = click.option("--s3-endpoint", default=None,
+                                  help="S3-compatible endpoint URL (MinIO, Ceph...); else HARVEST_S3_ENDPOINT / AWS_ENDPOINT_URL. "
+                                       "Credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
+s3_region_option = click.option("--s3-region", default=None, help="S3 region; else AWS_REGION / AWS_DEFAULT_REGION.")
+
+
 @main.command("collect")
 @run_option
 @redis_option
 @click.option("--spool-dir", required=True, type=click.Path())
 @click.option("--max-wait", default=60.0, show_default=True, help="Commit a partial shard once its oldest sample is this old (s).")
+@click.option("--shard-mb", default=None, type=click.IntRange(1), help="Target shard size in MiB (default: the run's).")
+@click.option("--part-mb", default=None, type=click.IntRange(5), help="Multipart upload part size in MiB (default: s3fs's, 50).")
 @click.option("--node", default=None, help="Node name (default: host name).")
-def collect_cmd(run, redis_url, spool_dir, max_wait, node) -> None:
+@click.option("--burst", is_flag=True, help="Commit what is spooled now, then exit.")
+@s3_endpoint_option
+@s3_region_option
+def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, node, burst, s3_endpoint, s3_region) -> None:
     """Pack this node's spool into shards and commit them to the run's output."""
     import redis as redislib
 
     from collector.collector import Collector
     from harvest.config import ConfigError
     from harvest.runstore import load_run
+    from harvest.storage import StorageError
 
+    _s3_env(s3_endpoint, s3_region)
     conn = redislib.Redis.from_url(redis_url)
     try:
         cfg = load_run(conn, run)
     except ConfigError as e:
         _fail(str(e))
-    stop = {"now": False}
+    stop = {"now": burst}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
     os.makedirs(spool_dir, mode=0o700, exist_ok=True)
-    Collector(conn, cfg, spool_dir, node=node, max_wait=max_wait).run(lambda: stop["now"])
+    collector = Collector(conn, cfg, spool_dir, node=node, max_wait=max_wait,
+                          shard_bytes=shard_mb << 20 if shard_mb else None, part_bytes=part_mb << 20 if part_mb else None)
+    try:
+        collector.run(lambda: stop["now"])
+    except StorageError as e:
+        _fail(f"collector stopped: {e}. The spool in {spool_dir} is intact and the shard in progress is recorded "
+              "in Redis; fix the storage and restart `harvest collect` to finish it.")
 
 
 @main.command("engine")
@@ -203,16 +230,50 @@ def engine_cmd(model, dump_dir, host, port, layers, chunked_prefill_size) -> Non
 @main.command("reconcile")
 @run_option
 @redis_option
-def reconcile_cmd(run, redis_url) -> None:
+@click.option("--out", "out_url", default=None,
+              help="The run's output URL; needed when Redis lost the run (its run.json is read from there).")
+@s3_endpoint_option
+@s3_region_option
+def reconcile_cmd(run, redis_url, out_url, s3_endpoint, s3_region) -> None:
     """Rebuild the Redis done-set of RUN from the index files in storage."""
     import redis as redislib
 
-    from harvest.reconcile import reconcile
+    from harvest.config import ConfigError
+    from harvest.reconcile import reconcile, restore_run
     from harvest.runstore import load_run
+    from harvest.storage import StorageError
 
+    _s3_env(s3_endpoint, s3_region)
     conn = redislib.Redis.from_url(redis_url)
-    n = reconcile(conn, load_run(conn, run))
+    try:
+        cfg = restore_run(conn, run, out_url) if out_url else load_run(conn, run)
+        n = reconcile(conn, cfg)
+    except (ConfigError, StorageError) as e:
+        _fail(str(e))
     click.echo(f"marked {n} samples done from storage")
+
+
+@main.command("export")
+@click.option("--run-url", required=True, help="The run's output folder: <out>/<run> (local path or fsspec URL).")
+@click.option("--format", "fmt", required=True, type=click.Choice(["specforge", "speculators"]))
+@click.argument("dest", type=click.Path())
+@click.option("--dtype", "dtype", default=None, type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="Hidden-state dtype of the files (default: the run's; fp8 runs export bf16).")
+@click.option("--no-progress", is_flag=True)
+@s3_endpoint_option
+@s3_region_option
+def export_cmd(run_url, fmt, dest, dtype, no_progress, s3_endpoint, s3_region) -> None:
+    """Write one file per sample of a run in the layout a drafter trainer reads (idempotent)."""
+    from harvest.config import STORAGE_DTYPES, ConfigError
+    from harvest.dataset import NoFinalState
+    from harvest.export import export_run
+
+    _s3_env(s3_endpoint, s3_region)
+    try:
+        rep = export_run(run_url, fmt, dest, dtype=STORAGE_DTYPES[dtype] if dtype else None, progress=not no_progress)
+    except (ConfigError, NoFinalState, OSError) as e:
+        _fail(str(e))
+    click.echo(f"exported {rep.written} samples to {dest} ({rep.skipped} already there)")
 
 
 @main.command("sglang-args")

@@ -18,7 +18,6 @@ from harvest.spool import SCALE
 from harvest.stformat import FormatError, TensorSpan, header_length, parse_header, tensor_from_bytes
 from harvest.storage import Location
 
-_FIRST_READ = 64 << 10
 _SMALL = ("input_ids", "loss_mask", "offsets")
 
 
@@ -28,7 +27,8 @@ class ShardReader:
     def __init__(self, loc: Location, index: dict) -> None:
         self.loc, self.index = loc, index
         self.name: str = index["shard"]
-        head = loc.read_range(self.name, 0, _FIRST_READ)
+        # The header is ~0.5 KiB plus the sample ids (35 bytes each): guess, so one read usually does.
+        head = loc.read_range(self.name, 0, 1024 + 40 * len(index["samples"]))
         try:
             n = header_length(head, self.name)
             raw = head[8 : 8 + n] if len(head) >= 8 + n else loc.read_range(self.name, 8, 8 + n)

@@ -88,14 +88,16 @@ def is_transient(e: BaseException) -> bool:
 
 
 def retry(fn: Callable[[], T], what: str, attempts: int = 5, base_delay: float = 0.5, max_delay: float = 20.0) -> T:
-    """`fn()` with transient failures retried (exponential backoff); anything else, or the last
-    failure, raised as a StorageError naming `what`."""
+    """`fn()` with transient failures retried (exponential backoff); a persistent storage
+    failure (OSError), or the last transient one, raised as a StorageError naming `what`."""
     for i in range(1, attempts + 1):
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - classified below
             if not is_transient(e):
-                raise StorageError(f"{what} failed: {type(e).__name__}: {e}") from e
+                if isinstance(e, OSError):
+                    raise StorageError(f"{what} failed: {type(e).__name__}: {e}") from e
+                raise  # not a storage problem (a bad document, a bug): as it is
             if i == attempts:
                 raise StorageError(f"{what} failed after {attempts} attempts: {type(e).__name__}: {e}") from e
             delay = min(max_delay, base_delay * 2 ** (i - 1))
@@ -208,6 +210,22 @@ class Location:
             kwargs["callback"] = _Progress(progress)
         self.fs.put_file(local, path, **kwargs)
 
+    def abort_uploads(self, name: str) -> int:
+        """Abort unfinished multipart uploads of `name` (left by an uploader killed mid-upload):
+        never visible as an object, but their parts are stored and billed until aborted.
+        Returns how many were aborted; 0 on stores without multipart uploads."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:
+            return 0
+        bucket, key, _ = self.fs.split_path(self.path(name))
+        uploads = call("list_multipart_uploads", Bucket=bucket, Prefix=key).get("Uploads") or []
+        n = 0
+        for u in uploads:
+            if u["Key"] == key:
+                call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=u["UploadId"])
+                n += 1
+        return n
+
     def modified(self, name: str) -> float | None:
         """Last-modified time (Unix seconds) of `name`, None if the store does not say."""
         try:
@@ -229,7 +247,8 @@ class _Progress(fsspec.callbacks.Callback):
         self._fn = fn
 
     def call(self, *args, **kwargs) -> None:
-        self._fn(self.value)
+        if self.value:  # set_size() calls too, before any byte is sent
+            self._fn(self.value)
 
 
 def _copy_local_atomic(src: str, dst: str, progress: Callable[[int], None] | None) -> None:

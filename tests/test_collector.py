@@ -1,0 +1,122 @@
+"""The collector on real Redis and a local (file://) output: packing by size and age, the
+commit sequence, bad spool files, retries and the stop on persistent storage errors."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from collector.collector import Collector
+from harvest.ledger import Ledger
+from harvest.reader import RunReader
+from harvest.runstore import publish_run
+from harvest.shard import INDEX, SHARDS
+from harvest.spool import list_spooled
+from harvest.storage import StorageError, retry
+from tests.synth import make_config, spool_samples
+
+
+def _setup(conn, tmp_path, lengths, **cfg_kw):
+    cfg = publish_run(conn, make_config(f"file://{tmp_path / 'out'}", **cfg_kw))
+    spool = str(tmp_path / "spool")
+    samples = spool_samples(spool, cfg, lengths)
+    ledger = Ledger(conn, cfg.run)
+    ids = [s.id for s in samples]
+    ledger.add_queued(ids)
+    ledger.mark_spooled(ids)
+    return cfg, spool, samples, ledger
+
+
+def _greedy(sizes, target):
+    groups, cur, total = [], [], 0
+    for i, n in enumerate(sizes):
+        if cur and total + n > target:
+            groups.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += n
+    return groups + [cur]
+
+
+def test_packs_by_target_bytes_and_commits_in_order(conn, tmp_path):
+    lengths = [30, 5, 70, 12, 50, 1, 44, 9, 60, 25]
+    cfg, spool, samples, ledger = _setup(conn, tmp_path, lengths)
+    sizes = {sid: size for sid, _, size in list_spooled(spool)}
+    order = [sid for sid, _, _ in list_spooled(spool)]  # oldest first
+    target = 3 * max(sizes.values())
+    c = Collector(conn, cfg, spool, node="n1", shard_bytes=target)
+    while c.step(force=True):
+        pass
+    out = tmp_path / "out" / "r"
+    indexes = [json.loads((out / INDEX / n).read_text()) for n in sorted(os.listdir(out / INDEX))]
+    expected_groups = [[order[i] for i in g] for g in _greedy([sizes[s] for s in order], target)]
+    assert sorted(d["samples"] for d in indexes) == sorted(expected_groups)
+    assert sorted(os.listdir(out / SHARDS)) == sorted(f"{d['shard_id']}.safetensors" for d in indexes)
+    for d in indexes:
+        assert d["bytes"] == os.path.getsize(out / d["shard"])
+    assert ledger.counts() == {"queued": 0, "spooled": 0, "done": 10, "failed": 0, "total": 10}
+    assert ledger.stats()["shards"] == len(expected_groups) and ledger.stats()["tokens_done"] == sum(lengths)
+    assert os.listdir(spool) == [] and conn.get(c.packing_key) is None
+    reader = RunReader(f"file://{out}")
+    for s in samples:
+        got = reader.get(s.id)
+        assert torch.equal(got["input_ids"], s.input_ids) and torch.equal(got["loss_mask"], s.loss_mask)
+        assert torch.equal(got["hidden_states"], s.hidden_states)
+
+
+def test_partial_shard_waits_for_max_wait_while_work_is_queued(conn, tmp_path):
+    cfg, spool, samples, ledger = _setup(conn, tmp_path, [4, 6])
+    ledger.add_queued(["f" * 32])  # a sample still being extracted somewhere
+    c = Collector(conn, cfg, spool, node="n1", max_wait=600)
+    assert c.step() == 0 and len(os.listdir(spool)) == 2
+    old = os.stat(list_spooled(spool)[0][1]).st_mtime - 601
+    for _, path, _ in list_spooled(spool):
+        os.utime(path, (old, old))
+    assert c.step() == 2
+    assert ledger.counts()["done"] == 2 and ledger.counts()["queued"] == 1
+
+
+def test_bad_spool_file_fails_its_sample_and_is_kept_aside(conn, tmp_path):
+    cfg, spool, samples, ledger = _setup(conn, tmp_path, [4, 6, 8])
+    bad = os.path.join(spool, f"{samples[1].id}.safetensors")
+    with open(bad, "r+b") as f:
+        f.truncate(5)
+    c = Collector(conn, cfg, spool, node="n1")
+    assert c.step(force=True) == 2
+    assert ledger.states([s.id for s in samples]) == ["d", "f", "d"]
+    fail = ledger.failures()[samples[1].id]
+    assert fail == {"reason": "bad-spool", "message": f"{bad}: unreadable spool file ({bad}: shorter than a safetensors header)"}
+    assert sorted(os.listdir(spool)) == [f".bad-{samples[1].id}.safetensors"]
+
+
+def test_persistent_storage_error_stops_with_spool_and_record_intact(conn, tmp_path):
+    cfg, spool, samples, ledger = _setup(conn, tmp_path, [3, 5])
+    c = Collector(conn, cfg, spool, node="n1", retry_delay=0.01)
+    shards = tmp_path / "out" / "r" / SHARDS
+    os.rmdir(shards)
+    shards.write_text("not a folder")  # every write below it fails with ENOTDIR
+    with pytest.raises(StorageError, match=r"^packing .*/shards/\.tmp-n1-[0-9a-f]{32}\.safetensors failed: FileExistsError: "):
+        c.step(force=True)
+    assert len(list_spooled(spool)) == 2
+    assert ledger.counts()["spooled"] == 2
+    rec = json.loads(conn.get(c.packing_key))
+    assert rec["sample_ids"] == [sid for sid, _, _ in list_spooled(spool)]
+
+
+def test_retry_backs_off_on_transient_errors_only():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionResetError("connection reset by peer")
+        return "ok"
+
+    assert retry(flaky, "upload of x", base_delay=0.001) == "ok" and len(calls) == 3
+    with pytest.raises(StorageError, match=r"^upload of x failed after 2 attempts: TimeoutError: slow$"):
+        retry(lambda: (_ for _ in ()).throw(TimeoutError("slow")), "upload of x", attempts=2, base_delay=0.001)
+    with pytest.raises(StorageError, match=r"^writing y failed: PermissionError: denied$"):
+        retry(lambda: (_ for _ in ()).throw(PermissionError("denied")), "writing y", base_delay=0.001)
+    with pytest.raises(KeyError):  # not a storage error: passes through unchanged
+        retry(lambda: {}["k"], "reading z")

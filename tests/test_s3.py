@@ -1,0 +1,190 @@
+"""The output on a real S3 protocol server (moto's): whole-object uploads, range reads,
+retries, the stop on a persistent error, and reconcile from the index files."""
+
+import json
+import os
+
+import boto3
+import pytest
+import torch
+
+from collector.collector import Collector
+from harvest.ledger import Ledger
+from harvest.reader import RunReader
+from harvest.runstore import publish_run
+from harvest.shard import INDEX, SHARDS, index_file, shard_file
+from harvest.spool import list_spooled
+from harvest.storage import Location
+from tests.conftest import harvest_cli
+from tests.synth import make_config, spool_samples
+
+
+def _setup(conn, tmp_path, out_url, lengths, **kw):
+    cfg = publish_run(conn, make_config(out_url, **kw))
+    spool = str(tmp_path / "spool")
+    samples = spool_samples(spool, cfg, lengths)
+    ids = [s.id for s in samples]
+    Ledger(conn, cfg.run).add_queued(ids)
+    Ledger(conn, cfg.run).mark_spooled(ids)
+    return cfg, spool, samples
+
+
+def _s3(endpoint):
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+
+
+def test_commit_to_s3_then_read_samples_by_byte_ranges(conn, tmp_path, s3_bucket):
+    lengths = [7, 300, 1, 64, 150, 33, 90, 12]
+    cfg, spool, samples = _setup(conn, tmp_path, f"{s3_bucket}/out", lengths, dtype="fp16")
+    c = Collector(conn, cfg, spool, node="n1", shard_bytes=60_000)
+    while c.step(force=True):
+        pass
+    loc = Location.from_url(f"{s3_bucket}/out/r")
+    shards, indexes = loc.list(SHARDS), loc.list(INDEX)
+    assert len(shards) >= 2 and [s.removesuffix(".safetensors") for s in shards] == [i.removesuffix(".json") for i in indexes]
+    for name in indexes:
+        doc = loc.read_json(f"{INDEX}/{name}")
+        assert loc.size(doc["shard"]) == doc["bytes"]
+    assert Ledger(conn, "r").counts()["done"] == len(lengths) and list_spooled(spool) == []
+
+    reader = RunReader(f"{s3_bucket}/out/r")
+    fetched = []
+    real_cat = reader.loc.fs.cat_file
+
+    def spy(path, start=None, end=None, **kw):
+        fetched.append((path, start, end))
+        return real_cat(path, start=start, end=end, **kw)
+
+    reader.loc.fs.cat_file = spy
+    docs = [loc.read_json(f"{INDEX}/{n}") for n in indexes]
+    doc = max(docs, key=lambda d: len(d["samples"]))
+    assert len(doc["samples"]) >= 3
+    i = 1
+    want = next(s for s in samples if s.id == doc["samples"][i])
+    got = reader.get(want.id)
+    assert torch.equal(got["hidden_states"], want.hidden_states) and torch.equal(got["input_ids"], want.input_ids)
+    shard_reads = [(s, e) for p, s, e in fetched if p.endswith(doc["shard"])]
+    spans = reader._shard(doc["shard_id"]).tensors
+    a, b = doc["offsets"][i], doc["offsets"][i + 1]
+    rows = spans["hidden_states"].begin + a * 128, spans["hidden_states"].begin + b * 128
+    # one header read, the small per-token tensors whole, and exactly this sample's rows: ranged GETs only
+    assert shard_reads[0] == (0, 1024 + 40 * len(doc["samples"]))  # the header (and a little more)
+    assert sorted(shard_reads[1:]) == sorted(
+        [(spans[n].begin, spans[n].end) for n in ("input_ids", "loss_mask", "offsets")] + [rows]
+    )
+    fetched.clear()
+    reader.get(doc["samples"][0])
+    assert [(s, e) for p, s, e in fetched] == [(spans["hidden_states"].begin, spans["hidden_states"].begin + doc["tokens"][0] * 128)]
+    for s in samples:  # every sample, exact, in the stored dtype and upcast on request
+        got = reader.get(s.id)
+        assert got["hidden_states"].dtype == torch.float16 and torch.equal(got["hidden_states"], s.hidden_states)
+        assert torch.equal(reader.get(s.id, torch.float32)["hidden_states"], s.hidden_states.float())
+
+
+def test_upload_failing_midway_leaves_no_object_and_no_pending_parts(tmp_path, s3_bucket, s3_endpoint):
+    local = tmp_path / "big.bin"
+    local.write_bytes(os.urandom(12 << 20))
+    loc = Location.from_url(f"{s3_bucket}/out")
+    sent = []
+
+    def fail_after_first_part(n):
+        sent.append(n)
+        raise ConnectionAbortedError("link dropped after the first part")
+
+    with pytest.raises(ConnectionAbortedError, match="link dropped after the first part"):
+        loc.put_file(str(local), "shards/x.safetensors", part_bytes=5 << 20, progress=fail_after_first_part)
+    # one part of the three-part upload (5 + 5 + 2 MiB, sent concurrently) had gone up when it failed
+    assert len(sent) == 1 and sent[0] in (5 << 20, 2 << 20)
+    bucket = s3_bucket.removeprefix("s3://")
+    assert _s3(s3_endpoint).list_objects_v2(Bucket=bucket).get("KeyCount") == 0
+    assert not loc.exists("shards/x.safetensors")
+    assert _s3(s3_endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []  # s3fs aborted it
+    # and the same call without the failure stores the whole file
+    loc.put_file(str(local), "shards/x.safetensors", part_bytes=5 << 20)
+    assert loc.read_bytes("shards/x.safetensors") == local.read_bytes()
+
+
+def test_unfinished_multipart_upload_of_a_killed_collector_is_aborted_on_resume(conn, tmp_path, s3_bucket, s3_endpoint):
+    cfg, spool, samples = _setup(conn, tmp_path, f"{s3_bucket}/out", [3, 4])
+    c = Collector(conn, cfg, spool, node="n1")
+    ids = [sid for sid, _, _ in list_spooled(spool)]
+    from harvest.ids import shard_id_for
+
+    sid = shard_id_for(ids)
+    bucket = s3_bucket.removeprefix("s3://")
+    key = f"out/r/{shard_file(sid)}"
+    _s3(s3_endpoint).create_multipart_upload(Bucket=bucket, Key=key)  # what a SIGKILL mid-upload leaves
+    conn.set(c.packing_key, json.dumps({"shard_id": sid, "sample_ids": ids}))
+    c.resume()
+    assert _s3(s3_endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert Location.from_url(f"{s3_bucket}/out/r").read_json(index_file(sid))["samples"] == ids
+
+
+def test_transient_upload_errors_are_retried(conn, tmp_path, s3_bucket):
+    cfg, spool, samples = _setup(conn, tmp_path, f"{s3_bucket}/out", [5, 6])
+    c = Collector(conn, cfg, spool, node="n1", retry_delay=0.01)
+    real_put, calls = c.out.fs.put_file, []
+
+    def flaky_put(*a, **kw):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise ConnectionResetError("connection reset by peer")
+        return real_put(*a, **kw)
+
+    c.out.fs.put_file = flaky_put
+    try:
+        assert c.step(force=True) == 2
+    finally:
+        del c.out.fs.put_file
+    assert len(calls) == 3 and Ledger(conn, "r").counts()["done"] == 2
+
+
+def test_collect_cli_stops_on_missing_bucket_then_finishes_the_recorded_shard(conn, redis_server, tmp_path, s3_bucket, s3_endpoint):
+    cfg, spool, samples = _setup(conn, tmp_path, f"{s3_bucket}/out", [3, 5, 8])
+    bucket = s3_bucket.removeprefix("s3://")
+    s3 = _s3(s3_endpoint)
+    s3.delete_object(Bucket=bucket, Key="out/r/run.json")
+    s3.delete_bucket(Bucket=bucket)
+    args = ["collect", "--run", "r", "--redis", redis_server.url, "--spool-dir", spool, "--burst", "--node", "n1",
+            "--s3-endpoint", s3_endpoint]
+    res = harvest_cli(*args, env={"HARVEST_S3_ENDPOINT": "http://127.0.0.1:1"})  # the flag wins over the environment
+    ids = [sid for sid, _, _ in list_spooled(spool)]
+    from harvest.ids import shard_id_for
+
+    sid = shard_id_for(ids)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith(
+        f"harvest: error: collector stopped: upload of {bucket}/out/r/shards/{sid}.safetensors failed: FileNotFoundError: "
+    ), res.stderr
+    assert res.stderr.rstrip().endswith(
+        f"The spool in {spool} is intact and the shard in progress is recorded in Redis; "
+        "fix the storage and restart `harvest collect` to finish it."
+    )
+    assert len(list_spooled(spool)) == 3 and Ledger(conn, "r").counts()["spooled"] == 3
+    assert json.loads(conn.get(Ledger(conn, "r").keys.packing("n1"))) == {"shard_id": sid, "sample_ids": ids}
+
+    s3.create_bucket(Bucket=bucket)
+    res = harvest_cli(*args)
+    assert res.returncode == 0, res.stderr
+    assert Location.from_url(f"{s3_bucket}/out/r").read_json(index_file(sid))["samples"] == ids
+    assert Ledger(conn, "r").counts()["done"] == 3 and list_spooled(spool) == []
+
+
+def test_reconcile_rebuilds_the_done_set_from_s3_index_files(conn, redis_server, tmp_path, s3_bucket):
+    cfg, spool, samples = _setup(conn, tmp_path, f"{s3_bucket}/out", [4, 9, 2, 7], shard_bytes=1)
+    c = Collector(conn, cfg, spool, node="n1")
+    while c.step(force=True):
+        pass
+    loc = Location.from_url(f"{s3_bucket}/out/r")
+    loc.write_atomic(f"{SHARDS}/{'e' * 32}.safetensors", b"uncommitted: no index file")
+    conn.flushall()  # Redis lost
+    res = harvest_cli("reconcile", "--run", "r", "--redis", redis_server.url)
+    assert res.returncode == 2 and "run 'r' is not in Redis" in res.stderr
+    res = harvest_cli("reconcile", "--run", "r", "--redis", redis_server.url, "--out", f"{s3_bucket}/out")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == "marked 4 samples done from storage\n"
+    ledger = Ledger(conn, "r")
+    assert ledger.counts() == {"queued": 0, "spooled": 0, "done": 4, "failed": 0, "total": 4}
+    assert ledger.states([s.id for s in samples]) == ["d"] * 4
+    res = harvest_cli("reconcile", "--run", "r", "--redis", redis_server.url)
+    assert res.returncode == 0 and res.stdout == "marked 0 samples done from storage\n"
