@@ -105,31 +105,57 @@ def demo_cmd(out_dir: str, workers: int) -> None:
 @click.option("--out", "out_url", default=None, help="Output URL (needed when the run is new).")
 @click.option("--layers", default="eagle3", show_default=True)
 @click.option("--dtype", "storage_dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp16", "fp32"]))
-@click.option("--max-queued", default=20000, show_default=True, type=click.IntRange(1))
+@click.option("--max-queued", default=20000, show_default=True, type=click.IntRange(1),
+              help="Samples queued or in flight at most; the producer waits while the queue is full.")
+@click.option("--field", "fields", multiple=True, metavar="NAME=COLUMN",
+              help="Read a field from another column, e.g. text=content (repeatable).")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Jinja chat template file (default: the tokenizer's).")
+@click.option("--max-len", type=click.IntRange(1), default=None, help="Longest sample in tokens.")
+@click.option("--overlong", type=click.Choice(["skip", "truncate"]), default="skip", show_default=True,
+              help="What to do with samples over --max-len (skipped ones are reported).")
+@click.option("--dry-run", is_flag=True, help="Tokenize and count; enqueue nothing (with --model, no Redis needed).")
 @click.option("--strict", is_flag=True, help="Stop at the first bad row.")
-def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, strict) -> None:
-    """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded)."""
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, fields, chat_template,
+                max_len, overlong, dry_run, strict, progress) -> None:
+    """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded).
+
+    Exit status: 0, 1 when some rows were bad (each is reported with its file and line), 2 on errors.
+    """
     import redis as redislib
 
     from harvest.config import ConfigError, build_config
     from harvest.reconcile import reconcile
     from harvest.runstore import load_run, publish_run
-    from producer.producer import produce
+    from producer.producer import load_tokenizer, produce
+    from producer.rowkinds import FieldMap
+    from producer.templates import load_chat_template
+    from producer.tokenize import LengthPolicy
+    from tqdm import tqdm
 
-    conn = redislib.Redis.from_url(redis_url)
+    conn = None if (dry_run and model) else redislib.Redis.from_url(redis_url)
     try:
-        if model and out_url:
-            cfg = publish_run(conn, build_config(run, model, out_url, layers, storage_dtype))
-            reconcile(conn, cfg)
+        kw = dict(
+            fields=FieldMap.parse(fields),
+            chat_template=load_chat_template(chat_template) if chat_template else None,
+            length=LengthPolicy(max_len, overlong),
+            dry_run=dry_run,
+            on_bad=lambda r: tqdm.write(f"{r.kind} row {r}", file=sys.stderr),  # above the progress bar
+        )
+        progress = sys.stderr.isatty() if progress is None else progress
+        if conn is None:
+            s = produce(None, None, dataset, tokenizer=load_tokenizer(model), progress=progress, strict=strict, **kw)
         else:
-            cfg = load_run(conn, run)
-        s = produce(conn, cfg, dataset, max_queued=max_queued, strict=strict)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+            if model and out_url and not dry_run:
+                cfg = publish_run(conn, build_config(run, model, out_url, layers, storage_dtype))
+                reconcile(conn, cfg)
+            else:
+                cfg = load_run(conn, run)
+            s = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress, strict=strict, **kw)
+    except (ConfigError, FileNotFoundError, ValueError, redislib.ConnectionError) as e:
         _fail(str(e))
-    click.echo(f"rows {s.rows}: enqueued {s.enqueued} samples in {s.jobs} jobs ({s.tokens} tokens), "
-               f"skipped {s.skipped} already known, bad {s.bad}")
-    for line in s.bad_rows[:20]:
-        click.echo(f"  bad row {line}", err=True)
+    click.echo(s.text())
     sys.exit(1 if s.bad else 0)
 
 

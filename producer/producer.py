@@ -70,7 +70,7 @@ def _batches(rows: Iterable, n: int) -> Iterator[list]:
 
 def produce(
     conn: redis.Redis | None,
-    cfg: RunConfig,
+    cfg: RunConfig | None,
     dataset: str,
     tokenizer=None,
     max_queued: int = DEFAULT_MAX_QUEUED,
@@ -85,7 +85,8 @@ def produce(
 ) -> ProduceSummary:
     """Tokenize DATASET and enqueue its samples for the run (or only count them, with dry_run).
 
-    `chat_template` is the template's text (overrides the tokenizer's). `conn` may be None for a dry run.
+    `chat_template` is the template's text (overrides the tokenizer's). A dry run needs neither `conn`
+    nor `cfg` when `tokenizer` is given.
     """
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer or cfg.model)
     to_samples = RowTokenizer(tokenizer, fields=fields, chat_template=chat_template, length=length)
