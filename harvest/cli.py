@@ -167,13 +167,22 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
 @click.option("--spool-dir", required=True, type=click.Path())
 @click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
 @click.option("--dump-timeout", default=60.0, show_default=True, help="Seconds to wait for a request's dump files.")
-def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_timeout) -> None:
+@click.option("--retries", default=5, show_default=True, type=click.IntRange(1, 100),
+              help="Retries of a job that meets a transient error (engine down, 5xx, timeout, spool disk).")
+@click.option("--retry-backoff", default=10.0, show_default=True, type=click.FloatRange(1),
+              help="Seconds before the first retry; x3 each time, at most 300.")
+@click.option("--max-jobs", default=None, type=click.IntRange(1), help="Exit after this many jobs.")
+@click.option("--max-spool-mb", default=64 << 10, show_default=True, type=click.IntRange(1),
+              help="Wait (backpressure) while this node's spool holds more than this.")
+def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_timeout, retries, retry_backoff, max_jobs,
+               max_spool_mb) -> None:
     """Take jobs of RUN: engine call, claim dumps, verify, spool."""
     from harvest.config import ConfigError
     from workers.worker import run_worker
 
     try:
-        run_worker(redis_url, run, engine_url, dump_dir, spool_dir, burst=burst, dump_timeout=dump_timeout)
+        run_worker(redis_url, run, engine_url, dump_dir, spool_dir, burst=burst, dump_timeout=dump_timeout,
+                   retries=retries, retry_backoff=retry_backoff, max_jobs=max_jobs, max_spool_bytes=max_spool_mb << 20)
     except ConfigError as e:
         _fail(str(e))
 
@@ -300,6 +309,129 @@ def export_cmd(run_url, fmt, dest, dtype, no_progress, s3_endpoint, s3_region) -
     except (ConfigError, NoFinalState, OSError) as e:
         _fail(str(e))
     click.echo(f"exported {rep.written} samples to {dest} ({rep.skipped} already there)")
+
+
+@main.command("status")
+@run_option
+@redis_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (with --watch: one per line).")
+@click.option("--watch", "watch", default=None, type=click.FloatRange(0.5), is_flag=False, flag_value=2.0,
+              help="Refresh in place every N seconds (default 2) until Ctrl-C.")
+def status_cmd(run, redis_url, as_json, watch) -> None:
+    """Where RUN stands: counts, throughput, ETA, workers, spool backlog, failure reasons."""
+    import json
+    import time
+
+    import redis as redislib
+
+    from harvest.runstore import load_run
+    from harvest.status import compute_status, render
+
+    conn = redislib.Redis.from_url(redis_url)
+    try:
+        load_run(conn, run)
+    except Exception as e:  # ConfigError, or Redis unreachable
+        _fail(str(e))
+    try:
+        while True:
+            st = compute_status(conn, run)
+            if as_json:
+                click.echo(json.dumps(st.to_dict()))
+            elif watch:
+                click.echo("\x1b[H\x1b[2J" + render(st), nl=True)
+            else:
+                click.echo(render(st))
+            if not watch:
+                return
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command("requeue")
+@run_option
+@redis_option
+@click.option("--reason", "reasons", multiple=True, help="Requeue the failed samples with this reason (repeatable).")
+@click.option("--sample", "samples", multiple=True, help="Requeue this failed sample id (repeatable).")
+@click.option("--all", "all_", is_flag=True, help="Every failed sample, and RQ's failed jobs of the run.")
+@click.option("--dry-run", is_flag=True, help="List what would be requeued; change nothing.")
+def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run) -> None:
+    """Put failed samples of RUN back on the queue, exactly once."""
+    import redis as redislib
+
+    from harvest.config import ConfigError
+    from harvest.ids import InvalidId
+    from harvest.requeue import requeue
+    from harvest.runstore import load_run
+
+    if not (reasons or samples or all_):
+        _fail("say what to requeue: --reason REASON, --sample ID or --all (see `harvest status` for the reasons)")
+    conn = redislib.Redis.from_url(redis_url)
+    try:
+        res = requeue(conn, load_run(conn, run), reasons=reasons, sample_ids=samples, all_=all_, dry_run=dry_run)
+    except (ConfigError, InvalidId) as e:
+        _fail(str(e))
+    verb = "would requeue" if dry_run else "requeued"
+    click.echo(f"{verb} {len(res.samples)} failed samples" + (f" in {len(res.jobs)} jobs" if res.jobs else "")
+               + "".join(f", {n} {r}" for r, n in sorted(res.reasons.items())))
+    if dry_run:
+        for sid in res.samples:
+            click.echo(f"  {sid}")
+    if res.rq_jobs_requeued or res.rq_jobs_dropped:
+        click.echo(f"RQ failed jobs: {verb} {len(res.rq_jobs_requeued)}, "
+                   f"{'would drop' if dry_run else 'dropped'} {len(res.rq_jobs_dropped)} whose samples the ledger holds")
+    if res.no_payload:
+        click.echo(f"{len(res.no_payload)} failed samples have no kept tokens and stay failed; "
+                   "requeue them from the dataset with `harvest produce` after `harvest reconcile`", err=True)
+
+
+@main.command("janitor")
+@run_option
+@redis_option
+@click.option("--dump-dir", default=None, type=click.Path(), help="Also clean this node's dump dir.")
+@click.option("--interval", default=None, type=click.FloatRange(1), help="Repeat every N seconds (default: once).")
+def janitor_cmd(run, redis_url, dump_dir, interval) -> None:
+    """Take back dead workers' jobs, release due retries, clean dead claim dirs (workers do this too)."""
+    import time
+
+    import redis as redislib
+
+    from harvest.janitor import janitor_pass
+
+    conn = redislib.Redis.from_url(redis_url)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+    while not stop["now"]:
+        rep = janitor_pass(conn, run, dump_dir)
+        click.echo(f"reaped {len(rep.reaped)} jobs, gave up {len(rep.gave_up)}, released {len(rep.promoted)} retries, "
+                   f"forgot {len(rep.forgotten_workers)} dead workers, removed {len(rep.claim_dirs_removed)} claim dirs "
+                   f"and {rep.stale_dumps_removed} stale dump files")
+        if interval is None:
+            return
+        time.sleep(interval)
+
+
+@main.command("metrics")
+@redis_option
+@click.option("--port", default=9108, show_default=True, type=int)
+@click.option("--addr", default="0.0.0.0", show_default=True)
+@click.option("--run", "runs", multiple=True, help="Export these runs (default: every run in Redis).")
+def metrics_cmd(redis_url, port, addr, runs) -> None:
+    """Serve Prometheus metrics for the runs in Redis at http://ADDR:PORT/metrics."""
+    import threading
+
+    import redis as redislib
+
+    from harvest.metrics import serve
+
+    serve(redislib.Redis.from_url(redis_url), port, addr, runs or None)
+    click.echo(f"serving metrics on http://{addr}:{port}/metrics", err=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        done.wait()
+    except KeyboardInterrupt:
+        pass
 
 
 @main.command("sglang-args")

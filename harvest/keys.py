@@ -53,6 +53,43 @@ class Keys:
         """Hash of throughput counters (tokens_done, bytes_done, shards)."""
         return f"{self.prefix}:stats"
 
+    @property
+    def failed_payload(self) -> str:
+        """Hash sample_id -> JSON payload row {id, ids, mask} of a failed sample, so requeue can rebuild its job."""
+        return f"{self.prefix}:failed-payload"
+
+    def rate(self, bucket: int) -> str:
+        """Hash of the stats counters added during one RATE_BUCKET_S-second bucket (expires): throughput."""
+        return f"{self.prefix}:rate:{int(bucket)}"
+
+    def histogram(self, name: str) -> str:
+        """Hash bucket upper bound -> count, plus `sum` and `count`: a Prometheus histogram kept by workers."""
+        return f"{self.prefix}:hist:{check_id(name, 'histogram name')}"
+
+    @property
+    def workers(self) -> str:
+        """Set of the names of workers that announced themselves for this run (alive or not: see worker_key)."""
+        return f"{self.prefix}:workers"
+
+    @property
+    def collectors(self) -> str:
+        """Set of the node names whose collectors announced themselves for this run."""
+        return f"{self.prefix}:collectors"
+
+    def collector(self, node: str) -> str:
+        """Hash: a collector's heartbeat (spool backlog, shards committed); expires when it stops beating."""
+        return f"{self.prefix}:collector:{check_id(node, 'node name')}"
+
+    @property
+    def reaped(self) -> str:
+        """Hash job_id -> times the janitor took the job back from a dead worker (bounded)."""
+        return f"{self.prefix}:reaped"
+
+    @property
+    def janitor_lock(self) -> str:
+        """Short lock so one janitor pass at a time does the run-wide work."""
+        return f"{self.prefix}:janitor-lock"
+
     def packing(self, host: str) -> str:
         """JSON {shard_id, sample_ids} of the shard a collector is committing; survives its crash."""
         return f"{self.prefix}:packing:{check_id(host, 'host name')}"
@@ -60,3 +97,10 @@ class Keys:
 
 # The RQ job function, named by string so the producer need not import the workers.
 JOB_FUNCTION = "workers.job.process_batch"
+
+
+def worker_key(name: str) -> str:
+    """Hash: a worker's heartbeat (run, host, engine, current job); expires when the worker stops beating.
+    Not per run: a janitor deciding whether a `.claimed-<name>` dir in a shared dump dir is orphaned
+    must see workers of every run."""
+    return f"harvest:worker:{check_id(name, 'worker name')}"

@@ -9,6 +9,7 @@ keeps the per-state counters exact, so status and completion checks never scan t
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Mapping
 
 import redis
@@ -18,6 +19,8 @@ from harvest.keys import Keys
 QUEUED, SPOOLED, DONE, FAILED = "q", "s", "d", "f"
 ABSENT = "_"
 STATE_NAMES = {QUEUED: "queued", SPOOLED: "spooled", DONE: "done", FAILED: "failed"}
+RATE_BUCKET_S = 10  # throughput buckets: small enough for a one-minute rate, few enough keys
+RATE_TTL_S = 300
 
 # KEYS: state, counts, failed. ARGV: to, allowed-from letters, n, id_1..id_n, info_1..info_n
 _TRANSITION = """
@@ -83,8 +86,12 @@ class Ledger:
         return self._move(ids, FAILED, QUEUED + SPOOLED, infos)
 
     def mark_done(self, ids: list[str], pipe=None) -> list[str]:
-        """Only the collector (after its index file is written) and reconcile call this."""
-        return self._move(ids, DONE, ABSENT + QUEUED + SPOOLED + FAILED, pipe=pipe)
+        """Only the collector (after its index file is written) and reconcile call this.
+        Samples that changed state are counted in the `samples_done` stat (throughput)."""
+        changed = self._move(ids, DONE, ABSENT + QUEUED + SPOOLED + FAILED, pipe=pipe)
+        if changed:
+            self.add_stats(samples_done=len(changed))
+        return changed
 
     def counts(self) -> dict[str, int]:
         raw = self.conn.hgetall(self.keys.counts)
@@ -106,10 +113,41 @@ class Ledger:
         return [int(x) for x in pipe.execute()]
 
     def add_stats(self, **incr: int) -> None:
+        """Add to the run's totals and to the current RATE_BUCKET_S bucket (throughput over the last minute)."""
+        bucket = self.keys.rate(int(time.time()) // RATE_BUCKET_S)
         pipe = self.conn.pipeline(transaction=False)
         for k, v in incr.items():
             pipe.hincrby(self.keys.stats, k, int(v))
+            pipe.hincrby(bucket, k, int(v))
+        pipe.expire(bucket, RATE_TTL_S)
         pipe.execute()
+
+    def rates(self, window_s: int = 60, now: float | None = None) -> tuple[dict[str, int], float]:
+        """Sums of the stats added in the buckets overlapping the last `window_s` seconds, and the
+        seconds those buckets cover up to now (so sums / seconds is a rate that counts every event once)."""
+        now = time.time() if now is None else now
+        cur = int(now) // RATE_BUCKET_S
+        n = max(1, window_s // RATE_BUCKET_S)
+        first = cur - n + 1
+        pipe = self.conn.pipeline(transaction=False)
+        for b in range(first, cur + 1):
+            pipe.hgetall(self.keys.rate(b))
+        sums: dict[str, int] = {}
+        for h in pipe.execute():
+            for k, v in h.items():
+                sums[k.decode()] = sums.get(k.decode(), 0) + int(v)
+        return sums, now - first * RATE_BUCKET_S
+
+    def keep_failed_payloads(self, rows: Mapping[str, str]) -> None:
+        """Keep the payload rows (JSON) of samples about to be marked failed, so `harvest requeue` can
+        enqueue them again without the dataset. Written before the state moves to `f`."""
+        if rows:
+            self.conn.hset(self.keys.failed_payload, mapping=dict(rows))
+
+    def failed_payloads(self, ids: list[str]) -> list[str | None]:
+        if not ids:
+            return []
+        return [v.decode() if v is not None else None for v in self.conn.hmget(self.keys.failed_payload, ids)]
 
     def stats(self) -> dict[str, int]:
         return {k.decode(): int(v) for k, v in self.conn.hgetall(self.keys.stats).items()}

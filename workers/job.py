@@ -4,6 +4,15 @@ RQ calls `process_batch` with the JSON payload only; everything node-local (engi
 and spool directories) comes from the `WorkerContext` that `harvest worker` installs before it
 starts taking jobs. Samples not in state `q` are skipped, so a duplicated or retried job
 never spools a sample twice.
+
+Failures come in two kinds. Transient ones (engine unreachable, timeouts and 5xx after the
+engine client's own retries, an OSError writing the spool) leave the samples queued and the
+job returns `rq.Retry` with a growing interval, so the job waits in RQ's ScheduledJobRegistry
+(released by the janitor) and any worker can take it later; once the job's retry budget is
+spent the samples fail with the transient reason. Permanent ones (the engine rejects a sample,
+a dump fails verification) fail that sample at once, with its reason and message. Every failed
+sample keeps its payload row so `harvest requeue` can put it back. An unexpected exception
+fails the job's queued samples with reason `worker-error` instead of stranding them.
 """
 
 from __future__ import annotations
@@ -11,19 +20,31 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, field
 
 import redis
+from rq import Retry, get_current_job
 
 from harvest.config import RunConfig
+from harvest.heartbeat import WorkerBeat
 from harvest.ids import rid_for
 from harvest.ledger import QUEUED, Ledger
-from harvest.payload import decode_batch
+from harvest.metrics import observe
+from harvest.payload import Sample, decode_batch
+from harvest.requeue import record_failures
 from harvest.spool import list_spooled, write_sample
 from workers.claim import SampleFailure, assemble, claim
 from workers.engine_client import EngineClient, EngineUnavailable, Rejected
 
 log = logging.getLogger("harvest.worker")
+
+DEFAULT_RETRIES = 5
+
+
+def backoff_intervals(base: float, retries: int, cap: float = 300.0) -> list[int]:
+    """base, 3*base, 9*base, ... (whole seconds, RQ's unit), capped."""
+    return [max(1, int(min(cap, base * 3**i))) for i in range(max(1, retries))]
 
 
 @dataclass
@@ -36,10 +57,21 @@ class WorkerContext:
     claim_dir: str
     dump_timeout: float = 60.0
     max_spool_bytes: int = 64 << 30
+    retries: int = DEFAULT_RETRIES
+    retry_intervals: list[int] = field(default_factory=lambda: backoff_intervals(10, DEFAULT_RETRIES))
+    beat: WorkerBeat | None = None
 
     @property
     def ledger(self) -> Ledger:
         return Ledger(self.conn, self.cfg.run)
+
+
+class Transient(Exception):
+    """A failure that another attempt, later or elsewhere, may not meet."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason, self.message = reason, message
 
 
 _context: WorkerContext | None = None
@@ -66,7 +98,7 @@ def _wait_for_spool_room(ctx: WorkerContext) -> None:
         time.sleep(0.5)
 
 
-def process_batch(payload: dict) -> dict:
+def process_batch(payload: dict) -> dict | Retry:
     ctx = _ctx()
     run, samples = decode_batch(payload)
     if run != ctx.cfg.run:
@@ -76,16 +108,73 @@ def process_batch(payload: dict) -> dict:
     todo = [s for s, st in zip(samples, states) if st == QUEUED]
     if not todo:
         return {"spooled": 0, "failed": 0, "skipped": len(samples)}
+    job = get_current_job()
+    t0 = time.monotonic()
+    if ctx.beat:
+        ctx.beat.job_started(job.id if job else "", len(todo))
+    try:
+        out = _process(ctx, todo)
+        out["skipped"] = len(samples) - len(todo)
+        return out
+    except Transient as e:
+        return _retry_or_fail(ctx, job, todo, e.reason, e.message)
+    except (SystemExit, KeyboardInterrupt):
+        # A second stop signal (cold shutdown) while working: hand the job back rather than let RQ
+        # file it as failed with its samples still queued. Counts as one retry.
+        log.warning("stopped during job %s: handing it back", job.id if job else "?")
+        return _retry_or_fail(ctx, job, todo, "worker-stopped", "the worker was stopped during the job", interval=0)
+    except Exception as e:
+        log.exception("job failed unexpectedly")
+        _fail(ctx, todo, {s.id: ("worker-error", f"{type(e).__name__}: {e} | {_where(e)}") for s in todo})
+        return {"spooled": 0, "failed": len(todo), "skipped": len(samples) - len(todo)}
+    finally:
+        observe(ctx.conn, ctx.cfg.run, "job_seconds", time.monotonic() - t0)
+        if ctx.beat:
+            ctx.beat.job_ended()
+
+
+def _where(e: BaseException) -> str:
+    tb = traceback.extract_tb(e.__traceback__)
+    return f"{tb[-1].filename}:{tb[-1].lineno}" if tb else "?"
+
+
+def _fail(ctx: WorkerContext, todo: list[Sample], failures: dict[str, tuple[str, str]]) -> None:
+    """Fail those of `failures` still queued (a retried job may find some already spooled)."""
+    by_id = {s.id: s for s in todo}
+    still = {sid for sid, st in zip(failures, ctx.ledger.states(list(failures))) if st == QUEUED}
+    failures = {sid: f for sid, f in failures.items() if sid in still}
+    changed = record_failures(ctx.ledger, ctx.cfg.run, by_id, failures)
+    ctx.ledger.add_stats(samples_failed=len(changed))
+    for sid in changed:
+        log.warning("sample %s failed: %s: %s", sid, *failures[sid])
+
+
+def _retry_or_fail(ctx: WorkerContext, job, todo: list[Sample], reason: str, message: str,
+                   interval: int | None = None) -> dict | Retry:
+    done = (job.number_of_retries or 0) if job is not None else ctx.retries
+    if job is not None and done < ctx.retries:
+        wait = ctx.retry_intervals[min(done, len(ctx.retry_intervals) - 1)] if interval is None else interval
+        log.warning("job %s: %s (%s); retry %d of %d in %ds", job.id, reason, message, done + 1, ctx.retries, wait)
+        ctx.ledger.add_stats(job_retries=1)
+        return Retry(max=ctx.retries, interval=[wait] if wait else 0)
+    _fail(ctx, todo, {s.id: (reason, f"{message} (gave up after {done} retries)") for s in todo})
+    return {"spooled": 0, "failed": len(todo), "skipped": 0}
+
+
+def _process(ctx: WorkerContext, todo: list[Sample]) -> dict:
     _wait_for_spool_room(ctx)
-    attempts = ledger.next_attempts([s.id for s in todo])
+    attempts = ctx.ledger.next_attempts([s.id for s in todo])
     by_rid = {rid_for(s.id, a): s for s, a in zip(todo, attempts)}
     failures: dict[str, tuple[str, str]] = {}
+    t0 = time.monotonic()
     try:
         results = ctx.engine.generate(list(by_rid), [s.input_ids.tolist() for s in todo])
     except EngineUnavailable as e:
-        ledger.mark_failed({s.id: ("engine-unavailable", str(e)) for s in todo})
+        # Whatever the engine managed to dump for these rids is never claimed: clear it now.
         claim(ctx.dump_dir, ctx.claim_dir, {r: s.num_tokens for r, s in by_rid.items()}, timeout=0)
-        return {"spooled": 0, "failed": len(todo), "skipped": len(samples) - len(todo)}
+        _clear(ctx.claim_dir)
+        raise Transient("engine-unavailable", str(e)) from None
+    observe(ctx.conn, ctx.cfg.run, "engine_seconds", time.monotonic() - t0)
     wanted: dict[str, int] = {}
     for r in results:
         s = by_rid[r.rid]
@@ -103,27 +192,39 @@ def process_batch(payload: dict) -> dict:
     claimed, missing = claim(ctx.dump_dir, ctx.claim_dir, wanted, ctx.dump_timeout)
     for rid, f in missing.items():
         failures.setdefault(by_rid[rid].id, (f.reason, f.message))
-    spooled, tokens, nbytes = [], 0, 0
+    spooled, tokens, nbytes, dump_bytes = [], 0, 0, 0
+    storage_error = None
     for rid, c in claimed.items():
         s = by_rid[rid]
         try:
-            if s.id not in failures:
+            dump_bytes += sum(os.path.getsize(p) for p in c.paths)
+            if s.id not in failures and storage_error is None:
                 sample = assemble(c, s, ctx.cfg.capture_points, ctx.cfg.torch_dtype, ctx.cfg.allow_nonfinite)
                 nbytes += write_sample(ctx.spool_dir, sample, ctx.cfg.run)
                 spooled.append(s.id)
                 tokens += s.num_tokens
         except SampleFailure as e:
             failures[s.id] = (e.reason, e.message)
+        except OSError as e:  # the spool disk, not the sample: keep it queued and retry the job
+            storage_error = f"{type(e).__name__}: {e}"
         finally:
             for p in c.paths:
                 try:
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
-    ledger.mark_spooled(spooled)
+    ctx.ledger.mark_spooled(spooled)
     if failures:
-        ledger.mark_failed(failures)
-        for sid, (reason, msg) in failures.items():
-            log.warning("sample %s failed: %s: %s", sid, reason, msg)
-    ledger.add_stats(tokens_spooled=tokens, bytes_spooled=nbytes)
-    return {"spooled": len(spooled), "failed": len(failures), "skipped": len(samples) - len(todo)}
+        _fail(ctx, todo, failures)
+    ctx.ledger.add_stats(samples_spooled=len(spooled), tokens_spooled=tokens, bytes_spooled=nbytes, dump_bytes=dump_bytes)
+    if storage_error:
+        raise Transient("storage-error", f"writing the spool {ctx.spool_dir}: {storage_error}")
+    return {"spooled": len(spooled), "failed": len(failures)}
+
+
+def _clear(claim_dir: str) -> None:
+    for name in os.listdir(claim_dir):
+        try:
+            os.unlink(os.path.join(claim_dir, name))
+        except FileNotFoundError:
+            pass

@@ -1,22 +1,38 @@
-"""`harvest worker`: an RQ worker bound to one run and one engine on this node."""
+"""`harvest worker`: an RQ worker bound to one run and one engine on this node.
+
+Besides taking jobs, each worker keeps a heartbeat (harvest.heartbeat) and runs a janitor pass
+(harvest.janitor) from a background thread every few seconds, so as long as one worker of the
+run is alive, the job of a worker that died is back on the queue within seconds, due retries
+are released, and dead workers' claim dirs in this node's dump dir are removed.
+
+SIGTERM (docker stop) is RQ's warm shutdown: the current job finishes, then the worker exits;
+a second SIGTERM/SIGINT hands the current job back (see workers.job) and exits at once.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import socket
+import threading
 
 import redis
 from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 
+from harvest.heartbeat import HEARTBEAT_INTERVAL_S, WorkerBeat
+from harvest.janitor import janitor_pass
 from harvest.keys import Keys
 from harvest.runstore import load_run
 from workers.engine_client import EngineClient
-from workers.job import WorkerContext, install
+from workers.job import DEFAULT_RETRIES, WorkerContext, backoff_intervals, install
 
 log = logging.getLogger("harvest.worker")
+
+# RQ's own worker key TTL while idle; harvest's heartbeat, not this, decides liveness.
+RQ_WORKER_TTL = 60
 
 
 def private_dir(path: str) -> str:
@@ -25,6 +41,29 @@ def private_dir(path: str) -> str:
     if os.path.islink(path):
         raise RuntimeError(f"{path} is a symlink; refusing to use it")
     return path
+
+
+def host_name() -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
+
+
+class _Background(threading.Thread):
+    """Heartbeat, then a janitor pass, every HEARTBEAT_INTERVAL_S until stopped."""
+
+    def __init__(self, conn: redis.Redis, run: str, beat: WorkerBeat, dump_dir: str, interval: float) -> None:
+        super().__init__(name="harvest-heartbeat", daemon=True)
+        self.conn, self.run_name, self.beat, self.dump_dir, self.interval = conn, run, beat, dump_dir, interval
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                self.beat.beat()
+                rep = janitor_pass(self.conn, self.run_name, self.dump_dir)
+                if rep.any():
+                    log.info("janitor: %s", rep)
+            except Exception:  # a Redis hiccup must not kill the heartbeat for good
+                log.exception("heartbeat/janitor pass failed")
 
 
 def run_worker(
@@ -36,10 +75,16 @@ def run_worker(
     burst: bool = False,
     dump_timeout: float = 60.0,
     max_spool_bytes: int = 64 << 30,
+    retries: int = DEFAULT_RETRIES,
+    retry_backoff: float = 10.0,
+    max_jobs: int | None = None,
 ) -> None:
     conn = redis.Redis.from_url(redis_url)
     cfg = load_run(conn, run)
-    name = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+    host = host_name()
+    name = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
+    beat = WorkerBeat(conn, run, name, host, engine_url)
+    beat.start()  # before the claim dir exists: the janitor removes claim dirs of workers without one
     claim_dir = private_dir(os.path.join(private_dir(dump_dir), f".claimed-{name}"))
     ctx = WorkerContext(
         conn=conn,
@@ -50,13 +95,23 @@ def run_worker(
         claim_dir=claim_dir,
         dump_timeout=dump_timeout,
         max_spool_bytes=max_spool_bytes,
+        retries=retries,
+        retry_intervals=backoff_intervals(retry_backoff, retries),
+        beat=beat,
     )
     install(ctx)
     queue = Queue(Keys(run).queue_name, connection=conn, serializer=JSONSerializer)
-    worker = SimpleWorker([queue], connection=conn, serializer=JSONSerializer, name=name)
+    worker = SimpleWorker([queue], connection=conn, serializer=JSONSerializer, name=name, worker_ttl=RQ_WORKER_TTL)
+    background = _Background(conn, run, beat, dump_dir, HEARTBEAT_INTERVAL_S)
+    background.start()
     log.info("worker %s: run %s, engine %s", name, run, engine_url)
     try:
-        worker.work(burst=burst, logging_level="WARNING")
+        if burst:
+            janitor_pass(conn, run, dump_dir)  # release due retries before a burst drains the queue
+        worker.work(burst=burst, logging_level="WARNING", max_jobs=max_jobs)
     finally:
+        background.stopped.set()
+        background.join(timeout=10)
+        beat.stop()
         shutil.rmtree(claim_dir, ignore_errors=True)
         ctx.engine.close()
