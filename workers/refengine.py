@@ -14,14 +14,17 @@ import json
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
 from harvest.config import parse_layers
-from harvest.dump import DumpWriter, cut_batch
+from harvest.dump import Chunk, DumpWriter, cut_batch
+from harvest.ids import RID_PREFIX
+from workers import faults as fx
 
 log = logging.getLogger("harvest.engine")
 
@@ -66,6 +69,7 @@ class ReferenceEngine:
         self.model_name = os.path.basename(os.path.abspath(model_dir))
         self._lock = threading.Lock()
         self.writer = DumpWriter(dump_dir, self.capture_points, self.model_name)
+        self.faults = fx.Faults.from_env()
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     def info(self) -> dict:
@@ -92,6 +96,10 @@ class ReferenceEngine:
     @torch.inference_mode()
     def generate(self, rids: list[str], prompts: list[list[int]]) -> list[dict]:
         reqs = [_Request(r, p) for r, p in zip(rids, prompts)]
+        hit: dict[str, set[str]] = {}
+        if self.faults:
+            hv = [r.rid for r in reqs if r.rid.startswith(RID_PREFIX)]
+            hit = {k: {rid for rid in hv if self.faults.take(k)} for k in (fx.DROP_CHUNK, fx.BAD_IDS, fx.NAN, fx.CACHED)}
         with self._lock:
             while any(r.done < len(r.ids) for r in reqs):
                 budget = self.chunk or sum(len(r.ids) for r in reqs)
@@ -108,7 +116,8 @@ class ReferenceEngine:
                     ids.append(torch.tensor(r.ids[r.done : r.done + n]))
                     hs.append(self._forward(r, n))
                     r.done += n
-                self.writer.submit(cut_batch(step_rids, prefix, lens, torch.cat(ids), torch.cat(hs)))
+                chunks = cut_batch(step_rids, prefix, lens, torch.cat(ids), torch.cat(hs))
+                self.writer.submit(self._inject(chunks, hit) if hit else chunks)
         out = []
         for r in reqs:
             tok = int(torch.argmax(r.last_logits))
@@ -121,11 +130,28 @@ class ReferenceEngine:
                         "id": r.rid,
                         "prompt_tokens": len(r.ids),
                         "completion_tokens": 1,
-                        "cached_tokens": 0,
+                        "cached_tokens": len(r.ids) // 2 if r.rid in hit.get(fx.CACHED, ()) else 0,
                         "finish_reason": {"type": "length", "length": 1},
                     },
                 }
             )
+        return out
+
+    def _inject(self, chunks: list[Chunk], hit: dict[str, set[str]]) -> list[Chunk]:
+        """Test-only faults (workers/faults.py) applied to the chunks about to be written."""
+        out = []
+        for c in chunks:
+            if c.rid in hit[fx.DROP_CHUNK] and c.start == 0:
+                continue
+            if c.rid in hit[fx.BAD_IDS]:
+                ids = c.input_ids.clone()
+                ids[0] = (ids[0] + 1) % self.vocab_size
+                c = replace(c, input_ids=ids)
+            if c.rid in hit[fx.NAN]:
+                hs = c.hidden_states.clone()
+                hs[0, 0, 0] = float("nan")
+                c = replace(c, hidden_states=hs)
+            out.append(c)
         return out
 
     def parse(self, body: object) -> tuple[list[str], list[list[int]], bool]:
@@ -169,7 +195,10 @@ def _handler(engine: ReferenceEngine):
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):  # the client timed out and left; its dumps stay for the janitor
+                log.info("client %s went away before the response", self.address_string())
 
         def do_GET(self):
             if self.path in ("/health", "/health_generate"):
@@ -190,6 +219,11 @@ def _handler(engine: ReferenceEngine):
             except (BadRequest, ValueError) as e:
                 self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": str(e)}})
                 return
+            if engine.faults.take(fx.HTTP500):
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": "injected fault: http500"}})
+                return
+            if engine.faults.take(fx.HANG):
+                time.sleep(engine.faults.hang_s)
             try:
                 out = engine.generate(rids, prompts)
             except Exception as e:  # an engine fault is the server's, not the client's
