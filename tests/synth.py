@@ -14,8 +14,8 @@ POINTS = [2, 4, 5, 8]  # eagle3 preset of an 8-layer model
 HIDDEN = 16
 
 
-def make_config(out_url: str, run: str = "r", dtype: str = "bf16", shard_bytes: int = 1 << 30) -> RunConfig:
-    return RunConfig(run=run, model="synthetic", capture_points=POINTS, hidden_size=HIDDEN, out_url=out_url,
+def make_config(out_url: str, run: str = "r", dtype: str = "bf16", shard_bytes: int = 1 << 30, hidden: int = HIDDEN) -> RunConfig:
+    return RunConfig(run=run, model="synthetic", capture_points=POINTS, hidden_size=hidden, out_url=out_url,
                      storage_dtype=dtype, shard_bytes=shard_bytes, num_layers=8)
 
 
