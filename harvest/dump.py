@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from harvest.ids import RID_PREFIX, parse_rid
+from harvest.paths import check_regular_file
 from harvest.stformat import encode
 
 FORMAT = "harvest-dump-1"
@@ -128,6 +129,10 @@ class ChunkFile:
 def read_chunk(path: str) -> ChunkFile:
     """Read and check one chunk file against its own name; any mismatch is a DumpError."""
     parsed = parse_chunk_name(os.path.basename(path).removesuffix(".claimed"))
+    try:
+        check_regular_file(path)
+    except OSError as e:
+        raise DumpError(f"{path}: {e}") from None
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}

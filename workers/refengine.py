@@ -24,6 +24,7 @@ import torch
 from harvest.config import parse_layers
 from harvest.dump import Chunk, DumpWriter, cut_batch
 from harvest.ids import RID_PREFIX
+from harvest.paths import private_dir
 from workers import faults as fx
 
 log = logging.getLogger("harvest.engine")
@@ -64,7 +65,7 @@ class ReferenceEngine:
         self.capture_points = parse_layers(layers, self.num_layers)
         self.vocab_size = self.model.config.vocab_size
         self.dump_dir = dump_dir
-        os.makedirs(dump_dir, mode=0o700, exist_ok=True)
+        private_dir(dump_dir, "dump dir")
         self.chunk = int(chunked_prefill_size or 0)
         self.model_name = os.path.basename(os.path.abspath(model_dir))
         self._lock = threading.Lock()

@@ -27,6 +27,7 @@ import torch
 
 from harvest.dump import Chunk, DumpWriter, cut_batch
 from harvest.ids import RID_PREFIX
+from harvest.paths import private_dir
 
 log = logging.getLogger("harvest.sglang_plugin")
 
@@ -168,7 +169,7 @@ class Capture:
         if not self._writes:
             return None
         if self._writer is None:
-            os.makedirs(self.cfg.dump_dir, mode=0o700, exist_ok=True)
+            private_dir(self.cfg.dump_dir, "dump dir")
             self._writer = DumpWriter(self.cfg.dump_dir, self.cfg.capture_points, self.cfg.model_name)
         return self._writer
 
