@@ -26,16 +26,21 @@ class NoFinalState(ValueError):
     """The run did not capture the final hidden state, which EAGLE-3 training needs."""
 
 
-def eagle3_item(sample: dict, cfg: RunConfig) -> dict[str, torch.Tensor]:
-    """Split a reader sample (`hidden_states` [T, K, H]) into the EAGLE-3 training item."""
+def final_slot(cfg: RunConfig) -> int:
+    """Where the final hidden state lies on the capture axis; refuses runs without it."""
     final = cfg.final_point
     if final is None:
         raise NoFinalState(
             f"run {cfg.run!r} captured layers {cfg.capture_points} of a {cfg.num_layers}-layer model, "
             f"not the final hidden state (index {cfg.num_layers}): re-run with --layers eagle3"
         )
+    return cfg.capture_points.index(final)
+
+
+def eagle3_item(sample: dict, cfg: RunConfig) -> dict[str, torch.Tensor]:
+    """Split a reader sample (`hidden_states` [T, K, H]) into the EAGLE-3 training item."""
     hs = sample["hidden_states"]
-    k = cfg.capture_points.index(final)
+    k = final_slot(cfg)
     others = [i for i in range(hs.shape[1]) if i != k]
     t = hs.shape[0]
     return {
@@ -46,8 +51,9 @@ def eagle3_item(sample: dict, cfg: RunConfig) -> dict[str, torch.Tensor]:
     }
 
 
-def _read_dtype(cfg: RunConfig, dtype: torch.dtype | None) -> torch.dtype | None:
-    # fp8 values mean nothing without their scales: datasets hand out dequantized bf16 by default.
+def read_dtype(cfg: RunConfig, dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype training data is handed out in: `dtype`, else as stored, except that fp8
+    values mean nothing without their scales, so fp8 runs give dequantized bf16."""
     if dtype is None and cfg.storage_dtype == "fp8_e4m3":
         return torch.bfloat16
     return dtype
@@ -63,13 +69,12 @@ class _Lazy:
     def reader(self) -> RunReader:
         if self._reader is None or self._pid != os.getpid():
             self._reader, self._pid = RunReader(self.url), os.getpid()
-            self.dtype = _read_dtype(self._reader.config, self.dtype)
+            self.dtype = read_dtype(self._reader.config, self.dtype)
         return self._reader
 
     def item(self, sample_id: str) -> dict[str, torch.Tensor]:
         r = self.reader
-        out = eagle3_item(r.get(sample_id, self.dtype), r.config)
-        return out
+        return eagle3_item(r.get(sample_id, self.dtype), r.config)
 
     def __getstate__(self) -> dict:
         return {"url": self.url, "dtype": self.dtype, "_reader": None, "_pid": -1}
