@@ -178,9 +178,10 @@ def _process(ctx: WorkerContext, todo: list[Sample]) -> dict:
     wanted: dict[str, int] = {}
     for r in results:
         s = by_rid[r.rid]
-        if isinstance(r, Rejected):
+        if isinstance(r, Rejected):  # refused before any forward: nothing dumped, nothing to wait for
             failures[s.id] = ("engine-rejected", r.message)
-        elif r.prompt_tokens not in (-1, s.num_tokens):
+            continue
+        if r.prompt_tokens not in (-1, s.num_tokens):
             failures[s.id] = ("prompt-length", f"engine saw {r.prompt_tokens} prompt tokens, sent {s.num_tokens}")
         elif r.cached_tokens:
             failures[s.id] = (
