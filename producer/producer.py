@@ -17,6 +17,7 @@ from tqdm import tqdm
 from harvest.config import RunConfig
 from harvest.payload import Sample
 from producer.enqueue import DEFAULT_MAX_QUEUED, Enqueuer
+from producer.prefetch import prefetch
 from producer.rowkinds import FieldMap
 from producer.sources import BadRow, read_dataset
 from producer.tokenize import LengthPolicy, RowTokenizer
@@ -97,8 +98,8 @@ def produce(
     if not dry_run:
         enq = Enqueuer(conn, cfg, max_queued=max_queued, on_wait=lambda q: bar.set_postfix_str(f"waiting: {q} queued"))
     try:
-        for batch in _batches(rows, BATCH_ROWS):
-            for result in to_samples(batch):
+        for batch, results in prefetch((b, to_samples(b)) for b in _batches(rows, BATCH_ROWS)):
+            for result in results:
                 _count(s, result, enq, strict, on_bad)
             s.rows += len(batch)
             bar.update(len(batch))

@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import numpy as np
+
 from transformers.utils.chat_template_utils import render_jinja_template
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -86,19 +88,16 @@ class ChatRenderer:
         return full, spans
 
 
-def mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: Sequence[Span]) -> list[int]:
+def mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: Sequence[Span]) -> np.ndarray:
     """1 for every token whose characters overlap a span (a token straddling a span's edge is
-    one the model emits, so it counts), 0 for the rest."""
-    mask = [0] * len(offsets)
-    if not spans:
+    one the model emits, so it counts), 0 for the rest. `spans` sorted and disjoint."""
+    mask = np.zeros(len(offsets), np.uint8)
+    if not spans or not len(offsets):
         return mask
-    j = 0
-    for t, (a, b) in enumerate(offsets):
-        while j < len(spans) and spans[j][1] <= a:
-            j += 1
-        if j == len(spans):
-            break
-        s, e = spans[j]
-        if b > a and a < e and b > s:
-            mask[t] = 1
+    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    a, b = off[:, 0], off[:, 1]
+    starts, ends = (np.asarray(x, dtype=np.int64) for x in zip(*spans))
+    j = np.searchsorted(ends, a, side="right")  # the first span ending after the token starts
+    inside = j < len(spans)
+    mask[inside] = (starts[j[inside]] < b[inside]) & (b[inside] > a[inside])
     return mask

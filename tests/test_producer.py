@@ -111,3 +111,46 @@ def test_enqueue_waits_while_queue_is_full(conn, tiny_model, tokenizer, tmp_path
     assert s.enqueued == 10
     assert max(peak) <= 4
     assert led.counts()["done"] == 10
+
+
+def test_prefetch_keeps_order_raises_errors_and_stops_early():
+    import threading
+
+    from producer.prefetch import prefetch
+
+    assert list(prefetch(iter(range(100)), depth=3)) == list(range(100))
+
+    def broken():
+        yield 1
+        raise KeyError("boom")
+
+    it = prefetch(broken())
+    assert next(it) == 1
+    try:
+        next(it)
+        raise AssertionError("expected KeyError")
+    except KeyError as e:
+        assert e.args == ("boom",)
+    endless = prefetch(iter(range(10**9)), depth=2)
+    assert next(endless) == 0
+    endless.close()  # the consumer stops early (e.g. --strict): the thread ends too
+    for th in threading.enumerate():
+        if th.name == "harvest-prefetch":
+            th.join(5)
+            assert not th.is_alive()
+
+
+def test_strict_stops_at_first_bad_row(conn, tiny_model, tokenizer, tmp_path):
+    import pytest
+
+    from producer.producer import BadRowError
+
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"text": "the model"}\n{"foo": 1}\n{"text": "the data"}\n')
+    with pytest.raises(BadRowError) as e:
+        produce(conn, _cfg(tiny_model, tmp_path), str(path), tokenizer=tokenizer, progress=False, strict=True)
+    assert str(e.value) == (
+        f"bad row (--strict): {path}:2: no usable field: expected one of input_ids, messages, conversations, prompt, text; "
+        "got ['foo']"
+    )
+    assert Ledger(conn, "p").counts()["queued"] == 0  # nothing of the batch was enqueued before the stop

@@ -202,6 +202,9 @@ def test_no_chat_template(tok):
 
 def test_mask_from_offsets_counts_straddling_tokens():
     offsets = [(0, 3), (3, 6), (6, 9), (9, 9), (9, 12)]
-    assert mask_from_offsets(offsets, [(4, 7)]) == [0, 1, 1, 0, 0]
-    assert mask_from_offsets(offsets, [(0, 3), (9, 12)]) == [1, 0, 0, 0, 1]
-    assert mask_from_offsets(offsets, []) == [0, 0, 0, 0, 0]
+    assert mask_from_offsets(offsets, [(4, 7)]).tolist() == [0, 1, 1, 0, 0]
+    assert mask_from_offsets(offsets, [(0, 3), (9, 12)]).tolist() == [1, 0, 0, 0, 1]
+    assert mask_from_offsets(offsets, [(3, 6)]).tolist() == [0, 1, 0, 0, 0]
+    assert mask_from_offsets(offsets, [(2, 4), (8, 10)]).tolist() == [1, 1, 1, 0, 1]
+    assert mask_from_offsets(offsets, []).tolist() == [0, 0, 0, 0, 0]
+    assert mask_from_offsets([], [(0, 1)]).tolist() == []
