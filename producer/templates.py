@@ -25,6 +25,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 Span = tuple[int, int]
+_SENTINEL = "\u2063harvest-sentinel\u2063"
 
 
 class TemplateError(ValueError):
@@ -69,13 +70,22 @@ class ChatRenderer:
             return text[0], [(a, b) for a, b in spans[0]]
         return self._by_prefixes(messages)
 
+    def _opening_prefix(self, first: dict) -> str:
+        """What precedes an assistant turn that opens the chat (BOS, a default system prompt, the header).
+        A template that cannot render an empty chat is asked for the turn with a sentinel as content."""
+        try:
+            return self._render([], gen_prompt=True)
+        except TemplateError:
+            text = self._render([{**first, "content": _SENTINEL}])
+            return text[: max(text.find(_SENTINEL), 0)]
+
     def _by_prefixes(self, messages: list[dict]) -> tuple[str, list[Span]]:
         full = self._render(messages)
         spans: list[Span] = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = self._render(messages[:i], gen_prompt=True) if i else ""
+            before = self._render(messages[:i], gen_prompt=True) if i else self._opening_prefix(m)
             upto = self._render(messages[: i + 1])
             if not (full.startswith(upto) and upto.startswith(before)):
                 raise TemplateError(

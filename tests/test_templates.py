@@ -208,3 +208,18 @@ def test_mask_from_offsets_counts_straddling_tokens():
     assert mask_from_offsets(offsets, [(2, 4), (8, 10)]).tolist() == [1, 1, 1, 0, 1]
     assert mask_from_offsets(offsets, []).tolist() == [0, 0, 0, 0, 0]
     assert mask_from_offsets([], [(0, 1)]).tolist() == []
+
+
+def test_chat_opening_with_an_assistant_turn(tok):
+    """The header (and a default system prompt) before a first assistant turn stay unmasked."""
+    first = [{"role": "assistant", "content": "the model"}, {"role": "user", "content": "hi"}]
+    check(tok, QWEN_DEFAULT_SYSTEM, first, [
+        ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("the model<|im_end|>", 1),
+        ("\n<|im_start|>user\nhi<|im_end|>\n", 0),
+    ])
+    check(tok, LLAMA3, first, [
+        ("<s><|start_header_id|>assistant<|end_header_id|>\n\n", 0),
+        ("the model<|eot_id|>", 1),
+        ("<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>", 0),
+    ])
