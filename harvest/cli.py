@@ -337,8 +337,8 @@ def status_cmd(run, redis_url, as_json, watch) -> None:
             st = compute_status(conn, run)
             if as_json:
                 click.echo(json.dumps(st.to_dict()))
-            elif watch:
-                click.echo("\x1b[H\x1b[2J" + render(st), nl=True)
+            elif watch:  # clear the screen and redraw (on a terminal; piped output gets one frame after another)
+                click.echo("\x1b[H\x1b[2J" + render(st))
             else:
                 click.echo(render(st))
             if not watch:

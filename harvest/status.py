@@ -64,6 +64,7 @@ class RunStatus:
     tokens_done: int
     bytes_done: int
     window_seconds: float
+    window_counts: dict[str, int]  # stats added in the window (samples_done, tokens_done, bytes_done, ...)
     samples_per_s: float
     tokens_per_s: float
     mb_per_s: float
@@ -120,7 +121,7 @@ def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: i
         run=run, at=now, total=counts["total"], queued=counts["queued"] - in_flight, in_flight=in_flight,
         spooled=counts["spooled"], done=counts["done"], failed=counts["failed"],
         tokens_done=stats.get("tokens_done", 0), bytes_done=stats.get("bytes_done", 0),
-        window_seconds=round(window, 1), samples_per_s=samples_per_s,
+        window_seconds=window, window_counts=rates, samples_per_s=samples_per_s,
         tokens_per_s=rates.get("tokens_done", 0) / window, mb_per_s=rates.get("bytes_done", 0) / window / 1e6,
         spooled_per_s=rates.get("samples_spooled", 0) / window,
         eta_seconds=(remaining / samples_per_s if samples_per_s > 0 else None) if remaining else 0.0,
