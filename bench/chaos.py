@@ -1,0 +1,94 @@
+"""Long fault-injection soak: many seeded trials of tests/chaos.py, then the totals.
+
+    python bench/chaos.py --trials 100 [--samples 40] [--kills 4] [--s3-every 3]
+
+Each trial is a real run (private Redis with AOF, reference engine, workers, collector,
+producer as processes) with `--kills` SIGKILLs at random moments; every third trial (by
+default) writes to a moto S3 server and runs with engine faults switched on. Prints one line
+a trial and the totals: kills per process kind, samples lost and doubled (both must be 0),
+failures by reason. Exit status 1 if any trial lost, doubled or misplaced anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from harvest.demo import build_tiny_model  # noqa: E402
+from tests.chaos import Trial  # noqa: E402
+
+FAULTS = "http500:2,nan:1,bad-ids:1,cached:1,drop-chunk:1"
+
+
+def s3_server() -> tuple[object, str]:
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from harvest.redisproc import free_port
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    os.environ.update({"HARVEST_S3_ENDPOINT": url, "AWS_ACCESS_KEY_ID": "chaos", "AWS_SECRET_ACCESS_KEY": "chaos",
+                       "AWS_REGION": "us-east-1"})
+    boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="chaos")
+    return server, "s3://chaos"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=100)
+    ap.add_argument("--first-seed", type=int, default=1000)
+    ap.add_argument("--samples", type=int, default=40)
+    ap.add_argument("--kills", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--s3-every", type=int, default=3, help="every Nth trial writes to S3 with engine faults on (0: never)")
+    ap.add_argument("--keep", action="store_true", help="keep the folders of failed trials")
+    args = ap.parse_args()
+
+    model = build_tiny_model()
+    server, bucket = s3_server() if args.s3_every else (None, None)
+    kills, exits, reasons = Counter(), Counter(), Counter()
+    lost = doubled = bad_trials = done = failed = 0
+    t0 = time.monotonic()
+    try:
+        for i in range(args.trials):
+            seed = args.first_seed + i
+            s3 = bool(args.s3_every) and i % args.s3_every == args.s3_every - 1
+            root = tempfile.mkdtemp(prefix=f"chaos-{seed}-")
+            r = Trial(root, model, seed, samples=args.samples, kills=args.kills, workers=args.workers,
+                      out_url=bucket if s3 else None, env={"HARVEST_ENGINE_FAULTS": FAULTS} if s3 else None).execute()
+            print(("s3  " if s3 else "file ") + r.summary(), flush=True)
+            kills.update(r.kills)
+            exits.update(r.restarts_on_exit)
+            reasons.update(r.failure_reasons)
+            lost += len(r.lost)
+            doubled += len(r.doubled)
+            done += r.done
+            failed += r.failed
+            if r.ok or not args.keep:
+                shutil.rmtree(root, ignore_errors=True)
+            if not r.ok:
+                bad_trials += 1
+                print(f"  kept in {root}" if args.keep else "  (rerun with --keep to keep its folder)", flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+    print(f"\ntrials {args.trials} ({bad_trials} with problems), {time.monotonic() - t0:.0f}s")
+    print(f"kills by process: {dict(sorted(kills.items()))} (total {sum(kills.values())})")
+    print(f"restarts after a process exited on its own: {dict(sorted(exits.items()))}")
+    print(f"samples: done {done}, failed with reason {failed} {dict(reasons)}, lost {lost}, doubled {doubled}")
+    return 1 if bad_trials else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
