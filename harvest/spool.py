@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from harvest.fp8 import is_fp8
 from harvest.ids import check_id
-from harvest.stformat import FormatError, TensorSpan, encode, read_file_header
+from harvest.stformat import FormatError, TensorSpan, encode_parts, read_file_header
 from harvest.storage import atomic_write_local
 
 _NAME = re.compile(r"([0-9a-f]{32})\.safetensors")
@@ -56,7 +56,7 @@ def spool_path(spool_dir: str, sid: str) -> str:
     return os.path.join(spool_dir, f"{check_id(sid, 'sample id')}.safetensors")
 
 
-def encode_sample(s: SpooledSample, run: str) -> bytes:
+def _parts(s: SpooledSample, run: str) -> list[bytes | memoryview]:
     tensors = {
         "input_ids": s.input_ids.to(torch.int32).contiguous(),
         "loss_mask": s.loss_mask.to(torch.uint8).contiguous(),
@@ -64,13 +64,14 @@ def encode_sample(s: SpooledSample, run: str) -> bytes:
     }
     if s.hidden_scale is not None:
         tensors[SCALE] = s.hidden_scale.to(torch.float32).contiguous()
-    return encode(tensors, {"sample_id": s.id, "run": run})
+    return encode_parts(tensors, {"sample_id": s.id, "run": run})
 
 
 def write_sample(spool_dir: str, s: SpooledSample, run: str) -> int:
-    data = encode_sample(s, run)
-    atomic_write_local(spool_path(spool_dir, s.id), data)
-    return len(data)
+    """Write the sample's spool file atomically, streaming its tensors (no joined copy)."""
+    parts = _parts(s, run)
+    atomic_write_local(spool_path(spool_dir, s.id), parts)
+    return sum(len(p) for p in parts)
 
 
 def read_sample(path: str) -> SpooledSample:

@@ -132,8 +132,14 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
-    """A whole file in memory, tensors in sorted name order: same inputs, same bytes."""
+def encode_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> list[bytes | memoryview]:
+    """A file as its pieces (header, then each tensor's bytes, sorted by name), without joining
+    them: written one after another they make `encode`'s bytes, without a copy of the data."""
     names = sorted(tensors)
     plan = [Planned(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names]
-    return b"".join([encode_header(plan, metadata or {}), *(tensor_bytes(tensors[n]) for n in names)])
+    return [encode_header(plan, metadata or {}), *(tensor_bytes(tensors[n]) for n in names)]
+
+
+def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """A whole file in memory, tensors in sorted name order: same inputs, same bytes."""
+    return b"".join(encode_parts(tensors, metadata))

@@ -22,7 +22,7 @@ import os
 import posixpath
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -275,14 +275,17 @@ def _copy_local_atomic(src: str, dst: str, progress: Callable[[int], None] | Non
         raise
 
 
-def atomic_write_local(path: str, data: bytes | memoryview) -> None:
+def atomic_write_local(path: str, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
+    """`path` appears whole or not at all (temp name, fsync, rename); `data` may be a list of
+    pieces written in order, so a caller need not join (copy) them first."""
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
     try:
         os.fchmod(fd, 0o644)  # readers (trainers) are often another user; mkstemp makes 0600
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for piece in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                f.write(piece)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

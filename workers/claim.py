@@ -97,6 +97,15 @@ def claim(
     return claimed, failed
 
 
+def _all_finite(hs: torch.Tensor) -> bool:
+    """No NaN or Inf in `hs`. min/max propagate NaN and an infinity is an extreme, so one
+    aminmax pass (several GB/s) decides; `isfinite` over every value runs ~25x slower."""
+    if hs.numel() == 0 or not hs.is_floating_point():
+        return True
+    lo, hi = torch.aminmax(hs)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 def assemble(
     claimed: Claimed,
     sample: Sample,
@@ -132,7 +141,7 @@ def assemble(
             f"dumped token at position {pos} is {int(ids[pos])}, sent {int(sent[pos])}: the dump belongs to another request",
         )
     hs = chunks[0].hidden_states if len(chunks) == 1 else torch.cat([c.hidden_states for c in chunks])
-    if not allow_nonfinite and not torch.isfinite(hs).all():
+    if not allow_nonfinite and not _all_finite(hs):
         bad = (~torch.isfinite(hs)).nonzero()[0].tolist()
         raise SampleFailure(
             "nonfinite",
