@@ -50,7 +50,7 @@ def main(verbose: bool) -> None:
 @click.option("--out", "out_url", required=True, help="Output folder or fsspec URL (file://, s3://).")
 @click.option("--run", "run", default=None, help="Run name; defaults to the dataset's file name.")
 @click.option("--layers", default="eagle3", show_default=True, help="'eagle3' or HF hidden_states indices, e.g. 2,4,7.")
-@click.option("--dtype", "storage_dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp16", "fp32"]))
+@click.option("--dtype", "storage_dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp16", "fp32", "fp8_e4m3"]))
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 256))
 @click.option("--redis", "redis_url", default=None, help="Use this Redis instead of starting a private one.")
 @click.option("--engine-url", default=None, help="Use this engine instead of starting the reference engine.")
@@ -60,9 +60,12 @@ def main(verbose: bool) -> None:
 @click.option("--max-queued", default=20000, show_default=True, type=click.IntRange(1))
 @click.option("--shard-mb", default=1024, show_default=True, type=click.IntRange(1), help="Target shard size in MiB.")
 @click.option("--no-progress", is_flag=True)
+@click.option("--s3-endpoint", default=None, help="S3-compatible endpoint URL for s3:// output (else HARVEST_S3_ENDPOINT / AWS_ENDPOINT_URL).")
+@click.option("--s3-region", default=None, help="S3 region (else AWS_REGION / AWS_DEFAULT_REGION).")
 def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
-            work_dir, dump_dir, max_queued, shard_mb, no_progress) -> None:
+            work_dir, dump_dir, max_queued, shard_mb, no_progress, s3_endpoint=None, s3_region=None) -> None:
     """Extract hidden states for DATASET end to end on this machine."""
+    _s3_env(s3_endpoint, s3_region)  # before any child starts: the collector inherits it
     from harvest.config import ConfigError, build_config
     from harvest.redisproc import RedisNotInstalled
     from harvest.runner import run_all
