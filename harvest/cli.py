@@ -177,15 +177,17 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
 @click.option("--max-jobs", default=None, type=click.IntRange(1), help="Exit after this many jobs.")
 @click.option("--max-spool-mb", default=64 << 10, show_default=True, type=click.IntRange(1),
               help="Wait (backpressure) while this node's spool holds more than this.")
+@click.option("--engine-wait", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="Take no job until the engine is healthy, up to this many seconds (SGLang loads for minutes).")
 def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_timeout, retries, retry_backoff, max_jobs,
-               max_spool_mb) -> None:
+               max_spool_mb, engine_wait) -> None:
     """Take jobs of RUN: engine call, claim dumps, verify, spool."""
     from harvest.config import ConfigError
     from workers.worker import run_worker
 
     try:
         run_worker(redis_url, run, engine_url, dump_dir, spool_dir, burst=burst, dump_timeout=dump_timeout,
-                   retries=retries, retry_backoff=retry_backoff, max_jobs=max_jobs, max_spool_bytes=max_spool_mb << 20)
+                   retries=retries, retry_backoff=retry_backoff, max_jobs=max_jobs, max_spool_bytes=max_spool_mb << 20, engine_wait=engine_wait)
     except ConfigError as e:
         _fail(str(e))
 

@@ -52,6 +52,9 @@ class WorkerBeat:
             pipe.expire(self.key, self.ttl)
             pipe.execute()
 
+    def set_state(self, state: str) -> None:
+        self.conn.hset(self.key, "state", state)
+
     def job_started(self, job_id: str, samples: int) -> None:
         self.conn.hset(self.key, mapping={"state": "busy", "job": job_id, "job_samples": str(samples),
                                           "job_started": f"{time.time():.3f}"})

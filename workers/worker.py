@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import threading
+import time
 
 import redis
 from rq import Queue, SimpleWorker
@@ -66,6 +67,19 @@ class _Background(threading.Thread):
                 log.exception("heartbeat/janitor pass failed")
 
 
+def _wait_for_engine(engine: EngineClient, beat: WorkerBeat, seconds: float) -> None:
+    """Take no job before the engine answers /health (an SGLang server loads for minutes): a job
+    taken earlier would only spend its retry budget. After `seconds`, start anyway."""
+    deadline = time.monotonic() + seconds
+    if seconds <= 0 or engine.health():
+        return
+    beat.set_state("waiting for engine")
+    log.warning("engine %s not healthy yet: waiting up to %.0fs before taking jobs", engine.url, seconds)
+    while time.monotonic() < deadline and not engine.health():
+        time.sleep(2.0)
+    beat.set_state("idle")
+
+
 def run_worker(
     redis_url: str,
     run: str,
@@ -78,6 +92,7 @@ def run_worker(
     retries: int = DEFAULT_RETRIES,
     retry_backoff: float = 10.0,
     max_jobs: int | None = None,
+    engine_wait: float = 0.0,
 ) -> None:
     conn = redis.Redis.from_url(redis_url)
     cfg = load_run(conn, run)
@@ -106,6 +121,7 @@ def run_worker(
     background.start()
     log.info("worker %s: run %s, engine %s", name, run, engine_url)
     try:
+        _wait_for_engine(ctx.engine, beat, engine_wait)
         if burst:
             janitor_pass(conn, run, dump_dir)  # release due retries before a burst drains the queue
         worker.work(burst=burst, logging_level="WARNING", max_jobs=max_jobs)
