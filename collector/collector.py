@@ -26,6 +26,7 @@ from collections.abc import Callable
 import redis
 
 from collector.faults import CrashHook
+from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
 from harvest.heartbeat import CollectorBeat
 from harvest.ids import check_id
@@ -54,6 +55,7 @@ class Collector:
         part_bytes: int | None = None,
         retries: int = 5,
         retry_delay: float = 0.5,
+        orphan_age: float = 6 * 3600.0,
     ) -> None:
         self.conn, self.cfg, self.spool_dir = conn, cfg, spool_dir
         self.node = check_id(node or node_name(), "node name")
@@ -63,6 +65,7 @@ class Collector:
         self.max_wait = max_wait
         self.part_bytes = part_bytes
         self.retries, self.retry_delay = retries, retry_delay
+        self.orphan_age = orphan_age
         self.out = run_location(cfg.out_url, cfg.run)
         # Local output: build the shard in its final folder so committing is a rename.
         self.stage = self.out.local_staging_dir(SHARDS) or os.path.join(spool_dir, ".pack")
@@ -81,10 +84,12 @@ class Collector:
             _unlink(p)
 
     def resume(self) -> None:
-        """Finish the shard a previous incarnation of this collector was committing."""
+        """Finish the shard a previous incarnation of this collector was committing, and
+        sweep orphan shards (uploaded, never committed, not recorded by anyone)."""
         self._clear_temps()
         raw = self.conn.get(self.packing_key)
         if raw is None:
+            self._retry(lambda: sweep_orphans(self.out, self.conn, self.cfg.run, self.orphan_age), "sweeping orphan shards")
             return
         rec = json.loads(raw)
         shard_id = check_id(rec["shard_id"], "shard id")

@@ -120,3 +120,20 @@ def test_retry_backs_off_on_transient_errors_only():
         retry(lambda: (_ for _ in ()).throw(PermissionError("denied")), "writing y", base_delay=0.001)
     with pytest.raises(KeyError):  # not a storage error: passes through unchanged
         retry(lambda: {}["k"], "reading z")
+
+
+def test_orphan_shards_are_swept_only_when_old_unrecorded_and_uncommitted(conn, tmp_path):
+    cfg, spool, samples, ledger = _setup(conn, tmp_path, [3, 4])
+    c = Collector(conn, cfg, spool, node="n1", orphan_age=3600)
+    assert c.step(force=True) == 2
+    shards = tmp_path / "out" / "r" / SHARDS
+    committed = sorted(os.listdir(shards))
+    old = os.stat(shards / committed[0]).st_mtime - 7200
+    for name in ("a" * 32, "b" * 32, "c" * 32):
+        (shards / f"{name}.safetensors").write_bytes(b"orphan")
+    (shards / f".tmp-n2-{'d' * 32}.safetensors").write_bytes(b"a dead node's temp")
+    for name in (f"{'a' * 32}.safetensors", f"{'b' * 32}.safetensors", f".tmp-n2-{'d' * 32}.safetensors", committed[0]):
+        os.utime(shards / name, (old, old))  # b is old but recorded by another node's collector
+    conn.set(ledger.keys.packing("n2"), json.dumps({"shard_id": "b" * 32, "sample_ids": []}))
+    Collector(conn, cfg, spool, node="n1", orphan_age=3600).resume()
+    assert sorted(os.listdir(shards)) == sorted(committed + [f"{'b' * 32}.safetensors", f"{'c' * 32}.safetensors"])
