@@ -127,9 +127,10 @@ class Collector:
                 ready.append((sid, path, size))
         if not ready:
             return 0
-        chosen, total = [], 0
+        chosen, total, full = [], 0, False
         for sid, path, size in ready:
             if chosen and total + size > self.shard_bytes:
+                full = True  # the next sample would overflow the shard
                 break
             try:
                 self._inspect(sid, path)
@@ -140,7 +141,7 @@ class Collector:
             total += size
         if not chosen:
             return 0
-        full = total >= self.shard_bytes or len(chosen) < len(ready)
+        full = full or total >= self.shard_bytes
         try:
             oldest_age = time.time() - os.stat(ready[0][1]).st_mtime
         except FileNotFoundError:
