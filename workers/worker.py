@@ -29,6 +29,7 @@ from harvest.keys import Keys
 from harvest.runstore import load_run
 from workers.engine_client import EngineClient
 from workers.job import DEFAULT_RETRIES, WorkerContext, backoff_intervals, install
+from workers.safejob import HarvestJob
 
 log = logging.getLogger("harvest.worker")
 
@@ -115,8 +116,9 @@ def run_worker(
         beat=beat,
     )
     install(ctx)
-    queue = Queue(Keys(run).queue_name, connection=conn, serializer=JSONSerializer)
-    worker = SimpleWorker([queue], connection=conn, serializer=JSONSerializer, name=name, worker_ttl=RQ_WORKER_TTL)
+    queue = Queue(Keys(run).queue_name, connection=conn, serializer=JSONSerializer, job_class=HarvestJob)
+    worker = SimpleWorker([queue], connection=conn, serializer=JSONSerializer, name=name, worker_ttl=RQ_WORKER_TTL,
+                          job_class=HarvestJob)
     background = _Background(conn, run, beat, dump_dir, HEARTBEAT_INTERVAL_S)
     background.start()
     log.info("worker %s: run %s, engine %s", name, run, engine_url)
