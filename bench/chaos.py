@@ -34,6 +34,9 @@ def s3_server() -> tuple[object, str]:
 
     from harvest.redisproc import free_port
 
+    import logging
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per S3 request otherwise
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
