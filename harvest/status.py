@@ -175,13 +175,14 @@ def render(st: RunStatus, width: int = 100) -> str:
         lines.append(f"    {host}: {len(ws)} ({sum(w.state == 'busy' for w in ws)} busy)")
         for w in ws:
             doing = f"job {w.job} ({w.job_samples} samples, {w.job_seconds:.0f}s)" if w.state == "busy" else "idle"
-            lines.append(f"      {w.name:<36} {w.engine:<28} {doing}  [{w.jobs_done} jobs]"[:width + 20])
+            lines.append(f"      {w.name}  {w.engine}  {doing}  [{w.jobs_done} jobs done]")
     lines.append("  spool    " + ("   ".join(f"{c.node}: {c.spool_files} files, {_size(c.spool_bytes)}" for c in st.collectors)
                                   or "no collector heartbeat")
                  + (f"   (collector gone on {', '.join(st.dead_collectors)})" if st.dead_collectors else ""))
     if st.failures:
         lines.append("  failures (reason: count, e.g.)")
         for f in st.failures:
-            lines.append(f"    {f.reason}: {f.count}   {f.example}"[:width + 40])
+            example = f.example if len(f.example) <= width else f.example[: width - 3] + "..."
+            lines.append(f"    {f.reason}: {f.count}   e.g. {example}")
         lines.append(f"  requeue: harvest requeue --run {st.run} --reason REASON  (or --all; --dry-run lists)")
     return "\n".join(lines)
