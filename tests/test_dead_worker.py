@@ -127,3 +127,71 @@ def test_sigterm_finishes_the_current_job_and_exits(tmp_path, conn, redis_server
     assert q.started_job_registry.get_job_ids(cleanup=False) == []
     assert read_workers(conn, run) == ([], [])  # a clean exit leaves no heartbeat behind
     assert not os.path.exists(os.path.join(dumps, f".claimed-{w['name']}"))
+
+
+def _start_as_dead_worker(conn, q, name: str):
+    """Let a worker that will never beat take the next job, as a SIGKILLed one leaves it: started,
+    with an RQ execution naming it, and no harvest heartbeat."""
+    from rq import SimpleWorker
+
+    w = SimpleWorker([q], connection=conn, serializer=JSONSerializer, name=name)
+    job, _ = w.dequeue_job_and_maintain_ttl(timeout=1)
+    w.prepare_execution(job)
+    w.prepare_job_execution(job, remove_from_intermediate_queue=True)
+    return job
+
+
+def test_janitor_gives_up_after_repeated_deaths_and_requeue_recovers(tmp_path, conn, tiny_model):
+    from harvest.janitor import MAX_REAPS, janitor_pass
+    from harvest.payload import Sample
+    from harvest.requeue import requeue
+    from tests.ops_support import enqueue
+
+    cfg = new_run(conn, "reap", tiny_model, f"file://{tmp_path}/out")
+    samples = [Sample.build([5, 6, 7]), Sample.build([8, 9])]
+    job_id = enqueue(conn, cfg, samples)
+    q = run_queue(conn, "reap")
+    led = Ledger(conn, "reap")
+    for death in range(1, MAX_REAPS + 2):
+        assert _start_as_dead_worker(conn, q, f"dead-{death}").id == job_id
+        rep = janitor_pass(conn, "reap")
+        if death <= MAX_REAPS:
+            assert (rep.reaped, rep.gave_up, q.job_ids) == ([job_id], [], [job_id])
+            assert led.counts()["queued"] == 2
+        else:  # the job that kills its worker every time: its samples fail, with their tokens kept
+            assert (rep.reaped, rep.gave_up, q.job_ids) == ([], [job_id], [])
+    assert q.started_job_registry.get_job_ids(cleanup=False) == []
+    assert q.failed_job_registry.get_job_ids(cleanup=False) == [job_id]
+    assert {f["reason"] for f in led.failures().values()} == {"worker-died"}
+    assert led.counts() == {"queued": 0, "spooled": 0, "done": 0, "failed": 2, "total": 2}
+    assert janitor_pass(conn, "reap").reaped == []  # nothing left to take back
+
+    res = requeue(conn, cfg, all_=True)
+    assert (res.rq_jobs_requeued, res.rq_jobs_dropped) == ([], [job_id])  # the ledger holds its samples
+    assert sorted(res.samples) == sorted(s.id for s in samples) and len(res.jobs) == 1
+    assert q.job_ids == res.jobs and led.counts()["queued"] == 2
+
+
+def test_janitor_cleans_only_dead_workers_claim_dirs_and_stale_dumps(tmp_path, conn):
+    from harvest.heartbeat import WorkerBeat
+    from harvest.janitor import HEARTBEAT_TTL_S, STALE_DUMP_S, clean_dump_dir
+
+    dump = tmp_path / "dumps"
+    dump.mkdir()
+    live = WorkerBeat(conn, "r", "live-1", "h", "http://e")
+    live.start()
+    old = time.time() - HEARTBEAT_TTL_S - 5
+    for name in ("live-1", "dead-1", "dead-young"):
+        (dump / f".claimed-{name}").mkdir()
+        (dump / f".claimed-{name}" / "hv-x.0-4.safetensors").write_bytes(b"x")
+    os.utime(dump / ".claimed-live-1", (old, old))
+    os.utime(dump / ".claimed-dead-1", (old, old))
+    stale, fresh = dump / ("hv-" + "a" * 32 + "-1.0-4.safetensors"), dump / ("hv-" + "b" * 32 + "-1.0-4.safetensors")
+    for p in (stale, fresh, dump / "not-ours.bin"):
+        p.write_bytes(b"x")
+    very_old = time.time() - STALE_DUMP_S - 5
+    os.utime(stale, (very_old, very_old))
+    os.utime(dump / "not-ours.bin", (very_old, very_old))
+    dirs, files = clean_dump_dir(conn, str(dump))
+    assert (dirs, files) == ([".claimed-dead-1"], 1)
+    assert sorted(os.listdir(dump)) == sorted([".claimed-dead-young", ".claimed-live-1", fresh.name, "not-ours.bin"])
