@@ -6,7 +6,7 @@ starts taking jobs. Samples not in state `q` are skipped, so a duplicated or ret
 never spools a sample twice.
 
 Failures come in two kinds. Transient ones (engine unreachable, timeouts and 5xx after the
-engine client's own retries, an OSError writing the spool) leave the samples queued and the
+engine client's own retries, an OSError writing the spool, RQ's job timeout) leave the samples queued and the
 job returns `rq.Retry` with a growing interval, so the job waits in RQ's ScheduledJobRegistry
 (released by the janitor) and any worker can take it later; once the job's retry budget is
 spent the samples fail with the transient reason. Permanent ones (the engine rejects a sample,
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import redis
 from rq import Retry, get_current_job
+from rq.timeouts import JobTimeoutException
 
 from harvest.config import RunConfig
 from harvest.heartbeat import WorkerBeat
@@ -118,6 +119,8 @@ def process_batch(payload: dict) -> dict | Retry:
         return out
     except Transient as e:
         return _retry_or_fail(ctx, job, todo, e.reason, e.message)
+    except JobTimeoutException as e:  # RQ's limit for the job: a slow engine, not a bad sample
+        return _retry_or_fail(ctx, job, todo, "job-timeout", str(e))
     except (SystemExit, KeyboardInterrupt):
         # A second stop signal (cold shutdown) while working: hand the job back rather than let RQ
         # file it as failed with its samples still queued. Counts as one retry.
