@@ -188,3 +188,24 @@ def test_reconcile_rebuilds_the_done_set_from_s3_index_files(conn, redis_server,
     assert ledger.states([s.id for s in samples]) == ["d"] * 4
     res = harvest_cli("reconcile", "--run", "r", "--redis", redis_server.url)
     assert res.returncode == 0 and res.stdout == "marked 0 samples done from storage\n"
+
+
+def test_harvest_run_writes_fp8_to_s3_and_the_dataset_reads_it(tmp_path, tiny_model, s3_bucket, s3_endpoint):
+    from harvest.dataset import HiddenStateDataset
+    from harvest.demo import demo_rows, write_jsonl
+
+    dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(8))
+    out = f"{s3_bucket}/out"
+    res = harvest_cli("run", dataset, "--model", tiny_model, "--out", out, "--run", "s3run", "--dtype", "fp8_e4m3",
+                      "--no-progress", "--work-dir", str(tmp_path / "work"), "--dump-dir", str(tmp_path / "dumps"),
+                      "--s3-endpoint", s3_endpoint, env={"HARVEST_S3_ENDPOINT": ""})
+    assert res.returncode == 0, res.stdout + res.stderr
+    reader = RunReader(f"{out}/s3run")
+    assert reader.config.storage_dtype == "fp8_e4m3" and len(reader) >= 6
+    sid = reader.sample_ids[0]
+    raw = reader.get(sid)
+    assert raw["hidden_states"].dtype == torch.float8_e4m3fn and raw["hidden_scale"].shape == raw["hidden_states"].shape[:2]
+    item = HiddenStateDataset(f"{out}/s3run")[0]
+    t = raw["input_ids"].shape[0]
+    assert item["hidden_state"].shape == (t, 64) and item["aux_hidden_state"].shape == (t, 3 * 64)
+    assert item["hidden_state"].dtype == torch.bfloat16
