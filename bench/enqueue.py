@@ -4,6 +4,8 @@ Prints, for a generated dataset of multi-turn chats (and one of plain texts):
   - samples/s of the whole producer (read JSONL -> chat template -> tokenize -> loss mask ->
     sample id -> idempotent enqueue into Redis) against the tokenizer alone on the same rows in
     the same run (rows already parsed in memory, the tokenizer's own batched call: goal >= 0.8);
+    Also the CPU-time ratio (this process's threads, plus redis-server's CPU for the producer),
+    which other load on the machine does not skew;
   - Redis bytes per queued sample (used_memory delta, and the sum of MEMORY USAGE over the run's
     keys) against the raw int32 bytes of its tokens (goal <= 1.2).
 
@@ -90,6 +92,11 @@ def tokenizer_alone(tok, kind: str, rows: list[dict], batch: int = 256) -> tuple
     return time.perf_counter() - t0, tokens
 
 
+def _redis_cpu(conn: redis.Redis) -> float:
+    info = conn.info("cpu")
+    return info["used_cpu_user"] + info["used_cpu_sys"]
+
+
 def redis_bytes(conn: redis.Redis, run: str) -> int:
     total = 0
     for pattern in (f"harvest:{run}:*", "rq:job:*", f"rq:queue:harvest:{run}"):
@@ -106,20 +113,24 @@ def bench(kind: str, n: int, tok, vocab, conn: redis.Redis, tmp: str, rounds: in
         f.writelines(json.dumps(r) + "\n" for r in rows)
     tokenizer_alone(tok, kind, rows[:200])  # warm up (template compilation, thread pool)
     cfg = RunConfig(run=f"bench-{kind}", model="-", capture_points=[2], hidden_size=8, out_url=tmp)
-    t_tok = t_all = float("inf")
+    t_tok = t_all = c_tok = c_all = float("inf")
     for _ in range(rounds):  # alternate, and keep each one's best: other load on the machine hits both alike
+        c0 = time.process_time()
         t_tok = min(t_tok, tokenizer_alone(tok, kind, rows)[0])
+        c_tok = min(c_tok, time.process_time() - c0)
         conn.flushall()
-        before = conn.info("memory")["used_memory"]
-        t0 = time.perf_counter()
+        before, redis_cpu = conn.info("memory")["used_memory"], _redis_cpu(conn)
+        t0, c0 = time.perf_counter(), time.process_time()
         s = produce(conn, cfg, path, tokenizer=tok, max_queued=n + 1, progress=False)
         t_all = min(t_all, time.perf_counter() - t0)
+        c_all = min(c_all, time.process_time() - c0 + _redis_cpu(conn) - redis_cpu)
         delta = conn.info("memory")["used_memory"] - before
         assert s.enqueued == n, s.text()
     raw = 4 * s.tokens / n
     return {
         "kind": kind, "rows": n, "tokens/sample": s.tokens / n,
         "tokenizer samples/s": n / t_tok, "producer samples/s": n / t_all, "ratio": t_tok / t_all,
+        "cpu ratio": c_tok / c_all, "tokenizer cpu s": c_tok, "producer cpu s": c_all,
         "raw int32 B/sample": raw, "redis B/sample (used_memory)": delta / n,
         "redis B/sample (MEMORY USAGE)": redis_bytes(conn, cfg.run) / n,
     }
@@ -143,6 +154,8 @@ def main() -> None:
                 print(f"[{r['kind']}] {r['rows']} rows, {r['tokens/sample']:.0f} tokens/sample")
                 print(f"  tokenizer alone   {r['tokenizer samples/s']:9.0f} samples/s")
                 print(f"  producer          {r['producer samples/s']:9.0f} samples/s   ratio {r['ratio']:.2f} (goal >= 0.8)")
+                print(f"  CPU seconds       {r['tokenizer cpu s']:9.2f} tokenizer, {r['producer cpu s']:.2f} producer "
+                      f"(incl. redis-server): ratio {r['cpu ratio']:.2f}")
                 print(f"  redis per sample  {r['redis B/sample (used_memory)']:9.0f} B (used_memory delta), "
                       f"{r['redis B/sample (MEMORY USAGE)']:.0f} B (MEMORY USAGE of the run's keys)")
                 print(f"  raw int32 tokens  {r['raw int32 B/sample']:9.0f} B   ratio "

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from producer.sources import BadRow, Row
-from producer.templates import ChatRenderer, TemplateError, mask_from_offsets
+from producer.templates import ChatRenderer, mask_from_offsets
 from producer.tokenize import RowTokenizer
 
 CHATML = (
