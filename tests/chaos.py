@@ -54,6 +54,7 @@ class TrialResult:
     failure_reasons: Counter = field(default_factory=Counter)
     shards_without_index: list[str] = field(default_factory=list)
     leftovers: list[str] = field(default_factory=list)
+    timeline: list[str] = field(default_factory=list)
     seconds: float = 0.0
     error: str = ""
 
@@ -96,7 +97,7 @@ class Trial:
 
     # -- processes -------------------------------------------------------------------------
     def _cmd(self, name: str) -> list[str]:
-        h = [sys.executable, "-m", "harvest.cli"]
+        h = [sys.executable, "-m", "harvest.cli", "-v"]
         url = self.redis.url
         if name == "engine":
             return h + ["engine", "--model", self.model, "--dump-dir", self.dump, "--port", str(self.port),
@@ -189,7 +190,8 @@ class Trial:
             for i in range(self.n_workers):
                 self._start(f"worker{i}")
             self._start("collector")
-            kill_at = sorted(self.rng.uniform(1.0, 12.0) for _ in range(self.n_kills))
+            t_start = time.monotonic() - t0  # kill while the pipeline runs, not while it starts
+            kill_at = sorted(t_start + self.rng.uniform(1.0, 15.0) for _ in range(self.n_kills))
             while True:
                 now = time.monotonic() - t0
                 if now > self.deadline_s:
@@ -198,7 +200,9 @@ class Trial:
                     break
                 if kill_at and now >= kill_at[0]:
                     kill_at.pop(0)
-                    self._kill_one(self.rng.choice(KINDS))
+                    kind = self.rng.choice(KINDS)
+                    self.result.timeline.append(f"{now:.1f}s kill {kind}")
+                    self._kill_one(kind)
                 self._supervise()
                 if not kill_at and self._finished(conn):
                     break
