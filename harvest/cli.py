@@ -54,6 +54,8 @@ def main(verbose: bool) -> None:
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 256))
 @click.option("--redis", "redis_url", default=None, help="Use this Redis instead of starting a private one.")
 @click.option("--engine-url", default=None, help="Use this engine instead of starting the reference engine.")
+@click.option("--engine", "engine", default="reference", show_default=True, type=click.Choice(["reference", "vllm"]),
+              help="Engine kind; vllm starts a vLLM CPU server from HARVEST_VLLM_VENV (scripts/vllm_venv.sh) unless --engine-url.")
 @click.option("--chunked-prefill-size", default=0, show_default=True, type=click.IntRange(0), help="Reference engine chunk size (0: whole prompts).")
 @click.option("--work-dir", default=None, type=click.Path(), help="Node-local state (Redis data, spool, logs).")
 @click.option("--dump-dir", default=None, type=click.Path(), help="Engine dump directory (default under /dev/shm).")
@@ -63,7 +65,7 @@ def main(verbose: bool) -> None:
 @click.option("--s3-endpoint", default=None, help="S3-compatible endpoint URL for s3:// output (else HARVEST_S3_ENDPOINT / AWS_ENDPOINT_URL).")
 @click.option("--s3-region", default=None, help="S3 region (else AWS_REGION / AWS_DEFAULT_REGION).")
 def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
-            work_dir, dump_dir, max_queued, shard_mb, no_progress, s3_endpoint=None, s3_region=None) -> None:
+            work_dir, dump_dir, max_queued, shard_mb, no_progress, s3_endpoint=None, s3_region=None, engine="reference") -> None:
     """Extract hidden states for DATASET end to end on this machine."""
     _s3_env(s3_endpoint, s3_region)  # before any child starts: the collector inherits it
     from harvest.config import ConfigError, build_config
@@ -71,7 +73,8 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
     from harvest.runner import run_all
 
     try:
-        cfg = build_config(run or _default_run_name(dataset), model, out_url, layers, storage_dtype, shard_bytes=shard_mb << 20)
+        cfg = build_config(run or _default_run_name(dataset), model, out_url, layers, storage_dtype, engine=engine,
+                           shard_bytes=shard_mb << 20)
         summary = run_all(cfg, dataset, workers=workers, redis_url=redis_url, engine_url=engine_url, work_dir=work_dir,
                           dump_dir=dump_dir, chunked_prefill_size=chunked_prefill_size, max_queued=max_queued,
                           progress=not no_progress)
@@ -120,8 +123,10 @@ def demo_cmd(out_dir: str, workers: int) -> None:
 @click.option("--dry-run", is_flag=True, help="Tokenize and count; enqueue nothing (with --model, no Redis needed).")
 @click.option("--strict", is_flag=True, help="Stop at the first bad row.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+@click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="Tokenizer processes; pays only with cores beyond those the tokenizer's threads fill.")
 def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, fields, chat_template,
-                max_len, overlong, dry_run, strict, progress) -> None:
+                max_len, overlong, dry_run, strict, progress, processes) -> None:
     """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded).
 
     Exit status: 0, 1 when some rows were bad (each is reported with its file and line), 2 on errors.
@@ -145,6 +150,7 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
             length=LengthPolicy(max_len, overlong),
             dry_run=dry_run,
             on_bad=lambda r: tqdm.write(f"{r.kind} row {r}", file=sys.stderr),  # above the progress bar
+            processes=processes,
         )
         progress = sys.stderr.isatty() if progress is None else progress
         if conn is None:
@@ -467,6 +473,44 @@ def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, tp_size, dum
             points = parse_layers(layers, n)
         click.echo(launch_command(model_path, points, n, dump_dir=dump_dir, tp_size=tp_size, port=port,
                                   chunked_prefill_size=chunked_prefill_size, sglang_version=sglang_version))
+    except (ConfigError, ValueError) as e:
+        _fail(str(e))
+
+
+@main.command("vllm-args")
+@click.option("--model", "model_path", required=True, help="Model path as the vLLM server will see it.")
+@click.option("--layers", default="eagle3", show_default=True, help="'eagle3' or HF hidden_states indices.")
+@click.option("--num-layers", default=None, type=click.IntRange(1), help="Decoder layers (default: read MODEL/config.json).")
+@click.option("--run", "run", default=None, help="Take the capture points from this run in Redis instead of --layers.")
+@redis_option
+@click.option("--dump-dir", default="/dev/shm/harvest", show_default=True, help="The workers' dump dir; vLLM writes into DUMP_DIR/.vllm.")
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--dtype", default="auto", show_default=True, help="vLLM --dtype (float32 for exact CPU comparisons).")
+@click.option("--kvcache-gib", default=1, show_default=True, type=click.IntRange(1), help="VLLM_CPU_KVCACHE_SPACE.")
+@click.option("--python", "python", default=None, help="The vLLM venv's python (default: HARVEST_VLLM_VENV's, else 'python').")
+def vllm_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, port, dtype, kvcache_gib, python) -> None:
+    """Print the vLLM server command (connector, capture layers, environment) for a run."""
+    from harvest.config import ConfigError, parse_layers
+    from workers.sglang_launch import model_layers
+    from workers.vllm_launch import launch_command, venv_python
+
+    try:
+        n = num_layers or model_layers(model_path)
+        if run:
+            import redis as redislib
+
+            from harvest.runstore import load_run
+
+            points = load_run(redislib.Redis.from_url(redis_url), run).capture_points
+        else:
+            points = parse_layers(layers, n)
+        if python is None:
+            try:
+                python = venv_python()
+            except FileNotFoundError:
+                python = "python"
+        click.echo(launch_command(model_path, points, n, dump_dir=dump_dir, port=port, python=python, dtype=dtype,
+                                  kvcache_gib=kvcache_gib))
     except (ConfigError, ValueError) as e:
         _fail(str(e))
 

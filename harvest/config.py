@@ -20,7 +20,7 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "fp8_e4m3": torch.float8_e4m3fn,  # with a float32 scale per token and capture point (harvest.fp8)
 }
-ENGINE_KINDS = ("reference", "sglang")
+ENGINE_KINDS = ("reference", "sglang", "vllm")
 
 
 class ConfigError(ValueError):

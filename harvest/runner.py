@@ -1,9 +1,9 @@
 """`harvest run`: the whole pipeline on one machine, as separate processes.
 
 Part of the composition root (with the CLI): it starts a private Redis unless given one,
-the reference engine unless given an engine URL, N workers and a collector as child
-processes of the `harvest` CLI, produces the dataset in-process, and waits until every
-sample of the run is done or failed.
+the reference engine (a vLLM CPU server from its venv when the run's engine is `vllm`)
+unless given an engine URL, N workers and a collector as child processes of the `harvest`
+CLI, produces the dataset in-process, and waits until every sample of the run is done or failed.
 """
 
 from __future__ import annotations
@@ -72,10 +72,13 @@ class _Children:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+    def start(self, name: str, args: list[str], cmd: list[str] | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
+        """`harvest <args>` as a child; or `cmd` (a whole argv, e.g. the vLLM server) with `env` added."""
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        cmd = [sys.executable, "-m", "harvest.cli", *args]
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        cmd = cmd or [sys.executable, "-m", "harvest.cli", *args]
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env={**os.environ, **env} if env else None)
         log.close()
         self.procs[name] = p
         return p
@@ -121,6 +124,22 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"engine at {url} not healthy after {timeout:.0f}s")
 
 
+def _start_vllm(children: _Children, cfg: RunConfig, dumps: str) -> str:
+    """Start a vLLM CPU server from its own venv (workers/vllm_launch.py) and wait until it is healthy."""
+    from workers.vllm_launch import launch_spec, venv_python
+
+    os.makedirs(dumps, mode=0o700, exist_ok=True)
+    port = free_port()
+    env, argv = launch_spec(cfg.model, cfg.capture_points, cfg.num_layers, dump_dir=dumps, port=port,
+                            python=venv_python(), dtype="float32" if cfg.storage_dtype == "fp32" else "auto")
+    # This checkout's connector, whichever checkout the venv was built from.
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = children.start("engine", [], cmd=argv, env=env)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url, proc, timeout=900)  # 1-3 minutes on a small CPU machine (torch.compile warm-up)
+    return url
+
+
 def run_all(
     cfg: RunConfig,
     dataset: str,
@@ -149,7 +168,9 @@ def run_all(
         conn = redis.Redis.from_url(redis_url)
         cfg = publish_run(conn, cfg)
         reconcile(conn, cfg)
-        if engine_url is None:
+        if engine_url is None and cfg.engine == "vllm":
+            engine_url = _start_vllm(children, cfg, dumps)
+        elif engine_url is None:
             port = free_port()
             engine_url = f"http://127.0.0.1:{port}"
             layers = ",".join(map(str, cfg.capture_points))

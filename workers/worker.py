@@ -28,6 +28,7 @@ from harvest.janitor import janitor_pass
 from harvest.keys import Keys
 from harvest.runstore import load_run
 from workers.engine_client import EngineClient
+from workers.engines import make_engine
 from workers.job import DEFAULT_RETRIES, WorkerContext, backoff_intervals, install
 from workers.safejob import HarvestJob
 
@@ -105,7 +106,7 @@ def run_worker(
     ctx = WorkerContext(
         conn=conn,
         cfg=cfg,
-        engine=EngineClient(engine_url),
+        engine=make_engine(cfg, engine_url, dump_dir),
         dump_dir=dump_dir,
         spool_dir=private_dir(spool_dir),
         claim_dir=claim_dir,
