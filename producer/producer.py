@@ -17,6 +17,7 @@ from tqdm import tqdm
 from harvest.config import RunConfig
 from harvest.payload import Sample
 from producer.enqueue import DEFAULT_MAX_QUEUED, Enqueuer
+from producer.parallel import ProcessTokenizer
 from producer.prefetch import prefetch
 from producer.rowkinds import FieldMap
 from producer.sources import BadRow, read_dataset
@@ -83,22 +84,30 @@ def produce(
     length: LengthPolicy = LengthPolicy(),
     dry_run: bool = False,
     on_bad: Callable[[BadRow], None] | None = None,
+    processes: int = 1,
 ) -> ProduceSummary:
     """Tokenize DATASET and enqueue its samples for the run (or only count them, with dry_run).
 
     `chat_template` is the template's text (overrides the tokenizer's). A dry run needs neither `conn`
-    nor `cfg` when `tokenizer` is given.
+    nor `cfg` when `tokenizer` is given. `processes` > 1 tokenizes in that many worker processes
+    (see producer.parallel for when that pays); otherwise one thread tokenizes ahead of the enqueue.
     """
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer or cfg.model)
-    to_samples = RowTokenizer(tokenizer, fields=fields, chat_template=chat_template, length=length)
     rows = read_dataset(dataset)
     s = ProduceSummary(dry_run=dry_run)
     bar = tqdm(desc="produce", unit=" rows", disable=not progress, dynamic_ncols=True)
     enq = None
     if not dry_run:
         enq = Enqueuer(conn, cfg, max_queued=max_queued, on_wait=lambda q: bar.set_postfix_str(f"waiting: {q} queued"))
+    kw = dict(fields=fields, chat_template=chat_template, length=length)
+    if processes > 1:
+        to_samples = ProcessTokenizer(tokenizer, processes, **kw)
+        tokenized = to_samples.map(_batches(rows, BATCH_ROWS))
+    else:
+        to_samples = RowTokenizer(tokenizer, **kw)
+        tokenized = prefetch((b, to_samples(b)) for b in _batches(rows, BATCH_ROWS))
     try:
-        for batch, results in prefetch((b, to_samples(b)) for b in _batches(rows, BATCH_ROWS)):
+        for batch, results in tokenized:
             for result in results:
                 _count(s, result, enq, strict, on_bad)
             s.rows += len(batch)
@@ -108,6 +117,7 @@ def produce(
         if enq:
             enq.flush()
     finally:
+        tokenized.close()  # stops the prefetch thread or the worker processes, also on --strict or an error
         bar.close()
     s.truncated = to_samples.truncated
     if enq:

@@ -154,3 +154,21 @@ def test_strict_stops_at_first_bad_row(conn, tiny_model, tokenizer, tmp_path):
         "got ['foo']"
     )
     assert Ledger(conn, "p").counts()["queued"] == 0  # nothing of the batch was enqueued before the stop
+
+
+def test_worker_processes_give_the_same_samples_in_the_same_order(conn, tiny_model, tokenizer, tmp_path):
+    from harvest.demo import demo_rows, write_jsonl
+    from producer import producer as producer_mod
+
+    rows = demo_rows(600) + [{"foo": 1}, {"text": ""}]
+    path = write_jsonl(str(tmp_path / "d.jsonl"), rows)
+    seen = {1: [], 2: []}
+    for procs in (1, 2):
+        conn.flushall()
+        s = produce(conn, _cfg(tiny_model, tmp_path), path, tokenizer=tokenizer, progress=False, processes=procs,
+                    on_bad=lambda r, p=procs: seen[p].append(str(r)))
+        q = Queue(Keys("p").queue_name, connection=conn, serializer=JSONSerializer)
+        ids = [x.id for job in q.jobs for x in decode_batch(job.args[0])[1]]
+        seen[procs].append((s.text(), ids))
+    assert seen[1] == seen[2]
+    assert producer_mod.BATCH_ROWS < len(rows)  # several batches crossed the processes
