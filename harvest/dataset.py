@@ -110,6 +110,7 @@ class HiddenStateIterable(IterableDataset):
         self.epoch = epoch
 
     def __len__(self) -> int:
+        """Samples in the run: all ranks together (a progress figure; each rank sees ~1/world_size)."""
         return len(self._lazy.reader)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:

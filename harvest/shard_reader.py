@@ -13,7 +13,7 @@ import json
 import torch
 
 from harvest.fp8 import dequantize, is_fp8
-from harvest.shard import ShardError
+from harvest.shard import ShardError, shard_file
 from harvest.spool import SCALE
 from harvest.stformat import FormatError, TensorSpan, header_length, parse_header, tensor_from_bytes
 from harvest.storage import Location
@@ -26,7 +26,9 @@ class ShardReader:
 
     def __init__(self, loc: Location, index: dict) -> None:
         self.loc, self.index = loc, index
-        self.name: str = index["shard"]
+        self.name: str = shard_file(index["shard_id"])  # from the checked id, never a path read from storage
+        if index.get("shard", self.name) != self.name:
+            raise ShardError(f"index of shard {index['shard_id']} names {index['shard']!r}, expected {self.name}")
         # The header is ~0.5 KiB plus the sample ids (35 bytes each): guess, so one read usually does.
         head = loc.read_range(self.name, 0, 1024 + 40 * len(index["samples"]))
         try:
