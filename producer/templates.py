@@ -86,7 +86,7 @@ class ChatRenderer:
             if m["role"] != "assistant":
                 continue
             before = self._render(messages[:i], gen_prompt=True) if i else self._opening_prefix(m)
-            upto = self._render(messages[: i + 1])
+            upto = full if i == len(messages) - 1 else self._render(messages[: i + 1])
             if not (full.startswith(upto) and upto.startswith(before)):
                 raise TemplateError(
                     f"the chat template does not render the conversation up to message {i} as a prefix of the whole, "
@@ -98,16 +98,15 @@ class ChatRenderer:
         return full, spans
 
 
-def mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: Sequence[Span]) -> np.ndarray:
-    """1 for every token whose characters overlap a span (a token straddling a span's edge is
-    one the model emits, so it counts), 0 for the rest. `spans` sorted and disjoint."""
-    mask = np.zeros(len(offsets), np.uint8)
-    if not spans or not len(offsets):
-        return mask
-    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-    a, b = off[:, 0], off[:, 1]
-    starts, ends = (np.asarray(x, dtype=np.int64) for x in zip(*spans))
-    j = np.searchsorted(ends, a, side="right")  # the first span ending after the token starts
-    inside = j < len(spans)
-    mask[inside] = (starts[j[inside]] < b[inside]) & (b[inside] > a[inside])
+def mask_from_spans(encoding, spans: Sequence[Span]) -> np.ndarray:
+    """1 for every token holding a character of a span (a token straddling a span's edge is one
+    the model emits, so it counts), 0 for the rest. `encoding` is a `tokenizers.Encoding` of the
+    rendered text; its char -> token map makes this O(spans), not O(tokens)."""
+    mask = np.zeros(len(encoding.ids), np.uint8)
+    for s, e in spans:
+        first = next((t for c in range(s, e) if (t := encoding.char_to_token(c)) is not None), None)
+        if first is None:
+            continue
+        last = next(t for c in range(e - 1, s - 1, -1) if (t := encoding.char_to_token(c)) is not None)
+        mask[first : last + 1] = 1
     return mask

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from harvest.payload import PayloadError, Sample
 from producer.rowkinds import Chat, FieldMap, PromptCompletion, Pretokenized, RowError, Text, classify
 from producer.sources import BadRow, Row
-from producer.templates import ChatRenderer, TemplateError, mask_from_offsets
+from producer.templates import ChatRenderer, TemplateError, mask_from_spans
 
 OVERLONG_POLICIES = ("skip", "truncate")
 
@@ -108,7 +108,7 @@ class RowTokenizer:
                 ids, mask = p + c, [0] * len(p) + [1] * len(c)
             else:
                 enc = plain.encoded[plan[1]]
-                ids, mask = enc.ids, mask_from_offsets(enc.offsets, sorted(plan[2]))
+                ids, mask = enc.ids, mask_from_spans(enc, plan[2])
             out[i] = self._finish(rows[i], ids, mask)
         return out  # type: ignore[return-value]
 

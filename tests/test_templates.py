@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from producer.sources import BadRow, Row
-from producer.templates import ChatRenderer, mask_from_offsets
+from producer.templates import ChatRenderer, mask_from_spans
 from producer.tokenize import RowTokenizer
 
 CHATML = (
@@ -200,14 +200,26 @@ def test_no_chat_template(tok):
     assert str(r) == "t:4: the tokenizer has no chat template; pass --chat-template FILE"
 
 
-def test_mask_from_offsets_counts_straddling_tokens():
-    offsets = [(0, 3), (3, 6), (6, 9), (9, 9), (9, 12)]
-    assert mask_from_offsets(offsets, [(4, 7)]).tolist() == [0, 1, 1, 0, 0]
-    assert mask_from_offsets(offsets, [(0, 3), (9, 12)]).tolist() == [1, 0, 0, 0, 1]
-    assert mask_from_offsets(offsets, [(3, 6)]).tolist() == [0, 1, 0, 0, 0]
-    assert mask_from_offsets(offsets, [(2, 4), (8, 10)]).tolist() == [1, 1, 1, 0, 1]
-    assert mask_from_offsets(offsets, []).tolist() == [0, 0, 0, 0, 0]
-    assert mask_from_offsets([], [(0, 1)]).tolist() == []
+class _Encoding:
+    """Tokens at fixed character offsets, answering char_to_token like tokenizers.Encoding."""
+
+    def __init__(self, offsets):
+        self.ids = list(range(len(offsets)))
+        self.offsets = offsets
+
+    def char_to_token(self, c):
+        return next((t for t, (a, b) in enumerate(self.offsets) if a <= c < b), None)
+
+
+def test_mask_from_spans_counts_straddling_tokens():
+    enc = _Encoding([(0, 3), (3, 6), (6, 9), (9, 9), (9, 12), (14, 16)])  # chars 12-13 in no token
+    assert mask_from_spans(enc, [(4, 7)]).tolist() == [0, 1, 1, 0, 0, 0]
+    assert mask_from_spans(enc, [(0, 3), (9, 12)]).tolist() == [1, 0, 0, 0, 1, 0]
+    assert mask_from_spans(enc, [(3, 6)]).tolist() == [0, 1, 0, 0, 0, 0]
+    assert mask_from_spans(enc, [(2, 4), (8, 10)]).tolist() == [1, 1, 1, 1, 1, 0]
+    assert mask_from_spans(enc, [(12, 15)]).tolist() == [0, 0, 0, 0, 0, 1]
+    assert mask_from_spans(enc, [(12, 14)]).tolist() == [0, 0, 0, 0, 0, 0]
+    assert mask_from_spans(enc, []).tolist() == [0, 0, 0, 0, 0, 0]
 
 
 def test_chat_opening_with_an_assistant_turn(tok):
