@@ -195,3 +195,22 @@ def test_janitor_cleans_only_dead_workers_claim_dirs_and_stale_dumps(tmp_path, c
     dirs, files = clean_dump_dir(conn, str(dump))
     assert (dirs, files) == ([".claimed-dead-1"], 1)
     assert sorted(os.listdir(dump)) == sorted([".claimed-dead-young", ".claimed-live-1", fresh.name, "not-ours.bin"])
+
+
+def test_second_sigterm_hands_the_job_back_at_once(tmp_path, conn, redis_server, tiny_model, procs):
+    run = "term2"
+    cfg, dumps, spool, blocker, worker_args = _setup(tmp_path, conn, redis_server, tiny_model, procs, run)
+    led = Ledger(conn, run)
+    total = led.counts()["total"]
+    a = procs.start("worker-a", *worker_args, "--max-spool-mb", "1")
+    w = _busy_worker(conn, run)
+    q = run_queue(conn, run)
+    waiting = q.count
+    a.terminate()
+    time.sleep(1.5)  # RQ ignores a repeated signal within 1 s
+    a.terminate()  # cold shutdown: the job goes back instead of being filed as failed
+    assert procs.wait("worker-a", 60) == 0
+    assert w["job"] in q.job_ids and q.count == waiting + 1
+    assert q.started_job_registry.get_job_ids(cleanup=False) == [] and q.failed_job_registry.count == 0
+    assert led.counts() == {"queued": total, "spooled": 0, "done": 0, "failed": 0, "total": total}
+    assert led.stats()["job_retries"] == 1
