@@ -124,7 +124,10 @@ def list_spooled(spool_dir: str) -> list[tuple[str, str, int]]:
     for e in entries:
         m = _NAME.fullmatch(e.name)
         if m and e.is_file(follow_symlinks=False):
-            st = e.stat(follow_symlinks=False)
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:  # packed and deleted by the collector since the scandir
+                continue
             out.append((st.st_mtime_ns, m.group(1), e.path, st.st_size))
     out.sort()
     return [(sid, path, size) for _, sid, path, size in out]
