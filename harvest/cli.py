@@ -488,7 +488,9 @@ def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, tp_size, dum
 @click.option("--dtype", default="auto", show_default=True, help="vLLM --dtype (float32 for exact CPU comparisons).")
 @click.option("--kvcache-gib", default=1, show_default=True, type=click.IntRange(1), help="VLLM_CPU_KVCACHE_SPACE.")
 @click.option("--python", "python", default=None, help="The vLLM venv's python (default: HARVEST_VLLM_VENV's, else 'python').")
-def vllm_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, port, dtype, kvcache_gib, python) -> None:
+@click.option("--enforce-eager", is_flag=True, help="Skip torch.compile (faster start; what `harvest run --engine vllm` uses).")
+def vllm_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, port, dtype, kvcache_gib, python,
+                  enforce_eager) -> None:
     """Print the vLLM server command (connector, capture layers, environment) for a run."""
     from harvest.config import ConfigError, parse_layers
     from workers.sglang_launch import model_layers
@@ -510,7 +512,7 @@ def vllm_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, port
             except FileNotFoundError:
                 python = "python"
         click.echo(launch_command(model_path, points, n, dump_dir=dump_dir, port=port, python=python, dtype=dtype,
-                                  kvcache_gib=kvcache_gib))
+                                  kvcache_gib=kvcache_gib, enforce_eager=enforce_eager))
     except (ConfigError, ValueError) as e:
         _fail(str(e))
 

@@ -131,12 +131,13 @@ def _start_vllm(children: _Children, cfg: RunConfig, dumps: str) -> str:
     os.makedirs(dumps, mode=0o700, exist_ok=True)
     port = free_port()
     env, argv = launch_spec(cfg.model, cfg.capture_points, cfg.num_layers, dump_dir=dumps, port=port,
-                            python=venv_python(), dtype="float32" if cfg.storage_dtype == "fp32" else "auto")
+                            python=venv_python(), dtype="float32" if cfg.storage_dtype == "fp32" else "auto",
+                            enforce_eager=True)
     # This checkout's connector, whichever checkout the venv was built from.
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = children.start("engine", [], cmd=argv, env=env)
     url = f"http://127.0.0.1:{port}"
-    _wait_http(url, proc, timeout=900)  # 1-3 minutes on a small CPU machine (torch.compile warm-up)
+    _wait_http(url, proc, timeout=900)  # about a minute on a small CPU machine, more when it is busy
     return url
 
 
