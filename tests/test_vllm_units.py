@@ -107,7 +107,8 @@ def test_to_capture_points_orders_slots_and_normalizes_only_L(tiny_model):
 def _connector_file(directory, rid, hs, ids, layer_ids, fmt=CONNECTOR_FORMAT) -> str:
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"cmpl-{rid}-0-1a2b3c4d.safetensors")
-    save_file({"hidden_states": hs.contiguous(), "token_ids": ids}, path, metadata={"format": fmt, "layer_ids": json.dumps(layer_ids)})
+    meta = {"format": fmt, "layer_ids": json.dumps(layer_ids)}
+    save_file({"hidden_states": hs.contiguous(), "token_ids": ids}, path, metadata=meta)
     open(path + ".lock", "w").close()
     return path
 
@@ -197,3 +198,22 @@ def test_cli_vllm_args_prints_the_run_layers(tiny_model):
     assert res.stdout.startswith("VLLM_CPU_KVCACHE_SPACE=1 \\\n  py -m vllm.entrypoints.openai.api_server")
     assert '"eagle_aux_hidden_state_layer_ids":[2,4,5,8]' in res.stdout
     assert '"shared_storage_path":"/dev/shm/x/.vllm"' in res.stdout
+
+
+def test_sweep_removes_only_old_harvest_files_in_vllm_storage(tmp_path, tiny_model):
+    dump = tmp_path / "dump"
+    client = VllmClient("http://127.0.0.1:1", _cfg(tiny_model), str(dump))
+    try:
+        assert client.sweep() == 0  # no storage dir yet
+        store, hs, ids = storage_dir(str(dump)), torch.zeros(1, 3, 64), torch.arange(1)
+        old = _connector_file(store, RID, hs, ids, [2, 4, 8])
+        fresh = _connector_file(store, RID[:-1] + "3", hs, ids, [2, 4, 8])
+        foreign = os.path.join(storage_dir(str(dump)), "cmpl-1234-0.safetensors")
+        open(foreign, "w").close()
+        for p in (old, old + ".lock", foreign):
+            os.utime(p, (time.time() - 3600, time.time() - 3600))
+        assert client.sweep() == 2
+        assert sorted(os.listdir(storage_dir(str(dump)))) == sorted(
+            [os.path.basename(fresh), os.path.basename(fresh) + ".lock", "cmpl-1234-0.safetensors"])
+    finally:
+        client.close()

@@ -44,6 +44,7 @@ log = logging.getLogger("harvest.worker")
 
 ENV_MODEL_DIR = "HARVEST_MODEL_DIR"  # the run's checkpoint on this node, when not at the run's model path
 CONNECTOR_FORMAT = "harvest-vllm-1"
+STALE_S = 600.0  # vLLM files of harvest requests older than this were abandoned (see VllmClient.sweep)
 
 
 class VllmDumpError(Exception):
@@ -131,6 +132,8 @@ class VllmClient:
         self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=10.0), limits=limits)
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="harvest-vllm")
         self._norm: FinalNorm | None = None
+        self.stale_s = STALE_S
+        self._last_sweep = 0.0
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -148,7 +151,31 @@ class VllmClient:
             self._norm = FinalNorm.from_checkpoint(os.environ.get(ENV_MODEL_DIR) or self.cfg.model)
         return self._norm
 
+    def sweep(self, now: float | None = None) -> int:
+        """Remove harvest's files in vLLM's storage dir older than `stale_s` (a worker that died or
+        timed out before converting them; the janitor looks only at the dump dir itself).
+        Returns how many were removed."""
+        now = time.time() if now is None else now
+        removed = 0
+        try:
+            entries = list(os.scandir(self.storage))
+        except FileNotFoundError:
+            return 0
+        for e in entries:
+            if not e.name.startswith("cmpl-hv-") or not e.is_file(follow_symlinks=False):
+                continue
+            try:
+                if now - e.stat(follow_symlinks=False).st_mtime > self.stale_s:
+                    os.unlink(e.path)
+                    removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
+
     def generate(self, rids: list[str], prompts: list[list[int]]) -> list[Generated | Rejected]:
+        if time.monotonic() - self._last_sweep > 60:
+            self._last_sweep = time.monotonic()
+            self.sweep()
         if self.cfg.num_layers in self.cfg.capture_points:
             _ = self.norm  # load once, before the threads start (a bad checkpoint fails the job, not each request)
         futures = [self.pool.submit(self._one, rid, p) for rid, p in zip(rids, prompts)]
