@@ -125,8 +125,11 @@ def demo_cmd(out_dir: str, workers: int) -> None:
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
 @click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 256),
               help="Tokenizer processes; pays only with cores beyond those the tokenizer's threads fill.")
+@click.option("--engine", "engine", default="reference", show_default=True,
+              type=click.Choice(["reference", "sglang", "vllm"]),
+              help="Engine kind of a new run; workers pick their client by it (vllm: the vLLM client).")
 def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, fields, chat_template,
-                max_len, overlong, dry_run, strict, progress, processes) -> None:
+                max_len, overlong, dry_run, strict, progress, processes, engine="reference") -> None:
     """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded).
 
     Exit status: 0, 1 when some rows were bad (each is reported with its file and line), 2 on errors.
@@ -157,7 +160,7 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
             s = produce(None, None, dataset, tokenizer=load_tokenizer(model), progress=progress, strict=strict, **kw)
         else:
             if model and out_url and not dry_run:
-                cfg = publish_run(conn, build_config(run, model, out_url, layers, storage_dtype))
+                cfg = publish_run(conn, build_config(run, model, out_url, layers, storage_dtype, engine=engine))
                 reconcile(conn, cfg)
             else:
                 cfg = load_run(conn, run)

@@ -217,3 +217,21 @@ def test_sweep_removes_only_old_harvest_files_in_vllm_storage(tmp_path, tiny_mod
             [os.path.basename(fresh), os.path.basename(fresh) + ".lock", "cmpl-1234-0.safetensors"])
     finally:
         client.close()
+
+
+def test_produce_records_the_vllm_engine_kind_for_workers(tmp_path, tiny_model, redis_server, conn):
+    from harvest.runstore import load_run
+    from workers.engines import make_engine
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "hello world"}) + "\n")
+    res = harvest_cli("produce", str(data), "--run", "v", "--redis", redis_server.url, "--model", tiny_model,
+                      "--out", f"file://{tmp_path}/out", "--engine", "vllm")
+    assert res.returncode == 0, res.stderr
+    cfg = load_run(conn, "v")
+    assert cfg.engine == "vllm" and cfg.num_layers == 8
+    engine = make_engine(cfg, "http://127.0.0.1:1", str(tmp_path / "dump"))
+    try:
+        assert isinstance(engine, VllmClient)
+    finally:
+        engine.close()
