@@ -30,10 +30,10 @@ from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
 from harvest.heartbeat import CollectorBeat
 from harvest.ids import check_id
-from harvest.ledger import DONE, Ledger
+from harvest.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
 from harvest.runstore import run_location
 from harvest.shard import SHARDS, ShardPlan, index_file, plan_shard, shard_file, write_shard
-from harvest.spool import SpoolEntry, SpoolError, inspect_sample, list_spooled, spool_path
+from harvest.spool import SpoolEntry, SpoolError, inspect_sample, list_spooled, spool_identity, spool_path
 from harvest.storage import StorageError, retry
 
 log = logging.getLogger("harvest.collector")
@@ -58,6 +58,7 @@ class Collector:
         orphan_age: float = 6 * 3600.0,
     ) -> None:
         self.conn, self.cfg, self.spool_dir = conn, cfg, spool_dir
+        self.spool_id = spool_identity(spool_dir)
         self.node = check_id(node or node_name(), "node name")
         self.ledger = Ledger(conn, cfg.run)
         self.packing_key = self.ledger.keys.packing(self.node)
@@ -118,11 +119,15 @@ class Collector:
         files = list_spooled(self.spool_dir)
         if not files:
             return 0
-        states = self.ledger.states([sid for sid, _, _ in files])
+        ids = [sid for sid, _, _ in files]
         ready = []
-        for (sid, path, size), st in zip(files, states):
-            if st == DONE:  # a duplicate of a committed sample: the shard already holds it
+        for (sid, path, size), st, owner in zip(files, self.ledger.states(ids), self.ledger.spool_owners(ids)):
+            if st in (DONE, FAILED) or (st == SPOOLED and owner not in (None, "", self.spool_id)):
+                # committed already, given up on, or accepted from another node's spool (a retry
+                # of a job whose worker died between writing this file and marking it): not ours
                 _unlink(path)
+            elif st == QUEUED:
+                continue  # written by a worker that died before marking it; its job will run again
             else:
                 ready.append((sid, path, size))
         if not ready:

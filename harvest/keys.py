@@ -44,6 +44,11 @@ class Keys:
         return f"{self.prefix}:failed"
 
     @property
+    def spool_owner(self) -> str:
+        """Hash sample_id -> id of the spool dir that holds its accepted copy (state s only)."""
+        return f"{self.prefix}:spool_owner"
+
+    @property
     def attempts(self) -> str:
         """Hash sample_id -> attempts started, so each attempt gets a fresh rid."""
         return f"{self.prefix}:attempts"

@@ -22,7 +22,8 @@ STATE_NAMES = {QUEUED: "queued", SPOOLED: "spooled", DONE: "done", FAILED: "fail
 RATE_BUCKET_S = 10  # throughput buckets: small enough for a one-minute rate, few enough keys
 RATE_TTL_S = 300
 
-# KEYS: state, counts, failed. ARGV: to, allowed-from letters, n, id_1..id_n, info_1..info_n
+# KEYS: state, counts, failed, spool_owner. ARGV: to, allowed-from letters, n, id_1..id_n, info_1..info_n
+# (info: the failure JSON when moving to f, the spool id when moving to s)
 _TRANSITION = """
 local to, allowed, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local changed = {}
@@ -39,6 +40,11 @@ for i = 1, n do
       redis.call('HSET', KEYS[3], id, info)
     elseif c == 'f' then
       redis.call('HDEL', KEYS[3], id)
+    end
+    if to == 's' then
+      redis.call('HSET', KEYS[4], id, info)
+    elseif c == 's' then
+      redis.call('HDEL', KEYS[4], id)
     end
     changed[#changed + 1] = id
   end
@@ -58,7 +64,7 @@ class Ledger:
             return []
         infos = infos or [""] * len(ids)
         args = [to, allowed, len(ids), *ids, *infos]
-        keys = [self.keys.state, self.keys.counts, self.keys.failed]
+        keys = [self.keys.state, self.keys.counts, self.keys.failed, self.keys.spool_owner]
         res = self._script(keys=keys, args=args, client=pipe if pipe is not None else self.conn)
         if pipe is not None:
             return []
@@ -77,8 +83,18 @@ class Ledger:
     def requeue(self, ids: list[str], pipe=None) -> list[str]:
         return self._move(ids, QUEUED, FAILED, pipe=pipe)
 
-    def mark_spooled(self, ids: list[str]) -> list[str]:
-        return self._move(ids, SPOOLED, QUEUED)
+    def mark_spooled(self, ids: list[str], owner: str = "") -> list[str]:
+        """q -> s, recording which spool dir (harvest.spool.spool_identity) holds the copy.
+        Only the first worker to spool a sample becomes its owner, and only the owner's
+        collector packs it: if a worker died after writing its spool file but before this
+        call, the retried job may spool the sample on another node, and two collectors must
+        not both commit it."""
+        return self._move(ids, SPOOLED, QUEUED, [owner] * len(ids))
+
+    def spool_owners(self, ids: list[str]) -> list[str | None]:
+        if not ids:
+            return []
+        return [v.decode() if v is not None else None for v in self.conn.hmget(self.keys.spool_owner, ids)]
 
     def mark_failed(self, failures: Mapping[str, tuple[str, str]]) -> list[str]:
         ids = list(failures)

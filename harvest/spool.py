@@ -8,6 +8,7 @@ file's header against the run and then copies tensor bytes without decoding them
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from safetensors import safe_open
 
 from harvest.fp8 import is_fp8
 from harvest.ids import check_id
+from harvest.paths import private_dir
 from harvest.stformat import FormatError, TensorSpan, encode_parts, read_file_header
 from harvest.storage import atomic_write_local
 
@@ -50,6 +52,50 @@ class SpoolEntry:
     path: str
     num_tokens: int
     spans: dict[str, TensorSpan]
+
+
+_ID_FILE = ".spool-id"
+
+
+def spool_identity(spool_dir: str) -> str:
+    """A random id for this spool dir, made once by whoever uses it first, shared by every
+    worker and the collector that mount it (their host names differ under docker compose)."""
+    path = os.path.join(private_dir(spool_dir, "spool dir"), _ID_FILE)
+    while True:
+        try:
+            with open(path, encoding="ascii") as f:
+                sid = check_id(f.read().strip(), "spool id")
+            _clear_dead_temps(spool_dir)
+            return sid
+        except FileNotFoundError:
+            pass
+        tmp = os.path.join(spool_dir, f"{_ID_FILE}.{os.getpid()}.{os.urandom(4).hex()}")
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(os.urandom(16).hex())
+        try:
+            os.link(tmp, path)  # the first one wins; the others read the winner's id
+        except (FileExistsError, FileNotFoundError):
+            pass
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
+def _clear_dead_temps(spool_dir: str) -> None:
+    """Temporary id files of processes killed while making the id (their pid is gone)."""
+    for name in os.listdir(spool_dir):
+        if not name.startswith(_ID_FILE + "."):
+            continue
+        pid = name[len(_ID_FILE) + 1 :].split(".")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(spool_dir, name))
+        except PermissionError:
+            pass  # alive, someone else's
 
 
 def spool_path(spool_dir: str, sid: str) -> str:

@@ -263,4 +263,5 @@ class Trial:
         for d in (self.spool, self.dump):
             if os.path.isdir(d):
                 for dirpath, dirnames, files in os.walk(d):
-                    res.leftovers += [os.path.join(dirpath, x) for x in files + [n for n in dirnames if n.startswith(".claimed")]]
+                    res.leftovers += [os.path.join(dirpath, x) for x in files + [n for n in dirnames if n.startswith(".claimed")]
+                                      if x != ".spool-id"]

@@ -57,7 +57,7 @@ def test_packs_by_target_bytes_and_commits_in_order(conn, tmp_path):
         assert d["bytes"] == os.path.getsize(out / d["shard"])
     assert ledger.counts() == {"queued": 0, "spooled": 0, "done": 10, "failed": 0, "total": 10}
     assert ledger.stats()["shards"] == len(expected_groups) and ledger.stats()["tokens_done"] == sum(lengths)
-    assert os.listdir(spool) == [] and conn.get(c.packing_key) is None
+    assert os.listdir(spool) == [".spool-id"] and conn.get(c.packing_key) is None
     reader = RunReader(f"file://{out}")
     for s in samples:
         got = reader.get(s.id)
@@ -69,7 +69,7 @@ def test_partial_shard_waits_for_max_wait_while_work_is_queued(conn, tmp_path):
     cfg, spool, samples, ledger = _setup(conn, tmp_path, [4, 6])
     ledger.add_queued(["f" * 32])  # a sample still being extracted somewhere
     c = Collector(conn, cfg, spool, node="n1", max_wait=600)
-    assert c.step() == 0 and len(os.listdir(spool)) == 2
+    assert c.step() == 0 and len(list_spooled(spool)) == 2
     old = os.stat(list_spooled(spool)[0][1]).st_mtime - 601
     for _, path, _ in list_spooled(spool):
         os.utime(path, (old, old))
@@ -87,7 +87,7 @@ def test_bad_spool_file_fails_its_sample_and_is_kept_aside(conn, tmp_path):
     assert ledger.states([s.id for s in samples]) == ["d", "f", "d"]
     fail = ledger.failures()[samples[1].id]
     assert fail == {"reason": "bad-spool", "message": f"{bad}: unreadable spool file ({bad}: shorter than a safetensors header)"}
-    assert sorted(os.listdir(spool)) == [f".bad-{samples[1].id}.safetensors"]
+    assert sorted(os.listdir(spool)) == [f".bad-{samples[1].id}.safetensors", ".spool-id"]
 
 
 def test_persistent_storage_error_stops_with_spool_and_record_intact(conn, tmp_path):

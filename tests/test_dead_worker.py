@@ -104,7 +104,7 @@ def test_sigkilled_workers_job_is_done_by_another_worker_within_60s(tmp_path, co
     assert (q.count, q.failed_job_registry.count) == (0, 0)
     alive, dead = read_workers(conn, run)
     assert w["name"] not in [x["name"] for x in alive] and dead == []  # the dead worker is forgotten
-    assert wait_until(lambda: sorted(os.listdir(spool)) == [], 30, "spool drained")
+    assert wait_until(lambda: sorted(os.listdir(spool)) == [".spool-id"], 30, "spool drained")
 
 
 def test_sigterm_finishes_the_current_job_and_exits(tmp_path, conn, redis_server, tiny_model, procs):

@@ -34,7 +34,7 @@ from harvest.ledger import QUEUED, Ledger
 from harvest.metrics import observe
 from harvest.payload import Sample, decode_batch
 from harvest.requeue import record_failures
-from harvest.spool import list_spooled, write_sample
+from harvest.spool import list_spooled, spool_identity, write_sample
 from workers.claim import SampleFailure, assemble, claim
 from workers.engine_client import EngineClient, EngineUnavailable, Rejected
 
@@ -217,7 +217,7 @@ def _process(ctx: WorkerContext, todo: list[Sample]) -> dict:
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
-    ctx.ledger.mark_spooled(spooled)
+    ctx.ledger.mark_spooled(spooled, owner=spool_identity(ctx.spool_dir) if spooled else "")
     if failures:
         _fail(ctx, todo, failures)
     ctx.ledger.add_stats(samples_spooled=len(spooled), tokens_spooled=tokens, bytes_spooled=nbytes, dump_bytes=dump_bytes)

@@ -26,6 +26,7 @@ from rq.serializers import JSONSerializer
 from harvest.heartbeat import HEARTBEAT_INTERVAL_S, WorkerBeat
 from harvest.janitor import janitor_pass
 from harvest.keys import Keys
+from harvest.paths import private_dir
 from harvest.runstore import load_run
 from workers.engine_client import EngineClient
 from workers.engines import make_engine
@@ -36,14 +37,6 @@ log = logging.getLogger("harvest.worker")
 
 # RQ's own worker key TTL while idle; harvest's heartbeat, not this, decides liveness.
 RQ_WORKER_TTL = 60
-
-
-def private_dir(path: str) -> str:
-    """Create (0700) a directory that holds files others trust; refuse a symlink in its place."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    if os.path.islink(path):
-        raise RuntimeError(f"{path} is a symlink; refusing to use it")
-    return path
 
 
 def host_name() -> str:
@@ -102,13 +95,13 @@ def run_worker(
     name = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
     beat = WorkerBeat(conn, run, name, host, engine_url)
     beat.start()  # before the claim dir exists: the janitor removes claim dirs of workers without one
-    claim_dir = private_dir(os.path.join(private_dir(dump_dir), f".claimed-{name}"))
+    claim_dir = private_dir(os.path.join(private_dir(dump_dir, "dump dir"), f".claimed-{name}"), "claim dir")
     ctx = WorkerContext(
         conn=conn,
         cfg=cfg,
         engine=make_engine(cfg, engine_url, dump_dir),
         dump_dir=dump_dir,
-        spool_dir=private_dir(spool_dir),
+        spool_dir=private_dir(spool_dir, "spool dir"),
         claim_dir=claim_dir,
         dump_timeout=dump_timeout,
         max_spool_bytes=max_spool_bytes,
