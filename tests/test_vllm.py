@@ -5,7 +5,8 @@ loaded by module path), extracts the demo rows (plain text, multi-turn chat, raw
 token up to several hundred) and one of 3000 tokens that vLLM prefills in chunks, through Redis,
 two workers and the collector, and every stored sample is compared with an independent
 transformers forward in fp32 at every capture point, including 0 (embeddings), L-1 and L
-(post-norm, which vLLM does not deliver and the worker computes). A prompt longer than the server's context is rejected by vLLM and must fail alone.
+(post-norm, which vLLM does not deliver and the worker computes). A prompt longer than the
+server's context is rejected by vLLM and must fail alone.
 
 Skipped, with the command that fixes it, where the vLLM venv is not built.
 """
