@@ -235,3 +235,17 @@ def test_produce_records_the_vllm_engine_kind_for_workers(tmp_path, tiny_model, 
         assert isinstance(engine, VllmClient)
     finally:
         engine.close()
+
+
+def test_unreachable_server_is_transient(tmp_path, tiny_model):
+    from harvest.redisproc import free_port
+    from workers.engine_client import EngineUnavailable
+
+    client = VllmClient(f"http://127.0.0.1:{free_port()}", _cfg(tiny_model), str(tmp_path / "dump"),
+                        retries=1, backoff=0.01)
+    try:
+        assert client.health() is False
+        with pytest.raises(EngineUnavailable, match="failed 2 times"):
+            client.generate([RID, RID[:-1] + "2"], [[1, 2, 3], [4, 5]])
+    finally:
+        client.close()
