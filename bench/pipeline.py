@@ -112,18 +112,60 @@ def direct(url: str, dump_dir: str, work: list[list[list[int]]], threads: int, a
     return time.perf_counter() - t0
 
 
-def pipeline(url: str, dump_dir: str, model: str, data: str, out: str, workers: int, run: str) -> float:
+def pipeline(url: str, dump_dir: str, model: str, data: str, out: str, workers: int, run: str,
+             profile: str | None = None) -> float:
     t0 = time.perf_counter()
-    p = subprocess.run(
+    p = subprocess.Popen(
         [sys.executable, "-m", "harvest.cli", "run", data, "--model", model, "--out", out, "--run", run,
          "--engine-url", url, "--dump-dir", dump_dir, "--workers", str(workers), "--no-progress",
          "--work-dir", out + "-work"],
-        cwd=REPO, capture_output=True, text=True,
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+    spies = attach_profilers(p.pid, profile, run) if profile else []
+    stdout, stderr = p.communicate()
     dt = time.perf_counter() - t0
+    for s in spies:
+        s.wait()
     if p.returncode != 0:
-        raise SystemExit(f"harvest run failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+        raise SystemExit(f"harvest run failed ({p.returncode}):\n{stdout[-2000:]}\n{stderr[-2000:]}")
     return dt
+
+
+def attach_profilers(run_pid: int, folder: str, tag: str) -> list[subprocess.Popen]:
+    """py-spy on the first worker and the collector of a `harvest run`, once they are up."""
+    import shutil
+
+    if not shutil.which("py-spy"):
+        print("py-spy not installed: no profile", flush=True)
+        return []
+    os.makedirs(folder, exist_ok=True)
+    found: dict[str, int] = {}
+    for _ in range(300):
+        ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(run_pid)], capture_output=True, text=True).stdout
+        for line in ps.splitlines():
+            pid, args = line.strip().split(" ", 1)
+            for role in ("worker", "collect"):
+                if f"harvest.cli worker" in args and role == "worker" or f"harvest.cli collect" in args and role == "collect":
+                    found.setdefault(role, int(pid))
+        if len(found) == 2:
+            break
+        time.sleep(0.1)
+    return [subprocess.Popen(["py-spy", "record", "--format", "raw", "--rate", "50", "--pid", str(pid),
+                              "-o", os.path.join(folder, f"{tag}-{role}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for role, pid in found.items()]
+
+
+def top_self(path: str, n: int = 8) -> list[tuple[float, str]]:
+    """Share of samples per innermost frame of a py-spy raw (collapsed) profile."""
+    from collections import Counter
+
+    c, total = Counter(), 0
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip().rpartition(" ")
+            c[stack.split(";")[-1]] += int(count)
+            total += int(count)
+    return [(v / total, k) for k, v in c.most_common(n)] if total else []
 
 
 def main() -> None:
@@ -135,6 +177,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--max-batch-samples", type=int, default=32)
     ap.add_argument("--max-batch-tokens", type=int, default=16384)
+    ap.add_argument("--profile", metavar="DIR", help="py-spy the first worker and the collector of each pipeline run")
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="harvest-bench-")
@@ -168,12 +211,17 @@ def main() -> None:
             work = batches(rows, args.max_batch_samples, args.max_batch_tokens)
             direct(url, dump_dir, work[:2], w, attempt=9)  # warm the engine's allocator
             a = direct(url, dump_dir, work, w, attempt=1)
-            b = pipeline(url, dump_dir, model, data, os.path.join(tmp, f"out-{w}"), w, f"bench{w}")
+            b = pipeline(url, dump_dir, model, data, os.path.join(tmp, f"out-{w}"), w, f"bench{w}", args.profile)
             a2 = direct(url, dump_dir, work, w, attempt=2)
             a_mean = (a + a2) / 2
             results.append((w, args.samples / a_mean, args.samples / b))
             print(f"workers {w}: direct {args.samples / a:.2f} / {args.samples / a2:.2f} samples/s, "
                   f"pipeline {args.samples / b:.2f} samples/s, ratio {a_mean / b:.3f}", flush=True)
+        if args.profile:
+            for name in sorted(os.listdir(args.profile)):
+                print(f"\nprofile {name} (share of samples by innermost frame):")
+                for share, frame in top_self(os.path.join(args.profile, name)):
+                    print(f"  {share:6.1%}  {frame}")
         print("\nworkers  direct_sps  pipeline_sps  ratio")
         for w, da, pb in results:
             print(f"{w:7d}  {da:10.2f}  {pb:12.2f}  {pb / da:5.3f}")

@@ -9,7 +9,7 @@ import pytest
 from tests.chaos import Trial
 
 
-@pytest.mark.parametrize("seed", [11, 12])
+@pytest.mark.parametrize("seed", [11])  # bench/chaos.py runs the many-trial version
 def test_kills_lose_and_double_nothing_file_output(tiny_model, tmp_path, seed):
     result = Trial(str(tmp_path), tiny_model, seed, samples=50, kills=5).execute()
     assert result.ok, result.summary()
