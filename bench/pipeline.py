@@ -145,7 +145,7 @@ def attach_profilers(run_pid: int, folder: str, tag: str) -> list[subprocess.Pop
         for line in ps.splitlines():
             pid, args = line.strip().split(" ", 1)
             for role in ("worker", "collect"):
-                if f"harvest.cli worker" in args and role == "worker" or f"harvest.cli collect" in args and role == "collect":
+                if f"harvest.cli {role} " in args:
                     found.setdefault(role, int(pid))
         if len(found) == 2:
             break
