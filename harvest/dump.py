@@ -9,9 +9,12 @@ into these files with `cut_batch` + `write_chunk`, so the CPU tests run the prod
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,9 +112,14 @@ def write_chunk(dump_dir: str, chunk: Chunk, capture_points: Sequence[int], mode
     path = os.path.join(dump_dir, name)
     tmp = os.path.join(dump_dir, f".tmp-{name}.{os.getpid()}")
     data = encode_chunk(chunk, capture_points, model)
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a full disk must not also keep the partial file
+        raise
     return path
 
 
@@ -169,12 +177,17 @@ class DumpWriter:
     bounded: when the disk falls behind, `submit` blocks and the forward waits rather than
     dropping a chunk."""
 
-    def __init__(self, dump_dir: str, capture_points: Sequence[int], model: str, max_pending: int = 64) -> None:
+    FULL_POLL_S = 0.2
+
+    def __init__(self, dump_dir: str, capture_points: Sequence[int], model: str, max_pending: int = 64,
+                 full_wait_s: float = 600.0) -> None:
         import queue
         import threading
 
         self.dump_dir, self.capture_points, self.model = dump_dir, list(capture_points), model
         self.errors = 0
+        self.full_waits = 0
+        self.full_wait_s = full_wait_s
         self._q: queue.Queue = queue.Queue(maxsize=max_pending)
         self._thread = threading.Thread(target=self._run, name="harvest-dump-writer", daemon=True)
         self._thread.start()
@@ -210,13 +223,32 @@ class DumpWriter:
                 if event is not None:
                     event.synchronize()
                 for c in staged:
-                    try:
-                        write_chunk(self.dump_dir, c, self.capture_points, self.model)
-                    except OSError:
-                        self.errors += 1
-                        log.exception("harvest: could not write dump chunk %s [%d, %d)", c.rid, c.start, c.end)
+                    self._write(c, log)
             finally:
                 self._q.task_done()
+
+    def _write(self, c: Chunk, log) -> None:
+        """Write one chunk; while the dump dir is full, wait for workers to claim files (the
+        bounded queue then blocks `submit`, so the engine's forward pauses instead of losing
+        chunks), up to `full_wait_s`."""
+        waited = 0.0
+        while True:
+            try:
+                write_chunk(self.dump_dir, c, self.capture_points, self.model)
+                if waited:
+                    log.warning("harvest: dump dir %s has room again after %.0fs", self.dump_dir, waited)
+                return
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT) and waited < self.full_wait_s:
+                    if not waited:
+                        log.warning("harvest: dump dir %s is full: pausing until workers claim files", self.dump_dir)
+                    self.full_waits += 1
+                    time.sleep(self.FULL_POLL_S)
+                    waited += self.FULL_POLL_S
+                    continue
+                self.errors += 1
+                log.exception("harvest: could not write dump chunk %s [%d, %d)", c.rid, c.start, c.end)
+                return
 
     def flush(self) -> None:
         """Block until every submitted chunk is on disk (or failed)."""
