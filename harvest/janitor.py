@@ -34,9 +34,10 @@ from rq.serializers import JSONSerializer
 from rq.utils import current_timestamp
 
 from harvest.heartbeat import HEARTBEAT_TTL_S, worker_alive
-from harvest.ids import ID_PATTERN
+from harvest.dump import parse_chunk_name
+from harvest.ids import ID_PATTERN, parse_rid
 from harvest.keys import Keys, worker_key
-from harvest.ledger import QUEUED, Ledger
+from harvest.ledger import DONE, FAILED, QUEUED, Ledger
 from harvest.payload import PayloadError, decode_batch
 from harvest.requeue import record_failures
 
@@ -44,6 +45,7 @@ log = logging.getLogger("harvest.janitor")
 
 MAX_REAPS = 3
 STALE_DUMP_S = 900.0
+PROVEN_STALE_S = 2.0  # files the ledger proves unclaimable: only give a rename in flight time to land
 CLAIM_PREFIX = ".claimed-"
 
 
@@ -184,11 +186,16 @@ def forget_dead_workers(conn: redis.Redis, run: str) -> list[str]:
 
 
 def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE_DUMP_S,
-                   now: float | None = None) -> tuple[list[str], int]:
+                   now: float | None = None, run: str | None = None,
+                   proven_stale_s: float = PROVEN_STALE_S) -> tuple[list[str], int]:
     """Node-local: remove the claim dirs of workers with no heartbeat (any run: the dump dir may be
     shared) and unclaimed dump files older than `stale_dump_s` (a request that timed out, or a
-    worker that died before claiming). Returns (claim dirs removed, dump files removed)."""
+    worker that died before claiming). With `run`, files that run's ledger proves nobody will
+    claim (their sample is done or failed, or a newer attempt exists: the engine finished a
+    request after its worker died or gave up) go after only `proven_stale_s`.
+    Returns (claim dirs removed, dump files removed)."""
     now = time.time() if now is None else now
+    proven = _proven_stale(conn, run, _names(dump_dir)) if run else set()
     dirs, files = [], 0
     try:
         entries = list(os.scandir(dump_dir))
@@ -207,13 +214,41 @@ def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE
                 shutil.rmtree(e.path, ignore_errors=True)
                 dirs.append(e.name)
         elif e.is_file(follow_symlinks=False) and (e.name.startswith("hv-") or e.name.startswith(".tmp-")):
-            if age > stale_dump_s:
+            if age > stale_dump_s or (e.name in proven and age > proven_stale_s):
                 try:
                     os.unlink(e.path)
                     files += 1
                 except FileNotFoundError:
                     pass
     return dirs, files
+
+
+def _names(dump_dir: str) -> list[str]:
+    try:
+        return os.listdir(dump_dir)
+    except FileNotFoundError:
+        return []
+
+
+def _proven_stale(conn: redis.Redis, run: str, names: list[str]) -> set[str]:
+    parsed = {}
+    for n in names:
+        p = parse_chunk_name(n)
+        if p is not None:
+            sid, attempt = parse_rid(p[0])
+            parsed[n] = (sid, attempt)
+    if not parsed:
+        return set()
+    sids = sorted({sid for sid, _ in parsed.values()})
+    ledger = Ledger(conn, run)
+    states = dict(zip(sids, ledger.states(sids)))
+    attempts = dict(zip(sids, conn.hmget(ledger.keys.attempts, sids)))
+    out = set()
+    for n, (sid, attempt) in parsed.items():
+        current = int(attempts[sid] or 0)
+        if states[sid] in (DONE, FAILED) or (states[sid] is not None and current > attempt):
+            out.add(n)
+    return out
 
 
 def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_reaps: int = MAX_REAPS,
@@ -230,5 +265,5 @@ def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_r
         finally:
             conn.eval(_RELEASE, 1, keys.janitor_lock, token)
     if dump_dir:
-        rep.claim_dirs_removed, rep.stale_dumps_removed = clean_dump_dir(conn, dump_dir, stale_dump_s)
+        rep.claim_dirs_removed, rep.stale_dumps_removed = clean_dump_dir(conn, dump_dir, stale_dump_s, run=run)
     return rep

@@ -220,6 +220,7 @@ class Trial:
                     p.wait()
         try:
             if not self.result.error:
+                time.sleep(2.5)  # the janitor's grace for files the ledger proves stale
                 subprocess.run([sys.executable, "-m", "harvest.cli", "janitor", "--run", self.run, "--redis",
                                 self.redis.url, "--dump-dir", self.dump], cwd=REPO, env=self.env,
                                capture_output=True, timeout=120, check=True)
