@@ -5,6 +5,7 @@ Nothing imports this module; it imports the services lazily so `harvest --help` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -110,9 +111,14 @@ def demo_cmd(out_dir: str, workers: int) -> None:
 @click.option("--model", default=None, type=click.Path(), help="Model directory (needed when the run is new).")
 @click.option("--out", "out_url", default=None, help="Output URL (needed when the run is new).")
 @click.option("--layers", default="eagle3", show_default=True)
-@click.option("--dtype", "storage_dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp16", "fp32"]))
+@click.option("--dtype", "storage_dtype", default="bf16", show_default=True,
+              type=click.Choice(["bf16", "fp16", "fp32", "fp8_e4m3"]))
 @click.option("--max-queued", default=20000, show_default=True, type=click.IntRange(1),
               help="Samples queued or in flight at most; the producer waits while the queue is full.")
+@click.option("--batch-samples", default=None, type=click.IntRange(1),
+              help="Samples per job (default: the run's, 32).")
+@click.option("--batch-tokens", default=None, type=click.IntRange(1),
+              help="Tokens per job (default: the run's, 16384); size it to keep the engine's prefill budget full.")
 @click.option("--field", "fields", multiple=True, metavar="NAME=COLUMN",
               help="Read a field from another column, e.g. text=content (repeatable).")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -128,8 +134,9 @@ def demo_cmd(out_dir: str, workers: int) -> None:
 @click.option("--engine", "engine", default="reference", show_default=True,
               type=click.Choice(["reference", "sglang", "vllm"]),
               help="Engine kind of a new run; workers pick their client by it (vllm: the vLLM client).")
-def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, fields, chat_template,
-                max_len, overlong, dry_run, strict, progress, processes, engine="reference") -> None:
+def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, batch_samples, batch_tokens,
+                fields, chat_template, max_len, overlong, dry_run, strict, progress, processes,
+                engine="reference") -> None:
     """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded).
 
     Exit status: 0, 1 when some rows were bad (each is reported with its file and line), 2 on errors.
@@ -164,6 +171,8 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
                 reconcile(conn, cfg)
             else:
                 cfg = load_run(conn, run)
+            cfg = dataclasses.replace(cfg, max_batch_samples=batch_samples or cfg.max_batch_samples,
+                                      max_batch_tokens=batch_tokens or cfg.max_batch_tokens)  # job sizes only
             s = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress, strict=strict, **kw)
     except (ConfigError, FileNotFoundError, ValueError, redislib.ConnectionError) as e:
         _fail(str(e))
