@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import redis
 
+from harvest.heartbeat import HEARTBEAT_TTL_S
 from harvest.ids import sample_id
 from harvest.keys import Keys
 from harvest.ledger import Ledger
@@ -94,6 +95,7 @@ class Trial:
         self.redis = RedisServer(os.path.join(root, "redis"))
         self.port = 32000 + (os.getpid() * 7 + seed) % 2000
         self.result = TrialResult(seed, samples)
+        self.last_worker_kill = 0.0
 
     # -- processes -------------------------------------------------------------------------
     def _cmd(self, name: str) -> list[str]:
@@ -138,6 +140,8 @@ class Trial:
             self.redis.start()
             return
         name = self.rng.choice(self._names(kind))
+        if kind == "worker":
+            self.last_worker_kill = time.monotonic()
         if name == "producer" and self.producer_done:
             return
         self._kill(name)
@@ -220,7 +224,12 @@ class Trial:
                     p.wait()
         try:
             if not self.result.error:
-                time.sleep(2.5)  # the janitor's grace for files the ledger proves stale
+                # The janitor removes a claim dir only once its worker's heartbeat has expired
+                # (15 s TTL), and files the ledger proves stale after a 2 s grace: wait those out.
+                wait = 2.5
+                if any(n.startswith(".claimed-") for n in os.listdir(self.dump)) and self.last_worker_kill:
+                    wait = max(wait, self.last_worker_kill + HEARTBEAT_TTL_S + 1 - time.monotonic())
+                time.sleep(wait)
                 subprocess.run([sys.executable, "-m", "harvest.cli", "janitor", "--run", self.run, "--redis",
                                 self.redis.url, "--dump-dir", self.dump], cwd=REPO, env=self.env,
                                capture_output=True, timeout=120, check=True)
