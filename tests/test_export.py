@@ -28,6 +28,7 @@ def _committed_run(conn, tmp_path, out_url):
     cfg = publish_run(conn, make_config(out_url))
     samples = spool_samples(str(tmp_path / "spool"), cfg, [6, 1, 20, 9, 14])
     Ledger(conn, "r").add_queued([s.id for s in samples])
+    Ledger(conn, "r").mark_spooled([s.id for s in samples])  # as the worker does after writing them
     c = Collector(conn, cfg, str(tmp_path / "spool"), node="n1", shard_bytes=4000)
     while c.step(force=True):
         pass

@@ -61,6 +61,7 @@ def test_fp8_through_assemble_spool_shard_and_reader(conn, tmp_path):
     back = read_sample(spool_path(spool, s.id))
     assert torch.equal(back.hidden_scale, scale)
     Ledger(conn, "r").add_queued([s.id])
+    Ledger(conn, "r").mark_spooled([s.id])  # as the worker does after writing it
     Collector(conn, cfg, spool, node="n1").step(force=True)
 
     reader = RunReader(cfg.out_url + "/r")

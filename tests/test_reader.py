@@ -19,6 +19,7 @@ def _run(conn, tmp_path, dtype="bf16", lengths=(5, 9, 1, 30, 12, 7, 3)):
     spool = str(tmp_path / "spool")
     samples = spool_samples(spool, cfg, list(lengths))
     Ledger(conn, "r").add_queued([s.id for s in samples])
+    Ledger(conn, "r").mark_spooled([s.id for s in samples])  # as the worker does after writing them
     c = Collector(conn, cfg, spool, node="n1", shard_bytes=3000)
     while c.step(force=True):
         pass
