@@ -249,3 +249,35 @@ def test_unreachable_server_is_transient(tmp_path, tiny_model):
             client.generate([RID, RID[:-1] + "2"], [[1, 2, 3], [4, 5]])
     finally:
         client.close()
+
+
+def test_compose_vllm_service_matches_harvest_vllm_args():
+    """docker-compose's vllm service runs what `harvest vllm-args` prints (one source of truth)."""
+    import re
+
+    import yaml
+
+    from harvest.config import eagle3_layers
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, "docker-compose.yml")) as f:
+        spec = yaml.safe_load(f)
+    svc = spec["services"]["vllm"]
+    assert svc["profiles"] == ["vllm"] and "engine" in svc["networks"]["default"]["aliases"]
+    assert svc["entrypoint"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "./workers:/opt/harvest/workers:ro" in svc["volumes"] and svc["environment"]["PYTHONPATH"] == "/opt/harvest"
+    # The compose file's capture points come from .env; substitute the example's (eagle3 on 8 layers).
+    compose_args = [re.sub(r"\$\{CAPTURE_POINTS:\?[^}]*\}", "2,4,5,8", a) for a in svc["command"]]
+    flags = dict(a.split("=", 1) if "=" in a else (a, None) for a in compose_args)
+    _, args = launch_spec("/models/m", eagle3_layers(8), 8, dump_dir="/dumps", port=30000)
+    for i, a in enumerate(args):
+        if a.startswith("--") and a not in ("--model", "--host", "--dtype"):
+            value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+            assert a in flags, a
+            if a.endswith("-config"):
+                assert json.loads(flags[a]) == json.loads(value), a
+            elif value is not None:
+                assert flags[a] == value, a
+    # Workers of a vLLM run read the final norm from the checkpoint; the producer sets the run's engine.
+    assert "${MODEL_DIR:-./models}:/models:ro" in spec["services"]["worker"]["volumes"]
+    assert "${ENGINE:-reference}" in spec["services"]["producer"]["command"]
