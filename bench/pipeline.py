@@ -36,6 +36,7 @@ sys.path.insert(0, REPO)
 from harvest.demo import build_tiny_model  # noqa: E402
 from harvest.dump import parse_chunk_name  # noqa: E402
 from harvest.ids import rid_for, sample_id  # noqa: E402
+from harvest.payload import Sample, split_jobs  # noqa: E402
 
 
 def make_rows(n: int, mean_tokens: int, vocab: int, seed: int) -> list[list[int]]:
@@ -44,17 +45,9 @@ def make_rows(n: int, mean_tokens: int, vocab: int, seed: int) -> list[list[int]
 
 
 def batches(rows: list[list[int]], max_samples: int, max_tokens: int) -> list[list[list[int]]]:
-    """The producer's batching rule (count and token bounds), so both sides send the same work."""
-    out, cur, tok = [], [], 0
-    for r in rows:
-        if cur and (len(cur) >= max_samples or tok + len(r) > max_tokens):
-            out.append(cur)
-            cur, tok = [], 0
-        cur.append(r)
-        tok += len(r)
-    if cur:
-        out.append(cur)
-    return out
+    """The producer's batching rule (harvest.payload.split_jobs), so both sides send the same work."""
+    jobs = split_jobs([Sample.build(r) for r in rows], max_samples, max_tokens)
+    return [[s.input_ids.tolist() for s in job] for job in jobs]
 
 
 def wait_engine(url: str, proc: subprocess.Popen) -> None:

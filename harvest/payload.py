@@ -48,6 +48,23 @@ class Sample:
         return int(self.input_ids.size)
 
 
+def split_jobs(samples: list[Sample], max_samples: int, max_tokens: int) -> list[list[Sample]]:
+    """Cut samples, in order, into jobs bounded by count and tokens (DESIGN 4.2); a sample
+    longer than `max_tokens` goes alone."""
+    jobs: list[list[Sample]] = []
+    cur: list[Sample] = []
+    tokens = 0
+    for s in samples:
+        if cur and (len(cur) >= max_samples or tokens + s.num_tokens > max_tokens):
+            jobs.append(cur)
+            cur, tokens = [], 0
+        cur.append(s)
+        tokens += s.num_tokens
+    if cur:
+        jobs.append(cur)
+    return jobs
+
+
 def _b64(a: np.ndarray) -> str:
     return base64.b64encode(a.tobytes()).decode("ascii")
 

@@ -32,7 +32,7 @@ from harvest.config import RunConfig
 from harvest.ids import check_id, job_id_for
 from harvest.keys import JOB_FUNCTION, Keys
 from harvest.ledger import FAILED, QUEUED, Ledger
-from harvest.payload import PAYLOAD_VERSION, PayloadError, Sample, decode_batch, encode_batch
+from harvest.payload import PAYLOAD_VERSION, PayloadError, Sample, decode_batch, encode_batch, split_jobs
 
 JOB_FAILURE_TTL = 7 * 24 * 3600
 CHUNK = 1000  # samples per transaction
@@ -76,21 +76,6 @@ def select_failed(ledger: Ledger, reasons: Iterable[str] = (), sample_ids: Itera
     return out
 
 
-def _batches(cfg: RunConfig, samples: list[Sample]) -> list[list[Sample]]:
-    out: list[list[Sample]] = []
-    cur: list[Sample] = []
-    tokens = 0
-    for s in samples:
-        if cur and (len(cur) >= cfg.max_batch_samples or tokens + s.num_tokens > cfg.max_batch_tokens):
-            out.append(cur)
-            cur, tokens = [], 0
-        cur.append(s)
-        tokens += s.num_tokens
-    if cur:
-        out.append(cur)
-    return out
-
-
 def _requeue_chunk(conn: redis.Redis, cfg: RunConfig, ids: list[str], res: RequeueResult) -> None:
     keys, ledger = Keys(cfg.run), Ledger(conn, cfg.run)
     queue = Queue(keys.queue_name, connection=conn, serializer=JSONSerializer)
@@ -113,7 +98,7 @@ def _requeue_chunk(conn: redis.Redis, cfg: RunConfig, ids: list[str], res: Reque
                         missing.append(sid)
                         continue
                     samples.append(s)
-                batches = _batches(cfg, samples)
+                batches = split_jobs(samples, cfg.max_batch_samples, cfg.max_batch_tokens)
                 job_ids = [f"{job_id_for(cfg.run, [s.id for s in b])}-r{time.time_ns()}" for b in batches]
                 pipe.multi()
                 for b, job_id in zip(batches, job_ids):

@@ -30,7 +30,7 @@ from harvest.config import RunConfig
 from harvest.ids import job_id_for
 from harvest.keys import JOB_FUNCTION, Keys
 from harvest.ledger import QUEUED, Ledger
-from harvest.payload import Sample, encode_batch
+from harvest.payload import Sample, encode_batch, split_jobs
 
 JOB_FAILURE_TTL = 7 * 24 * 3600
 DEFAULT_MAX_QUEUED = 20000
@@ -99,18 +99,7 @@ class Enqueuer:
             wait = min(wait * 2, _WAIT_MAX_S)
 
     def _jobs(self, samples: list[Sample]) -> list[list[Sample]]:
-        jobs: list[list[Sample]] = []
-        cur: list[Sample] = []
-        tokens = 0
-        for s in samples:
-            if cur and (len(cur) >= self.job_samples or tokens + s.num_tokens > self.cfg.max_batch_tokens):
-                jobs.append(cur)
-                cur, tokens = [], 0
-            cur.append(s)
-            tokens += s.num_tokens
-        if cur:
-            jobs.append(cur)
-        return jobs
+        return split_jobs(samples, self.job_samples, self.cfg.max_batch_tokens)
 
     def _try_send(self) -> bool:
         """One transaction's worth. False when the queue is full (the caller waits)."""
