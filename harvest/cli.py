@@ -457,6 +457,22 @@ def metrics_cmd(redis_url, port, addr, runs) -> None:
         pass
 
 
+def _capture_points(model_path: str, num_layers: int | None, run: str | None, redis_url: str,
+                    layers: str) -> tuple[int, list[int]]:
+    """(decoder layers, capture points) for an engine launch: the run's points when named."""
+    from harvest.config import parse_layers
+    from workers.sglang_launch import model_layers
+
+    n = num_layers or model_layers(model_path)
+    if run:
+        import redis as redislib
+
+        from harvest.runstore import load_run
+
+        return n, load_run(redislib.Redis.from_url(redis_url), run).capture_points
+    return n, parse_layers(layers, n)
+
+
 @main.command("sglang-args")
 @click.option("--model", "model_path", required=True, help="Model path as the SGLang server will see it.")
 @click.option("--layers", default="eagle3", show_default=True, help="'eagle3' or HF hidden_states indices.")
@@ -470,19 +486,11 @@ def metrics_cmd(redis_url, port, addr, runs) -> None:
 @click.option("--sglang-version", default="0.5.23", show_default=True, help="Flag spellings differ between versions.")
 def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, tp_size, dump_dir, port, chunked_prefill_size, sglang_version) -> None:
     """Print the SGLang launch command (with the plugin's environment) for a run."""
-    from harvest.config import ConfigError, parse_layers
-    from workers.sglang_launch import launch_command, model_layers
+    from harvest.config import ConfigError
+    from workers.sglang_launch import launch_command
 
     try:
-        n = num_layers or model_layers(model_path)
-        if run:
-            import redis as redislib
-
-            from harvest.runstore import load_run
-
-            points = load_run(redislib.Redis.from_url(redis_url), run).capture_points
-        else:
-            points = parse_layers(layers, n)
+        n, points = _capture_points(model_path, num_layers, run, redis_url, layers)
         click.echo(launch_command(model_path, points, n, dump_dir=dump_dir, tp_size=tp_size, port=port,
                                   chunked_prefill_size=chunked_prefill_size, sglang_version=sglang_version))
     except (ConfigError, ValueError) as e:
@@ -504,20 +512,11 @@ def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, tp_size, dum
 def vllm_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, port, dtype, kvcache_gib, python,
                   enforce_eager) -> None:
     """Print the vLLM server command (connector, capture layers, environment) for a run."""
-    from harvest.config import ConfigError, parse_layers
-    from workers.sglang_launch import model_layers
+    from harvest.config import ConfigError
     from workers.vllm_launch import launch_command, venv_python
 
     try:
-        n = num_layers or model_layers(model_path)
-        if run:
-            import redis as redislib
-
-            from harvest.runstore import load_run
-
-            points = load_run(redislib.Redis.from_url(redis_url), run).capture_points
-        else:
-            points = parse_layers(layers, n)
+        n, points = _capture_points(model_path, num_layers, run, redis_url, layers)
         if python is None:
             try:
                 python = venv_python()

@@ -84,22 +84,29 @@ class EngineClient:
             "sampling_params": {"max_new_tokens": 1, "temperature": 0},
             "extra_key": rids,
         }
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                r = self.http.post(f"{self.url}/generate", json=body)
-            except httpx.HTTPError as e:
-                last = f"{type(e).__name__}: {e}"
-                log.warning("engine %s unreachable (%s), attempt %d", self.url, last, attempt + 1)
-                continue
-            if r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {_error_message(_json(r))}"
-                log.warning("engine %s error (%s), attempt %d", self.url, last, attempt + 1)
-                continue
-            return r.status_code, _json(r)
-        raise EngineUnavailable(f"engine {self.url} failed {self.retries + 1} times; last error: {last}")
+        return post_with_retries(self.http, f"{self.url}/generate", body, self.retries, self.backoff, f"engine {self.url}")
+
+
+def post_with_retries(http: httpx.Client, url: str, body: dict, retries: int, backoff: float,
+                      what: str) -> tuple[int, object]:
+    """POST `body`; transport errors and 5xx are retried with exponential backoff, anything
+    else is returned as (status, JSON). Raises EngineUnavailable once the retries are spent."""
+    last = ""
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff * 2 ** (attempt - 1))
+        try:
+            r = http.post(url, json=body)
+        except httpx.HTTPError as e:
+            last = f"{type(e).__name__}: {e}"
+            log.warning("%s unreachable (%s), attempt %d", what, last, attempt + 1)
+            continue
+        if r.status_code >= 500:
+            last = f"HTTP {r.status_code}: {_error_message(_json(r))}"
+            log.warning("%s error (%s), attempt %d", what, last, attempt + 1)
+            continue
+        return r.status_code, _json(r)
+    raise EngineUnavailable(f"{what} failed {retries + 1} times; last error: {last}")
 
 
 def _json(r: httpx.Response) -> object:

@@ -36,7 +36,7 @@ from safetensors import safe_open
 
 from harvest.config import RunConfig
 from harvest.dump import Chunk, write_chunk
-from workers.engine_client import EngineUnavailable, Generated, Rejected, _error_message, _json
+from workers.engine_client import EngineUnavailable, Generated, Rejected, _error_message, post_with_retries
 from workers.vllm_launch import storage_dir
 from workers.vllm_norm import FinalNorm
 
@@ -231,19 +231,5 @@ class VllmClient:
 
     def _post(self, rid: str, prompt: list[int]) -> tuple[int, object]:
         body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "request_id": rid}
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                r = self.http.post(f"{self.url}/v1/completions", json=body)
-            except httpx.HTTPError as e:
-                last = f"{type(e).__name__}: {e}"
-                log.warning("vLLM %s unreachable (%s), attempt %d", self.url, last, attempt + 1)
-                continue
-            if r.status_code >= 500:
-                last = f"HTTP {r.status_code}: {_error_message(_json(r))}"
-                log.warning("vLLM %s error (%s), attempt %d", self.url, last, attempt + 1)
-                continue
-            return r.status_code, _json(r)
-        raise EngineUnavailable(f"engine {self.url} failed {self.retries + 1} times; last error: {last}")
+        return post_with_retries(self.http, f"{self.url}/v1/completions", body, self.retries, self.backoff,
+                                 f"vLLM {self.url}")
