@@ -68,6 +68,13 @@ def test_permanent_fault_hits_every_time(tiny_model, tmp_path, monkeypatch):
         assert set(results.values()) == {"nonfinite"}
 
 
+def test_several_faults_hit_different_requests(tiny_model, tmp_path, monkeypatch):
+    engine = _engine(tiny_model, tmp_path, monkeypatch, "drop-chunk:1,bad-ids:1,nan:1")
+    samples = _samples(4)
+    _, results = _extract(engine, tmp_path, samples)
+    assert [results[s.id] for s in samples] == ["incomplete-dump", "token-mismatch", "nonfinite", "ok"]
+
+
 def test_cached_fault_reports_cached_tokens(tiny_model, tmp_path, monkeypatch):
     engine = _engine(tiny_model, tmp_path, monkeypatch, "cached:1")
     samples = _samples(2)

@@ -19,7 +19,8 @@ ENV_HANG_S = "HARVEST_ENGINE_HANG_S"
 HTTP500, HANG = "http500", "hang"
 # per hv- request in a call
 DROP_CHUNK, BAD_IDS, NAN, CACHED = "drop-chunk", "bad-ids", "nan", "cached"
-KINDS = (HTTP500, HANG, DROP_CHUNK, BAD_IDS, NAN, CACHED)
+DUMP_KINDS = (DROP_CHUNK, BAD_IDS, NAN, CACHED)  # a request gets at most one, the first that applies
+KINDS = (HTTP500, HANG, *DUMP_KINDS)
 
 
 class Faults:

@@ -100,7 +100,11 @@ class ReferenceEngine:
         hit: dict[str, set[str]] = {}
         if self.faults:
             hv = [r.rid for r in reqs if r.rid.startswith(RID_PREFIX)]
-            hit = {k: {rid for rid in hv if self.faults.take(k)} for k in (fx.DROP_CHUNK, fx.BAD_IDS, fx.NAN, fx.CACHED)}
+            hit = {k: set() for k in fx.DUMP_KINDS}
+            for rid in hv:  # at most one dump fault a request, so each kind shows up on its own
+                kind = next((k for k in fx.DUMP_KINDS if self.faults.take(k)), None)
+                if kind:
+                    hit[kind].add(rid)
         with self._lock:
             while any(r.done < len(r.ids) for r in reqs):
                 budget = self.chunk or sum(len(r.ids) for r in reqs)
