@@ -132,17 +132,17 @@ class Collector:
                 ready.append((sid, path, size))
         if not ready:
             return 0
-        chosen, total, full = [], 0, False
+        chosen: list[SpoolEntry] = []
+        total, full = 0, False
         for sid, path, size in ready:
             if chosen and total + size > self.shard_bytes:
                 full = True  # the next sample would overflow the shard
                 break
             try:
-                self._inspect(sid, path)
+                chosen.append(self._inspect(sid, path))
             except SpoolError as e:
                 self._reject(sid, path, e)
                 continue
-            chosen.append(sid)
             total += size
         if not chosen:
             return 0
@@ -154,9 +154,11 @@ class Collector:
         idle = self.ledger.counts()["queued"] == 0
         if not (force or full or idle or oldest_age >= self.max_wait):
             return 0
-        return self._commit(chosen)
+        return self._commit([e.id for e in chosen], entries=chosen)
 
-    def _commit(self, sample_ids: list[str], resumed_shard: str | None = None) -> int:
+    def _commit(self, sample_ids: list[str], resumed_shard: str | None = None,
+                entries: list[SpoolEntry] | None = None) -> int:
+        """`entries`: the spool headers `step` already read and checked (a resume reads them)."""
         paths = [spool_path(self.spool_dir, s) for s in sample_ids]
         present = [os.path.exists(p) for p in paths]
         if resumed_shard and not all(present):
@@ -169,7 +171,7 @@ class Collector:
                 "and it has no index file: the spool was modified outside harvest"
             )
         plan = plan_shard(
-            [self._inspect(s, p) for s, p in zip(sample_ids, paths)],
+            entries or [self._inspect(s, p) for s, p in zip(sample_ids, paths)],
             self.cfg.run,
             self.cfg.capture_points,
             self.cfg.torch_dtype,

@@ -22,6 +22,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import redis
 from rq import Retry, get_current_job
@@ -61,8 +62,12 @@ class WorkerContext:
     retries: int = DEFAULT_RETRIES
     retry_intervals: list[int] = field(default_factory=lambda: backoff_intervals(10, DEFAULT_RETRIES))
     beat: WorkerBeat | None = None
+    spool_id: str = field(init=False)
 
-    @property
+    def __post_init__(self) -> None:
+        self.spool_id = spool_identity(self.spool_dir)  # once: it lists the spool dir
+
+    @cached_property
     def ledger(self) -> Ledger:
         return Ledger(self.conn, self.cfg.run)
 
@@ -217,7 +222,7 @@ def _process(ctx: WorkerContext, todo: list[Sample]) -> dict:
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
-    ctx.ledger.mark_spooled(spooled, owner=spool_identity(ctx.spool_dir) if spooled else "")
+    ctx.ledger.mark_spooled(spooled, owner=ctx.spool_id)
     if failures:
         _fail(ctx, todo, failures)
     ctx.ledger.add_stats(samples_spooled=len(spooled), tokens_spooled=tokens, bytes_spooled=nbytes, dump_bytes=dump_bytes)
