@@ -93,9 +93,10 @@ def test_upload_failing_midway_leaves_no_object_and_no_pending_parts(tmp_path, s
 
     with pytest.raises(ConnectionAbortedError, match="link dropped after the first part"):
         loc.put_file(str(local), "shards/x.safetensors", part_bytes=5 << 20, progress=fail_after_first_part)
-    # parts of the three-part upload (5 + 5 + 2 MiB) go up concurrently: one or two of them had
-    # reported progress when the failure stopped it, never the whole file
-    assert 1 <= len(sent) <= 2 and 0 < sent[-1] < 12 << 20
+    # the three parts (5 + 5 + 2 MiB) go up concurrently, so under load all of them may have
+    # reported progress before the failure stopped the upload; what matters is what follows:
+    # the multipart upload is never completed, so no object and no pending part remains
+    assert 1 <= len(sent) <= 3
     bucket = s3_bucket.removeprefix("s3://")
     assert _s3(s3_endpoint).list_objects_v2(Bucket=bucket).get("KeyCount") == 0
     assert not loc.exists("shards/x.safetensors")
