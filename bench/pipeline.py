@@ -105,6 +105,38 @@ def direct(url: str, dump_dir: str, work: list[list[list[int]]], threads: int, a
     return time.perf_counter() - t0
 
 
+def server_info(url: str) -> dict:
+    return httpx.get(f"{url}/get_server_info", timeout=10).json()
+
+
+class EngineWatch(threading.Thread):
+    """Polls the engine's request counter and busy seconds (10 Hz) while a phase runs, to split
+    its wall time into start-up (no request yet), steady state and tail (last request answered)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.stop, self.points = url, threading.Event(), []
+        self.t0, self.base = time.perf_counter(), server_info(url)
+
+    def run(self) -> None:
+        while not self.stop.wait(0.1):
+            i = server_info(self.url)
+            self.points.append((time.perf_counter() - self.t0, i["requests"] - self.base["requests"],
+                                i["busy_seconds"] - self.base["busy_seconds"]))
+
+    def finish(self) -> dict:
+        self.stop.set()
+        self.join()
+        end = time.perf_counter() - self.t0
+        i = server_info(self.url)
+        total_req, busy = i["requests"] - self.base["requests"], i["busy_seconds"] - self.base["busy_seconds"]
+        first = next((t for t, r, _ in self.points if r > 0), 0.0)
+        # the first request is counted when it finishes: back off by its own busy time
+        first = max(0.0, first - next((b for _, r, b in self.points if r > 0), 0.0))
+        last = next((t for t, r, _ in self.points if r >= total_req), end)
+        return {"wall": end, "busy": busy, "startup": first, "tail": end - last, "steady": last - first}
+
+
 def pipeline(url: str, dump_dir: str, model: str, data: str, out: str, workers: int, run: str,
              profile: str | None = None) -> float:
     t0 = time.perf_counter()
@@ -170,6 +202,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--max-batch-samples", type=int, default=32)
     ap.add_argument("--max-batch-tokens", type=int, default=16384)
+    ap.add_argument("--engine-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="torch threads of the engine's forward (default: all cores but one, which the pipeline "
+                         "gets, as on a GPU node where the forward does not run on the host CPU)")
     ap.add_argument("--profile", metavar="DIR", help="py-spy the first worker and the collector of each pipeline run")
     args = ap.parse_args()
 
@@ -191,7 +226,7 @@ def main() -> None:
     port = 31000 + os.getpid() % 1000
     url = f"http://127.0.0.1:{port}"
     engine = subprocess.Popen([sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dump_dir,
-                               "--port", str(port)], cwd=REPO, stderr=subprocess.DEVNULL)
+                               "--port", str(port), "--threads", str(args.engine_threads)], cwd=REPO, stderr=subprocess.DEVNULL)
     try:
         wait_engine(url, engine)
         results = []
@@ -203,21 +238,32 @@ def main() -> None:
                     f.write(json.dumps({"input_ids": r}) + "\n")
             work = batches(rows, args.max_batch_samples, args.max_batch_tokens)
             direct(url, dump_dir, work[:2], w, attempt=9)  # warm the engine's allocator
+            n = args.samples
+            watch = EngineWatch(url)
+            watch.start()
             a = direct(url, dump_dir, work, w, attempt=1)
+            da = watch.finish()
+            watch = EngineWatch(url)
+            watch.start()
             b = pipeline(url, dump_dir, model, data, os.path.join(tmp, f"out-{w}"), w, f"bench{w}", args.profile)
+            pb = watch.finish()
             a2 = direct(url, dump_dir, work, w, attempt=2)
             a_mean = (a + a2) / 2
-            results.append((w, args.samples / a_mean, args.samples / b))
-            print(f"workers {w}: direct {args.samples / a:.2f} / {args.samples / a2:.2f} samples/s, "
-                  f"pipeline {args.samples / b:.2f} samples/s, ratio {a_mean / b:.3f}", flush=True)
+            steady = n / pb["steady"] if pb["steady"] > 0 else float("nan")
+            results.append((w, n / a_mean, n / b, steady))
+            print(f"workers {w}: direct {n / a:.2f} / {n / a2:.2f} samples/s (engine busy {da['busy'] / a:.0%}, "
+                  f"{1000 * da['busy'] / n:.1f} ms/sample); pipeline {n / b:.2f} samples/s end to end, ratio "
+                  f"{a_mean / b:.3f}; start-up {pb['startup']:.1f}s, tail {pb['tail']:.1f}s, steady {steady:.2f} "
+                  f"samples/s (ratio {steady * a_mean / n:.3f}, engine busy {pb['busy'] / max(pb['steady'], 1e-9):.0%}, "
+                  f"{1000 * pb['busy'] / n:.1f} ms/sample)", flush=True)
         if args.profile:
             for name in sorted(os.listdir(args.profile)):
                 print(f"\nprofile {name} (share of samples by innermost frame):")
                 for share, frame in top_self(os.path.join(args.profile, name)):
                     print(f"  {share:6.1%}  {frame}")
-        print("\nworkers  direct_sps  pipeline_sps  ratio")
-        for w, da, pb in results:
-            print(f"{w:7d}  {da:10.2f}  {pb:12.2f}  {pb / da:5.3f}")
+        print("\nworkers  direct_sps  pipeline_sps  ratio  steady_sps  steady_ratio")
+        for w, da, pb, st in results:
+            print(f"{w:7d}  {da:10.2f}  {pb:12.2f}  {pb / da:5.3f}  {st:10.2f}  {st / da:12.3f}")
     finally:
         engine.terminate()
         engine.wait()

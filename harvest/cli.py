@@ -269,9 +269,16 @@ def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, node, bu
 @click.option("--port", default=30000, show_default=True, type=int)
 @click.option("--layers", default="eagle3", show_default=True)
 @click.option("--chunked-prefill-size", default=0, show_default=True, type=click.IntRange(0))
-def engine_cmd(model, dump_dir, host, port, layers, chunked_prefill_size) -> None:
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(0),
+              help="torch threads for the forward (0: torch's default, all cores).")
+def engine_cmd(model, dump_dir, host, port, layers, chunked_prefill_size, threads) -> None:
     """Serve the CPU reference engine (SGLang /generate subset, harvest dump contract)."""
+    import torch
+
     from workers.refengine import ReferenceEngine, serve
+
+    if threads:
+        torch.set_num_threads(threads)
 
     engine = ReferenceEngine(model, dump_dir, layers=layers, chunked_prefill_size=chunked_prefill_size)
     server = serve(engine, host, port)

@@ -69,6 +69,11 @@ class ReferenceEngine:
         self.chunk = int(chunked_prefill_size or 0)
         self.model_name = os.path.basename(os.path.abspath(model_dir))
         self._lock = threading.Lock()
+        # Seconds spent inside the forward lock and prompt tokens prefilled: /get_server_info
+        # reports them so a benchmark can tell an idle engine from a slow one.
+        self.busy_seconds = 0.0
+        self.prefill_tokens = 0
+        self.requests = 0
         self.writer = DumpWriter(dump_dir, self.capture_points, self.model_name)
         self.faults = fx.Faults.from_env()
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -83,6 +88,10 @@ class ReferenceEngine:
             "chunked_prefill_size": self.chunk,
             "engine": "harvest-reference",
         }
+
+    def server_info(self) -> dict:
+        return {**self.info(), "busy_seconds": self.busy_seconds, "prefill_tokens": self.prefill_tokens,
+                "requests": self.requests, "threads": torch.get_num_threads()}
 
     def _forward(self, req: _Request, n: int) -> torch.Tensor:
         from transformers.cache_utils import DynamicCache
@@ -106,6 +115,7 @@ class ReferenceEngine:
                 if kind:
                     hit[kind].add(rid)
         with self._lock:
+            t0 = time.perf_counter()
             while any(r.done < len(r.ids) for r in reqs):
                 budget = self.chunk or sum(len(r.ids) for r in reqs)
                 step_rids, prefix, lens, ids, hs = [], [], [], [], []
@@ -123,6 +133,9 @@ class ReferenceEngine:
                     r.done += n
                 chunks = cut_batch(step_rids, prefix, lens, torch.cat(ids), torch.cat(hs))
                 self.writer.submit(self._inject(chunks, hit) if hit else chunks)
+            self.busy_seconds += time.perf_counter() - t0
+            self.prefill_tokens += sum(len(r.ids) for r in reqs)
+            self.requests += len(reqs)
         out = []
         for r in reqs:
             tok = int(torch.argmax(r.last_logits))
@@ -210,6 +223,8 @@ def _handler(engine: ReferenceEngine):
                 self._send(200, {"status": "ok"})
             elif self.path in ("/get_model_info", "/model_info"):
                 self._send(200, engine.info())
+            elif self.path == "/get_server_info":
+                self._send(200, engine.server_info())
             else:
                 self._send(404, {"error": {"message": f"no route {self.path}"}})
 
