@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -116,9 +117,15 @@ class Collector:
     def step(self, force: bool = False) -> int:
         """Commit one shard if one is due (full, or its oldest sample older than max_wait, or
         nothing left queued); returns the number of samples committed."""
-        files = list_spooled(self.spool_dir)
+        chosen = self._choose(force)
+        return self._commit([e.id for e in chosen], entries=chosen) if chosen else 0
+
+    def _choose(self, force: bool, busy: frozenset[str] = frozenset()) -> list[SpoolEntry]:
+        """The samples of the next shard if one is due, their headers checked; `busy`: samples
+        of a shard already being committed."""
+        files = [f for f in list_spooled(self.spool_dir) if f[0] not in busy]
         if not files:
-            return 0
+            return []
         ids = [sid for sid, _, _ in files]
         ready = []
         for (sid, path, size), st, owner in zip(files, self.ledger.states(ids), self.ledger.spool_owners(ids)):
@@ -131,7 +138,7 @@ class Collector:
             else:
                 ready.append((sid, path, size))
         if not ready:
-            return 0
+            return []
         chosen: list[SpoolEntry] = []
         total, full = 0, False
         for sid, path, size in ready:
@@ -145,16 +152,14 @@ class Collector:
                 continue
             total += size
         if not chosen:
-            return 0
+            return []
         full = full or total >= self.shard_bytes
         try:
             oldest_age = time.time() - os.stat(ready[0][1]).st_mtime
         except FileNotFoundError:
             oldest_age = 0.0
         idle = self.ledger.counts()["queued"] == 0
-        if not (force or full or idle or oldest_age >= self.max_wait):
-            return 0
-        return self._commit([e.id for e in chosen], entries=chosen)
+        return chosen if force or full or idle or oldest_age >= self.max_wait else []
 
     def _commit(self, sample_ids: list[str], resumed_shard: str | None = None,
                 entries: list[SpoolEntry] | None = None) -> int:
@@ -170,43 +175,45 @@ class Collector:
                 f"shard {resumed_shard} was being packed but {present.count(False)} of its spool files are gone "
                 "and it has no index file: the spool was modified outside harvest"
             )
-        plan = plan_shard(
-            entries or [self._inspect(s, p) for s, p in zip(sample_ids, paths)],
-            self.cfg.run,
-            self.cfg.capture_points,
-            self.cfg.torch_dtype,
-        )
+        plan = self._plan(entries or [self._inspect(s, p) for s, p in zip(sample_ids, paths)])
         if resumed_shard and plan.shard_id != resumed_shard:
             raise RuntimeError(f"re-packed shard id {plan.shard_id} differs from the recorded {resumed_shard}")
-        self.conn.set(self.packing_key, json.dumps({"shard_id": plan.shard_id, "sample_ids": sample_ids}))
-        self._crash("recorded")
-        idx = index_file(plan.shard_id)
-        if not self._retry(lambda: self.out.exists(idx), f"checking {idx}"):
-            self._upload(plan)
-        self.ledger.add_stats(
-            tokens_done=sum(e.num_tokens for e, c in zip(plan.entries, self._finish(sample_ids, paths)) if c),
-            bytes_done=plan.nbytes,
-            shards=1,
-        )
-        self.shards_committed += 1
-        log.info("committed shard %s: %d samples, %d bytes", plan.shard_id, len(sample_ids), plan.nbytes)
-        return len(sample_ids)
+        self._record(plan)
+        if not self._retry(lambda: self.out.exists(index_file(plan.shard_id)), f"checking {index_file(plan.shard_id)}"):
+            self._publish(plan, *self._pack(plan))
+        return self._done(plan)
 
-    def _upload(self, plan: ShardPlan) -> None:
-        """Shard bytes into a local temp file, the file up whole, then the index (the commit)."""
+    def _plan(self, entries: list[SpoolEntry]) -> ShardPlan:
+        return plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype)
+
+    def _record(self, plan: ShardPlan) -> None:
+        """The one record per node of the shard being committed, which a restart finishes."""
+        self.conn.set(self.packing_key, json.dumps({"shard_id": plan.shard_id, "sample_ids": plan.sample_ids}))
+        self._crash("recorded")
+
+    def _pack(self, plan: ShardPlan) -> tuple[str, str]:
+        """The shard's bytes into a local temp file, fsynced; returns (path, sha256)."""
         tmp = self._temp_path(plan.shard_id)
+        try:
+            os.makedirs(self.stage, exist_ok=True)
+            with open(tmp, "wb") as f:
+                sha = write_shard(plan, f, progress=lambda _: self._crash("packing"))
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+        except OSError as e:  # disk full, read-only, not a folder: as persistent as storage errors
+            _unlink(tmp)
+            raise StorageError(f"packing {tmp} failed: {type(e).__name__}: {e}") from e
+        except BaseException:
+            _unlink(tmp)
+            raise
+        self._crash("packed")
+        return tmp, sha
+
+    def _publish(self, plan: ShardPlan, tmp: str, sha: str) -> None:
+        """The packed file up whole, then the index (the commit)."""
         name = shard_file(plan.shard_id)
         try:
-            try:
-                os.makedirs(self.stage, exist_ok=True)
-                with open(tmp, "wb") as f:
-                    sha = write_shard(plan, f, progress=lambda _: self._crash("packing"))
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.chmod(tmp, 0o644)
-            except OSError as e:  # disk full, read-only, not a folder: as persistent as storage errors
-                raise StorageError(f"packing {tmp} failed: {type(e).__name__}: {e}") from e
-            self._crash("packed")
             self._retry(
                 lambda: self.out.put_file(tmp, name, self.part_bytes, progress=lambda _: self._crash("uploading")),
                 f"upload of {self.out.path(name)}",
@@ -217,6 +224,16 @@ class Collector:
         body = json.dumps(plan.index(sha), indent=1).encode()
         self._retry(lambda: self.out.write_atomic(index_file(plan.shard_id), body), f"writing {self.out.path(index_file(plan.shard_id))}")
         self._crash("indexed")
+
+    def _done(self, plan: ShardPlan) -> int:
+        """After the index: ledger, spool files, record (`_finish`), then the stats."""
+        sample_ids = plan.sample_ids
+        changed = self._finish(sample_ids, [e.path for e in plan.entries])
+        self.ledger.add_stats(tokens_done=sum(e.num_tokens for e, c in zip(plan.entries, changed) if c),
+                              bytes_done=plan.nbytes, shards=1)
+        self.shards_committed += 1
+        log.info("committed shard %s: %d samples, %d bytes", plan.shard_id, len(sample_ids), plan.nbytes)
+        return len(sample_ids)
 
     def _finish(self, sample_ids: list[str], paths: list[str]) -> list[bool]:
         """After the index exists: ledger done, spool files gone, record cleared. Returns, per
@@ -232,12 +249,100 @@ class Collector:
     def run(self, should_stop: Callable[[], bool] = lambda: False, poll: float = 0.5) -> None:
         self.resume()
         beat = CollectorBeat(self.conn, self.cfg.run, self.node, self.spool_dir)  # for `harvest status`
+        # To object storage, upload shard N on a thread while packing shard N+1 (Overlap); a
+        # local output commits by rename, so there is nothing to overlap.
+        overlap = None if self.out.is_local else Overlap(self)
         while not should_stop():
             beat.maybe_beat(self.shards_committed)
-            if self.step() == 0:
-                time.sleep(poll)
+            if (overlap.step() if overlap else self.step()) == 0:
+                overlap.wait(poll) if overlap and overlap.busy else time.sleep(poll)
+        if overlap:
+            overlap.drain()
         while self.step(force=True):
             pass
+
+
+class Overlap:
+    """Packing the next shard while the last one uploads, with still one record per node.
+
+    Shard N is recorded, packed, and handed to a thread that uploads it, writes its index and
+    finishes it (ledger, spool files, record). Meanwhile the next due shard is packed into its
+    local temp file, unrecorded: it is recorded only once N's record is cleared, then handed
+    to the thread in turn. A kill while packing ahead leaves only that temp file (cleared on
+    restart, like any other) and its samples spooled, to be chosen again; so the commit order
+    and the restart rules of `Collector` hold unchanged.
+    """
+
+    def __init__(self, collector: Collector) -> None:
+        self.c = collector
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.uploading: ShardPlan | None = None
+        self.ahead: tuple[ShardPlan, str, str] | None = None  # packed, unrecorded: (plan, tmp, sha)
+
+    @property
+    def busy(self) -> bool:
+        return self.thread is not None
+
+    def wait(self, seconds: float) -> None:
+        """Idle time: spent waiting on the upload rather than asleep."""
+        if self.thread is not None:
+            self.thread.join(seconds)
+
+    def step(self) -> int:
+        """Returns the samples committed since the last call."""
+        committed = self._reap(wait=0.0)
+        if self.thread is None:
+            if self.ahead:
+                plan, tmp, sha = self.ahead
+                self.ahead = None
+                self.c._record(plan)
+                self._start(plan, tmp, sha)
+            elif chosen := self.c._choose(force=False):
+                plan = self.c._plan(chosen)
+                self.c._record(plan)
+                self._start(plan, *self.c._pack(plan))
+        if self.thread is not None and self.ahead is None and self.uploading is not None:
+            if chosen := self.c._choose(force=False, busy=frozenset(self.uploading.sample_ids)):
+                plan = self.c._plan(chosen)
+                self.ahead = (plan, *self.c._pack(plan))
+        return committed
+
+    def drain(self) -> None:
+        """On stop: finish the upload in flight and commit the shard packed ahead."""
+        while self.thread is not None or self.ahead is not None:
+            self._reap(wait=None)
+            if self.ahead:
+                plan, tmp, sha = self.ahead
+                self.ahead = None
+                self.c._record(plan)
+                self._start(plan, tmp, sha)
+
+    def _start(self, plan: ShardPlan, tmp: str, sha: str) -> None:
+        def upload() -> None:
+            try:
+                self.c._publish(plan, tmp, sha)
+                self.committed = self.c._done(plan)
+            except BaseException as e:  # raised again on the collector's own thread by _reap
+                self.error = e
+
+        self.uploading, self.committed, self.error = plan, 0, None
+        self.thread = threading.Thread(target=upload, name="harvest-upload", daemon=True)
+        self.thread.start()
+
+    def _reap(self, wait: float | None) -> int:
+        if self.thread is None:
+            return 0
+        self.thread.join(wait)
+        if self.thread.is_alive():
+            return 0
+        self.thread, self.uploading = None, None
+        if self.error is not None:
+            if self.ahead:  # the stop leaves the packed-ahead shard to the restart: drop its temp
+                _unlink(self.ahead[1])
+                self.ahead = None
+            raise self.error
+        return self.committed
 
 
 def _unlink(path: str) -> None:
