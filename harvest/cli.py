@@ -52,7 +52,8 @@ def main(verbose: bool) -> None:
 @click.option("--run", "run", default=None, help="Run name; defaults to the dataset's file name.")
 @click.option("--layers", default="eagle3", show_default=True, help="'eagle3' or HF hidden_states indices, e.g. 2,4,7.")
 @click.option("--dtype", "storage_dtype", default="bf16", show_default=True, type=click.Choice(["bf16", "fp16", "fp32", "fp8_e4m3"]))
-@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 256))
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 256),
+              help="Workers for the engine: with 2, one batch is in the engine while the other worker spools.")
 @click.option("--redis", "redis_url", default=None, help="Use this Redis instead of starting a private one.")
 @click.option("--engine-url", default=None, help="Use this engine instead of starting the reference engine.")
 @click.option("--engine", "engine", default="reference", show_default=True, type=click.Choice(["reference", "vllm"]),

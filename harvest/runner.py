@@ -144,7 +144,7 @@ def _start_vllm(children: _Children, cfg: RunConfig, dumps: str) -> str:
 def run_all(
     cfg: RunConfig,
     dataset: str,
-    workers: int = 1,
+    workers: int = 2,
     redis_url: str | None = None,
     engine_url: str | None = None,
     work_dir: str | None = None,
@@ -198,7 +198,7 @@ def run_all(
             if c["queued"] == 0 and c["spooled"] == 0:
                 break
             children.check()
-            time.sleep(0.3)
+            time.sleep(0.1)
         bar.close()
         children.stop()
         c, stats = ledger.counts(), ledger.stats()
