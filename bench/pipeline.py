@@ -20,6 +20,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,22 +106,23 @@ def direct(url: str, dump_dir: str, work: list[list[list[int]]], threads: int, a
     return time.perf_counter() - t0
 
 
-def server_info(url: str) -> dict:
-    return httpx.get(f"{url}/get_server_info", timeout=10).json()
-
-
 class EngineWatch(threading.Thread):
-    """Polls the engine's request counter and busy seconds (10 Hz) while a phase runs, to split
-    its wall time into start-up (no request yet), steady state and tail (last request answered)."""
+    """Polls the engine's request counter and busy seconds (5 Hz, one kept-alive connection:
+    a new httpx client per poll cost a fifth of a core) while a phase runs, to split its wall
+    time into start-up (no request yet), steady state and tail (last request answered)."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
-        self.url, self.stop, self.points = url, threading.Event(), []
-        self.t0, self.base = time.perf_counter(), server_info(url)
+        self.http = httpx.Client(base_url=url, timeout=10)
+        self.stop, self.points = threading.Event(), []
+        self.t0, self.base = time.perf_counter(), self.info()
+
+    def info(self) -> dict:
+        return self.http.get("/get_server_info").json()
 
     def run(self) -> None:
-        while not self.stop.wait(0.1):
-            i = server_info(self.url)
+        while not self.stop.wait(0.2):
+            i = self.info()
             self.points.append((time.perf_counter() - self.t0, i["requests"] - self.base["requests"],
                                 i["busy_seconds"] - self.base["busy_seconds"]))
 
@@ -128,7 +130,8 @@ class EngineWatch(threading.Thread):
         self.stop.set()
         self.join()
         end = time.perf_counter() - self.t0
-        i = server_info(self.url)
+        i = self.info()
+        self.http.close()
         total_req, busy = i["requests"] - self.base["requests"], i["busy_seconds"] - self.base["busy_seconds"]
         first = next((t for t, r, _ in self.points if r > 0), 0.0)
         # the first request is counted when it finishes: back off by its own busy time
@@ -202,9 +205,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--max-batch-samples", type=int, default=32)
     ap.add_argument("--max-batch-tokens", type=int, default=16384)
-    ap.add_argument("--engine-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                    help="torch threads of the engine's forward (default: all cores but one, which the pipeline "
-                         "gets, as on a GPU node where the forward does not run on the host CPU)")
+    ap.add_argument("--engine-cores", type=int, default=max(1, len(os.sched_getaffinity(0)) // 2),
+                    help="cores the engine is pinned to (its torch threads); everything else (the direct client, "
+                         "the pipeline, Redis) is pinned to the other cores, as on a GPU node where the forward "
+                         "does not run on the host CPU. Default: half the cores (1 of 2 here)")
+    ap.add_argument("--no-pin", action="store_true", help="share all cores; the engine gets --engine-cores threads")
+    ap.add_argument("--repeat", type=int, default=1, help="alternate direct and pipeline runs this many times; medians")
     ap.add_argument("--profile", metavar="DIR", help="py-spy the first worker and the collector of each pipeline run")
     args = ap.parse_args()
 
@@ -225,8 +231,15 @@ def main() -> None:
     os.makedirs(dump_dir, mode=0o700)
     port = 31000 + os.getpid() % 1000
     url = f"http://127.0.0.1:{port}"
+    cores = sorted(os.sched_getaffinity(0))
+    engine_cores, rest = set(cores[: args.engine_cores]), set(cores[args.engine_cores :]) or set(cores)
+    pin = (lambda: os.sched_setaffinity(0, engine_cores)) if not args.no_pin else None
     engine = subprocess.Popen([sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dump_dir,
-                               "--port", str(port), "--threads", str(args.engine_threads)], cwd=REPO, stderr=subprocess.DEVNULL)
+                               "--port", str(port), "--threads", str(len(engine_cores))], cwd=REPO,
+                              stderr=subprocess.DEVNULL, preexec_fn=pin)
+    if not args.no_pin:
+        os.sched_setaffinity(0, rest)  # this process and every child it starts from now on
+        print(f"engine pinned to cores {sorted(engine_cores)}, direct client and pipeline to {sorted(rest)}", flush=True)
     try:
         wait_engine(url, engine)
         results = []
@@ -237,31 +250,33 @@ def main() -> None:
                 for r in rows:
                     f.write(json.dumps({"input_ids": r}) + "\n")
             work = batches(rows, args.max_batch_samples, args.max_batch_tokens)
-            direct(url, dump_dir, work[:2], w, attempt=9)  # warm the engine's allocator
+            direct(url, dump_dir, work[:2], w, attempt=99)  # warm the engine's allocator
             n = args.samples
-            watch = EngineWatch(url)
-            watch.start()
-            a = direct(url, dump_dir, work, w, attempt=1)
-            da = watch.finish()
-            watch = EngineWatch(url)
-            watch.start()
-            b = pipeline(url, dump_dir, model, data, os.path.join(tmp, f"out-{w}"), w, f"bench{w}", args.profile)
-            pb = watch.finish()
-            a2 = direct(url, dump_dir, work, w, attempt=2)
-            a_mean = (a + a2) / 2
-            steady = n / pb["steady"] if pb["steady"] > 0 else float("nan")
-            results.append((w, n / a_mean, n / b, steady))
-            print(f"workers {w}: direct {n / a:.2f} / {n / a2:.2f} samples/s (engine busy {da['busy'] / a:.0%}, "
-                  f"{1000 * da['busy'] / n:.1f} ms/sample); pipeline {n / b:.2f} samples/s end to end, ratio "
-                  f"{a_mean / b:.3f}; start-up {pb['startup']:.1f}s, tail {pb['tail']:.1f}s, steady {steady:.2f} "
-                  f"samples/s (ratio {steady * a_mean / n:.3f}, engine busy {pb['busy'] / max(pb['steady'], 1e-9):.0%}, "
-                  f"{1000 * pb['busy'] / n:.1f} ms/sample)", flush=True)
+            reps = []
+            for rep in range(args.repeat):
+                watch = EngineWatch(url)
+                watch.start()
+                a = direct(url, dump_dir, work, w, attempt=100 + rep)
+                da = watch.finish()
+                watch = EngineWatch(url)
+                watch.start()
+                b = pipeline(url, dump_dir, model, data, os.path.join(tmp, f"out-{w}-{rep}"), w, f"bench{w}r{rep}",
+                             args.profile if rep == 0 else None)
+                pb = watch.finish()
+                steady = n / pb["steady"] if pb["steady"] > 0 else float("nan")
+                reps.append((n / a, n / b, steady))
+                print(f"workers {w} run {rep + 1}: direct {n / a:.2f} samples/s (engine {1000 * da['busy'] / n:.1f} ms/sample, "
+                      f"busy {da['busy'] / a:.0%}); pipeline {n / b:.2f} samples/s end to end (ratio {a / b:.3f}): "
+                      f"start-up {pb['startup']:.1f} s, tail {pb['tail']:.1f} s, steady {steady:.2f} samples/s "
+                      f"(ratio {steady * a / n:.3f}; engine {1000 * pb['busy'] / n:.1f} ms/sample, "
+                      f"busy {pb['busy'] / max(pb['steady'], 1e-9):.0%})", flush=True)
+            results.append((w, *(statistics.median(x[k] for x in reps) for k in range(3))))
         if args.profile:
             for name in sorted(os.listdir(args.profile)):
                 print(f"\nprofile {name} (share of samples by innermost frame):")
                 for share, frame in top_self(os.path.join(args.profile, name)):
                     print(f"  {share:6.1%}  {frame}")
-        print("\nworkers  direct_sps  pipeline_sps  ratio  steady_sps  steady_ratio")
+        print(f"\nmedians of {args.repeat} run(s) each\nworkers  direct_sps  pipeline_sps  ratio  steady_sps  steady_ratio")
         for w, da, pb, st in results:
             print(f"{w:7d}  {da:10.2f}  {pb:12.2f}  {pb / da:5.3f}  {st:10.2f}  {st / da:12.3f}")
     finally:

@@ -330,13 +330,13 @@ def reconcile_cmd(run, redis_url, out_url, s3_endpoint, s3_region) -> None:
 @s3_region_option
 def export_cmd(run_url, fmt, dest, dtype, no_progress, s3_endpoint, s3_region) -> None:
     """Write one file per sample of a run in the layout a drafter trainer reads (idempotent)."""
-    from harvest.config import STORAGE_DTYPES, ConfigError
+    from harvest.config import ConfigError, storage_torch_dtype
     from harvest.dataset import NoFinalState
     from harvest.export import export_run
 
     _s3_env(s3_endpoint, s3_region)
     try:
-        rep = export_run(run_url, fmt, dest, dtype=STORAGE_DTYPES[dtype] if dtype else None, progress=not no_progress)
+        rep = export_run(run_url, fmt, dest, dtype=storage_torch_dtype(dtype) if dtype else None, progress=not no_progress)
     except (ConfigError, NoFinalState, OSError) as e:
         _fail(str(e))
     click.echo(f"exported {rep.written} samples to {dest} ({rep.skipped} already there)")

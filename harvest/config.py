@@ -8,18 +8,29 @@ never from their own flags, so two nodes can never capture different layers into
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from harvest.ids import check_id
 
-STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
-    "fp8_e4m3": torch.float8_e4m3fn,  # with a float32 scale per token and capture point (harvest.fp8)
+if TYPE_CHECKING:
+    import torch
+
+# Storage dtype -> the torch dtype's name. torch is imported where a dtype is used, not here:
+# `harvest run` publishes the run and starts its workers before it pays for importing torch.
+STORAGE_DTYPES: dict[str, str] = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+    "fp8_e4m3": "float8_e4m3fn",  # with a float32 scale per token and capture point (harvest.fp8)
 }
+
+
+def storage_torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, STORAGE_DTYPES[name])
 ENGINE_KINDS = ("reference", "sglang", "vllm")
 
 
@@ -81,7 +92,7 @@ class RunConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return STORAGE_DTYPES[self.storage_dtype]
+        return storage_torch_dtype(self.storage_dtype)
 
     @property
     def final_point(self) -> int | None:
@@ -122,6 +133,34 @@ def build_config(
     **extra,
 ) -> RunConfig:
     """A RunConfig from a model directory: its layer count and width come from its config.json."""
+    num_layers, hidden_size = _model_shape(model)
+    return RunConfig(
+        run=run,
+        model=model,
+        capture_points=parse_layers(layers, num_layers),
+        hidden_size=hidden_size,
+        out_url=out_url,
+        storage_dtype=storage_dtype,
+        engine=engine,
+        tokenizer=tokenizer,
+        num_layers=num_layers,
+        **extra,
+    )
+
+
+def _model_shape(model: str) -> tuple[int, int]:
+    """(num_hidden_layers, hidden_size) of a local model, of its text model if it has one.
+    Read from config.json when it names both (no transformers import, which brings torch:
+    seconds at the start of every `harvest run`); otherwise transformers resolves the
+    model type's own key names."""
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            raw = json.load(f)
+        raw = raw.get("text_config") or raw
+        if isinstance(raw.get("num_hidden_layers"), int) and isinstance(raw.get("hidden_size"), int):
+            return raw["num_hidden_layers"], raw["hidden_size"]
+    except (OSError, ValueError, AttributeError):
+        pass  # not a plain local HF config: let transformers read it, and say why it cannot
     from transformers import AutoConfig
 
     try:
@@ -129,16 +168,4 @@ def build_config(
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read the model config in {model!r}: {e}") from None
     mc = getattr(mc, "text_config", None) or mc
-    points = parse_layers(layers, mc.num_hidden_layers)
-    return RunConfig(
-        run=run,
-        model=model,
-        capture_points=points,
-        hidden_size=mc.hidden_size,
-        out_url=out_url,
-        storage_dtype=storage_dtype,
-        engine=engine,
-        tokenizer=tokenizer,
-        num_layers=mc.num_hidden_layers,
-        **extra,
-    )
+    return mc.num_hidden_layers, mc.hidden_size

@@ -23,10 +23,8 @@ from tqdm import tqdm
 
 from harvest.config import RunConfig
 from harvest.ledger import Ledger
-from harvest.reconcile import reconcile
 from harvest.redisproc import RedisServer, free_port
 from harvest.runstore import publish_run
-from producer.producer import produce
 
 
 @dataclass
@@ -168,23 +166,33 @@ def run_all(
             redis_url = server.url
         conn = redis.Redis.from_url(redis_url)
         cfg = publish_run(conn, cfg)
-        reconcile(conn, cfg)
+        engine = None
         if engine_url is None and cfg.engine == "vllm":
             engine_url = _start_vllm(children, cfg, dumps)
         elif engine_url is None:
             port = free_port()
             engine_url = f"http://127.0.0.1:{port}"
             layers = ",".join(map(str, cfg.capture_points))
-            eng = children.start(
+            engine = children.start(
                 "engine",
                 ["engine", "--model", cfg.model, "--dump-dir", dumps, "--port", str(port), "--layers", layers,
                  "--chunked-prefill-size", str(chunked_prefill_size)],
             )
-            _wait_http(engine_url, eng, timeout=300)
+        # Start-up is mostly imports (torch) and the engine's model load: overlap them. Workers
+        # start now and wait for the engine's /health themselves; this process imports what
+        # reconcile and the producer need meanwhile; the collector starts once reconcile has
+        # rebuilt the done-set from the index files (it must not take a committed sample for new).
         common = ["--redis", redis_url, "--run", cfg.run]
         for i in range(workers):
-            children.start(f"worker-{i + 1}", ["worker", *common, "--engine-url", engine_url, "--dump-dir", dumps, "--spool-dir", spool])
+            children.start(f"worker-{i + 1}", ["worker", *common, "--engine-url", engine_url, "--dump-dir", dumps,
+                                               "--spool-dir", spool, "--engine-wait", "300"])
+        from harvest.reconcile import reconcile
+
+        reconcile(conn, cfg)
         children.start("collector", ["collect", *common, "--spool-dir", spool, "--max-wait", "5"])
+        if engine is not None:
+            _wait_http(engine_url, engine, timeout=300)
+        from producer.producer import produce
 
         summary = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress)
         ledger = Ledger(conn, cfg.run)

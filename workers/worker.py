@@ -72,7 +72,7 @@ def _wait_for_engine(engine: EngineClient, beat: WorkerBeat, seconds: float) -> 
     beat.set_state("waiting for engine")
     log.warning("engine %s not healthy yet: waiting up to %.0fs before taking jobs", engine.url, seconds)
     while time.monotonic() < deadline and not engine.health():
-        time.sleep(2.0)
+        time.sleep(0.5)
     beat.set_state("idle")
 
 
