@@ -5,12 +5,19 @@
     do: nothing but the engine and reading its output.
 (b) pipeline: `harvest run --engine-url` on the same rows against the same engine: producer,
     a private Redis, W workers (claim, verify, spool) and the collector committing shards to
-    a local folder, timed from start to the last commit.
+    a local folder, timed from the command's start to its exit.
 
-Prints samples/s of both and (b)/(a) (goal >= 0.95). The model is a random Llama large enough
-that its forward dominates the engine's own HTTP and file overhead; its size is printed.
+The engine is pinned to its own cores and everything else (the direct client, the pipeline,
+Redis) to the others (`--no-pin` shares them), as on a GPU node where the forward does not
+run on the host CPU. The engine reports its busy seconds and request count
+(/get_server_info), polled during each phase, which splits (b)'s wall time into start-up
+(before the first forward), steady state and tail (after the last forward). Prints samples/s
+of both, (b)/(a) end to end and in steady state (goal >= 0.95), and the engine's busy share
+and ms of forward per sample in each phase (a pipeline that slows the engine shows there).
+The model is a random Llama large enough that its forward dominates the engine's own HTTP
+and file overhead; its size is printed.
 
-    python bench/pipeline.py --samples 160 --workers 1,2,4
+    python bench/pipeline.py --samples 640 --workers 1,2,4 [--repeat 2] [--profile DIR]
 """
 
 from __future__ import annotations
