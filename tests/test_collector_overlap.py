@@ -106,3 +106,34 @@ def test_kill_while_packing_ahead_then_restart(conn, redis_server, tmp_path, s3_
     c.run(should_stop=lambda: t.ledger.counts()["spooled"] == 0, poll=0.05)
     t.check_complete()
     assert rec["shard_id"] in t.committed() and t.committed()[rec["shard_id"]] == first
+
+
+def test_storage_error_on_the_upload_thread_stops_the_run_loop_with_the_record_intact(conn, redis_server, tmp_path,
+                                                                                      s3_bucket, s3_endpoint):
+    """A real persistent error (the bucket is deleted after start-up) raised on the upload thread
+    surfaces from `run` as StorageError; the shard packed ahead is dropped, nothing is lost."""
+    import boto3
+    import pytest
+
+    from harvest.storage import StorageError
+
+    t = _trial(conn, redis_server, tmp_path, s3_bucket)
+    bucket = s3_bucket.removeprefix("s3://")
+
+    class LosesItsBucket(Collector):
+        def resume(self) -> None:
+            super().resume()
+            s3 = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+            for o in s3.list_objects_v2(Bucket=bucket).get("Contents", []):  # run.json
+                s3.delete_object(Bucket=bucket, Key=o["Key"])
+            s3.delete_bucket(Bucket=bucket)
+
+    c = _collector(t, cls=LosesItsBucket)
+    with pytest.raises(StorageError, match=rf"^upload of {bucket}/out/r/shards/[0-9a-f]{{32}}\.safetensors failed: "
+                                           "FileNotFoundError: The specified bucket does not exist$"):
+        c.run(should_stop=lambda: False, poll=0.05)
+    rec = json.loads(conn.get(t.ledger.keys.packing(NODE)))
+    assert rec["sample_ids"] == t.order[:2]
+    assert t.ledger.states(t.order) == ["s"] * len(t.order)
+    assert [sid for sid, _, _ in list_spooled(t.spool)] == t.order
+    assert os.listdir(os.path.join(t.spool, ".pack")) == []  # neither the failed shard nor the one packed ahead
