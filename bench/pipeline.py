@@ -144,7 +144,7 @@ class EngineWatch(threading.Thread):
         # the first request is counted when it finishes: back off by its own busy time
         first = max(0.0, first - next((b for _, r, b in self.points if r > 0), 0.0))
         last = next((t for t, r, _ in self.points if r >= total_req), end)
-        return {"wall": end, "busy": busy, "startup": first, "tail": end - last, "steady": last - first}
+        return {"busy": busy, "startup": first, "tail": end - last, "steady": last - first}
 
 
 def pipeline(url: str, dump_dir: str, model: str, data: str, out: str, workers: int, run: str,
@@ -190,17 +190,33 @@ def attach_profilers(run_pid: int, folder: str, tag: str) -> list[subprocess.Pop
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for role, pid in found.items()]
 
 
-def top_self(path: str, n: int = 8) -> list[tuple[float, str]]:
-    """Share of samples per innermost frame of a py-spy raw (collapsed) profile."""
+# Innermost frames that are a thread waiting (py-spy's idle detection misses them on this VM).
+WAITING = ("Condition.wait", "_read_from_socket", "SyncStream.read", "sleep", "select", "Event.wait", "Thread.join",
+           "Collector.run", "_worker (concurrent", "Overlap.wait", "_wait_for_tstate_lock", "poll", "accept")
+
+
+def profile_summary(path: str, n: int = 6) -> tuple[dict[str, float], list[tuple[float, str]]]:
+    """A py-spy raw (collapsed) profile as shares of all samples: waiting (innermost frame is a
+    wait), importing (a module import on the stack) and working; and the top working frames."""
     from collections import Counter
 
-    c, total = Counter(), 0
+    c, shares, total = Counter(), Counter(), 0
     with open(path) as f:
         for line in f:
             stack, _, count = line.rstrip().rpartition(" ")
-            c[stack.split(";")[-1]] += int(count)
-            total += int(count)
-    return [(v / total, k) for k, v in c.most_common(n)] if total else []
+            k, leaf = int(count), stack.split(";")[-1]
+            total += k
+            if not leaf.strip() or any(w in leaf for w in WAITING):
+                shares["waiting"] += k
+            elif "_find_and_load" in stack:
+                shares["importing"] += k
+            else:
+                shares["working"] += k
+                c[leaf] += k
+    if not total:
+        return {}, []
+    return ({p: shares[p] / total for p in ("waiting", "importing", "working")},
+            [(v / total, frame) for frame, v in c.most_common(n)])
 
 
 def main() -> None:
@@ -280,8 +296,10 @@ def main() -> None:
             results.append((w, *(statistics.median(x[k] for x in reps) for k in range(3))))
         if args.profile:
             for name in sorted(os.listdir(args.profile)):
-                print(f"\nprofile {name} (share of samples by innermost frame):")
-                for share, frame in top_self(os.path.join(args.profile, name)):
+                parts, top = profile_summary(os.path.join(args.profile, name))
+                print(f"\nprofile {name}: " + ", ".join(f"{p} {v:.0%}" for p, v in parts.items())
+                      + "; top working frames (share of all samples):")
+                for share, frame in top:
                     print(f"  {share:6.1%}  {frame}")
         print(f"\nmedians of {args.repeat} run(s) each\nworkers  direct_sps  pipeline_sps  ratio  steady_sps  steady_ratio")
         for w, da, pb, st in results:

@@ -204,11 +204,10 @@ class Collector:
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
-        except OSError as e:  # disk full, read-only, not a folder: as persistent as storage errors
+        except BaseException as e:
             _unlink(tmp)
-            raise StorageError(f"packing {tmp} failed: {type(e).__name__}: {e}") from e
-        except BaseException:
-            _unlink(tmp)
+            if isinstance(e, OSError):  # disk full, read-only, not a folder: as persistent as storage errors
+                raise StorageError(f"packing {tmp} failed: {type(e).__name__}: {e}") from e
             raise
         self._crash("packed")
         return tmp, sha
@@ -279,8 +278,9 @@ class Overlap:
     def __init__(self, collector: Collector) -> None:
         self.c = collector
         self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.uploading: ShardPlan | None = None
+        self.uploading: ShardPlan | None = None  # the thread's shard, while there is a thread
+        self.committed = 0  # the thread's result ...
+        self.error: BaseException | None = None  # ... or what it raised
         self.ahead: tuple[ShardPlan, str, str] | None = None  # packed, unrecorded: (plan, tmp, sha)
 
     @property
@@ -297,15 +297,12 @@ class Overlap:
         committed = self._reap(wait=0.0)
         if self.thread is None:
             if self.ahead:
-                plan, tmp, sha = self.ahead
-                self.ahead = None
-                self.c._record(plan)
-                self._start(plan, tmp, sha)
+                self._start_ahead()
             elif chosen := self.c._choose(force=False):
                 plan = self.c._plan(chosen)
                 self.c._record(plan)
                 self._start(plan, *self.c._pack(plan))
-        if self.thread is not None and self.ahead is None and self.uploading is not None:
+        if self.uploading is not None and self.ahead is None:
             if chosen := self.c._choose(force=False, busy=frozenset(self.uploading.sample_ids)):
                 plan = self.c._plan(chosen)
                 self.ahead = (plan, *self.c._pack(plan))
@@ -316,10 +313,13 @@ class Overlap:
         while self.thread is not None or self.ahead is not None:
             self._reap(wait=None)
             if self.ahead:
-                plan, tmp, sha = self.ahead
-                self.ahead = None
-                self.c._record(plan)
-                self._start(plan, tmp, sha)
+                self._start_ahead()
+
+    def _start_ahead(self) -> None:
+        plan, tmp, sha = self.ahead
+        self.ahead = None
+        self.c._record(plan)
+        self._start(plan, tmp, sha)
 
     def _start(self, plan: ShardPlan, tmp: str, sha: str) -> None:
         def upload() -> None:

@@ -31,6 +31,8 @@ def storage_torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return getattr(torch, STORAGE_DTYPES[name])
+
+
 ENGINE_KINDS = ("reference", "sglang", "vllm")
 
 
@@ -148,19 +150,25 @@ def build_config(
     )
 
 
+def model_config_json(model: str) -> dict:
+    """A local model's config.json, or its `text_config` when that holds the decoder (multimodal
+    wrappers). Read as JSON: transformers' AutoConfig imports torch, seconds at every start.
+    Raises OSError (no such file) or ValueError (not JSON)."""
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    text = raw.get("text_config") if isinstance(raw, dict) else None
+    return text if isinstance(text, dict) and "num_hidden_layers" in text else raw
+
+
 def _model_shape(model: str) -> tuple[int, int]:
-    """(num_hidden_layers, hidden_size) of a local model, of its text model if it has one.
-    Read from config.json when it names both (no transformers import, which brings torch:
-    seconds at the start of every `harvest run`); otherwise transformers resolves the
-    model type's own key names."""
+    """(num_hidden_layers, hidden_size) of a local model: from config.json when it names both,
+    else transformers resolves the model type's own key names (and says why it cannot)."""
     try:
-        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
-            raw = json.load(f)
-        raw = raw.get("text_config") or raw
-        if isinstance(raw.get("num_hidden_layers"), int) and isinstance(raw.get("hidden_size"), int):
-            return raw["num_hidden_layers"], raw["hidden_size"]
+        c = model_config_json(model)
+        if isinstance(c.get("num_hidden_layers"), int) and isinstance(c.get("hidden_size"), int):
+            return c["num_hidden_layers"], c["hidden_size"]
     except (OSError, ValueError, AttributeError):
-        pass  # not a plain local HF config: let transformers read it, and say why it cannot
+        pass
     from transformers import AutoConfig
 
     try:

@@ -195,12 +195,12 @@ def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE
     request after its worker died or gave up) go after only `proven_stale_s`.
     Returns (claim dirs removed, dump files removed)."""
     now = time.time() if now is None else now
-    proven = _proven_stale(conn, run, _names(dump_dir)) if run else set()
     dirs, files = [], 0
     try:
         entries = list(os.scandir(dump_dir))
     except FileNotFoundError:
         return dirs, files
+    proven = _proven_stale(conn, run, [e.name for e in entries]) if run else set()
     for e in entries:
         try:
             age = now - e.stat(follow_symlinks=False).st_mtime
@@ -221,13 +221,6 @@ def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE
                 except FileNotFoundError:
                     pass
     return dirs, files
-
-
-def _names(dump_dir: str) -> list[str]:
-    try:
-        return os.listdir(dump_dir)
-    except FileNotFoundError:
-        return []
 
 
 def _proven_stale(conn: redis.Redis, run: str, names: list[str]) -> set[str]:

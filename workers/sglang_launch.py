@@ -13,6 +13,7 @@ import os
 import shlex
 from collections.abc import Sequence
 
+from harvest.config import model_config_json
 from workers.sglang_plugin import ENV_CAPTURE, ENV_DUMP_DIR, ENV_MODEL, ENV_NUM_LAYERS, FORWARD_HOOK_TARGETS
 
 SUPPORTED = ("0.5.10", "0.5.23")  # 0.5.10 via --forward-hooks, 0.5.11+ via the plugin entry point
@@ -26,14 +27,12 @@ def model_layers(model_dir: str) -> int:
     """Decoder layer count from a local checkpoint's config.json (text_config for multimodal wrappers)."""
     path = os.path.join(model_dir, "config.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
+        n = model_config_json(model_dir).get("num_hidden_layers")
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}; pass --num-layers") from None
-    for c in (cfg.get("text_config") or {}, cfg):
-        if isinstance(c.get("num_hidden_layers"), int):
-            return c["num_hidden_layers"]
-    raise ValueError(f"{path} has no num_hidden_layers; pass --num-layers")
+    if not isinstance(n, int):
+        raise ValueError(f"{path} has no num_hidden_layers; pass --num-layers")
+    return n
 
 
 def launch_spec(
