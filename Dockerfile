@@ -18,6 +18,7 @@ COPY pyproject.toml README.md ./
 COPY harvest harvest
 COPY producer producer
 COPY workers workers
+COPY engines engines
 COPY collector collector
 # --no-deps: SGLang's image already holds torch and safetensors; pulling harvest's pins would
 # replace its CUDA build of torch.
@@ -34,6 +35,7 @@ COPY pyproject.toml README.md ./
 COPY harvest harvest
 COPY producer producer
 COPY workers workers
+COPY engines engines
 COPY collector collector
 RUN pip install --no-cache-dir .
 ENTRYPOINT ["harvest"]

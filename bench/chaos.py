@@ -1,4 +1,4 @@
-"""Long fault-injection soak: many seeded trials of tests/chaos.py, then the totals.
+"""Long fault-injection soak: many seeded trials of tests/support/chaos.py, then the totals.
 
     python bench/chaos.py --trials 100 [--samples 40] [--kills 4] [--s3-every 3]
 
@@ -22,19 +22,19 @@ from collections import Counter
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from harvest.demo import build_tiny_model  # noqa: E402
-from tests.chaos import Trial  # noqa: E402
+from harvest.cli.demo import build_tiny_model  # noqa: E402
+from tests.support.chaos import Trial  # noqa: E402
 
 FAULTS = "http500:2,nan:1,bad-ids:1,cached:1,drop-chunk:1"
 
 
 def s3_server() -> tuple[object, str]:
+    import logging
+
     import boto3
     from moto.server import ThreadedMotoServer
 
-    from harvest.redisproc import free_port
-
-    import logging
+    from harvest.cli.redisproc import free_port
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per S3 request otherwise
     port = free_port()

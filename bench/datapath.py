@@ -28,14 +28,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from collector.collector import Collector  # noqa: E402
+from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
-from harvest.dump import Chunk, write_chunk  # noqa: E402
+from harvest.formats.dump import Chunk, write_chunk  # noqa: E402
+from harvest.formats.spool import write_sample  # noqa: E402
 from harvest.ids import rid_for  # noqa: E402
-from harvest.ledger import Ledger  # noqa: E402
-from harvest.payload import Sample  # noqa: E402
-from harvest.redisproc import RedisServer  # noqa: E402
-from harvest.runstore import publish_run  # noqa: E402
-from harvest.spool import write_sample  # noqa: E402
+from harvest.state.ledger import Ledger  # noqa: E402
+from harvest.state.payload import Sample  # noqa: E402
+from harvest.state.runstore import publish_run  # noqa: E402
 from workers.claim import assemble, claim  # noqa: E402
 
 POINTS = [2, 16, 29, 32]

@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import redis  # noqa: E402
 
+from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
-from harvest.redisproc import RedisServer  # noqa: E402
 from producer.producer import produce  # noqa: E402
 
 CHATML = (  # no {% generation %} markers: the mask comes from prefix rendering, the general path

@@ -41,10 +41,10 @@ from safetensors import safe_open
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from harvest.demo import build_tiny_model  # noqa: E402
-from harvest.dump import parse_chunk_name  # noqa: E402
+from harvest.cli.demo import build_tiny_model  # noqa: E402
+from harvest.formats.dump import parse_chunk_name  # noqa: E402
 from harvest.ids import rid_for, sample_id  # noqa: E402
-from harvest.payload import Sample, split_jobs  # noqa: E402
+from harvest.state.payload import Sample, split_jobs  # noqa: E402
 
 
 def make_rows(n: int, mean_tokens: int, vocab: int, seed: int) -> list[list[int]]:
@@ -53,7 +53,7 @@ def make_rows(n: int, mean_tokens: int, vocab: int, seed: int) -> list[list[int]
 
 
 def batches(rows: list[list[int]], max_samples: int, max_tokens: int) -> list[list[list[int]]]:
-    """The producer's batching rule (harvest.payload.split_jobs), so both sides send the same work."""
+    """The producer's batching rule (harvest.state.payload.split_jobs), so both sides send the same work."""
     jobs = split_jobs([Sample.build(r) for r in rows], max_samples, max_tokens)
     return [[s.input_ids.tolist() for s in job] for job in jobs]
 

@@ -28,12 +28,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from collector.collector import Collector  # noqa: E402
+from harvest.cli.redisproc import RedisServer, free_port  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
+from harvest.formats.spool import SpooledSample, write_sample  # noqa: E402
 from harvest.ids import sample_id  # noqa: E402
-from harvest.ledger import Ledger  # noqa: E402
-from harvest.redisproc import RedisServer, free_port  # noqa: E402
-from harvest.runstore import publish_run  # noqa: E402
-from harvest.spool import SpooledSample, write_sample  # noqa: E402
+from harvest.state.ledger import Ledger  # noqa: E402
+from harvest.state.runstore import publish_run  # noqa: E402
 
 POINTS = [2, 16, 29, 32]
 

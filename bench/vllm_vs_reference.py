@@ -25,10 +25,10 @@ import httpx
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from engines.vllm_launch import launch_spec, venv_python  # noqa: E402
+from harvest.cli.demo import build_tiny_model, demo_rows, write_jsonl  # noqa: E402
+from harvest.cli.redisproc import free_port  # noqa: E402
 from harvest.config import eagle3_layers  # noqa: E402
-from harvest.demo import build_tiny_model, demo_rows, write_jsonl  # noqa: E402
-from harvest.redisproc import free_port  # noqa: E402
-from workers.vllm_launch import launch_spec, venv_python  # noqa: E402
 
 
 def _start(argv: list[str], env: dict[str, str], log: str, url: str) -> tuple[subprocess.Popen, float]:

@@ -29,12 +29,13 @@ import redis
 from collector.faults import CrashHook
 from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
-from harvest.heartbeat import CollectorBeat
+from harvest.formats.shard import SHARDS, ShardPlan, index_file, plan_shard, shard_file, write_shard
+from harvest.formats.spool import SpoolEntry, SpoolError, inspect_sample, list_spooled, spool_identity, spool_path
 from harvest.ids import check_id
-from harvest.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
-from harvest.runstore import run_location
-from harvest.shard import SHARDS, ShardPlan, index_file, plan_shard, shard_file, write_shard
-from harvest.spool import SpoolEntry, SpoolError, inspect_sample, list_spooled, spool_identity, spool_path
+from harvest.state.failures import BAD_SPOOL
+from harvest.state.heartbeat import CollectorBeat
+from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
+from harvest.state.runstore import run_location
 from harvest.storage import StorageError, retry
 
 log = logging.getLogger("harvest.collector")
@@ -108,7 +109,7 @@ class Collector:
     def _reject(self, sid: str, path: str, err: SpoolError) -> None:
         """A spool file that is not what the run stores: fail its sample, keep the file aside."""
         log.error("%s", err)
-        self.ledger.mark_failed({sid: ("bad-spool", str(err))})
+        self.ledger.mark_failed({sid: (BAD_SPOOL, str(err))})
         try:
             os.replace(path, os.path.join(self.spool_dir, f".bad-{os.path.basename(path)}"))
         except FileNotFoundError:

@@ -18,8 +18,8 @@ import time
 
 import redis
 
-from harvest.keys import Keys
-from harvest.shard import INDEX, SHARDS
+from harvest.formats.shard import INDEX, SHARDS
+from harvest.state.keys import Keys
 from harvest.storage import Location
 
 log = logging.getLogger("harvest.collector")

@@ -12,27 +12,13 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from harvest.formats.dtypes import STORAGE_DTYPES, storage_torch_dtype
 from harvest.ids import check_id
 
 if TYPE_CHECKING:
     import torch
 
-# Storage dtype -> the torch dtype's name. torch is imported where a dtype is used, not here:
-# `harvest run` publishes the run and starts its workers before it pays for importing torch.
-STORAGE_DTYPES: dict[str, str] = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "fp32": "float32",
-    "fp8_e4m3": "float8_e4m3fn",  # with a float32 scale per token and capture point (harvest.fp8)
-}
-
-
-def storage_torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    return getattr(torch, STORAGE_DTYPES[name])
-
-
+# The engine kinds a run may name; workers pick their client by it (workers.clients).
 ENGINE_KINDS = ("reference", "sglang", "vllm")
 
 
@@ -158,6 +144,18 @@ def model_config_json(model: str) -> dict:
         raw = json.load(f)
     text = raw.get("text_config") if isinstance(raw, dict) else None
     return text if isinstance(text, dict) and "num_hidden_layers" in text else raw
+
+
+def model_layers(model_dir: str) -> int:
+    """Decoder layer count from a local checkpoint's config.json (text_config for multimodal wrappers)."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        n = model_config_json(model_dir).get("num_hidden_layers")
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}; pass --num-layers") from None
+    if not isinstance(n, int):
+        raise ValueError(f"{path} has no num_hidden_layers; pass --num-layers")
+    return n
 
 
 def _model_shape(model: str) -> tuple[int, int]:

@@ -23,29 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
-from rq import Queue
-from rq.serializers import JSONSerializer
 
 from harvest.config import RunConfig
 from harvest.ids import job_id_for
-from harvest.keys import JOB_FUNCTION, Keys
-from harvest.ledger import QUEUED, Ledger
-from harvest.payload import Sample, encode_batch, split_jobs
+from harvest.state.jobs import enqueue_samples, run_queue
+from harvest.state.keys import Keys
+from harvest.state.ledger import QUEUED, Ledger
+from harvest.state.payload import Sample, split_jobs
 
-JOB_FAILURE_TTL = 7 * 24 * 3600
 DEFAULT_MAX_QUEUED = 20000
 GROUP_SAMPLES = 1024  # samples per ledger read and per transaction (at most)
 _WAIT_MIN_S, _WAIT_MAX_S = 0.005, 0.25
-
-
-def job_timeout(num_tokens: int) -> int:
-    """Generous: a job is an engine call plus file moves; RQ kills it past this."""
-    return 600 + num_tokens // 50
-
-
-def enqueue_counter_key(run: str) -> str:
-    """The counter producers WATCH (see the module docstring)."""
-    return f"{Keys(run).prefix}:enqueues"
 
 
 @dataclass
@@ -69,9 +57,9 @@ class Enqueuer:
             raise ValueError(f"max_queued must be at least 1, got {max_queued}")
         self.conn, self.cfg = conn, cfg
         self.keys = Keys(cfg.run)
-        self.counter = enqueue_counter_key(cfg.run)
+        self.counter = self.keys.enqueues
         self.ledger = Ledger(conn, cfg.run)
-        self.queue = Queue(self.keys.queue_name, connection=conn, serializer=JSONSerializer)
+        self.queue = run_queue(conn, cfg.run)
         self.max_queued = max_queued
         self.job_samples = max(1, min(cfg.max_batch_samples, max_queued))  # a job never exceeds the bound alone
         self.group = max(self.job_samples, min(GROUP_SAMPLES, max_queued))
@@ -144,12 +132,4 @@ class Enqueuer:
     def _enqueue(self, pipe: redis.client.Pipeline, job: list[Sample]) -> None:
         ids = [s.id for s in job]
         self.ledger.add_queued(ids, pipe=pipe)
-        self.queue.enqueue_call(
-            JOB_FUNCTION,
-            args=(encode_batch(self.cfg.run, job),),
-            job_id=job_id_for(self.cfg.run, ids),
-            timeout=job_timeout(sum(s.num_tokens for s in job)),
-            result_ttl=0,
-            failure_ttl=JOB_FAILURE_TTL,
-            pipeline=pipe,
-        )
+        enqueue_samples(self.queue, self.cfg.run, job, job_id_for(self.cfg.run, ids), pipe)

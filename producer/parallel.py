@@ -14,7 +14,7 @@ import multiprocessing as mp
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from harvest.payload import Sample
+from harvest.state.payload import Sample
 from producer.sources import BadRow, Row
 from producer.tokenize import RowTokenizer
 

@@ -15,7 +15,7 @@ import redis
 from tqdm import tqdm
 
 from harvest.config import RunConfig
-from harvest.payload import Sample
+from harvest.state.payload import Sample
 from producer.enqueue import DEFAULT_MAX_QUEUED, Enqueuer
 from producer.parallel import ProcessTokenizer
 from producer.prefetch import prefetch

@@ -20,7 +20,6 @@ import re
 from collections.abc import Sequence
 
 import numpy as np
-
 from transformers.utils.chat_template_utils import render_jinja_template
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")

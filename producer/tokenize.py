@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
-from harvest.payload import PayloadError, Sample
-from producer.rowkinds import Chat, FieldMap, PromptCompletion, Pretokenized, RowError, Text, classify
+from harvest.state.payload import PayloadError, Sample
+from producer.rowkinds import Chat, FieldMap, Pretokenized, PromptCompletion, RowError, Text, classify
 from producer.sources import BadRow, Row
 from producer.templates import ChatRenderer, TemplateError, mask_from_spans
 

@@ -30,9 +30,12 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from harvest.config import parse_layers  # noqa: E402
-from harvest.reader import RunReader  # noqa: E402
-from workers.sglang_launch import launch_spec, model_layers  # noqa: E402
+from engines.sglang_launch import launch_spec  # noqa: E402
+from harvest.config import (
+    model_layers,  # noqa: E402
+    parse_layers,  # noqa: E402
+)
+from harvest.read.reader import RunReader  # noqa: E402
 
 WORDS = "the a model token layer state hidden draft speculative decode prefill batch queue shard".split()
 

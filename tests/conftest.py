@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import redis
 
-from harvest.demo import build_tiny_model
-from harvest.redisproc import RedisServer
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from harvest.cli.demo import build_tiny_model
+from harvest.cli.redisproc import RedisServer
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
@@ -41,25 +36,13 @@ def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
-def harvest_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run the real `harvest` CLI in a subprocess, as a user would."""
-    return subprocess.run(
-        [sys.executable, "-m", "harvest.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-    )
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3 protocol server (moto's, in a thread on a free port) for the whole session;
     the S3 environment harvest reads (endpoint, region, credentials) points at it meanwhile."""
     from moto.server import ThreadedMotoServer
 
-    from harvest.redisproc import free_port
+    from harvest.cli.redisproc import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

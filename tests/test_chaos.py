@@ -1,4 +1,4 @@
-"""Fault injection with exact accounting (tests/chaos.py): real processes SIGKILLed at random
+"""Fault injection with exact accounting (tests/support/chaos.py): real processes SIGKILLed at random
 moments, then every input sample must be in exactly one committed shard or failed with a
 reason, with nothing left behind. Fixed seeds; bench/chaos.py runs the long version."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.chaos import Trial
+from tests.support.chaos import Trial
 
 
 @pytest.mark.parametrize("seed", [11])  # bench/chaos.py runs the many-trial version

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from harvest.dump import Chunk, write_chunk
+from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import rid_for
-from harvest.payload import Sample
-from workers.claim import SampleFailure, assemble, claim
+from harvest.state.failures import SampleFailure
+from harvest.state.payload import Sample
+from workers.claim import assemble, claim
 
 SAMPLE = Sample.build(list(range(10, 20)))
 RID = rid_for(SAMPLE.id, 1)

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from collector.collector import Collector
-from harvest.ledger import Ledger
-from harvest.reader import RunReader
-from harvest.runstore import publish_run
-from harvest.shard import INDEX, SHARDS
-from harvest.spool import list_spooled
+from harvest.formats.shard import INDEX, SHARDS
+from harvest.formats.spool import list_spooled
+from harvest.read.reader import RunReader
+from harvest.state.ledger import Ledger
+from harvest.state.runstore import publish_run
 from harvest.storage import StorageError, retry
-from tests.synth import make_config, spool_samples
+from tests.support.synth import make_config, spool_samples
 
 
 def _setup(conn, tmp_path, lengths, **cfg_kw):

@@ -16,8 +16,8 @@ import redis
 
 from collector.collector import Collector
 from collector.faults import CRASH_ENV
-from harvest.shard import shard_file
-from harvest.spool import list_spooled
+from harvest.formats.shard import shard_file
+from harvest.formats.spool import list_spooled
 from tests.test_crash_collector import NODE, Trial
 
 FORK = multiprocessing.get_context("fork")

@@ -20,14 +20,14 @@ import torch
 
 from collector.collector import Collector
 from collector.faults import CRASH_ENV, CRASH_POINTS
+from harvest.formats.shard import INDEX, SHARDS, index_file, shard_file
+from harvest.formats.spool import list_spooled
 from harvest.ids import shard_id_for
-from harvest.ledger import Ledger
-from harvest.reader import RunReader
-from harvest.runstore import publish_run
-from harvest.shard import INDEX, SHARDS, index_file, shard_file
-from harvest.spool import list_spooled
+from harvest.read.reader import RunReader
+from harvest.state.ledger import Ledger
+from harvest.state.runstore import publish_run
 from harvest.storage import Location
-from tests.synth import make_config, spool_samples
+from tests.support.synth import make_config, spool_samples
 
 FORK = multiprocessing.get_context("fork")
 NODE = "n1"

@@ -15,14 +15,14 @@ import pytest
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from harvest.demo import demo_rows, write_jsonl
-from harvest.heartbeat import read_workers
-from harvest.janitor import run_queue
-from harvest.keys import Keys
-from harvest.ledger import Ledger
-from harvest.payload import decode_batch
-from harvest.reader import RunReader
-from tests.ops_support import Procs, cli, new_run, wait_until
+from harvest.cli.demo import demo_rows, write_jsonl
+from harvest.read.reader import RunReader
+from harvest.state.heartbeat import read_workers
+from harvest.state.jobs import run_queue
+from harvest.state.keys import Keys
+from harvest.state.ledger import Ledger
+from harvest.state.payload import decode_batch
+from tests.support.ops import Procs, cli, new_run, wait_until
 
 RECOVERY_BOUND_S = 60  # the functional bound: SIGKILL -> the job done by another worker
 
@@ -142,10 +142,10 @@ def _start_as_dead_worker(conn, q, name: str):
 
 
 def test_janitor_gives_up_after_repeated_deaths_and_requeue_recovers(tmp_path, conn, tiny_model):
-    from harvest.janitor import MAX_REAPS, janitor_pass
-    from harvest.payload import Sample
-    from harvest.requeue import requeue
-    from tests.ops_support import enqueue
+    from harvest.ops.janitor import MAX_REAPS, janitor_pass
+    from harvest.ops.requeue import requeue
+    from harvest.state.payload import Sample
+    from tests.support.ops import enqueue
 
     cfg = new_run(conn, "reap", tiny_model, f"file://{tmp_path}/out")
     samples = [Sample.build([5, 6, 7]), Sample.build([8, 9])]
@@ -173,8 +173,8 @@ def test_janitor_gives_up_after_repeated_deaths_and_requeue_recovers(tmp_path, c
 
 
 def test_janitor_cleans_only_dead_workers_claim_dirs_and_stale_dumps(tmp_path, conn):
-    from harvest.heartbeat import WorkerBeat
-    from harvest.janitor import HEARTBEAT_TTL_S, STALE_DUMP_S, clean_dump_dir
+    from harvest.ops.janitor import HEARTBEAT_TTL_S, STALE_DUMP_S, clean_dump_dir
+    from harvest.state.heartbeat import WorkerBeat
 
     dump = tmp_path / "dumps"
     dump.mkdir()

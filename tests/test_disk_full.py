@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from harvest.dump import Chunk, DumpWriter, parse_chunk_name, read_chunk
+from engines.dump_writer import DumpWriter
+from harvest.formats.dump import Chunk, parse_chunk_name, read_chunk
 from harvest.ids import rid_for
 
 

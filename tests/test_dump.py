@@ -4,7 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harvest.dump import DumpError, cut_batch, parse_chunk_name, read_chunk, write_chunk
+from engines.batch import cut_batch
+from harvest.formats.dump import DumpError, parse_chunk_name, read_chunk, write_chunk
 
 R1 = "hv-" + "1" * 32 + "-1"
 R2 = "hv-" + "2" * 32 + "-7"

@@ -9,11 +9,12 @@ import httpx
 import pytest
 import torch
 
+from engines import faults as fx
+from engines.reference import ReferenceEngine, serve
 from harvest.ids import rid_for
-from harvest.payload import Sample
-from workers import faults as fx
-from workers.claim import SampleFailure, assemble, claim
-from workers.refengine import ReferenceEngine, serve
+from harvest.state.failures import SampleFailure
+from harvest.state.payload import Sample
+from workers.claim import assemble, claim
 
 
 def _engine(tiny_model, tmp_path, monkeypatch, spec: str, chunk: int = 8) -> ReferenceEngine:

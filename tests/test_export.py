@@ -7,12 +7,12 @@ import torch
 from safetensors.torch import load_file
 
 from collector.collector import Collector
-from harvest.export import sample_file
-from harvest.ledger import Ledger
-from harvest.reader import RunReader
-from harvest.runstore import publish_run
-from tests.conftest import harvest_cli
-from tests.synth import make_config, spool_samples
+from harvest.read.export import sample_file
+from harvest.read.reader import RunReader
+from harvest.state.ledger import Ledger
+from harvest.state.runstore import publish_run
+from tests.support.cli import harvest_cli
+from tests.support.synth import make_config, spool_samples
 
 
 def _files(root):

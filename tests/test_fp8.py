@@ -5,15 +5,15 @@ import numpy as np
 import torch
 
 from collector.collector import Collector
-from harvest.dump import Chunk, write_chunk
-from harvest.fp8 import FP8, FP8_MAX, dequantize, quantize
+from harvest.formats.dump import Chunk, write_chunk
+from harvest.formats.fp8 import FP8, FP8_MAX, dequantize, quantize
+from harvest.formats.spool import read_sample, spool_path, write_sample
 from harvest.ids import rid_for
-from harvest.ledger import Ledger
-from harvest.payload import Sample
-from harvest.reader import RunReader
-from harvest.runstore import publish_run
-from harvest.spool import read_sample, spool_path, write_sample
-from tests.synth import POINTS, make_config
+from harvest.read.reader import RunReader
+from harvest.state.ledger import Ledger
+from harvest.state.payload import Sample
+from harvest.state.runstore import publish_run
+from tests.support.synth import POINTS, make_config
 from workers.claim import assemble, claim
 
 

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from harvest.dump import Chunk, chunk_name, encode_chunk, write_chunk
+from harvest.formats.dump import Chunk, chunk_name, encode_chunk, write_chunk
 from harvest.ids import rid_for
-from harvest.paths import UnsafePath, private_dir
-from harvest.payload import Sample
-from workers.claim import SampleFailure, assemble, claim
+from harvest.node.paths import UnsafePath, private_dir
+from harvest.state.failures import SampleFailure
+from harvest.state.payload import Sample
+from workers.claim import assemble, claim
 
 SAMPLE = Sample.build(list(range(10, 20)))
 RID = rid_for(SAMPLE.id, 1)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from harvest.ids import InvalidId, check_id, job_id_for, parse_rid, rid_for, sample_id, shard_id_for
-from harvest.payload import PayloadError, Sample, decode_batch, encode_batch
+from harvest.state.payload import PayloadError, Sample, decode_batch, encode_batch
 
 
 def test_sample_id_is_blake2b128_of_int32le_ids_then_mask_bytes():

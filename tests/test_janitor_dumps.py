@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from harvest.dump import Chunk, write_chunk
+from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import rid_for
-from harvest.janitor import clean_dump_dir
-from harvest.ledger import Ledger
+from harvest.ops.janitor import clean_dump_dir
+from harvest.state.ledger import Ledger
 
 
 def _file(d, sid: str, attempt: int) -> str:

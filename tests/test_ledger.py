@@ -1,6 +1,6 @@
 import json
 
-from harvest.ledger import Ledger
+from harvest.state.ledger import Ledger
 
 
 def test_transitions_keep_exact_counts(conn):

@@ -7,9 +7,9 @@ import json
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from harvest.keys import Keys
-from harvest.payload import decode_batch
-from tests.conftest import harvest_cli
+from harvest.state.keys import Keys
+from harvest.state.payload import decode_batch
+from tests.support.cli import harvest_cli
 
 
 def test_job_sizes_follow_the_flags(conn, redis_server, tiny_model, tmp_path):

@@ -9,9 +9,9 @@ from rq.serializers import JSONSerializer
 
 from harvest.config import RunConfig
 from harvest.ids import sample_id
-from harvest.keys import Keys
-from harvest.ledger import Ledger
-from harvest.payload import decode_batch
+from harvest.state.keys import Keys
+from harvest.state.ledger import Ledger
+from harvest.state.payload import decode_batch
 from producer.producer import produce
 from producer.sources import BadRow, Row
 from producer.tokenize import RowTokenizer
@@ -157,7 +157,7 @@ def test_strict_stops_at_first_bad_row(conn, tiny_model, tokenizer, tmp_path):
 
 
 def test_worker_processes_give_the_same_samples_in_the_same_order(conn, tiny_model, tokenizer, tmp_path):
-    from harvest.demo import demo_rows, write_jsonl
+    from harvest.cli.demo import demo_rows, write_jsonl
     from producer import producer as producer_mod
 
     rows = demo_rows(600) + [{"foo": 1}, {"text": ""}]

@@ -7,13 +7,13 @@ import pyarrow.parquet as pq
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from harvest.keys import Keys
-from harvest.ledger import Ledger
-from harvest.payload import decode_batch
+from harvest.state.keys import Keys
+from harvest.state.ledger import Ledger
+from harvest.state.payload import decode_batch
 from producer.rowkinds import FieldMap
 from producer.sources import Row
 from producer.tokenize import LengthPolicy, RowTokenizer
-from tests.conftest import harvest_cli
+from tests.support.cli import harvest_cli
 from tests.test_templates import CHATML
 
 ROWS = [

@@ -19,12 +19,12 @@ from rq.serializers import JSONSerializer
 
 from harvest.config import RunConfig, build_config
 from harvest.ids import sample_id
-from harvest.keys import Keys
-from harvest.ledger import Ledger
-from harvest.payload import decode_batch
-from harvest.runstore import publish_run
+from harvest.state.keys import Keys
+from harvest.state.ledger import Ledger
+from harvest.state.payload import decode_batch
+from harvest.state.runstore import publish_run
 from producer.producer import produce
-from tests.conftest import REPO
+from tests.support.cli import REPO
 
 
 def write_rows(path, n, offset=0):

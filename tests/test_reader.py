@@ -7,11 +7,11 @@ from torch.utils.data import DataLoader
 
 from collector.collector import Collector
 from harvest.config import RunConfig
-from harvest.dataset import HiddenStateDataset, HiddenStateIterable, NoFinalState, eagle3_item
-from harvest.fp8 import dequantize
-from harvest.ledger import Ledger
-from harvest.runstore import publish_run
-from tests.synth import make_config, spool_samples
+from harvest.formats.fp8 import dequantize
+from harvest.read.dataset import HiddenStateDataset, HiddenStateIterable, NoFinalState, eagle3_item
+from harvest.state.ledger import Ledger
+from harvest.state.runstore import publish_run
+from tests.support.synth import make_config, spool_samples
 
 
 def _run(conn, tmp_path, dtype="bf16", lengths=(5, 9, 1, 30, 12, 7, 3)):

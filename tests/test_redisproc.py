@@ -6,7 +6,7 @@ import os
 
 import redis
 
-from harvest.redisproc import RedisServer
+from harvest.cli.redisproc import RedisServer
 
 
 def test_relative_data_dir_works(tmp_path, monkeypatch):

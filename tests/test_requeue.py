@@ -3,7 +3,6 @@ requeues at the same time), they finish, and permanent failures stay failed with
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -13,14 +12,14 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from harvest.demo import demo_rows, write_jsonl
-from harvest.keys import Keys
-from harvest.ledger import Ledger
-from harvest.payload import Sample, decode_batch
-from harvest.reader import RunReader
-from harvest.requeue import requeue
-from harvest.runstore import load_run
-from tests.ops_support import REPO, Procs, cli, enqueue, new_run, wait_until
+from harvest.cli.demo import demo_rows, write_jsonl
+from harvest.ops.requeue import requeue
+from harvest.read.reader import RunReader
+from harvest.state.keys import Keys
+from harvest.state.ledger import Ledger
+from harvest.state.payload import Sample, decode_batch
+from harvest.state.runstore import load_run
+from tests.support.ops import REPO, Procs, cli, enqueue, new_run, wait_until
 
 
 @pytest.fixture

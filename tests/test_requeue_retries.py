@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from harvest.demo import demo_rows, write_jsonl
-from harvest.janitor import run_queue
-from harvest.keys import Keys
-from harvest.ledger import Ledger
-from harvest.redisproc import free_port
-from tests.ops_support import Procs, cli, new_run, wait_until
+from harvest.cli.demo import demo_rows, write_jsonl
+from harvest.cli.redisproc import free_port
+from harvest.state.jobs import run_queue
+from harvest.state.keys import Keys
+from harvest.state.ledger import Ledger
+from tests.support.ops import Procs, cli, new_run, wait_until
 
 
 @pytest.fixture

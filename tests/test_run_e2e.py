@@ -6,11 +6,11 @@ import os
 
 import torch
 
+from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.config import eagle3_layers
-from harvest.demo import demo_rows, write_jsonl
 from harvest.ids import sample_id
-from harvest.reader import RunReader, hidden_at
-from tests.conftest import harvest_cli
+from harvest.read.reader import RunReader, hidden_at
+from tests.support.cli import harvest_cli
 
 
 def _expected(tokenizer, row):

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from collector.collector import Collector
-from harvest.ledger import Ledger
-from harvest.reader import RunReader
-from harvest.runstore import publish_run
-from harvest.shard import INDEX, SHARDS, index_file, shard_file
-from harvest.spool import list_spooled
+from harvest.formats.shard import INDEX, SHARDS, index_file, shard_file
+from harvest.formats.spool import list_spooled
+from harvest.read.reader import RunReader
+from harvest.state.ledger import Ledger
+from harvest.state.runstore import publish_run
 from harvest.storage import Location
-from tests.conftest import harvest_cli
-from tests.synth import make_config, spool_samples
+from tests.support.cli import harvest_cli
+from tests.support.synth import make_config, spool_samples
 
 
 def _setup(conn, tmp_path, out_url, lengths, **kw):
@@ -193,8 +193,8 @@ def test_reconcile_rebuilds_the_done_set_from_s3_index_files(conn, redis_server,
 
 
 def test_harvest_run_writes_fp8_to_s3_and_the_dataset_reads_it(tmp_path, tiny_model, s3_bucket, s3_endpoint):
-    from harvest.dataset import HiddenStateDataset
-    from harvest.demo import demo_rows, write_jsonl
+    from harvest.cli.demo import demo_rows, write_jsonl
+    from harvest.read.dataset import HiddenStateDataset
 
     dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(8))
     out = f"{s3_bucket}/out"

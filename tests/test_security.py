@@ -15,10 +15,10 @@ import redis
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from harvest.demo import demo_rows, write_jsonl
-from harvest.keys import Keys
-from harvest.redisproc import RedisServer
-from tests.ops_support import Procs, cli, new_run
+from harvest.cli.demo import demo_rows, write_jsonl
+from harvest.cli.redisproc import RedisServer
+from harvest.state.keys import Keys
+from tests.support.ops import Procs, cli, new_run
 
 
 @pytest.fixture

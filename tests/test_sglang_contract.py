@@ -16,7 +16,7 @@ import zipfile
 
 import pytest
 
-from workers import sglang_plugin as sp
+from engines import sglang_plugin as sp
 
 PLUGIN_VERSIONS = ["0.5.23", "0.5.18", "0.5.11"]
 FORWARD_HOOK_VERSIONS = ["0.5.10"]

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load
 
+from engines import sglang_plugin as sp
 from harvest.ids import rid_for
-from harvest.payload import Sample
-from workers import sglang_plugin as sp
+from harvest.state.payload import Sample
 from workers.claim import assemble, claim
 
 L, H = 8, 6

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from harvest.shard import ShardError, index_file, plan_shard, shard_file, write_shard
-from harvest.shard_reader import ShardReader
-from harvest.spool import SpoolError, inspect_sample, spool_path
-from harvest.stformat import encode
+from harvest.formats.shard import ShardError, index_file, plan_shard, shard_file, write_shard
+from harvest.formats.spool import SpoolError, inspect_sample, spool_path
+from harvest.formats.stformat import encode
+from harvest.read.shard_reader import ShardReader
 from harvest.storage import Location
-from tests.synth import HIDDEN, POINTS, make_config, spool_samples
+from tests.support.synth import HIDDEN, POINTS, make_config, spool_samples
 
 
 def _plan(spool, cfg, samples):

@@ -1,16 +1,16 @@
 """A sample spooled on two nodes is committed once: by the collector of the spool that the
-ledger accepted it from (harvest.ledger.mark_spooled records the owner)."""
+ledger accepted it from (harvest.state.ledger.mark_spooled records the owner)."""
 
 from __future__ import annotations
 
 import os
 
 from collector.collector import Collector
-from harvest.ledger import Ledger
-from harvest.reader import RunReader
-from harvest.runstore import publish_run
-from harvest.spool import list_spooled, spool_identity
-from tests.synth import make_config, spool_samples
+from harvest.formats.spool import list_spooled, spool_identity
+from harvest.read.reader import RunReader
+from harvest.state.ledger import Ledger
+from harvest.state.runstore import publish_run
+from tests.support.synth import make_config, spool_samples
 
 
 def test_worker_died_before_marking_then_the_retry_spooled_elsewhere(conn, tmp_path):

@@ -16,14 +16,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from harvest.demo import demo_rows, write_jsonl
-from harvest.janitor import run_queue
-from harvest.ledger import Ledger
-from harvest.payload import Sample, decode_batch
-from harvest.redisproc import free_port
-from harvest.runstore import load_run
-from harvest.status import compute_status, render
-from tests.ops_support import REPO, Procs, cli, enqueue, new_run, wait_until
+from harvest.cli.demo import demo_rows, write_jsonl
+from harvest.cli.redisproc import free_port
+from harvest.ops.status import compute_status, render
+from harvest.state.jobs import run_queue
+from harvest.state.ledger import Ledger
+from harvest.state.payload import Sample, decode_batch
+from harvest.state.runstore import load_run
+from tests.support.ops import REPO, Procs, cli, enqueue, new_run, wait_until
 
 
 @pytest.fixture

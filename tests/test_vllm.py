@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from harvest.demo import demo_rows, write_jsonl
+from engines.vllm_launch import default_venv, venv_python
+from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.ids import sample_id
-from harvest.reader import RunReader, hidden_at
-from tests.conftest import harvest_cli
+from harvest.read.reader import RunReader, hidden_at
+from tests.support.cli import harvest_cli
 from tests.test_run_e2e import _expected
-from workers.vllm_launch import default_venv, venv_python
 
 try:
     VLLM_PYTHON = venv_python()

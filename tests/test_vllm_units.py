@@ -2,7 +2,7 @@
 the lock wait, converting a connector file into a harvest dump chunk, and the launch command.
 
 Connector files here are written with the layout and metadata harvest's connector writes
-(workers/vllm_connector.py); the real server's files are exercised by tests/test_vllm.py."""
+(engines/vllm_connector.py); the real server's files are exercised by tests/test_vllm.py."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from engines.vllm_launch import launch_spec, needs_final_norm, slot_of, vllm_layer_ids
+from harvest.node.dumpdir import vllm_dir as storage_dir
 from harvest.config import RunConfig
-from harvest.dump import chunk_name, read_chunk
-from tests.conftest import harvest_cli
-from workers.vllm_client import (
+from harvest.formats.dump import chunk_name, read_chunk
+from tests.support.cli import REPO, harvest_cli
+from workers.clients.vllm import (
     CONNECTOR_FORMAT,
     VllmClient,
     VllmDumpError,
@@ -27,8 +29,7 @@ from workers.vllm_client import (
     to_capture_points,
     wait_unlocked,
 )
-from workers.vllm_launch import launch_spec, needs_final_norm, slot_of, storage_dir, vllm_layer_ids
-from workers.vllm_norm import FinalNorm, FinalNormError
+from workers.clients.vllm_norm import FinalNorm, FinalNormError
 
 RID = "hv-" + "ab" * 16 + "-1"
 
@@ -184,10 +185,10 @@ def test_launch_spec_names_connector_layers_and_storage():
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5, 8]
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert kv == {"kv_connector": "HarvestHiddenStatesConnector", "kv_connector_module_path": "workers.vllm_connector",
+    assert kv == {"kv_connector": "HarvestHiddenStatesConnector", "kv_connector_module_path": "engines.vllm_connector",
                   "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": "/dev/shm/h/.vllm"}}
     # The connector module really defines the class the config names (checked without importing vLLM).
-    src = open(os.path.join(os.path.dirname(__file__), "..", "workers", "vllm_connector.py")).read()
+    src = open(os.path.join(REPO, "engines", "vllm_connector.py")).read()
     assert "class HarvestHiddenStatesConnector(ExampleHiddenStatesConnector):" in src
     assert f'FORMAT = "{CONNECTOR_FORMAT}"' in src
 
@@ -220,8 +221,8 @@ def test_sweep_removes_only_old_harvest_files_in_vllm_storage(tmp_path, tiny_mod
 
 
 def test_produce_records_the_vllm_engine_kind_for_workers(tmp_path, tiny_model, redis_server, conn):
-    from harvest.runstore import load_run
-    from workers.engines import make_engine
+    from harvest.state.runstore import load_run
+    from workers.clients import make_engine
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": "hello world"}) + "\n")
@@ -238,8 +239,8 @@ def test_produce_records_the_vllm_engine_kind_for_workers(tmp_path, tiny_model, 
 
 
 def test_unreachable_server_is_transient(tmp_path, tiny_model):
-    from harvest.redisproc import free_port
-    from workers.engine_client import EngineUnavailable
+    from harvest.cli.redisproc import free_port
+    from workers.clients.sglang import EngineUnavailable
 
     client = VllmClient(f"http://127.0.0.1:{free_port()}", _cfg(tiny_model), str(tmp_path / "dump"),
                         retries=1, backoff=0.01)
@@ -259,13 +260,13 @@ def test_compose_vllm_service_matches_harvest_vllm_args():
 
     from harvest.config import eagle3_layers
 
-    root = os.path.join(os.path.dirname(__file__), "..")
+    root = REPO
     with open(os.path.join(root, "docker-compose.yml")) as f:
         spec = yaml.safe_load(f)
     svc = spec["services"]["vllm"]
     assert svc["profiles"] == ["vllm"] and "engine" in svc["networks"]["default"]["aliases"]
     assert svc["entrypoint"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
-    assert "./workers:/opt/harvest/workers:ro" in svc["volumes"] and svc["environment"]["PYTHONPATH"] == "/opt/harvest"
+    assert "./engines:/opt/harvest/engines:ro" in svc["volumes"] and svc["environment"]["PYTHONPATH"] == "/opt/harvest"
     # The compose file's capture points come from .env; substitute the example's (eagle3 on 8 layers).
     compose_args = [re.sub(r"\$\{CAPTURE_POINTS:\?[^}]*\}", "2,4,5,8", a) for a in svc["command"]]
     flags = dict(a.split("=", 1) if "=" in a else (a, None) for a in compose_args)

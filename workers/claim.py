@@ -15,16 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-from harvest.dump import DumpError, parse_chunk_name, read_chunk
-from harvest.fp8 import to_storage
-from harvest.payload import Sample
-from harvest.spool import SpooledSample
-
-
-class SampleFailure(Exception):
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason, self.message = reason, message
+from harvest.formats.dump import DumpError, parse_chunk_name, read_chunk
+from harvest.formats.fp8 import to_storage
+from harvest.formats.spool import SpooledSample
+from harvest.state.failures import (
+    BAD_CHUNKS,
+    BAD_DUMP,
+    CAPTURE_MISMATCH,
+    INCOMPLETE_DUMP,
+    NONFINITE,
+    TOKEN_MISMATCH,
+    SampleFailure,
+)
+from harvest.state.payload import Sample
 
 
 def _coverage(spans: list[tuple[int, int]], total: int) -> str | None:
@@ -86,12 +89,12 @@ def claim(
                 os.unlink(path)
             if waiting:
                 failed[rid] = SampleFailure(
-                    "incomplete-dump",
+                    INCOMPLETE_DUMP,
                     f"dump of {rid} is incomplete after {timeout:.0f}s: {problem} of [0, {total}). "
                     "Is the harvest dump plugin loaded in the engine, and are prefill CUDA graphs off?",
                 )
             else:
-                failed[rid] = SampleFailure("bad-chunks", f"dump of {rid}: {problem} of [0, {total})")
+                failed[rid] = SampleFailure(BAD_CHUNKS, f"dump of {rid}: {problem} of [0, {total})")
         if pending:
             time.sleep(poll)
     return claimed, failed
@@ -114,21 +117,21 @@ def assemble(
     allow_nonfinite: bool = False,
 ) -> SpooledSample:
     """Read and verify the claimed chunks; the `[T, K, H]` result in the storage dtype (for
-    fp8, quantized with a float32 scale per token and capture point, harvest.fp8)."""
+    fp8, quantized with a float32 scale per token and capture point, harvest.formats.fp8)."""
     chunks = []
     try:
         for path in claimed.paths:
             chunks.append(read_chunk(path))
     except DumpError as e:
-        raise SampleFailure("bad-dump", str(e)) from None
+        raise SampleFailure(BAD_DUMP, str(e)) from None
     chunks.sort(key=lambda c: c.start)
     problem = _coverage([(c.start, c.end) for c in chunks], sample.num_tokens)
     if problem:
-        raise SampleFailure("incomplete-dump", f"{problem} of [0, {sample.num_tokens})")
+        raise SampleFailure(INCOMPLETE_DUMP, f"{problem} of [0, {sample.num_tokens})")
     for c in chunks:
         if c.capture_points != list(capture_points):
             raise SampleFailure(
-                "capture-mismatch",
+                CAPTURE_MISMATCH,
                 f"engine captured layers {c.capture_points}, the run captures {list(capture_points)}: "
                 "restart the engine with the run's capture points (harvest sglang-args)",
             )
@@ -137,14 +140,14 @@ def assemble(
     if not torch.equal(ids, sent):
         pos = int((ids != sent).nonzero()[0, 0])
         raise SampleFailure(
-            "token-mismatch",
+            TOKEN_MISMATCH,
             f"dumped token at position {pos} is {int(ids[pos])}, sent {int(sent[pos])}: the dump belongs to another request",
         )
     hs = chunks[0].hidden_states if len(chunks) == 1 else torch.cat([c.hidden_states for c in chunks])
     if not allow_nonfinite and not _all_finite(hs):
         bad = (~torch.isfinite(hs)).nonzero()[0].tolist()
         raise SampleFailure(
-            "nonfinite",
+            NONFINITE,
             f"hidden states hold NaN/Inf (first at position {bad[0]}, capture slot {bad[1]}); "
             "check the engine's dtype and model, or set allow_nonfinite in the run",
         )

@@ -12,7 +12,7 @@ job returns `rq.Retry` with a growing interval, so the job waits in RQ's Schedul
 spent the samples fail with the transient reason. Permanent ones (the engine rejects a sample,
 a dump fails verification) fail that sample at once, with its reason and message. Every failed
 sample keeps its payload row so `harvest requeue` can put it back. An unexpected exception
-fails the job's queued samples with reason `worker-error` instead of stranding them.
+fails the job's queued samples (harvest.state.failures.WORKER_ERROR) instead of stranding them.
 """
 
 from __future__ import annotations
@@ -29,15 +29,26 @@ from rq import Retry, get_current_job
 from rq.timeouts import JobTimeoutException
 
 from harvest.config import RunConfig
-from harvest.heartbeat import WorkerBeat
+from harvest.formats.spool import list_spooled, spool_identity, write_sample
 from harvest.ids import rid_for
-from harvest.ledger import QUEUED, Ledger
-from harvest.metrics import observe
-from harvest.payload import Sample, decode_batch
-from harvest.requeue import record_failures
-from harvest.spool import list_spooled, spool_identity, write_sample
-from workers.claim import SampleFailure, assemble, claim
-from workers.engine_client import EngineClient, EngineUnavailable, Rejected
+from harvest.ops.metrics import observe
+from harvest.state.failures import (
+    ENGINE_REJECTED,
+    ENGINE_UNAVAILABLE,
+    JOB_TIMEOUT,
+    PREFIX_CACHED,
+    PROMPT_LENGTH,
+    STORAGE_ERROR,
+    WORKER_ERROR,
+    WORKER_STOPPED,
+    SampleFailure,
+    record_failures,
+)
+from harvest.state.heartbeat import WorkerBeat
+from harvest.state.ledger import QUEUED, Ledger
+from harvest.state.payload import Sample, decode_batch
+from workers.claim import assemble, claim
+from workers.clients.sglang import EngineClient, EngineUnavailable, Rejected
 
 log = logging.getLogger("harvest.worker")
 
@@ -70,14 +81,6 @@ class WorkerContext:
     @cached_property
     def ledger(self) -> Ledger:
         return Ledger(self.conn, self.cfg.run)
-
-
-class Transient(Exception):
-    """A failure that another attempt, later or elsewhere, may not meet."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason, self.message = reason, message
 
 
 _context: WorkerContext | None = None
@@ -122,18 +125,18 @@ def process_batch(payload: dict) -> dict | Retry:
         out = _process(ctx, todo)
         out["skipped"] = len(samples) - len(todo)
         return out
-    except Transient as e:
+    except SampleFailure as e:  # only transient failures leave _process: per-sample ones are recorded there
         return _retry_or_fail(ctx, job, todo, e.reason, e.message)
     except JobTimeoutException as e:  # RQ's limit for the job: a slow engine, not a bad sample
-        return _retry_or_fail(ctx, job, todo, "job-timeout", str(e))
+        return _retry_or_fail(ctx, job, todo, JOB_TIMEOUT, str(e))
     except (SystemExit, KeyboardInterrupt):
         # A second stop signal (cold shutdown) while working: hand the job back rather than let RQ
         # file it as failed with its samples still queued. Counts as one retry.
         log.warning("stopped during job %s: handing it back", job.id if job else "?")
-        return _retry_or_fail(ctx, job, todo, "worker-stopped", "the worker was stopped during the job", interval=0)
+        return _retry_or_fail(ctx, job, todo, WORKER_STOPPED, "the worker was stopped during the job", interval=0)
     except Exception as e:
         log.exception("job failed unexpectedly")
-        _fail(ctx, todo, {s.id: ("worker-error", f"{type(e).__name__}: {e} | {_where(e)}") for s in todo})
+        _fail(ctx, todo, {s.id: (WORKER_ERROR, f"{type(e).__name__}: {e} | {_where(e)}") for s in todo})
         return {"spooled": 0, "failed": len(todo), "skipped": len(samples) - len(todo)}
     finally:
         observe(ctx.conn, ctx.cfg.run, "job_seconds", time.monotonic() - t0)
@@ -181,19 +184,19 @@ def _process(ctx: WorkerContext, todo: list[Sample]) -> dict:
         # Whatever the engine managed to dump for these rids is never claimed: clear it now.
         claim(ctx.dump_dir, ctx.claim_dir, {r: s.num_tokens for r, s in by_rid.items()}, timeout=0)
         _clear(ctx.claim_dir)
-        raise Transient("engine-unavailable", str(e)) from None
+        raise SampleFailure(ENGINE_UNAVAILABLE, str(e), transient=True) from None
     observe(ctx.conn, ctx.cfg.run, "engine_seconds", time.monotonic() - t0)
     wanted: dict[str, int] = {}
     for r in results:
         s = by_rid[r.rid]
         if isinstance(r, Rejected):  # refused before any forward: nothing dumped, nothing to wait for
-            failures[s.id] = ("engine-rejected", r.message)
+            failures[s.id] = (ENGINE_REJECTED, r.message)
             continue
         if r.prompt_tokens not in (-1, s.num_tokens):
-            failures[s.id] = ("prompt-length", f"engine saw {r.prompt_tokens} prompt tokens, sent {s.num_tokens}")
+            failures[s.id] = (PROMPT_LENGTH, f"engine saw {r.prompt_tokens} prompt tokens, sent {s.num_tokens}")
         elif r.cached_tokens:
             failures[s.id] = (
-                "prefix-cached",
+                PREFIX_CACHED,
                 f"engine served {r.cached_tokens} prompt tokens from its prefix cache, so their hidden states were "
                 "never computed: run SGLang with --disable-radix-cache, or a version that honours extra_key",
             )
@@ -227,7 +230,7 @@ def _process(ctx: WorkerContext, todo: list[Sample]) -> dict:
         _fail(ctx, todo, failures)
     ctx.ledger.add_stats(samples_spooled=len(spooled), tokens_spooled=tokens, bytes_spooled=nbytes, dump_bytes=dump_bytes)
     if storage_error:
-        raise Transient("storage-error", f"writing the spool {ctx.spool_dir}: {storage_error}")
+        raise SampleFailure(STORAGE_ERROR, f"writing the spool {ctx.spool_dir}: {storage_error}", transient=True)
     return {"spooled": len(spooled), "failed": len(failures)}
 
 

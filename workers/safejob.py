@@ -4,7 +4,7 @@ RQ resolves a job's function, and its success/failure/stopped callbacks, by impo
 dotted names stored in the job hash. JSON serialization keeps pickle out, but a JSON job
 naming `os.system` with a shell command as its argument would still run: whoever can write
 to Redis would get code execution on every GPU node. A worker therefore accepts only
-`harvest.keys.JOB_FUNCTION`, and ignores any callback names.
+`harvest.state.jobs.JOB_FUNCTION`, and ignores any callback names.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 
 from rq.job import Job
 
-from harvest.keys import JOB_FUNCTION
+from harvest.state.jobs import JOB_FUNCTION
 
 log = logging.getLogger("harvest.worker")
 

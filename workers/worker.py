@@ -1,7 +1,7 @@
 """`harvest worker`: an RQ worker bound to one run and one engine on this node.
 
-Besides taking jobs, each worker keeps a heartbeat (harvest.heartbeat) and runs a janitor pass
-(harvest.janitor) from a background thread every few seconds, so as long as one worker of the
+Besides taking jobs, each worker keeps a heartbeat (harvest.state.heartbeat) and runs a janitor pass
+(harvest.ops.janitor) from a background thread every few seconds, so as long as one worker of the
 run is alive, the job of a worker that died is back on the queue within seconds, due retries
 are released, and dead workers' claim dirs in this node's dump dir are removed.
 
@@ -21,16 +21,16 @@ import time
 
 import redis
 import torch
-from rq import Queue, SimpleWorker
-from rq.serializers import JSONSerializer
+from rq import SimpleWorker
 
-from harvest.heartbeat import HEARTBEAT_INTERVAL_S, WorkerBeat
-from harvest.janitor import janitor_pass
-from harvest.keys import Keys
-from harvest.paths import private_dir
-from harvest.runstore import load_run
-from workers.engine_client import EngineClient
-from workers.engines import make_engine
+from harvest.node.dumpdir import claim_dir as claim_dir_of
+from harvest.node.paths import private_dir
+from harvest.ops.janitor import janitor_pass
+from harvest.state.heartbeat import HEARTBEAT_INTERVAL_S, WorkerBeat
+from harvest.state.jobs import SERIALIZER, run_queue
+from harvest.state.runstore import load_run
+from workers.clients import make_engine
+from workers.clients.sglang import EngineClient
 from workers.job import DEFAULT_RETRIES, WorkerContext, backoff_intervals, install
 from workers.safejob import HarvestJob
 
@@ -101,7 +101,7 @@ def run_worker(
     name = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
     beat = WorkerBeat(conn, run, name, host, engine_url)
     beat.start()  # before the claim dir exists: the janitor removes claim dirs of workers without one
-    claim_dir = private_dir(os.path.join(private_dir(dump_dir, "dump dir"), f".claimed-{name}"), "claim dir")
+    claim_dir = private_dir(claim_dir_of(private_dir(dump_dir, "dump dir"), name), "claim dir")
     ctx = WorkerContext(
         conn=conn,
         cfg=cfg,
@@ -116,8 +116,8 @@ def run_worker(
         beat=beat,
     )
     install(ctx)
-    queue = Queue(Keys(run).queue_name, connection=conn, serializer=JSONSerializer, job_class=HarvestJob)
-    worker = SimpleWorker([queue], connection=conn, serializer=JSONSerializer, name=name, worker_ttl=RQ_WORKER_TTL,
+    queue = run_queue(conn, run, job_class=HarvestJob)
+    worker = SimpleWorker([queue], connection=conn, serializer=SERIALIZER, name=name, worker_ttl=RQ_WORKER_TTL,
                           job_class=HarvestJob)
     background = _Background(conn, run, beat, dump_dir, HEARTBEAT_INTERVAL_S)
     background.start()

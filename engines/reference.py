@@ -1,0 +1,264 @@
+"""The CPU reference engine: SGLang's native `/generate` subset over a real transformers model.
+
+It exists so the whole pipeline runs without a GPU: same request and response shape as
+SGLang, same dump contract, written by the same `harvest.formats.dump` code the SGLang plugin uses.
+With `chunked_prefill_size` it schedules like SGLang's chunked prefill: each forward step
+takes up to that many prompt tokens across the waiting requests, continuing each request
+from its KV cache, and dumps one chunk per request per step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from engines import faults as fx
+from engines.batch import cut_batch
+from engines.dump_writer import DumpWriter
+from harvest.config import parse_layers
+from harvest.formats.dump import Chunk
+from harvest.ids import RID_PREFIX
+from harvest.node.paths import private_dir
+
+log = logging.getLogger("harvest.engine")
+
+
+class BadRequest(ValueError):
+    pass
+
+
+@dataclass
+class _Request:
+    rid: str
+    ids: list[int]
+    done: int = 0
+    cache: object = None
+    last_logits: torch.Tensor | None = None
+    chunks: list = field(default_factory=list)
+
+
+class ReferenceEngine:
+    def __init__(
+        self,
+        model_dir: str,
+        dump_dir: str,
+        layers: str = "eagle3",
+        chunked_prefill_size: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_dir = model_dir
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError):
+            self.tokenizer = None
+        self.num_layers = self.model.config.num_hidden_layers
+        self.capture_points = parse_layers(layers, self.num_layers)
+        self.vocab_size = self.model.config.vocab_size
+        self.dump_dir = dump_dir
+        private_dir(dump_dir, "dump dir")
+        self.chunk = int(chunked_prefill_size or 0)
+        self.model_name = os.path.basename(os.path.abspath(model_dir))
+        self._lock = threading.Lock()
+        # Seconds spent inside the forward lock and prompt tokens prefilled: /get_server_info
+        # reports them so a benchmark can tell an idle engine from a slow one.
+        self.busy_seconds = 0.0
+        self.prefill_tokens = 0
+        self.requests = 0
+        self.writer = DumpWriter(dump_dir, self.capture_points, self.model_name)
+        self.faults = fx.Faults.from_env()
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    def info(self) -> dict:
+        return {
+            "model_path": self.model_dir,
+            "model_name": self.model_name,
+            "num_layers": self.num_layers,
+            "hidden_size": self.model.config.hidden_size,
+            "capture_points": self.capture_points,
+            "chunked_prefill_size": self.chunk,
+            "engine": "harvest-reference",
+        }
+
+    def server_info(self) -> dict:
+        return {**self.info(), "busy_seconds": self.busy_seconds, "prefill_tokens": self.prefill_tokens,
+                "requests": self.requests, "threads": torch.get_num_threads()}
+
+    def _forward(self, req: _Request, n: int) -> torch.Tensor:
+        from transformers.cache_utils import DynamicCache
+
+        if req.cache is None:
+            req.cache = DynamicCache(config=self.model.config)
+        ids = torch.tensor([req.ids[req.done : req.done + n]], dtype=torch.long)
+        out = self.model(ids, use_cache=True, output_hidden_states=True, **{self._cache_kw: req.cache})
+        req.last_logits = out.logits[0, -1]
+        return torch.stack([out.hidden_states[p][0] for p in self.capture_points], dim=1)  # [n, K, H]
+
+    @torch.inference_mode()
+    def generate(self, rids: list[str], prompts: list[list[int]]) -> list[dict]:
+        reqs = [_Request(r, p) for r, p in zip(rids, prompts)]
+        hit: dict[str, set[str]] = {}
+        if self.faults:
+            hv = [r.rid for r in reqs if r.rid.startswith(RID_PREFIX)]
+            hit = {k: set() for k in fx.DUMP_KINDS}
+            for rid in hv:  # at most one dump fault a request, so each kind shows up on its own
+                kind = next((k for k in fx.DUMP_KINDS if self.faults.take(k)), None)
+                if kind:
+                    hit[kind].add(rid)
+        with self._lock:
+            t0 = time.perf_counter()
+            while any(r.done < len(r.ids) for r in reqs):
+                budget = self.chunk or sum(len(r.ids) for r in reqs)
+                step_rids, prefix, lens, ids, hs = [], [], [], [], []
+                for r in reqs:
+                    left = len(r.ids) - r.done
+                    if left == 0 or budget == 0:
+                        continue
+                    n = min(left, budget)
+                    budget -= n
+                    step_rids.append(r.rid)
+                    prefix.append(r.done)
+                    lens.append(n)
+                    ids.append(torch.tensor(r.ids[r.done : r.done + n]))
+                    hs.append(self._forward(r, n))
+                    r.done += n
+                chunks = cut_batch(step_rids, prefix, lens, torch.cat(ids), torch.cat(hs))
+                self.writer.submit(self._inject(chunks, hit) if hit else chunks)
+            self.busy_seconds += time.perf_counter() - t0
+            self.prefill_tokens += sum(len(r.ids) for r in reqs)
+            self.requests += len(reqs)
+        out = []
+        for r in reqs:
+            tok = int(torch.argmax(r.last_logits))
+            text = self.tokenizer.decode([tok]) if self.tokenizer is not None else ""
+            out.append(
+                {
+                    "text": text,
+                    "output_ids": [tok],
+                    "meta_info": {
+                        "id": r.rid,
+                        "prompt_tokens": len(r.ids),
+                        "completion_tokens": 1,
+                        "cached_tokens": len(r.ids) // 2 if r.rid in hit.get(fx.CACHED, ()) else 0,
+                        "finish_reason": {"type": "length", "length": 1},
+                    },
+                }
+            )
+        return out
+
+    def _inject(self, chunks: list[Chunk], hit: dict[str, set[str]]) -> list[Chunk]:
+        """Test-only faults (engines/faults.py) applied to the chunks about to be written."""
+        out = []
+        for c in chunks:
+            if c.rid in hit[fx.DROP_CHUNK] and c.start == 0:
+                continue
+            if c.rid in hit[fx.BAD_IDS]:
+                ids = c.input_ids.clone()
+                ids[0] = (ids[0] + 1) % self.vocab_size
+                c = replace(c, input_ids=ids)
+            if c.rid in hit[fx.NAN]:
+                hs = c.hidden_states.clone()
+                hs[0, 0, 0] = float("nan")
+                c = replace(c, hidden_states=hs)
+            out.append(c)
+        return out
+
+    def parse(self, body: object) -> tuple[list[str], list[list[int]], bool]:
+        """Validate a /generate body; returns (rids, prompts, batched)."""
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
+        ids = body.get("input_ids")
+        if ids is None:
+            raise BadRequest("this engine takes token ids: 'input_ids' is required ('text' is not supported)")
+        batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batched else [ids]
+        for i, p in enumerate(prompts):
+            if not isinstance(p, list) or not p or not all(isinstance(t, int) for t in p):
+                raise BadRequest(f"input_ids[{i}] must be a non-empty list of integers")
+            bad = [t for t in p if t < 0 or t >= self.vocab_size]
+            if bad:
+                raise BadRequest(f"input_ids[{i}] holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        rid = body.get("rid")
+        if rid is None:
+            rids = [f"req-{os.urandom(8).hex()}" for _ in prompts]
+        else:
+            rids = rid if isinstance(rid, list) else [rid]
+        if len(rids) != len(prompts) or not all(isinstance(r, str) for r in rids):
+            raise BadRequest(f"'rid' must be one string per prompt ({len(prompts)} prompts)")
+        sp = body.get("sampling_params") or {}
+        if not isinstance(sp, dict) or int(sp.get("max_new_tokens", 1)) > 1:
+            raise BadRequest("this engine generates at most 1 new token (sampling_params.max_new_tokens <= 1)")
+        return rids, prompts, batched
+
+
+def _handler(engine: ReferenceEngine):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # route through logging, quietly
+            log.debug("%s " + fmt, self.address_string(), *args)
+
+        def _send(self, status: int, obj: object) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            try:
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):  # the client timed out and left; its dumps stay for the janitor
+                log.info("client %s went away before the response", self.address_string())
+
+        def do_GET(self):
+            if self.path in ("/health", "/health_generate"):
+                self._send(200, {"status": "ok"})
+            elif self.path in ("/get_model_info", "/model_info"):
+                self._send(200, engine.info())
+            elif self.path == "/get_server_info":
+                self._send(200, engine.server_info())
+            else:
+                self._send(404, {"error": {"message": f"no route {self.path}"}})
+
+        def do_POST(self):
+            if self.path != "/generate":
+                self._send(404, {"error": {"message": f"no route {self.path}"}})
+                return
+            try:
+                length = int(self.headers.get("Content-Length", "0"))
+                body = json.loads(self.rfile.read(length) or b"null")
+                rids, prompts, batched = engine.parse(body)
+            except (BadRequest, ValueError) as e:
+                self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": str(e)}})
+                return
+            if engine.faults.take(fx.HTTP500):
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": "injected fault: http500"}})
+                return
+            if engine.faults.take(fx.HANG):
+                time.sleep(engine.faults.hang_s)
+            try:
+                out = engine.generate(rids, prompts)
+            except Exception as e:  # an engine fault is the server's, not the client's
+                log.exception("generate failed")
+                self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": f"{type(e).__name__}: {e}"}})
+                return
+            self._send(200, out if batched else out[0])
+
+    return Handler
+
+
+def serve(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 30000) -> ThreadingHTTPServer:
+    """Start serving in the calling thread's process; returns the server (call serve_forever)."""
+    server = ThreadingHTTPServer((host, port), _handler(engine))
+    server.daemon_threads = True
+    return server

@@ -1,0 +1,3 @@
+from harvest.cli import main
+
+main()

@@ -1,0 +1,223 @@
+"""`harvest run`: the whole pipeline on one machine, as separate processes.
+
+Part of the composition root (with the CLI): it starts a private Redis unless given one,
+the reference engine (a vLLM CPU server from its venv when the run's engine is `vllm`)
+unless given an engine URL, N workers and a collector as child processes of the `harvest`
+CLI, produces the dataset in-process, and waits until every sample of the run is done or failed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import redis
+from tqdm import tqdm
+
+from harvest.cli.redisproc import RedisServer, free_port
+from harvest.config import RunConfig
+from harvest.node.dumpdir import default_dump_dir
+from harvest.state.ledger import Ledger
+from harvest.state.runstore import publish_run
+
+
+@dataclass
+class RunSummary:
+    run: str
+    out: str
+    enqueued: int
+    skipped: int
+    bad_rows: int
+    done: int
+    failed: int
+    tokens: int
+    bytes: int
+    seconds: float
+    failure_reasons: dict[str, int] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"run {self.run} -> {self.out}",
+            f"  samples: {self.done} done, {self.failed} failed ({self.enqueued} enqueued now, {self.skipped} already known)",
+            f"  bad rows: {self.bad_rows}",
+            f"  tokens: {self.tokens}, bytes: {self.bytes}, seconds: {self.seconds:.1f}",
+        ]
+        for reason, n in sorted(self.failure_reasons.items(), key=lambda kv: -kv[1]):
+            out.append(f"  failed because {reason}: {n}")
+        return out
+
+
+def default_work_dir(run: str) -> str:
+    base = os.environ.get("HARVEST_WORK") or os.path.join(os.path.expanduser("~"), ".cache", "harvest", "work")
+    return os.path.join(base, run)
+
+
+class _Children:
+    def __init__(self, log_dir: str) -> None:
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, args: list[str], cmd: list[str] | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
+        """`harvest <args>` as a child; or `cmd` (a whole argv, e.g. the vLLM server) with `env` added."""
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        cmd = cmd or [sys.executable, "-m", "harvest.cli", *args]
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env={**os.environ, **env} if env else None)
+        log.close()
+        self.procs[name] = p
+        return p
+
+    def check(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {p.returncode}; last lines of its log:\n{self.tail(name)}")
+
+    def tail(self, name: str, n: int = 20) -> str:
+        try:
+            with open(os.path.join(self.log_dir, f"{name}.log"), errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, names: list[str] | None = None, timeout: float = 30.0) -> None:
+        names = names or list(self.procs)
+        for n in names:
+            if self.procs[n].poll() is None:
+                self.procs[n].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for n in names:
+            p = self.procs[n]
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with status {proc.returncode} while starting")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"engine at {url} not healthy after {timeout:.0f}s")
+
+
+def _start_vllm(children: _Children, cfg: RunConfig, dumps: str) -> str:
+    """Start a vLLM CPU server from its own venv (engines/vllm_launch.py) and wait until it is healthy."""
+    from engines.vllm_launch import launch_spec, venv_python
+
+    os.makedirs(dumps, mode=0o700, exist_ok=True)
+    port = free_port()
+    env, argv = launch_spec(cfg.model, cfg.capture_points, cfg.num_layers, dump_dir=dumps, port=port,
+                            python=venv_python(), dtype="float32" if cfg.storage_dtype == "fp32" else "auto",
+                            enforce_eager=True)
+    # This checkout's connector, whichever checkout the venv was built from.
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = children.start("engine", [], cmd=argv, env=env)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url, proc, timeout=900)  # about a minute on a small CPU machine, more when it is busy
+    return url
+
+
+def run_all(
+    cfg: RunConfig,
+    dataset: str,
+    workers: int = 2,
+    redis_url: str | None = None,
+    engine_url: str | None = None,
+    work_dir: str | None = None,
+    dump_dir: str | None = None,
+    chunked_prefill_size: int = 0,
+    max_queued: int = 20000,
+    progress: bool = True,
+) -> RunSummary:
+    t0 = time.monotonic()
+    work = work_dir or default_work_dir(cfg.run)
+    os.makedirs(work, mode=0o700, exist_ok=True)
+    logs = os.path.join(work, "logs")
+    os.makedirs(logs, exist_ok=True)
+    spool = os.path.join(work, "spool")
+    dumps = dump_dir or default_dump_dir(cfg.run)
+    server = None
+    children = _Children(logs)
+    try:
+        if redis_url is None:
+            server = RedisServer(os.path.join(work, "redis")).start()
+            redis_url = server.url
+        conn = redis.Redis.from_url(redis_url)
+        cfg = publish_run(conn, cfg)
+        engine = None
+        if engine_url is None and cfg.engine == "vllm":
+            engine_url = _start_vllm(children, cfg, dumps)
+        elif engine_url is None:
+            port = free_port()
+            engine_url = f"http://127.0.0.1:{port}"
+            layers = ",".join(map(str, cfg.capture_points))
+            engine = children.start(
+                "engine",
+                ["engine", "--model", cfg.model, "--dump-dir", dumps, "--port", str(port), "--layers", layers,
+                 "--chunked-prefill-size", str(chunked_prefill_size)],
+            )
+        # Start-up is mostly imports (torch) and the engine's model load: overlap them. Workers
+        # start now and wait for the engine's /health themselves; this process imports what
+        # reconcile and the producer need meanwhile; the collector starts once reconcile has
+        # rebuilt the done-set from the index files (it must not take a committed sample for new).
+        common = ["--redis", redis_url, "--run", cfg.run]
+        for i in range(workers):
+            children.start(f"worker-{i + 1}", ["worker", *common, "--engine-url", engine_url, "--dump-dir", dumps,
+                                               "--spool-dir", spool, "--engine-wait", "300"])
+        from harvest.ops.reconcile import reconcile
+
+        reconcile(conn, cfg)
+        children.start("collector", ["collect", *common, "--spool-dir", spool, "--max-wait", "5"])
+        if engine is not None:
+            _wait_http(engine_url, engine, timeout=300)
+        from producer.producer import produce
+
+        summary = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress)
+        ledger = Ledger(conn, cfg.run)
+        bar = tqdm(total=ledger.counts()["total"], desc="extract", unit=" samples", disable=not progress)
+        while True:
+            c = ledger.counts()
+            bar.total = c["total"]
+            bar.n = c["done"] + c["failed"]
+            bar.set_postfix_str(f"queued {c['queued']} spooled {c['spooled']} failed {c['failed']}")
+            bar.refresh()
+            if c["queued"] == 0 and c["spooled"] == 0:
+                break
+            children.check()
+            time.sleep(0.1)
+        bar.close()
+        children.stop()
+        c, stats = ledger.counts(), ledger.stats()
+        reasons = Counter(f["reason"] for f in ledger.failures().values())
+        return RunSummary(
+            run=cfg.run,
+            out=cfg.out_url,
+            enqueued=summary.enqueued,
+            skipped=summary.skipped,
+            bad_rows=summary.bad,
+            done=c["done"],
+            failed=c["failed"],
+            tokens=stats.get("tokens_done", 0),
+            bytes=stats.get("bytes_done", 0),
+            seconds=time.monotonic() - t0,
+            failure_reasons=dict(reasons),
+        )
+    finally:
+        children.stop()
+        if server is not None:
+            server.stop()

@@ -1,0 +1,1 @@
+"""File formats: the bytes on disk that one process writes and another reads (dump, spool, shard, index)."""

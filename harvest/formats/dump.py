@@ -1,0 +1,139 @@
+"""The dump file: one prefill chunk of one request, from an engine to the workers.
+
+For every prefill chunk of a request whose rid starts with `hv-`, the engine writes
+`<dump_dir>/<rid>.<start>-<end>.safetensors` holding `hidden_states` `[end-start, K, H]`
+(engine dtype) and `input_ids` `[end-start]`, with the capture points and model name in
+the metadata. Engines cut their flat forward batch into chunks with `engines.batch.cut_batch`
+and write them through `engines.dump_writer.DumpWriter`, which calls `write_chunk` here; the
+vLLM client writes the same files from vLLM's. Where the files live and what else the dump
+directory holds is `harvest.node.dumpdir`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from harvest.formats.stformat import encode
+from harvest.ids import parse_rid
+from harvest.node.dumpdir import temp_chunk_path
+from harvest.node.paths import check_regular_file
+
+FORMAT = "harvest-dump-1"
+_NAME = re.compile(r"(hv-[0-9a-f]{32}-[0-9]+)\.([0-9]+)-([0-9]+)\.safetensors")
+
+
+class DumpError(ValueError):
+    """A dump file that does not follow the contract."""
+
+
+def chunk_name(rid: str, start: int, end: int) -> str:
+    parse_rid(rid)
+    return f"{rid}.{start}-{end}.safetensors"
+
+
+def parse_chunk_name(name: str) -> tuple[str, int, int] | None:
+    """(rid, start, end) of a chunk file name, or None for anything else in the directory."""
+    m = _NAME.fullmatch(name)
+    if not m:
+        return None
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+@dataclass
+class Chunk:
+    """Rows of one request in one forward: prompt positions [start, end)."""
+
+    rid: str
+    start: int
+    end: int
+    input_ids: torch.Tensor  # [end-start]
+    hidden_states: torch.Tensor  # [end-start, K, H]
+
+
+def encode_chunk(chunk: Chunk, capture_points: Sequence[int], model: str) -> bytes:
+    meta = {
+        "format": FORMAT,
+        "rid": chunk.rid,
+        "start": str(chunk.start),
+        "end": str(chunk.end),
+        "capture_points": json.dumps(list(capture_points)),
+        "model": model,
+    }
+    tensors = {
+        "hidden_states": chunk.hidden_states.detach().to("cpu").contiguous(),
+        "input_ids": chunk.input_ids.detach().to("cpu", torch.int64).contiguous(),
+    }
+    return encode(tensors, meta)
+
+
+def write_chunk(dump_dir: str, chunk: Chunk, capture_points: Sequence[int], model: str) -> str:
+    """Write one chunk file atomically (temporary dot-name, then rename), so a worker that
+    lists the directory sees either nothing or the whole file."""
+    name = chunk_name(chunk.rid, chunk.start, chunk.end)
+    path = os.path.join(dump_dir, name)
+    tmp = temp_chunk_path(dump_dir, name)
+    data = encode_chunk(chunk, capture_points, model)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a full disk must not also keep the partial file
+        raise
+    return path
+
+
+@dataclass
+class ChunkFile:
+    rid: str
+    start: int
+    end: int
+    capture_points: list[int]
+    model: str
+    input_ids: torch.Tensor
+    hidden_states: torch.Tensor
+
+
+def read_chunk(path: str) -> ChunkFile:
+    """Read and check one chunk file against its own name; any mismatch is a DumpError."""
+    parsed = parse_chunk_name(os.path.basename(path).removesuffix(".claimed"))
+    try:
+        check_regular_file(path)
+    except OSError as e:
+        raise DumpError(f"{path}: {e}") from None
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            names = set(f.keys())
+            if names != {"hidden_states", "input_ids"}:
+                raise DumpError(f"{path}: tensors {sorted(names)}, expected hidden_states and input_ids")
+            hs = f.get_tensor("hidden_states")
+            ids = f.get_tensor("input_ids")
+    except DumpError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise DumpError(f"{path}: unreadable dump file ({type(e).__name__}: {e})") from None
+    if meta.get("format") != FORMAT:
+        raise DumpError(f"{path}: format {meta.get('format')!r}, expected {FORMAT}")
+    try:
+        rid, start, end = meta["rid"], int(meta["start"]), int(meta["end"])
+        cps = [int(x) for x in json.loads(meta["capture_points"])]
+    except (KeyError, ValueError, TypeError) as e:
+        raise DumpError(f"{path}: bad metadata ({e})") from None
+    if parsed is not None and parsed != (rid, start, end):
+        raise DumpError(f"{path}: file name says {parsed}, metadata says {(rid, start, end)}")
+    n = end - start
+    if hs.ndim != 3 or hs.shape[0] != n or ids.shape != (n,):
+        raise DumpError(f"{path}: shapes hidden_states {tuple(hs.shape)} input_ids {tuple(ids.shape)} for {n} positions")
+    if hs.shape[1] != len(cps):
+        raise DumpError(f"{path}: {hs.shape[1]} capture slots for capture points {cps}")
+    return ChunkFile(rid, start, end, cps, meta.get("model", ""), ids, hs)

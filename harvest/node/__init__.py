@@ -1,0 +1,1 @@
+"""Node-local filesystem layout: private directories and the dump directory's names."""

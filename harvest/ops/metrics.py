@@ -1,0 +1,139 @@
+"""Prometheus metrics: workers record into Redis, one exporter (`harvest metrics`) serves them all.
+
+Why an exporter reading Redis rather than an endpoint per worker: workers are many, scaled with
+`docker compose --scale` (no fixed ports), short-lived and spread over nodes; scraping each
+needs service discovery and loses a worker's counts when it restarts. Everything a scrape needs
+is already in Redis (ledger counters, stats, RQ registries), and the two histograms (job
+duration, engine latency) cost each job one pipelined HINCRBY round trip into a fixed-bucket
+hash, so one scrape target gives exact fleet-wide numbers that survive restarts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections import Counter
+from collections.abc import Iterable
+
+import redis
+
+from harvest.state.keys import Keys
+
+# Upper bounds in seconds: an engine call is ~10 ms on a tiny CPU model, minutes for a long batch.
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+HISTOGRAMS = {
+    "job_seconds": "Wall time of one RQ job (engine call, claim, verify, spool).",
+    "engine_seconds": "Latency of the engine /generate call of one job.",
+}
+STATS = {
+    # stats field -> (metric name, help)
+    "samples_spooled": ("harvest_samples_spooled_total", "Samples verified and spooled by workers."),
+    "tokens_spooled": ("harvest_tokens_spooled_total", "Tokens of the samples spooled by workers."),
+    "bytes_spooled": ("harvest_spool_bytes_total", "Bytes written to node spools."),
+    "dump_bytes": ("harvest_dump_bytes_total", "Bytes of engine dump files claimed by workers."),
+    "samples_failed": ("harvest_samples_failed_total", "Samples failed by workers (each failure, including ones later requeued)."),
+    "samples_done": ("harvest_samples_done_total", "Samples committed in shards by collectors."),
+    "tokens_done": ("harvest_tokens_done_total", "Tokens committed in shards."),
+    "bytes_done": ("harvest_shard_bytes_total", "Shard bytes committed to storage."),
+    "shards": ("harvest_shards_total", "Shards committed."),
+    "job_retries": ("harvest_job_retries_total", "Jobs put back for a transient error (engine, storage)."),
+    "jobs_reaped": ("harvest_jobs_reaped_total", "Jobs taken back from dead workers by the janitor."),
+}
+
+
+def _le(v: float) -> str:
+    return "+Inf" if v == float("inf") else repr(float(v))
+
+
+def observe(conn: redis.Redis, run: str, name: str, value: float) -> None:
+    """Add one observation to the run's Redis histogram `name` (cumulative buckets are derived on read)."""
+    i = bisect.bisect_left(BUCKETS, value)
+    bound = _le(BUCKETS[i]) if i < len(BUCKETS) else "+Inf"
+    key = Keys(run).histogram(name)
+    pipe = conn.pipeline(transaction=False)
+    pipe.hincrby(key, bound, 1)
+    pipe.hincrby(key, "count", 1)
+    pipe.hincrbyfloat(key, "sum", float(value))
+    pipe.execute()
+
+
+def read_histogram(conn: redis.Redis, run: str, name: str) -> tuple[list[tuple[str, int]], float, int]:
+    """(cumulative [(le, count)] ending with +Inf, sum, count)."""
+    raw = {k.decode(): v for k, v in conn.hgetall(Keys(run).histogram(name)).items()}
+    acc, out = 0, []
+    for b in (*BUCKETS, float("inf")):
+        acc += int(raw.get(_le(b), 0))
+        out.append((_le(b), acc))
+    return out, float(raw.get("sum", 0) or 0), int(raw.get("count", 0) or 0)
+
+
+def discover_runs(conn: redis.Redis) -> list[str]:
+    return sorted(k.decode().split(":")[1] for k in conn.scan_iter(match="harvest:*:config", count=1000))
+
+
+class RedisCollector:
+    """A prometheus_client collector: each scrape reads the runs' state from Redis."""
+
+    def __init__(self, conn: redis.Redis, runs: Iterable[str] | None = None) -> None:
+        self.conn = conn
+        self.runs = list(runs) if runs else None
+
+    def describe(self):
+        return []  # unchecked collector: the label sets depend on what Redis holds
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        from harvest.state.heartbeat import read_collectors, read_workers
+        from harvest.state.jobs import run_queue
+        from harvest.state.ledger import Ledger
+
+        runs = self.runs if self.runs is not None else discover_runs(self.conn)
+        samples = GaugeMetricFamily("harvest_samples", "Samples of the run by ledger state.", labels=["run", "state"])
+        queue = GaugeMetricFamily("harvest_queue_jobs", "RQ jobs of the run by registry.", labels=["run", "registry"])
+        failed = GaugeMetricFamily("harvest_failed_samples", "Samples now failed, by reason.", labels=["run", "reason"])
+        workers = GaugeMetricFamily("harvest_workers", "Workers with a live heartbeat, by host.", labels=["run", "host", "state"])
+        spool = GaugeMetricFamily("harvest_spool_bytes", "Spool backlog by node (collector heartbeat).", labels=["run", "node"])
+        counters = {f: CounterMetricFamily(m.removesuffix("_total"), h, labels=["run"]) for f, (m, h) in STATS.items()}
+        hists = {n: HistogramMetricFamily(f"harvest_{n}", h, labels=["run"]) for n, h in HISTOGRAMS.items()}
+        for run in runs:
+            led = Ledger(self.conn, run)
+            for state, n in led.counts().items():
+                if state != "total":
+                    samples.add_metric([run, state], n)
+            q = run_queue(self.conn, run)
+            queue.add_metric([run, "queued"], q.count)
+            queue.add_metric([run, "started"], q.started_job_registry.get_job_count(cleanup=False))
+            queue.add_metric([run, "scheduled"], q.scheduled_job_registry.get_job_count(cleanup=False))
+            queue.add_metric([run, "failed"], q.failed_job_registry.get_job_count(cleanup=False))
+            for reason, n in failure_reasons(self.conn, run).items():
+                failed.add_metric([run, reason], n)
+            alive, _ = read_workers(self.conn, run)
+            for (host, state), n in Counter((w.get("host", "?"), w.get("state", "?")) for w in alive).items():
+                workers.add_metric([run, host, state], n)
+            for c in read_collectors(self.conn, run)[0]:
+                spool.add_metric([run, c.get("node", "?")], int(c.get("spool_bytes", 0)))
+            stats = led.stats()
+            for f, fam in counters.items():
+                fam.add_metric([run], stats.get(f, 0))
+            for n, fam in hists.items():
+                buckets, total, _ = read_histogram(self.conn, run, n)
+                fam.add_metric([run], buckets, total)
+        yield from (samples, queue, failed, workers, spool, *counters.values(), *hists.values())
+
+
+def failure_reasons(conn: redis.Redis, run: str) -> Counter:
+    """Failed samples now in the ledger, counted by reason (one HSCAN of the failure hash)."""
+    c: Counter = Counter()
+    for _, v in conn.hscan_iter(Keys(run).failed, count=1000):
+        c[json.loads(v).get("reason", "?")] += 1
+    return c
+
+
+def serve(conn: redis.Redis, port: int, addr: str = "0.0.0.0", runs: Iterable[str] | None = None):
+    """Start the HTTP exporter in a background thread; returns (server, thread)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RedisCollector(conn, runs))
+    return start_http_server(port, addr=addr, registry=registry)

@@ -1,0 +1,188 @@
+"""`harvest status`: where a run stands, computed from Redis (rendering is separate, below).
+
+Counts come from the ledger's exact per-state counters, never from scanning the state hash;
+"in flight" is the samples of the jobs live workers say they are running (heartbeats), so
+queued = ledger `q` minus in flight. Throughput is the sum of the stats added in the 10 s
+buckets of the last minute (harvest.state.ledger.rates), divided by the time those buckets cover.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+from harvest.state.heartbeat import read_collectors, read_workers
+from harvest.state.jobs import run_queue
+from harvest.state.ledger import Ledger
+
+RATE_WINDOW_S = 60
+
+
+@dataclass
+class WorkerView:
+    name: str
+    host: str
+    engine: str
+    state: str
+    job: str
+    job_samples: int
+    job_seconds: float | None
+    jobs_done: int
+    seen_seconds_ago: float
+
+
+@dataclass
+class CollectorView:
+    node: str
+    spool_files: int
+    spool_bytes: int
+    shards_committed: int
+    seen_seconds_ago: float
+
+
+@dataclass
+class Failure:
+    reason: str
+    count: int
+    example: str
+
+
+@dataclass
+class RunStatus:
+    run: str
+    at: float
+    total: int
+    queued: int  # waiting in the queue (or for a retry)
+    in_flight: int  # in jobs that live workers are running
+    spooled: int  # on a node's spool, not yet in a committed shard
+    done: int
+    failed: int
+    tokens_done: int
+    bytes_done: int
+    window_seconds: float
+    window_counts: dict[str, int]  # stats added in the window (samples_done, tokens_done, bytes_done, ...)
+    samples_per_s: float
+    tokens_per_s: float
+    mb_per_s: float
+    spooled_per_s: float
+    eta_seconds: float | None
+    jobs: dict[str, int]  # RQ: queued, started, scheduled (retry backoff), failed
+    workers: dict[str, list[WorkerView]] = field(default_factory=dict)  # by host
+    dead_workers: list[str] = field(default_factory=list)  # heartbeat gone, not yet forgotten by the janitor
+    collectors: list[CollectorView] = field(default_factory=list)
+    dead_collectors: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _f(h: dict, k: str, default: float = 0.0) -> float:
+    try:
+        return float(h.get(k) or default)
+    except ValueError:
+        return default
+
+
+def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: int = 10) -> RunStatus:
+    now = time.time() if now is None else now
+    led = Ledger(conn, run)
+    counts, stats = led.counts(), led.stats()
+    rates, window = led.rates(RATE_WINDOW_S, now)
+    alive, dead = read_workers(conn, run)
+    workers: dict[str, list[WorkerView]] = defaultdict(list)
+    in_flight = 0
+    for w in alive:
+        busy = w.get("state") == "busy"
+        n = int(_f(w, "job_samples")) if busy else 0
+        in_flight += n
+        workers[w.get("host", "?")].append(WorkerView(
+            name=w.get("name", "?"), host=w.get("host", "?"), engine=w.get("engine", "?"), state=w.get("state", "?"),
+            job=w.get("job", "") if busy else "", job_samples=n,
+            job_seconds=round(now - _f(w, "job_started"), 1) if busy and w.get("job_started") else None,
+            jobs_done=int(_f(w, "jobs_done")), seen_seconds_ago=round(now - _f(w, "seen", now), 1)))
+    in_flight = min(in_flight, counts["queued"])
+    cols, dead_cols = read_collectors(conn, run)
+    q = run_queue(conn, run)
+    samples_per_s = rates.get("samples_done", 0) / window
+    remaining = counts["queued"] + counts["spooled"]
+    reasons: Counter = Counter()
+    examples: dict[str, str] = {}
+    for sid, raw in conn.hscan_iter(led.keys.failed, count=1000):  # one pass over the failures
+        info = json.loads(raw)
+        r = info.get("reason", "?")
+        reasons[r] += 1
+        examples.setdefault(r, f"{sid.decode()}: {info.get('message', '')}")
+    return RunStatus(
+        run=run, at=now, total=counts["total"], queued=counts["queued"] - in_flight, in_flight=in_flight,
+        spooled=counts["spooled"], done=counts["done"], failed=counts["failed"],
+        tokens_done=stats.get("tokens_done", 0), bytes_done=stats.get("bytes_done", 0),
+        window_seconds=window, window_counts=rates, samples_per_s=samples_per_s,
+        tokens_per_s=rates.get("tokens_done", 0) / window, mb_per_s=rates.get("bytes_done", 0) / window / 1e6,
+        spooled_per_s=rates.get("samples_spooled", 0) / window,
+        eta_seconds=(remaining / samples_per_s if samples_per_s > 0 else None) if remaining else 0.0,
+        jobs={"queued": q.count, "started": q.started_job_registry.get_job_count(cleanup=False),
+              "scheduled": q.scheduled_job_registry.get_job_count(cleanup=False),
+              "failed": q.failed_job_registry.get_job_count(cleanup=False)},
+        workers=dict(sorted(workers.items())), dead_workers=dead,
+        collectors=[CollectorView(node=c.get("node", "?"), spool_files=int(_f(c, "spool_files")),
+                                  spool_bytes=int(_f(c, "spool_bytes")), shards_committed=int(_f(c, "shards_committed")),
+                                  seen_seconds_ago=round(now - _f(c, "seen", now), 1)) for c in cols],
+        dead_collectors=dead_cols,
+        failures=[Failure(r, n, examples.get(r, "")) for r, n in reasons.most_common(top)],
+    )
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n}"
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "unknown (nothing committed in the last minute)"
+    s = int(s)
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
+
+
+def render(st: RunStatus, width: int = 100) -> str:
+    """The human view: a few lines readable at a glance."""
+    pct = 100.0 * (st.done + st.failed) / st.total if st.total else 0.0
+    lines = [
+        f"run {st.run}   {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(st.at))}   {pct:.1f}% settled",
+        f"  samples  total {st.total}   queued {st.queued}   in flight {st.in_flight}   spooled {st.spooled}   "
+        f"done {st.done}   failed {st.failed}",
+        f"  done     {st.tokens_done} tokens, {_size(st.bytes_done)}",
+        f"  last {st.window_seconds:.0f}s  {st.samples_per_s:.2f} samples/s   {st.tokens_per_s:.0f} tokens/s   "
+        f"{st.mb_per_s:.2f} MB/s committed   ({st.spooled_per_s:.2f} samples/s spooled)",
+        f"  ETA      {_duration(st.eta_seconds)}",
+        f"  jobs     queued {st.jobs['queued']}   running {st.jobs['started']}   waiting to retry {st.jobs['scheduled']}   "
+        f"failed in RQ {st.jobs['failed']}",
+    ]
+    n_alive = sum(len(ws) for ws in st.workers.values())
+    lines.append(f"  workers  {n_alive} alive" + (f", {len(st.dead_workers)} dead (janitor will take back their jobs)"
+                                                    if st.dead_workers else ""))
+    for host, ws in st.workers.items():
+        lines.append(f"    {host}: {len(ws)} ({sum(w.state == 'busy' for w in ws)} busy)")
+        for w in ws:
+            doing = f"job {w.job} ({w.job_samples} samples, {w.job_seconds:.0f}s)" if w.state == "busy" else "idle"
+            lines.append(f"      {w.name}  {w.engine}  {doing}  [{w.jobs_done} jobs done]")
+    lines.append("  spool    " + ("   ".join(f"{c.node}: {c.spool_files} files, {_size(c.spool_bytes)}" for c in st.collectors)
+                                  or "no collector heartbeat")
+                 + (f"   (collector gone on {', '.join(st.dead_collectors)})" if st.dead_collectors else ""))
+    if st.failures:
+        lines.append("  failures (reason: count, e.g.)")
+        for f in st.failures:
+            example = f.example if len(f.example) <= width else f.example[: width - 3] + "..."
+            lines.append(f"    {f.reason}: {f.count}   e.g. {example}")
+        lines.append(f"  requeue: harvest requeue --run {st.run} --reason REASON  (or --all; --dry-run lists)")
+    return "\n".join(lines)

@@ -1,0 +1,63 @@
+"""Why a sample failed: every reason, the one exception that carries one, and recording it.
+
+A failure travels: raised in a worker (claim, verify, the engine call, the spool write), or
+found by the janitor (a job whose worker keeps dying) or a collector (a spool file that does
+not match the run) -> recorded in the ledger (state `f`, with reason and message) after the
+sample's payload row is kept -> counted by `harvest status` and the metrics -> selected by
+reason with `harvest requeue --reason`. The reason strings are part of the operator's
+interface: they are shown, filtered on and scraped, so each is named once, here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from harvest.state.ledger import Ledger
+from harvest.state.payload import Sample, encode_batch
+
+# The engine call (workers.job)
+ENGINE_UNAVAILABLE = "engine-unavailable"  # transient: unreachable, timeouts, 5xx after retries
+ENGINE_REJECTED = "engine-rejected"  # the engine refused the request (4xx), or vLLM's file was unusable
+PROMPT_LENGTH = "prompt-length"  # the engine saw another prompt length than was sent
+PREFIX_CACHED = "prefix-cached"  # part of the prompt came from the prefix cache: never computed
+JOB_TIMEOUT = "job-timeout"  # transient: RQ's time limit for the job
+WORKER_STOPPED = "worker-stopped"  # transient: a second stop signal during the job
+WORKER_ERROR = "worker-error"  # an unexpected exception in the job
+STORAGE_ERROR = "storage-error"  # transient: writing the node's spool failed
+# Claiming and verifying dumps (workers.claim)
+INCOMPLETE_DUMP = "incomplete-dump"
+BAD_CHUNKS = "bad-chunks"
+BAD_DUMP = "bad-dump"
+CAPTURE_MISMATCH = "capture-mismatch"
+TOKEN_MISMATCH = "token-mismatch"
+NONFINITE = "nonfinite"
+# Found by operations
+WORKER_DIED = "worker-died"  # the janitor gave up on a job whose workers kept dying
+BAD_SPOOL = "bad-spool"  # a collector found a spool file that does not match the run
+
+REASONS = (ENGINE_UNAVAILABLE, ENGINE_REJECTED, PROMPT_LENGTH, PREFIX_CACHED, JOB_TIMEOUT, WORKER_STOPPED,
+           WORKER_ERROR, STORAGE_ERROR, INCOMPLETE_DUMP, BAD_CHUNKS, BAD_DUMP, CAPTURE_MISMATCH, TOKEN_MISMATCH,
+           NONFINITE, WORKER_DIED, BAD_SPOOL)
+
+
+class SampleFailure(Exception):
+    """A failure with its reason. Transient ones (another attempt, later or elsewhere, may not
+    meet them) make the job retry with its samples still queued; others fail the sample at once."""
+
+    def __init__(self, reason: str, message: str, transient: bool = False) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason, self.message, self.transient = reason, message, transient
+
+
+def payload_row(run: str, sample: Sample) -> str:
+    """The sample's payload row (the producer's encoding), kept so requeue can rebuild its job."""
+    return json.dumps(encode_batch(run, [sample])["samples"][0])
+
+
+def record_failures(ledger: Ledger, run: str, samples: Mapping[str, Sample],
+                    failures: Mapping[str, tuple[str, str]]) -> list[str]:
+    """Mark samples failed (sample id -> (reason, message)), keeping their payload rows first so
+    they can be requeued later. Returns the samples that moved to failed."""
+    ledger.keep_failed_payloads({sid: payload_row(run, samples[sid]) for sid in failures if sid in samples})
+    return ledger.mark_failed(dict(failures))

@@ -1,0 +1,55 @@
+"""The RQ job contract: the only module that builds a run's queue and enqueues harvest jobs.
+
+A harvest job is one RQ job per batch of samples: the function `JOB_FUNCTION` (named by string,
+so enqueuers never import the workers) called with one JSON payload (harvest.state.payload).
+JSON, never pickle, crosses Redis, and a worker runs no other function (workers.safejob).
+
+The producer's first enqueue, `harvest requeue` and the janitor's re-enqueues all go through
+here, so a requeued job can never carry other options than a produced one.
+"""
+
+from __future__ import annotations
+
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
+
+from harvest.state.keys import Keys
+from harvest.state.payload import Sample, encode_batch
+
+JOB_FUNCTION = "workers.job.process_batch"
+SERIALIZER = JSONSerializer
+JOB_FAILURE_TTL = 7 * 24 * 3600  # RQ's failed registry keeps a failed job this long (for requeue)
+RESULT_TTL = 0  # results are in the ledger; RQ keeps none
+
+
+def job_timeout(num_tokens: int) -> int:
+    """Generous: a job is an engine call plus file moves; RQ kills it past this."""
+    return 600 + num_tokens // 50
+
+
+def run_queue(conn: redis.Redis, run: str, job_class: type[Job] | None = None) -> Queue:
+    """The run's RQ queue. Workers pass their job class (workers.safejob); everyone else reads
+    or enqueues with RQ's own."""
+    kw = {"job_class": job_class} if job_class is not None else {}
+    return Queue(Keys(run).queue_name, connection=conn, serializer=SERIALIZER, **kw)
+
+
+def enqueue_samples(queue: Queue, run: str, samples: list[Sample], job_id: str,
+                    pipe: redis.client.Pipeline) -> None:
+    """Add one job for `samples` to `pipe` (the caller's MULTI/EXEC, with its ledger moves)."""
+    queue.enqueue_call(
+        JOB_FUNCTION,
+        args=(encode_batch(run, samples),),
+        job_id=job_id,
+        timeout=job_timeout(sum(s.num_tokens for s in samples)),
+        result_ttl=RESULT_TTL,
+        failure_ttl=JOB_FAILURE_TTL,
+        pipeline=pipe,
+    )
+
+
+def fetch_job(conn: redis.Redis, job_id: str) -> Job:
+    """A job by id (raises rq.exceptions.NoSuchJobError)."""
+    return Job.fetch(job_id, connection=conn, serializer=SERIALIZER)

@@ -1,0 +1,113 @@
+"""Every Redis key harvest uses, in one place, so the layout of a run in Redis can be read here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harvest.ids import check_id
+
+
+@dataclass(frozen=True)
+class Keys:
+    run: str
+
+    def __post_init__(self) -> None:
+        check_id(self.run, "run name")
+
+    @property
+    def prefix(self) -> str:
+        return f"harvest:{self.run}"
+
+    @property
+    def queue_name(self) -> str:
+        """The RQ queue of the run (RQ stores it under `rq:queue:<name>`)."""
+        return f"harvest:{self.run}"
+
+    @property
+    def config(self) -> str:
+        """JSON RunConfig, written once when the run starts."""
+        return f"{self.prefix}:config"
+
+    @property
+    def state(self) -> str:
+        """Hash sample_id -> one-letter state (see harvest.state.ledger)."""
+        return f"{self.prefix}:state"
+
+    @property
+    def counts(self) -> str:
+        """Hash state letter -> number of samples in that state, kept by the same script that moves states."""
+        return f"{self.prefix}:counts"
+
+    @property
+    def failed(self) -> str:
+        """Hash sample_id -> JSON {reason, message} for samples in state f."""
+        return f"{self.prefix}:failed"
+
+    @property
+    def spool_owner(self) -> str:
+        """Hash sample_id -> id of the spool dir that holds its accepted copy (state s only)."""
+        return f"{self.prefix}:spool_owner"
+
+    @property
+    def attempts(self) -> str:
+        """Hash sample_id -> attempts started, so each attempt gets a fresh rid."""
+        return f"{self.prefix}:attempts"
+
+    @property
+    def stats(self) -> str:
+        """Hash of throughput counters (tokens_done, bytes_done, shards)."""
+        return f"{self.prefix}:stats"
+
+    @property
+    def failed_payload(self) -> str:
+        """Hash sample_id -> JSON payload row {id, ids, mask} of a failed sample, so requeue can rebuild its job."""
+        return f"{self.prefix}:failed-payload"
+
+    def rate(self, bucket: int) -> str:
+        """Hash of the stats counters added during one RATE_BUCKET_S-second bucket (expires): throughput."""
+        return f"{self.prefix}:rate:{int(bucket)}"
+
+    def histogram(self, name: str) -> str:
+        """Hash bucket upper bound -> count, plus `sum` and `count`: a Prometheus histogram kept by workers."""
+        return f"{self.prefix}:hist:{check_id(name, 'histogram name')}"
+
+    @property
+    def workers(self) -> str:
+        """Set of the names of workers that announced themselves for this run (alive or not: see worker_key)."""
+        return f"{self.prefix}:workers"
+
+    @property
+    def collectors(self) -> str:
+        """Set of the node names whose collectors announced themselves for this run."""
+        return f"{self.prefix}:collectors"
+
+    def collector(self, node: str) -> str:
+        """Hash: a collector's heartbeat (spool backlog, shards committed); expires when it stops beating."""
+        return f"{self.prefix}:collector:{check_id(node, 'node name')}"
+
+    @property
+    def enqueues(self) -> str:
+        """Counter every producer transaction increments and WATCHes (producer.enqueue): two producers
+        racing on the same samples abort one another instead of enqueueing a sample twice."""
+        return f"{self.prefix}:enqueues"
+
+    @property
+    def reaped(self) -> str:
+        """Hash job_id -> times the janitor took the job back from a dead worker (bounded)."""
+        return f"{self.prefix}:reaped"
+
+    @property
+    def janitor_lock(self) -> str:
+        """Short lock so one janitor pass at a time does the run-wide work."""
+        return f"{self.prefix}:janitor-lock"
+
+    def packing(self, host: str) -> str:
+        """JSON {shard_id, sample_ids} of the shard a collector is committing; survives its crash."""
+        return f"{self.prefix}:packing:{check_id(host, 'host name')}"
+
+
+def worker_key(name: str) -> str:
+    """Hash: a worker's heartbeat (run, host, engine, current job); expires when the worker stops beating.
+    Not per run: a janitor deciding whether a `.claimed-<name>` dir in a shared dump dir is orphaned
+    must see workers of every run."""
+    return f"harvest:worker:{check_id(name, 'worker name')}"

@@ -1,0 +1,169 @@
+"""The per-sample ledger in Redis: a fast cache of what storage says is done.
+
+States are one letter: `q` queued (a job holds it), `s` spooled (hidden states on a node's
+spool, not yet in a committed shard), `d` done (in a committed shard), `f` failed (with a
+reason). Every move goes through one Lua script that checks the allowed source states and
+keeps the per-state counters exact, so status and completion checks never scan the hash.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping
+
+import redis
+
+from harvest.state.keys import Keys
+
+QUEUED, SPOOLED, DONE, FAILED = "q", "s", "d", "f"
+ABSENT = "_"
+STATE_NAMES = {QUEUED: "queued", SPOOLED: "spooled", DONE: "done", FAILED: "failed"}
+RATE_BUCKET_S = 10  # throughput buckets: small enough for a one-minute rate, few enough keys
+RATE_TTL_S = 300
+
+# KEYS: state, counts, failed, spool_owner. ARGV: to, allowed-from letters, n, id_1..id_n, info_1..info_n
+# (info: the failure JSON when moving to f, the spool id when moving to s)
+_TRANSITION = """
+local to, allowed, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local changed = {}
+for i = 1, n do
+  local id = ARGV[3 + i]
+  local info = ARGV[3 + n + i]
+  local cur = redis.call('HGET', KEYS[1], id)
+  local c = cur or '_'
+  if string.find(allowed, c, 1, true) and c ~= to then
+    redis.call('HSET', KEYS[1], id, to)
+    if cur then redis.call('HINCRBY', KEYS[2], cur, -1) end
+    redis.call('HINCRBY', KEYS[2], to, 1)
+    if to == 'f' then
+      redis.call('HSET', KEYS[3], id, info)
+    elseif c == 'f' then
+      redis.call('HDEL', KEYS[3], id)
+    end
+    if to == 's' then
+      redis.call('HSET', KEYS[4], id, info)
+    elseif c == 's' then
+      redis.call('HDEL', KEYS[4], id)
+    end
+    changed[#changed + 1] = id
+  end
+end
+return changed
+"""
+
+
+class Ledger:
+    def __init__(self, conn: redis.Redis, run: str) -> None:
+        self.conn = conn
+        self.keys = Keys(run)
+        self._script = conn.register_script(_TRANSITION)
+
+    def _move(self, ids: list[str], to: str, allowed: str, infos: list[str] | None = None, pipe=None) -> list[str]:
+        if not ids:
+            return []
+        infos = infos or [""] * len(ids)
+        args = [to, allowed, len(ids), *ids, *infos]
+        keys = [self.keys.state, self.keys.counts, self.keys.failed, self.keys.spool_owner]
+        res = self._script(keys=keys, args=args, client=pipe if pipe is not None else self.conn)
+        if pipe is not None:
+            return []
+        return [r.decode() if isinstance(r, bytes) else r for r in res]
+
+    def states(self, ids: list[str]) -> list[str | None]:
+        if not ids:
+            return []
+        vals = self.conn.hmget(self.keys.state, ids)
+        return [v.decode() if v is not None else None for v in vals]
+
+    def add_queued(self, ids: list[str], pipe=None) -> list[str]:
+        """New samples only: an id with any state is left as it is (idempotent enqueue)."""
+        return self._move(ids, QUEUED, ABSENT, pipe=pipe)
+
+    def requeue(self, ids: list[str], pipe=None) -> list[str]:
+        return self._move(ids, QUEUED, FAILED, pipe=pipe)
+
+    def mark_spooled(self, ids: list[str], owner: str = "") -> list[str]:
+        """q -> s, recording which spool dir (harvest.formats.spool.spool_identity) holds the copy.
+        Only the first worker to spool a sample becomes its owner, and only the owner's
+        collector packs it: if a worker died after writing its spool file but before this
+        call, the retried job may spool the sample on another node, and two collectors must
+        not both commit it."""
+        return self._move(ids, SPOOLED, QUEUED, [owner] * len(ids))
+
+    def spool_owners(self, ids: list[str]) -> list[str | None]:
+        if not ids:
+            return []
+        return [v.decode() if v is not None else None for v in self.conn.hmget(self.keys.spool_owner, ids)]
+
+    def mark_failed(self, failures: Mapping[str, tuple[str, str]]) -> list[str]:
+        ids = list(failures)
+        infos = [json.dumps({"reason": r, "message": m}) for r, m in failures.values()]
+        return self._move(ids, FAILED, QUEUED + SPOOLED, infos)
+
+    def mark_done(self, ids: list[str], pipe=None) -> list[str]:
+        """Only the collector (after its index file is written) and reconcile call this.
+        Samples that changed state are counted in the `samples_done` stat (throughput)."""
+        changed = self._move(ids, DONE, ABSENT + QUEUED + SPOOLED + FAILED, pipe=pipe)
+        if changed:
+            self.add_stats(samples_done=len(changed))
+        return changed
+
+    def counts(self) -> dict[str, int]:
+        raw = self.conn.hgetall(self.keys.counts)
+        c = {name: 0 for name in STATE_NAMES.values()}
+        for k, v in raw.items():
+            name = STATE_NAMES.get(k.decode())
+            if name:
+                c[name] = int(v)
+        c["total"] = sum(c[n] for n in STATE_NAMES.values())
+        return c
+
+    def failures(self) -> dict[str, dict]:
+        return {k.decode(): json.loads(v) for k, v in self.conn.hgetall(self.keys.failed).items()}
+
+    def next_attempts(self, ids: Iterable[str]) -> list[int]:
+        pipe = self.conn.pipeline(transaction=False)
+        for i in ids:
+            pipe.hincrby(self.keys.attempts, i, 1)
+        return [int(x) for x in pipe.execute()]
+
+    def add_stats(self, **incr: int) -> None:
+        """Add to the run's totals and to the current RATE_BUCKET_S bucket (throughput over the last minute)."""
+        bucket = self.keys.rate(int(time.time()) // RATE_BUCKET_S)
+        pipe = self.conn.pipeline(transaction=False)
+        for k, v in incr.items():
+            pipe.hincrby(self.keys.stats, k, int(v))
+            pipe.hincrby(bucket, k, int(v))
+        pipe.expire(bucket, RATE_TTL_S)
+        pipe.execute()
+
+    def rates(self, window_s: int = 60, now: float | None = None) -> tuple[dict[str, int], float]:
+        """Sums of the stats added in the buckets overlapping the last `window_s` seconds, and the
+        seconds those buckets cover up to now (so sums / seconds is a rate that counts every event once)."""
+        now = time.time() if now is None else now
+        cur = int(now) // RATE_BUCKET_S
+        n = max(1, window_s // RATE_BUCKET_S)
+        first = cur - n + 1
+        pipe = self.conn.pipeline(transaction=False)
+        for b in range(first, cur + 1):
+            pipe.hgetall(self.keys.rate(b))
+        sums: dict[str, int] = {}
+        for h in pipe.execute():
+            for k, v in h.items():
+                sums[k.decode()] = sums.get(k.decode(), 0) + int(v)
+        return sums, now - first * RATE_BUCKET_S
+
+    def keep_failed_payloads(self, rows: Mapping[str, str]) -> None:
+        """Keep the payload rows (JSON) of samples about to be marked failed, so `harvest requeue` can
+        enqueue them again without the dataset. Written before the state moves to `f`."""
+        if rows:
+            self.conn.hset(self.keys.failed_payload, mapping=dict(rows))
+
+    def failed_payloads(self, ids: list[str]) -> list[str | None]:
+        if not ids:
+            return []
+        return [v.decode() if v is not None else None for v in self.conn.hmget(self.keys.failed_payload, ids)]
+
+    def stats(self) -> dict[str, int]:
+        return {k.decode(): int(v) for k, v in self.conn.hgetall(self.keys.stats).items()}
