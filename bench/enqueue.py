@@ -105,7 +105,12 @@ def _redis_cpu(conn: redis.Redis) -> float:
 
 def redis_bytes(conn: redis.Redis, run: str) -> int:
     total = 0
-    for pattern in (f"harvest:{run}:*", "rq:job:*", f"rq:queue:harvest:{run}"):
+    from rq.job import Job
+
+    from harvest.state.jobs import run_queue
+    from harvest.state.keys import Keys
+
+    for pattern in (f"{Keys(run).prefix}:*", f"{Job.redis_job_namespace_prefix}*", run_queue(conn, run).key):
         for key in conn.scan_iter(match=pattern, count=1000):
             total += conn.memory_usage(key, samples=0) or 0
     return total

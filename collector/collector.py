@@ -18,20 +18,19 @@ import glob
 import json
 import logging
 import os
-import re
-import socket
-import threading
 import time
 from collections.abc import Callable
 
 import redis
 
 from collector.faults import CrashHook
+from collector.overlap import Overlap
 from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
-from harvest.formats.shard import SHARDS, ShardPlan, index_file, plan_shard, shard_file, write_shard
+from harvest.formats.index import index_file
+from harvest.formats.shard import SHARDS, ShardPlan, plan_shard, shard_file, write_shard
 from harvest.formats.spool import SpoolEntry, SpoolError, inspect_sample, list_spooled, spool_identity, spool_path
-from harvest.ids import check_id
+from harvest.ids import check_id, node_name
 from harvest.state.failures import BAD_SPOOL
 from harvest.state.heartbeat import CollectorBeat
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
@@ -39,10 +38,6 @@ from harvest.state.runstore import run_location
 from harvest.storage import StorageError, retry
 
 log = logging.getLogger("harvest.collector")
-
-
-def node_name() -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "node"
 
 
 class Collector:
@@ -118,10 +113,10 @@ class Collector:
     def step(self, force: bool = False) -> int:
         """Commit one shard if one is due (full, or its oldest sample older than max_wait, or
         nothing left queued); returns the number of samples committed."""
-        chosen = self._choose(force)
+        chosen = self.choose(force)
         return self._commit([e.id for e in chosen], entries=chosen) if chosen else 0
 
-    def _choose(self, force: bool, busy: frozenset[str] = frozenset()) -> list[SpoolEntry]:
+    def choose(self, force: bool, busy: frozenset[str] = frozenset()) -> list[SpoolEntry]:
         """The samples of the next shard if one is due, their headers checked; `busy`: samples
         of a shard already being committed."""
         files = [f for f in list_spooled(self.spool_dir) if f[0] not in busy]
@@ -173,29 +168,29 @@ class Collector:
         if resumed_shard and not all(present):
             # Spool files are deleted only after the index was written and the ledger updated.
             if self._retry(lambda: self.out.exists(index_file(resumed_shard)), f"checking {index_file(resumed_shard)}"):
-                self._finish(sample_ids, paths)
+                self._finish_samples(sample_ids, paths)
                 return 0
             raise RuntimeError(
                 f"shard {resumed_shard} was being packed but {present.count(False)} of its spool files are gone "
                 "and it has no index file: the spool was modified outside harvest"
             )
-        plan = self._plan(entries or [self._inspect(s, p) for s, p in zip(sample_ids, paths)])
+        plan = self.plan(entries or [self._inspect(s, p) for s, p in zip(sample_ids, paths)])
         if resumed_shard and plan.shard_id != resumed_shard:
             raise RuntimeError(f"re-packed shard id {plan.shard_id} differs from the recorded {resumed_shard}")
-        self._record(plan)
+        self.record(plan)
         if not self._retry(lambda: self.out.exists(index_file(plan.shard_id)), f"checking {index_file(plan.shard_id)}"):
-            self._publish(plan, *self._pack(plan))
-        return self._done(plan)
+            self.publish(plan, *self.pack(plan))
+        return self.finish(plan)
 
-    def _plan(self, entries: list[SpoolEntry]) -> ShardPlan:
+    def plan(self, entries: list[SpoolEntry]) -> ShardPlan:
         return plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype)
 
-    def _record(self, plan: ShardPlan) -> None:
+    def record(self, plan: ShardPlan) -> None:
         """The one record per node of the shard being committed, which a restart finishes."""
         self.conn.set(self.packing_key, json.dumps({"shard_id": plan.shard_id, "sample_ids": plan.sample_ids}))
         self._crash("recorded")
 
-    def _pack(self, plan: ShardPlan) -> tuple[str, str]:
+    def pack(self, plan: ShardPlan) -> tuple[str, str]:
         """The shard's bytes into a local temp file, fsynced; returns (path, sha256)."""
         tmp = self._temp_path(plan.shard_id)
         try:
@@ -213,7 +208,7 @@ class Collector:
         self._crash("packed")
         return tmp, sha
 
-    def _publish(self, plan: ShardPlan, tmp: str, sha: str) -> None:
+    def publish(self, plan: ShardPlan, tmp: str, sha: str) -> None:
         """The packed file up whole, then the index (the commit)."""
         name = shard_file(plan.shard_id)
         try:
@@ -228,17 +223,21 @@ class Collector:
         self._retry(lambda: self.out.write_atomic(index_file(plan.shard_id), body), f"writing {self.out.path(index_file(plan.shard_id))}")
         self._crash("indexed")
 
-    def _done(self, plan: ShardPlan) -> int:
-        """After the index: ledger, spool files, record (`_finish`), then the stats."""
+    def discard(self, tmp: str) -> None:
+        """Drop a packed, unrecorded temp shard file (its samples stay spooled, to be chosen again)."""
+        _unlink(tmp)
+
+    def finish(self, plan: ShardPlan) -> int:
+        """After the index: ledger, spool files, record (`_finish_samples`), then the stats."""
         sample_ids = plan.sample_ids
-        changed = self._finish(sample_ids, [e.path for e in plan.entries])
+        changed = self._finish_samples(sample_ids, [e.path for e in plan.entries])
         self.ledger.add_stats(tokens_done=sum(e.num_tokens for e, c in zip(plan.entries, changed) if c),
                               bytes_done=plan.nbytes, shards=1)
         self.shards_committed += 1
         log.info("committed shard %s: %d samples, %d bytes", plan.shard_id, len(sample_ids), plan.nbytes)
         return len(sample_ids)
 
-    def _finish(self, sample_ids: list[str], paths: list[str]) -> list[bool]:
+    def _finish_samples(self, sample_ids: list[str], paths: list[str]) -> list[bool]:
         """After the index exists: ledger done, spool files gone, record cleared. Returns, per
         sample, whether this call moved it to done."""
         changed = set(self.ledger.mark_done(sample_ids))
@@ -263,90 +262,6 @@ class Collector:
             overlap.drain()
         while self.step(force=True):
             pass
-
-
-class Overlap:
-    """Packing the next shard while the last one uploads, with still one record per node.
-
-    Shard N is recorded, packed, and handed to a thread that uploads it, writes its index and
-    finishes it (ledger, spool files, record). Meanwhile the next due shard is packed into its
-    local temp file, unrecorded: it is recorded only once N's record is cleared, then handed
-    to the thread in turn. A kill while packing ahead leaves only that temp file (cleared on
-    restart, like any other) and its samples spooled, to be chosen again; so the commit order
-    and the restart rules of `Collector` hold unchanged.
-    """
-
-    def __init__(self, collector: Collector) -> None:
-        self.c = collector
-        self.thread: threading.Thread | None = None
-        self.uploading: ShardPlan | None = None  # the thread's shard, while there is a thread
-        self.committed = 0  # the thread's result ...
-        self.error: BaseException | None = None  # ... or what it raised
-        self.ahead: tuple[ShardPlan, str, str] | None = None  # packed, unrecorded: (plan, tmp, sha)
-
-    @property
-    def busy(self) -> bool:
-        return self.thread is not None
-
-    def wait(self, seconds: float) -> None:
-        """Idle time: spent waiting on the upload rather than asleep."""
-        if self.thread is not None:
-            self.thread.join(seconds)
-
-    def step(self) -> int:
-        """Returns the samples committed since the last call."""
-        committed = self._reap(wait=0.0)
-        if self.thread is None:
-            if self.ahead:
-                self._start_ahead()
-            elif chosen := self.c._choose(force=False):
-                plan = self.c._plan(chosen)
-                self.c._record(plan)
-                self._start(plan, *self.c._pack(plan))
-        if self.uploading is not None and self.ahead is None:
-            if chosen := self.c._choose(force=False, busy=frozenset(self.uploading.sample_ids)):
-                plan = self.c._plan(chosen)
-                self.ahead = (plan, *self.c._pack(plan))
-        return committed
-
-    def drain(self) -> None:
-        """On stop: finish the upload in flight and commit the shard packed ahead."""
-        while self.thread is not None or self.ahead is not None:
-            self._reap(wait=None)
-            if self.ahead:
-                self._start_ahead()
-
-    def _start_ahead(self) -> None:
-        plan, tmp, sha = self.ahead
-        self.ahead = None
-        self.c._record(plan)
-        self._start(plan, tmp, sha)
-
-    def _start(self, plan: ShardPlan, tmp: str, sha: str) -> None:
-        def upload() -> None:
-            try:
-                self.c._publish(plan, tmp, sha)
-                self.committed = self.c._done(plan)
-            except BaseException as e:  # raised again on the collector's own thread by _reap
-                self.error = e
-
-        self.uploading, self.committed, self.error = plan, 0, None
-        self.thread = threading.Thread(target=upload, name="harvest-upload", daemon=True)
-        self.thread.start()
-
-    def _reap(self, wait: float | None) -> int:
-        if self.thread is None:
-            return 0
-        self.thread.join(wait)
-        if self.thread.is_alive():
-            return 0
-        self.thread, self.uploading = None, None
-        if self.error is not None:
-            if self.ahead:  # the stop leaves the packed-ahead shard to the restart: drop its temp
-                _unlink(self.ahead[1])
-                self.ahead = None
-            raise self.error
-        return self.committed
 
 
 def _unlink(path: str) -> None:

@@ -18,7 +18,8 @@ import time
 
 import redis
 
-from harvest.formats.shard import INDEX, SHARDS
+from harvest.formats.index import INDEX
+from harvest.formats.shard import SHARDS
 from harvest.state.keys import Keys
 from harvest.storage import Location
 
@@ -28,7 +29,7 @@ log = logging.getLogger("harvest.collector")
 def in_progress(conn: redis.Redis, run: str) -> set[str]:
     """Shard ids recorded by any collector of the run as being committed."""
     out = set()
-    for key in conn.scan_iter(match=f"{Keys(run).prefix}:packing:*"):
+    for key in conn.scan_iter(match=Keys(run).packing_pattern):
         raw = conn.get(key)
         if raw:
             out.add(json.loads(raw)["shard_id"])

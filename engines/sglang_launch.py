@@ -1,6 +1,6 @@
 """The exact SGLang server command a run needs, so an operator never guesses a flag.
 
-The capture points come from the run (DESIGN 4.1); the flags turn off what would defeat the
+The capture points come from the run (harvest.config); the flags turn off what would defeat the
 dump plugin (prefill CUDA graphs bypass Python hooks; a prefix-cache hit skips tokens) and
 set the chunk size. Flag spellings follow the SGLang version (checked against its source by
 tests/test_sglang_contract.py).

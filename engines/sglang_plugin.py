@@ -5,14 +5,14 @@ select it with `SGLANG_PLUGINS=harvest`), or on 0.5.6-0.5.10 through `--forward-
 `forward_hook_factory`. It is inert unless `HARVEST_DUMP_DIR` is set. Configuration is by
 environment, printed by `harvest sglang-args`:
 
-- `HARVEST_DUMP_DIR`: where chunk files go (DESIGN 4.3), e.g. /dev/shm/harvest
+- `HARVEST_DUMP_DIR`: where chunk files go (harvest.node.dumpdir)
 - `HARVEST_CAPTURE`: the run's capture points as HF hidden_states indices, e.g. 2,16,29,32
 - `HARVEST_MODEL_NAME`: written into each file's metadata (optional)
 
 Index i < L is the residual stream entering decoder layer i: SGLang's inner model captures it
 when i is in `model.layers_to_capture` (what `set_eagle3_layers_to_capture(i - 1)` sets, hence
-the +1 of DESIGN 4.1). Index L is the final post-norm state, the logits processor's input.
-Per forward, the rows of every `hv-` request are cut with `harvest.formats.dump.cut_batch` (the same
+the +1 of docs/architecture.md, capture points). Index L is the final post-norm state, the logits processor's input.
+Per forward, the rows of every `hv-` request are cut with `engines.batch.cut_batch` (the same
 code the reference engine runs) and written by a bounded background `DumpWriter` on TP rank 0.
 """
 

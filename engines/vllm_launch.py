@@ -1,6 +1,6 @@
 """The exact vLLM server command a run needs, and how harvest's capture points map onto vLLM's ids.
 
-Capture points mean the same on every engine (DESIGN 4.1: indices into HF's
+Capture points mean the same on every engine (docs/architecture.md: indices into HF's
 `output_hidden_states`, L = the final state after the final norm). vLLM's
 `eagle_aux_hidden_state_layer_ids` count the same way for k < L (id k is the residual stream
 entering decoder layer k, id 0 the embeddings), but id L is the last layer's output *before*

@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 
 def eagle3_layers(num_layers: int) -> list[int]:
-    """EAGLE-3 preset `[2, L//2, L-3, L]` in HF hidden_states indices (DESIGN 4.1),
+    """EAGLE-3 preset `[2, L//2, L-3, L]` in HF hidden_states indices (docs/architecture.md, capture points),
     deduplicated and sorted so tiny models with L < 6 still get a valid list."""
     if num_layers < 1:
         raise ConfigError(f"model has {num_layers} layers; need at least 1")

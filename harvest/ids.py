@@ -28,8 +28,21 @@ def check_id(value: str, kind: str = "id") -> str:
     return value
 
 
+def safe_id(text: str, fallback: str, limit: int = 64) -> str:
+    """`text` made into an id: every character outside `[A-Za-z0-9_-]` becomes `_`, at most
+    `limit` characters; `fallback` when nothing is left."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", text)[:limit] or fallback
+
+
+def node_name() -> str:
+    """This node's name as workers' heartbeats, spools' packing records and `harvest status` show it."""
+    import socket
+
+    return safe_id(socket.gethostname(), "node")
+
+
 def sample_id(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
-    """blake2b-128 of the int32 LE token ids followed by the loss-mask bytes (DESIGN 4.2)."""
+    """blake2b-128 of the int32 LE token ids followed by the loss-mask bytes."""
     h = hashlib.blake2b(digest_size=16)
     h.update(np.ascontiguousarray(input_ids, dtype="<i4").tobytes())
     h.update(np.ascontiguousarray(loss_mask, dtype=np.uint8).tobytes())

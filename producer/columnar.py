@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from producer.sources import BadRow, Row
+from producer.rows import BadRow, Row
 
 BATCH_ROWS = 1024
 _ARROW_FILE_MAGIC = b"ARROW1"

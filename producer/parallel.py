@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 
 from harvest.state.payload import Sample
-from producer.sources import BadRow, Row
+from producer.rows import BadRow, Row
 from producer.tokenize import RowTokenizer
 
 _worker: RowTokenizer | None = None

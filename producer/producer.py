@@ -20,7 +20,8 @@ from producer.enqueue import DEFAULT_MAX_QUEUED, Enqueuer
 from producer.parallel import ProcessTokenizer
 from producer.prefetch import prefetch
 from producer.rowkinds import FieldMap
-from producer.sources import BadRow, read_dataset
+from producer.rows import BadRow
+from producer.sources import read_dataset
 from producer.tokenize import LengthPolicy, RowTokenizer
 
 log = logging.getLogger("harvest.producer")

@@ -12,29 +12,11 @@ import io
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+
+from producer.rows import BadRow, Row
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 COLUMNAR_SUFFIXES = (".parquet", ".arrow")
-
-
-@dataclass(frozen=True)
-class Row:
-    data: object  # the parsed row; anything but a dict is a bad row downstream
-    where: str  # "file:line" (JSONL) or "file:row N" (Parquet, Arrow; N counts from 0)
-
-
-@dataclass(frozen=True)
-class BadRow:
-    """A row that gives no sample. `kind` is `bad` (broken input, counted against the exit
-    status), `empty` (0 tokens) or `overlong` (over --max-len with --overlong skip)."""
-
-    where: str
-    reason: str
-    kind: str = "bad"
-
-    def __str__(self) -> str:
-        return f"{self.where}: {self.reason}"
 
 
 def _open_binary(path: str) -> io.BufferedIOBase:

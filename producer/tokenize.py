@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from harvest.state.payload import PayloadError, Sample
 from producer.rowkinds import Chat, FieldMap, Pretokenized, PromptCompletion, RowError, Text, classify
-from producer.sources import BadRow, Row
+from producer.rows import BadRow, Row
 from producer.templates import ChatRenderer, TemplateError, mask_from_spans
 
 OVERLONG_POLICIES = ("skip", "truncate")

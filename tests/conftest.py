@@ -10,6 +10,7 @@ import redis
 from harvest.cli.demo import build_tiny_model
 from harvest.cli.redisproc import RedisServer
 
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     server = RedisServer(str(tmp_path_factory.mktemp("redis"))).start()

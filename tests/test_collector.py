@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from collector.collector import Collector
-from harvest.formats.shard import INDEX, SHARDS
+from harvest.formats.index import INDEX
+from harvest.formats.shard import SHARDS
 from harvest.formats.spool import list_spooled
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger

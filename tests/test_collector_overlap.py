@@ -36,20 +36,20 @@ class Gated(Collector):
         raw = self.conn.get(self.packing_key)
         return json.loads(raw)["shard_id"] if raw else None
 
-    def _pack(self, plan):
-        out = super()._pack(plan)
+    def pack(self, plan):
+        out = super().pack(plan)
         self.events.append(("packed", plan.shard_id, self._recorded()))
         if self._recorded() not in (None, plan.shard_id):
             self.packed_ahead.set()
         return out
 
-    def _publish(self, plan, tmp, sha):
+    def publish(self, plan, tmp, sha):
         more = len(list_spooled(self.spool_dir)) > len(plan.entries)
         if more:
             assert self.packed_ahead.wait(30), "the next shard was never packed during this upload"
         self.packed_ahead.clear()
         self.events.append(("upload", plan.shard_id, self._recorded()))
-        super()._publish(plan, tmp, sha)
+        super().publish(plan, tmp, sha)
 
 
 def _trial(conn, redis_server, tmp_path, s3_bucket) -> Trial:

@@ -20,7 +20,8 @@ import torch
 
 from collector.collector import Collector
 from collector.faults import CRASH_ENV, CRASH_POINTS
-from harvest.formats.shard import INDEX, SHARDS, index_file, shard_file
+from harvest.formats.index import INDEX, index_file
+from harvest.formats.shard import SHARDS, shard_file
 from harvest.formats.spool import list_spooled
 from harvest.ids import shard_id_for
 from harvest.read.reader import RunReader

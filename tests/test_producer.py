@@ -13,7 +13,7 @@ from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from harvest.state.payload import decode_batch
 from producer.producer import produce
-from producer.sources import BadRow, Row
+from producer.rows import BadRow, Row
 from producer.tokenize import RowTokenizer
 
 

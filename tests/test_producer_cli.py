@@ -11,7 +11,7 @@ from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from harvest.state.payload import decode_batch
 from producer.rowkinds import FieldMap
-from producer.sources import Row
+from producer.rows import Row
 from producer.tokenize import LengthPolicy, RowTokenizer
 from tests.support.cli import harvest_cli
 from tests.test_templates import CHATML

@@ -5,7 +5,7 @@ import pytest
 
 from harvest.ids import sample_id
 from producer.rowkinds import FieldMap
-from producer.sources import BadRow, Row
+from producer.rows import BadRow, Row
 from producer.tokenize import LengthPolicy, RowTokenizer
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from collector.collector import Collector
-from harvest.formats.shard import INDEX, SHARDS, index_file, shard_file
+from harvest.formats.index import INDEX, index_file
+from harvest.formats.shard import SHARDS, shard_file
 from harvest.formats.spool import list_spooled
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger

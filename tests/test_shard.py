@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from harvest.formats.shard import ShardError, index_file, plan_shard, shard_file, write_shard
+from harvest.formats.index import ShardError, index_file
+from harvest.formats.shard import plan_shard, shard_file, write_shard
 from harvest.formats.spool import SpoolError, inspect_sample, spool_path
 from harvest.formats.stformat import encode
 from harvest.read.shard_reader import ShardReader

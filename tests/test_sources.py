@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from producer.sources import BadRow, Row, dataset_files, read_dataset
+from producer.rows import BadRow, Row
+from producer.sources import dataset_files, read_dataset
 
 ROWS = [{"text": "the model"}, {"input_ids": [5, 6]}, {"messages": [{"role": "user", "content": "hi"}]}]
 

@@ -9,7 +9,7 @@ whole conversation must have, and the mask every one of those tokens must carry.
 import pytest
 from transformers import AutoTokenizer
 
-from producer.sources import BadRow, Row
+from producer.rows import BadRow, Row
 from producer.templates import ChatRenderer, mask_from_spans
 from producer.tokenize import RowTokenizer
 

@@ -17,9 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 from engines.vllm_launch import launch_spec, needs_final_norm, slot_of, vllm_layer_ids
-from harvest.node.dumpdir import vllm_dir as storage_dir
 from harvest.config import RunConfig
 from harvest.formats.dump import chunk_name, read_chunk
+from harvest.node.dumpdir import vllm_dir as storage_dir
 from tests.support.cli import REPO, harvest_cli
 from workers.clients.vllm import (
     CONNECTOR_FORMAT,
@@ -240,7 +240,7 @@ def test_produce_records_the_vllm_engine_kind_for_workers(tmp_path, tiny_model, 
 
 def test_unreachable_server_is_transient(tmp_path, tiny_model):
     from harvest.cli.redisproc import free_port
-    from workers.clients.sglang import EngineUnavailable
+    from workers.clients.base import EngineUnavailable
 
     client = VllmClient(f"http://127.0.0.1:{free_port()}", _cfg(tiny_model), str(tmp_path / "dump"),
                         retries=1, backoff=0.01)

@@ -48,7 +48,7 @@ from harvest.state.heartbeat import WorkerBeat
 from harvest.state.ledger import QUEUED, Ledger
 from harvest.state.payload import Sample, decode_batch
 from workers.claim import assemble, claim
-from workers.clients.sglang import EngineClient, EngineUnavailable, Rejected
+from workers.clients.base import Engine, EngineUnavailable, Rejected
 
 log = logging.getLogger("harvest.worker")
 
@@ -64,7 +64,7 @@ def backoff_intervals(base: float, retries: int, cap: float = 300.0) -> list[int
 class WorkerContext:
     conn: redis.Redis
     cfg: RunConfig
-    engine: EngineClient
+    engine: Engine
     dump_dir: str
     spool_dir: str
     claim_dir: str

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
-import socket
 import threading
 import time
 
@@ -23,6 +21,7 @@ import redis
 import torch
 from rq import SimpleWorker
 
+from harvest.ids import node_name
 from harvest.node.dumpdir import claim_dir as claim_dir_of
 from harvest.node.paths import private_dir
 from harvest.ops.janitor import janitor_pass
@@ -30,7 +29,7 @@ from harvest.state.heartbeat import HEARTBEAT_INTERVAL_S, WorkerBeat
 from harvest.state.jobs import SERIALIZER, run_queue
 from harvest.state.runstore import load_run
 from workers.clients import make_engine
-from workers.clients.sglang import EngineClient
+from workers.clients.base import Engine
 from workers.job import DEFAULT_RETRIES, WorkerContext, backoff_intervals, install
 from workers.safejob import HarvestJob
 
@@ -38,10 +37,6 @@ log = logging.getLogger("harvest.worker")
 
 # RQ's own worker key TTL while idle; harvest's heartbeat, not this, decides liveness.
 RQ_WORKER_TTL = 60
-
-
-def host_name() -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:64] or "host"
 
 
 class _Background(threading.Thread):
@@ -63,7 +58,7 @@ class _Background(threading.Thread):
                 log.exception("heartbeat/janitor pass failed")
 
 
-def _wait_for_engine(engine: EngineClient, beat: WorkerBeat, seconds: float) -> None:
+def _wait_for_engine(engine: Engine, beat: WorkerBeat, seconds: float) -> None:
     """Take no job before the engine answers /health (an SGLang server loads for minutes): a job
     taken earlier would only spend its retry budget. After `seconds`, start anyway."""
     deadline = time.monotonic() + seconds
@@ -97,7 +92,7 @@ def run_worker(
     torch.set_num_threads(1)
     conn = redis.Redis.from_url(redis_url)
     cfg = load_run(conn, run)
-    host = host_name()
+    host = node_name()
     name = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
     beat = WorkerBeat(conn, run, name, host, engine_url)
     beat.start()  # before the claim dir exists: the janitor removes claim dirs of workers without one

@@ -30,8 +30,9 @@ def _logging(verbose: bool) -> None:
 
 
 def _default_run_name(dataset: str) -> str:
-    stem = os.path.basename(dataset.rstrip("/")).split(".")[0]
-    return re.sub(r"[^A-Za-z0-9_-]", "_", stem) or "run"
+    from harvest.ids import safe_id
+
+    return safe_id(os.path.basename(dataset.rstrip("/")).split(".")[0], "run", limit=200)
 
 
 redis_option = click.option("--redis", "redis_url", default=DEFAULT_REDIS, show_default=True, help="Redis URL (password and user go in the URL).")

@@ -1,10 +1,10 @@
-"""The shard layout in storage (DESIGN 4.5) and its streaming writer.
+"""The shard layout in storage and its streaming writer.
 
 `shards/<id>.safetensors` holds `input_ids` `[N]` int32, `loss_mask` `[N]` uint8,
 `hidden_states` `[N, K, H]` (storage dtype), `offsets` `[S+1]` int64 and, for fp8 runs,
 `hidden_scale` `[N, K]` float32; tensors lie in sorted name order and the metadata lists the
 sample ids in order. `index/<id>.json` lists the samples, their token counts and offsets, the
-shard's size and sha256; it is written only after the shard and commits it.
+shard's size and sha256 (harvest.formats.index); it is written only after the shard and commits it.
 
 A shard is up to a few GiB, so it is never built in memory: `plan_shard` reads only the spool
 files' headers and fixes the layout (and with it the header bytes), and `write_shard` copies
@@ -27,25 +27,17 @@ import torch
 
 from harvest.formats.dtypes import dtype_name
 from harvest.formats.fp8 import is_fp8
+from harvest.formats.index import FORMAT, ShardError, ShardIndex
 from harvest.formats.spool import SCALE, SpoolEntry, SpoolError
 from harvest.formats.stformat import Planned, encode_header
 from harvest.ids import check_id, shard_id_for
 
-FORMAT = "harvest-shard-1"
-SHARDS, INDEX = "shards", "index"
+SHARDS = "shards"
 COPY_BUFFER = 8 << 20
-
-
-class ShardError(ValueError):
-    """A shard or index file that does not follow the layout."""
 
 
 def shard_file(shard_id: str) -> str:
     return f"{SHARDS}/{check_id(shard_id, 'shard id')}.safetensors"
-
-
-def index_file(shard_id: str) -> str:
-    return f"{INDEX}/{check_id(shard_id, 'shard id')}.json"
 
 
 @dataclass(frozen=True)
@@ -68,20 +60,20 @@ class ShardPlan:
     def sample_ids(self) -> list[str]:
         return [e.id for e in self.entries]
 
-    def index(self, sha256: str) -> dict:
+    def index(self, sha256: str) -> ShardIndex:
         """The index document that commits this shard once its bytes (with `sha256`) are stored."""
-        return {
-            "format": FORMAT,
-            "shard_id": self.shard_id,
-            "shard": shard_file(self.shard_id),
-            "samples": self.sample_ids,
-            "tokens": [e.num_tokens for e in self.entries],
-            "offsets": list(self.offsets),
-            "bytes": self.nbytes,
-            "sha256": sha256,
-            "dtype": dtype_name(self.dtype),
-            "capture_points": list(self.capture_points),
-        }
+        return ShardIndex(
+            format=FORMAT,
+            shard_id=self.shard_id,
+            shard=shard_file(self.shard_id),
+            samples=self.sample_ids,
+            tokens=[e.num_tokens for e in self.entries],
+            offsets=list(self.offsets),
+            bytes=self.nbytes,
+            sha256=sha256,
+            dtype=dtype_name(self.dtype),
+            capture_points=list(self.capture_points),
+        )
 
 
 def plan_shard(

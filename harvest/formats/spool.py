@@ -1,4 +1,4 @@
-"""The spool: finished samples waiting on a node for the collector (DESIGN 4.4).
+"""The spool: finished samples waiting on a node for the collector.
 
 One file a sample, `<spool>/<sample_id>.safetensors`, written atomically, holding the tokens,
 the loss mask and the hidden states `[T, K, H]` already in the run's storage dtype (with their

@@ -37,7 +37,7 @@ from harvest.node.dumpdir import claim_dir_owner, is_temp
 from harvest.state.failures import WORKER_DIED, record_failures
 from harvest.state.heartbeat import HEARTBEAT_TTL_S, worker_alive
 from harvest.state.jobs import fetch_job, run_queue
-from harvest.state.keys import Keys, worker_key
+from harvest.state.keys import Keys, rq_execution_key, rq_worker_key, worker_key
 from harvest.state.ledger import DONE, FAILED, QUEUED, Ledger
 from harvest.state.payload import PayloadError, decode_batch
 
@@ -78,7 +78,7 @@ def reap_dead_workers(conn: redis.Redis, run: str, max_reaps: int = MAX_REAPS) -
     requeued, gave_up = [], []
     for job_id, exec_id in reg.get_job_and_execution_ids(cleanup=False):
         entry = f"{job_id}:{exec_id}"
-        worker = conn.hget(f"rq:execution:{entry}", "worker_name")
+        worker = conn.hget(rq_execution_key(job_id, exec_id), "worker_name")
         if worker is None or worker_alive(conn, worker.decode()):
             continue  # alive, or an execution RQ itself will expire
         worker = worker.decode()
@@ -169,7 +169,7 @@ def forget_dead_workers(conn: redis.Redis, run: str) -> list[str]:
         name = raw.decode()
         if worker_alive(conn, name):
             continue
-        rq_key = f"rq:worker:{name}"
+        rq_key = rq_worker_key(name)
         with conn.pipeline(transaction=True) as pipe:
             pipe.srem(keys.workers, name)
             pipe.delete(rq_key)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import redis
 
 from harvest.config import RunConfig
-from harvest.formats.shard import INDEX
+from harvest.formats.index import INDEX, parse_index
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run, read_run_json, run_location
 from harvest.storage import retry
@@ -31,6 +31,7 @@ def reconcile(conn: redis.Redis, cfg: RunConfig) -> int:
     ledger = Ledger(conn, cfg.run)
     changed = 0
     for name in retry(lambda: loc.list(INDEX, ".json"), f"listing {loc.path(INDEX)}"):
-        doc = retry(lambda: loc.read_json(f"{INDEX}/{name}"), f"reading {loc.path(INDEX, name)}")
+        raw = retry(lambda: loc.read_json(f"{INDEX}/{name}"), f"reading {loc.path(INDEX, name)}")
+        doc = parse_index(raw, loc.path(INDEX, name))
         changed += len(ledger.mark_done(list(doc["samples"])))
     return changed

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from harvest.config import RunConfig
-from harvest.formats.shard import INDEX, ShardError
+from harvest.formats.index import INDEX, ShardError, ShardIndex, parse_index
 from harvest.read.shard_reader import ShardReader
 from harvest.state.runstore import read_run_json
 from harvest.storage import Location
@@ -26,10 +26,10 @@ class RunReader:
         self.dtype = dtype
         self.config: RunConfig = read_run_json(self.loc)
         self._where: dict[str, tuple[str, int]] = {}
-        self._indexes: dict[str, dict] = {}
+        self._indexes: dict[str, ShardIndex] = {}
         self._shards: dict[str, ShardReader] = {}
         for name in self.loc.list(INDEX, ".json"):
-            doc = self.loc.read_json(f"{INDEX}/{name}")
+            doc = parse_index(self.loc.read_json(f"{INDEX}/{name}"), self.loc.path(INDEX, name))
             sid = doc["shard_id"]
             self._indexes[sid] = doc
             for i, sample in enumerate(doc["samples"]):

@@ -13,7 +13,8 @@ import json
 import torch
 
 from harvest.formats.fp8 import dequantize, is_fp8
-from harvest.formats.shard import ShardError, shard_file
+from harvest.formats.index import ShardError, ShardIndex
+from harvest.formats.shard import shard_file
 from harvest.formats.spool import SCALE
 from harvest.formats.stformat import FormatError, TensorSpan, header_length, parse_header, tensor_from_bytes
 from harvest.storage import Location
@@ -22,9 +23,9 @@ _SMALL = ("input_ids", "loss_mask", "offsets")
 
 
 class ShardReader:
-    """Random access into one committed shard (`index` is its index document)."""
+    """Random access into one committed shard (`index`: its parsed index, harvest.formats.index)."""
 
-    def __init__(self, loc: Location, index: dict) -> None:
+    def __init__(self, loc: Location, index: ShardIndex) -> None:
         self.loc, self.index = loc, index
         self.name: str = shard_file(index["shard_id"])  # from the checked id, never a path read from storage
         if index.get("shard", self.name) != self.name:

@@ -1,4 +1,8 @@
-"""Every Redis key harvest uses, in one place, so the layout of a run in Redis can be read here."""
+"""Every Redis key harvest uses, in one place, so the layout of a run in Redis can be read here.
+
+Harvest's own keys start with `harvest:`; RQ's keys that harvest touches directly (the janitor's
+repairs of RQ's bookkeeping) are named at the end, through RQ's own prefixes.
+"""
 
 from __future__ import annotations
 
@@ -105,9 +109,36 @@ class Keys:
         """JSON {shard_id, sample_ids} of the shard a collector is committing; survives its crash."""
         return f"{self.prefix}:packing:{check_id(host, 'host name')}"
 
+    @property
+    def packing_pattern(self) -> str:
+        """SCAN pattern matching every collector's packing record of the run."""
+        return f"{self.prefix}:packing:*"
+
+
+# SCAN pattern of every run's config key, and the run name of a key it matched.
+RUN_CONFIG_PATTERN = "harvest:*:config"
+
+
+def run_of_config_key(key: str) -> str:
+    return key.split(":")[1]
+
 
 def worker_key(name: str) -> str:
     """Hash: a worker's heartbeat (run, host, engine, current job); expires when the worker stops beating.
     Not per run: a janitor deciding whether a `.claimed-<name>` dir in a shared dump dir is orphaned
     must see workers of every run."""
     return f"harvest:worker:{check_id(name, 'worker name')}"
+
+
+def rq_execution_key(job_id: str, execution_id: str) -> str:
+    """RQ's hash of one execution of a job (it names the worker running it)."""
+    from rq.executions import Execution
+
+    return Execution(execution_id, job_id, connection=None).key  # type: ignore[arg-type]
+
+
+def rq_worker_key(name: str) -> str:
+    """RQ's hash of a worker, as RQ's worker registry lists it."""
+    from rq.worker import Worker
+
+    return Worker.redis_worker_namespace_prefix + name

@@ -1,4 +1,4 @@
-"""The job payload: a batch of tokenized samples as JSON (DESIGN 4.2).
+"""The job payload: a batch of tokenized samples as JSON.
 
 Token ids travel as base64 of int32 LE (about 5.3 bytes a token instead of ~6-7 for a JSON
 number list) and the loss mask as base64 of its bytes. Decoding re-derives every sample id
@@ -49,7 +49,7 @@ class Sample:
 
 
 def split_jobs(samples: list[Sample], max_samples: int, max_tokens: int) -> list[list[Sample]]:
-    """Cut samples, in order, into jobs bounded by count and tokens (DESIGN 4.2); a sample
+    """Cut samples, in order, into jobs bounded by count and tokens; a sample
     longer than `max_tokens` goes alone."""
     jobs: list[list[Sample]] = []
     cur: list[Sample] = []

@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import redis
 
-from tests.support.cli import REPO
 from harvest.cli.redisproc import RedisServer
 from harvest.ids import sample_id
 from harvest.state.heartbeat import HEARTBEAT_TTL_S
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
+from tests.support.cli import REPO
 
 KINDS = ("worker", "engine", "collector", "producer", "redis")
 

@@ -14,7 +14,6 @@ from collections.abc import Callable
 import httpx
 import redis
 
-from tests.support.cli import REPO
 from harvest.cli.redisproc import free_port
 from harvest.config import RunConfig
 from harvest.ids import job_id_for
@@ -22,7 +21,7 @@ from harvest.state.jobs import enqueue_samples, run_queue
 from harvest.state.ledger import Ledger
 from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
-
+from tests.support.cli import REPO
 
 
 def wait_until(pred: Callable[[], object], timeout: float, what: str, poll: float = 0.1):

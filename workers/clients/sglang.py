@@ -10,32 +10,17 @@ bad request, and a batch that gets one is split so that only the offending sampl
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass
 
 import httpx
+
+from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, post_with_retries
 
 log = logging.getLogger("harvest.worker")
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine did not answer usefully after all retries (transient cause persisted)."""
+class SGLangClient:
+    """SGLang's native `/generate` (the reference engine serves the same subset)."""
 
-
-@dataclass
-class Generated:
-    rid: str
-    prompt_tokens: int
-    cached_tokens: int
-
-
-@dataclass
-class Rejected:
-    rid: str
-    message: str
-
-
-class EngineClient:
     def __init__(self, url: str, timeout: float = 600.0, retries: int = 4, backoff: float = 0.5) -> None:
         self.url = url.rstrip("/")
         self.retries, self.backoff = retries, backoff
@@ -68,7 +53,7 @@ class EngineClient:
                     raise EngineUnavailable(f"engine answered rid {meta.get('id')!r} in the place of {rid!r}")
                 out.append(Generated(rid, int(meta.get("prompt_tokens", -1)), int(meta.get("cached_tokens", 0) or 0)))
             return out
-        message = _error_message(body)
+        message = error_message(body)
         if len(rids) == 1:
             return [Rejected(rids[0], f"engine rejected the request (HTTP {status}): {message}")]
         log.warning("engine rejected a batch of %d (HTTP %d: %s); retrying one by one", len(rids), status, message)
@@ -85,44 +70,3 @@ class EngineClient:
             "extra_key": rids,
         }
         return post_with_retries(self.http, f"{self.url}/generate", body, self.retries, self.backoff, f"engine {self.url}")
-
-
-def post_with_retries(http: httpx.Client, url: str, body: dict, retries: int, backoff: float,
-                      what: str) -> tuple[int, object]:
-    """POST `body`; transport errors and 5xx are retried with exponential backoff, anything
-    else is returned as (status, JSON). Raises EngineUnavailable once the retries are spent."""
-    last = ""
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(backoff * 2 ** (attempt - 1))
-        try:
-            r = http.post(url, json=body)
-        except httpx.HTTPError as e:
-            last = f"{type(e).__name__}: {e}"
-            log.warning("%s unreachable (%s), attempt %d", what, last, attempt + 1)
-            continue
-        if r.status_code >= 500:
-            last = f"HTTP {r.status_code}: {_error_message(_json(r))}"
-            log.warning("%s error (%s), attempt %d", what, last, attempt + 1)
-            continue
-        return r.status_code, _json(r)
-    raise EngineUnavailable(f"{what} failed {retries + 1} times; last error: {last}")
-
-
-def _json(r: httpx.Response) -> object:
-    try:
-        return r.json()
-    except ValueError:
-        return r.text
-
-
-def _error_message(body: object) -> str:
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if "message" in body:
-            return str(body["message"])
-        if "detail" in body:
-            return str(body["detail"])
-    return str(body)[:500]

@@ -14,7 +14,7 @@ dump dir, with vLLM's token ids and the layers vLLM really captured; then it del
 files. From there the usual claim -> verify -> spool path (workers/claim.py) runs unchanged, so
 token ids, coverage and capture points are verified exactly as for SGLang.
 
-The interface is `workers.clients.sglang.EngineClient`'s (`generate(rids, prompts)`, `health`,
+The interface is `workers.clients.base.Engine`'s (`generate(rids, prompts)`, `health`,
 `close`, `url`), with its error semantics: timeouts, connection errors and 5xx are retried with
 backoff and then raise `EngineUnavailable`; a 4xx rejects that sample only.
 """
@@ -37,7 +37,7 @@ from safetensors import safe_open
 from harvest.config import RunConfig
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.node.dumpdir import vllm_dir
-from workers.clients.sglang import EngineUnavailable, Generated, Rejected, _error_message, post_with_retries
+from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, post_with_retries
 from workers.clients.vllm_norm import FinalNorm
 
 log = logging.getLogger("harvest.worker")
@@ -192,7 +192,7 @@ class VllmClient:
     def _one(self, rid: str, prompt: list[int]) -> Generated | Rejected:
         status, body = self._post(rid, prompt)
         if status >= 400:
-            return Rejected(rid, f"engine rejected the request (HTTP {status}): {_error_message(body)}")
+            return Rejected(rid, f"engine rejected the request (HTTP {status}): {error_message(body)}")
         if not isinstance(body, dict):
             raise EngineUnavailable(f"vLLM answered {str(body)[:200]!r} for {rid}")
         usage = body.get("usage") or {}

@@ -1,7 +1,7 @@
 """The model's final norm, applied outside the engine, from the checkpoint's own weights.
 
 vLLM's aux hidden-state id L is the last decoder layer's output before the final norm, while
-harvest's capture point L (DESIGN 4.1) is the state after it (the lm_head input, HF's
+harvest's capture point L (docs/architecture.md) is the state after it (the lm_head input, HF's
 `hidden_states[L]`). The worker closes that gap by applying the norm itself, computed the way
 transformers computes it (float32 statistics, cast back to the input dtype, then the weight),
 so the stored state equals an HF forward's. Only RMSNorm families are supported; anything else
