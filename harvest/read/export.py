@@ -28,8 +28,7 @@ from tqdm import tqdm
 from harvest.ids import check_id
 from harvest.read.dataset import eagle3_item, final_slot, read_dtype
 from harvest.read.reader import RunReader
-
-FORMATS = ("specforge", "speculators")
+from harvest.read.trainers import EXPORT_FORMATS
 
 
 @dataclass
@@ -89,8 +88,8 @@ def export_run(
 ) -> ExportReport:
     """Write every committed sample of the run at `run_url` into `dest` as `fmt`; files already
     there are kept. Hidden states in `dtype` (default: as stored; fp8 runs give bf16)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"export format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"export format {fmt!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     reader = RunReader(run_url)
     dtype = read_dtype(reader.config, dtype)
     if fmt == "specforge":

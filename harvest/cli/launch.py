@@ -1,0 +1,79 @@
+"""`sglang-args` and `vllm-args`: the engine command, with harvest's plugin or connector and the
+run's capture points, for an engine that an operator starts beside the workers."""
+
+from __future__ import annotations
+
+import click
+
+from harvest.cli.options import fail, launch_options
+
+
+def _capture_points(model_path: str, num_layers: int | None, run: str | None, redis_url: str,
+                    layers: str) -> tuple[int, list[int]]:
+    """(decoder layers, capture points) for an engine launch: the run's points when named."""
+    from harvest.config import model_layers, parse_layers
+
+    n = num_layers or model_layers(model_path)
+    if run:
+        import redis as redislib
+
+        from harvest.state.runstore import load_run
+
+        return n, load_run(redislib.Redis.from_url(redis_url), run).capture_points
+    return n, parse_layers(layers, n)
+
+
+def _dump_dir(dump_dir: str | None, run: str | None) -> str:
+    from harvest.node.dumpdir import default_dump_dir
+
+    return dump_dir or default_dump_dir(run)
+
+
+@click.command("sglang-args")
+@launch_options
+@click.option("--tp", "tp_size", default=1, show_default=True, type=click.IntRange(1))
+@click.option("--port", default=30000, show_default=True, type=int)
+@click.option("--chunked-prefill-size", default=8192, show_default=True, type=click.IntRange(1))
+@click.option("--sglang-version", default="0.5.23", show_default=True, help="Flag spellings differ between versions.")
+def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, tp_size, port, chunked_prefill_size,
+                    sglang_version) -> None:
+    """Print the SGLang launch command (with the plugin's environment) for a run."""
+    from engines.sglang_launch import launch_command
+    from harvest.config import ConfigError
+
+    try:
+        n, points = _capture_points(model_path, num_layers, run, redis_url, layers)
+        click.echo(launch_command(model_path, points, n, dump_dir=_dump_dir(dump_dir, run), tp_size=tp_size, port=port,
+                                  chunked_prefill_size=chunked_prefill_size, sglang_version=sglang_version))
+    except (ConfigError, ValueError) as e:
+        fail(str(e))
+
+
+@click.command("vllm-args")
+@launch_options
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--dtype", default="auto", show_default=True, help="vLLM --dtype (float32 for exact CPU comparisons).")
+@click.option("--kvcache-gib", default=1, show_default=True, type=click.IntRange(1), help="VLLM_CPU_KVCACHE_SPACE.")
+@click.option("--python", "python", default=None, help="The vLLM venv's python (default: HARVEST_VLLM_VENV's, else 'python').")
+@click.option("--enforce-eager", is_flag=True, help="Skip torch.compile (faster start; what `harvest run --engine vllm` uses).")
+def vllm_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, port, dtype, kvcache_gib, python,
+                  enforce_eager) -> None:
+    """Print the vLLM server command (connector, capture layers, environment) for a run; vLLM
+    writes its files into DUMP_DIR/.vllm."""
+    from engines.vllm_launch import launch_command, venv_python
+    from harvest.config import ConfigError
+
+    try:
+        n, points = _capture_points(model_path, num_layers, run, redis_url, layers)
+        if python is None:
+            try:
+                python = venv_python()
+            except FileNotFoundError:
+                python = "python"
+        click.echo(launch_command(model_path, points, n, dump_dir=_dump_dir(dump_dir, run), port=port, python=python,
+                                  dtype=dtype, kvcache_gib=kvcache_gib, enforce_eager=enforce_eager))
+    except (ConfigError, ValueError) as e:
+        fail(str(e))
+
+
+COMMANDS = (sglang_args_cmd, vllm_args_cmd)

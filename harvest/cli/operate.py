@@ -1,0 +1,192 @@
+"""The operator's commands over a run's Redis state and output: `status`, `requeue`, `janitor`,
+`metrics`, `reconcile`, and `export` of a finished run for a drafter trainer."""
+
+from __future__ import annotations
+
+import signal
+
+import click
+
+from harvest.cli.options import (
+    apply_s3_env,
+    fail,
+    no_progress_option,
+    read_dtype_option,
+    redis_option,
+    run_option,
+    s3_options,
+)
+from harvest.read.trainers import EXPORT_FORMATS
+
+
+@click.command("reconcile")
+@run_option
+@redis_option
+@click.option("--out", "out_url", default=None,
+              help="The run's output URL; needed when Redis lost the run (its run.json is read from there).")
+@s3_options
+def reconcile_cmd(run, redis_url, out_url, s3_endpoint, s3_region) -> None:
+    """Rebuild the Redis done-set of RUN from the index files in storage."""
+    import redis as redislib
+
+    from harvest.config import ConfigError
+    from harvest.ops.reconcile import reconcile, restore_run
+    from harvest.state.runstore import load_run
+    from harvest.storage import StorageError
+
+    apply_s3_env(s3_endpoint, s3_region)
+    conn = redislib.Redis.from_url(redis_url)
+    try:
+        cfg = restore_run(conn, run, out_url) if out_url else load_run(conn, run)
+        n = reconcile(conn, cfg)
+    except (ConfigError, StorageError) as e:
+        fail(str(e))
+    click.echo(f"marked {n} samples done from storage")
+
+
+@click.command("export")
+@click.option("--run-url", required=True, help="The run's output folder: <out>/<run> (local path or fsspec URL).")
+@click.option("--format", "fmt", required=True, type=click.Choice(list(EXPORT_FORMATS)))
+@click.argument("dest", type=click.Path())
+@read_dtype_option
+@no_progress_option
+@s3_options
+def export_cmd(run_url, fmt, dest, dtype, no_progress, s3_endpoint, s3_region) -> None:
+    """Write one file per sample of a run in the layout a drafter trainer reads (idempotent)."""
+    from harvest.config import ConfigError
+    from harvest.formats.dtypes import storage_torch_dtype
+    from harvest.read.dataset import NoFinalState
+    from harvest.read.export import export_run
+
+    apply_s3_env(s3_endpoint, s3_region)
+    try:
+        rep = export_run(run_url, fmt, dest, dtype=storage_torch_dtype(dtype) if dtype else None, progress=not no_progress)
+    except (ConfigError, NoFinalState, OSError) as e:
+        fail(str(e))
+    click.echo(f"exported {rep.written} samples to {dest} ({rep.skipped} already there)")
+
+
+@click.command("status")
+@run_option
+@redis_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (with --watch: one per line).")
+@click.option("--watch", "watch", default=None, type=click.FloatRange(0.5), is_flag=False, flag_value=2.0,
+              help="Refresh in place every N seconds (default 2) until Ctrl-C.")
+def status_cmd(run, redis_url, as_json, watch) -> None:
+    """Where RUN stands: counts, throughput, ETA, workers, spool backlog, failure reasons."""
+    import json
+    import time
+
+    import redis as redislib
+
+    from harvest.ops.status import compute_status, render
+    from harvest.state.runstore import load_run
+
+    conn = redislib.Redis.from_url(redis_url)
+    try:
+        load_run(conn, run)
+    except Exception as e:  # ConfigError, or Redis unreachable
+        fail(str(e))
+    try:
+        while True:
+            st = compute_status(conn, run)
+            if as_json:
+                click.echo(json.dumps(st.to_dict()))
+            elif watch:  # clear the screen and redraw (on a terminal; piped output gets one frame after another)
+                click.echo("\x1b[H\x1b[2J" + render(st))
+            else:
+                click.echo(render(st))
+            if not watch:
+                return
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        pass
+
+
+@click.command("requeue")
+@run_option
+@redis_option
+@click.option("--reason", "reasons", multiple=True, help="Requeue the failed samples with this reason (repeatable).")
+@click.option("--sample", "samples", multiple=True, help="Requeue this failed sample id (repeatable).")
+@click.option("--all", "all_", is_flag=True, help="Every failed sample, and RQ's failed jobs of the run.")
+@click.option("--dry-run", is_flag=True, help="List what would be requeued; change nothing.")
+def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run) -> None:
+    """Put failed samples of RUN back on the queue, exactly once."""
+    import redis as redislib
+
+    from harvest.config import ConfigError
+    from harvest.ids import InvalidId
+    from harvest.ops.requeue import requeue
+    from harvest.state.runstore import load_run
+
+    if not (reasons or samples or all_):
+        fail("say what to requeue: --reason REASON, --sample ID or --all (see `harvest status` for the reasons)")
+    conn = redislib.Redis.from_url(redis_url)
+    try:
+        res = requeue(conn, load_run(conn, run), reasons=reasons, sample_ids=samples, all_=all_, dry_run=dry_run)
+    except (ConfigError, InvalidId) as e:
+        fail(str(e))
+    verb = "would requeue" if dry_run else "requeued"
+    click.echo(f"{verb} {len(res.samples)} failed samples" + (f" in {len(res.jobs)} jobs" if res.jobs else "")
+               + "".join(f", {n} {r}" for r, n in sorted(res.reasons.items())))
+    if dry_run:
+        for sid in res.samples:
+            click.echo(f"  {sid}")
+    if res.rq_jobs_requeued or res.rq_jobs_dropped:
+        click.echo(f"RQ failed jobs: {verb} {len(res.rq_jobs_requeued)}, "
+                   f"{'would drop' if dry_run else 'dropped'} {len(res.rq_jobs_dropped)} whose samples the ledger holds")
+    if res.no_payload:
+        click.echo(f"{len(res.no_payload)} failed samples have no kept tokens and stay failed; "
+                   "requeue them from the dataset with `harvest produce` after `harvest reconcile`", err=True)
+
+
+@click.command("janitor")
+@run_option
+@redis_option
+@click.option("--dump-dir", default=None, type=click.Path(), help="Also clean this node's dump dir.")
+@click.option("--interval", default=None, type=click.FloatRange(1), help="Repeat every N seconds (default: once).")
+def janitor_cmd(run, redis_url, dump_dir, interval) -> None:
+    """Take back dead workers' jobs, release due retries, clean dead claim dirs (workers do this too)."""
+    import time
+
+    import redis as redislib
+
+    from harvest.ops.janitor import janitor_pass
+
+    conn = redislib.Redis.from_url(redis_url)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+    while not stop["now"]:
+        rep = janitor_pass(conn, run, dump_dir)
+        click.echo(f"reaped {len(rep.reaped)} jobs, gave up {len(rep.gave_up)}, released {len(rep.promoted)} retries, "
+                   f"forgot {len(rep.forgotten_workers)} dead workers, removed {len(rep.claim_dirs_removed)} claim dirs "
+                   f"and {rep.stale_dumps_removed} stale dump files")
+        if interval is None:
+            return
+        time.sleep(interval)
+
+
+@click.command("metrics")
+@redis_option
+@click.option("--port", default=9108, show_default=True, type=int)
+@click.option("--addr", default="0.0.0.0", show_default=True)
+@click.option("--run", "runs", multiple=True, help="Export these runs (default: every run in Redis).")
+def metrics_cmd(redis_url, port, addr, runs) -> None:
+    """Serve Prometheus metrics for the runs in Redis at http://ADDR:PORT/metrics."""
+    import threading
+
+    import redis as redislib
+
+    from harvest.ops.metrics import serve
+
+    serve(redislib.Redis.from_url(redis_url), port, addr, runs or None)
+    click.echo(f"serving metrics on http://{addr}:{port}/metrics", err=True)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    try:
+        done.wait()
+    except KeyboardInterrupt:
+        pass
+
+
+COMMANDS = (status_cmd, requeue_cmd, janitor_cmd, metrics_cmd, reconcile_cmd, export_cmd)

@@ -1,0 +1,94 @@
+"""The CLI's shared options, each declared once, with choices drawn from the core's vocabulary;
+and the one way a command fails (a message naming the fix, exit status 2)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+
+from harvest.config import ENGINE_KINDS
+from harvest.formats.dtypes import READ_DTYPES, STORAGE_DTYPES
+from harvest.node.dumpdir import default_dump_dir
+
+DEFAULT_REDIS = os.environ.get("HARVEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+# The engines `harvest run` can start itself when no --engine-url is given.
+LAUNCHABLE_ENGINES = ("reference", "vllm")
+
+
+def fail(msg: str) -> None:
+    click.echo(f"harvest: error: {msg}", err=True)
+    sys.exit(2)
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+
+def apply_s3_env(endpoint: str | None, region: str | None) -> None:
+    """S3 flags override the environment for this process and the ones it starts."""
+    if endpoint:
+        os.environ["HARVEST_S3_ENDPOINT"] = endpoint
+    if region:
+        os.environ["HARVEST_S3_REGION"] = region
+
+
+redis_option = click.option("--redis", "redis_url", default=DEFAULT_REDIS, show_default=True,
+                            help="Redis URL (password and user go in the URL).")
+run_option = click.option("--run", "run", required=True, help="Run name ([A-Za-z0-9_-]+).")
+layers_option = click.option("--layers", default="eagle3", show_default=True,
+                             help="'eagle3' or HF hidden_states indices, e.g. 2,4,7.")
+dtype_option = click.option("--dtype", "storage_dtype", default="bf16", show_default=True,
+                            type=click.Choice(list(STORAGE_DTYPES)))
+read_dtype_option = click.option("--dtype", "dtype", default=None, type=click.Choice(list(READ_DTYPES)),
+                                 help="Hidden-state dtype of the files (default: the run's; fp8 runs export bf16).")
+max_queued_option = click.option("--max-queued", default=20000, show_default=True, type=click.IntRange(1),
+                                 help="Samples queued or in flight at most; the producer waits while the queue is full.")
+chunked_prefill_option = click.option("--chunked-prefill-size", default=0, show_default=True, type=click.IntRange(0),
+                                      help="Reference engine chunk size (0: whole prompts).")
+s3_endpoint_option = click.option("--s3-endpoint", default=None,
+                                  help="S3-compatible endpoint URL (MinIO, Ceph...); else HARVEST_S3_ENDPOINT / "
+                                       "AWS_ENDPOINT_URL. Credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
+s3_region_option = click.option("--s3-region", default=None, help="S3 region; else AWS_REGION / AWS_DEFAULT_REGION.")
+no_progress_option = click.option("--no-progress", is_flag=True)
+
+
+def engine_option(kinds: tuple[str, ...], help: str):
+    return click.option("--engine", "engine", default="reference", show_default=True, type=click.Choice(list(kinds)),
+                        help=help)
+
+
+run_engine_option = engine_option(
+    LAUNCHABLE_ENGINES,
+    "Engine kind; vllm starts a vLLM CPU server from HARVEST_VLLM_VENV (scripts/vllm_venv.sh) unless --engine-url.")
+produce_engine_option = engine_option(
+    ENGINE_KINDS, "Engine kind of a new run; workers pick their client by it (vllm: the vLLM client).")
+
+
+def s3_options(f):
+    return s3_endpoint_option(s3_region_option(f))
+
+
+# Engine launch commands (`sglang-args`, `vllm-args`): where the engine will see the model, and
+# which capture points it dumps.
+launch_model_option = click.option("--model", "model_path", required=True,
+                                   help="Model path as the engine server will see it.")
+num_layers_option = click.option("--num-layers", default=None, type=click.IntRange(1),
+                                 help="Decoder layers (default: read MODEL/config.json).")
+launch_run_option = click.option("--run", "run", default=None,
+                                 help="Take the capture points from this run in Redis instead of --layers.")
+launch_dump_dir_option = click.option("--dump-dir", default=None,
+                                      help=f"The workers' dump dir (default: {default_dump_dir('<run>')}, "
+                                           f"{default_dump_dir()} without --run).")
+
+
+def launch_options(f):
+    for opt in reversed((launch_model_option, layers_option, num_layers_option, launch_run_option, redis_option,
+                         launch_dump_dir_option)):
+        f = opt(f)
+    return f

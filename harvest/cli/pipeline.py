@@ -1,0 +1,260 @@
+"""The commands that move samples: `run` (everything on this machine), `demo`, and the services
+a fleet runs apart: `produce`, `worker`, `collect`, `engine` (the CPU reference engine)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import click
+
+from harvest.cli.options import (
+    apply_s3_env,
+    chunked_prefill_option,
+    dtype_option,
+    fail,
+    layers_option,
+    max_queued_option,
+    no_progress_option,
+    produce_engine_option,
+    redis_option,
+    run_engine_option,
+    run_option,
+    s3_endpoint_option,
+    s3_options,
+    s3_region_option,
+)
+
+
+def _default_run_name(dataset: str) -> str:
+    from harvest.ids import safe_id
+
+    return safe_id(os.path.basename(dataset.rstrip("/")).split(".")[0], "run", limit=200)
+
+
+@click.command("run")
+@click.argument("dataset", type=click.Path())
+@click.option("--model", required=True, type=click.Path(), help="Local HF model directory.")
+@click.option("--out", "out_url", required=True, help="Output folder or fsspec URL (file://, s3://).")
+@click.option("--run", "run", default=None, help="Run name; defaults to the dataset's file name.")
+@layers_option
+@dtype_option
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 256),
+              help="Workers for the engine: with 2, one batch is in the engine while the other worker spools.")
+@click.option("--redis", "redis_url", default=None, help="Use this Redis instead of starting a private one.")
+@click.option("--engine-url", default=None, help="Use this engine instead of starting the reference engine.")
+@run_engine_option
+@chunked_prefill_option
+@click.option("--work-dir", default=None, type=click.Path(), help="Node-local state (Redis data, spool, logs).")
+@click.option("--dump-dir", default=None, type=click.Path(), help="Engine dump directory (default under /dev/shm).")
+@max_queued_option
+@click.option("--shard-mb", default=1024, show_default=True, type=click.IntRange(1), help="Target shard size in MiB.")
+@no_progress_option
+@s3_endpoint_option
+@s3_region_option
+def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
+            work_dir, dump_dir, max_queued, shard_mb, no_progress, s3_endpoint=None, s3_region=None,
+            engine="reference") -> None:
+    """Extract hidden states for DATASET end to end on this machine."""
+    apply_s3_env(s3_endpoint, s3_region)  # before any child starts: the collector inherits it
+    from harvest.cli.redisproc import RedisNotInstalled
+    from harvest.cli.runner import run_all
+    from harvest.config import ConfigError, build_config
+
+    try:
+        cfg = build_config(run or _default_run_name(dataset), model, out_url, layers, storage_dtype, engine=engine,
+                           shard_bytes=shard_mb << 20)
+        summary = run_all(cfg, dataset, workers=workers, redis_url=redis_url, engine_url=engine_url, work_dir=work_dir,
+                          dump_dir=dump_dir, chunked_prefill_size=chunked_prefill_size, max_queued=max_queued,
+                          progress=not no_progress)
+    except (ConfigError, RedisNotInstalled, FileNotFoundError, ValueError, RuntimeError) as e:
+        fail(str(e))
+    for line in summary.lines():
+        click.echo(line)
+    sys.exit(1 if summary.failed else 0)
+
+
+@click.command("demo")
+@click.option("--out", "out_dir", default="harvest-demo", show_default=True, type=click.Path())
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 64))
+def demo_cmd(out_dir: str, workers: int) -> None:
+    """Build a tiny model offline and run the whole pipeline on a bundled dataset."""
+    from harvest.cli.demo import build_tiny_model, demo_rows, write_jsonl
+
+    click.echo("building the tiny demo model (cached after the first time)...")
+    model = build_tiny_model()
+    dataset = write_jsonl(os.path.join(out_dir, "demo.jsonl"), demo_rows())
+    ctx = click.get_current_context()
+    ctx.invoke(
+        run_cmd, dataset=dataset, model=model, out_url=os.path.join(out_dir, "output"), run="demo", layers="eagle3",
+        storage_dtype="bf16", workers=workers, redis_url=None, engine_url=None, chunked_prefill_size=64,
+        work_dir=os.path.join(out_dir, "work"), dump_dir=None, max_queued=20000, shard_mb=1024, no_progress=False,
+    )
+
+
+@click.command("produce")
+@click.argument("dataset", type=click.Path())
+@run_option
+@redis_option
+@click.option("--model", default=None, type=click.Path(), help="Model directory (needed when the run is new).")
+@click.option("--out", "out_url", default=None, help="Output URL (needed when the run is new).")
+@layers_option
+@dtype_option
+@max_queued_option
+@click.option("--batch-samples", default=None, type=click.IntRange(1),
+              help="Samples per job (default: the run's, 32).")
+@click.option("--batch-tokens", default=None, type=click.IntRange(1),
+              help="Tokens per job (default: the run's, 16384); size it to keep the engine's prefill budget full.")
+@click.option("--field", "fields", multiple=True, metavar="NAME=COLUMN",
+              help="Read a field from another column, e.g. text=content (repeatable).")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Jinja chat template file (default: the tokenizer's).")
+@click.option("--max-len", type=click.IntRange(1), default=None, help="Longest sample in tokens.")
+@click.option("--overlong", type=click.Choice(["skip", "truncate"]), default="skip", show_default=True,
+              help="What to do with samples over --max-len (skipped ones are reported).")
+@click.option("--dry-run", is_flag=True, help="Tokenize and count; enqueue nothing (with --model, no Redis needed).")
+@click.option("--strict", is_flag=True, help="Stop at the first bad row.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+@click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="Tokenizer processes; pays only with cores beyond those the tokenizer's threads fill.")
+@produce_engine_option
+def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, batch_samples, batch_tokens,
+                fields, chat_template, max_len, overlong, dry_run, strict, progress, processes,
+                engine="reference") -> None:
+    """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded).
+
+    Exit status: 0, 1 when some rows were bad (each is reported with its file and line), 2 on errors.
+    """
+    import redis as redislib
+    from tqdm import tqdm
+
+    from harvest.config import ConfigError
+    from harvest.ops.runs import open_run
+    from producer.producer import load_tokenizer, produce
+    from producer.rowkinds import FieldMap
+    from producer.templates import load_chat_template
+    from producer.tokenize import LengthPolicy
+
+    conn = None if (dry_run and model) else redislib.Redis.from_url(redis_url)
+    try:
+        kw = dict(
+            fields=FieldMap.parse(fields),
+            chat_template=load_chat_template(chat_template) if chat_template else None,
+            length=LengthPolicy(max_len, overlong),
+            dry_run=dry_run,
+            on_bad=lambda r: tqdm.write(f"{r.kind} row {r}", file=sys.stderr),  # above the progress bar
+            processes=processes,
+        )
+        progress = sys.stderr.isatty() if progress is None else progress
+        if conn is None:
+            s = produce(None, None, dataset, tokenizer=load_tokenizer(model), progress=progress, strict=strict, **kw)
+        else:
+            cfg = open_run(conn, run, model=model, out_url=out_url, layers=layers, storage_dtype=storage_dtype,
+                           engine=engine, dry_run=dry_run, batch_samples=batch_samples, batch_tokens=batch_tokens)
+            s = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress, strict=strict, **kw)
+    except (ConfigError, FileNotFoundError, ValueError, redislib.ConnectionError) as e:
+        fail(str(e))
+    click.echo(s.text())
+    sys.exit(1 if s.bad else 0)
+
+
+@click.command("worker")
+@run_option
+@redis_option
+@click.option("--engine-url", default="http://127.0.0.1:30000", show_default=True)
+@click.option("--dump-dir", required=True, type=click.Path())
+@click.option("--spool-dir", required=True, type=click.Path())
+@click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
+@click.option("--dump-timeout", default=60.0, show_default=True, help="Seconds to wait for a request's dump files.")
+@click.option("--retries", default=5, show_default=True, type=click.IntRange(1, 100),
+              help="Retries of a job that meets a transient error (engine down, 5xx, timeout, spool disk).")
+@click.option("--retry-backoff", default=10.0, show_default=True, type=click.FloatRange(1),
+              help="Seconds before the first retry; x3 each time, at most 300.")
+@click.option("--max-jobs", default=None, type=click.IntRange(1), help="Exit after this many jobs.")
+@click.option("--max-spool-mb", default=64 << 10, show_default=True, type=click.IntRange(1),
+              help="Wait (backpressure) while this node's spool holds more than this.")
+@click.option("--engine-wait", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="Take no job until the engine is healthy, up to this many seconds (SGLang loads for minutes).")
+def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_timeout, retries, retry_backoff, max_jobs,
+               max_spool_mb, engine_wait) -> None:
+    """Take jobs of RUN: engine call, claim dumps, verify, spool."""
+    from harvest.config import ConfigError
+    from workers.worker import run_worker
+
+    try:
+        run_worker(redis_url, run, engine_url, dump_dir, spool_dir, burst=burst, dump_timeout=dump_timeout,
+                   retries=retries, retry_backoff=retry_backoff, max_jobs=max_jobs, max_spool_bytes=max_spool_mb << 20,
+                   engine_wait=engine_wait)
+    except ConfigError as e:
+        fail(str(e))
+
+
+@click.command("collect")
+@run_option
+@redis_option
+@click.option("--spool-dir", required=True, type=click.Path())
+@click.option("--max-wait", default=60.0, show_default=True, help="Commit a partial shard once its oldest sample is this old (s).")
+@click.option("--shard-mb", default=None, type=click.IntRange(1), help="Target shard size in MiB (default: the run's).")
+@click.option("--part-mb", default=None, type=click.IntRange(5), help="Multipart upload part size in MiB (default: s3fs's, 50).")
+@click.option("--node", default=None, help="Node name (default: host name).")
+@click.option("--burst", is_flag=True, help="Commit what is spooled now, then exit.")
+@s3_options
+def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, node, burst, s3_endpoint, s3_region) -> None:
+    """Pack this node's spool into shards and commit them to the run's output."""
+    import redis as redislib
+
+    from collector.collector import Collector
+    from harvest.config import ConfigError
+    from harvest.state.runstore import load_run
+    from harvest.storage import StorageError
+
+    apply_s3_env(s3_endpoint, s3_region)
+    conn = redislib.Redis.from_url(redis_url)
+    try:
+        cfg = load_run(conn, run)
+    except ConfigError as e:
+        fail(str(e))
+    stop = {"now": burst}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+    os.makedirs(spool_dir, mode=0o700, exist_ok=True)
+    collector = Collector(conn, cfg, spool_dir, node=node, max_wait=max_wait,
+                          shard_bytes=shard_mb << 20 if shard_mb else None, part_bytes=part_mb << 20 if part_mb else None)
+    try:
+        collector.run(lambda: stop["now"])
+    except StorageError as e:
+        fail(f"collector stopped: {e}. The spool in {spool_dir} is intact and the shard in progress is recorded "
+             "in Redis; fix the storage and restart `harvest collect` to finish it.")
+
+
+@click.command("engine")
+@click.option("--model", required=True, type=click.Path(exists=True))
+@click.option("--dump-dir", required=True, type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=30000, show_default=True, type=int)
+@layers_option
+@chunked_prefill_option
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(0),
+              help="torch threads for the forward (0: torch's default, all cores).")
+def engine_cmd(model, dump_dir, host, port, layers, chunked_prefill_size, threads) -> None:
+    """Serve the CPU reference engine (SGLang /generate subset, harvest dump contract)."""
+    import torch
+
+    from engines.reference import ReferenceEngine, serve
+
+    if threads:
+        torch.set_num_threads(threads)
+
+    engine = ReferenceEngine(model, dump_dir, layers=layers, chunked_prefill_size=chunked_prefill_size)
+    server = serve(engine, host, port)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    click.echo(f"reference engine on http://{host}:{port} capturing {engine.capture_points}", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+COMMANDS = (run_cmd, demo_cmd, produce_cmd, worker_cmd, collect_cmd, engine_cmd)
