@@ -29,13 +29,22 @@ from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
 from harvest.formats.index import index_file
 from harvest.formats.shard import SHARDS, ShardPlan, plan_shard, shard_file, write_shard
-from harvest.formats.spool import SpoolEntry, SpoolError, inspect_sample, list_spooled, spool_identity, spool_path
+from harvest.formats.spool import (
+    SpoolEntry,
+    SpoolError,
+    inspect_sample,
+    list_spooled,
+    pack_dir,
+    set_aside_path,
+    spool_identity,
+    spool_path,
+)
 from harvest.ids import check_id, node_name
 from harvest.state.failures import BAD_SPOOL
 from harvest.state.heartbeat import CollectorBeat
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
 from harvest.state.runstore import run_location
-from harvest.storage import StorageError, retry
+from harvest.storage import TEMP_PREFIX, StorageError, retry
 
 log = logging.getLogger("harvest.collector")
 
@@ -66,7 +75,7 @@ class Collector:
         self.orphan_age = orphan_age
         self.out = run_location(cfg.out_url, cfg.run)
         # Local output: build the shard in its final folder so committing is a rename.
-        self.stage = self.out.local_staging_dir(SHARDS) or os.path.join(spool_dir, ".pack")
+        self.stage = self.out.local_staging_dir(SHARDS) or pack_dir(spool_dir)
         self.shards_committed = 0
         self._crash = CrashHook.from_env()
 
@@ -74,11 +83,11 @@ class Collector:
         return retry(fn, what, attempts=self.retries, base_delay=self.retry_delay)
 
     def _temp_path(self, shard_id: str) -> str:
-        return os.path.join(self.stage, f".tmp-{self.node}-{shard_id}.safetensors")
+        return os.path.join(self.stage, f"{TEMP_PREFIX}{self.node}-{shard_id}.safetensors")
 
     def _clear_temps(self) -> None:
         """Temporary shard files a killed incarnation of this node's collector left behind."""
-        for p in glob.glob(os.path.join(glob.escape(self.stage), f".tmp-{self.node}-*.safetensors")):
+        for p in glob.glob(os.path.join(glob.escape(self.stage), f"{TEMP_PREFIX}{self.node}-*.safetensors")):
             _unlink(p)
 
     def resume(self) -> None:
@@ -106,7 +115,7 @@ class Collector:
         log.error("%s", err)
         self.ledger.mark_failed({sid: (BAD_SPOOL, str(err))})
         try:
-            os.replace(path, os.path.join(self.spool_dir, f".bad-{os.path.basename(path)}"))
+            os.replace(path, set_aside_path(path))
         except FileNotFoundError:
             pass
 

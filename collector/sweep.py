@@ -21,7 +21,7 @@ import redis
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
 from harvest.state.keys import Keys
-from harvest.storage import Location
+from harvest.storage import TEMP_PREFIX, Location
 
 log = logging.getLogger("harvest.collector")
 
@@ -57,7 +57,7 @@ def sweep_orphans(out: Location, conn: redis.Redis, run: str, min_age: float) ->
         log.warning("removed orphan shard %s (no index file, %.0f s old)", out.path(SHARDS, name), now - mtime)
     if out.is_local and os.path.isdir(out.path(SHARDS)):
         for e in os.scandir(out.path(SHARDS)):
-            if e.name.startswith(".tmp-") and now - e.stat().st_mtime >= min_age:
+            if e.name.startswith(TEMP_PREFIX) and now - e.stat().st_mtime >= min_age:
                 os.unlink(e.path)
                 removed.append(e.name)
     return removed

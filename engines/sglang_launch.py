@@ -3,7 +3,7 @@
 The capture points come from the run (harvest.config); the flags turn off what would defeat the
 dump plugin (prefill CUDA graphs bypass Python hooks; a prefix-cache hit skips tokens) and
 set the chunk size. Flag spellings follow the SGLang version (checked against its source by
-tests/test_sglang_contract.py).
+tests/system/test_sglang_contract.py).
 """
 
 from __future__ import annotations

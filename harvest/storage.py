@@ -31,6 +31,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 log = logging.getLogger("harvest.storage")
 T = TypeVar("T")
+# The dot-name prefix of a file being written into an output folder; readers list only other names.
+TEMP_PREFIX = ".tmp-"
 
 # Environment read for s3:// URLs (flags of `harvest collect`/`run` set the HARVEST_ ones).
 S3_ENDPOINT_VARS = ("HARVEST_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -254,7 +256,7 @@ class _Progress(fsspec.callbacks.Callback):
 def _copy_local_atomic(src: str, dst: str, progress: Callable[[int], None] | None) -> None:
     folder = os.path.dirname(dst)
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
     try:
         os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
@@ -280,7 +282,7 @@ def atomic_write_local(path: str, data: bytes | memoryview | Sequence[bytes | me
     pieces written in order, so a caller need not join (copy) them first."""
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
     try:
         os.fchmod(fd, 0o644)  # readers (trainers) are often another user; mkstemp makes 0600
         with os.fdopen(fd, "wb") as f:

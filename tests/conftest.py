@@ -1,14 +1,26 @@
-"""Shared fixtures: a real redis-server on a private port and a tiny real model built offline."""
+"""Shared fixtures: a real redis-server on a private port, a tiny real model built offline, and
+a real S3 protocol server (moto's). Every test under tests/system/ is marked `slow`: those start
+processes of their own (the harvest CLI, engines, workers, collectors, S3 or Redis servers,
+docker); tests/unit/ runs in this process beside the shared Redis."""
 
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 import redis
 
 from harvest.cli.demo import build_tiny_model
 from harvest.cli.redisproc import RedisServer
+
+SYSTEM = pathlib.Path(__file__).parent / "system"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SYSTEM in item.path.parents:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

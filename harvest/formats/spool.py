@@ -101,6 +101,18 @@ def spool_path(spool_dir: str, sid: str) -> str:
     return os.path.join(spool_dir, f"{check_id(sid, 'sample id')}.safetensors")
 
 
+def pack_dir(spool_dir: str) -> str:
+    """Where a collector builds shards for an object-storage output (a local output builds them
+    in its own folder, so the commit is a rename)."""
+    return os.path.join(spool_dir, ".pack")
+
+
+def set_aside_path(path: str) -> str:
+    """Where a spool file that does not match the run is kept for a person to look at; the
+    spool's listing skips it."""
+    return os.path.join(os.path.dirname(path), f".bad-{os.path.basename(path)}")
+
+
 def _parts(s: SpooledSample, run: str) -> list[bytes | memoryview]:
     tensors = {
         "input_ids": s.input_ids.to(torch.int32).contiguous(),

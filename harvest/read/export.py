@@ -29,6 +29,7 @@ from harvest.ids import check_id
 from harvest.read.dataset import eagle3_item, final_slot, read_dtype
 from harvest.read.reader import RunReader
 from harvest.read.trainers import EXPORT_FORMATS
+from harvest.storage import TEMP_PREFIX
 
 
 @dataclass
@@ -62,7 +63,7 @@ def _speculators(sample: dict, reader: RunReader, path: str) -> None:
 
 
 def _atomic(path: str, write: Callable[[str], None]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=os.path.dirname(path))
     os.close(fd)
     try:
         write(tmp)

@@ -12,7 +12,7 @@ stops everything, runs the janitor, and accounts for every input sample:
 - exactly one failed entry with a reason;
 - no shard without an index, no spool, dump or claim files left behind.
 
-Used by tests/test_chaos.py (a few short trials) and bench/chaos.py (long soaks).
+Used by tests/system/test_chaos.py (a few short trials) and bench/chaos.py (long soaks).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from producer.rowkinds import FieldMap
 from producer.rows import Row
 from producer.tokenize import LengthPolicy, RowTokenizer
 from tests.support.cli import harvest_cli
-from tests.test_templates import CHATML
+from tests.support.templates import CHATML
 
 ROWS = [
     {"text": "the model reads"},

@@ -2,7 +2,7 @@
 
 SGLang itself needs CUDA and cannot be installed here, so its ForwardBatch and ForwardMode are
 stand-ins carrying the same fields (rids, extend_prefix_lens_cpu, extend_seq_lens_cpu,
-input_ids, forward_mode.is_extend()/is_target_verify()); tests/test_sglang_contract.py checks
+input_ids, forward_mode.is_extend()/is_target_verify()); tests/system/test_sglang_contract.py checks
 those names against the real SGLang source.
 """
 

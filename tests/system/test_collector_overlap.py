@@ -18,7 +18,7 @@ from collector.collector import Collector
 from collector.faults import CRASH_ENV
 from harvest.formats.shard import shard_file
 from harvest.formats.spool import list_spooled
-from tests.test_crash_collector import NODE, Trial
+from tests.support.crash import NODE, Trial
 
 FORK = multiprocessing.get_context("fork")
 LENGTHS = [12] * 8  # equal sizes: shards of exactly 2 samples

@@ -11,17 +11,7 @@ from harvest.config import eagle3_layers
 from harvest.ids import sample_id
 from harvest.read.reader import RunReader, hidden_at
 from tests.support.cli import harvest_cli
-
-
-def _expected(tokenizer, row):
-    if "input_ids" in row:
-        ids = row["input_ids"]
-        return ids, [1] * len(ids)
-    if "messages" in row:
-        enc = tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        return list(enc["input_ids"]), list(enc["assistant_masks"])
-    ids = tokenizer(row["text"])["input_ids"]
-    return ids, [1] * len(ids)
+from tests.support.expected import expected_tokens
 
 
 def _files(root):
@@ -41,7 +31,7 @@ def test_harvest_run_end_to_end_matches_hf_forward(tmp_path, tiny_model, tokeniz
     dataset = write_jsonl(str(tmp_path / "mixed.jsonl"), rows)
     expected = {}
     for r in rows:
-        ids, mask = _expected(tokenizer, r)
+        ids, mask = expected_tokens(tokenizer, r)
         expected[sample_id(np.array(ids), np.array(mask))] = (ids, mask)
     lengths = sorted(len(v[0]) for v in expected.values())
     assert len(expected) >= 30 and lengths[0] == 1 and lengths[-1] >= 300

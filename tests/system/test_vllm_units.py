@@ -2,7 +2,7 @@
 the lock wait, converting a connector file into a harvest dump chunk, and the launch command.
 
 Connector files here are written with the layout and metadata harvest's connector writes
-(engines/vllm_connector.py); the real server's files are exercised by tests/test_vllm.py."""
+(engines/vllm_connector.py); the real server's files are exercised by tests/system/test_vllm.py."""
 
 from __future__ import annotations
 

@@ -12,11 +12,8 @@ from transformers import AutoTokenizer
 from producer.rows import BadRow, Row
 from producer.templates import ChatRenderer, mask_from_spans
 from producer.tokenize import RowTokenizer
+from tests.support.templates import CHATML
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 LLAMA3 = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
     "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"

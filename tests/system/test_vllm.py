@@ -24,7 +24,7 @@ from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.ids import sample_id
 from harvest.read.reader import RunReader, hidden_at
 from tests.support.cli import harvest_cli
-from tests.test_run_e2e import _expected
+from tests.support.expected import expected_tokens
 
 try:
     VLLM_PYTHON = venv_python()
@@ -44,7 +44,7 @@ def test_vllm_run_matches_hf_forward(tmp_path, tiny_model, tokenizer):
     dataset = write_jsonl(str(tmp_path / "mixed.jsonl"), [*rows, too_long])
     expected = {}
     for r in rows:
-        ids, mask = _expected(tokenizer, r)
+        ids, mask = expected_tokens(tokenizer, r)
         expected[sample_id(np.array(ids), np.array(mask))] = (ids, mask)
     lengths = sorted(len(v[0]) for v in expected.values())
     assert len(expected) >= 30 and lengths[0] == 1 and lengths[-2] >= 300 and lengths[-1] == 3000
