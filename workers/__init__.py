@@ -1,1 +1,1 @@
-"""Workers: the RQ job (engine call -> claim -> verify -> spool), engine clients, the engines' dump side."""
+"""Workers: the RQ worker process (engine call -> claim -> verify -> spool) and its engine clients."""

@@ -124,8 +124,8 @@ def _start_vllm(children: _Children, cfg: RunConfig, dumps: str) -> str:
     env, argv = launch_spec(cfg.model, cfg.capture_points, cfg.num_layers, dump_dir=dumps, port=port,
                             python=venv_python(), dtype="float32" if cfg.storage_dtype == "fp32" else "auto",
                             enforce_eager=True)
-    # This checkout's connector, whichever checkout the venv was built from.
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # This checkout's connector (engines/vllm_connector.py), whichever checkout the venv was built from.
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = children.start("engine", [], cmd=argv, env=env)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url, proc, timeout=900)  # about a minute on a small CPU machine, more when it is busy

@@ -13,7 +13,7 @@ import logging
 
 import httpx
 
-from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, post_with_retries
+from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, healthy, post_with_retries
 
 log = logging.getLogger("harvest.worker")
 
@@ -30,10 +30,7 @@ class SGLangClient:
         self.http.close()
 
     def health(self) -> bool:
-        try:
-            return self.http.get(f"{self.url}/health", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return healthy(self.http, self.url)
 
     def model_info(self) -> dict:
         r = self.http.get(f"{self.url}/get_model_info", timeout=10.0)

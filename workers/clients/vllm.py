@@ -37,7 +37,7 @@ from safetensors import safe_open
 from harvest.config import RunConfig
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.node.dumpdir import vllm_dir
-from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, post_with_retries
+from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, healthy, post_with_retries
 from workers.clients.vllm_norm import FinalNorm
 
 log = logging.getLogger("harvest.worker")
@@ -140,10 +140,7 @@ class VllmClient:
         self.http.close()
 
     def health(self) -> bool:
-        try:
-            return self.http.get(f"{self.url}/health", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return healthy(self.http, self.url)
 
     @property
     def norm(self) -> FinalNorm:
