@@ -86,11 +86,13 @@ def produce(
     dry_run: bool = False,
     on_bad: Callable[[BadRow], None] | None = None,
     processes: int = 1,
+    on_wait: Callable[[int], None] | None = None,
 ) -> ProduceSummary:
     """Tokenize DATASET and enqueue its samples for the run (or only count them, with dry_run).
 
     `chat_template` is the template's text (overrides the tokenizer's). A dry run needs neither `conn`
-    nor `cfg` when `tokenizer` is given. `processes` > 1 tokenizes in that many worker processes
+    nor `cfg` when `tokenizer` is given. `on_wait(queued)` is called while the queue is full (the
+    producer is waiting on the workers). `processes` > 1 tokenizes in that many worker processes
     (see producer.parallel for when that pays); otherwise one thread tokenizes ahead of the enqueue.
     """
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer or cfg.model)
@@ -99,7 +101,12 @@ def produce(
     bar = tqdm(desc="produce", unit=" rows", disable=not progress, dynamic_ncols=True)
     enq = None
     if not dry_run:
-        enq = Enqueuer(conn, cfg, max_queued=max_queued, on_wait=lambda q: bar.set_postfix_str(f"waiting: {q} queued"))
+        def waiting(q: int) -> None:
+            bar.set_postfix_str(f"waiting: {q} queued")
+            if on_wait:
+                on_wait(q)
+
+        enq = Enqueuer(conn, cfg, max_queued=max_queued, on_wait=waiting)
     kw = dict(fields=fields, chat_template=chat_template, length=length)
     if processes > 1:
         to_samples = ProcessTokenizer(tokenizer, processes, **kw)

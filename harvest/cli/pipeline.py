@@ -56,12 +56,19 @@ def _default_run_name(dataset: str) -> str:
 def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
             work_dir, dump_dir, max_queued, shard_mb, no_progress, s3_endpoint=None, s3_region=None,
             engine="reference") -> None:
-    """Extract hidden states for DATASET end to end on this machine."""
+    """Extract hidden states for DATASET end to end on this machine.
+
+    Exit status: 0 when every sample is done, 1 when samples failed or rows were bad (the summary
+    says how many), 2 on errors, 130 when interrupted (Ctrl-C, SIGTERM; the next run resumes).
+    """
     apply_s3_env(s3_endpoint, s3_region)  # before any child starts: the collector inherits it
     from harvest.cli.redisproc import RedisNotInstalled
     from harvest.cli.runner import run_all
     from harvest.config import ConfigError, build_config
 
+    # SIGTERM stops the run as Ctrl-C does: the children are stopped in order, and the next
+    # `harvest run` resumes from the ledger and the spool.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         cfg = build_config(run or _default_run_name(dataset), model, out_url, layers, storage_dtype, engine=engine,
                            shard_bytes=shard_mb << 20)
@@ -70,9 +77,13 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
                           progress=not no_progress)
     except (ConfigError, RedisNotInstalled, FileNotFoundError, ValueError, RuntimeError) as e:
         fail(str(e))
+    except KeyboardInterrupt:
+        click.echo("harvest: interrupted: the run's processes are stopped; run the same command again to resume",
+                   err=True)
+        sys.exit(130)
     for line in summary.lines():
         click.echo(line)
-    sys.exit(1 if summary.failed else 0)
+    sys.exit(summary.exit_status)
 
 
 @click.command("demo")

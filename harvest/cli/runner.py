@@ -3,14 +3,13 @@
 Part of the composition root (with the CLI): it starts a private Redis unless given one,
 the reference engine (a vLLM CPU server from its venv when the run's engine is `vllm`)
 unless given an engine URL, N workers and a collector as child processes of the `harvest`
-CLI, produces the dataset in-process, and waits until every sample of the run is done or failed.
+CLI (kept alive by harvest.cli.supervisor), produces the dataset in-process, and waits until
+every sample of the run is done or failed.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -21,6 +20,7 @@ import redis
 from tqdm import tqdm
 
 from harvest.cli.redisproc import RedisServer, free_port
+from harvest.cli.supervisor import Supervisor
 from harvest.config import RunConfig
 from harvest.node.dumpdir import default_dump_dir
 from harvest.state.ledger import Ledger
@@ -40,16 +40,27 @@ class RunSummary:
     bytes: int
     seconds: float
     failure_reasons: dict[str, int] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)  # child name -> times the supervisor restarted it
+
+    @property
+    def exit_status(self) -> int:
+        """0 when every sample is done and every row was good; 1 when samples failed or rows were bad."""
+        return 1 if self.failed or self.bad_rows else 0
 
     def lines(self) -> list[str]:
+        bad = f"  bad rows: {self.bad_rows}"
+        if self.bad_rows:
+            bad += " (each reported above on stderr with its file and line)"
         out = [
             f"run {self.run} -> {self.out}",
             f"  samples: {self.done} done, {self.failed} failed ({self.enqueued} enqueued now, {self.skipped} already known)",
-            f"  bad rows: {self.bad_rows}",
+            bad,
             f"  tokens: {self.tokens}, bytes: {self.bytes}, seconds: {self.seconds:.1f}",
         ]
         for reason, n in sorted(self.failure_reasons.items(), key=lambda kv: -kv[1]):
-            out.append(f"  failed because {reason}: {n}")
+            out.append(f"  failed because {reason}: {n} (`harvest status --run {self.run}` lists them)")
+        if self.restarts:
+            out.append("  restarted: " + ", ".join(f"{n} {k}x" for n, k in sorted(self.restarts.items())))
         return out
 
 
@@ -58,54 +69,20 @@ def default_work_dir(run: str) -> str:
     return os.path.join(base, run)
 
 
-class _Children:
-    def __init__(self, log_dir: str) -> None:
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, args: list[str], cmd: list[str] | None = None,
-              env: dict[str, str] | None = None) -> subprocess.Popen:
-        """`harvest <args>` as a child; or `cmd` (a whole argv, e.g. the vLLM server) with `env` added."""
-        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        cmd = cmd or [sys.executable, "-m", "harvest.cli", *args]
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env={**os.environ, **env} if env else None)
-        log.close()
-        self.procs[name] = p
-        return p
-
-    def check(self) -> None:
-        for name, p in self.procs.items():
-            if p.poll() is not None:
-                raise RuntimeError(f"{name} exited with status {p.returncode}; last lines of its log:\n{self.tail(name)}")
-
-    def tail(self, name: str, n: int = 20) -> str:
-        try:
-            with open(os.path.join(self.log_dir, f"{name}.log"), errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, names: list[str] | None = None, timeout: float = 30.0) -> None:
-        names = names or list(self.procs)
-        for n in names:
-            if self.procs[n].poll() is None:
-                self.procs[n].send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for n in names:
-            p = self.procs[n]
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+def _stop_order(workers: list[str]) -> list[list[str]]:
+    """Workers finish their job first, then the collector commits what they spooled, then the engine."""
+    return [workers, ["collector"], ["engine"]]
 
 
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def _report_bad(row) -> None:
+    tqdm.write(f"{row.kind} row {row}", file=sys.stderr)  # above the progress bar
+
+
+def _wait_http(url: str, children: Supervisor, timeout: float) -> None:
+    """Wait for the engine's /health, restarting it (or giving up) as the supervisor decides."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with status {proc.returncode} while starting")
+        children.poll()
         try:
             if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                 return
@@ -115,7 +92,7 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"engine at {url} not healthy after {timeout:.0f}s")
 
 
-def _start_vllm(children: _Children, cfg: RunConfig, dumps: str) -> str:
+def _start_vllm(children: Supervisor, cfg: RunConfig, dumps: str) -> str:
     """Start a vLLM CPU server from its own venv (engines/vllm_launch.py) and wait until it is healthy."""
     from engines.vllm_launch import launch_spec, venv_python
 
@@ -126,9 +103,9 @@ def _start_vllm(children: _Children, cfg: RunConfig, dumps: str) -> str:
                             enforce_eager=True)
     # This checkout's connector (engines/vllm_connector.py), whichever checkout the venv was built from.
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = children.start("engine", [], cmd=argv, env=env)
+    children.start("engine", [], cmd=argv, env=env)
     url = f"http://127.0.0.1:{port}"
-    _wait_http(url, proc, timeout=900)  # about a minute on a small CPU machine, more when it is busy
+    _wait_http(url, children, timeout=900)  # about a minute on a small CPU machine, more when it is busy
     return url
 
 
@@ -152,21 +129,23 @@ def run_all(
     spool = os.path.join(work, "spool")
     dumps = dump_dir or default_dump_dir(cfg.run)
     server = None
-    children = _Children(logs)
+    children = Supervisor(logs)
+    names: list[str] = []
     try:
         if redis_url is None:
             server = RedisServer(os.path.join(work, "redis")).start()
             redis_url = server.url
         conn = redis.Redis.from_url(redis_url)
         cfg = publish_run(conn, cfg)
-        engine = None
+        engine = False
         if engine_url is None and cfg.engine == "vllm":
             engine_url = _start_vllm(children, cfg, dumps)
         elif engine_url is None:
             port = free_port()
             engine_url = f"http://127.0.0.1:{port}"
             layers = ",".join(map(str, cfg.capture_points))
-            engine = children.start(
+            engine = True
+            children.start(
                 "engine",
                 ["engine", "--model", cfg.model, "--dump-dir", dumps, "--port", str(port), "--layers", layers,
                  "--chunked-prefill-size", str(chunked_prefill_size)],
@@ -176,18 +155,20 @@ def run_all(
         # reconcile and the producer need meanwhile; the collector starts once reconcile has
         # rebuilt the done-set from the index files (it must not take a committed sample for new).
         common = ["--redis", redis_url, "--run", cfg.run]
-        for i in range(workers):
-            children.start(f"worker-{i + 1}", ["worker", *common, "--engine-url", engine_url, "--dump-dir", dumps,
+        names = [f"worker-{i + 1}" for i in range(workers)]
+        for name in names:
+            children.start(name, ["worker", *common, "--engine-url", engine_url, "--dump-dir", dumps,
                                                "--spool-dir", spool, "--engine-wait", "300"])
         from harvest.ops.reconcile import reconcile
 
         reconcile(conn, cfg)
         children.start("collector", ["collect", *common, "--spool-dir", spool, "--max-wait", "5"])
-        if engine is not None:
-            _wait_http(engine_url, engine, timeout=300)
+        if engine:
+            _wait_http(engine_url, children, timeout=300)
         from producer.producer import produce
 
-        summary = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress)
+        summary = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress, on_bad=_report_bad,
+                          on_wait=lambda _: children.poll())
         ledger = Ledger(conn, cfg.run)
         bar = tqdm(total=ledger.counts()["total"], desc="extract", unit=" samples", disable=not progress)
         while True:
@@ -198,10 +179,10 @@ def run_all(
             bar.refresh()
             if c["queued"] == 0 and c["spooled"] == 0:
                 break
-            children.check()
+            children.poll()
             time.sleep(0.1)
         bar.close()
-        children.stop()
+        children.stop(_stop_order(names))
         c, stats = ledger.counts(), ledger.stats()
         reasons = Counter(f["reason"] for f in ledger.failures().values())
         return RunSummary(
@@ -216,8 +197,9 @@ def run_all(
             bytes=stats.get("bytes_done", 0),
             seconds=time.monotonic() - t0,
             failure_reasons=dict(reasons),
+            restarts=children.restarts(),
         )
     finally:
-        children.stop()
+        children.stop(_stop_order(names))
         if server is not None:
             server.stop()
