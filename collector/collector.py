@@ -15,7 +15,6 @@ stop the collector with a `StorageError`; the spool and the record stay, so a re
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import time
@@ -25,6 +24,7 @@ import redis
 
 from collector.faults import CrashHook
 from collector.overlap import Overlap
+from collector.records import PackingRecord, Voided, remove_shard, tend_revoked, write_decided_index
 from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
 from harvest.formats.index import index_file
@@ -35,6 +35,7 @@ from harvest.formats.spool import (
     inspect_sample,
     list_spooled,
     pack_dir,
+    rotate_spool_identity,
     set_aside_path,
     spool_identity,
     spool_path,
@@ -44,9 +45,12 @@ from harvest.state.failures import BAD_SPOOL
 from harvest.state.heartbeat import CollectorBeat
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
 from harvest.state.runstore import run_location
+from harvest.state.spools import SpoolLeases
 from harvest.storage import TEMP_PREFIX, StorageError, retry
 
 log = logging.getLogger("harvest.collector")
+
+TEND_S = 10.0  # how often the run loop looks for the packing records of revoked spools
 
 
 class Collector:
@@ -77,7 +81,21 @@ class Collector:
         # Local output: build the shard in its final folder so committing is a rename.
         self.stage = self.out.local_staging_dir(SHARDS) or pack_dir(spool_dir)
         self.shards_committed = 0
+        self.leases = SpoolLeases(conn, cfg.run)
         self._crash = CrashHook.from_env()
+
+    def renew_lease(self) -> None:
+        """Renew the spool's lease (harvest.state.spools). A revoked spool (reclaimed while this node
+        was silent) takes a new id: the files of the old one are then not ours, and go."""
+        if self.leases.renew(self.spool_id, self.node):
+            return
+        old, self.spool_id = self.spool_id, rotate_spool_identity(self.spool_dir, self.spool_id)
+        log.warning("spool %s was reclaimed while this node was silent: it goes on as spool %s", old, self.spool_id)
+        self.leases.renew(self.spool_id, self.node)
+
+    def tend_others(self) -> int:
+        """Finish or clear the packing records of nodes whose spool was revoked (collector.records)."""
+        return tend_revoked(self.conn, self.cfg.run, self.out, self._retry, self.packing_key)
 
     def _retry(self, fn, what: str):
         return retry(fn, what, attempts=self.retries, base_delay=self.retry_delay)
@@ -91,20 +109,29 @@ class Collector:
             _unlink(p)
 
     def resume(self) -> None:
-        """Finish the shard a previous incarnation of this collector was committing, and
-        sweep orphan shards (uploaded, never committed, not recorded by anyone)."""
+        """Finish the shard a previous incarnation of this collector was committing (or give it
+        up, if this spool was reclaimed meanwhile), finish or clear the records of revoked
+        spools, and sweep orphan shards (uploaded, never committed, not recorded by anyone)."""
         self._clear_temps()
+        self.renew_lease()
+        self.tend_others()
         raw = self.conn.get(self.packing_key)
         if raw is None:
             self._retry(lambda: sweep_orphans(self.out, self.conn, self.cfg.run, self.orphan_age), "sweeping orphan shards")
             return
-        rec = json.loads(raw)
-        shard_id = check_id(rec["shard_id"], "shard id")
-        log.info("resuming shard %s (%d samples)", shard_id, len(rec["sample_ids"]))
-        name = shard_file(shard_id)
+        rec = PackingRecord.from_json(raw)
+        log.info("resuming shard %s (%d samples)", rec.shard_id, len(rec.sample_ids))
+        if rec.index is not None:  # the commit was decided before the restart
+            write_decided_index(self.out, rec, self._retry)
+            self._finish_samples(rec.sample_ids, [spool_path(self.spool_dir, s) for s in rec.sample_ids])
+            return
+        if rec.spool not in (None, self.spool_id):  # this spool was revoked and renamed since
+            self._void(rec.shard_id, f"spool {rec.spool} was reclaimed while the shard was in flight")
+            return
+        name = shard_file(rec.shard_id)
         if self._retry(lambda: self.out.abort_uploads(name), f"aborting unfinished uploads of {self.out.path(name)}"):
             log.info("aborted the unfinished upload of %s left by the previous collector", name)
-        self._commit(rec["sample_ids"], resumed_shard=shard_id)
+        self._commit(rec.sample_ids, resumed_shard=rec.shard_id)
 
     def _inspect(self, sid: str, path: str) -> SpoolEntry:
         c = self.cfg
@@ -188,7 +215,11 @@ class Collector:
             raise RuntimeError(f"re-packed shard id {plan.shard_id} differs from the recorded {resumed_shard}")
         self.record(plan)
         if not self._retry(lambda: self.out.exists(index_file(plan.shard_id)), f"checking {index_file(plan.shard_id)}"):
-            self.publish(plan, *self.pack(plan))
+            try:
+                self.publish(plan, *self.pack(plan))
+            except Voided as e:
+                self.void(plan, str(e))
+                return 0
         return self.finish(plan)
 
     def plan(self, entries: list[SpoolEntry]) -> ShardPlan:
@@ -196,7 +227,7 @@ class Collector:
 
     def record(self, plan: ShardPlan) -> None:
         """The one record per node of the shard being committed, which a restart finishes."""
-        self.conn.set(self.packing_key, json.dumps({"shard_id": plan.shard_id, "sample_ids": plan.sample_ids}))
+        self.conn.set(self.packing_key, PackingRecord(plan.shard_id, plan.sample_ids, self.spool_id).to_json())
         self._crash("recorded")
 
     def pack(self, plan: ShardPlan) -> tuple[str, str]:
@@ -218,7 +249,8 @@ class Collector:
         return tmp, sha
 
     def publish(self, plan: ShardPlan, tmp: str, sha: str) -> None:
-        """The packed file up whole, then the index (the commit)."""
+        """The packed file up whole, then the commit fence, then the index. Raises Voided when the
+        fence refuses: the spool no longer owns every sample (it was reclaimed)."""
         name = shard_file(plan.shard_id)
         try:
             self._retry(
@@ -228,9 +260,23 @@ class Collector:
             self._crash("uploaded")
         finally:
             _unlink(tmp)
-        body = json.dumps(plan.index(sha), indent=1).encode()
-        self._retry(lambda: self.out.write_atomic(index_file(plan.shard_id), body), f"writing {self.out.path(index_file(plan.shard_id))}")
+        rec = PackingRecord(plan.shard_id, plan.sample_ids, self.spool_id, index=plan.index(sha))
+        if not self.ledger.fence_commit(self.spool_id, plan.sample_ids, self.packing_key, rec.to_json()):
+            raise Voided(f"the commit fence refused shard {plan.shard_id}: spool {self.spool_id} no longer owns "
+                         "all of its samples (reclaimed while this node was silent?)")
+        self._crash("fenced")
+        write_decided_index(self.out, rec, self._retry)
         self._crash("indexed")
+
+    def void(self, plan: ShardPlan, why: str) -> None:
+        """Give up a shard the fence refused: never indexed, its object removed, the record cleared."""
+        self._void(plan.shard_id, why)
+
+    def _void(self, shard_id: str, why: str) -> None:
+        log.warning("shard %s given up: %s", shard_id, why)
+        remove_shard(self.out, shard_id, self._retry)
+        self.conn.delete(self.packing_key)
+        self.renew_lease()
 
     def discard(self, tmp: str) -> None:
         """Drop a packed, unrecorded temp shard file (its samples stay spooled, to be chosen again)."""
@@ -263,8 +309,13 @@ class Collector:
         # To object storage, upload shard N on a thread while packing shard N+1 (Overlap); a
         # local output commits by rename, so there is nothing to overlap.
         overlap = None if self.out.is_local else Overlap(self)
+        tended = time.monotonic()
         while not should_stop():
-            beat.maybe_beat(self.shards_committed)
+            if beat.maybe_beat(self.shards_committed):
+                self.renew_lease()
+            if time.monotonic() - tended > TEND_S:
+                tended = time.monotonic()
+                self.tend_others()
             if (overlap.step() if overlap else self.step()) == 0:
                 overlap.wait(poll) if overlap and overlap.busy else time.sleep(poll)
         if overlap:

@@ -13,9 +13,10 @@ import signal
 
 CRASH_ENV = "HARVEST_COLLECTOR_CRASH_AT"
 # In commit order: Redis record written; shard bytes partly / fully written to the local
-# temp file; shard partly uploaded; shard uploaded (no index yet); index written (ledger not
-# yet done); ledger done (spool files still there); some spool files deleted.
-CRASH_POINTS = ("recorded", "packing", "packed", "uploading", "uploaded", "indexed", "marked", "unlinking")
+# temp file; shard partly uploaded; shard uploaded (not fenced yet); commit fence passed (the
+# record holds the index document, no index file yet); index written (ledger not yet done);
+# ledger done (spool files still there); some spool files deleted.
+CRASH_POINTS = ("recorded", "packing", "packed", "uploading", "uploaded", "fenced", "indexed", "marked", "unlinking")
 
 
 class CrashHook:

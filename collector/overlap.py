@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
+from collector.records import Voided
 from harvest.formats.shard import ShardPlan
 from harvest.formats.spool import SpoolEntry
 
@@ -32,6 +33,8 @@ class Packer(Protocol):
     def finish(self, plan: ShardPlan) -> int: ...
 
     def discard(self, tmp: str) -> None: ...
+
+    def void(self, plan: ShardPlan, why: str) -> None: ...
 
 
 class Overlap:
@@ -96,6 +99,8 @@ class Overlap:
             try:
                 self.c.publish(plan, tmp, sha)
                 self.committed = self.c.finish(plan)
+            except Voided as e:  # the fence refused it: given up, nothing committed
+                self.c.void(plan, str(e))
             except BaseException as e:  # raised again on the collector's own thread by _reap
                 self.error = e
 

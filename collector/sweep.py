@@ -11,13 +11,13 @@ Local outputs also lose temporary files (`.tmp-*`) older than `min_age`.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 
 import redis
 
+from collector.records import PackingRecord
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
 from harvest.state.keys import Keys
@@ -32,7 +32,7 @@ def in_progress(conn: redis.Redis, run: str) -> set[str]:
     for key in conn.scan_iter(match=Keys(run).packing_pattern):
         raw = conn.get(key)
         if raw:
-            out.add(json.loads(raw)["shard_id"])
+            out.add(PackingRecord.from_json(raw).shard_id)
     return out
 
 

@@ -67,6 +67,9 @@ class RunConfig:
     shard_bytes: int = 1 << 30
     allow_nonfinite: bool = False
     num_layers: int = 0  # the model's decoder layers (0: unknown, runs written before it was recorded)
+    # A node spool none of whose processes renewed its lease for this long is lost: its samples are
+    # reclaimed and enqueued again (harvest.state.spools, harvest.ops.reclaim).
+    spool_grace_s: float = 120.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -75,6 +78,8 @@ class RunConfig:
             raise ConfigError(f"storage dtype {self.storage_dtype!r}: choose one of {', '.join(STORAGE_DTYPES)}")
         if self.engine not in ENGINE_KINDS:
             raise ConfigError(f"engine {self.engine!r}: choose one of {', '.join(ENGINE_KINDS)}")
+        if not self.spool_grace_s > 0:
+            raise ConfigError(f"spool grace {self.spool_grace_s!r}: must be a positive number of seconds")
         if list(self.capture_points) != sorted(set(self.capture_points)) or not self.capture_points:
             raise ConfigError(f"capture points {self.capture_points} must be a non-empty ascending list")
 
@@ -105,7 +110,7 @@ class RunConfig:
         """The fields that change what is stored; two runs of one name must agree on all of them.
         `num_layers` follows from the model, and runs stored before it was recorded lack it."""
         d = asdict(self)
-        for k in ("max_batch_samples", "max_batch_tokens", "shard_bytes", "num_layers", "extra"):
+        for k in ("max_batch_samples", "max_batch_tokens", "shard_bytes", "num_layers", "spool_grace_s", "extra"):
             d.pop(k)
         return d
 

@@ -29,7 +29,7 @@ from rq import Retry, get_current_job
 from rq.timeouts import JobTimeoutException
 
 from harvest.config import RunConfig
-from harvest.formats.spool import list_spooled, spool_identity, write_sample
+from harvest.formats.spool import list_spooled, rotate_spool_identity, spool_identity, write_sample
 from harvest.ids import rid_for
 from harvest.ops.metrics import observe
 from harvest.state.failures import (
@@ -38,6 +38,7 @@ from harvest.state.failures import (
     JOB_TIMEOUT,
     PREFIX_CACHED,
     PROMPT_LENGTH,
+    SPOOL_REVOKED,
     STORAGE_ERROR,
     WORKER_ERROR,
     WORKER_STOPPED,
@@ -46,7 +47,8 @@ from harvest.state.failures import (
 )
 from harvest.state.heartbeat import WorkerBeat
 from harvest.state.ledger import QUEUED, Ledger
-from harvest.state.payload import Sample, decode_batch
+from harvest.state.payload import Sample, decode_batch, payload_row
+from harvest.state.spools import SpoolLeases
 from workers.claim import assemble, claim
 from workers.clients.base import Engine, EngineUnavailable, Rejected
 
@@ -73,10 +75,24 @@ class WorkerContext:
     retries: int = DEFAULT_RETRIES
     retry_intervals: list[int] = field(default_factory=lambda: backoff_intervals(10, DEFAULT_RETRIES))
     beat: WorkerBeat | None = None
+    node: str = "node"
     spool_id: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.spool_id = spool_identity(self.spool_dir)  # once: it lists the spool dir
+
+    @cached_property
+    def leases(self) -> SpoolLeases:
+        return SpoolLeases(self.conn, self.cfg.run)
+
+    def renew_lease(self) -> None:
+        """Renew the spool's lease (at every heartbeat). A revoked spool (its samples were
+        reclaimed while this node was silent) takes a new id and goes on as a fresh spool."""
+        if self.leases.renew(self.spool_id, self.node):
+            return
+        old, self.spool_id = self.spool_id, rotate_spool_identity(self.spool_dir, self.spool_id)
+        log.warning("spool %s was reclaimed while this node was silent: it goes on as spool %s", old, self.spool_id)
+        self.leases.renew(self.spool_id, self.node)
 
     @cached_property
     def ledger(self) -> Ledger:
@@ -225,12 +241,20 @@ def _process(ctx: WorkerContext, todo: list[Sample]) -> dict:
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
-    ctx.ledger.mark_spooled(spooled, owner=ctx.spool_id)
+    by_id = {s.id: s for s in todo}
+    owner = ctx.spool_id
+    marked = ctx.ledger.mark_spooled(spooled, owner=owner, rows=[payload_row(ctx.cfg.run, by_id[i]) for i in spooled])
     if failures:
         _fail(ctx, todo, failures)
     ctx.ledger.add_stats(samples_spooled=len(spooled), tokens_spooled=tokens, bytes_spooled=nbytes, dump_bytes=dump_bytes)
     if storage_error:
         raise SampleFailure(STORAGE_ERROR, f"writing the spool {ctx.spool_dir}: {storage_error}", transient=True)
+    if len(marked) < len(spooled) and ctx.leases.is_revoked(owner):
+        # The ledger refused a revoked owner: those samples are still queued, and this job retries
+        # them under the spool's new id.
+        ctx.renew_lease()
+        raise SampleFailure(SPOOL_REVOKED, f"spool {owner} was reclaimed during the job; retrying as {ctx.spool_id}",
+                            transient=True)
     return {"spooled": len(spooled), "failed": len(failures)}
 
 

@@ -40,17 +40,19 @@ RQ_WORKER_TTL = 60
 
 
 class _Background(threading.Thread):
-    """Heartbeat, then a janitor pass, every HEARTBEAT_INTERVAL_S until stopped."""
+    """Heartbeat and spool lease, then a janitor pass, every HEARTBEAT_INTERVAL_S until stopped."""
 
-    def __init__(self, conn: redis.Redis, run: str, beat: WorkerBeat, dump_dir: str, interval: float) -> None:
+    def __init__(self, ctx: WorkerContext, beat: WorkerBeat, interval: float) -> None:
         super().__init__(name="harvest-heartbeat", daemon=True)
-        self.conn, self.run_name, self.beat, self.dump_dir, self.interval = conn, run, beat, dump_dir, interval
+        self.ctx, self.conn, self.run_name, self.beat = ctx, ctx.conn, ctx.cfg.run, beat
+        self.dump_dir, self.interval = ctx.dump_dir, interval
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
             try:
                 self.beat.beat()
+                self.ctx.renew_lease()
                 rep = janitor_pass(self.conn, self.run_name, self.dump_dir)
                 if rep.any():
                     log.info("janitor: %s", rep)
@@ -109,12 +111,14 @@ def run_worker(
         retries=retries,
         retry_intervals=backoff_intervals(retry_backoff, retries),
         beat=beat,
+        node=host,
     )
+    ctx.renew_lease()  # the spool is alive from now on (harvest.state.spools)
     install(ctx)
     queue = run_queue(conn, run, job_class=HarvestJob)
     worker = SimpleWorker([queue], connection=conn, serializer=SERIALIZER, name=name, worker_ttl=RQ_WORKER_TTL,
                           job_class=HarvestJob)
-    background = _Background(conn, run, beat, dump_dir, HEARTBEAT_INTERVAL_S)
+    background = _Background(ctx, beat, HEARTBEAT_INTERVAL_S)
     background.start()
     log.info("worker %s: run %s, engine %s", name, run, engine_url)
     try:

@@ -160,7 +160,9 @@ def janitor_cmd(run, redis_url, dump_dir, interval) -> None:
         rep = janitor_pass(conn, run, dump_dir)
         click.echo(f"reaped {len(rep.reaped)} jobs, gave up {len(rep.gave_up)}, released {len(rep.promoted)} retries, "
                    f"forgot {len(rep.forgotten_workers)} dead workers, removed {len(rep.claim_dirs_removed)} claim dirs "
-                   f"and {rep.stale_dumps_removed} stale dump files")
+                   f"and {rep.stale_dumps_removed} stale dump files"
+                   + "".join(f"; reclaimed spool {r.spool} of node {r.node}: {len(r.samples)} samples"
+                             for r in rep.reclaimed if r.samples))
         if interval is None:
             return
         time.sleep(interval)

@@ -9,6 +9,7 @@ file's header against the run and then copies tensor bytes without decoding them
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 from dataclasses import dataclass
@@ -78,6 +79,30 @@ def spool_identity(spool_dir: str) -> str:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+
+def rotate_spool_identity(spool_dir: str, revoked: str) -> str:
+    """A new id for a spool dir whose id `revoked` was reclaimed (harvest.state.spools). Every
+    process of the spool calls this when it learns of the revocation, and all end with one new
+    id: under a lock, the first replaces the file (only while it still holds `revoked`), the
+    others read the id it wrote."""
+    path = os.path.join(private_dir(spool_dir, "spool dir"), _ID_FILE)
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        current = spool_identity(spool_dir)
+        if current != revoked:
+            return current
+        tmp = os.path.join(spool_dir, f"{_ID_FILE}.{os.getpid()}.{os.urandom(4).hex()}")
+        new = os.urandom(16).hex()
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(new)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return new
+    finally:
+        os.close(fd)
 
 
 def _clear_dead_temps(spool_dir: str) -> None:

@@ -12,7 +12,8 @@ with reason `worker-died`.
 Every worker runs a janitor pass every few seconds (one of them does the run-wide part, under a
 short lock); `harvest janitor` runs the same passes for operators. The run-wide part also moves
 due transient-error retries (jobs that returned `rq.Retry` with a backoff interval) from RQ's
-ScheduledJobRegistry to the queue, which RQ would only do with its separate scheduler process.
+ScheduledJobRegistry to the queue, which RQ would only do with its separate scheduler process,
+and reclaims node spools whose lease lapsed (harvest.ops.reclaim).
 """
 
 from __future__ import annotations
@@ -31,15 +32,18 @@ from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry
 from rq.utils import current_timestamp
 
+from harvest.config import ConfigError, RunConfig
 from harvest.formats.dump import parse_chunk_name
 from harvest.ids import ID_PATTERN, RID_PREFIX, parse_rid
 from harvest.node.dumpdir import claim_dir_owner, is_temp
+from harvest.ops.reclaim import ReclaimReport, reclaim_lost_spools
 from harvest.state.failures import WORKER_DIED, record_failures
 from harvest.state.heartbeat import HEARTBEAT_TTL_S, worker_alive
 from harvest.state.jobs import fetch_job, run_queue
 from harvest.state.keys import Keys, rq_execution_key, rq_worker_key, worker_key
 from harvest.state.ledger import DONE, FAILED, QUEUED, Ledger
 from harvest.state.payload import PayloadError, decode_batch
+from harvest.state.runstore import load_run
 
 log = logging.getLogger("harvest.janitor")
 
@@ -56,10 +60,11 @@ class JanitorReport:
     forgotten_workers: list[str] = field(default_factory=list)
     claim_dirs_removed: list[str] = field(default_factory=list)
     stale_dumps_removed: int = 0
+    reclaimed: list[ReclaimReport] = field(default_factory=list)  # lost spools whose samples went back to the queue
 
     def any(self) -> bool:
         return bool(self.reaped or self.gave_up or self.promoted or self.forgotten_workers
-                    or self.claim_dirs_removed or self.stale_dumps_removed)
+                    or self.claim_dirs_removed or self.stale_dumps_removed or any(r.samples for r in self.reclaimed))
 
 
 def _acquire(conn: redis.Redis, key: str, ttl_ms: int) -> str | None:
@@ -239,6 +244,13 @@ def _proven_stale(conn: redis.Redis, run: str, names: list[str]) -> set[str]:
     return out
 
 
+def _stored_run(conn: redis.Redis, run: str) -> RunConfig | None:
+    try:
+        return load_run(conn, run)
+    except ConfigError:  # not published (yet): nothing of it can be spooled either
+        return None
+
+
 def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_reaps: int = MAX_REAPS,
                  stale_dump_s: float = STALE_DUMP_S) -> JanitorReport:
     """One pass: the run-wide part if this caller wins the lock, then the node-local part."""
@@ -250,6 +262,9 @@ def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_r
             rep.reaped, rep.gave_up = reap_dead_workers(conn, run, max_reaps)
             rep.promoted = promote_due_retries(conn, run)
             rep.forgotten_workers = forget_dead_workers(conn, run)
+            cfg = _stored_run(conn, run)
+            if cfg is not None:
+                rep.reclaimed = reclaim_lost_spools(conn, cfg)
         finally:
             conn.eval(_RELEASE, 1, keys.janitor_lock, token)
     if dump_dir:

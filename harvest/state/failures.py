@@ -10,11 +10,10 @@ interface: they are shown, filtered on and scraped, so each is named once, here.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample, encode_batch
+from harvest.state.payload import Sample, payload_row
 
 # The engine call (workers.job)
 ENGINE_UNAVAILABLE = "engine-unavailable"  # transient: unreachable, timeouts, 5xx after retries
@@ -35,10 +34,12 @@ NONFINITE = "nonfinite"
 # Found by operations
 WORKER_DIED = "worker-died"  # the janitor gave up on a job whose workers kept dying
 BAD_SPOOL = "bad-spool"  # a collector found a spool file that does not match the run
+SPOOL_LOST = "spool-lost"  # its spool was reclaimed and no payload row was kept to enqueue it again
+SPOOL_REVOKED = "spool-revoked"  # transient: the worker's spool was reclaimed during the job
 
 REASONS = (ENGINE_UNAVAILABLE, ENGINE_REJECTED, PROMPT_LENGTH, PREFIX_CACHED, JOB_TIMEOUT, WORKER_STOPPED,
            WORKER_ERROR, STORAGE_ERROR, INCOMPLETE_DUMP, BAD_CHUNKS, BAD_DUMP, CAPTURE_MISMATCH, TOKEN_MISMATCH,
-           NONFINITE, WORKER_DIED, BAD_SPOOL)
+           NONFINITE, WORKER_DIED, BAD_SPOOL, SPOOL_LOST, SPOOL_REVOKED)
 
 
 class SampleFailure(Exception):
@@ -48,11 +49,6 @@ class SampleFailure(Exception):
     def __init__(self, reason: str, message: str, transient: bool = False) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason, self.message, self.transient = reason, message, transient
-
-
-def payload_row(run: str, sample: Sample) -> str:
-    """The sample's payload row (the producer's encoding), kept so requeue can rebuild its job."""
-    return json.dumps(encode_batch(run, [sample])["samples"][0])
 
 
 def record_failures(ledger: Ledger, run: str, samples: Mapping[str, Sample],

@@ -100,10 +100,11 @@ class CollectorBeat:
     ttl: int = HEARTBEAT_TTL_S
     _last: float = 0.0
 
-    def maybe_beat(self, shards_committed: int = 0) -> None:
+    def maybe_beat(self, shards_committed: int = 0) -> bool:
+        """Beat if COLLECTOR_BEAT_S passed since the last beat; True if it did."""
         now = time.time()
         if now - self._last < COLLECTOR_BEAT_S:
-            return
+            return False
         self._last = now
         files = list_spooled(self.spool_dir)
         keys = Keys(self.run)
@@ -115,6 +116,7 @@ class CollectorBeat:
             pipe.expire(keys.collector(self.node), self.ttl)
             pipe.sadd(keys.collectors, self.node)
             pipe.execute()
+        return True
 
 
 def read_collectors(conn: redis.Redis, run: str) -> tuple[list[dict[str, str]], list[str]]:

@@ -63,6 +63,31 @@ class Keys:
         return f"{self.prefix}:stats"
 
     @property
+    def spooled_payload(self) -> str:
+        """Hash sample_id -> payload row of a sample in state s, so a lost spool's samples can be enqueued again."""
+        return f"{self.prefix}:spooled-payload"
+
+    @property
+    def spool_counts(self) -> str:
+        """Hash spool id -> samples in state s that spool owns (kept by the ledger's transition script)."""
+        return f"{self.prefix}:spool-counts"
+
+    @property
+    def spool_leases(self) -> str:
+        """Sorted set spool id -> Redis time (s) of the last renewal by one of its workers or collectors."""
+        return f"{self.prefix}:spool-leases"
+
+    @property
+    def spool_nodes(self) -> str:
+        """Hash spool id -> node name of the process that renewed its lease last (for status and --node)."""
+        return f"{self.prefix}:spool-nodes"
+
+    @property
+    def revoked_spools(self) -> str:
+        """Set of spool ids whose samples were reclaimed: never an owner or a committer again."""
+        return f"{self.prefix}:revoked-spools"
+
+    @property
     def failed_payload(self) -> str:
         """Hash sample_id -> JSON payload row {id, ids, mask} of a failed sample, so requeue can rebuild its job."""
         return f"{self.prefix}:failed-payload"

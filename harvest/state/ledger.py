@@ -22,17 +22,21 @@ STATE_NAMES = {QUEUED: "queued", SPOOLED: "spooled", DONE: "done", FAILED: "fail
 RATE_BUCKET_S = 10  # throughput buckets: small enough for a one-minute rate, few enough keys
 RATE_TTL_S = 300
 
-# KEYS: state, counts, failed, spool_owner. ARGV: to, allowed-from letters, n, id_1..id_n, info_1..info_n
-# (info: the failure JSON when moving to f, the spool id when moving to s)
+# KEYS: state, counts, failed, spool_owner, spooled_payload, spool_counts, revoked_spools.
+# ARGV: to, allowed-from letters, n, id_1..id_n, info_1..info_n, row_1..row_n
+# (info: the failure JSON when moving to f, the owning spool id when moving to s; row: the payload
+# row kept while a sample is spooled). A sample never becomes spooled for a revoked spool.
 _TRANSITION = """
 local to, allowed, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local changed = {}
 for i = 1, n do
   local id = ARGV[3 + i]
   local info = ARGV[3 + n + i]
+  local row = ARGV[3 + 2 * n + i]
   local cur = redis.call('HGET', KEYS[1], id)
   local c = cur or '_'
-  if string.find(allowed, c, 1, true) and c ~= to then
+  local fenced = to == 's' and info ~= '' and redis.call('SISMEMBER', KEYS[7], info) == 1
+  if string.find(allowed, c, 1, true) and c ~= to and not fenced then
     redis.call('HSET', KEYS[1], id, to)
     if cur then redis.call('HINCRBY', KEYS[2], cur, -1) end
     redis.call('HINCRBY', KEYS[2], to, 1)
@@ -41,15 +45,58 @@ for i = 1, n do
     elseif c == 'f' then
       redis.call('HDEL', KEYS[3], id)
     end
+    if c == 's' then
+      local owner = redis.call('HGET', KEYS[4], id)
+      if owner and owner ~= '' and redis.call('HINCRBY', KEYS[6], owner, -1) <= 0 then
+        redis.call('HDEL', KEYS[6], owner)
+      end
+      redis.call('HDEL', KEYS[4], id)
+      redis.call('HDEL', KEYS[5], id)
+    end
     if to == 's' then
       redis.call('HSET', KEYS[4], id, info)
-    elseif c == 's' then
-      redis.call('HDEL', KEYS[4], id)
+      if info ~= '' then redis.call('HINCRBY', KEYS[6], info, 1) end
+      if row ~= '' then redis.call('HSET', KEYS[5], id, row) end
     end
     changed[#changed + 1] = id
   end
 end
 return changed
+"""
+
+# Reclaim: s -> q for the samples a (revoked) spool still owns. KEYS as _TRANSITION's; ARGV: spool, n, ids.
+_RECLAIM = """
+local spool, n = ARGV[1], tonumber(ARGV[2])
+local moved = {}
+for i = 1, n do
+  local id = ARGV[2 + i]
+  if redis.call('HGET', KEYS[1], id) == 's' and redis.call('HGET', KEYS[4], id) == spool then
+    redis.call('HSET', KEYS[1], id, 'q')
+    redis.call('HINCRBY', KEYS[2], 's', -1)
+    redis.call('HINCRBY', KEYS[2], 'q', 1)
+    redis.call('HDEL', KEYS[4], id)
+    redis.call('HDEL', KEYS[5], id)
+    if redis.call('HINCRBY', KEYS[6], spool, -1) <= 0 then redis.call('HDEL', KEYS[6], spool) end
+    moved[#moved + 1] = id
+  end
+end
+return moved
+"""
+
+# The commit fence. KEYS: state, spool_owner, revoked_spools, the packing record. ARGV: spool,
+# record JSON (with the shard's index document), n, ids. Writes the record only when the spool
+# is not revoked and every sample is in state s, owned by it (or by no spool: spooled without an
+# owner, which no reclaim can take).
+_FENCE = """
+local spool, record, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+if redis.call('SISMEMBER', KEYS[3], spool) == 1 then return 0 end
+for i = 1, n do
+  local id = ARGV[3 + i]
+  local owner = redis.call('HGET', KEYS[2], id)
+  if redis.call('HGET', KEYS[1], id) ~= 's' or (owner and owner ~= '' and owner ~= spool) then return 0 end
+end
+redis.call('SET', KEYS[4], record)
+return 1
 """
 
 
@@ -58,14 +105,21 @@ class Ledger:
         self.conn = conn
         self.keys = Keys(run)
         self._script = conn.register_script(_TRANSITION)
+        self._reclaim = conn.register_script(_RECLAIM)
+        self._fence = conn.register_script(_FENCE)
 
-    def _move(self, ids: list[str], to: str, allowed: str, infos: list[str] | None = None, pipe=None) -> list[str]:
+    def _state_keys(self) -> list[str]:
+        k = self.keys
+        return [k.state, k.counts, k.failed, k.spool_owner, k.spooled_payload, k.spool_counts, k.revoked_spools]
+
+    def _move(self, ids: list[str], to: str, allowed: str, infos: list[str] | None = None, pipe=None,
+              rows: list[str] | None = None) -> list[str]:
         if not ids:
             return []
         infos = infos or [""] * len(ids)
-        args = [to, allowed, len(ids), *ids, *infos]
-        keys = [self.keys.state, self.keys.counts, self.keys.failed, self.keys.spool_owner]
-        res = self._script(keys=keys, args=args, client=pipe if pipe is not None else self.conn)
+        rows = rows or [""] * len(ids)
+        args = [to, allowed, len(ids), *ids, *infos, *rows]
+        res = self._script(keys=self._state_keys(), args=args, client=pipe if pipe is not None else self.conn)
         if pipe is not None:
             return []
         return [r.decode() if isinstance(r, bytes) else r for r in res]
@@ -83,13 +137,34 @@ class Ledger:
     def requeue(self, ids: list[str], pipe=None) -> list[str]:
         return self._move(ids, QUEUED, FAILED, pipe=pipe)
 
-    def mark_spooled(self, ids: list[str], owner: str = "") -> list[str]:
-        """q -> s, recording which spool dir (harvest.formats.spool.spool_identity) holds the copy.
-        Only the first worker to spool a sample becomes its owner, and only the owner's
-        collector packs it: if a worker died after writing its spool file but before this
-        call, the retried job may spool the sample on another node, and two collectors must
-        not both commit it."""
-        return self._move(ids, SPOOLED, QUEUED, [owner] * len(ids))
+    def mark_spooled(self, ids: list[str], owner: str = "", rows: list[str] | None = None) -> list[str]:
+        """q -> s, recording which spool dir (harvest.formats.spool.spool_identity) holds the copy,
+        and keeping each sample's payload row (`rows`) so a lost spool's samples can be enqueued
+        again (harvest.ops.reclaim). Only the first worker to spool a sample becomes its owner,
+        and only the owner's collector packs it: if a worker died after writing its spool file but
+        before this call, the retried job may spool the sample on another node, and two
+        collectors must not both commit it. A revoked spool becomes the owner of nothing."""
+        return self._move(ids, SPOOLED, QUEUED, [owner] * len(ids), rows=rows)
+
+    def reclaim(self, spool: str, ids: list[str], pipe=None) -> list[str]:
+        """s -> q for those of `ids` that `spool` still owns (the janitor, after revoking it)."""
+        if not ids:
+            return []
+        res = self._reclaim(keys=self._state_keys(), args=[spool, len(ids), *ids],
+                            client=pipe if pipe is not None else self.conn)
+        return [] if pipe is not None else [r.decode() if isinstance(r, bytes) else r for r in res]
+
+    def fence_commit(self, spool: str, ids: list[str], record_key: str, record: str) -> bool:
+        """Write a shard's packing `record` (holding its index document) only if `spool` is not
+        revoked and owns every one of `ids` in state s: after this, the shard's commit is decided
+        and anyone holding the record may finish it."""
+        keys = [self.keys.state, self.keys.spool_owner, self.keys.revoked_spools, record_key]
+        return bool(self._fence(keys=keys, args=[spool, record, len(ids), *ids], client=self.conn))
+
+    def spooled_payloads(self, ids: list[str]) -> list[str | None]:
+        if not ids:
+            return []
+        return [v.decode() if v is not None else None for v in self.conn.hmget(self.keys.spooled_payload, ids)]
 
     def spool_owners(self, ids: list[str]) -> list[str | None]:
         if not ids:

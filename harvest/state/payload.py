@@ -9,6 +9,7 @@ sample's files.
 from __future__ import annotations
 
 import base64
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,3 +100,9 @@ def decode_batch(payload: object) -> tuple[str, list[Sample]]:
             raise PayloadError(f"sample {sid} does not match its content (hash {s.id})")
         out.append(s)
     return run, out
+
+
+def payload_row(run: str, sample: Sample) -> str:
+    """One sample's payload row (the encoding of a job's samples), kept in Redis while the sample
+    is spooled or failed so its job can be built again without the dataset."""
+    return json.dumps(encode_batch(run, [sample])["samples"][0])

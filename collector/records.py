@@ -1,0 +1,109 @@
+"""The packing record: the one shard a node's collector is committing, kept in Redis.
+
+`harvest:<run>:packing:<node>` holds `{shard_id, sample_ids, spool}` from the moment a shard is
+chosen until it is committed or given up, so a restarted collector finishes the same shard.
+Once the commit fence passes (harvest.state.ledger.Ledger.fence_commit: the spool still owns
+every sample and is not revoked) the record also holds the shard's index document, and the
+commit is decided: whoever reads the record finishes it by writing that index (the same bytes
+whoever writes them) and marking the samples done. That is the node's collector after a
+restart, or any collector of the run once the node's spool is revoked (the node is gone).
+
+A record without an index whose spool is revoked is void: its samples went back to the queue,
+so its shard must never be indexed; whoever finds it removes the shard's object and the record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from harvest.formats.index import ShardIndex, index_file
+from harvest.formats.shard import shard_file
+from harvest.ids import check_id
+from harvest.state.keys import Keys
+from harvest.state.ledger import Ledger
+from harvest.state.spools import SpoolLeases
+from harvest.storage import Location
+
+log = logging.getLogger("harvest.collector")
+
+_DELETE_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+Retry = Callable[[Callable[[], object], str], object]
+
+
+class Voided(Exception):
+    """The commit fence refused a shard: it must never be indexed."""
+
+
+@dataclass
+class PackingRecord:
+    shard_id: str
+    sample_ids: list[str]
+    spool: str | None  # None: written by a harvest that predates spool leases (taken as the reader's own)
+    index: ShardIndex | None = None  # set by the commit fence: the commit is decided
+
+    def to_json(self) -> str:
+        d = {"shard_id": self.shard_id, "sample_ids": self.sample_ids, "spool": self.spool}
+        if self.index is not None:
+            d["index"] = self.index
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> PackingRecord:
+        d = json.loads(raw)
+        return cls(check_id(d["shard_id"], "shard id"), list(d["sample_ids"]), d.get("spool"), d.get("index"))
+
+
+def index_body(index: ShardIndex) -> bytes:
+    """The index file's bytes: one encoding, so every writer of a decided record writes the same file."""
+    return json.dumps(index, indent=1).encode()
+
+
+def write_decided_index(out: Location, rec: PackingRecord, retry: Retry) -> None:
+    name = index_file(rec.shard_id)
+    if not retry(lambda: out.exists(name), f"checking {out.path(name)}"):
+        retry(lambda: out.write_atomic(name, index_body(rec.index)), f"writing {out.path(name)}")
+
+
+def remove_shard(out: Location, shard_id: str, retry: Retry) -> None:
+    """A void shard's object (and any unfinished upload of it) out of storage; never an indexed one."""
+    name = shard_file(shard_id)
+    retry(lambda: out.abort_uploads(name), f"aborting unfinished uploads of {out.path(name)}")
+    if retry(lambda: out.exists(index_file(shard_id)), f"checking {out.path(index_file(shard_id))}"):
+        return
+    if retry(lambda: out.exists(name), f"checking {out.path(name)}"):
+        retry(lambda: out.delete(name), f"deleting {out.path(name)}")
+
+
+def tend_revoked(conn: redis.Redis, run: str, out: Location, retry: Retry, own_key: str) -> int:
+    """Finish the decided records, and clear the void ones, of nodes whose spool was revoked.
+    Returns the samples this call moved to done."""
+    keys, ledger, leases = Keys(run), Ledger(conn, run), SpoolLeases(conn, run)
+    done = 0
+    for key in conn.scan_iter(match=keys.packing_pattern):
+        key = key.decode()
+        raw = conn.get(key)
+        if key == own_key or raw is None:
+            continue
+        rec = PackingRecord.from_json(raw)
+        if rec.spool is None or not leases.is_revoked(rec.spool):
+            continue  # a live node's shard in progress: its own collector's
+        if rec.index is not None:
+            write_decided_index(out, rec, retry)
+            changed = ledger.mark_done(rec.sample_ids)
+            if changed:
+                tokens = dict(zip(rec.index["samples"], rec.index["tokens"]))
+                ledger.add_stats(tokens_done=sum(tokens[s] for s in changed), bytes_done=rec.index["bytes"], shards=1)
+            done += len(changed)
+            log.warning("finished shard %s of revoked spool %s (%s): %d samples", rec.shard_id, rec.spool, key,
+                        len(changed))
+        else:
+            remove_shard(out, rec.shard_id, retry)
+            log.warning("removed void shard %s of revoked spool %s (%s)", rec.shard_id, rec.spool, key)
+        conn.eval(_DELETE_IF_SAME, 1, key, raw)
+    return done
