@@ -110,8 +110,11 @@ def status_cmd(run, redis_url, as_json, watch) -> None:
 @click.option("--sample", "samples", multiple=True, help="Requeue this failed sample id (repeatable).")
 @click.option("--all", "all_", is_flag=True, help="Every failed sample, and RQ's failed jobs of the run.")
 @click.option("--dry-run", is_flag=True, help="List what would be requeued; change nothing.")
-def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run) -> None:
-    """Put failed samples of RUN back on the queue, exactly once."""
+@click.option("--spool", "spools", multiple=True,
+              help="Reclaim this node spool now: its spooled samples back on the queue (see `harvest status`).")
+@click.option("--node", "nodes", multiple=True, help="Reclaim the spools of this node now (a node known to be gone).")
+def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run, spools, nodes) -> None:
+    """Put failed samples of RUN back on the queue, exactly once; or reclaim a lost node's spool."""
     import redis as redislib
 
     from harvest.config import ConfigError
@@ -119,9 +122,14 @@ def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run) -> None:
     from harvest.ops.requeue import requeue
     from harvest.state.runstore import load_run
 
-    if not (reasons or samples or all_):
-        fail("say what to requeue: --reason REASON, --sample ID or --all (see `harvest status` for the reasons)")
+    if not (reasons or samples or all_ or spools or nodes):
+        fail("say what to requeue: --reason REASON, --sample ID or --all (see `harvest status` for the reasons), "
+             "or --spool ID / --node NAME for a lost node")
     conn = redislib.Redis.from_url(redis_url)
+    if spools or nodes:
+        _reclaim(conn, run, spools, nodes, dry_run)
+        if not (reasons or samples or all_):
+            return
     try:
         res = requeue(conn, load_run(conn, run), reasons=reasons, sample_ids=samples, all_=all_, dry_run=dry_run)
     except (ConfigError, InvalidId) as e:
@@ -138,6 +146,39 @@ def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run) -> None:
     if res.no_payload:
         click.echo(f"{len(res.no_payload)} failed samples have no kept tokens and stay failed; "
                    "requeue them from the dataset with `harvest produce` after `harvest reconcile`", err=True)
+
+
+def _reclaim(conn, run: str, spools: tuple[str, ...], nodes: tuple[str, ...], dry_run: bool) -> None:
+    from harvest.config import ConfigError
+    from harvest.ids import InvalidId, check_id
+    from harvest.ops.reclaim import reclaim_spool
+    from harvest.state.runstore import load_run
+    from harvest.state.spools import SpoolLeases
+
+    try:
+        cfg = load_run(conn, run)
+        leases = SpoolLeases(conn, run)
+        chosen = [check_id(s, "spool id") for s in spools]
+        for node in nodes:
+            found = leases.of_node(check_id(node, "node name"))
+            if not found:
+                fail(f"node {node!r} has no spool in run {run} (`harvest status --run {run}` lists the spools)")
+            chosen += found
+    except (ConfigError, InvalidId) as e:
+        fail(str(e))
+    views = {v.spool: v for v in SpoolLeases(conn, run).list()}
+    for spool in dict.fromkeys(chosen):
+        v = views.get(spool)
+        if v is None:
+            fail(f"spool {spool!r} is not one of run {run}'s (`harvest status --run {run}` lists the spools)")
+        if dry_run:
+            click.echo(f"would reclaim spool {spool} of node {v.node}: {v.samples} spooled samples"
+                       + (" (already reclaimed)" if v.revoked else ""))
+            continue
+        rep = reclaim_spool(conn, cfg, spool)
+        click.echo(f"reclaimed spool {spool} of node {rep.node}: {len(rep.samples)} samples back on the queue in "
+                   f"{len(rep.jobs)} jobs" + (f", {len(rep.lost)} failed (tokens not kept)" if rep.lost else "")
+                   + (f", {len(rep.decided)} left to a commit already decided" if rep.decided else ""))
 
 
 @click.command("janitor")

@@ -24,6 +24,7 @@ from harvest.cli.options import (
     s3_endpoint_option,
     s3_options,
     s3_region_option,
+    spool_grace_option,
 )
 
 
@@ -51,10 +52,11 @@ def _default_run_name(dataset: str) -> str:
 @max_queued_option
 @click.option("--shard-mb", default=1024, show_default=True, type=click.IntRange(1), help="Target shard size in MiB.")
 @no_progress_option
+@spool_grace_option
 @s3_endpoint_option
 @s3_region_option
 def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
-            work_dir, dump_dir, max_queued, shard_mb, no_progress, s3_endpoint=None, s3_region=None,
+            work_dir, dump_dir, max_queued, shard_mb, no_progress, spool_grace=120.0, s3_endpoint=None, s3_region=None,
             engine="reference") -> None:
     """Extract hidden states for DATASET end to end on this machine.
 
@@ -71,7 +73,7 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         cfg = build_config(run or _default_run_name(dataset), model, out_url, layers, storage_dtype, engine=engine,
-                           shard_bytes=shard_mb << 20)
+                           shard_bytes=shard_mb << 20, spool_grace_s=spool_grace)
         summary = run_all(cfg, dataset, workers=workers, redis_url=redis_url, engine_url=engine_url, work_dir=work_dir,
                           dump_dir=dump_dir, chunked_prefill_size=chunked_prefill_size, max_queued=max_queued,
                           progress=not no_progress)
@@ -130,9 +132,10 @@ def demo_cmd(out_dir: str, workers: int) -> None:
 @click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 256),
               help="Tokenizer processes; pays only with cores beyond those the tokenizer's threads fill.")
 @produce_engine_option
+@spool_grace_option
 def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, batch_samples, batch_tokens,
                 fields, chat_template, max_len, overlong, dry_run, strict, progress, processes,
-                engine="reference") -> None:
+                engine="reference", spool_grace=120.0) -> None:
     """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded).
 
     Exit status: 0, 1 when some rows were bad (each is reported with its file and line), 2 on errors.
@@ -162,7 +165,8 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
             s = produce(None, None, dataset, tokenizer=load_tokenizer(model), progress=progress, strict=strict, **kw)
         else:
             cfg = open_run(conn, run, model=model, out_url=out_url, layers=layers, storage_dtype=storage_dtype,
-                           engine=engine, dry_run=dry_run, batch_samples=batch_samples, batch_tokens=batch_tokens)
+                           engine=engine, dry_run=dry_run, batch_samples=batch_samples, batch_tokens=batch_tokens,
+                           spool_grace_s=spool_grace)
             s = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress, strict=strict, **kw)
     except (ConfigError, FileNotFoundError, ValueError, redislib.ConnectionError) as e:
         fail(str(e))

@@ -38,6 +38,8 @@ STATS = {
     "shards": ("harvest_shards_total", "Shards committed."),
     "job_retries": ("harvest_job_retries_total", "Jobs put back for a transient error (engine, storage)."),
     "jobs_reaped": ("harvest_jobs_reaped_total", "Jobs taken back from dead workers by the janitor."),
+    "spools_reclaimed": ("harvest_spools_reclaimed_total", "Node spools given up for lost (lease silent past the grace)."),
+    "samples_reclaimed": ("harvest_samples_reclaimed_total", "Spooled samples of lost spools put back on the queue."),
 }
 
 

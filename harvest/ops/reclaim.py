@@ -85,6 +85,7 @@ def reclaim_spool(conn: redis.Redis, cfg: RunConfig, spool: str) -> ReclaimRepor
         batches = split_jobs(samples, cfg.max_batch_samples, cfg.max_batch_tokens)
         job_ids = [f"{job_id_for(cfg.run, [s.id for s in b])}-x{time.time_ns()}" for b in batches]
         with conn.pipeline(transaction=True) as pipe:
+            pipe.multi()
             ledger.reclaim(spool, [s.id for s in samples], pipe=pipe)
             for b, job_id in zip(batches, job_ids):
                 enqueue_samples(queue, cfg.run, b, job_id, pipe)

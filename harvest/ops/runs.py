@@ -19,11 +19,12 @@ from harvest.state.runstore import load_run, publish_run
 
 def open_run(conn: redis.Redis, run: str, *, model: str | None, out_url: str | None, layers: str,
              storage_dtype: str, engine: str, dry_run: bool = False, batch_samples: int | None = None,
-             batch_tokens: int | None = None) -> RunConfig:
+             batch_tokens: int | None = None, spool_grace_s: float = 120.0) -> RunConfig:
     """The run `run`: published from these settings when `model` and `out_url` are given (a
     dry run publishes nothing), else the stored one; with this producer's job sizes."""
     if model and out_url and not dry_run:
-        cfg = publish_run(conn, build_config(run, model, out_url, layers, storage_dtype, engine=engine))
+        cfg = publish_run(conn, build_config(run, model, out_url, layers, storage_dtype, engine=engine,
+                                             spool_grace_s=spool_grace_s))
         reconcile(conn, cfg)
     else:
         cfg = load_run(conn, run)

@@ -15,9 +15,12 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
-from harvest.state.heartbeat import read_collectors, read_workers
+from harvest.config import ConfigError, RunConfig
+from harvest.state.heartbeat import HEARTBEAT_TTL_S, read_collectors, read_workers
 from harvest.state.jobs import run_queue
 from harvest.state.ledger import Ledger
+from harvest.state.runstore import load_run
+from harvest.state.spools import SpoolLeases
 
 RATE_WINDOW_S = 60
 
@@ -42,6 +45,15 @@ class CollectorView:
     spool_bytes: int
     shards_committed: int
     seen_seconds_ago: float
+
+
+@dataclass
+class SpoolStatus:
+    spool: str
+    node: str
+    seen_seconds_ago: float  # since the last lease renewal by one of its workers or collectors
+    samples: int  # spooled samples it owns
+    state: str  # alive | silent (reclaimed once the grace passes) | reclaimed
 
 
 @dataclass
@@ -76,6 +88,10 @@ class RunStatus:
     collectors: list[CollectorView] = field(default_factory=list)
     dead_collectors: list[str] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
+    spools: list[SpoolStatus] = field(default_factory=list)
+    spool_grace_s: float = 120.0
+    spools_reclaimed: int = 0
+    samples_reclaimed: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,8 +104,31 @@ def _f(h: dict, k: str, default: float = 0.0) -> float:
         return default
 
 
+def _grace(conn: redis.Redis, run: str) -> float:
+    try:
+        return load_run(conn, run).spool_grace_s
+    except ConfigError:
+        return RunConfig.__dataclass_fields__["spool_grace_s"].default
+
+
+def _spools(conn: redis.Redis, run: str, grace: float) -> list[SpoolStatus]:
+    out = []
+    for v in SpoolLeases(conn, run).list():
+        if v.revoked:
+            state = "reclaimed"
+        elif v.seen_seconds_ago > HEARTBEAT_TTL_S:
+            state = f"silent (reclaimed in {_duration(max(0.0, grace - v.seen_seconds_ago))})"
+        else:
+            state = "alive"
+        if v.revoked and not v.samples and v.seen_seconds_ago > 3600:
+            continue  # long gone and empty: not worth a line
+        out.append(SpoolStatus(v.spool, v.node, v.seen_seconds_ago, v.samples, state))
+    return out
+
+
 def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: int = 10) -> RunStatus:
     now = time.time() if now is None else now
+    grace = _grace(conn, run)
     led = Ledger(conn, run)
     counts, stats = led.counts(), led.stats()
     rates, window = led.rates(RATE_WINDOW_S, now)
@@ -133,6 +172,8 @@ def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: i
                                   spool_bytes=int(_f(c, "spool_bytes")), shards_committed=int(_f(c, "shards_committed")),
                                   seen_seconds_ago=round(now - _f(c, "seen", now), 1)) for c in cols],
         dead_collectors=dead_cols,
+        spools=_spools(conn, run, grace), spool_grace_s=grace,
+        spools_reclaimed=stats.get("spools_reclaimed", 0), samples_reclaimed=stats.get("samples_reclaimed", 0),
         failures=[Failure(r, n, examples.get(r, "")) for r, n in reasons.most_common(top)],
     )
 
@@ -179,6 +220,12 @@ def render(st: RunStatus, width: int = 100) -> str:
     lines.append("  spool    " + ("   ".join(f"{c.node}: {c.spool_files} files, {_size(c.spool_bytes)}" for c in st.collectors)
                                   or "no collector heartbeat")
                  + (f"   (collector gone on {', '.join(st.dead_collectors)})" if st.dead_collectors else ""))
+    if st.spools:
+        lines.append(f"  spools   (lost after {st.spool_grace_s:.0f}s silent; reclaimed so far: {st.spools_reclaimed} spools, "
+                     f"{st.samples_reclaimed} samples)")
+        for sp in st.spools:
+            lines.append(f"    {sp.spool}  node {sp.node}  {sp.state}, seen {_duration(sp.seen_seconds_ago)} ago, "
+                         f"{sp.samples} spooled")
     if st.failures:
         lines.append("  failures (reason: count, e.g.)")
         for f in st.failures:

@@ -1,0 +1,143 @@
+"""Spool leases on real Redis and a local output: a lost spool's samples go back to the queue
+exactly once, and a spool that comes back after that commits none of them."""
+
+import dataclasses
+import os
+import time
+
+import pytest
+
+from collector.collector import Collector
+from collector.records import PackingRecord, Voided, tend_revoked
+from harvest.formats.index import INDEX, index_file
+from harvest.formats.shard import SHARDS, shard_file
+from harvest.formats.spool import list_spooled, rotate_spool_identity, spool_identity
+from harvest.ops.reclaim import reclaim_lost_spools, reclaim_spool
+from harvest.state.jobs import run_queue
+from harvest.state.ledger import Ledger
+from harvest.state.payload import Sample, decode_batch, payload_row
+from harvest.state.runstore import publish_run
+from harvest.state.spools import SpoolLeases
+from harvest.storage import Location, retry
+from tests.support.synth import make_config, spool_samples
+
+
+def _spool(conn, cfg, tmp_path, name, lengths, seed0):
+    """A spool dir with samples written and marked spooled, as a worker leaves them."""
+    d = str(tmp_path / name)
+    spooled = spool_samples(d, cfg, lengths, seed0=seed0)
+    owner = spool_identity(d)
+    ledger = Ledger(conn, cfg.run)
+    ids = [s.id for s in spooled]
+    ledger.add_queued(ids)
+    rows = [payload_row(cfg.run, Sample.build(s.input_ids.numpy(), s.loss_mask.numpy())) for s in spooled]
+    assert ledger.mark_spooled(ids, owner=owner, rows=rows) == ids
+    return d, owner, ids, spooled
+
+
+def _setup(conn, tmp_path, grace=0.5):
+    cfg = publish_run(conn, dataclasses.replace(make_config(f"file://{tmp_path / 'out'}"), spool_grace_s=grace))
+    a = _spool(conn, cfg, tmp_path, "spool-a", [12, 7, 30, 5, 9], 0)
+    b = _spool(conn, cfg, tmp_path, "spool-b", [4, 16, 8], 100)
+    return cfg, a, b
+
+
+def _queued_jobs(conn, run) -> list[list[str]]:
+    return [[s.id for s in decode_batch(job.args[0])[1]] for job in run_queue(conn, run).get_jobs()]
+
+
+def test_reclaim_puts_exactly_the_silent_spools_samples_back_with_their_jobs(conn, tmp_path):
+    cfg, (_, a, a_ids, a_samples), (_, b, b_ids, _) = _setup(conn, tmp_path)
+    leases, ledger = SpoolLeases(conn, cfg.run), Ledger(conn, cfg.run)
+    assert leases.renew(a, "node-a") and leases.renew(b, "node-b")
+    time.sleep(0.6)
+    assert leases.renew(b, "node-b")  # b's processes beat on; a's node went silent
+    reps = reclaim_lost_spools(conn, cfg)
+    assert [(r.spool, r.node, sorted(r.samples), r.lost, r.decided) for r in reps] == [(a, "node-a", sorted(a_ids), [], [])]
+    assert ledger.states(a_ids) == ["q"] * 5 and ledger.states(b_ids) == ["s"] * 3
+    assert ledger.counts() == {"queued": 5, "spooled": 3, "done": 0, "failed": 0, "total": 8}
+    assert ledger.spool_owners(a_ids) == [None] * 5 and ledger.spool_owners(b_ids) == [b] * 3
+    assert ledger.spooled_payloads(a_ids) == [None] * 5
+    assert conn.hgetall(ledger.keys.spool_counts) == {b.encode(): b"3"}
+    assert sorted(i for job in _queued_jobs(conn, cfg.run) for i in job) == sorted(a_ids)
+    jobs = run_queue(conn, cfg.run).get_jobs()
+    got = {s.id: s for job in jobs for s in decode_batch(job.args[0])[1]}
+    for s in a_samples:  # the kept rows give back the very tokens and mask
+        assert got[s.id].input_ids.tolist() == s.input_ids.tolist()
+        assert got[s.id].loss_mask.tolist() == s.loss_mask.tolist()
+    assert ledger.stats()["spools_reclaimed"] == 1 and ledger.stats()["samples_reclaimed"] == 5
+    # a second pass finds nothing more to do, and enqueues nothing
+    assert [r.samples for r in reclaim_lost_spools(conn, cfg)] == []
+    assert len(run_queue(conn, cfg.run).get_jobs()) == len(jobs)
+
+
+def test_a_revoked_spool_owns_nothing_again(conn, tmp_path):
+    cfg, (_, a, a_ids, _), _ = _setup(conn, tmp_path)
+    ledger, leases = Ledger(conn, cfg.run), SpoolLeases(conn, cfg.run)
+    key = ledger.keys.packing("node-a")
+    assert ledger.fence_commit(a, a_ids[:2], key, "{}")  # the fence passes while the spool owns them
+    conn.delete(key)
+    reclaim_spool(conn, cfg, a)
+    assert not leases.renew(a, "node-a")
+    assert not ledger.fence_commit(a, a_ids[:2], key, "{}") and conn.get(key) is None
+    assert ledger.mark_spooled(a_ids, owner=a) == []  # still queued: the retried job spools them anew
+    assert ledger.states(a_ids) == ["q"] * 5
+
+
+def test_every_process_of_a_revoked_spool_takes_the_same_new_id(tmp_path):
+    d = str(tmp_path / "spool")
+    old = spool_identity(d)
+    new = rotate_spool_identity(d, old)
+    assert new != old and rotate_spool_identity(d, old) == new == spool_identity(d)
+    assert rotate_spool_identity(d, "someone-elses") == new
+
+
+def test_a_decided_commit_is_finished_by_another_node(conn, tmp_path):
+    cfg, (a_dir, a, a_ids, _), _ = _setup(conn, tmp_path)
+    c = Collector(conn, cfg, a_dir, node="node-a")
+    plan = c.plan(c.choose(force=True))
+    c.record(plan)
+    c.publish(plan, *c.pack(plan))  # fenced and indexed ...
+    out = Location.from_url(cfg.out_url).child(cfg.run)
+    out.delete(index_file(plan.shard_id))  # ... but the node was lost before its index landed
+    rep = reclaim_spool(conn, cfg, a)
+    assert sorted(rep.decided) == sorted(plan.sample_ids) and rep.samples == []
+    moved = tend_revoked(conn, cfg.run, out, lambda fn, what: retry(fn, what), own_key="other")
+    assert moved == len(plan.sample_ids)
+    assert out.exists(index_file(plan.shard_id)) and conn.get(c.packing_key) is None
+    assert set(Ledger(conn, cfg.run).states(plan.sample_ids)) == {"d"}
+
+
+def test_a_spool_back_after_its_reclaim_indexes_nothing_and_removes_its_shard(conn, tmp_path):
+    cfg, (a_dir, a, a_ids, _), _ = _setup(conn, tmp_path)
+    out = Location.from_url(cfg.out_url).child(cfg.run)
+    c = Collector(conn, cfg, a_dir, node="node-a")
+    plan = c.plan(c.choose(force=True))
+    c.record(plan)
+    tmp, sha = c.pack(plan)
+    reclaim_spool(conn, cfg, a)  # the node was silent past the grace while it packed
+    with pytest.raises(Voided):
+        c.publish(plan, tmp, sha)
+    assert out.exists(shard_file(plan.shard_id))  # uploaded before the fence refused it
+    c.void(plan, "test")
+    assert out.list(SHARDS) == [] and out.list(INDEX) == [] and conn.get(c.packing_key) is None
+    assert c.spool_id != a and spool_identity(a_dir) == c.spool_id
+    assert Ledger(conn, cfg.run).states(a_ids) == ["q"] * 5
+    assert c.step(force=True) == 0  # queued samples' files wait for their new attempt
+
+
+def test_a_restarted_collector_voids_the_shard_of_its_reclaimed_spool(conn, tmp_path):
+    cfg, (a_dir, a, a_ids, _), _ = _setup(conn, tmp_path)
+    out = Location.from_url(cfg.out_url).child(cfg.run)
+    c = Collector(conn, cfg, a_dir, node="node-a")
+    plan = c.plan(c.choose(force=True))
+    c.record(plan)
+    tmp, _ = c.pack(plan)
+    out.put_file(tmp, shard_file(plan.shard_id))  # uploaded (a local output renames); the collector died before its fence
+    assert out.exists(shard_file(plan.shard_id)) and not os.path.exists(tmp)
+    assert PackingRecord.from_json(conn.get(c.packing_key)).spool == a
+    reclaim_spool(conn, cfg, a)
+    Collector(conn, cfg, a_dir, node="node-a").resume()  # the node's disk is back
+    assert out.list(SHARDS) == [] and out.list(INDEX) == [] and conn.get(c.packing_key) is None
+    assert [sid for sid, _, _ in list_spooled(a_dir)] != []  # queued samples' files wait for their new attempt
+    assert Ledger(conn, cfg.run).counts()["done"] == 0
