@@ -21,7 +21,7 @@ import redis
 import torch
 from rq import SimpleWorker
 
-from harvest.ids import node_name
+from harvest.ids import check_id, node_name
 from harvest.node.dumpdir import claim_dir as claim_dir_of
 from harvest.node.paths import private_dir
 from harvest.ops.janitor import janitor_pass
@@ -86,6 +86,7 @@ def run_worker(
     retry_backoff: float = 10.0,
     max_jobs: int | None = None,
     engine_wait: float = 0.0,
+    node: str | None = None,
 ) -> None:
     # One intra-op thread: a worker's tensor work (the finiteness check, the dtype cast) is small
     # and memory-bound, and the cores belong to the engine and the other workers. With torch's
@@ -94,7 +95,7 @@ def run_worker(
     torch.set_num_threads(1)
     conn = redis.Redis.from_url(redis_url)
     cfg = load_run(conn, run)
-    host = node_name()
+    host = check_id(node, "node name") if node else node_name()
     name = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
     beat = WorkerBeat(conn, run, name, host, engine_url)
     beat.start()  # before the claim dir exists: the janitor removes claim dirs of workers without one

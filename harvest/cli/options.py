@@ -56,6 +56,8 @@ s3_endpoint_option = click.option("--s3-endpoint", default=None,
                                        "AWS_ENDPOINT_URL. Credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
 s3_region_option = click.option("--s3-region", default=None, help="S3 region; else AWS_REGION / AWS_DEFAULT_REGION.")
 no_progress_option = click.option("--no-progress", is_flag=True)
+node_option = click.option("--node", default=None,
+                           help="Node name in heartbeats, spools and `harvest status` (default: host name).")
 spool_grace_option = click.option("--spool-grace", "spool_grace", default=120.0, show_default=True,
                                   type=click.FloatRange(min=1), help="Seconds a node's spool may be silent before "
                                   "its samples are reclaimed and extracted again elsewhere (a new run's setting).")

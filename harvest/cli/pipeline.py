@@ -17,6 +17,7 @@ from harvest.cli.options import (
     layers_option,
     max_queued_option,
     no_progress_option,
+    node_option,
     produce_engine_option,
     redis_option,
     run_engine_option,
@@ -191,8 +192,9 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
               help="Wait (backpressure) while this node's spool holds more than this.")
 @click.option("--engine-wait", default=0.0, show_default=True, type=click.FloatRange(0),
               help="Take no job until the engine is healthy, up to this many seconds (SGLang loads for minutes).")
+@node_option
 def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_timeout, retries, retry_backoff, max_jobs,
-               max_spool_mb, engine_wait) -> None:
+               max_spool_mb, engine_wait, node) -> None:
     """Take jobs of RUN: engine call, claim dumps, verify, spool."""
     from harvest.config import ConfigError
     from workers.worker import run_worker
@@ -200,7 +202,7 @@ def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_time
     try:
         run_worker(redis_url, run, engine_url, dump_dir, spool_dir, burst=burst, dump_timeout=dump_timeout,
                    retries=retries, retry_backoff=retry_backoff, max_jobs=max_jobs, max_spool_bytes=max_spool_mb << 20,
-                   engine_wait=engine_wait)
+                   engine_wait=engine_wait, node=node)
     except ConfigError as e:
         fail(str(e))
 
@@ -212,7 +214,7 @@ def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_time
 @click.option("--max-wait", default=60.0, show_default=True, help="Commit a partial shard once its oldest sample is this old (s).")
 @click.option("--shard-mb", default=None, type=click.IntRange(1), help="Target shard size in MiB (default: the run's).")
 @click.option("--part-mb", default=None, type=click.IntRange(5), help="Multipart upload part size in MiB (default: s3fs's, 50).")
-@click.option("--node", default=None, help="Node name (default: host name).")
+@node_option
 @click.option("--burst", is_flag=True, help="Commit what is spooled now, then exit.")
 @s3_options
 def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, node, burst, s3_endpoint, s3_region) -> None:

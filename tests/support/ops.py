@@ -44,10 +44,11 @@ class Procs:
         os.makedirs(log_dir, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         p = subprocess.Popen([sys.executable, "-m", "harvest.cli", "-v", *args], cwd=REPO, stdout=log,
-                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env={**os.environ, **env} if env else None)
         log.close()
         self.procs[name] = p
         return p
@@ -95,11 +96,13 @@ class Procs:
                 p.wait()
 
 
-def new_run(conn: redis.Redis, run: str, model: str, out: str, batch: int = 4, dtype: str = "fp32") -> RunConfig:
+def new_run(conn: redis.Redis, run: str, model: str, out: str, batch: int = 4, dtype: str = "fp32",
+            spool_grace_s: float = 120.0) -> RunConfig:
     """Publish a run whose jobs hold `batch` samples (several jobs from a small dataset)."""
     from harvest.config import build_config
 
-    cfg = dataclasses.replace(build_config(run, model, out, "eagle3", dtype), max_batch_samples=batch)
+    cfg = dataclasses.replace(build_config(run, model, out, "eagle3", dtype, spool_grace_s=spool_grace_s),
+                              max_batch_samples=batch)
     return publish_run(conn, cfg)
 
 

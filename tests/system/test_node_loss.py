@@ -1,0 +1,150 @@
+"""Two nodes on one Redis and one output, as real processes: a node lost with samples on its
+spool strands none of them, a node back within the grace commits its own, and a node whose disk
+comes back after its spool was reclaimed commits nothing twice and leaves no orphan object.
+
+A "node" is an engine, a worker and (sometimes) a collector with a spool and a dump dir of its
+own; losing it is SIGKILL of all of its processes, with its spool left as it was (the disk is
+withheld: nothing touches it until the node comes back)."""
+
+import json
+import os
+import signal
+
+import boto3
+import pytest
+
+from harvest.cli.demo import demo_rows, write_jsonl
+from harvest.formats.index import INDEX
+from harvest.formats.shard import SHARDS
+from harvest.formats.spool import list_spooled, spool_identity
+from harvest.read.reader import RunReader
+from harvest.state.ledger import Ledger
+from harvest.storage import Location
+from tests.support.ops import Procs, cli, new_run, wait_until
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Procs(str(tmp_path / "logs"))
+    yield p
+    p.close()
+
+
+class Node:
+    def __init__(self, name, tmp_path, procs, redis_url, run, model):
+        self.name, self.procs, self.redis_url, self.run, self.model = name, procs, redis_url, run, model
+        self.dumps, self.spool = str(tmp_path / f"dumps-{name}"), str(tmp_path / f"spool-{name}")
+        self.url = None
+
+    def start(self, worker=True, collector=True, collector_env=None, burst_collector=False):
+        if worker:
+            self.url = self.url or self.procs.engine(f"engine-{self.name}", self.model, self.dumps)
+            self.procs.start(f"worker-{self.name}", "worker", "--run", self.run, "--redis", self.redis_url,
+                             "--engine-url", self.url, "--dump-dir", self.dumps, "--spool-dir", self.spool,
+                             "--node", self.name)
+        if collector:
+            self.procs.start(f"collector-{self.name}", "collect", "--run", self.run, "--redis", self.redis_url,
+                             "--spool-dir", self.spool, "--node", self.name, "--max-wait", "1",
+                             *(["--burst"] if burst_collector else []), env=collector_env)
+
+    def lose(self):
+        """Every process of the node SIGKILLed at once; its spool stays as it was."""
+        for n in (f"worker-{self.name}", f"collector-{self.name}", f"engine-{self.name}"):
+            p = self.procs.procs.get(n)
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+        self.url = None
+
+    def spool_id(self):
+        return spool_identity(self.spool)
+
+    def spooled(self, conn):
+        return int(conn.hget(Ledger(conn, self.run).keys.spool_counts, self.spool_id()) or 0)
+
+
+def _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace, rows=24):
+    cfg = new_run(conn, run, tiny_model, out, batch=4, spool_grace_s=grace)
+    data = write_jsonl(str(tmp_path / "data.jsonl"), demo_rows(rows, seed=11))
+    res = cli("produce", data, "--run", run, "--redis", redis_server.url)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return cfg, Ledger(conn, run).counts()["total"]
+
+
+def _status(run, redis_url) -> dict:
+    res = cli("status", "--run", run, "--redis", redis_url, "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def _check_every_sample_once(conn, run, out_url, total):
+    ledger = Ledger(conn, run)
+    assert ledger.counts() == {"queued": 0, "spooled": 0, "done": total, "failed": 0, "total": total}
+    reader = RunReader(f"{out_url}/{run}")  # refuses a sample in two shards
+    assert len(reader) == total
+    loc = Location.from_url(f"{out_url}/{run}")
+    indexed = sorted(n.removesuffix(".json") for n in loc.list(INDEX, ".json"))
+    assert sorted(n.removesuffix(".safetensors") for n in loc.list(SHARDS, ".safetensors")) == indexed  # no orphan
+    assert list(conn.scan_iter(match=f"{ledger.keys.prefix}:packing:*")) == []
+
+
+def test_a_lost_nodes_spooled_samples_are_reclaimed_and_committed_elsewhere(tmp_path, conn, redis_server,
+                                                                          tiny_model, procs):
+    run, out = "lost", f"file://{tmp_path}/out"
+    _, total = _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace=4)
+    a = Node("a", tmp_path, procs, redis_server.url, run, tiny_model)
+    a.start(collector=False)  # its collector never got to commit
+    wait_until(lambda: a.spooled(conn) >= 8, 120, "node a spooled 8 samples")
+    a.lose()
+    stranded, files = a.spooled(conn), sorted(os.listdir(a.spool))
+    b = Node("b", tmp_path, procs, redis_server.url, run, tiny_model)
+    b.start()
+    wait_until(lambda: Ledger(conn, run).counts()["done"] == total, 240, "every sample done")
+    _check_every_sample_once(conn, run, out, total)
+    stats = Ledger(conn, run).stats()
+    assert stats["spools_reclaimed"] == 1 and stats["samples_reclaimed"] == stranded
+    st = _status(run, redis_server.url)
+    assert {s["spool"]: (s["node"], s["state"], s["samples"]) for s in st["spools"]}[a.spool_id()] == \
+        ("a", "reclaimed", 0)
+    assert st["spools_reclaimed"] == 1 and st["samples_reclaimed"] == stranded
+    assert sorted(os.listdir(a.spool)) == files  # the lost disk was not touched
+
+
+def test_a_node_back_within_the_grace_commits_its_own_samples(tmp_path, conn, redis_server, tiny_model, procs):
+    run, out = "back", f"file://{tmp_path}/out"
+    _, total = _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace=120)
+    a = Node("a", tmp_path, procs, redis_server.url, run, tiny_model)
+    a.start(collector=False)
+    wait_until(lambda: a.spooled(conn) >= 8, 120, "node a spooled 8 samples")
+    spool_id = a.spool_id()
+    a.lose()  # a reboot: the node restarts with its disk
+    a.start()
+    wait_until(lambda: Ledger(conn, run).counts()["done"] == total, 240, "every sample done")
+    _check_every_sample_once(conn, run, out, total)
+    assert Ledger(conn, run).stats().get("spools_reclaimed", 0) == 0 and a.spool_id() == spool_id
+
+
+def test_a_disk_back_after_its_reclaim_commits_nothing_twice_and_leaves_no_orphan(tmp_path, conn, redis_server,
+                                                                                 tiny_model, procs, s3_bucket):
+    run, out = "late", f"{s3_bucket}/out"
+    _, total = _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace=4)
+    a = Node("a", tmp_path, procs, redis_server.url, run, tiny_model)
+    # a's collector uploads its first shard and dies before the commit fence; then the node is lost
+    a.start(collector_env={"HARVEST_COLLECTOR_CRASH_AT": "uploaded"})
+    assert procs.wait("collector-a", 180) == -signal.SIGKILL
+    a.lose()
+    rec = json.loads(conn.get(Ledger(conn, run).keys.packing("a")))
+    assert "index" not in rec and rec["spool"] == a.spool_id()
+    assert Location.from_url(f"{out}/{run}").exists(f"{SHARDS}/{rec['shard_id']}.safetensors")
+    b = Node("b", tmp_path, procs, redis_server.url, run, tiny_model)
+    b.start()
+    wait_until(lambda: Ledger(conn, run).counts()["done"] == total, 240, "every sample done")
+    old_spool = a.spool_id()
+    a.start(worker=False, burst_collector=True)  # the disk is back
+    assert procs.wait("collector-a", 120) == 0, procs.log("collector-a")
+    _check_every_sample_once(conn, run, out, total)
+    assert [sid for sid, _, _ in list_spooled(a.spool)] == []  # its copies of committed samples are gone
+    assert a.spool_id() != old_spool  # a revoked spool goes on under a new id
+    bucket = s3_bucket.removeprefix("s3://")
+    s3 = boto3.client("s3", endpoint_url=os.environ["HARVEST_S3_ENDPOINT"], region_name="us-east-1")
+    assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
