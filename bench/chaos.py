@@ -1,12 +1,15 @@
 """Long fault-injection soak: many seeded trials of tests/support/chaos.py, then the totals.
 
-    python bench/chaos.py --trials 100 [--samples 40] [--kills 4] [--s3-every 3]
+    python bench/chaos.py --trials 100 [--samples 40] [--kills 4] [--s3-every 3] [--nodes 2]
 
 Each trial is a real run (private Redis with AOF, reference engine, workers, collector,
 producer as processes) with `--kills` SIGKILLs at random moments; every third trial (by
 default) writes to a moto S3 server and runs with engine faults switched on. Prints one line
 a trial and the totals: kills per process kind, samples lost and doubled (both must be 0),
-failures by reason. Exit status 1 if any trial lost, doubled or misplaced anything.
+failures by reason. With `--nodes N` (N >= 2) each trial runs N nodes (engine, workers and
+collector with their own spool) and `node` faults are among the kills: a whole node lost, back
+within the spool grace, after it, or never; the totals add how lost nodes came back and how
+many spools were reclaimed. Exit status 1 if any trial lost, doubled or misplaced anything.
 """
 
 from __future__ import annotations
@@ -53,15 +56,16 @@ def main() -> int:
     ap.add_argument("--first-seed", type=int, default=1000)
     ap.add_argument("--samples", type=int, default=40)
     ap.add_argument("--kills", type=int, default=4)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=2, help="workers per node")
+    ap.add_argument("--nodes", type=int, default=1, help="nodes per trial; 2 or more adds node faults")
     ap.add_argument("--s3-every", type=int, default=3, help="every Nth trial writes to S3 with engine faults on (0: never)")
     ap.add_argument("--keep", action="store_true", help="keep the folders of failed trials")
     args = ap.parse_args()
 
     model = build_tiny_model()
     server, bucket = s3_server() if args.s3_every else (None, None)
-    kills, exits, reasons = Counter(), Counter(), Counter()
-    lost = doubled = bad_trials = done = failed = 0
+    kills, exits, reasons, returns = Counter(), Counter(), Counter(), Counter()
+    lost = doubled = bad_trials = done = failed = reclaimed = revoked = 0
     t0 = time.monotonic()
     try:
         for i in range(args.trials):
@@ -69,10 +73,14 @@ def main() -> int:
             s3 = bool(args.s3_every) and i % args.s3_every == args.s3_every - 1
             root = tempfile.mkdtemp(prefix=f"chaos-{seed}-")
             r = Trial(root, model, seed, samples=args.samples, kills=args.kills, workers=args.workers,
-                      out_url=bucket if s3 else None, env={"HARVEST_ENGINE_FAULTS": FAULTS} if s3 else None).execute()
+                      out_url=bucket if s3 else None, env={"HARVEST_ENGINE_FAULTS": FAULTS} if s3 else None,
+                      nodes=args.nodes, deadline_s=240 + 60 * (args.nodes - 1)).execute()
             print(("s3  " if s3 else "file ") + r.summary(), flush=True)
             kills.update(r.kills)
             exits.update(r.restarts_on_exit)
+            returns.update(r.node_returns)
+            reclaimed += r.spools_reclaimed
+            revoked += r.spools_revoked
             reasons.update(r.failure_reasons)
             lost += len(r.lost)
             doubled += len(r.doubled)
@@ -89,6 +97,9 @@ def main() -> int:
     print(f"\ntrials {args.trials} ({bad_trials} with problems), {time.monotonic() - t0:.0f}s")
     print(f"kills by process: {dict(sorted(kills.items()))} (total {sum(kills.values())})")
     print(f"restarts after a process exited on its own: {dict(sorted(exits.items()))}")
+    if args.nodes > 1:
+        print(f"lost nodes came back: {dict(sorted(returns.items()))}; spools revoked: {revoked}, "
+              f"of which reclaimed with samples: {reclaimed}")
     print(f"samples: done {done}, failed with reason {failed} {dict(reasons)}, lost {lost}, doubled {doubled}")
     return 1 if bad_trials else 0
 

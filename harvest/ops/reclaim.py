@@ -96,7 +96,7 @@ def reclaim_spool(conn: redis.Redis, cfg: RunConfig, spool: str) -> ReclaimRepor
             rep.lost += ledger.mark_failed({sid: (SPOOL_LOST, f"spool {spool} of node {node} was reclaimed and this "
                                                   "sample's tokens were not kept: produce the dataset again")
                                             for sid in lost})
-    if first or rep.samples:
+    if rep.samples or rep.lost:  # a spool revoked empty (its node shut down cleanly) is no loss to count
         ledger.add_stats(spools_reclaimed=int(first), samples_reclaimed=len(rep.samples))
         log.warning("spool %s of node %s reclaimed: %d samples back on the queue in %d jobs, %d lost, %d left to a "
                     "decided commit", spool, node, len(rep.samples), len(rep.jobs), len(rep.lost), len(rep.decided))

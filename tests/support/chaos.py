@@ -1,16 +1,20 @@
 """Fault-injection harness: real runs with processes SIGKILLed at random, then exact accounting.
 
-One trial starts a private Redis (AOF), the reference engine (chunked prefill), workers, a
-collector and the producer as separate processes, exactly as an operator would, over a
-dataset of pre-tokenized rows whose sample ids are known in advance. At random moments it
-SIGKILLs one of them (worker, engine, collector, producer or Redis) and starts it again; a
-process that exits on its own (a worker whose Redis vanished) is restarted too, as a
-supervisor would. When the producer has finished and every sample is done or failed, it
-stops everything, runs the janitor, and accounts for every input sample:
+One trial starts a private Redis (AOF), and per node the reference engine (chunked prefill),
+workers and a collector with a spool and a dump dir of their own, plus the producer, as
+separate processes, exactly as an operator would, over a dataset of pre-tokenized rows whose
+sample ids are known in advance. At random moments it SIGKILLs one of them (worker, engine,
+collector, producer or Redis) and starts it again; a process that exits on its own (a worker
+whose Redis vanished) is restarted too, as a supervisor would. With several nodes, a `node`
+fault kills every process of one node and withholds its disk: the node comes back within the
+run's spool grace, after it (its spool reclaimed meanwhile), or never. When the producer has
+finished and every sample is done or failed, it stops everything, runs each returned node's
+collector and janitor once more, and accounts for every input sample:
 
 - exactly one copy in exactly one committed shard (index file present), with its tokens, or
 - exactly one failed entry with a reason;
-- no shard without an index, no spool, dump or claim files left behind.
+- no shard without an index, no spool, dump or claim files left behind (on the disks that
+  came back).
 
 Used by tests/system/test_chaos.py (a few short trials) and bench/chaos.py (long soaks).
 """
@@ -38,6 +42,7 @@ from harvest.state.ledger import Ledger
 from tests.support.cli import REPO
 
 KINDS = ("worker", "engine", "collector", "producer", "redis")
+RETURNS = ("within", "after", "never")  # when a lost node comes back, against the spool grace
 
 
 @dataclass
@@ -46,6 +51,9 @@ class TrialResult:
     samples: int
     kills: Counter = field(default_factory=Counter)
     restarts_on_exit: Counter = field(default_factory=Counter)
+    node_returns: Counter = field(default_factory=Counter)  # within / after the grace, never
+    spools_reclaimed: int = 0  # spools revoked with samples to put back
+    spools_revoked: int = 0  # every spool given up for lost, empty ones too
     done: int = 0
     failed: int = 0
     lost: list[str] = field(default_factory=list)
@@ -67,6 +75,9 @@ class TrialResult:
     def summary(self) -> str:
         return (f"seed {self.seed}: {'OK' if self.ok else 'FAIL'} {self.samples} samples, done {self.done}, failed "
                 f"{self.failed} {dict(self.failure_reasons)}, kills {dict(self.kills)}, exits {dict(self.restarts_on_exit)}, "
+                + (f"nodes back {dict(self.node_returns)}, spools revoked {self.spools_revoked} "
+                   f"({self.spools_reclaimed} with samples), "
+                   if self.node_returns else "") +
                 f"lost {len(self.lost)}, doubled {len(self.doubled)}, wrong {len(self.wrong_tokens)}, "
                 f"unexplained failures {len(self.failed_without_reason)}, shards without index "
                 f"{len(self.shards_without_index)}, leftovers {self.leftovers[:5]}, {self.seconds:.0f}s"
@@ -79,10 +90,20 @@ def make_rows(n: int, vocab: int, rng: random.Random) -> list[list[int]]:
 
 class Trial:
     def __init__(self, root: str, model: str, seed: int, samples: int = 60, workers: int = 2, kills: int = 4,
-                 chunk: int = 48, out_url: str | None = None, env: dict | None = None, deadline_s: float = 240) -> None:
+                 chunk: int = 48, out_url: str | None = None, env: dict | None = None, deadline_s: float = 240,
+                 nodes: int = 1, grace_s: float | None = None, kinds: tuple[str, ...] | None = None,
+                 returns: tuple[str, ...] | None = None) -> None:
+        """`kinds`: what may be killed (default: every kind, `node` too with several nodes);
+        `returns`: the order in which lost nodes come back (default: at random)."""
         self.root, self.model, self.seed = root, model, seed
         self.rng = random.Random(seed)
         self.n, self.n_workers, self.n_kills, self.chunk = samples, workers, kills, chunk
+        # Several nodes: a short grace, so that a lost node is reclaimed within the trial.
+        self.n_nodes, self.grace_s = nodes, grace_s or (10.0 if nodes > 1 else 120.0)
+        self.kinds = kinds or KINDS + (("node",) if nodes > 1 else ())
+        self.returns = list(returns or ())
+        self.down: dict[int, float | None] = {}  # lost node -> when it comes back (None: never)
+        self.never: set[int] = set()
         self.out = out_url or os.path.join(root, "out")
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.deadline_s = deadline_s
@@ -90,30 +111,42 @@ class Trial:
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs = os.path.join(root, "logs")
         os.makedirs(self.logs, exist_ok=True)
-        self.dump = os.path.join(root, "dump")
-        self.spool = os.path.join(root, "spool")
+
         self.redis = RedisServer(os.path.join(root, "redis"))
         self.port = 32000 + (os.getpid() * 7 + seed) % 2000
         self.result = TrialResult(seed, samples)
         self.last_worker_kill = 0.0
 
     # -- processes -------------------------------------------------------------------------
+    # Names: producer; per node n: engine{n}, worker{n}.{j}, collector{n}.
+    def dump(self, n: int) -> str:
+        return os.path.join(self.root, f"dump{n}")
+
+    def spool(self, n: int) -> str:
+        return os.path.join(self.root, f"spool{n}")
+
+    def _node_procs(self, n: int) -> list[str]:
+        return [f"engine{n}", *(f"worker{n}.{j}" for j in range(self.n_workers)), f"collector{n}"]
+
     def _cmd(self, name: str) -> list[str]:
         h = [sys.executable, "-m", "harvest.cli", "-v"]
         url = self.redis.url
-        if name == "engine":
-            return h + ["engine", "--model", self.model, "--dump-dir", self.dump, "--port", str(self.port),
+        kind, n = name.rstrip("0123456789."), int((name[len(name.rstrip("0123456789.")):] or "0").split(".")[0])
+        port = self.port + n
+        if kind == "engine":
+            return h + ["engine", "--model", self.model, "--dump-dir", self.dump(n), "--port", str(port),
                         "--chunked-prefill-size", str(self.chunk)]
-        if name.startswith("worker"):
-            return h + ["worker", "--run", self.run, "--redis", url, "--engine-url", f"http://127.0.0.1:{self.port}",
-                        "--dump-dir", self.dump, "--spool-dir", self.spool, "--dump-timeout", "5",
-                        "--retry-backoff", "1", "--retries", "20"]
-        if name == "collector":
-            return h + ["collect", "--run", self.run, "--redis", url, "--spool-dir", self.spool, "--max-wait", "1",
-                        "--node", "node0"]
-        if name == "producer":
+        if kind == "worker":
+            return h + ["worker", "--run", self.run, "--redis", url, "--engine-url", f"http://127.0.0.1:{port}",
+                        "--dump-dir", self.dump(n), "--spool-dir", self.spool(n), "--dump-timeout", "5",
+                        "--retry-backoff", "1", "--retries", "20", "--node", f"node{n}"]
+        if kind == "collector":
+            return h + ["collect", "--run", self.run, "--redis", url, "--spool-dir", self.spool(n), "--max-wait", "1",
+                        "--node", f"node{n}"]
+        if kind == "producer":
             return h + ["produce", self.data, "--run", self.run, "--redis", url, "--model", self.model,
-                        "--out", self.out, "--dtype", "fp32", "--max-queued", "16", "--no-progress"]
+                        "--out", self.out, "--dtype", "fp32", "--max-queued", "16", "--no-progress",
+                        "--spool-grace", str(self.grace_s)]
         raise ValueError(name)
 
     def _start(self, name: str) -> None:
@@ -128,16 +161,25 @@ class Trial:
             p.send_signal(signal.SIGKILL)
             p.wait()
 
+    def _up(self) -> list[int]:
+        return [n for n in range(self.n_nodes) if n not in self.down]
+
     def _names(self, kind: str) -> list[str]:
+        up = self._up()
         if kind == "worker":
-            return [f"worker{i}" for i in range(self.n_workers)]
+            return [f"worker{n}.{j}" for n in up for j in range(self.n_workers)]
+        if kind in ("engine", "collector"):
+            return [f"{kind}{n}" for n in up]
         return [kind]
 
-    def _kill_one(self, kind: str) -> None:
+    def _kill_one(self, kind: str, now: float) -> None:
         self.result.kills[kind] += 1
         if kind == "redis":
             self.redis.kill()
             self.redis.start()
+            return
+        if kind == "node":
+            self._lose_node(now)
             return
         name = self.rng.choice(self._names(kind))
         if kind == "worker":
@@ -146,6 +188,32 @@ class Trial:
             return
         self._kill(name)
         self._start(name)
+
+    def _lose_node(self, now: float) -> None:
+        """Every process of one node at once, its disk withheld; the last node up is never lost."""
+        up = self._up()
+        if len(up) < 2:
+            return
+        n = self.rng.choice(up)
+        back = self.returns.pop(0) if self.returns else self.rng.choice(RETURNS)
+        self.result.node_returns[back] += 1
+        for name in self._node_procs(n):
+            self._kill(name)
+            self.procs.pop(name, None)
+        self.last_worker_kill = time.monotonic()
+        # "after": long enough past the grace that the live nodes' janitors (a pass every 5 s) revoke it
+        self.down[n] = {"within": now + 0.5, "after": now + self.grace_s + 10.0, "never": None}[back]
+        if back == "never":
+            self.never.add(n)
+        self.result.timeline.append(f"{now:.1f}s node{n} lost, back {back}")
+
+    def _bring_back(self, now: float) -> None:
+        for n, at in list(self.down.items()):
+            if at is not None and now >= at:
+                del self.down[n]
+                self.result.timeline.append(f"{now:.1f}s node{n} back")
+                for name in self._node_procs(n):
+                    self._start(name)
 
     def _supervise(self) -> None:
         """Restart what exited on its own (a worker that lost Redis, say); note the producer's end."""
@@ -157,7 +225,7 @@ class Trial:
                 self.producer_done = True
                 del self.procs[name]
                 continue
-            self.result.restarts_on_exit[name.rstrip("0123456789")] += 1
+            self.result.restarts_on_exit[name.rstrip("0123456789.")] += 1
             time.sleep(0.2)
             self._start(name)
 
@@ -187,13 +255,14 @@ class Trial:
         self.redis.start()
         conn = redis.Redis.from_url(self.redis.url)
         try:
-            self._start("engine")
+            for n in range(self.n_nodes):
+                self._start(f"engine{n}")
             self._start("producer")
             while not conn.exists(Keys(self.run).config) and self.procs["producer"].poll() is None:
                 time.sleep(0.1)  # workers and collector read the run from Redis: let the producer publish it
-            for i in range(self.n_workers):
-                self._start(f"worker{i}")
-            self._start("collector")
+            for n in range(self.n_nodes):
+                for name in self._node_procs(n)[1:]:
+                    self._start(name)
             t_start = time.monotonic() - t0  # kill while the pipeline runs, not while it starts
             kill_at = sorted(t_start + self.rng.uniform(1.0, 15.0) for _ in range(self.n_kills))
             while True:
@@ -204,11 +273,12 @@ class Trial:
                     break
                 if kill_at and now >= kill_at[0]:
                     kill_at.pop(0)
-                    kind = self.rng.choice(KINDS)
+                    kind = self.rng.choice(self.kinds)
                     self.result.timeline.append(f"{now:.1f}s kill {kind}")
-                    self._kill_one(kind)
+                    self._kill_one(kind, now)
+                self._bring_back(now)
                 self._supervise()
-                if not kill_at and self._finished(conn):
+                if not kill_at and not [a for a in self.down.values() if a is not None] and self._finished(conn):
                     break
                 time.sleep(0.2)
         finally:
@@ -227,12 +297,18 @@ class Trial:
                 # The janitor removes a claim dir only once its worker's heartbeat has expired
                 # (15 s TTL), and files the ledger proves stale after a 2 s grace: wait those out.
                 wait = 2.5
-                if any(n.startswith(".claimed-") for n in os.listdir(self.dump)) and self.last_worker_kill:
+                back = [n for n in range(self.n_nodes) if n not in self.never]
+                claims = any(x.startswith(".claimed-") for n in back if os.path.isdir(self.dump(n))
+                             for x in os.listdir(self.dump(n)))
+                if claims and self.last_worker_kill:
                     wait = max(wait, self.last_worker_kill + HEARTBEAT_TTL_S + 1 - time.monotonic())
                 time.sleep(wait)
-                subprocess.run([sys.executable, "-m", "harvest.cli", "janitor", "--run", self.run, "--redis",
-                                self.redis.url, "--dump-dir", self.dump], cwd=REPO, env=self.env,
-                               capture_output=True, timeout=120, check=True)
+                for n in back:
+                    if self.n_nodes > 1:  # a node that came back deletes its copies of samples others committed
+                        self._harvest("collect", "--spool-dir", self.spool(n), "--node", f"node{n}", "--burst")
+                    self._harvest("janitor", "--dump-dir", self.dump(n))
+                self.result.spools_reclaimed = Ledger(conn, self.run).stats().get("spools_reclaimed", 0)
+                self.result.spools_revoked = conn.scard(Keys(self.run).revoked_spools)
                 self._account(conn)
         except Exception as e:  # noqa: BLE001 - the harness reports, the test asserts
             self.result.error = f"{type(e).__name__}: {e}"
@@ -240,6 +316,10 @@ class Trial:
             self.redis.stop()
             self.result.seconds = time.monotonic() - t0
         return self.result
+
+    def _harvest(self, *args: str) -> None:
+        subprocess.run([sys.executable, "-m", "harvest.cli", args[0], "--run", self.run, "--redis", self.redis.url,
+                        *args[1:]], cwd=REPO, env=self.env, capture_output=True, timeout=120, check=True)
 
     def _account(self, conn: redis.Redis) -> None:
         from harvest.read.reader import RunReader
@@ -270,8 +350,8 @@ class Trial:
                 res.failed_without_reason.append(sid)
             res.failure_reasons[f.get("reason", "")] += 1
         res.doubled += [sid for sid in copies if sid not in self.expected]
-        for d in (self.spool, self.dump):
+        for d in [f(n) for n in range(self.n_nodes) if n not in self.never for f in (self.spool, self.dump)]:
             if os.path.isdir(d):
                 for dirpath, dirnames, files in os.walk(d):
                     res.leftovers += [os.path.join(dirpath, x) for x in files + [n for n in dirnames if n.startswith(".claimed")]
-                                      if x != ".spool-id"]
+                                      if x not in (".spool-id", ".spool-id.lock")]

@@ -26,3 +26,20 @@ def test_kills_with_engine_faults_on_s3(tiny_model, tmp_path, s3_bucket):
     assert set(result.failure_reasons) <= {"nonfinite", "token-mismatch", "prefix-cached", "incomplete-dump"}
     assert result.failed >= 1, result.summary()  # the permanent faults hit at least one sample
 
+
+
+def test_node_faults_lose_and_double_nothing(tiny_model, tmp_path):
+    # Three nodes sharing Redis and the output: one lost node back within the spool grace, one back
+    # after its spool was reclaimed (its disk with it), one never back.
+    result = Trial(str(tmp_path), tiny_model, 31, samples=40, kills=3, workers=1, nodes=3, kinds=("node",),
+                   returns=("within", "after", "never")).execute()
+    assert result.ok, result.summary()
+    assert result.node_returns == {"within": 1, "after": 1, "never": 1}, result.summary()
+    assert result.spools_revoked >= 1, result.summary()  # the late one, at least (the lost one if it was seen silent)
+    assert result.done + result.failed == 40
+
+
+def test_every_kind_of_kill_on_two_nodes_to_s3(tiny_model, tmp_path, s3_bucket):
+    result = Trial(str(tmp_path), tiny_model, 41, samples=40, kills=5, workers=1, nodes=2, out_url=s3_bucket).execute()
+    assert result.ok, result.summary()
+    assert result.done + result.failed == 40

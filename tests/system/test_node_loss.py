@@ -91,7 +91,7 @@ def _check_every_sample_once(conn, run, out_url, total):
 def test_a_lost_nodes_spooled_samples_are_reclaimed_and_committed_elsewhere(tmp_path, conn, redis_server,
                                                                           tiny_model, procs):
     run, out = "lost", f"file://{tmp_path}/out"
-    _, total = _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace=4)
+    _, total = _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace=6)
     a = Node("a", tmp_path, procs, redis_server.url, run, tiny_model)
     a.start(collector=False)  # its collector never got to commit
     wait_until(lambda: a.spooled(conn) >= 8, 120, "node a spooled 8 samples")
@@ -127,7 +127,7 @@ def test_a_node_back_within_the_grace_commits_its_own_samples(tmp_path, conn, re
 def test_a_disk_back_after_its_reclaim_commits_nothing_twice_and_leaves_no_orphan(tmp_path, conn, redis_server,
                                                                                  tiny_model, procs, s3_bucket):
     run, out = "late", f"{s3_bucket}/out"
-    _, total = _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace=4)
+    _, total = _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace=6)
     a = Node("a", tmp_path, procs, redis_server.url, run, tiny_model)
     # a's collector uploads its first shard and dies before the commit fence; then the node is lost
     a.start(collector_env={"HARVEST_COLLECTOR_CRASH_AT": "uploaded"})
@@ -148,3 +148,27 @@ def test_a_disk_back_after_its_reclaim_commits_nothing_twice_and_leaves_no_orpha
     bucket = s3_bucket.removeprefix("s3://")
     s3 = boto3.client("s3", endpoint_url=os.environ["HARVEST_S3_ENDPOINT"], region_name="us-east-1")
     assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_an_operator_reclaims_a_node_known_to_be_gone(tmp_path, conn, redis_server, tiny_model, procs):
+    run, out = "manual", f"file://{tmp_path}/out"
+    _, total = _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace=3600)
+    a = Node("a", tmp_path, procs, redis_server.url, run, tiny_model)
+    a.start(collector=False)
+    wait_until(lambda: a.spooled(conn) >= 8, 120, "node a spooled 8 samples")
+    a.lose()
+    stranded = a.spooled(conn)
+    res = cli("requeue", "--run", run, "--redis", redis_server.url, "--node", "a", "--dry-run")
+    assert res.returncode == 0 and res.stdout == f"would reclaim spool {a.spool_id()} of node a: {stranded} spooled samples\n"
+    assert Ledger(conn, run).counts()["spooled"] == stranded  # a dry run changes nothing
+    res = cli("requeue", "--run", run, "--redis", redis_server.url, "--node", "a")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"reclaimed spool {a.spool_id()} of node a: {stranded} samples back on the queue in ")
+    res = cli("requeue", "--run", run, "--redis", redis_server.url, "--node", "zz")
+    assert res.returncode == 2 and res.stderr == (f"harvest: error: node 'zz' has no spool in run {run} "
+                                                  f"(`harvest status --run {run}` lists the spools)\n")
+    b = Node("b", tmp_path, procs, redis_server.url, run, tiny_model)
+    b.start()
+    wait_until(lambda: Ledger(conn, run).counts()["done"] == total, 240, "every sample done")
+    _check_every_sample_once(conn, run, out, total)
+    assert Ledger(conn, run).stats()["samples_reclaimed"] == stranded

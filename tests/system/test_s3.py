@@ -11,7 +11,7 @@ import torch
 from collector.collector import Collector
 from harvest.formats.index import INDEX, index_file
 from harvest.formats.shard import SHARDS, shard_file
-from harvest.formats.spool import list_spooled
+from harvest.formats.spool import list_spooled, spool_identity
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
@@ -164,7 +164,8 @@ def test_collect_cli_stops_on_missing_bucket_then_finishes_the_recorded_shard(co
         "fix the storage and restart `harvest collect` to finish it."
     )
     assert len(list_spooled(spool)) == 3 and Ledger(conn, "r").counts()["spooled"] == 3
-    assert json.loads(conn.get(Ledger(conn, "r").keys.packing("n1"))) == {"shard_id": sid, "sample_ids": ids}
+    assert json.loads(conn.get(Ledger(conn, "r").keys.packing("n1"))) == {"shard_id": sid, "sample_ids": ids,
+                                                                          "spool": spool_identity(spool)}
 
     s3.create_bucket(Bucket=bucket)
     res = harvest_cli(*args)
