@@ -71,6 +71,16 @@ def _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace, rows=24)
     return cfg, Ledger(conn, run).counts()["total"]
 
 
+def _spooled_then_lost(tmp_path, conn, redis_server, tiny_model, procs, run, out, grace):
+    """Node a (engine and worker, no collector) spools at least 8 samples, then is lost."""
+    _, total = _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace=grace)
+    a = Node("a", tmp_path, procs, redis_server.url, run, tiny_model)
+    a.start(collector=False)  # its collector never got to commit
+    wait_until(lambda: a.spooled(conn) >= 8, 120, "node a spooled 8 samples")
+    a.lose()
+    return total, a
+
+
 def _status(run, redis_url) -> dict:
     res = cli("status", "--run", run, "--redis", redis_url, "--json")
     assert res.returncode == 0, res.stderr
@@ -91,11 +101,7 @@ def _check_every_sample_once(conn, run, out_url, total):
 def test_a_lost_nodes_spooled_samples_are_reclaimed_and_committed_elsewhere(tmp_path, conn, redis_server,
                                                                           tiny_model, procs):
     run, out = "lost", f"file://{tmp_path}/out"
-    _, total = _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace=6)
-    a = Node("a", tmp_path, procs, redis_server.url, run, tiny_model)
-    a.start(collector=False)  # its collector never got to commit
-    wait_until(lambda: a.spooled(conn) >= 8, 120, "node a spooled 8 samples")
-    a.lose()
+    total, a = _spooled_then_lost(tmp_path, conn, redis_server, tiny_model, procs, run, out, grace=6)
     stranded, files = a.spooled(conn), sorted(os.listdir(a.spool))
     b = Node("b", tmp_path, procs, redis_server.url, run, tiny_model)
     b.start()
@@ -112,12 +118,8 @@ def test_a_lost_nodes_spooled_samples_are_reclaimed_and_committed_elsewhere(tmp_
 
 def test_a_node_back_within_the_grace_commits_its_own_samples(tmp_path, conn, redis_server, tiny_model, procs):
     run, out = "back", f"file://{tmp_path}/out"
-    _, total = _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace=120)
-    a = Node("a", tmp_path, procs, redis_server.url, run, tiny_model)
-    a.start(collector=False)
-    wait_until(lambda: a.spooled(conn) >= 8, 120, "node a spooled 8 samples")
-    spool_id = a.spool_id()
-    a.lose()  # a reboot: the node restarts with its disk
+    total, a = _spooled_then_lost(tmp_path, conn, redis_server, tiny_model, procs, run, out, grace=120)
+    spool_id = a.spool_id()  # a reboot: the node restarts with its disk
     a.start()
     wait_until(lambda: Ledger(conn, run).counts()["done"] == total, 240, "every sample done")
     _check_every_sample_once(conn, run, out, total)
@@ -152,11 +154,7 @@ def test_a_disk_back_after_its_reclaim_commits_nothing_twice_and_leaves_no_orpha
 
 def test_an_operator_reclaims_a_node_known_to_be_gone(tmp_path, conn, redis_server, tiny_model, procs):
     run, out = "manual", f"file://{tmp_path}/out"
-    _, total = _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace=3600)
-    a = Node("a", tmp_path, procs, redis_server.url, run, tiny_model)
-    a.start(collector=False)
-    wait_until(lambda: a.spooled(conn) >= 8, 120, "node a spooled 8 samples")
-    a.lose()
+    total, a = _spooled_then_lost(tmp_path, conn, redis_server, tiny_model, procs, run, out, grace=3600)
     stranded = a.spooled(conn)
     res = cli("requeue", "--run", run, "--redis", redis_server.url, "--node", "a", "--dry-run")
     assert res.returncode == 0 and res.stdout == f"would reclaim spool {a.spool_id()} of node a: {stranded} spooled samples\n"

@@ -42,6 +42,14 @@ def _setup(conn, tmp_path, grace=0.5):
     return cfg, a, b
 
 
+def _packing(conn, cfg, spool_dir):
+    """A collector of `spool_dir` with its first shard recorded and packed, not yet uploaded."""
+    c = Collector(conn, cfg, spool_dir, node="node-a")
+    plan = c.plan(c.choose(force=True))
+    c.record(plan)
+    return Location.from_url(cfg.out_url).child(cfg.run), c, plan, c.pack(plan)
+
+
 def _queued_jobs(conn, run) -> list[list[str]]:
     return [[s.id for s in decode_batch(job.args[0])[1]] for job in run_queue(conn, run).get_jobs()]
 
@@ -110,11 +118,7 @@ def test_a_decided_commit_is_finished_by_another_node(conn, tmp_path):
 
 def test_a_spool_back_after_its_reclaim_indexes_nothing_and_removes_its_shard(conn, tmp_path):
     cfg, (a_dir, a, a_ids, _), _ = _setup(conn, tmp_path)
-    out = Location.from_url(cfg.out_url).child(cfg.run)
-    c = Collector(conn, cfg, a_dir, node="node-a")
-    plan = c.plan(c.choose(force=True))
-    c.record(plan)
-    tmp, sha = c.pack(plan)
+    out, c, plan, (tmp, sha) = _packing(conn, cfg, a_dir)
     reclaim_spool(conn, cfg, a)  # the node was silent past the grace while it packed
     with pytest.raises(Voided):
         c.publish(plan, tmp, sha)
@@ -128,11 +132,7 @@ def test_a_spool_back_after_its_reclaim_indexes_nothing_and_removes_its_shard(co
 
 def test_a_restarted_collector_voids_the_shard_of_its_reclaimed_spool(conn, tmp_path):
     cfg, (a_dir, a, a_ids, _), _ = _setup(conn, tmp_path)
-    out = Location.from_url(cfg.out_url).child(cfg.run)
-    c = Collector(conn, cfg, a_dir, node="node-a")
-    plan = c.plan(c.choose(force=True))
-    c.record(plan)
-    tmp, _ = c.pack(plan)
+    out, c, plan, (tmp, _) = _packing(conn, cfg, a_dir)
     out.put_file(tmp, shard_file(plan.shard_id))  # uploaded (a local output renames); the collector died before its fence
     assert out.exists(shard_file(plan.shard_id)) and not os.path.exists(tmp)
     assert PackingRecord.from_json(conn.get(c.packing_key)).spool == a
