@@ -139,7 +139,7 @@ class Trial:
         if kind == "worker":
             return h + ["worker", "--run", self.run, "--redis", url, "--engine-url", f"http://127.0.0.1:{port}",
                         "--dump-dir", self.dump(n), "--spool-dir", self.spool(n), "--dump-timeout", "5",
-                        "--retry-backoff", "1", "--retries", "20", "--node", f"node{n}"]
+                        "--retry-backoff", "1", "--retries", "20", "--node", f"node{n}", "--engine-wait", "60"]
         if kind == "collector":
             return h + ["collect", "--run", self.run, "--redis", url, "--spool-dir", self.spool(n), "--max-wait", "1",
                         "--node", f"node{n}"]
