@@ -307,6 +307,13 @@ class Trial:
                     if self.n_nodes > 1:  # a node that came back deletes its copies of samples others committed
                         self._harvest("collect", "--spool-dir", self.spool(n), "--node", f"node{n}", "--burst")
                     self._harvest("janitor", "--dump-dir", self.dump(n))
+                    # A worker killed just before the end leaves a claim dir that a janitor may remove only
+                    # once its heartbeat has expired: a few more passes, as the live workers would run.
+                    for _ in range(HEARTBEAT_TTL_S // 3):
+                        if not any(x.startswith(".claimed-") for x in os.listdir(self.dump(n))):
+                            break
+                        time.sleep(3)
+                        self._harvest("janitor", "--dump-dir", self.dump(n))
                 self.result.spools_reclaimed = Ledger(conn, self.run).stats().get("spools_reclaimed", 0)
                 self.result.spools_revoked = conn.scard(Keys(self.run).revoked_spools)
                 self._account(conn)
