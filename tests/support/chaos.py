@@ -310,7 +310,8 @@ class Trial:
                     # A worker killed just before the end leaves a claim dir that a janitor may remove only
                     # once its heartbeat has expired: a few more passes, as the live workers would run.
                     for _ in range(HEARTBEAT_TTL_S // 3):
-                        if not any(x.startswith(".claimed-") for x in os.listdir(self.dump(n))):
+                        if not os.path.isdir(self.dump(n)) or not any(
+                                x.startswith(".claimed-") for x in os.listdir(self.dump(n))):
                             break
                         time.sleep(3)
                         self._harvest("janitor", "--dump-dir", self.dump(n))
