@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import threading
 import time
 
@@ -73,6 +74,10 @@ def _wait_for_engine(engine: Engine, beat: WorkerBeat, seconds: float) -> None:
     beat.set_state("idle")
 
 
+def _stop_before_work(*_) -> None:
+    raise SystemExit(0)
+
+
 def run_worker(
     redis_url: str,
     run: str,
@@ -123,7 +128,13 @@ def run_worker(
     background.start()
     log.info("worker %s: run %s, engine %s", name, run, engine_url)
     try:
-        _wait_for_engine(ctx.engine, beat, engine_wait)
+        # RQ installs its stop handlers only in work(): until then a SIGTERM (docker stop) must still
+        # run the cleanup below, or the claim dir and heartbeat outlive the process.
+        previous = signal.signal(signal.SIGTERM, _stop_before_work)
+        try:
+            _wait_for_engine(ctx.engine, beat, engine_wait)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         if burst:
             janitor_pass(conn, run, dump_dir)  # release due retries before a burst drains the queue
         worker.work(burst=burst, logging_level="WARNING", max_jobs=max_jobs)

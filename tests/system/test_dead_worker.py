@@ -9,6 +9,7 @@ started, samples queued) until the spool drains; a placeholder spool file holds 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -214,3 +215,18 @@ def test_second_sigterm_hands_the_job_back_at_once(tmp_path, conn, redis_server,
     assert q.started_job_registry.get_job_ids(cleanup=False) == [] and q.failed_job_registry.count == 0
     assert led.counts() == {"queued": total, "spooled": 0, "done": 0, "failed": 0, "total": total}
     assert led.stats()["job_retries"] == 1
+
+
+def test_sigterm_while_waiting_for_the_engine_leaves_nothing_behind(tmp_path, conn, redis_server, tiny_model, procs):
+    run = "waitstop"
+    new_run(conn, run, tiny_model, f"file://{tmp_path}/out")
+    dumps = str(tmp_path / "dumps")
+    p = procs.start("worker", "worker", "--run", run, "--redis", redis_server.url, "--engine-url",
+                    "http://127.0.0.1:9", "--dump-dir", dumps, "--spool-dir", str(tmp_path / "spool"),
+                    "--engine-wait", "120")
+    w = wait_until(lambda: next((x for x in read_workers(conn, run)[0] if x["state"] == "waiting for engine"), None),
+                   60, "the worker waiting for its engine")
+    assert os.path.isdir(os.path.join(dumps, f".claimed-{w['name']}"))
+    p.send_signal(signal.SIGTERM)
+    assert procs.wait("worker", 20) == 0
+    assert os.listdir(dumps) == [] and read_workers(conn, run) == ([], [])
