@@ -126,14 +126,17 @@ def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run, spools, nodes) 
         fail("say what to requeue: --reason REASON, --sample ID or --all (see `harvest status` for the reasons), "
              "or --spool ID / --node NAME for a lost node")
     conn = redislib.Redis.from_url(redis_url)
-    if spools or nodes:
-        _reclaim(conn, run, spools, nodes, dry_run)
-        if not (reasons or samples or all_):
-            return
     try:
+        if spools or nodes:
+            _reclaim(conn, run, spools, nodes, dry_run)
+            if not (reasons or samples or all_):
+                return
         res = requeue(conn, load_run(conn, run), reasons=reasons, sample_ids=samples, all_=all_, dry_run=dry_run)
     except (ConfigError, InvalidId) as e:
         fail(str(e))
+    except redislib.ConnectionError as e:
+        fail(f"cannot reach Redis at {redis_url} ({e}): start redis-server there, or pass --redis URL "
+             "(default from HARVEST_REDIS_URL)")
     verb = "would requeue" if dry_run else "requeued"
     click.echo(f"{verb} {len(res.samples)} failed samples" + (f" in {len(res.jobs)} jobs" if res.jobs else "")
                + "".join(f", {n} {r}" for r, n in sorted(res.reasons.items())))

@@ -197,13 +197,14 @@ def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_time
                max_spool_mb, engine_wait, node) -> None:
     """Take jobs of RUN: engine call, claim dumps, verify, spool."""
     from harvest.config import ConfigError
+    from harvest.ids import InvalidId
     from workers.worker import run_worker
 
     try:
         run_worker(redis_url, run, engine_url, dump_dir, spool_dir, burst=burst, dump_timeout=dump_timeout,
                    retries=retries, retry_backoff=retry_backoff, max_jobs=max_jobs, max_spool_bytes=max_spool_mb << 20,
                    engine_wait=engine_wait, node=node)
-    except ConfigError as e:
+    except (ConfigError, InvalidId) as e:
         fail(str(e))
 
 

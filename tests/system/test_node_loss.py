@@ -171,3 +171,10 @@ def test_an_operator_reclaims_a_node_known_to_be_gone(tmp_path, conn, redis_serv
     wait_until(lambda: Ledger(conn, run).counts()["done"] == total, 240, "every sample done")
     _check_every_sample_once(conn, run, out, total)
     assert Ledger(conn, run).stats()["samples_reclaimed"] == stranded
+
+
+def test_reclaim_with_redis_down_names_the_fix():
+    res = cli("requeue", "--run", "r", "--node", "a", "--redis", "redis://127.0.0.1:1/0")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.startswith("harvest: error: cannot reach Redis at redis://127.0.0.1:1/0 (")
+    assert res.stderr.endswith("start redis-server there, or pass --redis URL (default from HARVEST_REDIS_URL)\n")
