@@ -24,7 +24,7 @@ import redis
 
 from collector.faults import CrashHook
 from collector.overlap import Overlap
-from collector.records import PackingRecord, Voided, remove_shard, tend_revoked, write_decided_index
+from collector.records import Voided, remove_shard, tend_revoked, write_decided_index
 from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
 from harvest.formats.index import index_file
@@ -44,6 +44,7 @@ from harvest.ids import check_id, node_name
 from harvest.state.failures import BAD_SPOOL
 from harvest.state.heartbeat import CollectorBeat
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
+from harvest.state.packing import PackingRecord
 from harvest.state.runstore import run_location
 from harvest.state.spools import SpoolLeases
 from harvest.storage import TEMP_PREFIX, StorageError, retry

@@ -17,15 +17,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import redis
 
 from harvest.formats.index import ShardIndex, index_file
 from harvest.formats.shard import shard_file
-from harvest.ids import check_id
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
+from harvest.state.packing import PackingRecord
 from harvest.state.spools import SpoolLeases
 from harvest.storage import Location
 
@@ -38,25 +37,6 @@ Retry = Callable[[Callable[[], object], str], object]
 
 class Voided(Exception):
     """The commit fence refused a shard: it must never be indexed."""
-
-
-@dataclass
-class PackingRecord:
-    shard_id: str
-    sample_ids: list[str]
-    spool: str | None  # None: written by a harvest that predates spool leases (taken as the reader's own)
-    index: ShardIndex | None = None  # set by the commit fence: the commit is decided
-
-    def to_json(self) -> str:
-        d = {"shard_id": self.shard_id, "sample_ids": self.sample_ids, "spool": self.spool}
-        if self.index is not None:
-            d["index"] = self.index
-        return json.dumps(d)
-
-    @classmethod
-    def from_json(cls, raw: bytes | str) -> PackingRecord:
-        d = json.loads(raw)
-        return cls(check_id(d["shard_id"], "shard id"), list(d["sample_ids"]), d.get("spool"), d.get("index"))
 
 
 def index_body(index: ShardIndex) -> bytes:

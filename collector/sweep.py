@@ -17,10 +17,10 @@ import time
 
 import redis
 
-from collector.records import PackingRecord
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
 from harvest.state.keys import Keys
+from harvest.state.packing import PackingRecord
 from harvest.storage import TEMP_PREFIX, Location
 
 log = logging.getLogger("harvest.collector")

@@ -32,6 +32,7 @@ from harvest.state.failures import SPOOL_LOST
 from harvest.state.jobs import enqueue_samples, run_queue
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
+from harvest.state.packing import PackingRecord
 from harvest.state.payload import PAYLOAD_VERSION, PayloadError, decode_batch, split_jobs
 from harvest.state.spools import SpoolLeases
 
@@ -56,9 +57,9 @@ def decided_samples(conn: redis.Redis, run: str, spool: str | None = None) -> se
     for key in conn.scan_iter(match=Keys(run).packing_pattern):
         raw = conn.get(key)
         if raw:
-            rec = json.loads(raw)
-            if "index" in rec and (spool is None or rec.get("spool") == spool):
-                out.update(rec["sample_ids"])
+            rec = PackingRecord.from_json(raw)
+            if rec.index is not None and (spool is None or rec.spool == spool):
+                out.update(rec.sample_ids)
     return out
 
 

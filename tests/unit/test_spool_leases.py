@@ -8,13 +8,14 @@ import time
 import pytest
 
 from collector.collector import Collector
-from collector.records import PackingRecord, Voided, tend_revoked
+from collector.records import Voided, tend_revoked
 from harvest.formats.index import INDEX, index_file
 from harvest.formats.shard import SHARDS, shard_file
 from harvest.formats.spool import list_spooled, rotate_spool_identity, spool_identity
 from harvest.ops.reclaim import reclaim_lost_spools, reclaim_spool
 from harvest.state.jobs import run_queue
 from harvest.state.ledger import Ledger
+from harvest.state.packing import PackingRecord
 from harvest.state.payload import Sample, decode_batch, payload_row
 from harvest.state.runstore import publish_run
 from harvest.state.spools import SpoolLeases
