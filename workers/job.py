@@ -47,7 +47,7 @@ from harvest.state.failures import (
 )
 from harvest.state.heartbeat import WorkerBeat
 from harvest.state.ledger import QUEUED, Ledger
-from harvest.state.payload import Sample, decode_batch, payload_row
+from harvest.state.payload import Sample, decode_batch, payload_rows
 from harvest.state.spools import SpoolLeases
 from workers.claim import assemble, claim
 from workers.clients.base import Engine, EngineUnavailable, Rejected
@@ -138,7 +138,8 @@ def process_batch(payload: dict) -> dict | Retry:
     if ctx.beat:
         ctx.beat.job_started(job.id if job else "", len(todo))
     try:
-        out = _process(ctx, todo)
+        rows = dict(zip((s.id for s in samples), payload_rows(payload)))
+        out = _process(ctx, todo, rows)
         out["skipped"] = len(samples) - len(todo)
         return out
     except SampleFailure as e:  # only transient failures leave _process: per-sample ones are recorded there
@@ -188,7 +189,8 @@ def _retry_or_fail(ctx: WorkerContext, job, todo: list[Sample], reason: str, mes
     return {"spooled": 0, "failed": len(todo), "skipped": 0}
 
 
-def _process(ctx: WorkerContext, todo: list[Sample]) -> dict:
+def _process(ctx: WorkerContext, todo: list[Sample], rows: dict[str, str]) -> dict:
+    """`rows`: each sample's payload row, kept with it while spooled (harvest.ops.reclaim)."""
     _wait_for_spool_room(ctx)
     attempts = ctx.ledger.next_attempts([s.id for s in todo])
     by_rid = {rid_for(s.id, a): s for s, a in zip(todo, attempts)}
@@ -241,9 +243,8 @@ def _process(ctx: WorkerContext, todo: list[Sample]) -> dict:
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
-    by_id = {s.id: s for s in todo}
     owner = ctx.spool_id
-    marked = ctx.ledger.mark_spooled(spooled, owner=owner, rows=[payload_row(ctx.cfg.run, by_id[i]) for i in spooled])
+    marked = ctx.ledger.mark_spooled(spooled, owner=owner, rows=[rows[i] for i in spooled])
     if failures:
         _fail(ctx, todo, failures)
     ctx.ledger.add_stats(samples_spooled=len(spooled), tokens_spooled=tokens, bytes_spooled=nbytes, dump_bytes=dump_bytes)

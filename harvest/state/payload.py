@@ -106,3 +106,9 @@ def payload_row(run: str, sample: Sample) -> str:
     """One sample's payload row (the encoding of a job's samples), kept in Redis while the sample
     is spooled or failed so its job can be built again without the dataset."""
     return json.dumps(encode_batch(run, [sample])["samples"][0])
+
+
+def payload_rows(payload: dict) -> list[str]:
+    """The rows of a payload that `decode_batch` accepted, in its order, as `payload_row` writes
+    them: the job's own base64 strings, not encoded again."""
+    return [json.dumps({"id": r["id"], "ids": r["ids"], "mask": r["mask"]}) for r in payload["samples"]]
