@@ -35,7 +35,6 @@ from harvest.formats.spool import (
     inspect_sample,
     list_spooled,
     pack_dir,
-    rotate_spool_identity,
     set_aside_path,
     spool_identity,
     spool_path,
@@ -88,11 +87,7 @@ class Collector:
     def renew_lease(self) -> None:
         """Renew the spool's lease (harvest.state.spools). A revoked spool (reclaimed while this node
         was silent) takes a new id: the files of the old one are then not ours, and go."""
-        if self.leases.renew(self.spool_id, self.node):
-            return
-        old, self.spool_id = self.spool_id, rotate_spool_identity(self.spool_dir, self.spool_id)
-        log.warning("spool %s was reclaimed while this node was silent: it goes on as spool %s", old, self.spool_id)
-        self.leases.renew(self.spool_id, self.node)
+        self.spool_id = self.leases.renew_or_rotate(self.spool_dir, self.spool_id, self.node)
 
     def tend_others(self) -> int:
         """Finish or clear the packing records of nodes whose spool was revoked (collector.records)."""

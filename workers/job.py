@@ -29,7 +29,7 @@ from rq import Retry, get_current_job
 from rq.timeouts import JobTimeoutException
 
 from harvest.config import RunConfig
-from harvest.formats.spool import list_spooled, rotate_spool_identity, spool_identity, write_sample
+from harvest.formats.spool import list_spooled, spool_identity, write_sample
 from harvest.ids import rid_for
 from harvest.ops.metrics import observe
 from harvest.state.failures import (
@@ -88,11 +88,7 @@ class WorkerContext:
     def renew_lease(self) -> None:
         """Renew the spool's lease (at every heartbeat). A revoked spool (its samples were
         reclaimed while this node was silent) takes a new id and goes on as a fresh spool."""
-        if self.leases.renew(self.spool_id, self.node):
-            return
-        old, self.spool_id = self.spool_id, rotate_spool_identity(self.spool_dir, self.spool_id)
-        log.warning("spool %s was reclaimed while this node was silent: it goes on as spool %s", old, self.spool_id)
-        self.leases.renew(self.spool_id, self.node)
+        self.spool_id = self.leases.renew_or_rotate(self.spool_dir, self.spool_id, self.node)
 
     @cached_property
     def ledger(self) -> Ledger:

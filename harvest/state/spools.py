@@ -16,11 +16,15 @@ sample spooled for it, the commit fence (`Ledger.fence_commit`) refuses its coll
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import redis
 
+from harvest.formats.spool import rotate_spool_identity
 from harvest.state.keys import Keys
+
+log = logging.getLogger("harvest.spool")
 
 _RENEW = """
 if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then return 0 end
@@ -45,6 +49,16 @@ class SpoolLeases:
         """Renew `spool`'s lease; False when it was revoked (its processes must take a new id)."""
         keys = [self.keys.spool_leases, self.keys.spool_nodes, self.keys.revoked_spools]
         return bool(self._renew(keys=keys, args=[spool, node]))
+
+    def renew_or_rotate(self, spool_dir: str, spool: str, node: str) -> str:
+        """Renew the lease of `spool_dir`'s spool `spool` and return the id to go on with: `spool`,
+        or, if it was revoked (reclaimed while the node was silent), the dir's new id."""
+        if self.renew(spool, node):
+            return spool
+        new = rotate_spool_identity(spool_dir, spool)
+        log.warning("spool %s was reclaimed while this node was silent: it goes on as spool %s", spool, new)
+        self.renew(new, node)
+        return new
 
     def is_revoked(self, spool: str) -> bool:
         return bool(self.conn.sismember(self.keys.revoked_spools, spool))
