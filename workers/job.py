@@ -29,7 +29,7 @@ from rq import Retry, get_current_job
 from rq.timeouts import JobTimeoutException
 
 from harvest.config import RunConfig
-from harvest.formats.spool import list_spooled, spool_identity, write_sample
+from harvest.formats.spool import SpoolBatch, list_spooled, spool_identity
 from harvest.ids import rid_for
 from harvest.ops.metrics import observe
 from harvest.state.failures import (
@@ -220,13 +220,14 @@ def _process(ctx: WorkerContext, todo: list[Sample], rows: dict[str, str]) -> di
         failures.setdefault(by_rid[rid].id, (f.reason, f.message))
     spooled, tokens, nbytes, dump_bytes = [], 0, 0, 0
     storage_error = None
+    batch = SpoolBatch(ctx.spool_dir, ctx.cfg.run)
     for rid, c in claimed.items():
         s = by_rid[rid]
         try:
             dump_bytes += sum(os.path.getsize(p) for p in c.paths)
             if s.id not in failures and storage_error is None:
                 sample = assemble(c, s, ctx.cfg.capture_points, ctx.cfg.torch_dtype, ctx.cfg.allow_nonfinite)
-                nbytes += write_sample(ctx.spool_dir, sample, ctx.cfg.run)
+                nbytes += batch.add(sample)
                 spooled.append(s.id)
                 tokens += s.num_tokens
         except SampleFailure as e:
@@ -239,6 +240,12 @@ def _process(ctx: WorkerContext, todo: list[Sample], rows: dict[str, str]) -> di
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
+    try:
+        # Every file durable and in place before any is marked: a crash between leaves them queued.
+        batch.commit()
+    except OSError as e:
+        storage_error = f"{type(e).__name__}: {e}"
+        spooled, tokens, nbytes = [], 0, 0
     owner = ctx.spool_id
     marked = ctx.ledger.mark_spooled(spooled, owner=owner, rows=[rows[i] for i in spooled])
     if failures:

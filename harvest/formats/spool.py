@@ -9,9 +9,11 @@ file's header against the run and then copies tensor bytes without decoding them
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import os
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +23,7 @@ from harvest.formats.fp8 import is_fp8
 from harvest.formats.stformat import FormatError, TensorSpan, encode_parts, read_file_header
 from harvest.ids import check_id
 from harvest.node.paths import private_dir
-from harvest.storage import atomic_write_local
+from harvest.storage import TEMP_PREFIX
 
 _NAME = re.compile(r"([0-9a-f]{32})\.safetensors")
 SCALE = "hidden_scale"
@@ -105,9 +107,21 @@ def rotate_spool_identity(spool_dir: str, revoked: str) -> str:
         os.close(fd)
 
 
+TEMP_MAX_AGE_S = 3600.0  # far longer than a job takes to write and commit its spool files
+
+
 def _clear_dead_temps(spool_dir: str) -> None:
-    """Temporary id files of processes killed while making the id (their pid is gone)."""
+    """Temporary id files of processes killed while making the id (their pid is gone), and the
+    temporary sample files of workers killed before their batch's commit. Those go by age, not
+    pid: workers in other containers share the spool with pids this process cannot see."""
+    now = time.time()
     for name in os.listdir(spool_dir):
+        if name.startswith(TEMP_PREFIX):
+            path = os.path.join(spool_dir, name)
+            with contextlib.suppress(FileNotFoundError):
+                if now - os.lstat(path).st_mtime > TEMP_MAX_AGE_S:
+                    os.unlink(path)
+            continue
         if not name.startswith(_ID_FILE + "."):
             continue
         pid = name[len(_ID_FILE) + 1 :].split(".")[0]
@@ -149,11 +163,94 @@ def _parts(s: SpooledSample, run: str) -> list[bytes | memoryview]:
     return encode_parts(tensors, {"sample_id": s.id, "run": run})
 
 
+class SpoolBatch:
+    """A job's spool files, made durable together and only then put in place.
+
+    `add` writes each sample under a temporary name (`.tmp-<sample>.<pid>`, streamed, no fsync);
+    `commit` makes them all durable at once (one `syncfs` of the spool's filesystem, or one
+    fsync a file where syncfs is missing), renames them into place and fsyncs the spool dir once.
+    Per-file fsyncs cost a disk flush each; one flush per job lets the disk take the job's bytes
+    as a single stream. Only after `commit` returns may the worker mark the samples spooled: a
+    crash or power loss before that leaves at most temporary files (cleared by age when a
+    process next opens the spool, `spool_identity`) and the samples queued, so their job runs again. Owner: the worker
+    process that made the batch, for the life of one job."""
+
+    def __init__(self, spool_dir: str, run: str) -> None:
+        self.spool_dir, self.run = spool_dir, run
+        os.makedirs(spool_dir, exist_ok=True)
+        self._temps: list[tuple[str, str]] = []  # (temp path, final path)
+
+    def add(self, s: SpooledSample) -> int:
+        """Write `s` under a temporary name; returns its size in bytes. A failed write leaves
+        nothing, and the files added before it can still be committed."""
+        final = spool_path(self.spool_dir, s.id)
+        tmp = os.path.join(self.spool_dir, f"{TEMP_PREFIX}{s.id}.{os.getpid()}")
+        parts = _parts(s, self.run)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                for piece in parts:
+                    f.write(piece)
+        except BaseException:  # disk full mid-file: the batch keeps only complete files
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        self._temps.append((tmp, final))
+        return sum(len(p) for p in parts)
+
+    def commit(self) -> None:
+        """Durable, then in place: flush every file, rename each, fsync the dir. On an error
+        the files not yet renamed are removed (the caller keeps their samples queued)."""
+        if not self._temps:
+            return
+        try:
+            dfd = os.open(self.spool_dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                if not _syncfs(dfd):
+                    for tmp, _ in self._temps:
+                        fd = os.open(tmp, os.O_RDONLY)
+                        try:
+                            os.fsync(fd)
+                        finally:
+                            os.close(fd)
+                while self._temps:
+                    tmp, final = self._temps[0]
+                    os.replace(tmp, final)
+                    self._temps.pop(0)
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        for tmp, _ in self._temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        self._temps.clear()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _syncfs(fd: int) -> bool:
+    """syncfs(2) of the filesystem holding `fd`: True when done, False where unavailable."""
+    fn = getattr(_libc, "syncfs", None)
+    if fn is None:
+        return False
+    if fn(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"syncfs: {os.strerror(err)}")
+    return True
+
+
 def write_sample(spool_dir: str, s: SpooledSample, run: str) -> int:
-    """Write the sample's spool file atomically, streaming its tensors (no joined copy)."""
-    parts = _parts(s, run)
-    atomic_write_local(spool_path(spool_dir, s.id), parts)
-    return sum(len(p) for p in parts)
+    """One sample's spool file, durable and in place (a batch of one)."""
+    batch = SpoolBatch(spool_dir, run)
+    n = batch.add(s)
+    batch.commit()
+    return n
 
 
 def read_sample(path: str) -> SpooledSample:
