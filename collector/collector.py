@@ -1,15 +1,19 @@
 """One collector per node packs the node's spool into shards and commits them.
 
 Commit order is the contract readers rely on: record the shard's sample set in Redis, stream
-the shard into a local temporary file, upload it whole, write its index file (the commit),
-mark the samples done, delete their spool files, clear the record. A collector killed
-anywhere in that sequence finds the record on restart and finishes the same shard (same
-samples, same order, same bytes, same id): an uploaded shard that lacks its index is simply
+the shard out of the spool files (to object storage: into a multipart upload, harvest.multipart;
+to a local output: into a temporary file in the shards folder, fsynced), make it visible whole
+(complete the upload; rename), write its index file (the commit), mark the samples done, delete
+their spool files, clear the record. A collector killed anywhere in that sequence finds the
+record on restart and finishes the same shard (same samples, same order, same bytes, same id):
+an unfinished upload of it is aborted, and a stored shard that lacks its index is simply
 overwritten by the identical re-pack, so no sample is packed twice and none is lost.
 
-Memory stays at one copy buffer: the shard is written by copying tensor bytes out of the
-spool files (never decoded), and uploaded from the finished file. Storage errors that persist
-stop the collector with a `StorageError`; the spool and the record stay, so a restart resumes.
+Each byte is read once from the spool and written once, with no temporary shard on the node's
+disk for object storage: tensor bytes are copied out of the spool files undecoded, and the
+sha256 is computed on that pass. Memory: the copy buffers, plus the parts in flight to object
+storage. Storage errors that persist stop the collector with a `StorageError`; the spool and the
+record stay, so a restart resumes.
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import redis
 
 from collector.faults import CrashHook
-from collector.overlap import Overlap
 from collector.records import Voided, remove_shard, tend_revoked, write_decided_index
 from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
@@ -34,12 +38,12 @@ from harvest.formats.spool import (
     SpoolError,
     inspect_sample,
     list_spooled,
-    pack_dir,
     set_aside_path,
     spool_identity,
     spool_path,
 )
 from harvest.ids import check_id, node_name
+from harvest.multipart import MultipartWriter, Upload
 from harvest.state.failures import BAD_SPOOL
 from harvest.state.heartbeat import CollectorBeat
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
@@ -51,6 +55,16 @@ from harvest.storage import TEMP_PREFIX, StorageError, retry
 log = logging.getLogger("harvest.collector")
 
 TEND_S = 10.0  # how often the run loop looks for the packing records of revoked spools
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A shard's bytes stored but not yet visible: `tmp`, the fsynced temporary file of a local
+    output, or `upload`, the multipart upload with every part sent."""
+
+    sha256: str
+    tmp: str | None = None
+    upload: Upload | None = None
 
 
 class Collector:
@@ -79,7 +93,7 @@ class Collector:
         self.orphan_age = orphan_age
         self.out = run_location(cfg.out_url, cfg.run)
         # Local output: build the shard in its final folder so committing is a rename.
-        self.stage = self.out.local_staging_dir(SHARDS) or pack_dir(spool_dir)
+        self.stage = self.out.local_staging_dir(SHARDS)
         self.shards_committed = 0
         self.leases = SpoolLeases(conn, cfg.run)
         self._crash = CrashHook.from_env()
@@ -101,6 +115,8 @@ class Collector:
 
     def _clear_temps(self) -> None:
         """Temporary shard files a killed incarnation of this node's collector left behind."""
+        if self.stage is None:
+            return
         for p in glob.glob(os.path.join(glob.escape(self.stage), f"{TEMP_PREFIX}{self.node}-*.safetensors")):
             _unlink(p)
 
@@ -212,7 +228,7 @@ class Collector:
         self.record(plan)
         if not self._retry(lambda: self.out.exists(index_file(plan.shard_id)), f"checking {index_file(plan.shard_id)}"):
             try:
-                self.publish(plan, *self.pack(plan))
+                self.publish(plan, self.pack(plan))
             except Voided as e:
                 self.void(plan, str(e))
                 return 0
@@ -226,13 +242,15 @@ class Collector:
         self.conn.set(self.packing_key, PackingRecord(plan.shard_id, plan.sample_ids, self.spool_id).to_json())
         self._crash("recorded")
 
-    def pack(self, plan: ShardPlan) -> tuple[str, str]:
-        """The shard's bytes into a local temp file, fsynced; returns (path, sha256)."""
+    def pack(self, plan: ShardPlan) -> Packed:
+        """The shard's bytes streamed out of the spool files into storage, not yet visible."""
+        if self.stage is None:
+            return self._pack_upload(plan)
         tmp = self._temp_path(plan.shard_id)
         try:
             os.makedirs(self.stage, exist_ok=True)
             with open(tmp, "wb") as f:
-                sha = write_shard(plan, f, progress=lambda _: self._crash("packing"))
+                sha = write_shard(plan, f, progress=self._packing(plan, local=True))
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
@@ -242,21 +260,51 @@ class Collector:
                 raise StorageError(f"packing {tmp} failed: {type(e).__name__}: {e}") from e
             raise
         self._crash("packed")
-        return tmp, sha
+        return Packed(sha, tmp=tmp)
 
-    def publish(self, plan: ShardPlan, tmp: str, sha: str) -> None:
-        """The packed file up whole, then the commit fence, then the index. Raises Voided when the
-        fence refuses: the spool no longer owns every sample (it was reclaimed)."""
+    def _pack_upload(self, plan: ShardPlan) -> Packed:
         name = shard_file(plan.shard_id)
+
+        def stored(parts: int) -> None:  # on an upload thread, after each part
+            if parts == 1:
+                self._crash("header-sent")  # the first part holds the safetensors header
+            self._crash("uploading")
+
+        w = MultipartWriter(self.out, name, f"upload of {self.out.path(name)}", self.part_bytes, on_part=stored,
+                            attempts=self.retries, retry_delay=self.retry_delay)
         try:
-            self._retry(
-                lambda: self.out.put_file(tmp, name, self.part_bytes, progress=lambda _: self._crash("uploading")),
-                f"upload of {self.out.path(name)}",
-            )
-            self._crash("uploaded")
-        finally:
-            _unlink(tmp)
-        rec = PackingRecord(plan.shard_id, plan.sample_ids, self.spool_id, index=plan.index(sha))
+            sha = write_shard(plan, w, progress=self._packing(plan, local=False))
+            upload = w.finish()
+        except BaseException as e:
+            w.abort()
+            if isinstance(e, OSError):  # reading the spool (the store's own errors are StorageErrors)
+                raise StorageError(f"packing {self.out.path(name)} failed: {type(e).__name__}: {e}") from e
+            raise
+        self._crash("packed")
+        return Packed(sha, upload=upload)
+
+    def _packing(self, plan: ShardPlan, local: bool) -> Callable[[int], None]:
+        def progress(written: int) -> None:
+            if local and written == len(plan.header):
+                self._crash("header-sent")
+            self._crash("packing")
+
+        return progress
+
+    def publish(self, plan: ShardPlan, packed: Packed) -> None:
+        """The shard made visible whole, then the commit fence, then the index. Raises Voided when
+        the fence refuses: the spool no longer owns every sample (it was reclaimed)."""
+        name = shard_file(plan.shard_id)
+        if packed.upload is not None:
+            packed.upload.complete(f"completing the upload of {self.out.path(name)}")
+        else:
+            try:
+                self._retry(lambda: self.out.put_file(packed.tmp, name, progress=lambda _: self._crash("uploading")),
+                            f"renaming {packed.tmp} to {self.out.path(name)}")
+            finally:
+                _unlink(packed.tmp)
+        self._crash("uploaded")
+        rec = PackingRecord(plan.shard_id, plan.sample_ids, self.spool_id, index=plan.index(packed.sha256))
         if not self.ledger.fence_commit(self.spool_id, plan.sample_ids, self.packing_key, rec.to_json()):
             raise Voided(f"the commit fence refused shard {plan.shard_id}: spool {self.spool_id} no longer owns "
                          "all of its samples (reclaimed while this node was silent?)")
@@ -273,10 +321,6 @@ class Collector:
         remove_shard(self.out, shard_id, self._retry)
         self.conn.delete(self.packing_key)
         self.renew_lease()
-
-    def discard(self, tmp: str) -> None:
-        """Drop a packed, unrecorded temp shard file (its samples stay spooled, to be chosen again)."""
-        _unlink(tmp)
 
     def finish(self, plan: ShardPlan) -> int:
         """After the index: ledger, spool files, record (`_finish_samples`), then the stats."""
@@ -302,9 +346,6 @@ class Collector:
     def run(self, should_stop: Callable[[], bool] = lambda: False, poll: float = 0.2) -> None:
         self.resume()
         beat = CollectorBeat(self.conn, self.cfg.run, self.node, self.spool_dir)  # for `harvest status`
-        # To object storage, upload shard N on a thread while packing shard N+1 (Overlap); a
-        # local output commits by rename, so there is nothing to overlap.
-        overlap = None if self.out.is_local else Overlap(self)
         tended = time.monotonic()
         while not should_stop():
             if beat.maybe_beat(self.shards_committed):
@@ -312,10 +353,8 @@ class Collector:
             if time.monotonic() - tended > TEND_S:
                 tended = time.monotonic()
                 self.tend_others()
-            if (overlap.step() if overlap else self.step()) == 0:
-                overlap.wait(poll) if overlap and overlap.busy else time.sleep(poll)
-        if overlap:
-            overlap.drain()
+            if self.step() == 0:
+                time.sleep(poll)
         while self.step(force=True):
             pass
 

@@ -12,11 +12,14 @@ import os
 import signal
 
 CRASH_ENV = "HARVEST_COLLECTOR_CRASH_AT"
-# In commit order: Redis record written; shard bytes partly / fully written to the local
-# temp file; shard partly uploaded; shard uploaded (not fenced yet); commit fence passed (the
+# In commit order: Redis record written; shard bytes partly streamed; the safetensors header
+# stored (in the local temp file, or the upload's first part); object storage: parts stored
+# while more are in flight; every byte stored, not visible yet (upload not completed; temp file
+# not renamed); local: about to rename; shard visible (not fenced yet); commit fence passed (the
 # record holds the index document, no index file yet); index written (ledger not yet done);
 # ledger done (spool files still there); some spool files deleted.
-CRASH_POINTS = ("recorded", "packing", "packed", "uploading", "uploaded", "fenced", "indexed", "marked", "unlinking")
+CRASH_POINTS = ("recorded", "packing", "header-sent", "uploading", "packed", "uploaded", "fenced", "indexed",
+                "marked", "unlinking")
 
 
 class CrashHook:

@@ -140,12 +140,6 @@ def spool_path(spool_dir: str, sid: str) -> str:
     return os.path.join(spool_dir, f"{check_id(sid, 'sample id')}.safetensors")
 
 
-def pack_dir(spool_dir: str) -> str:
-    """Where a collector builds shards for an object-storage output (a local output builds them
-    in its own folder, so the commit is a rename)."""
-    return os.path.join(spool_dir, ".pack")
-
-
 def set_aside_path(path: str) -> str:
     """Where a spool file that does not match the run is kept for a person to look at; the
     spool's listing skips it."""

@@ -91,7 +91,7 @@ class Trial:
         assert self.ledger.counts() == {"queued": 0, "spooled": 0, "done": n, "failed": 0, "total": n}
         assert self.conn.get(self.ledger.keys.packing(NODE)) is None
         left = [os.path.relpath(os.path.join(d, f), self.spool) for d, _, fs in os.walk(self.spool) for f in fs]
-        assert left == [".spool-id"]  # spool files and temporary shards (.pack/) all gone
+        assert left == [".spool-id"]  # spool files all gone, and no temporary shard ever on the node for S3
         if self.loc.is_local:
             assert [f for f in os.listdir(self.loc.path(SHARDS)) if f.startswith(".")] == []
         else:

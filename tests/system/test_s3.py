@@ -124,22 +124,27 @@ def test_unfinished_multipart_upload_of_a_killed_collector_is_aborted_on_resume(
 
 
 def test_transient_upload_errors_are_retried(conn, tmp_path, s3_bucket):
+    """Two connection resets while a part is sent (injected in front of the real moto server):
+    the part is sent again and the shard commits once."""
     cfg, spool, samples = _setup(conn, tmp_path, f"{s3_bucket}/out", [5, 6])
     c = Collector(conn, cfg, spool, node="n1", retry_delay=0.01)
-    real_put, calls = c.out.fs.put_file, []
+    real_call, calls = c.out.fs.call_s3, []
 
-    def flaky_put(*a, **kw):
-        calls.append(1)
-        if len(calls) <= 2:
-            raise ConnectionResetError("connection reset by peer")
-        return real_put(*a, **kw)
+    def flaky_call(method, *a, **kw):
+        if method == "upload_part":
+            calls.append(kw["PartNumber"])
+            if len(calls) <= 2:
+                raise ConnectionResetError("connection reset by peer")
+        return real_call(method, *a, **kw)
 
-    c.out.fs.put_file = flaky_put
+    c.out.fs.call_s3 = flaky_call
     try:
         assert c.step(force=True) == 2
     finally:
-        del c.out.fs.put_file
-    assert len(calls) == 3 and Ledger(conn, "r").counts()["done"] == 2
+        del c.out.fs.call_s3
+    assert calls == [1, 1, 1] and Ledger(conn, "r").counts()["done"] == 2
+    reader = RunReader(c.out.url())
+    assert all(torch.equal(reader.get(s.id)["hidden_states"], s.hidden_states) for s in samples)
 
 
 def test_collect_cli_stops_on_missing_bucket_then_finishes_the_recorded_shard(conn, redis_server, tmp_path, s3_bucket, s3_endpoint):
@@ -213,3 +218,31 @@ def test_harvest_run_writes_fp8_to_s3_and_the_dataset_reads_it(tmp_path, tiny_mo
     t = raw["input_ids"].shape[0]
     assert item["hidden_state"].shape == (t, 64) and item["aux_hidden_state"].shape == (t, 3 * 64)
     assert item["hidden_state"].dtype == torch.bfloat16
+
+
+def test_bucket_lost_mid_run_stops_the_run_loop_with_spool_and_record_intact(conn, tmp_path, s3_bucket, s3_endpoint):
+    """A real persistent error (the bucket is deleted after start-up) stops `run` with a
+    StorageError naming the upload; nothing was written to the node's disk but the spool."""
+    from harvest.storage import StorageError
+
+    cfg, spool, samples = _setup(conn, tmp_path, f"{s3_bucket}/out", [12, 12, 12, 12])
+    bucket = s3_bucket.removeprefix("s3://")
+
+    class LosesItsBucket(Collector):
+        def resume(self) -> None:
+            super().resume()
+            s3 = _s3(s3_endpoint)
+            for o in s3.list_objects_v2(Bucket=bucket).get("Contents", []):  # run.json
+                s3.delete_object(Bucket=bucket, Key=o["Key"])
+            s3.delete_bucket(Bucket=bucket)
+
+    c = LosesItsBucket(conn, cfg, spool, node="n1", max_wait=0, retry_delay=0.01)
+    order = [sid for sid, _, _ in list_spooled(spool)]
+    with pytest.raises(StorageError, match=rf"^upload of {bucket}/out/r/shards/[0-9a-f]{{32}}\.safetensors failed: "
+                                           "FileNotFoundError: The specified bucket does not exist$"):
+        c.run(should_stop=lambda: False, poll=0.05)
+    rec = json.loads(conn.get(Ledger(conn, "r").keys.packing("n1")))
+    assert rec["sample_ids"] == order
+    assert Ledger(conn, "r").states(order) == ["s"] * 4
+    assert [sid for sid, _, _ in list_spooled(spool)] == order
+    assert sorted(os.listdir(spool)) == [".spool-id"] + [f"{sid}.safetensors" for sid in sorted(order)]

@@ -106,7 +106,7 @@ def test_a_decided_commit_is_finished_by_another_node(conn, tmp_path):
     c = Collector(conn, cfg, a_dir, node="node-a")
     plan = c.plan(c.choose(force=True))
     c.record(plan)
-    c.publish(plan, *c.pack(plan))  # fenced and indexed ...
+    c.publish(plan, c.pack(plan))  # fenced and indexed ...
     out = Location.from_url(cfg.out_url).child(cfg.run)
     out.delete(index_file(plan.shard_id))  # ... but the node was lost before its index landed
     rep = reclaim_spool(conn, cfg, a)
@@ -119,10 +119,10 @@ def test_a_decided_commit_is_finished_by_another_node(conn, tmp_path):
 
 def test_a_spool_back_after_its_reclaim_indexes_nothing_and_removes_its_shard(conn, tmp_path):
     cfg, (a_dir, a, a_ids, _), _ = _setup(conn, tmp_path)
-    out, c, plan, (tmp, sha) = _packing(conn, cfg, a_dir)
+    out, c, plan, packed = _packing(conn, cfg, a_dir)
     reclaim_spool(conn, cfg, a)  # the node was silent past the grace while it packed
     with pytest.raises(Voided):
-        c.publish(plan, tmp, sha)
+        c.publish(plan, packed)
     assert out.exists(shard_file(plan.shard_id))  # uploaded before the fence refused it
     c.void(plan, "test")
     assert out.list(SHARDS) == [] and out.list(INDEX) == [] and conn.get(c.packing_key) is None
@@ -133,7 +133,8 @@ def test_a_spool_back_after_its_reclaim_indexes_nothing_and_removes_its_shard(co
 
 def test_a_restarted_collector_voids_the_shard_of_its_reclaimed_spool(conn, tmp_path):
     cfg, (a_dir, a, a_ids, _), _ = _setup(conn, tmp_path)
-    out, c, plan, (tmp, _) = _packing(conn, cfg, a_dir)
+    out, c, plan, packed = _packing(conn, cfg, a_dir)
+    tmp = packed.tmp
     out.put_file(tmp, shard_file(plan.shard_id))  # uploaded (a local output renames); the collector died before its fence
     assert out.exists(shard_file(plan.shard_id)) and not os.path.exists(tmp)
     assert PackingRecord.from_json(conn.get(c.packing_key)).spool == a
