@@ -1,14 +1,21 @@
-"""How close to `cp` does the hidden-state data path run? Claim, spool, pack, commit vs cp.
+"""How close to the disk and the store does the hidden-state data path run?
 
-N synthetic dump files (one chunk per sample, `[T, K, H]` bf16, written beforehand as an
-engine would) go through the real code: the worker's claim (rename) and assemble (read,
-verify coverage, token ids and finiteness), the spool write (atomic, fsynced), and the
-collector packing shards by streaming spool bytes and committing them to a `file://` output
-(rename into place, index, ledger on a private redis-server). The same dump bytes are then
-copied with `cp` on the same disk, in the same run. Prints both throughputs and the ratio
-(goal >= 0.5), also against `cp` followed by `sync` since the data path fsyncs what it writes.
+N synthetic dump files (one chunk per sample, `[T, K, H]` bf16, written beforehand as an engine
+would) go through the real code: the worker's claim (rename) and assemble (read, verify
+coverage, token ids and finiteness), the spool write (`SpoolBatch`: one flush per job of
+`--job-size` samples), and the collector streaming shards out of the spool and committing them.
+Each repeat measures, in the same run and on the same disk:
 
-    python bench/datapath.py --samples 32 --tokens 1024 --hidden 2048
+- file:// output: the whole data path against `cp` + `sync` of the same dump bytes;
+- s3:// output (moto's server, in its own process): the collector's commit against a plain s3fs
+  `put_file` of the same bytes (files of the shard size) to the same server;
+- per-node packing with 1, 2 and 4 packers (`--pack-workers`), to file://;
+- bytes this process wrote to the disk (`/proc/self/io` write_bytes) per byte of hidden state,
+  for the S3 path (the node's disk only: the store is elsewhere) and for file:// (spool + output).
+
+Prints the medians of `--repeats` runs.
+
+    python bench/datapath.py --samples 64 --tokens 1024 --hidden 2048
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,26 +36,39 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from collector.collector import Collector  # noqa: E402
-from harvest.cli.redisproc import RedisServer  # noqa: E402
+import redis  # noqa: E402
+
+from collector.packers import Packers  # noqa: E402
+from harvest.cli.redisproc import RedisServer, free_port  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
 from harvest.formats.dump import Chunk, write_chunk  # noqa: E402
-from harvest.formats.spool import write_sample  # noqa: E402
+from harvest.formats.spool import SpoolBatch  # noqa: E402
 from harvest.ids import rid_for  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.payload import Sample  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
+from harvest.storage import Location  # noqa: E402
 from workers.claim import assemble, claim  # noqa: E402
 
 POINTS = [2, 16, 29, 32]
 
 
-def make_dumps(dump_dir: str, n: int, tokens: int, hidden: int) -> tuple[list[Sample], dict[str, int], int]:
-    g = torch.Generator().manual_seed(0)
+def written_bytes() -> int:
+    """Bytes this process has caused to be sent to the disk so far (dirtied pages count)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("write_bytes:")).split()[1])
+
+
+def sync() -> None:
+    subprocess.run(["sync"], check=True)
+
+
+def make_dumps(dump_dir: str, n: int, tokens: int, hidden: int, seed: int) -> tuple[list[Sample], dict[str, int], int]:
+    g = torch.Generator().manual_seed(seed)
     base = torch.randn(tokens, len(POINTS), hidden, generator=g).to(torch.bfloat16)
     samples, wanted, nbytes = [], {}, 0
     for i in range(n):
-        ids = np.arange(tokens, dtype=np.int64) + i * tokens
+        ids = np.arange(tokens, dtype=np.int64) + (seed * n + i) * tokens
         s = Sample.build(ids.tolist())
         rid = rid_for(s.id, 1)
         hs = base.roll(i, 0)  # distinct samples without paying for n random tensors
@@ -57,81 +79,175 @@ def make_dumps(dump_dir: str, n: int, tokens: int, hidden: int) -> tuple[list[Sa
     return samples, wanted, nbytes
 
 
-def copy_times(src: str, dst: str) -> tuple[float, float]:
-    """(seconds of `cp -r src dst`, seconds of the same followed by `sync`); dst is removed."""
-    subprocess.run(["sync"], check=True)
+def cp_sync_seconds(src: str, dst: str) -> float:
+    sync()
     t0 = time.perf_counter()
     subprocess.run(["cp", "-r", src, dst], check=True)
-    t_cp = time.perf_counter() - t0
-    subprocess.run(["sync"], check=True)
-    t_sync = time.perf_counter() - t0
+    sync()
+    t = time.perf_counter() - t0
     shutil.rmtree(dst)
-    subprocess.run(["sync"], check=True)
-    return t_cp, t_sync
+    sync()
+    return t
+
+
+class Trial:
+    """One set of dumps through claim, assemble and spool; then one collector commit."""
+
+    def __init__(self, base: str, conn: redis.Redis, args, seed: int, out_url: str) -> None:
+        self.dir = os.path.join(base, f"t{seed}")
+        self.dumps, self.claimed, self.spool = (os.path.join(self.dir, d) for d in ("dumps", "claimed", "spool"))
+        for d in (self.dumps, self.claimed, self.spool):
+            os.makedirs(d)
+        made = make_dumps(self.dumps, args.samples, args.tokens, args.hidden, seed)
+        self.samples, self.wanted, self.hidden_bytes = made
+        self.cfg = publish_run(conn, RunConfig(run=f"bench{seed}", model="bench", capture_points=POINTS,
+                                               hidden_size=args.hidden, out_url=out_url, storage_dtype="bf16",
+                                               shard_bytes=args.shard_mb << 20))
+        self.conn, self.args = conn, args
+        self.ledger = Ledger(conn, self.cfg.run)
+        self.ledger.add_queued([s.id for s in self.samples])
+        sync()
+
+    def spool_all(self) -> None:
+        """The workers' part: claim, assemble, one SpoolBatch per job, then mark spooled."""
+        ok, failed = claim(self.dumps, self.claimed, self.wanted, timeout=10)
+        assert not failed, failed
+        by_rid = {rid_for(s.id, 1): s for s in self.samples}
+        items = list(ok.items())
+        for j in range(0, len(items), self.args.job_size):
+            batch = SpoolBatch(self.spool, self.cfg.run)
+            for rid, c in items[j : j + self.args.job_size]:
+                batch.add(assemble(c, by_rid[rid], POINTS, self.cfg.torch_dtype))
+                for p in c.paths:
+                    os.unlink(p)
+            batch.commit()
+        self.ledger.mark_spooled([s.id for s in self.samples])
+
+    def collect(self, pack_workers: int = 1) -> int:
+        c = Packers(self.conn, self.cfg, self.spool, pack_workers, node="bench", max_wait=0)
+        c.drain()
+        assert self.ledger.counts()["done"] == self.args.samples
+        return c.shards_committed
+
+
+def moto_server() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return p, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("moto's server did not start")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--shard-mb", type=int, default=256)
-    ap.add_argument("--dir", default=None, help="Where to work (default: a temp dir); dumps, spool, output and cp share it.")
+    ap.add_argument("--job-size", type=int, default=16, help="samples per worker job (one spool flush each)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--packers", default="1,2,4", help="pack-workers counts to compare (file:// output)")
+    ap.add_argument("--dir", default=None,
+                    help="Where to work (default: a temp dir); dumps, spool, output and cp share it.")
     args = ap.parse_args()
 
     base = tempfile.mkdtemp(prefix="harvest-datapath-", dir=args.dir)
-    dumps, claimed, spool = (os.path.join(base, d) for d in ("dumps", "claimed", "spool"))
-    cp_dst, out = os.path.join(base, "cp"), os.path.join(base, "out")
-    for d in (dumps, claimed, spool):
-        os.makedirs(d)
     server = RedisServer(os.path.join(base, "redis"), appendonly=False).start()
+    moto, endpoint = moto_server()
+    os.environ.update(HARVEST_S3_ENDPOINT=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_REGION="us-east-1")
+    rows: dict[str, list[float]] = {}
+    seed = 0
+
+    def add(key: str, value: float) -> None:
+        rows.setdefault(key, []).append(value)
+
     try:
-        import redis
-
         conn = redis.Redis.from_url(server.url)
-        samples, wanted, hidden_bytes = make_dumps(dumps, args.samples, args.tokens, args.hidden)
-        dump_bytes = sum(os.path.getsize(os.path.join(dumps, f)) for f in os.listdir(dumps))
-        subprocess.run(["sync"], check=True)
-        print(f"{args.samples} dumps of [{args.tokens}, {len(POINTS)}, {args.hidden}] bf16: "
-              f"{hidden_bytes / 2**20:.0f} MiB of hidden states ({dump_bytes / 2**20:.0f} MiB of files) in {base}")
+        import boto3
 
-        t_cp, t_cp_sync = copy_times(dumps, cp_dst)
-        cfg = publish_run(conn, RunConfig(run="bench", model="bench", capture_points=POINTS, hidden_size=args.hidden,
-                                          out_url=f"file://{out}", storage_dtype="bf16", shard_bytes=args.shard_mb << 20))
-        ledger = Ledger(conn, cfg.run)
-        ledger.add_queued([s.id for s in samples])
-        by_rid = {rid_for(s.id, 1): s for s in samples}
-        t0 = time.perf_counter()
-        ok, failed = claim(dumps, claimed, wanted, timeout=10)
-        assert not failed, failed
-        t_claim = time.perf_counter()
-        for rid, c in ok.items():
-            s = assemble(c, by_rid[rid], POINTS, cfg.torch_dtype)
-            write_sample(spool, s, cfg.run)
-            for p in c.paths:
-                os.unlink(p)
-        ledger.mark_spooled([s.id for s in samples])
-        t_spool = time.perf_counter()
-        collector = Collector(conn, cfg, spool, node="bench", max_wait=0)
-        while collector.step(force=True):
-            pass
-        subprocess.run(["sync"], check=True)  # the data path fsyncs as it goes: this is ~free
-        t_end = time.perf_counter()
-        assert ledger.counts()["done"] == args.samples
-        # cp again, now that the disk has absorbed the data path's writes: take the faster
-        shutil.copytree(out, os.path.join(base, "dumps2"))  # any files of the same size will do
-        t_cp2, t_cp_sync2 = copy_times(os.path.join(base, "dumps2"), cp_dst)
-        t_cp, t_cp_sync = min(t_cp, t_cp2), min(t_cp_sync, t_cp_sync2)
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
+        for rep in range(args.repeats):
+            # file:// : the whole data path against cp + sync of the same dump bytes
+            seed += 1
+            t = Trial(base, conn, args, seed, f"file://{os.path.join(base, f'out{seed}')}")
+            dump_bytes = sum(os.path.getsize(os.path.join(t.dumps, f)) for f in os.listdir(t.dumps))
+            t_cp = cp_sync_seconds(t.dumps, os.path.join(base, "cp"))
+            w0, t0 = written_bytes(), time.perf_counter()
+            t.spool_all()
+            t_spool = time.perf_counter()
+            t.collect()
+            sync()
+            t_end = time.perf_counter()
+            mib = t.hidden_bytes / 2**20
+            add("file: data path MiB/s", mib / (t_end - t0))
+            add("file: cp + sync MiB/s", dump_bytes / 2**20 / t_cp)
+            add("file: ratio", (mib / (t_end - t0)) / (dump_bytes / 2**20 / t_cp))
+            add("file: spool s", t_spool - t0)
+            add("file: pack + commit s", t_end - t_spool)
+            add("file: disk bytes / hidden byte (spool + output)", (written_bytes() - w0) / t.hidden_bytes)
+            shutil.rmtree(t.dir)
+            shutil.rmtree(os.path.join(base, f"out{seed}"))
 
-        t_path = t_end - t0
-        mib = hidden_bytes / 2**20
-        path_rate, cp_rate, cps_rate = mib / t_path, dump_bytes / 2**20 / t_cp, dump_bytes / 2**20 / t_cp_sync
-        print(f"data path: {t_path:.2f} s = {path_rate:.0f} MiB/s "
-              f"(claim {t_claim - t0:.2f} s, assemble+spool {t_spool - t_claim:.2f} s, "
-              f"pack+commit {t_end - t_spool:.2f} s, {collector.shards_committed} shards)")
-        print(f"cp:        {t_cp:.2f} s = {cp_rate:.0f} MiB/s;  cp + sync: {t_cp_sync:.2f} s = {cps_rate:.0f} MiB/s")
-        print(f"ratio data path / cp: {path_rate / cp_rate:.2f};  data path / (cp + sync): {path_rate / cps_rate:.2f}  (goal >= 0.5)")
+            # s3:// : the collector's commit against put_file of the same bytes in shard-sized files
+            seed += 1
+            t = Trial(base, conn, args, seed, f"s3://bench/out{seed}")
+            w0 = written_bytes()
+            t.spool_all()
+            sync()
+            spool_written = written_bytes() - w0
+            t0 = time.perf_counter()
+            t.collect()
+            t_s3 = time.perf_counter() - t0
+            w_commit = written_bytes() - w0 - spool_written
+            loc = Location.from_url(f"s3://bench/base{seed}")
+            files, left = [], t.hidden_bytes
+            while left > 0:
+                n = min(left, args.shard_mb << 20)
+                path = os.path.join(t.dir, f"plain{len(files)}")
+                with open(path, "wb") as f:
+                    f.write(os.urandom(n))
+                files.append(path)
+                left -= n
+            sync()
+            t0 = time.perf_counter()
+            for i, path in enumerate(files):
+                loc.fs.put_file(path, loc.path(f"plain{i}"))
+            t_put = time.perf_counter() - t0
+            add("s3: commit MiB/s", t.hidden_bytes / 2**20 / t_s3)
+            add("s3: put_file MiB/s", t.hidden_bytes / 2**20 / t_put)
+            add("s3: ratio", t_put / t_s3)
+            add("s3: disk bytes / hidden byte (node)", (spool_written + w_commit) / t.hidden_bytes)
+            shutil.rmtree(t.dir)
+
+            # packers: the collector alone, to file://, with 1, 2, 4 packers
+            for p in [int(x) for x in args.packers.split(",") if x]:
+                seed += 1
+                t = Trial(base, conn, args, seed, f"file://{os.path.join(base, f'out{seed}')}")
+                t.spool_all()
+                sync()
+                t0 = time.perf_counter()
+                t.collect(pack_workers=p)
+                sync()
+                add(f"pack {p}: MiB/s", t.hidden_bytes / 2**20 / (time.perf_counter() - t0))
+                shutil.rmtree(t.dir)
+                shutil.rmtree(os.path.join(base, f"out{seed}"))
+            print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
+        print(f"{args.samples} samples of [{args.tokens}, {len(POINTS)}, {args.hidden}] bf16 "
+              f"({args.samples * args.tokens * len(POINTS) * args.hidden * 2 / 2**20:.0f} MiB of hidden states), "
+              f"jobs of {args.job_size}, shards of {args.shard_mb} MiB; medians of {args.repeats}:")
+        for key, vals in rows.items():
+            print(f"  {key:50s} {statistics.median(vals):9.2f}   (runs: {', '.join(f'{v:.2f}' for v in vals)})")
+        for p in [int(x) for x in args.packers.split(",") if x][1:]:
+            one = statistics.median(rows["pack 1: MiB/s"])
+            print(f"  packers {p} / 1: {statistics.median(rows[f'pack {p}: MiB/s']) / one:.2f}")
     finally:
+        moto.terminate()
         server.stop()
         shutil.rmtree(base, ignore_errors=True)
 

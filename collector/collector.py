@@ -45,7 +45,6 @@ from harvest.formats.spool import (
 from harvest.ids import check_id, node_name
 from harvest.multipart import MultipartWriter, Upload
 from harvest.state.failures import BAD_SPOOL
-from harvest.state.heartbeat import CollectorBeat
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
 from harvest.state.packing import PackingRecord
 from harvest.state.runstore import run_location
@@ -80,12 +79,17 @@ class Collector:
         retries: int = 5,
         retry_delay: float = 0.5,
         orphan_age: float = 6 * 3600.0,
+        packer: int = 0,
+        packers: int = 1,
     ) -> None:
         self.conn, self.cfg, self.spool_dir = conn, cfg, spool_dir
         self.spool_id = spool_identity(spool_dir)
         self.node = check_id(node or node_name(), "node name")
         self.ledger = Ledger(conn, cfg.run)
-        self.packing_key = self.ledger.keys.packing(self.node)
+        # Packer `packer` of the node's `packers` (collector.packers): its own record, and only the
+        # spool files of its slice of the sample ids, so no two packers ever pick the same sample.
+        self.packer, self.packers = packer, packers
+        self.packing_key = self.ledger.keys.packing(self.node, packer)
         self.shard_bytes = shard_bytes or cfg.shard_bytes
         self.max_wait = max_wait
         self.part_bytes = part_bytes
@@ -103,9 +107,10 @@ class Collector:
         was silent) takes a new id: the files of the old one are then not ours, and go."""
         self.spool_id = self.leases.renew_or_rotate(self.spool_dir, self.spool_id, self.node)
 
-    def tend_others(self) -> int:
-        """Finish or clear the packing records of nodes whose spool was revoked (collector.records)."""
-        return tend_revoked(self.conn, self.cfg.run, self.out, self._retry, self.packing_key)
+    def tend_others(self, own_keys: frozenset[str] = frozenset()) -> int:
+        """Finish or clear the packing records of nodes whose spool was revoked (collector.records);
+        `own_keys`: this node's other packers' records, which they tend themselves."""
+        return tend_revoked(self.conn, self.cfg.run, self.out, self._retry, own_keys | {self.packing_key})
 
     def _retry(self, fn, what: str):
         return retry(fn, what, attempts=self.retries, base_delay=self.retry_delay)
@@ -123,10 +128,16 @@ class Collector:
     def resume(self) -> None:
         """Finish the shard a previous incarnation of this collector was committing (or give it
         up, if this spool was reclaimed meanwhile), finish or clear the records of revoked
-        spools, and sweep orphan shards (uploaded, never committed, not recorded by anyone)."""
+        spools, and sweep orphan shards (uploaded, never committed, not recorded by anyone).
+        With several packers, only the first calls this, before any packs (it clears the node's
+        temporary shard files); the others call `resume_record`."""
         self._clear_temps()
         self.renew_lease()
         self.tend_others()
+        self.resume_record()
+
+    def resume_record(self) -> None:
+        """Finish (or void) the shard this packer's record names; else sweep orphan shards."""
         raw = self.conn.get(self.packing_key)
         if raw is None:
             self._retry(lambda: sweep_orphans(self.out, self.conn, self.cfg.run, self.orphan_age), "sweeping orphan shards")
@@ -164,10 +175,9 @@ class Collector:
         chosen = self.choose(force)
         return self._commit([e.id for e in chosen], entries=chosen) if chosen else 0
 
-    def choose(self, force: bool, busy: frozenset[str] = frozenset()) -> list[SpoolEntry]:
-        """The samples of the next shard if one is due, their headers checked; `busy`: samples
-        of a shard already being committed."""
-        files = [f for f in list_spooled(self.spool_dir) if f[0] not in busy]
+    def choose(self, force: bool) -> list[SpoolEntry]:
+        """The samples of the next shard if one is due, their headers checked."""
+        files = [f for f in list_spooled(self.spool_dir) if self._mine(f[0])]
         if not files:
             return []
         ids = [sid for sid, _, _ in files]
@@ -207,6 +217,9 @@ class Collector:
             except SpoolError as e:
                 self._reject(sid, path, e)
         return chosen
+
+    def _mine(self, sid: str) -> bool:
+        return self.packers == 1 or int(sid[:8], 16) % self.packers == self.packer
 
     def _commit(self, sample_ids: list[str], resumed_shard: str | None = None,
                 entries: list[SpoolEntry] | None = None) -> int:
@@ -342,21 +355,6 @@ class Collector:
             self._crash("unlinking")
         self.conn.delete(self.packing_key)
         return [s in changed for s in sample_ids]
-
-    def run(self, should_stop: Callable[[], bool] = lambda: False, poll: float = 0.2) -> None:
-        self.resume()
-        beat = CollectorBeat(self.conn, self.cfg.run, self.node, self.spool_dir)  # for `harvest status`
-        tended = time.monotonic()
-        while not should_stop():
-            if beat.maybe_beat(self.shards_committed):
-                self.renew_lease()
-            if time.monotonic() - tended > TEND_S:
-                tended = time.monotonic()
-                self.tend_others()
-            if self.step() == 0:
-                time.sleep(poll)
-        while self.step(force=True):
-            pass
 
 
 def _unlink(path: str) -> None:

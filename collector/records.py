@@ -60,7 +60,7 @@ def remove_shard(out: Location, shard_id: str, retry: Retry) -> None:
         retry(lambda: out.delete(name), f"deleting {out.path(name)}")
 
 
-def tend_revoked(conn: redis.Redis, run: str, out: Location, retry: Retry, own_key: str) -> int:
+def tend_revoked(conn: redis.Redis, run: str, out: Location, retry: Retry, own_keys: frozenset[str]) -> int:
     """Finish the decided records, and clear the void ones, of nodes whose spool was revoked.
     Returns the samples this call moved to done."""
     keys, ledger, leases = Keys(run), Ledger(conn, run), SpoolLeases(conn, run)
@@ -68,7 +68,7 @@ def tend_revoked(conn: redis.Redis, run: str, out: Location, retry: Retry, own_k
     for key in conn.scan_iter(match=keys.packing_pattern):
         key = key.decode()
         raw = conn.get(key)
-        if key == own_key or raw is None:
+        if key in own_keys or raw is None:
             continue
         rec = PackingRecord.from_json(raw)
         if rec.spool is None or not leases.is_revoked(rec.spool):

@@ -214,15 +214,19 @@ def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_time
 @click.option("--spool-dir", required=True, type=click.Path())
 @click.option("--max-wait", default=60.0, show_default=True, help="Commit a partial shard once its oldest sample is this old (s).")
 @click.option("--shard-mb", default=None, type=click.IntRange(1), help="Target shard size in MiB (default: the run's).")
-@click.option("--part-mb", default=None, type=click.IntRange(5), help="Multipart upload part size in MiB (default: s3fs's, 50).")
+@click.option("--part-mb", default=None, type=click.IntRange(5),
+              help="Object storage: multipart part size in MiB (default 16; up to 5 parts in memory per packer).")
+@click.option("--pack-workers", default=None, type=click.IntRange(1),
+              help="Packers sharing this spool, each streaming its own shards [default: the cores, up to 4].")
 @node_option
 @click.option("--burst", is_flag=True, help="Commit what is spooled now, then exit.")
 @s3_options
-def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, node, burst, s3_endpoint, s3_region) -> None:
+def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, pack_workers, node, burst, s3_endpoint,
+                s3_region) -> None:
     """Pack this node's spool into shards and commit them to the run's output."""
     import redis as redislib
 
-    from collector.collector import Collector
+    from collector.packers import Packers
     from harvest.config import ConfigError
     from harvest.state.runstore import load_run
     from harvest.storage import StorageError
@@ -236,10 +240,10 @@ def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, node, bu
     stop = {"now": burst}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
     os.makedirs(spool_dir, mode=0o700, exist_ok=True)
-    collector = Collector(conn, cfg, spool_dir, node=node, max_wait=max_wait,
-                          shard_bytes=shard_mb << 20 if shard_mb else None, part_bytes=part_mb << 20 if part_mb else None)
+    packers = Packers(conn, cfg, spool_dir, pack_workers or min(4, os.cpu_count() or 1), node=node, max_wait=max_wait,
+                      shard_bytes=shard_mb << 20 if shard_mb else None, part_bytes=part_mb << 20 if part_mb else None)
     try:
-        collector.run(lambda: stop["now"])
+        packers.run(lambda: stop["now"])
     except StorageError as e:
         fail(f"collector stopped: {e}. The spool in {spool_dir} is intact and the shard in progress is recorded "
              "in Redis; fix the storage and restart `harvest collect` to finish it.")

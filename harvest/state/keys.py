@@ -130,9 +130,15 @@ class Keys:
         """Short lock so one janitor pass at a time does the run-wide work."""
         return f"{self.prefix}:janitor-lock"
 
-    def packing(self, host: str) -> str:
-        """JSON {shard_id, sample_ids} of the shard a collector is committing; survives its crash."""
-        return f"{self.prefix}:packing:{check_id(host, 'host name')}"
+    def packing(self, host: str, packer: int = 0) -> str:
+        """JSON {shard_id, sample_ids, spool} of the shard packer `packer` of a node's collector is
+        committing; survives its crash. Packer 0's key is the node's plain key."""
+        base = f"{self.prefix}:packing:{check_id(host, 'host name')}"
+        return base if packer == 0 else f"{base}:{int(packer)}"
+
+    def packing_extra_pattern(self, host: str) -> str:
+        """SCAN pattern matching the records of a node's packers other than packer 0."""
+        return f"{self.prefix}:packing:{check_id(host, 'host name')}:*"
 
     @property
     def packing_pattern(self) -> str:

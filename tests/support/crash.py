@@ -10,7 +10,7 @@ import boto3
 import redis
 import torch
 
-from collector.collector import Collector
+from collector.packers import Packers
 from collector.faults import CRASH_ENV
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
@@ -25,21 +25,20 @@ FORK = multiprocessing.get_context("fork")
 NODE = "n1"
 
 
-def _collect(redis_url, cfg, spool, crash, shard_bytes, part_bytes):
+def _collect(redis_url, cfg, spool, crash, shard_bytes, part_bytes, pack_workers):
     if crash:
         os.environ[CRASH_ENV] = crash
     else:
         os.environ.pop(CRASH_ENV, None)
-    c = Collector(redis.Redis.from_url(redis_url), cfg, spool, node=NODE, shard_bytes=shard_bytes,
-                  part_bytes=part_bytes, retry_delay=0.05)
+    c = Packers(redis.Redis.from_url(redis_url), cfg, spool, pack_workers, node=NODE, shard_bytes=shard_bytes,
+                part_bytes=part_bytes, retry_delay=0.05)
     c.resume()
-    while c.step(force=True):
-        pass
+    c.drain()
     os._exit(0)
 
 
-def _run(redis_url, cfg, spool, shard_bytes, part_bytes=None, crash=None, kill_after=None) -> int:
-    p = FORK.Process(target=_collect, args=(redis_url, cfg, spool, crash, shard_bytes, part_bytes))
+def _run(redis_url, cfg, spool, shard_bytes, part_bytes=None, crash=None, kill_after=None, pack_workers=1) -> int:
+    p = FORK.Process(target=_collect, args=(redis_url, cfg, spool, crash, shard_bytes, part_bytes, pack_workers))
     p.start()
     if kill_after is not None:
         p.join(kill_after)
@@ -89,7 +88,7 @@ class Trial:
         assert self.loc.list(SHARDS) == sorted(f"{sid}.safetensors" for sid in committed)  # no shard without index
         n = len(self.order)
         assert self.ledger.counts() == {"queued": 0, "spooled": 0, "done": n, "failed": 0, "total": n}
-        assert self.conn.get(self.ledger.keys.packing(NODE)) is None
+        assert list(self.conn.scan_iter(match=self.ledger.keys.packing_pattern)) == []  # every packer's record
         left = [os.path.relpath(os.path.join(d, f), self.spool) for d, _, fs in os.walk(self.spool) for f in fs]
         assert left == [".spool-id"]  # spool files all gone, and no temporary shard ever on the node for S3
         if self.loc.is_local:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from collector.collector import Collector
+from collector.packers import Packers
 from harvest.formats.index import INDEX, index_file
 from harvest.formats.shard import SHARDS, shard_file
 from harvest.formats.spool import list_spooled, spool_identity
@@ -154,6 +155,7 @@ def test_collect_cli_stops_on_missing_bucket_then_finishes_the_recorded_shard(co
     s3.delete_object(Bucket=bucket, Key="out/r/run.json")
     s3.delete_bucket(Bucket=bucket)
     args = ["collect", "--run", "r", "--redis", redis_server.url, "--spool-dir", spool, "--burst", "--node", "n1",
+            "--pack-workers", "1",
             "--s3-endpoint", s3_endpoint]
     res = harvest_cli(*args, env={"HARVEST_S3_ENDPOINT": "http://127.0.0.1:1"})  # the flag wins over the environment
     ids = [sid for sid, _, _ in list_spooled(spool)]
@@ -236,11 +238,12 @@ def test_bucket_lost_mid_run_stops_the_run_loop_with_spool_and_record_intact(con
                 s3.delete_object(Bucket=bucket, Key=o["Key"])
             s3.delete_bucket(Bucket=bucket)
 
-    c = LosesItsBucket(conn, cfg, spool, node="n1", max_wait=0, retry_delay=0.01)
+    packers = Packers(conn, cfg, spool, 1, node="n1", max_wait=0, retry_delay=0.01)
+    packers.first = packers.packers[0] = LosesItsBucket(conn, cfg, spool, node="n1", max_wait=0, retry_delay=0.01)
     order = [sid for sid, _, _ in list_spooled(spool)]
     with pytest.raises(StorageError, match=rf"^upload of {bucket}/out/r/shards/[0-9a-f]{{32}}\.safetensors failed: "
                                            "FileNotFoundError: The specified bucket does not exist$"):
-        c.run(should_stop=lambda: False, poll=0.05)
+        packers.run(should_stop=lambda: False, poll=0.05)
     rec = json.loads(conn.get(Ledger(conn, "r").keys.packing("n1")))
     assert rec["sample_ids"] == order
     assert Ledger(conn, "r").states(order) == ["s"] * 4

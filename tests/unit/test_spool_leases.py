@@ -111,7 +111,7 @@ def test_a_decided_commit_is_finished_by_another_node(conn, tmp_path):
     out.delete(index_file(plan.shard_id))  # ... but the node was lost before its index landed
     rep = reclaim_spool(conn, cfg, a)
     assert sorted(rep.decided) == sorted(plan.sample_ids) and rep.samples == []
-    moved = tend_revoked(conn, cfg.run, out, lambda fn, what: retry(fn, what), own_key="other")
+    moved = tend_revoked(conn, cfg.run, out, lambda fn, what: retry(fn, what), own_keys=frozenset({"other"}))
     assert moved == len(plan.sample_ids)
     assert out.exists(index_file(plan.shard_id)) and conn.get(c.packing_key) is None
     assert set(Ledger(conn, cfg.run).states(plan.sample_ids)) == {"d"}

@@ -1,0 +1,122 @@
+"""A node's packers: several collectors sharing one spool, so packing is not one process's job.
+
+A GPU node spools faster than one packer can stream shards (one pass over the bytes, hashed on
+the way), so `harvest collect --pack-workers N` runs N packers on threads of one process (file
+reads, hashing and uploads release the GIL). Packer i owns:
+
+- the spool files whose sample id falls in its slice (`int(id[:8], 16) % N == i`), so no two
+  packers ever choose the same sample and no lock is needed between them;
+- its own packing record, `harvest:<run>:packing:<node>[:i]` (packer 0 keeps the node's plain
+  key), with the commit order and restart rules of `collector.collector` unchanged.
+
+A kill stops every packer at once, leaving at most one record each. At restart the first packer
+resumes alone (it clears the node's temporary shard files, renews the spool's lease, tends revoked
+spools) and finishes its record; then each other packer finishes its own, and records of packers
+beyond a smaller new N are finished here too, before any packer chooses new samples. Only then
+do the packers run. The first also keeps the node's heartbeat and the spool's lease for all.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from collector.collector import TEND_S, Collector
+from harvest.config import RunConfig
+from harvest.state.heartbeat import CollectorBeat
+
+log = logging.getLogger("harvest.collector")
+
+
+class Packers:
+    def __init__(self, conn: redis.Redis, cfg: RunConfig, spool_dir: str, pack_workers: int = 1, **kw) -> None:
+        if pack_workers < 1:
+            raise ValueError("pack_workers must be at least 1")
+        self.conn, self.cfg, self.spool_dir, self.kw = conn, cfg, spool_dir, kw
+        self.packers = [Collector(conn, cfg, spool_dir, packer=i, packers=pack_workers, **kw)
+                        for i in range(pack_workers)]
+        self.first = self.packers[0]
+        self.keys = frozenset(p.packing_key for p in self.packers)
+
+    @property
+    def shards_committed(self) -> int:
+        return sum(p.shards_committed for p in self.packers)
+
+    def _share_lease(self) -> None:
+        for p in self.packers[1:]:
+            p.spool_id = self.first.spool_id
+
+    def resume(self) -> None:
+        self.first.resume()
+        self._share_lease()
+        for p in self.packers[1:]:
+            p.resume_record()
+        n = len(self.packers)
+        for key in self.conn.scan_iter(match=self.first.ledger.keys.packing_extra_pattern(self.first.node)):
+            index = int(key.decode().rsplit(":", 1)[1])
+            if index >= n:  # a packer of an earlier run of this node with more packers
+                leftover = Collector(self.conn, self.cfg, self.spool_dir, packer=index, packers=n, **self.kw)
+                leftover.spool_id = self.first.spool_id
+                leftover.resume_record()
+
+    def run(self, should_stop: Callable[[], bool] = lambda: False, poll: float = 0.2) -> None:
+        """Resume, then pack until `should_stop`, then commit what is left. An error in any packer
+        stops them all and is raised here (each record stays for the restart)."""
+        self.resume()
+        failed: list[BaseException] = []
+        stop = lambda: should_stop() or bool(failed)  # noqa: E731
+
+        def loop(p: Collector) -> None:
+            try:
+                while not stop():
+                    if p.step() == 0:
+                        time.sleep(poll)
+            except BaseException as e:  # raised again on the calling thread
+                failed.append(e)
+
+        threads = [threading.Thread(target=loop, args=(p,), name=f"harvest-packer-{p.packer}", daemon=True)
+                   for p in self.packers[1:]]
+        for t in threads:
+            t.start()
+        beat = CollectorBeat(self.conn, self.cfg.run, self.first.node, self.spool_dir)  # for `harvest status`
+        tended = time.monotonic()
+        try:
+            while not stop():
+                if beat.maybe_beat(self.shards_committed):
+                    self.first.renew_lease()
+                    self._share_lease()
+                if time.monotonic() - tended > TEND_S:
+                    tended = time.monotonic()
+                    self.first.tend_others(self.keys)
+                if self.first.step() == 0:
+                    time.sleep(poll)
+        except BaseException as e:
+            failed.append(e)
+        for t in threads:
+            t.join()
+        if failed:
+            raise failed[0]
+        self.drain()
+
+    def drain(self) -> None:
+        """Commit everything spooled now, every packer at once (on stop, `--burst`, benches)."""
+        failed: list[BaseException] = []
+
+        def burst(p: Collector) -> None:
+            try:
+                while p.step(force=True):
+                    pass
+            except BaseException as e:
+                failed.append(e)
+
+        threads = [threading.Thread(target=burst, args=(p,), daemon=True) for p in self.packers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failed:
+            raise failed[0]
