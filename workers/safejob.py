@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from rq.job import Job
-
-from harvest.state.jobs import JOB_FUNCTION
+from harvest.state.jobs import JOB_FUNCTION, PayloadJob
 
 log = logging.getLogger("harvest.worker")
 
@@ -22,7 +20,7 @@ class RefusedJob(RuntimeError):
     """A job that names a function other than harvest's."""
 
 
-class HarvestJob(Job):
+class HarvestJob(PayloadJob):
     @property
     def func(self):
         name = self.func_name
