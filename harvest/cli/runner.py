@@ -120,7 +120,10 @@ def run_all(
     chunked_prefill_size: int = 0,
     max_queued: int = 20000,
     progress: bool = True,
+    max_wait: float = 5.0,
+    produce_kw: dict | None = None,
 ) -> RunSummary:
+    """`produce_kw`: the producer's options (`harvest.cli.options.producer_kwargs`)."""
     t0 = time.monotonic()
     work = work_dir or default_work_dir(cfg.run)
     os.makedirs(work, mode=0o700, exist_ok=True)
@@ -162,13 +165,13 @@ def run_all(
         from harvest.ops.reconcile import reconcile
 
         reconcile(conn, cfg)
-        children.start("collector", ["collect", *common, "--spool-dir", spool, "--max-wait", "5"])
+        children.start("collector", ["collect", *common, "--spool-dir", spool, "--max-wait", str(max_wait)])
         if engine:
             _wait_http(engine_url, children, timeout=300)
         from producer.producer import produce
 
         summary = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress, on_bad=_report_bad,
-                          on_wait=lambda _: children.poll())
+                          on_wait=lambda _: children.poll(), **(produce_kw or {}))
         ledger = Ledger(conn, cfg.run)
         bar = tqdm(total=ledger.counts()["total"], desc="extract", unit=" samples", disable=not progress)
         while True:

@@ -17,7 +17,8 @@ from collections.abc import Iterable
 
 import redis
 
-from harvest.state.keys import RUN_CONFIG_PATTERN, Keys, run_of_config_key
+from harvest.ops.runlist import discover_runs
+from harvest.state.keys import Keys
 
 # Upper bounds in seconds: an engine call is ~10 ms on a tiny CPU model, minutes for a long batch.
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -67,10 +68,6 @@ def read_histogram(conn: redis.Redis, run: str, name: str) -> tuple[list[tuple[s
         acc += int(raw.get(_le(b), 0))
         out.append((_le(b), acc))
     return out, float(raw.get("sum", 0) or 0), int(raw.get("count", 0) or 0)
-
-
-def discover_runs(conn: redis.Redis) -> list[str]:
-    return sorted(run_of_config_key(k.decode()) for k in conn.scan_iter(match=RUN_CONFIG_PATTERN, count=1000))
 
 
 class RedisCollector:
