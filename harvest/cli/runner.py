@@ -41,6 +41,7 @@ class RunSummary:
     seconds: float
     failure_reasons: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)  # child name -> times the supervisor restarted it
+    produced: str = ""  # the producer's own summary line (rows, overlong, truncated...)
 
     @property
     def exit_status(self) -> int:
@@ -57,6 +58,8 @@ class RunSummary:
             bad,
             f"  tokens: {self.tokens}, bytes: {self.bytes}, seconds: {self.seconds:.1f}",
         ]
+        if self.produced:
+            out.append(f"  produced: {self.produced}")
         for reason, n in sorted(self.failure_reasons.items(), key=lambda kv: -kv[1]):
             out.append(f"  failed because {reason}: {n} (`harvest status --run {self.run}` lists them)")
         if self.restarts:
@@ -201,6 +204,7 @@ def run_all(
             seconds=time.monotonic() - t0,
             failure_reasons=dict(reasons),
             restarts=children.restarts(),
+            produced=summary.text(),
         )
     finally:
         children.stop(_stop_order(names))
