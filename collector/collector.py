@@ -285,7 +285,8 @@ class Collector:
         self.ledger.add_stats(tokens_done=sum(e.num_tokens for e, c in zip(plan.entries, changed) if c),
                               bytes_done=plan.nbytes, shards=1)
         self.shards_committed += 1
-        log.info("committed shard %s: %d samples, %d bytes", plan.shard_id, len(sample_ids), plan.nbytes)
+        log.info("committed shard %s: %d samples, %d tokens, %.1f MB to %s", plan.shard_id, len(sample_ids),
+                 sum(e.num_tokens for e in plan.entries), plan.nbytes / 1e6, self.out.url())
         return len(sample_ids)
 
     def _finish_samples(self, sample_ids: list[str], paths: list[str]) -> list[bool]:
@@ -300,6 +301,9 @@ class Collector:
         return [s in changed for s in sample_ids]
 
     def run(self, should_stop: Callable[[], bool] = lambda: False, poll: float = 0.2) -> None:
+        log.info("collector started: run %s, node %s, spool %s (id %s), output %s, shards of %d MiB, max wait %.0fs",
+                 self.cfg.run, self.node, self.spool_dir, self.spool_id, self.out.url(), self.shard_bytes >> 20,
+                 self.max_wait)
         self.resume()
         beat = CollectorBeat(self.conn, self.cfg.run, self.node, self.spool_dir)  # for `harvest status`
         # To object storage, upload shard N on a thread while packing shard N+1 (Overlap); a

@@ -169,6 +169,7 @@ def _reclaim(conn, run: str, spools: tuple[str, ...], nodes: tuple[str, ...], dr
 @click.option("--interval", default=None, type=click.FloatRange(1), help="Repeat every N seconds (default: once).")
 def janitor_cmd(run, redis_url, dump_dir, interval) -> None:
     """Take back dead workers' jobs, release due retries, clean dead claim dirs (workers do this too)."""
+    import logging
     import time
 
     service_logging()
@@ -179,13 +180,11 @@ def janitor_cmd(run, redis_url, dump_dir, interval) -> None:
     load_run(conn, run)  # a run not in Redis: say so rather than clean nothing
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+    if interval is not None:
+        logging.getLogger("harvest.janitor").info("janitor started: run %s, dump dir %s, every %.0fs", run,
+                                                  dump_dir or "(none)", interval)
     while not stop["now"]:
-        rep = janitor_pass(conn, run, dump_dir)
-        click.echo(f"reaped {len(rep.reaped)} jobs, gave up {len(rep.gave_up)}, released {len(rep.promoted)} retries, "
-                   f"forgot {len(rep.forgotten_workers)} dead workers, removed {len(rep.claim_dirs_removed)} claim dirs "
-                   f"and {rep.stale_dumps_removed} stale dump files"
-                   + "".join(f"; reclaimed spool {r.spool} of node {r.node}: {len(r.samples)} samples"
-                             for r in rep.reclaimed if r.samples))
+        click.echo(janitor_pass(conn, run, dump_dir).line())
         if interval is None:
             return
         time.sleep(interval)
