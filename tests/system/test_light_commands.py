@@ -31,6 +31,18 @@ def _imported(stderr: str) -> set[str]:
     return out
 
 
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as the kernel lists them) of the IPv4 sockets listening on `port`."""
+    out = []
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if int(p, 16) == port and state == "0A":  # TCP_LISTEN
+                out.append(addr)
+    return out
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-X", "importtime", "-m", "harvest.cli", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
@@ -55,7 +67,7 @@ def test_light_command_imports_no_torch(args, run, redis_server, tmp_path):
     assert not mods & HEAVY, sorted(mods & HEAVY)
 
 
-def test_metrics_serves_a_scrape_without_torch(run, redis_server):
+def test_metrics_serves_a_scrape_without_torch_on_loopback(run, redis_server):
     port = free_port()
     p = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "harvest.cli", "metrics", "--redis",
                           redis_server.url, "--port", str(port)], cwd=REPO, stderr=subprocess.PIPE, text=True,
@@ -69,6 +81,7 @@ def test_metrics_serves_a_scrape_without_torch(run, redis_server):
 
         text = wait_until(scrape, 30, "the exporter answers")
         assert 'harvest_samples{run="light",state="queued"} 2.0' in text
+        assert _listening(port) == ["0100007F"]  # loopback only, unless --host says otherwise
     finally:
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=30)
