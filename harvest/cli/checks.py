@@ -49,9 +49,11 @@ def check_model(model: str | None) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def check_output(url: str | None) -> None:
-    """An object-storage output is reachable with the credentials in the environment, checked
-    by one HEAD of its bucket (3 s to connect, no retries) before anything is written."""
+def check_output(url: str | None, reach: bool = True) -> None:
+    """An object-storage output has credentials in the environment and, with `reach`, is
+    reachable with them: one HEAD of its bucket (3 s to connect, no retries) before anything is
+    written. A collector checks only the credentials: its storage errors stop it with the shard
+    in progress recorded, to be finished once the storage is fixed."""
     if not url or not url.startswith(("s3://", "s3a://")):
         return
     import botocore.session
@@ -66,6 +68,8 @@ def check_output(url: str | None) -> None:
     session = botocore.session.get_session()
     if not opts.get("key") and session.get_credentials() is None:
         fail(f"no S3 credentials for {url}: {S3_CREDENTIALS_FIX}")
+    if not reach:
+        return
     endpoint = client_kw.get("endpoint_url", "AWS S3")
     try:
         client = session.create_client(

@@ -234,7 +234,7 @@ def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, node, bu
     from harvest.storage import StorageError
 
     cfg = load_run(conn, run)
-    check_output(cfg.out_url)
+    check_output(cfg.out_url, reach=False)
     stop = {"now": burst}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
     os.makedirs(spool_dir, mode=0o700, exist_ok=True)
