@@ -193,3 +193,19 @@ def test_version_and_runs(redis_server, conn, tmp_path, tiny_model):
     assert lines[0].split()[:7] == ["run", "settled", "total", "queued", "spooled", "done", "failed"]
     assert lines[1].split()[:8] == ["r1", "25.0%", "4", "3", "0", "1", "0", "0"]
     assert lines[2].split()[:8] == ["r2", "0.0%", "0", "0", "0", "0", "0", "0"]
+
+
+def test_demo_prepare_writes_what_the_compose_quickstart_mounts(tmp_path):
+    """.env.example's run reads MODEL_DIR=./models, MODEL_NAME=tiny, DATA_DIR=./data, DATASET=demo.jsonl."""
+    import json
+
+    from harvest.cli.demo import demo_rows
+
+    rc, out, _ = _harvest("demo", "--prepare", ".", cwd=str(tmp_path))
+    assert rc == 0, out
+    assert "model: ./models/tiny" in out and "dataset: ./data/demo.jsonl" in out
+    cfg = json.loads((tmp_path / "models" / "tiny" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 8 and (tmp_path / "models" / "tiny" / "tokenizer.json").exists()
+    rows = [json.loads(line) for line in (tmp_path / "data" / "demo.jsonl").read_text().splitlines()]
+    assert rows == demo_rows()
+    assert sorted(os.listdir(tmp_path)) == ["data", "models"]  # nothing else: no run, no output
