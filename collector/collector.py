@@ -342,7 +342,8 @@ class Collector:
         self.ledger.add_stats(tokens_done=sum(e.num_tokens for e, c in zip(plan.entries, changed) if c),
                               bytes_done=plan.nbytes, shards=1)
         self.shards_committed += 1
-        log.info("committed shard %s: %d samples, %d bytes", plan.shard_id, len(sample_ids), plan.nbytes)
+        log.info("committed shard %s: %d samples, %d tokens, %.1f MB to %s", plan.shard_id, len(sample_ids),
+                 sum(e.num_tokens for e in plan.entries), plan.nbytes / 1e6, self.out.url())
         return len(sample_ids)
 
     def _finish_samples(self, sample_ids: list[str], paths: list[str]) -> list[bool]:

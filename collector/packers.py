@@ -66,6 +66,10 @@ class Packers:
     def run(self, should_stop: Callable[[], bool] = lambda: False, poll: float = 0.2) -> None:
         """Resume, then pack until `should_stop`, then commit what is left. An error in any packer
         stops them all and is raised here (each record stays for the restart)."""
+        f = self.first
+        log.info("collector started: run %s, node %s, spool %s (id %s), output %s, shards of %d MiB, max wait %.0fs, "
+                 "%d packer(s)", self.cfg.run, f.node, self.spool_dir, f.spool_id, f.out.url(), f.shard_bytes >> 20,
+                 f.max_wait, len(self.packers))
         self.resume()
         failed: list[BaseException] = []
         stop = lambda: should_stop() or bool(failed)  # noqa: E731

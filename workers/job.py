@@ -21,6 +21,7 @@ import logging
 import os
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -127,9 +128,10 @@ def process_batch(payload: dict) -> dict | Retry:
     ledger = ctx.ledger
     states = ledger.states([s.id for s in samples])
     todo = [s for s, st in zip(samples, states) if st == QUEUED]
-    if not todo:
-        return {"spooled": 0, "failed": 0, "skipped": len(samples)}
     job = get_current_job()
+    if not todo:
+        log.info("job %s: nothing to do, its %d samples are past queued", job.id if job else "?", len(samples))
+        return {"spooled": 0, "failed": 0, "skipped": len(samples)}
     t0 = time.monotonic()
     if ctx.beat:
         ctx.beat.job_started(job.id if job else "", len(todo))
@@ -137,6 +139,9 @@ def process_batch(payload: dict) -> dict | Retry:
         rows = dict(zip((s.id for s in samples), payload_rows(payload)))
         out = _process(ctx, todo, rows)
         out["skipped"] = len(samples) - len(todo)
+        log.info("job %s: %d samples, %d tokens, %.2fs: spooled %d, failed %d%s", job.id if job else "?", len(todo),
+                 sum(s.num_tokens for s in todo), time.monotonic() - t0, out["spooled"], out["failed"],
+                 "".join(f", {r} {n}" for r, n in sorted(out.pop("reasons").items())))
         return out
     except SampleFailure as e:  # only transient failures leave _process: per-sample ones are recorded there
         return _retry_or_fail(ctx, job, todo, e.reason, e.message)
@@ -259,7 +264,7 @@ def _process(ctx: WorkerContext, todo: list[Sample], rows: dict[str, str]) -> di
         ctx.renew_lease()
         raise SampleFailure(SPOOL_REVOKED, f"spool {owner} was reclaimed during the job; retrying as {ctx.spool_id}",
                             transient=True)
-    return {"spooled": len(spooled), "failed": len(failures)}
+    return {"spooled": len(spooled), "failed": len(failures), "reasons": dict(Counter(r for r, _ in failures.values()))}
 
 
 def _clear(claim_dir: str) -> None:

@@ -56,7 +56,7 @@ class _Background(threading.Thread):
                 self.ctx.renew_lease()
                 rep = janitor_pass(self.conn, self.run_name, self.dump_dir)
                 if rep.any():
-                    log.info("janitor: %s", rep)
+                    log.info("janitor: %s", rep.line())
             except Exception:  # a Redis hiccup must not kill the heartbeat for good
                 log.exception("heartbeat/janitor pass failed")
 
@@ -126,7 +126,8 @@ def run_worker(
                           job_class=HarvestJob)
     background = _Background(ctx, beat, HEARTBEAT_INTERVAL_S)
     background.start()
-    log.info("worker %s: run %s, engine %s", name, run, engine_url)
+    log.info("worker started: %s, run %s, node %s, engine %s at %s, spool %s (id %s), dump dir %s", name, run, host,
+             cfg.engine, engine_url, ctx.spool_dir, ctx.spool_id, dump_dir)
     try:
         # RQ installs its stop handlers only in work(): until then a SIGTERM (docker stop) must still
         # run the cleanup below, or the claim dir and heartbeat outlive the process.

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import click
 
+from harvest import __version__
 from harvest.cli import launch, operate, pipeline
+from harvest.cli.errors import HarvestGroup
 from harvest.cli.options import setup_logging
 
 
-@click.group()
+@click.group(cls=HarvestGroup)
+@click.version_option(__version__, "--version", prog_name="harvest", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress details to stderr.")
 def main(verbose: bool) -> None:
     """harvest: extract an LLM's hidden states for whole datasets (EAGLE-3 drafter training data)."""

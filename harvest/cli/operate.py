@@ -7,6 +7,8 @@ import signal
 
 import click
 
+from harvest.cli.checks import check_output
+from harvest.cli.errors import connect
 from harvest.cli.options import (
     apply_s3_env,
     fail,
@@ -15,6 +17,7 @@ from harvest.cli.options import (
     redis_option,
     run_option,
     s3_options,
+    service_logging,
 )
 from harvest.read.trainers import EXPORT_FORMATS
 
@@ -27,20 +30,14 @@ from harvest.read.trainers import EXPORT_FORMATS
 @s3_options
 def reconcile_cmd(run, redis_url, out_url, s3_endpoint, s3_region) -> None:
     """Rebuild the Redis done-set of RUN from the index files in storage."""
-    import redis as redislib
-
-    from harvest.config import ConfigError
+    apply_s3_env(s3_endpoint, s3_region)
+    check_output(out_url)
+    conn = connect(redis_url)
     from harvest.ops.reconcile import reconcile, restore_run
     from harvest.state.runstore import load_run
-    from harvest.storage import StorageError
 
-    apply_s3_env(s3_endpoint, s3_region)
-    conn = redislib.Redis.from_url(redis_url)
-    try:
-        cfg = restore_run(conn, run, out_url) if out_url else load_run(conn, run)
-        n = reconcile(conn, cfg)
-    except (ConfigError, StorageError) as e:
-        fail(str(e))
+    cfg = restore_run(conn, run, out_url) if out_url else load_run(conn, run)
+    n = reconcile(conn, cfg)
     click.echo(f"marked {n} samples done from storage")
 
 
@@ -77,16 +74,11 @@ def status_cmd(run, redis_url, as_json, watch) -> None:
     import json
     import time
 
-    import redis as redislib
-
+    conn = connect(redis_url)
     from harvest.ops.status import compute_status, render
     from harvest.state.runstore import load_run
 
-    conn = redislib.Redis.from_url(redis_url)
-    try:
-        load_run(conn, run)
-    except Exception as e:  # ConfigError, or Redis unreachable
-        fail(str(e))
+    load_run(conn, run)  # a run not in Redis: say so, and how to start it
     try:
         while True:
             st = compute_status(conn, run)
@@ -115,28 +107,18 @@ def status_cmd(run, redis_url, as_json, watch) -> None:
 @click.option("--node", "nodes", multiple=True, help="Reclaim the spools of this node now (a node known to be gone).")
 def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run, spools, nodes) -> None:
     """Put failed samples of RUN back on the queue, exactly once; or reclaim a lost node's spool."""
-    import redis as redislib
-
-    from harvest.config import ConfigError
-    from harvest.ids import InvalidId
-    from harvest.ops.requeue import requeue
-    from harvest.state.runstore import load_run
-
     if not (reasons or samples or all_ or spools or nodes):
         fail("say what to requeue: --reason REASON, --sample ID or --all (see `harvest status` for the reasons), "
              "or --spool ID / --node NAME for a lost node")
-    conn = redislib.Redis.from_url(redis_url)
-    try:
-        if spools or nodes:
-            _reclaim(conn, run, spools, nodes, dry_run)
-            if not (reasons or samples or all_):
-                return
-        res = requeue(conn, load_run(conn, run), reasons=reasons, sample_ids=samples, all_=all_, dry_run=dry_run)
-    except (ConfigError, InvalidId) as e:
-        fail(str(e))
-    except redislib.ConnectionError as e:
-        fail(f"cannot reach Redis at {redis_url} ({e}): start redis-server there, or pass --redis URL "
-             "(default from HARVEST_REDIS_URL)")
+    conn = connect(redis_url)
+    from harvest.ops.requeue import requeue
+    from harvest.state.runstore import load_run
+
+    if spools or nodes:
+        _reclaim(conn, run, spools, nodes, dry_run)
+        if not (reasons or samples or all_):
+            return
+    res = requeue(conn, load_run(conn, run), reasons=reasons, sample_ids=samples, all_=all_, dry_run=dry_run)
     verb = "would requeue" if dry_run else "requeued"
     click.echo(f"{verb} {len(res.samples)} failed samples" + (f" in {len(res.jobs)} jobs" if res.jobs else "")
                + "".join(f", {n} {r}" for r, n in sorted(res.reasons.items())))
@@ -152,23 +134,19 @@ def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run, spools, nodes) 
 
 
 def _reclaim(conn, run: str, spools: tuple[str, ...], nodes: tuple[str, ...], dry_run: bool) -> None:
-    from harvest.config import ConfigError
-    from harvest.ids import InvalidId, check_id
+    from harvest.ids import check_id
     from harvest.ops.reclaim import reclaim_spool
     from harvest.state.runstore import load_run
     from harvest.state.spools import SpoolLeases
 
-    try:
-        cfg = load_run(conn, run)
-        leases = SpoolLeases(conn, run)
-        chosen = [check_id(s, "spool id") for s in spools]
-        for node in nodes:
-            found = leases.of_node(check_id(node, "node name"))
-            if not found:
-                fail(f"node {node!r} has no spool in run {run} (`harvest status --run {run}` lists the spools)")
-            chosen += found
-    except (ConfigError, InvalidId) as e:
-        fail(str(e))
+    cfg = load_run(conn, run)
+    leases = SpoolLeases(conn, run)
+    chosen = [check_id(s, "spool id") for s in spools]
+    for node in nodes:
+        found = leases.of_node(check_id(node, "node name"))
+        if not found:
+            fail(f"node {node!r} has no spool in run {run} (`harvest status --run {run}` lists the spools)")
+        chosen += found
     views = {v.spool: v for v in SpoolLeases(conn, run).list()}
     for spool in dict.fromkeys(chosen):
         v = views.get(spool)
@@ -191,22 +169,22 @@ def _reclaim(conn, run: str, spools: tuple[str, ...], nodes: tuple[str, ...], dr
 @click.option("--interval", default=None, type=click.FloatRange(1), help="Repeat every N seconds (default: once).")
 def janitor_cmd(run, redis_url, dump_dir, interval) -> None:
     """Take back dead workers' jobs, release due retries, clean dead claim dirs (workers do this too)."""
+    import logging
     import time
 
-    import redis as redislib
-
+    service_logging()
+    conn = connect(redis_url)
     from harvest.ops.janitor import janitor_pass
+    from harvest.state.runstore import load_run
 
-    conn = redislib.Redis.from_url(redis_url)
+    load_run(conn, run)  # a run not in Redis: say so rather than clean nothing
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
+    if interval is not None:
+        logging.getLogger("harvest.janitor").info("janitor started: run %s, dump dir %s, every %.0fs", run,
+                                                  dump_dir or "(none)", interval)
     while not stop["now"]:
-        rep = janitor_pass(conn, run, dump_dir)
-        click.echo(f"reaped {len(rep.reaped)} jobs, gave up {len(rep.gave_up)}, released {len(rep.promoted)} retries, "
-                   f"forgot {len(rep.forgotten_workers)} dead workers, removed {len(rep.claim_dirs_removed)} claim dirs "
-                   f"and {rep.stale_dumps_removed} stale dump files"
-                   + "".join(f"; reclaimed spool {r.spool} of node {r.node}: {len(r.samples)} samples"
-                             for r in rep.reclaimed if r.samples))
+        click.echo(janitor_pass(conn, run, dump_dir).line())
         if interval is None:
             return
         time.sleep(interval)
@@ -215,18 +193,21 @@ def janitor_cmd(run, redis_url, dump_dir, interval) -> None:
 @click.command("metrics")
 @redis_option
 @click.option("--port", default=9108, show_default=True, type=int)
-@click.option("--addr", default="0.0.0.0", show_default=True)
+@click.option("--host", "--addr", "host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; 0.0.0.0 exposes the metrics to other hosts (docker compose passes it).")
 @click.option("--run", "runs", multiple=True, help="Export these runs (default: every run in Redis).")
-def metrics_cmd(redis_url, port, addr, runs) -> None:
-    """Serve Prometheus metrics for the runs in Redis at http://ADDR:PORT/metrics."""
+def metrics_cmd(redis_url, port, host, runs) -> None:
+    """Serve Prometheus metrics for the runs in Redis at http://HOST:PORT/metrics."""
     import threading
 
-    import redis as redislib
-
+    conn = connect(redis_url)
     from harvest.ops.metrics import serve
 
-    serve(redislib.Redis.from_url(redis_url), port, addr, runs or None)
-    click.echo(f"serving metrics on http://{addr}:{port}/metrics", err=True)
+    try:
+        serve(conn, port, host, runs or None)
+    except OSError as e:
+        fail(f"cannot listen on {host}:{port} ({e.strerror}): pass another --port, or stop what holds it")
+    click.echo(f"serving metrics on http://{host}:{port}/metrics", err=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     try:
@@ -235,4 +216,22 @@ def metrics_cmd(redis_url, port, addr, runs) -> None:
         pass
 
 
-COMMANDS = (status_cmd, requeue_cmd, janitor_cmd, metrics_cmd, reconcile_cmd, export_cmd)
+@click.command("runs")
+@redis_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per run, one per line.")
+def runs_cmd(redis_url, as_json) -> None:
+    """List the runs in Redis with their progress."""
+    import json
+
+    conn = connect(redis_url)
+    from harvest.ops.runlist import list_runs, render_runs
+
+    rows = list_runs(conn)
+    if as_json:
+        for r in rows:
+            click.echo(json.dumps(r.to_dict()))
+    else:
+        click.echo(render_runs(rows))
+
+
+COMMANDS = (status_cmd, runs_cmd, requeue_cmd, janitor_cmd, metrics_cmd, reconcile_cmd, export_cmd)

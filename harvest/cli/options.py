@@ -30,6 +30,12 @@ def setup_logging(verbose: bool) -> None:
     )
 
 
+def service_logging() -> None:
+    """The long-running services (worker, collector, janitor) log at INFO by default: a start
+    line, a line per job and per shard, each one line for `docker compose logs`."""
+    logging.getLogger("harvest").setLevel(logging.INFO)
+
+
 def apply_s3_env(endpoint: str | None, region: str | None) -> None:
     """S3 flags override the environment for this process and the ones it starts."""
     if endpoint:
@@ -61,6 +67,46 @@ node_option = click.option("--node", default=None,
 spool_grace_option = click.option("--spool-grace", "spool_grace", default=120.0, show_default=True,
                                   type=click.FloatRange(min=1), help="Seconds a node's spool may be silent before "
                                   "its samples are reclaimed and extracted again elsewhere (a new run's setting).")
+
+
+# The producer's options, shared by `harvest produce` and `harvest run`.
+batch_samples_option = click.option("--batch-samples", default=None, type=click.IntRange(1),
+                                    help="Samples per job (default: the run's, 32).")
+batch_tokens_option = click.option("--batch-tokens", default=None, type=click.IntRange(1),
+                                   help="Tokens per job (default: the run's, 16384); size it to keep the engine's "
+                                        "prefill budget full.")
+fields_option = click.option("--field", "fields", multiple=True, metavar="NAME=COLUMN",
+                             help="Read a field from another column, e.g. text=content (repeatable).")
+chat_template_option = click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
+                                    help="Jinja chat template file (default: the tokenizer's).")
+max_len_option = click.option("--max-len", type=click.IntRange(1), default=None, help="Longest sample in tokens.")
+overlong_option = click.option("--overlong", type=click.Choice(["skip", "truncate"]), default="skip",
+                               show_default=True,
+                               help="What to do with samples over --max-len (skipped ones are reported).")
+strict_option = click.option("--strict", is_flag=True, help="Stop at the first bad row.")
+processes_option = click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 256),
+                                help="Tokenizer processes; pays only with cores beyond those the tokenizer's threads fill.")
+
+
+def producer_options(f):
+    """Every option of the producer's reading and tokenizing (not its run or Redis options)."""
+    for opt in reversed((batch_samples_option, batch_tokens_option, fields_option, chat_template_option,
+                         max_len_option, overlong_option, strict_option, processes_option)):
+        f = opt(f)
+    return f
+
+
+def producer_kwargs(fields, chat_template, max_len, overlong, strict, processes) -> dict:
+    """`producer.producer.produce`'s keyword arguments from the shared producer options."""
+    from producer.rowkinds import FieldMap
+    from producer.templates import load_chat_template
+    from producer.tokenize import LengthPolicy
+
+    try:
+        return dict(fields=FieldMap.parse(fields), length=LengthPolicy(max_len, overlong), strict=strict,
+                    chat_template=load_chat_template(chat_template) if chat_template else None, processes=processes)
+    except (OSError, ValueError) as e:
+        fail(str(e))
 
 
 def engine_option(kinds: tuple[str, ...], help: str):

@@ -9,6 +9,8 @@ import sys
 
 import click
 
+from harvest.cli.checks import check_dataset, check_layers, check_model, check_output
+from harvest.cli.errors import connect, explain
 from harvest.cli.options import (
     apply_s3_env,
     chunked_prefill_option,
@@ -19,12 +21,15 @@ from harvest.cli.options import (
     no_progress_option,
     node_option,
     produce_engine_option,
+    producer_kwargs,
+    producer_options,
     redis_option,
     run_engine_option,
     run_option,
     s3_endpoint_option,
     s3_options,
     s3_region_option,
+    service_logging,
     spool_grace_option,
 )
 
@@ -52,33 +57,45 @@ def _default_run_name(dataset: str) -> str:
 @click.option("--dump-dir", default=None, type=click.Path(), help="Engine dump directory (default under /dev/shm).")
 @max_queued_option
 @click.option("--shard-mb", default=1024, show_default=True, type=click.IntRange(1), help="Target shard size in MiB.")
+@click.option("--max-wait", default=5.0, show_default=True, type=click.FloatRange(0),
+              help="Commit a partial shard once its oldest sample is this old (s).")
+@producer_options
 @no_progress_option
 @spool_grace_option
 @s3_endpoint_option
 @s3_region_option
 def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
             work_dir, dump_dir, max_queued, shard_mb, no_progress, spool_grace=120.0, s3_endpoint=None, s3_region=None,
-            engine="reference") -> None:
+            engine="reference", max_wait=5.0, batch_samples=None, batch_tokens=None, fields=(), chat_template=None,
+            max_len=None, overlong="skip", strict=False, processes=1) -> None:
     """Extract hidden states for DATASET end to end on this machine.
 
     Exit status: 0 when every sample is done, 1 when samples failed or rows were bad (the summary
     says how many), 2 on errors, 130 when interrupted (Ctrl-C, SIGTERM; the next run resumes).
     """
     apply_s3_env(s3_endpoint, s3_region)  # before any child starts: the collector inherits it
-    from harvest.cli.redisproc import RedisNotInstalled
+    check_dataset(dataset)
+    check_model(model)
+    check_output(out_url)
+    if redis_url:
+        connect(redis_url)  # reached before run.json is written
+    produce_kw = producer_kwargs(fields, chat_template, max_len, overlong, strict, processes)
     from harvest.cli.runner import run_all
-    from harvest.config import ConfigError, build_config
+    from harvest.config import build_config
 
     # SIGTERM stops the run as Ctrl-C does: the children are stopped in order, and the next
     # `harvest run` resumes from the ledger and the spool.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    sizes = {k: v for k, v in (("max_batch_samples", batch_samples), ("max_batch_tokens", batch_tokens)) if v}
     try:
         cfg = build_config(run or _default_run_name(dataset), model, out_url, layers, storage_dtype, engine=engine,
-                           shard_bytes=shard_mb << 20, spool_grace_s=spool_grace)
+                           shard_bytes=shard_mb << 20, spool_grace_s=spool_grace, **sizes)
         summary = run_all(cfg, dataset, workers=workers, redis_url=redis_url, engine_url=engine_url, work_dir=work_dir,
                           dump_dir=dump_dir, chunked_prefill_size=chunked_prefill_size, max_queued=max_queued,
-                          progress=not no_progress)
-    except (ConfigError, RedisNotInstalled, FileNotFoundError, ValueError, RuntimeError) as e:
+                          progress=not no_progress, max_wait=max_wait, produce_kw=produce_kw)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        if explain(e):
+            raise
         fail(str(e))
     except KeyboardInterrupt:
         click.echo("harvest: interrupted: the run's processes are stopped; run the same command again to resume",
@@ -92,10 +109,18 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
 @click.command("demo")
 @click.option("--out", "out_dir", default="harvest-demo", show_default=True, type=click.Path())
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 64))
-def demo_cmd(out_dir: str, workers: int) -> None:
+@click.option("--prepare", "prepare_dir", default=None, type=click.Path(file_okay=False),
+              help="Only write the tiny model to DIR/models/tiny and the dataset to DIR/data/demo.jsonl (what the "
+                   "docker compose quickstart mounts), then exit.")
+def demo_cmd(out_dir: str, workers: int, prepare_dir: str | None) -> None:
     """Build a tiny model offline and run the whole pipeline on a bundled dataset."""
     from harvest.cli.demo import build_tiny_model, demo_rows, write_jsonl
 
+    if prepare_dir:
+        model = build_tiny_model(os.path.join(prepare_dir, "models", "tiny"))
+        dataset = write_jsonl(os.path.join(prepare_dir, "data", "demo.jsonl"), demo_rows())
+        click.echo(f"model: {model}\ndataset: {dataset}")
+        return
     click.echo("building the tiny demo model (cached after the first time)...")
     model = build_tiny_model()
     dataset = write_jsonl(os.path.join(out_dir, "demo.jsonl"), demo_rows())
@@ -116,60 +141,44 @@ def demo_cmd(out_dir: str, workers: int) -> None:
 @layers_option
 @dtype_option
 @max_queued_option
-@click.option("--batch-samples", default=None, type=click.IntRange(1),
-              help="Samples per job (default: the run's, 32).")
-@click.option("--batch-tokens", default=None, type=click.IntRange(1),
-              help="Tokens per job (default: the run's, 16384); size it to keep the engine's prefill budget full.")
-@click.option("--field", "fields", multiple=True, metavar="NAME=COLUMN",
-              help="Read a field from another column, e.g. text=content (repeatable).")
-@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Jinja chat template file (default: the tokenizer's).")
-@click.option("--max-len", type=click.IntRange(1), default=None, help="Longest sample in tokens.")
-@click.option("--overlong", type=click.Choice(["skip", "truncate"]), default="skip", show_default=True,
-              help="What to do with samples over --max-len (skipped ones are reported).")
+@producer_options
 @click.option("--dry-run", is_flag=True, help="Tokenize and count; enqueue nothing (with --model, no Redis needed).")
-@click.option("--strict", is_flag=True, help="Stop at the first bad row.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
-@click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 256),
-              help="Tokenizer processes; pays only with cores beyond those the tokenizer's threads fill.")
 @produce_engine_option
 @spool_grace_option
+@s3_options
 def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, batch_samples, batch_tokens,
                 fields, chat_template, max_len, overlong, dry_run, strict, progress, processes,
-                engine="reference", spool_grace=120.0) -> None:
+                engine="reference", spool_grace=120.0, s3_endpoint=None, s3_region=None) -> None:
     """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded).
 
     Exit status: 0, 1 when some rows were bad (each is reported with its file and line), 2 on errors.
     """
-    import redis as redislib
+    apply_s3_env(s3_endpoint, s3_region)
+    check_dataset(dataset)
+    check_model(model)
+    if not dry_run:
+        check_output(out_url)
+    kw = producer_kwargs(fields, chat_template, max_len, overlong, strict, processes)
+    conn = None if (dry_run and model) else connect(redis_url)
     from tqdm import tqdm
 
-    from harvest.config import ConfigError
     from harvest.ops.runs import open_run
     from producer.producer import load_tokenizer, produce
-    from producer.rowkinds import FieldMap
-    from producer.templates import load_chat_template
-    from producer.tokenize import LengthPolicy
 
-    conn = None if (dry_run and model) else redislib.Redis.from_url(redis_url)
+    kw.update(dry_run=dry_run, on_bad=lambda r: tqdm.write(f"{r.kind} row {r}", file=sys.stderr))  # above the bar
+    progress = sys.stderr.isatty() if progress is None else progress
     try:
-        kw = dict(
-            fields=FieldMap.parse(fields),
-            chat_template=load_chat_template(chat_template) if chat_template else None,
-            length=LengthPolicy(max_len, overlong),
-            dry_run=dry_run,
-            on_bad=lambda r: tqdm.write(f"{r.kind} row {r}", file=sys.stderr),  # above the progress bar
-            processes=processes,
-        )
-        progress = sys.stderr.isatty() if progress is None else progress
         if conn is None:
-            s = produce(None, None, dataset, tokenizer=load_tokenizer(model), progress=progress, strict=strict, **kw)
+            s = produce(None, None, dataset, tokenizer=load_tokenizer(model), progress=progress, **kw)
         else:
             cfg = open_run(conn, run, model=model, out_url=out_url, layers=layers, storage_dtype=storage_dtype,
                            engine=engine, dry_run=dry_run, batch_samples=batch_samples, batch_tokens=batch_tokens,
                            spool_grace_s=spool_grace)
-            s = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress, strict=strict, **kw)
-    except (ConfigError, FileNotFoundError, ValueError, redislib.ConnectionError) as e:
+            s = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress, **kw)
+    except (FileNotFoundError, ValueError) as e:
+        if explain(e):
+            raise
         fail(str(e))
     click.echo(s.text())
     sys.exit(1 if s.bad else 0)
@@ -196,16 +205,13 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
 def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_timeout, retries, retry_backoff, max_jobs,
                max_spool_mb, engine_wait, node) -> None:
     """Take jobs of RUN: engine call, claim dumps, verify, spool."""
-    from harvest.config import ConfigError
-    from harvest.ids import InvalidId
+    service_logging()
+    connect(redis_url)
     from workers.worker import run_worker
 
-    try:
-        run_worker(redis_url, run, engine_url, dump_dir, spool_dir, burst=burst, dump_timeout=dump_timeout,
-                   retries=retries, retry_backoff=retry_backoff, max_jobs=max_jobs, max_spool_bytes=max_spool_mb << 20,
-                   engine_wait=engine_wait, node=node)
-    except (ConfigError, InvalidId) as e:
-        fail(str(e))
+    run_worker(redis_url, run, engine_url, dump_dir, spool_dir, burst=burst, dump_timeout=dump_timeout,
+               retries=retries, retry_backoff=retry_backoff, max_jobs=max_jobs, max_spool_bytes=max_spool_mb << 20,
+               engine_wait=engine_wait, node=node)
 
 
 @click.command("collect")
@@ -224,19 +230,15 @@ def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_time
 def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, pack_workers, node, burst, s3_endpoint,
                 s3_region) -> None:
     """Pack this node's spool into shards and commit them to the run's output."""
-    import redis as redislib
-
+    service_logging()
+    apply_s3_env(s3_endpoint, s3_region)
+    conn = connect(redis_url)
     from collector.packers import Packers
-    from harvest.config import ConfigError
     from harvest.state.runstore import load_run
     from harvest.storage import StorageError
 
-    apply_s3_env(s3_endpoint, s3_region)
-    conn = redislib.Redis.from_url(redis_url)
-    try:
-        cfg = load_run(conn, run)
-    except ConfigError as e:
-        fail(str(e))
+    cfg = load_run(conn, run)
+    check_output(cfg.out_url, reach=False)
     stop = {"now": burst}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
     os.makedirs(spool_dir, mode=0o700, exist_ok=True)
@@ -260,6 +262,7 @@ def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, pack_wor
               help="torch threads for the forward (0: torch's default, all cores).")
 def engine_cmd(model, dump_dir, host, port, layers, chunked_prefill_size, threads) -> None:
     """Serve the CPU reference engine (SGLang /generate subset, harvest dump contract)."""
+    check_layers(model, layers)  # before torch loads: a wrong --layers is told at once
     import torch
 
     from engines.reference import ReferenceEngine, serve

@@ -41,6 +41,7 @@ class RunSummary:
     seconds: float
     failure_reasons: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)  # child name -> times the supervisor restarted it
+    produced: str = ""  # the producer's own summary line (rows, overlong, truncated...)
 
     @property
     def exit_status(self) -> int:
@@ -57,6 +58,8 @@ class RunSummary:
             bad,
             f"  tokens: {self.tokens}, bytes: {self.bytes}, seconds: {self.seconds:.1f}",
         ]
+        if self.produced:
+            out.append(f"  produced: {self.produced}")
         for reason, n in sorted(self.failure_reasons.items(), key=lambda kv: -kv[1]):
             out.append(f"  failed because {reason}: {n} (`harvest status --run {self.run}` lists them)")
         if self.restarts:
@@ -120,7 +123,10 @@ def run_all(
     chunked_prefill_size: int = 0,
     max_queued: int = 20000,
     progress: bool = True,
+    max_wait: float = 5.0,
+    produce_kw: dict | None = None,
 ) -> RunSummary:
+    """`produce_kw`: the producer's options (`harvest.cli.options.producer_kwargs`)."""
     t0 = time.monotonic()
     work = work_dir or default_work_dir(cfg.run)
     os.makedirs(work, mode=0o700, exist_ok=True)
@@ -162,13 +168,13 @@ def run_all(
         from harvest.ops.reconcile import reconcile
 
         reconcile(conn, cfg)
-        children.start("collector", ["collect", *common, "--spool-dir", spool, "--max-wait", "5"])
+        children.start("collector", ["collect", *common, "--spool-dir", spool, "--max-wait", str(max_wait)])
         if engine:
             _wait_http(engine_url, children, timeout=300)
         from producer.producer import produce
 
         summary = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress, on_bad=_report_bad,
-                          on_wait=lambda _: children.poll())
+                          on_wait=lambda _: children.poll(), **(produce_kw or {}))
         ledger = Ledger(conn, cfg.run)
         bar = tqdm(total=ledger.counts()["total"], desc="extract", unit=" samples", disable=not progress)
         while True:
@@ -198,6 +204,7 @@ def run_all(
             seconds=time.monotonic() - t0,
             failure_reasons=dict(reasons),
             restarts=children.restarts(),
+            produced=summary.text(),
         )
     finally:
         children.stop(_stop_order(names))

@@ -17,14 +17,17 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors import safe_open
-
-from harvest.formats.stformat import encode
 from harvest.ids import parse_rid
 from harvest.node.dumpdir import temp_chunk_path
 from harvest.node.paths import check_regular_file
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and safetensors are imported where a chunk's tensors are, not at import: the janitor
+# (and with it `harvest status`, `requeue`, `janitor`) needs only the chunk file names.
 
 FORMAT = "harvest-dump-1"
 _NAME = re.compile(r"(hv-[0-9a-f]{32}-[0-9]+)\.([0-9]+)-([0-9]+)\.safetensors")
@@ -59,6 +62,10 @@ class Chunk:
 
 
 def encode_chunk(chunk: Chunk, capture_points: Sequence[int], model: str) -> bytes:
+    import torch
+
+    from harvest.formats.stformat import encode
+
     meta = {
         "format": FORMAT,
         "rid": chunk.rid,
@@ -105,6 +112,8 @@ class ChunkFile:
 
 def read_chunk(path: str) -> ChunkFile:
     """Read and check one chunk file against its own name; any mismatch is a DumpError."""
+    from safetensors import safe_open
+
     parsed = parse_chunk_name(os.path.basename(path).removesuffix(".claimed"))
     try:
         check_regular_file(path)

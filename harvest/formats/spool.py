@@ -15,15 +15,19 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors import safe_open
-
-from harvest.formats.fp8 import is_fp8
-from harvest.formats.stformat import FormatError, TensorSpan, encode_parts, read_file_header
 from harvest.ids import check_id
 from harvest.node.paths import private_dir
 from harvest.storage import TEMP_PREFIX
+
+if TYPE_CHECKING:
+    import torch
+
+    from harvest.formats.stformat import TensorSpan
+
+# torch and the tensor framing are imported where a sample's tensors are, not at import: the
+# spool dir's names and ids serve `harvest status`, `requeue` and `janitor`, which load no torch.
 
 _NAME = re.compile(r"([0-9a-f]{32})\.safetensors")
 SCALE = "hidden_scale"
@@ -147,6 +151,10 @@ def set_aside_path(path: str) -> str:
 
 
 def _parts(s: SpooledSample, run: str) -> list[bytes | memoryview]:
+    import torch
+
+    from harvest.formats.stformat import encode_parts
+
     tensors = {
         "input_ids": s.input_ids.to(torch.int32).contiguous(),
         "loss_mask": s.loss_mask.to(torch.uint8).contiguous(),
@@ -248,6 +256,8 @@ def write_sample(spool_dir: str, s: SpooledSample, run: str) -> int:
 
 
 def read_sample(path: str) -> SpooledSample:
+    from safetensors import safe_open
+
     with safe_open(path, framework="pt") as f:
         meta = f.metadata() or {}
         return SpooledSample(
@@ -261,6 +271,11 @@ def read_sample(path: str) -> SpooledSample:
 
 def inspect_sample(path: str, sid: str, num_points: int, hidden_size: int, dtype: torch.dtype) -> SpoolEntry:
     """Read only the header of `path` and check it is sample `sid` as the run stores it."""
+    import torch
+
+    from harvest.formats.fp8 import is_fp8
+    from harvest.formats.stformat import FormatError, read_file_header
+
     try:
         spans, meta = read_file_header(path)
     except (OSError, FormatError, KeyError, TypeError, ValueError) as e:

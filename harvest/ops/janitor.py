@@ -66,6 +66,14 @@ class JanitorReport:
         return bool(self.reaped or self.gave_up or self.promoted or self.forgotten_workers
                     or self.claim_dirs_removed or self.stale_dumps_removed or any(r.samples for r in self.reclaimed))
 
+    def line(self) -> str:
+        """One line for logs and `harvest janitor`."""
+        return (f"reaped {len(self.reaped)} jobs, gave up {len(self.gave_up)}, released {len(self.promoted)} retries, "
+                f"forgot {len(self.forgotten_workers)} dead workers, removed {len(self.claim_dirs_removed)} claim dirs "
+                f"and {self.stale_dumps_removed} stale dump files"
+                + "".join(f"; reclaimed spool {r.spool} of node {r.node}: {len(r.samples)} samples"
+                          for r in self.reclaimed if r.samples))
+
 
 def _acquire(conn: redis.Redis, key: str, ttl_ms: int) -> str | None:
     token = uuid.uuid4().hex

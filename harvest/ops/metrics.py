@@ -17,7 +17,8 @@ from collections.abc import Iterable
 
 import redis
 
-from harvest.state.keys import RUN_CONFIG_PATTERN, Keys, run_of_config_key
+from harvest.ops.runlist import discover_runs
+from harvest.state.keys import Keys
 
 # Upper bounds in seconds: an engine call is ~10 ms on a tiny CPU model, minutes for a long batch.
 BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -69,10 +70,6 @@ def read_histogram(conn: redis.Redis, run: str, name: str) -> tuple[list[tuple[s
     return out, float(raw.get("sum", 0) or 0), int(raw.get("count", 0) or 0)
 
 
-def discover_runs(conn: redis.Redis) -> list[str]:
-    return sorted(run_of_config_key(k.decode()) for k in conn.scan_iter(match=RUN_CONFIG_PATTERN, count=1000))
-
-
 class RedisCollector:
     """A prometheus_client collector: each scrape reads the runs' state from Redis."""
 
@@ -86,6 +83,7 @@ class RedisCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+        from harvest.ops.status import eta
         from harvest.state.heartbeat import read_collectors, read_workers
         from harvest.state.jobs import run_queue
         from harvest.state.ledger import Ledger
@@ -96,11 +94,17 @@ class RedisCollector:
         failed = GaugeMetricFamily("harvest_failed_samples", "Samples now failed, by reason.", labels=["run", "reason"])
         workers = GaugeMetricFamily("harvest_workers", "Workers with a live heartbeat, by host.", labels=["run", "host", "state"])
         spool = GaugeMetricFamily("harvest_spool_bytes", "Spool backlog by node (collector heartbeat).", labels=["run", "node"])
+        spool_files = GaugeMetricFamily("harvest_spool_files", "Spooled samples waiting on each node (collector "
+                                        "heartbeat).", labels=["run", "node"])
+        eta_s = GaugeMetricFamily("harvest_eta_seconds", "Seconds until the run's queued and spooled samples are "
+                                  "committed, as `harvest status` says (from the spool rate before the first commit); "
+                                  "absent while nothing moves.", labels=["run"])
         counters = {f: CounterMetricFamily(m.removesuffix("_total"), h, labels=["run"]) for f, (m, h) in STATS.items()}
         hists = {n: HistogramMetricFamily(f"harvest_{n}", h, labels=["run"]) for n, h in HISTOGRAMS.items()}
         for run in runs:
             led = Ledger(self.conn, run)
-            for state, n in led.counts().items():
+            counts = led.counts()
+            for state, n in counts.items():
                 if state != "total":
                     samples.add_metric([run, state], n)
             q = run_queue(self.conn, run)
@@ -115,13 +119,19 @@ class RedisCollector:
                 workers.add_metric([run, host, state], n)
             for c in read_collectors(self.conn, run)[0]:
                 spool.add_metric([run, c.get("node", "?")], int(c.get("spool_bytes", 0)))
+                spool_files.add_metric([run, c.get("node", "?")], int(c.get("spool_files", 0)))
+            rates, window = led.rates()
+            left, _ = eta(counts["queued"] + counts["spooled"], rates.get("samples_done", 0) / window,
+                          rates.get("samples_spooled", 0) / window)
+            if left is not None:
+                eta_s.add_metric([run], left)
             stats = led.stats()
             for f, fam in counters.items():
                 fam.add_metric([run], stats.get(f, 0))
             for n, fam in hists.items():
                 buckets, total, _ = read_histogram(self.conn, run, n)
                 fam.add_metric([run], buckets, total)
-        yield from (samples, queue, failed, workers, spool, *counters.values(), *hists.values())
+        yield from (samples, queue, failed, workers, spool, spool_files, eta_s, *counters.values(), *hists.values())
 
 
 def failure_reasons(conn: redis.Redis, run: str) -> Counter:
@@ -132,8 +142,9 @@ def failure_reasons(conn: redis.Redis, run: str) -> Counter:
     return c
 
 
-def serve(conn: redis.Redis, port: int, addr: str = "0.0.0.0", runs: Iterable[str] | None = None):
-    """Start the HTTP exporter in a background thread; returns (server, thread)."""
+def serve(conn: redis.Redis, port: int, addr: str = "127.0.0.1", runs: Iterable[str] | None = None):
+    """Start the HTTP exporter in a background thread; returns (server, thread). It listens on
+    the loopback interface unless told otherwise: the counts name runs, models and hosts."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry(auto_describe=False)

@@ -82,6 +82,7 @@ class RunStatus:
     mb_per_s: float
     spooled_per_s: float
     eta_seconds: float | None
+    eta_basis: str  # the rate the ETA divides by: committed | spooled (nothing committed yet) | done | "" (none)
     jobs: dict[str, int]  # RQ: queued, started, scheduled (retry backoff), failed
     workers: dict[str, list[WorkerView]] = field(default_factory=dict)  # by host
     dead_workers: list[str] = field(default_factory=list)  # heartbeat gone, not yet forgotten by the janitor
@@ -126,6 +127,19 @@ def _spools(conn: redis.Redis, run: str, grace: float) -> list[SpoolStatus]:
     return out
 
 
+def eta(remaining: int, done_per_s: float, spooled_per_s: float) -> tuple[float | None, str]:
+    """(seconds left, what the estimate divides by). From the commit rate once samples are
+    committed; before the first commit (a partial shard waits up to the collector's --max-wait)
+    from the rate workers spool at, so a young run has an ETA too. None: nothing moved lately."""
+    if not remaining:
+        return 0.0, "done"
+    if done_per_s > 0:
+        return remaining / done_per_s, "committed"
+    if spooled_per_s > 0:
+        return remaining / spooled_per_s, "spooled"
+    return None, ""
+
+
 def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: int = 10) -> RunStatus:
     now = time.time() if now is None else now
     grace = _grace(conn, run)
@@ -148,7 +162,8 @@ def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: i
     cols, dead_cols = read_collectors(conn, run)
     q = run_queue(conn, run)
     samples_per_s = rates.get("samples_done", 0) / window
-    remaining = counts["queued"] + counts["spooled"]
+    spooled_per_s = rates.get("samples_spooled", 0) / window
+    eta_s, eta_basis = eta(counts["queued"] + counts["spooled"], samples_per_s, spooled_per_s)
     reasons: Counter = Counter()
     examples: dict[str, str] = {}
     for sid, raw in conn.hscan_iter(led.keys.failed, count=1000):  # one pass over the failures
@@ -162,8 +177,7 @@ def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: i
         tokens_done=stats.get("tokens_done", 0), bytes_done=stats.get("bytes_done", 0),
         window_seconds=window, window_counts=rates, samples_per_s=samples_per_s,
         tokens_per_s=rates.get("tokens_done", 0) / window, mb_per_s=rates.get("bytes_done", 0) / window / 1e6,
-        spooled_per_s=rates.get("samples_spooled", 0) / window,
-        eta_seconds=(remaining / samples_per_s if samples_per_s > 0 else None) if remaining else 0.0,
+        spooled_per_s=spooled_per_s, eta_seconds=eta_s, eta_basis=eta_basis,
         jobs={"queued": q.count, "started": q.started_job_registry.get_job_count(cleanup=False),
               "scheduled": q.scheduled_job_registry.get_job_count(cleanup=False),
               "failed": q.failed_job_registry.get_job_count(cleanup=False)},
@@ -188,11 +202,15 @@ def _size(n: float) -> str:
 
 def _duration(s: float | None) -> str:
     if s is None:
-        return "unknown (nothing committed in the last minute)"
+        return "unknown (nothing spooled or committed in the last minute)"
     s = int(s)
     h, rem = divmod(s, 3600)
     m, sec = divmod(rem, 60)
     return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
+
+
+_ETA_NOTE = {"spooled": "   (from the spool rate: nothing committed yet; a partial shard commits once its oldest "
+                        "sample is the collector's --max-wait old)"}
 
 
 def render(st: RunStatus, width: int = 100) -> str:
@@ -205,7 +223,7 @@ def render(st: RunStatus, width: int = 100) -> str:
         f"  done     {st.tokens_done} tokens, {_size(st.bytes_done)}",
         f"  last {st.window_seconds:.0f}s  {st.samples_per_s:.2f} samples/s   {st.tokens_per_s:.0f} tokens/s   "
         f"{st.mb_per_s:.2f} MB/s committed   ({st.spooled_per_s:.2f} samples/s spooled)",
-        f"  ETA      {_duration(st.eta_seconds)}",
+        f"  ETA      {_duration(st.eta_seconds)}" + _ETA_NOTE.get(st.eta_basis, ""),
         f"  jobs     queued {st.jobs['queued']}   running {st.jobs['started']}   waiting to retry {st.jobs['scheduled']}   "
         f"failed in RQ {st.jobs['failed']}",
     ]
