@@ -54,7 +54,7 @@ def test_services_log_start_job_and_shard_lines(tmp_path, conn, redis_server, ti
 
     c = _quiet("collect", "--run", run, "--redis", url, "--spool-dir", spool, "--node", "nodeA", "--burst")
     assert re.search(rf"collector started: run logs1, node nodeA, spool {re.escape(spool)} \(id [0-9a-f]{{32}}\), "
-                     r"output file://\S+/out/logs1, shards of 1024 MiB, max wait 60s$", c, re.M), c
+                     r"output file://\S+/out/logs1, shards of 1024 MiB, max wait 60s, \d packer\(s\)$", c, re.M), c
     shards = re.findall(r"committed shard [0-9a-f]{32}: (\d+) samples, (\d+) tokens, [0-9.]+ MB to file://", c)
     assert sum(int(n) for n, _ in shards) == 9, c
     assert sum(int(t) for _, t in shards) == Ledger(conn, run).stats()["tokens_done"]
