@@ -42,7 +42,8 @@ redis_option = click.option("--redis", "redis_url", default=DEFAULT_REDIS, show_
                             help="Redis URL (password and user go in the URL).")
 run_option = click.option("--run", "run", required=True, help="Run name ([A-Za-z0-9_-]+).")
 layers_option = click.option("--layers", default="eagle3", show_default=True,
-                             help="'eagle3' or HF hidden_states indices, e.g. 2,4,7.")
+                             help="'eagle3', HF hidden_states indices (e.g. 2,4,7), or a draft model's config.json "
+                                  "(SpecForge's or speculators': its three aux layers and the final state).")
 dtype_option = click.option("--dtype", "storage_dtype", default="bf16", show_default=True,
                             type=click.Choice(list(STORAGE_DTYPES)))
 read_dtype_option = click.option("--dtype", "dtype", default=None, type=click.Choice(list(READ_DTYPES)),

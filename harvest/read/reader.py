@@ -31,6 +31,9 @@ class RunReader:
         for name in self.loc.list(INDEX, ".json"):
             doc = parse_index(self.loc.read_json(f"{INDEX}/{name}"), self.loc.path(INDEX, name))
             sid = doc["shard_id"]
+            if doc["final_state"] != self.config.final_state:
+                raise ShardError(f"{self.loc.path(INDEX, name)}: final state {doc['final_state']!r}, but the run "
+                                 f"records {self.config.final_state!r}")
             self._indexes[sid] = doc
             for i, sample in enumerate(doc["samples"]):
                 if sample in self._where:

@@ -29,7 +29,7 @@ from workers.clients.vllm import (
     to_capture_points,
     wait_unlocked,
 )
-from workers.clients.vllm_norm import FinalNorm, FinalNormError
+from harvest.read.final_norm import FinalNorm, FinalNormError
 
 RID = "hv-" + "ab" * 16 + "-1"
 

@@ -1,11 +1,21 @@
-"""The model's final norm, applied outside the engine, from the checkpoint's own weights.
+"""The model's final norm, read from the checkpoint's own weights: applied where an engine gives
+the state before it, undone where a trainer wants that state.
 
-vLLM's aux hidden-state id L is the last decoder layer's output before the final norm, while
-harvest's capture point L (docs/architecture.md) is the state after it (the lm_head input, HF's
-`hidden_states[L]`). The worker closes that gap by applying the norm itself, computed the way
-transformers computes it (float32 statistics, cast back to the input dtype, then the weight),
-so the stored state equals an HF forward's. Only RMSNorm families are supported; anything else
-is refused with a clear error rather than stored subtly wrong.
+harvest's capture point L (docs/architecture.md, "Capture points") is the state after the final
+norm (the lm_head input, HF's `hidden_states[L]`), whatever the engine. Two places cross that
+line, and both use this one reading of the checkpoint:
+
+- the vLLM client (workers/clients/vllm.py): vLLM's aux id L is the last decoder layer's output
+  before the norm, so the worker applies the norm, computed the way transformers computes it
+  (float32 statistics, cast back to the input dtype, then the weight), so the stored state
+  equals an HF forward's;
+- the speculators export (harvest/read/speculators.py): speculators' last slot is that pre-norm
+  state, and its trainer applies the norm and lm_head itself. `FinalNorm.unapply` gives
+  `y / w`, which is `x / rms(x)`: not x, but RMSNorm is scale-invariant (up to eps), so the
+  trainer's norm of it is the stored post-norm state again, to a relative 1e-6.
+
+Only RMSNorm families are supported; anything else is refused with a clear error rather than
+stored subtly wrong. `(1 + w)` norms (Gemma) and zero weights are refused by `unapply`.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ class FinalNormError(ValueError):
 class FinalNorm:
     def __init__(self, weight: torch.Tensor, eps: float, offset: bool = False) -> None:
         self.weight, self.eps, self.offset = weight, float(eps), offset
+        self.model_type = "this model"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """HF's RMSNorm of `x [..., H]`, in `x`'s dtype."""
@@ -43,16 +54,35 @@ class FinalNorm:
             return (h * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
         return self.weight.to(x.dtype) * h.to(x.dtype)
 
+    def unapply(self, y: torch.Tensor) -> torch.Tensor:
+        """A pre-norm state for the post-norm `y [..., H]`, in float32: `y / w` (= x / rms(x)).
+        Refused for `(1 + w)` norms and for a weight with zeros, where it is not the trainer's input."""
+        if self.offset:
+            raise FinalNormError(
+                f"model type {self.model_type!r} scales its final norm by (1 + w): harvest derives the pre-norm state that speculators "
+                "reads only for plain RMSNorm (x * w) models; train this model with --format specforge"
+            )
+        w = self.weight.to(torch.float32)
+        zeros = (w == 0).nonzero().flatten().tolist()
+        if zeros:
+            raise FinalNormError(
+                f"the final norm's weight is 0 at {len(zeros)} channels (first {zeros[:4]}): the state before it cannot "
+                "be recovered from the one after it; train this model with --format specforge"
+            )
+        return y.to(torch.float32) / w
+
     @classmethod
-    def from_checkpoint(cls, model_dir: str) -> FinalNorm:
-        """Read the final norm's weight and eps from a local HF checkpoint (config.json + safetensors)."""
+    def from_checkpoint(
+        cls, model_dir: str, fix: str = "set HARVEST_MODEL_DIR to its path on this node"
+    ) -> FinalNorm:
+        """Read the final norm's weight and eps from a local HF checkpoint (config.json + safetensors).
+        `fix`: how the caller's user points harvest at the checkpoint, named when it is missing."""
         try:
             with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
                 cfg = json.load(f)
         except OSError as e:
             raise FinalNormError(
-                f"cannot read {model_dir}/config.json ({e.strerror}): the worker needs the run's checkpoint to "
-                "apply the final norm (set HARVEST_MODEL_DIR to its path on this node)"
+                f"cannot read {model_dir}/config.json ({e.strerror}): the run's checkpoint holds the final norm ({fix})"
             ) from None
         text = cfg.get("text_config") or cfg
         model_type = text.get("model_type") or cfg.get("model_type")
@@ -64,7 +94,9 @@ class FinalNorm:
         eps = text.get("rms_norm_eps", cfg.get("rms_norm_eps"))
         if eps is None:
             raise FinalNormError(f"{model_dir}/config.json has no rms_norm_eps")
-        return cls(_norm_weight(model_dir), float(eps), RMSNORM_MODELS[model_type])
+        norm = cls(_norm_weight(model_dir), float(eps), RMSNORM_MODELS[model_type])
+        norm.model_type = model_type
+        return norm
 
 
 def _norm_weight(model_dir: str) -> torch.Tensor:
