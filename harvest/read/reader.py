@@ -79,6 +79,14 @@ class RunReader:
         out["sample_id"] = sample_id
         return out
 
+    def tokens(self, sample_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sample's `input_ids` [T] int32 and `loss_mask` [T] uint8 without its hidden states
+        (both come with the first read of their shard, a few bytes a token)."""
+        shard_id, i = self._where[sample_id]
+        shard = self._shard(shard_id)
+        a, b = shard.index["offsets"][i], shard.index["offsets"][i + 1]
+        return shard.rows("input_ids", a, b), shard.rows("loss_mask", a, b)
+
     def __iter__(self) -> Iterator[dict]:
         for sid in self._where:
             yield self.get(sid)
