@@ -23,6 +23,7 @@ token_freq.pt, are removed when rows are added.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -61,6 +62,9 @@ def export_speculators(
     progress: bool = True,
 ) -> tuple[int, int]:
     """Write (or complete) the speculators dataset of `reader`'s run at `dest`; (written, kept)."""
+    if importlib.util.find_spec("datasets") is None:  # checked before any file is written
+        raise SpeculatorsExportError("the speculators export saves its dataset with the `datasets` package: "
+                                     "pip install 'harvest[speculators]' (or datasets)")
     rows, grew = _plan_rows(reader, dest)
     os.makedirs(os.path.join(dest, HIDDEN), exist_ok=True)
     written = kept = 0
