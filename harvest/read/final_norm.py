@@ -88,8 +88,9 @@ class FinalNorm:
         model_type = text.get("model_type") or cfg.get("model_type")
         if model_type not in RMSNORM_MODELS:
             raise FinalNormError(
-                f"model type {model_type!r}: harvest applies the final norm itself for vLLM and knows RMSNorm models "
-                f"only ({', '.join(sorted(RMSNORM_MODELS))}); capture L-1 instead of L, or use another engine"
+                f"model type {model_type!r}: harvest applies or undoes the final norm itself (vLLM runs, speculators "
+                f"exports) for RMSNorm models only ({', '.join(sorted(RMSNORM_MODELS))}); for vLLM capture L-1 "
+                "instead of L or use another engine, for training use --format specforge"
             )
         eps = text.get("rms_norm_eps", cfg.get("rms_norm_eps"))
         if eps is None:
