@@ -1,8 +1,8 @@
 """Each export read by its trainer's own code, on a model with random non-unit norm weights: a real
-`harvest run` (reference engine, bf16), exported, then loaded through SpecForge 0.2.0's and
-speculators 0.9.0's dataset classes, collators and target computations, whose targets are
-compared with an HF forward's logits. speculators' training entry point runs far enough to
-compute one loss on CPU.
+`harvest run` (reference engine, bf16) whose layers come from a SpecForge draft config with a
+non-default aux set, exported, then loaded through SpecForge 0.2.0's and speculators 0.9.0's
+dataset classes, collators and target computations, whose targets are compared with an HF
+forward's logits. speculators' training entry point runs far enough to compute one loss on CPU.
 
 The packages come from PyPI without their dependency trees (.ci/run; scripts/trainer_pkgs.sh);
 these tests skip, saying so, only when they cannot be imported.
@@ -35,9 +35,14 @@ def run(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("trainers")
     rows = [r for r in demo_rows(24) if "input_ids" not in r or len(r["input_ids"]) > 1]
     data = write_jsonl(str(tmp / "rows.jsonl"), rows)
+    draft = tmp / "draft.json"  # SGLang ids 1, 2, 5: HF 2, 3, 6 (the preset would be 2, 4, 5)
+    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 5]}}))
     res = harvest_cli("run", data, "--model", tiny_model, "--out", f"file://{tmp}/out", "--run", "tr", "--workers", "1",
-                      "--no-progress", "--work-dir", str(tmp / "work"), "--dump-dir", str(tmp / "dumps"))
+                      "--layers", str(draft), "--no-progress", "--work-dir", str(tmp / "work"),
+                      "--dump-dir", str(tmp / "dumps"))
     assert res.returncode == 0, res.stdout + res.stderr
+    assert RunReader(f"{tmp}/out/tr").capture_points == [2, 3, 6, 8]
     return tmp, f"{tmp}/out/tr"
 
 
@@ -49,11 +54,12 @@ def hf(tiny_model):
     w = model.model.norm.weight
     assert w.min() < 0.6 and w.max() > 1.5  # non-unit: a norm applied twice would show
 
-    def logits(ids: torch.Tensor) -> torch.Tensor:
+    def forward(ids: torch.Tensor):
         with torch.no_grad():
-            return model(ids.long().unsqueeze(0)).logits[0]
+            out = model(ids.long().unsqueeze(0), output_hidden_states=True)
+        return out.logits[0], [h[0] for h in out.hidden_states]
 
-    return logits
+    return forward
 
 
 def _indexed_checkpoint(model: str, where: str) -> str:
@@ -98,14 +104,20 @@ def test_specforge_reads_the_export_and_its_targets_are_the_models_logits(run, h
     tmp, run_url = run
     dest = str(tmp / "specforge")
     res = harvest_cli("export", "--run-url", run_url, "--format", "specforge", dest, "--no-progress")
-    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ("harvest: train a draft whose config has eagle_config.eagle_aux_hidden_state_layer_ids "
+                          "[1, 2, 5] (SGLang's ids of this run's aux layers [2, 3, 6]), or set "
+                          "model.aux_hidden_state_layer_ids [1, 2, 5]\n")  # the draft config the run came from
     head = TargetHead.from_pretrained(_indexed_checkpoint(tiny_model, str(tmp / "indexed")))
     worst, agree, n, samples = 0.0, 0, 0, 0
     for b, target in _specforge_targets(dest, head):
         ids = b["input_ids"][0]
         assert b["hidden_state"].shape == (1, len(ids), 3 * 64) and b["target"].dtype == torch.bfloat16
+        logits, states = hf(ids)
+        aux = torch.cat([states[2], states[3], states[6]], -1)  # the draft config's layers, in SpecForge's order
+        assert (b["hidden_state"][0].float() - aux).abs().max() <= 0.01 * aux.abs().max()
         # TargetHead.preprocess shifts by one: target[t] is the state at t + 1 (the last is padding).
-        rel, a, c = _agreement(target[0, :-1].float(), hf(ids)[1:])
+        rel, a, c = _agreement(target[0, :-1].float(), logits[1:])
         worst, agree, n, samples = max(worst, rel), agree + a, n + c, samples + 1
     print(f"specforge: {samples} samples, worst |target - HF logits| / max {worst:.4f}, argmax {agree}/{n}")
     assert samples == len(RunReader(run_url))
@@ -156,14 +168,15 @@ def test_speculators_trains_on_the_export_and_its_targets_are_the_models_logits(
     tmp, run_url = run
     dest = str(tmp / "speculators")
     res = harvest_cli("export", "--run-url", run_url, "--format", "speculators", dest, "--no-progress")
-    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == "harvest: train with --target-layer-ids 2 3 6 (this run's aux layers; the default is 2 4 5)\n"
     reader = RunReader(run_url)
 
     monkeypatch.setattr(cli, "Trainer", _CpuTrainer)
     cfg = TrainConfig.resolve([
         "--speculator-type", "eagle3", "--verifier-name-or-path", tiny_model, "--data-path", dest,
         "--draft-vocab-size", "128", "--total-seq-len", "1024", "--epochs", "1", "--save-path", str(tmp / "ckpt"),
-        "--on-missing", "raise", "--num-workers", "0",
+        "--on-missing", "raise", "--num-workers", "0", "--target-layer-ids", "2", "3", "6",  # as the export said
         "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",  # flex attention and fused losses need a GPU
     ])
     cli.main(cfg)  # speculators' entry point: vocab mapping from token_freq.pt, draft and verifier weights, loaders
@@ -172,6 +185,7 @@ def test_speculators_trains_on_the_export_and_its_targets_are_the_models_logits(
     assert os.path.exists(os.path.join(dest, "d2t-128.npy"))  # built from our token_freq.pt, not the full vocab
     t2d = seen["model"].t2d.bool()
     assert int(t2d.sum()) == 128
+    assert seen["model"].target_layer_ids == [2, 3, 6]
 
     # Compare per packed document: shift_batch drops each sample's first token, so position t of a
     # document is the sample's position t + 1, whose target is the model's logits there.
@@ -185,7 +199,11 @@ def test_speculators_trains_on_the_export_and_its_targets_are_the_models_logits(
     for d in range(docs - 1):  # the last document may be cut at --total-seq-len
         pos = (doc == d).nonzero().flatten()
         ids, sid = by_ids[tuple(batch["input_ids"][0, pos].tolist())]
-        ref = hf(ids)[1:][:, t2d]
+        logits, states = hf(ids)
+        ref = logits[1:][:, t2d]
+        # shift_batch pairs position t's aux states with the target at t + 1.
+        aux = torch.cat([states[2], states[3], states[6]], -1)[:-1]
+        assert (batch["hidden_states"][0, pos].float() - aux).abs().max() <= 0.01 * aux.abs().max()
         rel, a, c = _agreement(seen["targets"][0, pos], ref)
         worst, agree, n = max(worst, rel), agree + a, n + c
         stored = reader.get(sid)["hidden_states"][1:, -1]  # harvest's post-norm state, as the old export wrote it
