@@ -43,10 +43,12 @@ def eagle3_layers(num_layers: int) -> list[int]:
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
     """`eagle3`, a comma list of HF hidden_states indices in [0, L], or a draft model's config
-    file (its aux layers and the final state: `draft_layers`)."""
+    file or model dir (its aux layers and the final state: `draft_layers`)."""
     spec = spec.strip()
     if spec == "eagle3":
         return eagle3_layers(num_layers)
+    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json")):
+        return draft_layers(os.path.join(spec, "config.json"), num_layers)
     if spec.endswith(".json") or os.path.isfile(spec):
         return draft_layers(spec, num_layers)
     try:

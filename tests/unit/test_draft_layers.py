@@ -18,6 +18,7 @@ def test_speculators_ids_are_hf_indices(tmp_path):
     # speculators / vLLM: top-level eagle_aux_hidden_state_layer_ids, id k = input of decoder layer k.
     doc = {"speculators_model_type": "eagle3", "eagle_aux_hidden_state_layer_ids": [2, 12, 22]}
     assert parse_layers(_cfg(tmp_path, doc), 24) == [2, 12, 22, 24]
+    assert parse_layers(str(tmp_path), 24) == [2, 12, 22, 24]  # the draft model's dir, as both trainers accept
 
 
 def test_specforge_ids_are_sglang_layer_outputs(tmp_path):

@@ -37,8 +37,8 @@ from safetensors import safe_open
 from harvest.config import RunConfig
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.node.dumpdir import vllm_dir
-from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, healthy, post_with_retries
 from harvest.read.final_norm import FinalNorm
+from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, healthy, post_with_retries
 
 log = logging.getLogger("harvest.worker")
 
