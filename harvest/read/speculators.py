@@ -17,7 +17,7 @@ before any file is written, and a re-run after the run grew keeps those rows and
 samples. Hidden-state files are written to a temporary name and renamed, so an existing one is
 complete and kept. The dataset and token_freq.pt are rewritten for all rows at every export
 (token ids only: small); the trainer's cached `d2t-*.npy` / `t2d-*.npy`, derived from the old
-token_freq.pt, are removed when rows are added.
+token_freq.pt, are removed when the counts change.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def export_speculators(
     if importlib.util.find_spec("datasets") is None:  # checked before any file is written
         raise SpeculatorsExportError("the speculators export saves its dataset with the `datasets` package: "
                                      "pip install 'harvest[speculators]' (or datasets)")
-    rows, grew = _plan_rows(reader, dest)
+    rows = _plan_rows(reader, dest)
     os.makedirs(os.path.join(dest, HIDDEN), exist_ok=True)
     written = kept = 0
     ids_col, mask_col = [], []
@@ -86,11 +86,13 @@ def export_speculators(
             mask_col.append(mask.tolist())
             freq.update(ids[mask.bool()].tolist())
             bar.update(1)
-    if grew:
+    freq_path = os.path.join(dest, TOKEN_FREQ)
+    old_freq = torch.load(freq_path, weights_only=True) if os.path.exists(freq_path) else None
+    if old_freq != dict(freq):  # the trainer's vocab mappings cached from the old counts are stale
         for stale in glob.glob(os.path.join(dest, "d2t-*.npy")) + glob.glob(os.path.join(dest, "t2d-*.npy")):
             os.unlink(stale)
     _save_dataset(dest, ids_col, mask_col)
-    atomic(os.path.join(dest, TOKEN_FREQ), lambda tmp: _save_freq(dict(freq), tmp))
+    atomic(freq_path, lambda tmp: _save_freq(dict(freq), tmp))
     return written, kept
 
 
@@ -101,10 +103,9 @@ def _hs_tensors(sample: dict, norm: FinalNorm) -> dict[str, torch.Tensor]:
             "hidden_states": torch.cat([hs[:, :-1], pre.unsqueeze(1)], 1).contiguous()}
 
 
-def _plan_rows(reader: RunReader, dest: str) -> tuple[list[str], bool]:
-    """Sample ids in row order: the rows planned by an earlier export, then the run's new samples
-    (and whether there are new ones). Written to the manifest before any row is, so a row never
-    changes sample."""
+def _plan_rows(reader: RunReader, dest: str) -> list[str]:
+    """Sample ids in row order: the rows planned by an earlier export, then the run's new samples.
+    Written to the manifest before any row is, so a row never changes sample."""
     path = os.path.join(dest, MANIFEST)
     old: list[str] = []
     if os.path.exists(path):
@@ -123,8 +124,7 @@ def _plan_rows(reader: RunReader, dest: str) -> tuple[list[str], bool]:
         raise SpeculatorsExportError(f"{dest} is not empty and holds no harvest export: choose an empty or new DEST")
     seen = set(old)
     rows = old + [s for s in reader.sample_ids if s not in seen]
-    grew = rows != old
-    if grew or not old:
+    if rows != old or not old:
         os.makedirs(dest, exist_ok=True)
         doc = {"format": "speculators", "run": reader.config.run, "capture_points": reader.capture_points,
                "slots": reader.config.slots()[:-1] + [PRE_NORM], "samples": rows}
@@ -132,7 +132,7 @@ def _plan_rows(reader: RunReader, dest: str) -> tuple[list[str], bool]:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)
         os.replace(tmp, path)
-    return rows, grew
+    return rows
 
 
 def _save_dataset(dest: str, ids: list[list[int]], mask: list[list[int]]) -> None:
