@@ -100,11 +100,14 @@ def draft_layers(path: str, num_layers: int) -> list[int]:
     else:
         raise ConfigError(f"{where}: not an EAGLE-3 draft config (no eagle_aux_hidden_state_layer_ids, "
                           "no eagle_config, no Eagle3 architecture)")
+    if aux != sorted(aux):
+        raise ConfigError(f"{where}: aux layers {aux} (HF indices) are not ascending; harvest stores them ascending, "
+                          "the order the draft's fc layer would then read: list them ascending")
     bad = [p for p in aux if not 0 <= p < num_layers]
     if bad or len(set(aux)) != 3:
         raise ConfigError(f"{where}: aux layers {aux} (HF indices) must be 3 distinct indices in [0, {num_layers}) "
                           f"for a {num_layers}-layer model: is it this model's draft?")
-    return sorted(aux) + [num_layers]
+    return aux + [num_layers]
 
 
 def _aux_ids(where: str, ids: object, offset: int) -> list[int]:

@@ -52,6 +52,8 @@ def test_bad_draft_configs_are_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"aux layers \[2, 16, 29\] \(HF indices\) must be 3 distinct indices in "
                                           r"\[0, 8\) for a 8-layer model: is it this model's draft\?"):
         parse_layers(_cfg(tmp_path, {"eagle_aux_hidden_state_layer_ids": [2, 16, 29]}), 8)
+    with pytest.raises(ConfigError, match=r"aux layers \[5, 2, 4\] \(HF indices\) are not ascending"):
+        parse_layers(_cfg(tmp_path, {"eagle_aux_hidden_state_layer_ids": [5, 2, 4]}), 8)
     with pytest.raises(ConfigError, match="cannot read it as a draft model's JSON config"):
         parse_layers(str(tmp_path / "missing.json"), 8)
     (tmp_path / "broken.json").write_text("{")
