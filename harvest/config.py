@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 
 # The engine kinds a run may name; workers pick their client by it (workers.clients).
 ENGINE_KINDS = ("reference", "sglang", "vllm")
+# What capture point L holds in every run, whatever the engine: HF's `hidden_states[L]`, the state
+# after the model's final norm (the lm_head input). SGLang hands that state over; the vLLM client
+# applies the norm to vLLM's pre-norm id L; the speculators export, whose trainer wants the state
+# before the norm, derives it (harvest.read.final_norm). Recorded in run.json and in every index.
+FINAL_POST_NORM = "post-norm"
+FINAL_STATES = (FINAL_POST_NORM,)
 
 
 class ConfigError(ValueError):
@@ -36,20 +42,83 @@ def eagle3_layers(num_layers: int) -> list[int]:
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
-    """`eagle3` or a comma list of HF hidden_states indices in [0, L]."""
+    """`eagle3`, a comma list of HF hidden_states indices in [0, L], or a draft model's config
+    file or model dir (its aux layers and the final state: `draft_layers`)."""
     spec = spec.strip()
     if spec == "eagle3":
         return eagle3_layers(num_layers)
+    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json")):
+        return draft_layers(os.path.join(spec, "config.json"), num_layers)
+    if spec.endswith(".json") or os.path.isfile(spec):
+        return draft_layers(spec, num_layers)
     try:
         pts = sorted({int(x) for x in spec.split(",") if x.strip()})
     except ValueError:
-        raise ConfigError(f"--layers {spec!r}: expected 'eagle3' or comma-separated integers like 2,4,7") from None
+        raise ConfigError(f"--layers {spec!r}: expected 'eagle3', comma-separated integers like 2,4,7, "
+                          "or a draft model's config.json") from None
     if not pts:
         raise ConfigError("--layers is empty")
     bad = [p for p in pts if p < 0 or p > num_layers]
     if bad:
         raise ConfigError(f"--layers {bad}: capture points must lie in [0, {num_layers}] for a {num_layers}-layer model")
     return pts
+
+
+def draft_layers(path: str, num_layers: int) -> list[int]:
+    """The capture points a draft model trains on, from its config file: its three aux layers as
+    HF indices, then the final state L. Two conventions name those layers:
+
+    - speculators (and vLLM) put `eagle_aux_hidden_state_layer_ids` at the top level, in vLLM's
+      ids: id k is the input of decoder layer k, HF index k;
+    - SpecForge (and SGLang) put them in `eagle_config`, in SGLang's ids
+      (`set_eagle3_layers_to_capture`): id k is the output of layer k, HF index k + 1.
+
+    Without ids both trainers default to HF [2, L//2, L-3] (speculators `[2, L//2, L-3]`,
+    SpecForge `[1, L//2-1, L-4]`), so a config naming none gives the `eagle3` preset."""
+    where = f"--layers {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: cannot read it as a draft model's JSON config ({e})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{where}: a draft config is a JSON object")
+    eagle = doc.get("eagle_config") if isinstance(doc.get("eagle_config"), dict) else {}
+    vllm_ids, sglang_ids = doc.get("eagle_aux_hidden_state_layer_ids"), eagle.get("eagle_aux_hidden_state_layer_ids")
+    found = []
+    if vllm_ids is not None:
+        found.append(("eagle_aux_hidden_state_layer_ids", _aux_ids(where, vllm_ids, 0)))
+    if sglang_ids is not None:
+        found.append(("eagle_config.eagle_aux_hidden_state_layer_ids", _aux_ids(where, sglang_ids, 1)))
+    if len({tuple(hf) for _, hf in found}) > 1:
+        raise ConfigError(f"{where}: {found[0][0]} {vllm_ids} (vLLM ids) and {found[1][0]} {sglang_ids} (SGLang ids, "
+                          "+1) name different layers; fix the config or pass the HF indices, e.g. --layers 2,4,5,8")
+    if found:
+        aux = found[0][1]
+    elif _is_eagle3_draft(doc):
+        aux = [2, num_layers // 2, num_layers - 3]
+    else:
+        raise ConfigError(f"{where}: not an EAGLE-3 draft config (no eagle_aux_hidden_state_layer_ids, "
+                          "no eagle_config, no Eagle3 architecture)")
+    if aux != sorted(aux):
+        raise ConfigError(f"{where}: aux layers {aux} (HF indices) are not ascending; harvest stores them ascending, "
+                          "the order the draft's fc layer would then read: list them ascending")
+    bad = [p for p in aux if not 0 <= p < num_layers]
+    if bad or len(set(aux)) != 3:
+        raise ConfigError(f"{where}: aux layers {aux} (HF indices) must be 3 distinct indices in [0, {num_layers}) "
+                          f"for a {num_layers}-layer model: is it this model's draft?")
+    return aux + [num_layers]
+
+
+def _aux_ids(where: str, ids: object, offset: int) -> list[int]:
+    if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError(f"{where}: aux layer ids {ids!r}: expected a list of three integers")
+    return [i + offset for i in ids]
+
+
+def _is_eagle3_draft(doc: dict) -> bool:
+    archs = doc.get("architectures") or []
+    return doc.get("speculators_model_type") == "eagle3" or any("eagle3" in str(a).lower() for a in archs)
 
 
 @dataclass(frozen=True)
@@ -70,6 +139,7 @@ class RunConfig:
     # A node spool none of whose processes renewed its lease for this long is lost: its samples are
     # reclaimed and enqueued again (harvest.state.spools, harvest.ops.reclaim).
     spool_grace_s: float = 120.0
+    final_state: str = FINAL_POST_NORM  # what capture point L holds (FINAL_POST_NORM)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -78,6 +148,8 @@ class RunConfig:
             raise ConfigError(f"storage dtype {self.storage_dtype!r}: choose one of {', '.join(STORAGE_DTYPES)}")
         if self.engine not in ENGINE_KINDS:
             raise ConfigError(f"engine {self.engine!r}: choose one of {', '.join(ENGINE_KINDS)}")
+        if self.final_state not in FINAL_STATES:
+            raise ConfigError(f"final state {self.final_state!r}: this harvest stores {', '.join(FINAL_STATES)}")
         if not self.spool_grace_s > 0:
             raise ConfigError(f"spool grace {self.spool_grace_s!r}: must be a positive number of seconds")
         if list(self.capture_points) != sorted(set(self.capture_points)) or not self.capture_points:
@@ -93,6 +165,11 @@ class RunConfig:
         A run that does not know its layer count follows the EAGLE-3 preset, which ends at L."""
         last = self.capture_points[-1]
         return last if self.num_layers in (0, last) else None
+
+    def slots(self) -> list[str]:
+        """What each slot of the capture axis holds: `input:i` (the residual stream entering decoder
+        layer i, HF `hidden_states[i]`) or `final:post-norm` (HF `hidden_states[L]`)."""
+        return [f"final:{self.final_state}" if p == self.final_point else f"input:{p}" for p in self.capture_points]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, indent=1)

@@ -1,7 +1,9 @@
 """A tiny real model and dataset, built offline, for the demo and the tests.
 
-The model is a Llama-architecture causal LM with random weights (fixed seed) and the
-tokenizer a byte-level BPE trained on text generated here, with a ChatML chat template that
+The model is a Llama-architecture causal LM with random weights (fixed seed), its RMSNorm weights
+drawn uniformly from [0.3, 2.0] rather than left at HF's all-ones init: with unit norms a state
+before the final norm and one after it differ only by a scale, so code that applied the norm
+twice, or not at all, would still pass every argmax test. The tokenizer is a byte-level BPE trained on text generated here, with a ChatML chat template that
 marks assistant turns with `{% generation %}`. Nothing is downloaded.
 """
 
@@ -13,7 +15,7 @@ import random
 import shutil
 import tempfile
 
-DEMO_VERSION = "1"
+DEMO_VERSION = "2"  # 2: random non-unit norm weights
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for m in messages %}"
@@ -81,6 +83,7 @@ def build_tiny_model(path: str | None = None, *, layers: int = 8, hidden: int = 
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg).to(torch.float32)
+    _randomize_norms(model, seed)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(os.path.abspath(path)))
     try:
@@ -92,6 +95,17 @@ def build_tiny_model(path: str | None = None, *, layers: int = 8, hidden: int = 
         if not os.path.exists(os.path.join(path, "config.json")):  # lost a race to another builder: fine
             raise
     return path
+
+
+def _randomize_norms(model, seed: int) -> None:
+    """Every RMSNorm weight (each layer's two and the final one) uniform in [0.3, 2.0], fixed seed."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.empty(param.shape).uniform_(0.3, 2.0, generator=gen))
 
 
 def demo_rows(n: int = 40, seed: int = 1, vocab_size: int = 512) -> list[dict]:

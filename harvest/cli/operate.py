@@ -46,20 +46,25 @@ def reconcile_cmd(run, redis_url, out_url, s3_endpoint, s3_region) -> None:
 @click.option("--format", "fmt", required=True, type=click.Choice(list(EXPORT_FORMATS)))
 @click.argument("dest", type=click.Path())
 @read_dtype_option
+@click.option("--model", "model", default=None, type=click.Path(),
+              help="The run's checkpoint on this machine (default: the run's model path); speculators reads its "
+                   "final norm.")
 @no_progress_option
 @s3_options
-def export_cmd(run_url, fmt, dest, dtype, no_progress, s3_endpoint, s3_region) -> None:
-    """Write one file per sample of a run in the layout a drafter trainer reads (idempotent)."""
+def export_cmd(run_url, fmt, dest, dtype, model, no_progress, s3_endpoint, s3_region) -> None:
+    """Write a run in the layout a drafter trainer reads (idempotent; a grown run adds only its new samples)."""
     from harvest.config import ConfigError
     from harvest.formats.dtypes import storage_torch_dtype
-    from harvest.read.dataset import NoFinalState
-    from harvest.read.export import export_run
+    from harvest.read.export import ExportError, export_run
 
     apply_s3_env(s3_endpoint, s3_region)
     try:
-        rep = export_run(run_url, fmt, dest, dtype=storage_torch_dtype(dtype) if dtype else None, progress=not no_progress)
-    except (ConfigError, NoFinalState, OSError) as e:
+        rep = export_run(run_url, fmt, dest, dtype=storage_torch_dtype(dtype) if dtype else None,
+                         progress=not no_progress, model=model)
+    except (ConfigError, ExportError, OSError) as e:
         fail(str(e))
+    for note in rep.notes:
+        click.echo(f"harvest: {note}", err=True)
     click.echo(f"exported {rep.written} samples to {dest} ({rep.skipped} already there)")
 
 

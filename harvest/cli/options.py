@@ -48,11 +48,13 @@ redis_option = click.option("--redis", "redis_url", default=DEFAULT_REDIS, show_
                             help="Redis URL (password and user go in the URL).")
 run_option = click.option("--run", "run", required=True, help="Run name ([A-Za-z0-9_-]+).")
 layers_option = click.option("--layers", default="eagle3", show_default=True,
-                             help="'eagle3' or HF hidden_states indices, e.g. 2,4,7.")
+                             help="'eagle3', HF hidden_states indices (e.g. 2,4,7), or a draft model's config.json "
+                                  "(SpecForge's or speculators': its three aux layers and the final state).")
 dtype_option = click.option("--dtype", "storage_dtype", default="bf16", show_default=True,
                             type=click.Choice(list(STORAGE_DTYPES)))
 read_dtype_option = click.option("--dtype", "dtype", default=None, type=click.Choice(list(READ_DTYPES)),
-                                 help="Hidden-state dtype of the files (default: the run's; fp8 runs export bf16).")
+                                 help="Hidden-state dtype of the files (default: bf16 for specforge, which reads "
+                                      "nothing else; the run's for speculators; fp8 runs export bf16).")
 max_queued_option = click.option("--max-queued", default=20000, show_default=True, type=click.IntRange(1),
                                  help="Samples queued or in flight at most; the producer waits while the queue is full.")
 chunked_prefill_option = click.option("--chunked-prefill-size", default=0, show_default=True, type=click.IntRange(0),

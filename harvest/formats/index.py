@@ -9,8 +9,9 @@ being misread.
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
+from harvest.config import FINAL_POST_NORM, FINAL_STATES
 from harvest.ids import check_id
 
 FORMAT = "harvest-shard-1"  # the layout version of a shard and of its index: they change together
@@ -32,6 +33,9 @@ class ShardIndex(TypedDict):
     sha256: str
     dtype: str  # harvest.formats.dtypes.dtype_name of the storage dtype
     capture_points: list[int]
+    # What the final capture point holds (harvest.config.FINAL_POST_NORM); indexes written before it
+    # was recorded hold the same, and parse_index fills it in for them.
+    final_state: NotRequired[str]
 
 
 _FIELDS: dict[str, type] = {"format": str, "shard_id": str, "shard": str, "samples": list, "tokens": list,
@@ -52,6 +56,9 @@ def parse_index(doc: object, where: str) -> ShardIndex:
     for name, kind in _FIELDS.items():
         if not isinstance(doc.get(name), kind):
             raise ShardError(f"{where}: index field {name!r} missing or not a {kind.__name__}")
+    doc.setdefault("final_state", FINAL_POST_NORM)
+    if doc["final_state"] not in FINAL_STATES:
+        raise ShardError(f"{where}: final state {doc['final_state']!r}, this harvest reads {', '.join(FINAL_STATES)}")
     check_id(doc["shard_id"], "shard id")
     n = len(doc["samples"])
     if len(doc["tokens"]) != n or len(doc["offsets"]) != n + 1:

@@ -25,6 +25,7 @@ from typing import BinaryIO
 
 import torch
 
+from harvest.config import FINAL_POST_NORM
 from harvest.formats.dtypes import dtype_name
 from harvest.formats.fp8 import is_fp8
 from harvest.formats.index import FORMAT, ShardError, ShardIndex
@@ -73,6 +74,7 @@ class ShardPlan:
             sha256=sha256,
             dtype=dtype_name(self.dtype),
             capture_points=list(self.capture_points),
+            final_state=FINAL_POST_NORM,  # every engine's final point is HF's post-norm state (harvest.config)
         )
 
 

@@ -1,17 +1,12 @@
-"""Export a run as the per-sample files drafter trainers read.
+"""Export a run as the files a drafter trainer reads, checked against what that trainer expects.
 
-- `specforge`: `<dest>/<shard_id>/data_<sample_id>.ckpt`, each a `torch.save` dict with
-  `input_ids` [T], `loss_mask` [T] (int64), `hidden_state` [1, T, H] (final hidden state) and
-  `aux_hidden_state` [1, T, (K-1)H] (`[1, T, 3H]` for the EAGLE-3 preset), the layout of
-  SpecForge's offline hidden-state files (it lists `*.ckpt` recursively).
-- `speculators`: `<dest>/<shard_id>/<sample_id>.safetensors` with `token_ids` [T],
-  `hidden_states` [T, K, H] (capture points ascending, the final state last; `[T, 4, H]` for
-  EAGLE-3) and `loss_mask` [T].
-
-Files are named by shard and sample id, not by position, so a run that grew since the last
-export maps every sample to the same file. Each file is written to a temporary name and
-renamed, so an existing file is complete: an interrupted export re-run skips those and
-writes only the rest.
+Both trainers train EAGLE-3 on three aux points and the final state, in that order (aux
+ascending: the order vLLM and SGLang capture them, and harvest's). `trainer_points` refuses any
+other set before a file is written, naming `--layers`; `layer_notes` says which trainer flag a
+non-default aux set needs. The layouts are in their own modules: `harvest.read.specforge`
+(per-sample `.ckpt`) and `harvest.read.speculators` (an Arrow dataset, `hidden_states/hs_{row}`,
+`token_freq.pt`). Every file is written to a temporary name and renamed, so an existing file is
+complete: an interrupted export re-run keeps those and writes only the rest.
 """
 
 from __future__ import annotations
@@ -19,47 +14,95 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
-from harvest.ids import check_id
-from harvest.read.dataset import eagle3_item, final_slot, read_dtype
+from harvest.config import RunConfig
+from harvest.read import specforge
+from harvest.read.dataset import read_dtype
+from harvest.read.final_norm import FinalNorm, FinalNormError
 from harvest.read.reader import RunReader
-from harvest.read.trainers import EXPORT_FORMATS
+from harvest.read.speculators import SpeculatorsExportError, export_speculators
+from harvest.read.trainers import EXPORT_FORMATS, TRAINER_NAMES
 from harvest.storage import TEMP_PREFIX
+
+
+class ExportError(ValueError):
+    """An export that cannot give its trainer what it reads; the message names the fix."""
 
 
 @dataclass
 class ExportReport:
     written: int = 0
     skipped: int = 0
+    notes: list[str] = field(default_factory=list)  # for the user: trainer flags this export needs, dtype warnings
 
 
-def _specforge(sample: dict, reader: RunReader, path: str) -> None:
-    item = eagle3_item(sample, reader.config)
-    data = {
-        "input_ids": item["input_ids"],
-        "loss_mask": item["loss_mask"],
-        "hidden_state": item["hidden_state"].unsqueeze(0),
-        "aux_hidden_state": item["aux_hidden_state"].unsqueeze(0),
-    }
-    def save(tmp: str) -> None:
-        with open(tmp, "wb") as f:  # a file object: torch's zip writer refuses dot-names
-            torch.save(data, f)
+def trainer_points(cfg: RunConfig, fmt: str) -> tuple[list[int], int]:
+    """The run's (aux points, final point), refused unless they are three aux points and the final state."""
+    final = cfg.final_point
+    aux = [p for p in cfg.capture_points if p != final]
+    if final is None or len(aux) != 3:
+        L = cfg.num_layers or "L"
+        raise ExportError(
+            f"run {cfg.run!r} captured layers {cfg.capture_points} of a {cfg.num_layers}-layer model; "
+            f"{TRAINER_NAMES[fmt]} trains EAGLE-3 on three aux layers and the final state (index {L}): "
+            "re-run with --layers eagle3, --layers <draft config.json>, or --layers a,b,c," + str(L)
+        )
+    return aux, final
 
-    _atomic(path, save)
+
+def layer_notes(fmt: str, aux: list[int], num_layers: int) -> list[str]:
+    """The trainer flags a non-default aux set needs (none for the `eagle3` preset, both trainers' default)."""
+    if not num_layers or aux == [2, num_layers // 2, num_layers - 3]:
+        return []
+    if fmt == "speculators":
+        return [f"train with --target-layer-ids {' '.join(map(str, aux))} (this run's aux layers; the default is "
+                f"{2} {num_layers // 2} {num_layers - 3})"]
+    sglang = [p - 1 for p in aux]
+    return [f"train a draft whose config has eagle_config.eagle_aux_hidden_state_layer_ids {sglang} (SGLang's ids "
+            f"of this run's aux layers {aux}), or set model.aux_hidden_state_layer_ids {sglang}"]
 
 
-def _speculators(sample: dict, reader: RunReader, path: str) -> None:
-    data = {
-        "token_ids": sample["input_ids"].to(torch.int64).contiguous(),
-        "hidden_states": sample["hidden_states"].contiguous(),
-        "loss_mask": sample["loss_mask"].to(torch.int64).contiguous(),
-    }
-    _atomic(path, lambda tmp: save_file(data, tmp))
+def export_run(
+    run_url: str, fmt: str, dest: str, dtype: torch.dtype | None = None, progress: bool = True, model: str | None = None
+) -> ExportReport:
+    """Write every committed sample of the run at `run_url` into `dest` as `fmt`; files already
+    there are kept. Hidden states in `dtype` (default: bf16 for SpecForge, else as stored; fp8
+    runs give bf16). `model`: the run's checkpoint here (default: the run's model path), whose
+    final norm the speculators export reads."""
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"export format {fmt!r}: choose one of {', '.join(EXPORT_FORMATS)}")
+    reader = RunReader(run_url)
+    aux, _ = trainer_points(reader.config, fmt)
+    rep = ExportReport(notes=layer_notes(fmt, aux, reader.config.num_layers))
+    if fmt == "speculators":
+        try:
+            norm = FinalNorm.from_checkpoint(model or reader.config.model, "pass --model with its path here")
+            norm.unapply(torch.ones(1, reader.config.hidden_size))  # refused (1 + w) or zero norms: before any file
+            rep.written, rep.skipped = export_speculators(reader, dest, read_dtype(reader.config, dtype), norm,
+                                                          _atomic, progress)
+        except (FinalNormError, SpeculatorsExportError) as e:
+            raise ExportError(str(e)) from None
+        return rep
+    if dtype is not None and dtype != specforge.DTYPE:
+        rep.notes.append(f"warning: SpecForge reads bf16 only (its TargetHead is bf16 and casts nothing): "
+                         f"these {str(dtype).removeprefix('torch.')} files fail at training time")
+    dtype = dtype or specforge.DTYPE
+    with tqdm(total=len(reader), desc=f"export {fmt}", unit=" samples", disable=not progress) as bar:
+        for shard in reader.shard_ids():
+            os.makedirs(os.path.join(dest, shard), exist_ok=True)
+            for sid in reader.shard_samples(shard):
+                path = specforge.sample_file(dest, shard, sid)
+                if os.path.exists(path):
+                    rep.skipped += 1
+                else:
+                    specforge.write_sample(reader.get(sid, dtype), reader, path, _atomic)
+                    rep.written += 1
+                bar.update(1)
+    return rep
 
 
 def _atomic(path: str, write: Callable[[str], None]) -> None:
@@ -75,37 +118,3 @@ def _atomic(path: str, write: Callable[[str], None]) -> None:
         except FileNotFoundError:
             pass
         raise
-
-
-def sample_file(dest: str, fmt: str, shard_id: str, sample_id: str) -> str:
-    check_id(shard_id, "shard id")
-    check_id(sample_id, "sample id")
-    name = f"data_{sample_id}.ckpt" if fmt == "specforge" else f"{sample_id}.safetensors"
-    return os.path.join(dest, shard_id, name)
-
-
-def export_run(
-    run_url: str, fmt: str, dest: str, dtype: torch.dtype | None = None, progress: bool = True
-) -> ExportReport:
-    """Write every committed sample of the run at `run_url` into `dest` as `fmt`; files already
-    there are kept. Hidden states in `dtype` (default: as stored; fp8 runs give bf16)."""
-    if fmt not in EXPORT_FORMATS:
-        raise ValueError(f"export format {fmt!r}: choose one of {', '.join(EXPORT_FORMATS)}")
-    reader = RunReader(run_url)
-    dtype = read_dtype(reader.config, dtype)
-    if fmt == "specforge":
-        final_slot(reader.config)  # a run without the final state is refused before any file is written
-    write = _specforge if fmt == "specforge" else _speculators
-    rep = ExportReport()
-    with tqdm(total=len(reader), desc=f"export {fmt}", unit=" samples", disable=not progress) as bar:
-        for shard in reader.shard_ids():
-            os.makedirs(os.path.join(dest, shard), exist_ok=True)
-            for sid in reader.shard_samples(shard):
-                path = sample_file(dest, fmt, shard, sid)
-                if os.path.exists(path):
-                    rep.skipped += 1
-                else:
-                    write(reader.get(sid, dtype), reader, path)
-                    rep.written += 1
-                bar.update(1)
-    return rep

@@ -31,6 +31,9 @@ class RunReader:
         for name in self.loc.list(INDEX, ".json"):
             doc = parse_index(self.loc.read_json(f"{INDEX}/{name}"), self.loc.path(INDEX, name))
             sid = doc["shard_id"]
+            if doc["final_state"] != self.config.final_state:
+                raise ShardError(f"{self.loc.path(INDEX, name)}: final state {doc['final_state']!r}, but the run "
+                                 f"records {self.config.final_state!r}")
             self._indexes[sid] = doc
             for i, sample in enumerate(doc["samples"]):
                 if sample in self._where:
@@ -75,6 +78,14 @@ class RunReader:
         out["capture_points"] = self.capture_points
         out["sample_id"] = sample_id
         return out
+
+    def tokens(self, sample_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sample's `input_ids` [T] int32 and `loss_mask` [T] uint8 without its hidden states
+        (both come with the first read of their shard, a few bytes a token)."""
+        shard_id, i = self._where[sample_id]
+        shard = self._shard(shard_id)
+        a, b = shard.index["offsets"][i], shard.index["offsets"][i + 1]
+        return shard.rows("input_ids", a, b), shard.rows("loss_mask", a, b)
 
     def __iter__(self) -> Iterator[dict]:
         for sid in self._where:

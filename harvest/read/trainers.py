@@ -3,5 +3,6 @@ draws its choices from here without importing torch)."""
 
 from __future__ import annotations
 
-# specforge: SpecForge's offline-data `.ckpt` per sample; speculators: speculators' `.safetensors` per sample.
-EXPORT_FORMATS = ("specforge", "speculators")
+# Export format -> the trainer (and version) whose own reader the export is checked with (tests/system/test_trainers.py).
+TRAINER_NAMES = {"specforge": "SpecForge 0.2.0", "speculators": "speculators 0.9.0"}
+EXPORT_FORMATS = tuple(TRAINER_NAMES)

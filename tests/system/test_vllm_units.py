@@ -20,6 +20,7 @@ from engines.vllm_launch import launch_spec, needs_final_norm, slot_of, vllm_lay
 from harvest.config import RunConfig
 from harvest.formats.dump import chunk_name, read_chunk
 from harvest.node.dumpdir import vllm_dir as storage_dir
+from harvest.read.final_norm import FinalNorm, FinalNormError
 from tests.support.cli import REPO, harvest_cli
 from workers.clients.vllm import (
     CONNECTOR_FORMAT,
@@ -29,7 +30,6 @@ from workers.clients.vllm import (
     to_capture_points,
     wait_unlocked,
 )
-from workers.clients.vllm_norm import FinalNorm, FinalNormError
 
 RID = "hv-" + "ab" * 16 + "-1"
 

@@ -52,6 +52,7 @@ def test_streamed_shard_equals_reference_encoding_and_reads_back_by_range(tmp_pa
     index = plan.index(sha)
     assert index["offsets"] == offsets and index["samples"] == [s.id for s in samples]
     assert index["tokens"] == [1, 17, 5, 300] and index["dtype"] == str(cfg.torch_dtype).removeprefix("torch.")
+    assert index["final_state"] == "post-norm"  # what the final slot holds, whatever the engine
 
     loc = Location.from_url(str(tmp_path / "out"))
     loc.write_atomic(shard_file(plan.shard_id), data)

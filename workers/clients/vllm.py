@@ -9,7 +9,7 @@ prompt is its own request; many run at once from a thread pool.
 
 For each request this client waits for the lock, reads the file, maps vLLM's layer ids back to
 HF indices (id k < L is HF index k; id L is before the final norm, so the norm is applied here,
-workers/clients/vllm_norm.py) and writes the result as one harvest dump chunk `<rid>.0-<T>` into the
+harvest/read/final_norm.py) and writes the result as one harvest dump chunk `<rid>.0-<T>` into the
 dump dir, with vLLM's token ids and the layers vLLM really captured; then it deletes vLLM's
 files. From there the usual claim -> verify -> spool path (workers/claim.py) runs unchanged, so
 token ids, coverage and capture points are verified exactly as for SGLang.
@@ -37,8 +37,8 @@ from safetensors import safe_open
 from harvest.config import RunConfig
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.node.dumpdir import vllm_dir
+from harvest.read.final_norm import FinalNorm
 from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, healthy, post_with_retries
-from workers.clients.vllm_norm import FinalNorm
 
 log = logging.getLogger("harvest.worker")
 

@@ -1,0 +1,167 @@
+"""`harvest export --format speculators`: exactly what speculators' trainer reads with `--data-path DEST`
+(speculators 0.9.0, `speculators.train.data.ArrowDataset` with hs-connectors' `FileTransfer`):
+
+- an Arrow dataset saved with `datasets` at DEST: columns `input_ids`, `loss_mask` (int64 lists)
+  and `seq_len`, torch-formatted, as speculators' own preprocessing saves it;
+- `DEST/hidden_states/hs_{row}.safetensors`: `token_ids` [T] int64 (the trainer drops a sample,
+  with only a warning, whose ids differ from its row's `input_ids`) and `hidden_states` [T, 4, H]:
+  the three aux points ascending, then the final state *before* the model's norm (vLLM's layer
+  id L: the trainer applies the norm and lm_head itself). harvest stores the state after the
+  norm, so the last slot is `y / w` (harvest.read.final_norm);
+- `DEST/token_freq.pt`: {token id: count over loss-masked tokens}, what `--draft-vocab-size`
+  builds the draft vocabulary from (without it the trainer silently keeps the full vocabulary),
+  counted as speculators' `save_token_frequency_distribution` counts.
+
+Row r is one sample for good: `DEST/harvest-export.json` plans the rows (sample ids in row order)
+before any file is written, and a re-run after the run grew keeps those rows and appends the new
+samples. Hidden-state files are written to a temporary name and renamed, so an existing one is
+complete and kept. The dataset and token_freq.pt are rewritten for all rows at every export
+(token ids only: small); the trainer's cached `d2t-*.npy` / `t2d-*.npy`, derived from the old
+token_freq.pt, are removed when the counts change.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from harvest.read.final_norm import FinalNorm
+from harvest.read.reader import RunReader
+from harvest.storage import TEMP_PREFIX
+
+MANIFEST = "harvest-export.json"
+HIDDEN = "hidden_states"
+TOKEN_FREQ = "token_freq.pt"
+PRE_NORM = "final:pre-norm (y / w of harvest's post-norm state)"
+
+
+class SpeculatorsExportError(ValueError):
+    """DEST holds something other than this run's speculators export."""
+
+
+def hs_file(dest: str, row: int) -> str:
+    return os.path.join(dest, HIDDEN, f"hs_{int(row)}.safetensors")
+
+
+def export_speculators(
+    reader: RunReader,
+    dest: str,
+    dtype: torch.dtype | None,
+    norm: FinalNorm,
+    atomic: Callable[[str, Callable[[str], None]], None],
+    progress: bool = True,
+) -> tuple[int, int]:
+    """Write (or complete) the speculators dataset of `reader`'s run at `dest`; (written, kept)."""
+    if importlib.util.find_spec("datasets") is None:  # checked before any file is written
+        raise SpeculatorsExportError("the speculators export saves its dataset with the `datasets` package: "
+                                     "pip install 'harvest[speculators]' (or datasets)")
+    rows = _plan_rows(reader, dest)
+    os.makedirs(os.path.join(dest, HIDDEN), exist_ok=True)
+    written = kept = 0
+    ids_col, mask_col = [], []
+    freq: Counter[int] = Counter()
+    with tqdm(total=len(rows), desc="export speculators", unit=" samples", disable=not progress) as bar:
+        for row, sid in enumerate(rows):
+            path = hs_file(dest, row)
+            if os.path.exists(path):
+                ids, mask = reader.tokens(sid)
+                kept += 1
+            else:
+                sample = reader.get(sid, dtype)
+                ids, mask = sample["input_ids"], sample["loss_mask"]
+                atomic(path, lambda tmp, s=sample: save_file(_hs_tensors(s, norm), tmp))
+                written += 1
+            ids, mask = ids.to(torch.int64), mask.to(torch.int64)
+            ids_col.append(ids.tolist())
+            mask_col.append(mask.tolist())
+            freq.update(ids[mask.bool()].tolist())
+            bar.update(1)
+    freq_path = os.path.join(dest, TOKEN_FREQ)
+    old_freq = torch.load(freq_path, weights_only=True) if os.path.exists(freq_path) else None
+    if old_freq != dict(freq):  # the trainer's vocab mappings cached from the old counts are stale
+        for stale in glob.glob(os.path.join(dest, "d2t-*.npy")) + glob.glob(os.path.join(dest, "t2d-*.npy")):
+            os.unlink(stale)
+    _save_dataset(dest, ids_col, mask_col)
+    atomic(freq_path, lambda tmp: _save_freq(dict(freq), tmp))
+    return written, kept
+
+
+def _hs_tensors(sample: dict, norm: FinalNorm) -> dict[str, torch.Tensor]:
+    hs = sample["hidden_states"]
+    pre = norm.unapply(hs[:, -1]).to(hs.dtype)
+    return {"token_ids": sample["input_ids"].to(torch.int64).contiguous(),
+            "hidden_states": torch.cat([hs[:, :-1], pre.unsqueeze(1)], 1).contiguous()}
+
+
+def _plan_rows(reader: RunReader, dest: str) -> list[str]:
+    """Sample ids in row order: the rows planned by an earlier export, then the run's new samples.
+    Written to the manifest before any row is, so a row never changes sample."""
+    path = os.path.join(dest, MANIFEST)
+    old: list[str] = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        if doc.get("run") != reader.config.run or doc.get("format") != "speculators":
+            raise SpeculatorsExportError(
+                f"{dest} holds the {doc.get('format')} export of run {doc.get('run')!r}, not of run "
+                f"{reader.config.run!r}: choose another DEST")
+        old = list(doc.get("samples", []))
+        gone = [s for s in old if s not in reader]
+        if gone:
+            raise SpeculatorsExportError(f"{dest}: {len(gone)} exported samples (first {gone[0]}) are not in the run "
+                                         f"at {reader.loc.url()}: choose another DEST")
+    elif os.path.isdir(dest) and os.listdir(dest):
+        raise SpeculatorsExportError(f"{dest} is not empty and holds no harvest export: choose an empty or new DEST")
+    seen = set(old)
+    rows = old + [s for s in reader.sample_ids if s not in seen]
+    if rows != old or not old:
+        os.makedirs(dest, exist_ok=True)
+        doc = {"format": "speculators", "run": reader.config.run, "capture_points": reader.capture_points,
+               "slots": reader.config.slots()[:-1] + [PRE_NORM], "samples": rows}
+        tmp = f"{path}.{TEMP_PREFIX}{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+    return rows
+
+
+def _save_dataset(dest: str, ids: list[list[int]], mask: list[list[int]]) -> None:
+    """The Arrow dataset at `dest`, saved beside the other files: built in a temp dir, then moved in
+    (state.json, which names the data files, last), stale data files removed."""
+    from datasets import Dataset, Features, Sequence, Value
+    from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
+
+    features = Features({"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")),
+                         "seq_len": Value("int64")})
+    ds = Dataset.from_dict({"input_ids": ids, "loss_mask": mask, "seq_len": [len(x) for x in ids]}, features=features)
+    ds.set_format(type="torch")
+    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=dest)
+    bars = is_progress_bar_enabled()
+    disable_progress_bar()  # the export's own bar counts the samples
+    try:
+        ds.save_to_disk(tmp)
+        names = sorted(os.listdir(tmp), key=lambda n: n == "state.json")
+        for old in glob.glob(os.path.join(dest, "data-*.arrow")):
+            if os.path.basename(old) not in names:
+                os.unlink(old)
+        for name in names:
+            os.replace(os.path.join(tmp, name), os.path.join(dest, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if bars:
+            enable_progress_bar()
+
+
+def _save_freq(freq: dict[int, int], tmp: str) -> None:
+    with open(tmp, "wb") as f:  # a file object: torch's zip writer refuses dot-names
+        torch.save(freq, f)

@@ -1,0 +1,19 @@
+"""The index records what the final slot holds: written by every shard plan, filled in for index
+files written before it was recorded, refused when it is not this harvest's convention."""
+
+import pytest
+
+from harvest.formats.index import FORMAT, ShardError, parse_index
+
+
+def _doc(**extra):
+    return {"format": FORMAT, "shard_id": "a" * 32, "shard": f"shards/{'a' * 32}.safetensors", "samples": ["s1"],
+            "tokens": [3], "offsets": [0, 3], "bytes": 10, "sha256": "0" * 64, "dtype": "bfloat16",
+            "capture_points": [2, 4, 5, 8], **extra}
+
+
+def test_index_final_state():
+    assert parse_index(_doc(), "i.json")["final_state"] == "post-norm"  # an index from before it was recorded
+    assert parse_index(_doc(final_state="post-norm"), "i.json")["final_state"] == "post-norm"
+    with pytest.raises(ShardError, match="i.json: final state 'pre-norm', this harvest reads post-norm"):
+        parse_index(_doc(final_state="pre-norm"), "i.json")
