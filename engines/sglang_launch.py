@@ -23,6 +23,9 @@ from engines.sglang_plugin import ENV_CAPTURE, ENV_DUMP_DIR, ENV_MODEL
 SUPPORTED = ("0.5.11", "0.5.23")  # the oldest with the plugin framework, the newest checked live
 ENV_VENV = "HARVEST_SGLANG_VENV"
 DEVICES = ("cuda", "cpu")
+# The test-only stand-in for SGLang's CPU kernels (PyPI has no CPU sgl-kernel), relative to the repo:
+# what a CPU server needs on its path besides the repo itself.
+STANDIN_DIR = os.path.join("tests", "support", "sgl_kernel_standin")
 
 
 def _version(v: str) -> tuple[int, ...]:
