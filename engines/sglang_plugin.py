@@ -170,6 +170,7 @@ class Capture:
     def writer(self) -> DumpWriter | None:
         if self._writes is None:
             self._writes = _tp_writer()
+            log.info("harvest: %s", "this rank writes the dumps" if self._writes else "not TP rank 0: this rank writes no dumps")
         if not self._writes:
             return None
         if self._writer is None:

@@ -42,7 +42,7 @@ class SGLangServer:
 
     def __init__(self, python: str, model: str, points: list[int], num_layers: int, dump_dir: str, log_path: str,
                  chunked_prefill_size: int = 8192, radix_cache: bool = False, tp_size: int = 1,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -51,7 +51,7 @@ class SGLangServer:
                                 tp_size=tp_size, extra_args=extra_args)
         if radix_cache:
             argv.remove("--disable-radix-cache")
-        self.env, self.argv = env, argv
+        self.env, self.argv = {**env, **(extra_env or {})}, argv
         self.proc: subprocess.Popen | None = None
         self.start_seconds = 0.0
 
@@ -90,3 +90,72 @@ class SGLangServer:
     def log_tail(self, n: int = 4000) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()[-n:]
+
+
+class Reference:
+    """transformers' fp32 forward of the test model: the independent side of every comparison."""
+
+    def __init__(self, model: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        self.worst_abs = 0.0
+        self.worst_rel = 0.0
+
+    def hidden(self, ids: list[int]):
+        with self.torch.no_grad():
+            return self.model(self.torch.tensor([ids]), output_hidden_states=True).hidden_states
+
+    def check(self, got, ids: list[int], points: list[int], start: int = 0, end: int | None = None) -> None:
+        """Compare `got [T, K, H]` (rows start..end of the prompt `ids`) at every capture point; keep the worst."""
+        ref = self.hidden(ids)
+        end = len(ids) if end is None else end
+        assert tuple(got.shape) == (end - start, len(points), ref[0].shape[-1]), got.shape
+        for k, p in enumerate(points):
+            want = ref[p][0][start:end]
+            diff = (got[:, k].float() - want).abs()
+            self.worst_abs = max(self.worst_abs, diff.max().item())
+            self.worst_rel = max(self.worst_rel, (diff.max() / want.abs().max().clamp_min(1e-12)).item())
+
+
+class StripExtraKey:
+    """An HTTP pass-through to an SGLang server that drops `extra_key` from /generate: it stands
+    for an engine that ignores extra_key, the case the worker's prefix-cache check exists for.
+    Everything else (the server, its radix cache, the plugin) is SGLang's own."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.server
+        import json
+        import threading
+
+        up = upstream
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _reply(self, r: httpx.Response) -> None:
+                self.send_response(r.status_code)
+                self.send_header("content-type", r.headers.get("content-type", "application/json"))
+                self.send_header("content-length", str(len(r.content)))
+                self.end_headers()
+                self.wfile.write(r.content)
+
+            def do_GET(self) -> None:
+                self._reply(httpx.get(up + self.path, timeout=30))
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                if self.path == "/generate":
+                    body.pop("extra_key", None)
+                self._reply(httpx.post(up + self.path, json=body, timeout=600))
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
