@@ -11,8 +11,9 @@
 #   scripts/sglang_venv.sh            # builds $HARVEST_SGLANG_VENV or ~/.cache/harvest/sglang-venv
 #   HARVEST_SGLANG_VENV=/opt/sglang scripts/sglang_venv.sh
 #
-# Idempotent: a marker file (.harvest-complete) is written last; a venv without it is rebuilt
-# from scratch. Each run rewrites the .pth to the checkout it runs from. Prints the venv's python.
+# Idempotent: a marker file (.harvest-complete, holding a hash of this script and the lock) is
+# written last; a venv without it, or built by another version of either, is rebuilt from
+# scratch. Each run rewrites the .pth to the checkout it runs from. Prints the venv's python.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -21,6 +22,7 @@ MARKER="$VENV/.harvest-complete"
 TORCH_VERSION="2.13.0"
 SGLANG_VERSION="0.5.23"
 PYTHON="${PYTHON:-python3}"
+STAMP="$(cat "$REPO/scripts/sglang_venv.sh" "$REPO/scripts/sglang_cpu.lock" | sha256sum | cut -c1-16)"
 
 point_at_repo() {
   local site
@@ -35,7 +37,7 @@ point_at_repo() {
   : > "$di/RECORD"
 }
 
-if [[ -f "$MARKER" ]]; then
+if [[ -f "$MARKER" && "$(cat "$MARKER")" == "$STAMP" ]]; then
   point_at_repo
   echo "$VENV/bin/python"
   exit 0
@@ -71,5 +73,5 @@ import engines.sglang_plugin  # noqa: F401
 assert "standin" in sgl_kernel.__version__
 assert [e for e in entry_points(group="sglang.srt.plugins") if e.name == "harvest"]
 PY
-date -u +%FT%TZ > "$MARKER"
+echo "$STAMP" > "$MARKER"
 echo "$VENV/bin/python"
