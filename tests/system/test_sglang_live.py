@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -120,6 +121,19 @@ def test_plugin_unit_tests_pass_inside_sglangs_venv():
                         "tests/unit/test_sglang_launch.py"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_sglang_args_prints_the_command_these_tests_run(model, tmp_path):
+    """`harvest sglang-args --device cpu` prints the venv's python and the CPU flags the servers here get."""
+    res = harvest_cli("sglang-args", "--model", model, "--device", "cpu", "--dtype", "float32", "--layers",
+                      ",".join(map(str, POINTS)), "--port", "31234", "--dump-dir", str(tmp_path),
+                      "--chunked-prefill-size", str(CHUNK), env={"HARVEST_SGLANG_VENV": default_venv()})
+    assert res.returncode == 0, res.stderr
+    words = shlex.split(res.stdout.replace("\\\n", " "))
+    env = dict(w.split("=", 1) for w in words[:words.index(SGLANG_PYTHON)])
+    s = SGLangServer(SGLANG_PYTHON, model, POINTS, L, str(tmp_path), str(tmp_path / "unused.log"), chunked_prefill_size=CHUNK)
+    argv = [("31234" if a == str(s.port) else a) for a in s.argv]
+    assert (env, words[len(env):]) == (s.env, argv)
 
 
 def test_run_engine_sglang_mixed_dataset_matches_fp32_forward(tmp_path, model, reference, tokenizer):
