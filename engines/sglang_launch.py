@@ -3,23 +3,49 @@
 The capture points come from the run (harvest.config); the flags turn off what would defeat the
 dump plugin (prefill CUDA graphs bypass Python hooks; a prefix-cache hit skips tokens) and
 set the chunk size. Flag spellings follow the SGLang version (checked against its source by
-tests/system/test_sglang_contract.py).
+tests/system/test_sglang_contract.py). The plugin is loaded through SGLang's plugin framework
+(`SGLANG_PLUGINS=harvest`, 0.5.11 and newer); older versions are not supported.
+
+`device="cpu"` is the form CI runs (tests/system/test_sglang_live.py): SGLang's CPU engine
+from its own venv (scripts/sglang_venv.sh), the torch-native attention backend (the x86
+default, intel_amx, needs kernels the venv does not have) and a KV pool sized by
+`max_total_tokens` (unsized, SGLang reserves most of the machine's memory and starts slowly).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 from collections.abc import Sequence
 
-from engines.sglang_plugin import ENV_CAPTURE, ENV_DUMP_DIR, ENV_MODEL, ENV_NUM_LAYERS, FORWARD_HOOK_TARGETS
+from engines.sglang_plugin import ENV_CAPTURE, ENV_DUMP_DIR, ENV_MODEL
 
-SUPPORTED = ("0.5.10", "0.5.23")  # 0.5.10 via --forward-hooks, 0.5.11+ via the plugin entry point
+SUPPORTED = ("0.5.11", "0.5.23")  # the oldest with the plugin framework, the newest checked live
+ENV_VENV = "HARVEST_SGLANG_VENV"
+DEVICES = ("cuda", "cpu")
+# The test-only stand-in for SGLang's CPU kernels (PyPI has no CPU sgl-kernel), relative to the repo:
+# what a CPU server needs on its path besides the repo itself.
+STANDIN_DIR = os.path.join("tests", "support", "sgl_kernel_standin")
 
 
 def _version(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
+
+
+def default_venv() -> str:
+    return os.environ.get(ENV_VENV) or os.path.join(os.path.expanduser("~"), ".cache", "harvest", "sglang-venv")
+
+
+def venv_python(venv: str | None = None) -> str:
+    """The SGLang CPU venv's python; a clear error naming the build script when it is missing or unfinished."""
+    venv = venv or default_venv()
+    python = os.path.join(venv, "bin", "python")
+    if not (os.path.isfile(os.path.join(venv, ".harvest-complete")) and os.access(python, os.X_OK)):
+        raise FileNotFoundError(
+            f"no complete SGLang venv at {venv}: build it with scripts/sglang_venv.sh (about 1-2 minutes, 2.7 GB), "
+            f"or point {ENV_VENV} at one"
+        )
+    return python
 
 
 def launch_spec(
@@ -29,37 +55,47 @@ def launch_spec(
     dump_dir: str,
     tp_size: int = 1,
     port: int = 30000,
+    host: str = "127.0.0.1",
     chunked_prefill_size: int = 8192,
     sglang_version: str = "0.5.23",
     skip_warmup: bool = True,
+    device: str = "cuda",
+    python: str = "python",
+    dtype: str = "auto",
+    max_total_tokens: int | None = None,
     extra_args: Sequence[str] = (),
 ) -> tuple[dict[str, str], list[str]]:
-    """The environment and argv of an SGLang server that dumps the given capture points."""
+    """The environment and argv of an SGLang server that dumps the given capture points
+    (HF hidden_states indices in [0, num_layers]; the plugin refuses others only once loaded)."""
     v = _version(sglang_version)
+    bad = [p for p in capture_points if not 0 <= int(p) <= num_layers]
+    if bad or not capture_points:
+        raise ValueError(f"capture points {list(capture_points)} must be non-empty and lie in [0, {num_layers}]")
     if v < _version(SUPPORTED[0]):
-        raise ValueError(f"SGLang {sglang_version} is not supported: the plugin needs ForwardBatch.rids (0.5.10 or newer)")
+        raise ValueError(f"SGLang {sglang_version} is not supported: the plugin needs SGLang's plugin framework "
+                         f"({SUPPORTED[0]} or newer)")
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r}: choose one of {', '.join(DEVICES)}")
     env = {
+        "SGLANG_PLUGINS": "harvest",
         ENV_DUMP_DIR: dump_dir,
         ENV_CAPTURE: ",".join(str(p) for p in capture_points),
         ENV_MODEL: os.path.basename(model_path.rstrip("/")),
     }
-    args = ["python", "-m", "sglang.launch_server", "--model-path", model_path, "--tp-size", str(tp_size),
-            "--host", "127.0.0.1", "--port", str(port), "--trust-remote-code",
+    args = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--tp-size", str(tp_size),
+            "--host", host, "--port", str(port), "--trust-remote-code",
             "--disable-radix-cache", "--chunked-prefill-size", str(chunked_prefill_size)]
-    if v >= (0, 5, 14):
-        args.append("--disable-prefill-cuda-graph")
-    else:
-        args.append("--disable-piecewise-cuda-graph")
+    args.append("--disable-prefill-cuda-graph" if v >= (0, 5, 14) else "--disable-piecewise-cuda-graph")
     if skip_warmup:
         args.append("--skip-server-warmup")
-    if v >= (0, 5, 11):
-        env = {"SGLANG_PLUGINS": "harvest", **env}
-    else:
-        spec = [{"name": "harvest", "target_modules": FORWARD_HOOK_TARGETS,
-                 "hook_factory": "engines.sglang_plugin:forward_hook_factory",
-                 "config": {**env, ENV_NUM_LAYERS: str(num_layers)}}]
-        args += ["--forward-hooks", json.dumps(spec, separators=(",", ":"))]
-        env = {}
+    if dtype != "auto":
+        args += ["--dtype", dtype]
+    if device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        args += ["--device", "cpu", "--attention-backend", "torch_native",
+                 "--max-total-tokens", str(max_total_tokens or 16384)]
+    elif max_total_tokens:
+        args += ["--max-total-tokens", str(max_total_tokens)]
     args += list(extra_args)
     return env, args
 
@@ -68,4 +104,4 @@ def launch_command(model_path: str, capture_points: Sequence[int], num_layers: i
     """`launch_spec` as one shell command line, for the README and `harvest sglang-args`."""
     env, args = launch_spec(model_path, capture_points, num_layers, **kwargs)
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    return (prefix + " \\\n  " if prefix else "") + " ".join(shlex.quote(a) for a in args)
+    return prefix + " \\\n  " + " ".join(shlex.quote(a) for a in args)

@@ -1,8 +1,7 @@
 """The harvest dump plugin for SGLang servers.
 
 Loaded in every SGLang process through the `sglang.srt.plugins` entry point (SGLang >= 0.5.11;
-select it with `SGLANG_PLUGINS=harvest`), or on 0.5.6-0.5.10 through `--forward-hooks` with
-`forward_hook_factory`. It is inert unless `HARVEST_DUMP_DIR` is set. Configuration is by
+select it with `SGLANG_PLUGINS=harvest`). It is inert unless `HARVEST_DUMP_DIR` is set. Configuration is by
 environment, printed by `harvest sglang-args`:
 
 - `HARVEST_DUMP_DIR`: where chunk files go (harvest.node.dumpdir)
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +32,8 @@ from harvest.node.paths import private_dir
 log = logging.getLogger("harvest.sglang_plugin")
 
 ENV_DUMP_DIR, ENV_CAPTURE, ENV_MODEL = "HARVEST_DUMP_DIR", "HARVEST_CAPTURE", "HARVEST_MODEL_NAME"
-ENV_NUM_LAYERS = "HARVEST_NUM_LAYERS"  # only the --forward-hooks path needs it
 LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 LOGITS_FORWARD = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
-FORWARD_HOOK_TARGETS = ["model.layers.*", "language_model.model.layers.*", "logits_processor", "language_model.logits_processor"]
 
 
 @dataclass(frozen=True)
@@ -99,7 +95,11 @@ def chunks_for_forward(forward_batch, hidden_states: torch.Tensor, aux: object, 
 
 
 def _tp_writer() -> bool:
-    """Rank 0 of the tensor-parallel group writes (of each attention-DP group, under DP attention)."""
+    """Rank 0 of the tensor-parallel group writes (of each attention-DP group, under DP attention).
+
+    Asked once, on the first forward with an `hv-` request, when SGLang has published its
+    parallel state. Outside a server (no state published: 0.5.14+ raises ValueError, older
+    versions AssertionError) or without SGLang, this process is the only rank and writes."""
     try:
         from sglang.srt.runtime_context import get_parallel  # 0.5.14+
 
@@ -109,6 +109,8 @@ def _tp_writer() -> bool:
         return p.tp_rank == 0
     except ImportError:
         pass
+    except ValueError:  # "config namespace 'parallel' not published"
+        return True
     try:
         from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -168,6 +170,7 @@ class Capture:
     def writer(self) -> DumpWriter | None:
         if self._writes is None:
             self._writes = _tp_writer()
+            log.info("harvest: %s", "this rank writes the dumps" if self._writes else "not TP rank 0: this rank writes no dumps")
         if not self._writes:
             return None
         if self._writer is None:
@@ -189,16 +192,33 @@ class Capture:
                 w.submit(chunks)
 
 
+def _prefill_backend(server_args) -> str | None:
+    """The resolved prefill graph backend of 0.5.23+ (`cuda_graph_config['prefill'].backend`,
+    which folds in every legacy flag and the platform default: disabled on CPU), else None."""
+    cfg = getattr(server_args, "cuda_graph_config", None)
+    if cfg is None:
+        return None
+    try:
+        phase = cfg["prefill"]
+    except (KeyError, TypeError):
+        return None
+    backend = phase.get("backend") if isinstance(phase, dict) else getattr(phase, "backend", None)
+    return None if backend is None else str(backend)
+
+
 def prefill_graphs_on(server_args) -> bool:
-    """Whether prefill runs as a CUDA graph, in any SGLang version's spelling."""
+    """Whether prefill runs as a CUDA graph, in any supported SGLang version's spelling."""
     sa = server_args
     if getattr(sa, "disable_cuda_graph", False):
         return False
-    if hasattr(sa, "disable_prefill_cuda_graph"):  # 0.5.14+: on by default
+    backend = _prefill_backend(sa)
+    if backend is not None:  # 0.5.23+: the resolved config is the truth
+        return backend != "disabled"
+    if hasattr(sa, "disable_prefill_cuda_graph"):  # 0.5.14-0.5.22: on by default
         if sa.disable_prefill_cuda_graph or getattr(sa, "cuda_graph_backend_prefill", None) == "disabled":
             return False
         return True
-    if hasattr(sa, "disable_piecewise_cuda_graph"):  # 0.5.10-0.5.13: piecewise on by default
+    if hasattr(sa, "disable_piecewise_cuda_graph"):  # 0.5.11-0.5.13: piecewise on by default
         return not sa.disable_piecewise_cuda_graph
     return bool(getattr(sa, "enable_piecewise_cuda_graph", False))
 
@@ -209,7 +229,7 @@ def check_server_args(server_args, warn) -> None:
         return
     if prefill_graphs_on(server_args):
         warn("prefill-graph", "prefill CUDA graphs are on and can bypass the capture hooks: restart with "
-             "--disable-prefill-cuda-graph (0.5.14+) or --disable-piecewise-cuda-graph (0.5.10-0.5.13)")
+             "--disable-prefill-cuda-graph (0.5.14+) or --disable-piecewise-cuda-graph (0.5.11-0.5.13)")
     if getattr(server_args, "enable_dp_attention", False) or (getattr(server_args, "attn_dp_size", 1) or 1) > 1:
         warn("dp-attention", "DP attention is on: dumps come from attention-TP rank 0 of each DP group; this mode is untested")
 
@@ -247,54 +267,3 @@ def register() -> None:
     _capture = Capture(cfg)
     HookRegistry.register(LOAD_MODEL, _after_load_model, HookType.AFTER)
     HookRegistry.register(LOGITS_FORWARD, _around_logits, HookType.AROUND)
-
-
-class _ForwardHookCapture:
-    """`--forward-hooks` path (SGLang 0.5.6-0.5.10, no plugin framework): one hook object on
-    the decoder layers and the logits processor. Layer hooks keep the residual stream leaving
-    layer i-1 (hidden + residual = the stream entering layer i); the logits-processor hook
-    then writes the chunks. Hooks run only in eager forwards: prefill CUDA graphs must be off."""
-
-    def __init__(self, cfg: PluginConfig, num_layers: int) -> None:
-        self.capture = Capture(cfg)
-        self.capture.set_layers(num_layers)
-        self.streams: dict[int, torch.Tensor] = {}
-
-    def __call__(self, module, args: Sequence, output) -> None:
-        layer_id = getattr(module, "layer_id", None)
-        if layer_id is not None:
-            self._on_layer(int(layer_id), args, output)
-        elif len(args) >= 4:
-            self._on_logits(args)
-
-    def _on_layer(self, i: int, args: Sequence, output) -> None:
-        wanted = self.capture.aux_layers
-        if i == 0 and 0 in wanted:
-            self.streams[0] = args[1]  # the embeddings entering layer 0
-        if i + 1 in wanted:
-            hidden, residual = output if isinstance(output, tuple) else (output, None)
-            self.streams[i + 1] = hidden if residual is None else hidden + residual
-
-    def _on_logits(self, args: Sequence) -> None:
-        fb, hidden = args[3], args[1]
-        streams, self.streams = self.streams, {}
-        if not fb.forward_mode.is_extend():
-            return
-        if any(i not in streams for i in self.capture.aux_layers):
-            self.capture.warn_once("missing-layers", "layer hooks did not fire for %s (prefill CUDA graph on?)", self.capture.aux_layers)
-            return
-        self.capture.on_logits(fb, hidden, [streams[i] for i in self.capture.aux_layers])
-
-
-def forward_hook_factory(config: dict | None = None):
-    """`hook_factory` for `--forward-hooks`; `config` carries the HARVEST_* settings
-    (`harvest sglang-args --forward-hooks` prints the whole spec)."""
-    for k, v in (config or {}).items():
-        os.environ.setdefault(k, str(v))
-    cfg = PluginConfig.from_env()
-    if cfg is None:
-        return None
-    num_layers = int(os.environ.get(ENV_NUM_LAYERS, "0"))
-    if num_layers < 1:
-        raise ValueError(f"{ENV_NUM_LAYERS} must give the model's layer count on the --forward-hooks path")
-    return _ForwardHookCapture(cfg, num_layers)

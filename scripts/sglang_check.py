@@ -1,4 +1,4 @@
-"""Check harvest against a real SGLang server on a GPU node.
+"""Check harvest against a real SGLang server on a GPU node, or on CPU (`--device cpu`).
 
 Launches SGLang with the harvest plugin (the command `harvest sglang-args` prints), extracts a
 generated dataset through the full pipeline (`harvest run --engine-url`), and compares every
@@ -7,10 +7,13 @@ prefill is set small so long samples arrive in several chunks, and the server al
 plain (non-harvest) requests and a repeated prompt, which must not produce or disturb dumps.
 
     python scripts/sglang_check.py --model /models/Qwen2.5-0.5B-Instruct --samples 100
+    python scripts/sglang_check.py --device cpu --model DIR --long-words 300   # SGLang's CPU engine
 
-Both sides run in bf16 on the GPU with different kernels, so the comparison is by relative
-error and cosine similarity per capture point, not exact equality; token ids must match
-exactly and every sample must be done. Exit status 0 means every check passed.
+On GPU both sides run in bf16 with different kernels; on CPU the server runs from its venv
+(scripts/sglang_venv.sh, with the test-only stand-in for SGLang's CPU kernels) and both sides in
+fp32. The comparison is by relative error, max absolute difference and cosine similarity per
+capture point, not exact equality; token ids must match exactly and every sample must be done.
+Exit status 0 means every check passed.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from engines.sglang_launch import launch_spec  # noqa: E402
+from engines.sglang_launch import STANDIN_DIR, launch_spec, venv_python  # noqa: E402
 from harvest.config import (
     model_layers,  # noqa: E402
     parse_layers,  # noqa: E402
@@ -40,7 +43,7 @@ from harvest.read.reader import RunReader  # noqa: E402
 WORDS = "the a model token layer state hidden draft speculative decode prefill batch queue shard".split()
 
 
-def dataset_rows(n: int, seed: int) -> list[dict]:
+def dataset_rows(n: int, seed: int, long_words: int = 1500) -> list[dict]:
     """Chat rows of mixed length and turn count; every 10th is long (several prefill chunks)."""
     rng = random.Random(seed)
 
@@ -53,7 +56,7 @@ def dataset_rows(n: int, seed: int) -> list[dict]:
         msgs = [{"role": "system", "content": text(8)}] if i % 2 else []
         for _ in range(turns):
             msgs.append({"role": "user", "content": text(rng.randint(5, 60))})
-            msgs.append({"role": "assistant", "content": text(1500 if i % 10 == 0 else rng.randint(5, 120))})
+            msgs.append({"role": "assistant", "content": text(long_words if i % 10 == 0 else rng.randint(5, 120))})
         rows.append({"messages": msgs})
     return rows
 
@@ -85,24 +88,26 @@ def side_traffic(url: str, dump_dir: str) -> list[str]:
     return problems
 
 
-def compare(model_dir: str, run_url: str, points: list[int]) -> tuple[list[str], dict]:
+def compare(model_dir: str, run_url: str, points: list[int], device: str) -> tuple[list[str], dict]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().eval()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     reader = RunReader(run_url)
-    worst = {p: {"rel": 0.0, "cos": 1.0} for p in points}
+    worst = {p: {"rel": 0.0, "abs": 0.0, "cos": 1.0} for p in points}
     problems = []
     for sid in reader.sample_ids:
         s = reader.get(sid)
         ids = s["input_ids"].to(torch.int64)
         with torch.no_grad():
-            out = model(ids.unsqueeze(0).cuda(), output_hidden_states=True)
+            out = model(ids.unsqueeze(0).to(device), output_hidden_states=True)
         for k, p in enumerate(points):
             ref = out.hidden_states[p][0].float().cpu()
             got = s["hidden_states"][:, k].float()
             rel = float((got - ref).norm(dim=-1).max() / ref.norm(dim=-1).clamp_min(1e-6).min())
             cos = float(torch.nn.functional.cosine_similarity(got, ref, dim=-1).min())
             worst[p]["rel"] = max(worst[p]["rel"], rel)
+            worst[p]["abs"] = max(worst[p]["abs"], float((got - ref).abs().max()))
             worst[p]["cos"] = min(worst[p]["cos"], cos)
             if cos < 0.99:
                 problems.append(f"sample {sid} point {p}: min cosine {cos:.4f} against transformers")
@@ -119,11 +124,19 @@ def main() -> int:
     ap.add_argument("--chunked-prefill-size", type=int, default=512)
     ap.add_argument("--work", default="/tmp/harvest-sglang-check")
     ap.add_argument("--startup-timeout", type=float, default=900)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: SGLang's CPU engine from HARVEST_SGLANG_VENV (scripts/sglang_venv.sh), fp32")
+    ap.add_argument("--long-words", type=int, default=1500, help="words per assistant turn of every 10th sample")
     args = ap.parse_args()
 
-    from importlib.metadata import version
+    if args.device == "cpu":
+        python = venv_python()
+        sgl_version = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+                                     capture_output=True, text=True, check=True).stdout.strip()
+    else:
+        from importlib.metadata import version
 
-    sgl_version = version("sglang")
+        python, sgl_version = sys.executable, version("sglang")
     n_layers = model_layers(args.model)
     points = parse_layers(args.layers, n_layers)
     shutil.rmtree(args.work, ignore_errors=True)
@@ -132,12 +145,14 @@ def main() -> int:
     shutil.rmtree(dump_dir, ignore_errors=True)
     data = os.path.join(args.work, "data.jsonl")
     with open(data, "w") as f:
-        for row in dataset_rows(args.samples, seed=0):
+        for row in dataset_rows(args.samples, seed=0, long_words=args.long_words):
             f.write(json.dumps(row) + "\n")
 
     env, argv = launch_spec(args.model, points, n_layers, dump_dir=dump_dir, tp_size=args.tp, port=args.port,
-                            chunked_prefill_size=args.chunked_prefill_size, sglang_version=sgl_version)
-    argv[0] = sys.executable
+                            chunked_prefill_size=args.chunked_prefill_size, sglang_version=sgl_version,
+                            device=args.device, python=python, dtype="float32" if args.device == "cpu" else "auto")
+    if args.device == "cpu":  # this checkout's plugin and kernel stand-in, whichever checkout built the venv
+        env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, STANDIN_DIR)])
     url = f"http://127.0.0.1:{args.port}"
     print(f"sglang {sgl_version}, {n_layers} layers, capture points {points}", flush=True)
     log = open(os.path.join(args.work, "sglang.log"), "w")
@@ -152,7 +167,8 @@ def main() -> int:
         t0 = time.monotonic()
         run = subprocess.run(
             [sys.executable, "-m", "harvest.cli", "run", data, "--model", args.model, "--out", out, "--run", "check",
-             "--engine-url", url, "--dump-dir", dump_dir, "--layers", ",".join(map(str, points)), "--workers", "2",
+             "--engine-url", url, "--dump-dir", dump_dir, "--dtype", "fp32" if args.device == "cpu" else "bf16",
+             "--layers", ",".join(map(str, points)), "--workers", "2",
              "--work-dir", os.path.join(args.work, "state"), "--no-progress"],
             cwd=REPO, capture_output=True, text=True,
         )
@@ -160,7 +176,7 @@ def main() -> int:
         print(run.stdout[-3000:], run.stderr[-3000:], sep="\n", flush=True)
         if run.returncode != 0:
             problems.append(f"harvest run exited {run.returncode}")
-        cmp_problems, stats = compare(args.model, os.path.join(out, "check"), points)
+        cmp_problems, stats = compare(args.model, os.path.join(out, "check"), points, args.device)
         problems += cmp_problems
         report.update(stats)
         if stats["samples"] != args.samples:

@@ -35,16 +35,26 @@ def _dump_dir(dump_dir: str | None, run: str | None) -> str:
 @click.option("--port", default=30000, show_default=True, type=int)
 @click.option("--chunked-prefill-size", default=8192, show_default=True, type=click.IntRange(1))
 @click.option("--sglang-version", default="0.5.23", show_default=True, help="Flag spellings differ between versions.")
+@click.option("--device", default="cuda", show_default=True, type=click.Choice(["cuda", "cpu"]),
+              help="cpu: SGLang's CPU engine from HARVEST_SGLANG_VENV (scripts/sglang_venv.sh), as CI runs it.")
+@click.option("--dtype", default="auto", show_default=True, help="SGLang --dtype (float32 for exact CPU comparisons).")
 def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, tp_size, port, chunked_prefill_size,
-                    sglang_version) -> None:
+                    sglang_version, device, dtype) -> None:
     """Print the SGLang launch command (with the plugin's environment) for a run."""
-    from engines.sglang_launch import launch_command
+    from engines.sglang_launch import launch_command, venv_python
     from harvest.config import ConfigError
 
     try:
         n, points = _capture_points(model_path, num_layers, run, redis_url, layers)
+        python = "python"
+        if device == "cpu":
+            try:
+                python = venv_python()
+            except FileNotFoundError:
+                pass
         click.echo(launch_command(model_path, points, n, dump_dir=_dump_dir(dump_dir, run), tp_size=tp_size, port=port,
-                                  chunked_prefill_size=chunked_prefill_size, sglang_version=sglang_version))
+                                  chunked_prefill_size=chunked_prefill_size, sglang_version=sglang_version,
+                                  device=device, python=python, dtype=dtype))
     except (ConfigError, ValueError) as e:
         fail(str(e))
 

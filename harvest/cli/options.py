@@ -15,7 +15,7 @@ from harvest.node.dumpdir import default_dump_dir
 
 DEFAULT_REDIS = os.environ.get("HARVEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 # The engines `harvest run` can start itself when no --engine-url is given.
-LAUNCHABLE_ENGINES = ("reference", "vllm")
+LAUNCHABLE_ENGINES = ("reference", "sglang", "vllm")
 
 
 def fail(msg: str) -> None:
@@ -118,7 +118,8 @@ def engine_option(kinds: tuple[str, ...], help: str):
 
 run_engine_option = engine_option(
     LAUNCHABLE_ENGINES,
-    "Engine kind; vllm starts a vLLM CPU server from HARVEST_VLLM_VENV (scripts/vllm_venv.sh) unless --engine-url.")
+    "Engine kind; unless --engine-url, sglang starts an SGLang CPU server from HARVEST_SGLANG_VENV "
+    "(scripts/sglang_venv.sh), vllm a vLLM CPU server from HARVEST_VLLM_VENV (scripts/vllm_venv.sh).")
 produce_engine_option = engine_option(
     ENGINE_KINDS, "Engine kind of a new run; workers pick their client by it (vllm: the vLLM client).")
 

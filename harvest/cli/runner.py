@@ -1,7 +1,8 @@
 """`harvest run`: the whole pipeline on one machine, as separate processes.
 
 Part of the composition root (with the CLI): it starts a private Redis unless given one,
-the reference engine (a vLLM CPU server from its venv when the run's engine is `vllm`)
+the reference engine (an SGLang or vLLM CPU server from its venv when the run's engine is
+`sglang` or `vllm`)
 unless given an engine URL, N workers and a collector as child processes of the `harvest`
 CLI (kept alive by harvest.cli.supervisor), produces the dataset in-process, and waits until
 every sample of the run is done or failed.
@@ -112,6 +113,24 @@ def _start_vllm(children: Supervisor, cfg: RunConfig, dumps: str) -> str:
     return url
 
 
+def _start_sglang(children: Supervisor, cfg: RunConfig, dumps: str, chunked_prefill_size: int) -> str:
+    """Start an SGLang CPU server from its own venv (engines/sglang_launch.py) and wait until it is healthy."""
+    from engines.sglang_launch import STANDIN_DIR, launch_spec, venv_python
+
+    os.makedirs(dumps, mode=0o700, exist_ok=True)
+    port = free_port()
+    env, argv = launch_spec(cfg.model, cfg.capture_points, cfg.num_layers, dump_dir=dumps, port=port, device="cpu",
+                            python=venv_python(), dtype="float32" if cfg.storage_dtype == "fp32" else "auto",
+                            chunked_prefill_size=chunked_prefill_size or 8192)
+    # This checkout's plugin and kernel stand-in, whichever checkout the venv was built from.
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([repo, os.path.join(repo, STANDIN_DIR)])
+    children.start("engine", [], cmd=argv, env=env)
+    url = f"http://127.0.0.1:{port}"
+    _wait_http(url, children, timeout=600)  # about 20 s on a small CPU machine, more when it is busy
+    return url
+
+
 def run_all(
     cfg: RunConfig,
     dataset: str,
@@ -146,6 +165,8 @@ def run_all(
         engine = False
         if engine_url is None and cfg.engine == "vllm":
             engine_url = _start_vllm(children, cfg, dumps)
+        elif engine_url is None and cfg.engine == "sglang":
+            engine_url = _start_sglang(children, cfg, dumps, chunked_prefill_size)
         elif engine_url is None:
             port = free_port()
             engine_url = f"http://127.0.0.1:{port}"

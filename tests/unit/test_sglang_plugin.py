@@ -1,9 +1,10 @@
 """The SGLang dump plugin, driven with real torch tensors laid out as SGLang lays them out.
 
-SGLang itself needs CUDA and cannot be installed here, so its ForwardBatch and ForwardMode are
-stand-ins carrying the same fields (rids, extend_prefix_lens_cpu, extend_seq_lens_cpu,
-input_ids, forward_mode.is_extend()/is_target_verify()); tests/system/test_sglang_contract.py checks
-those names against the real SGLang source.
+SGLang's ForwardBatch and ForwardMode are stand-ins here carrying the same fields (rids,
+extend_prefix_lens_cpu, extend_seq_lens_cpu, input_ids, forward_mode.is_extend()/is_target_verify());
+tests/system/test_sglang_contract.py checks those names against the real SGLang source, and
+tests/system/test_sglang_live.py runs the plugin in a real SGLang CPU server and also runs this
+file inside SGLang's venv (where `sglang` is importable, the real classes are used below).
 """
 
 import os
@@ -166,26 +167,11 @@ def test_configure_model_captures_hf_indices_whatever_the_setter_does(tmp_path, 
     assert cap.include_final
 
 
-def test_forward_hooks_path_rebuilds_the_residual_stream(tmp_path, monkeypatch):
-    monkeypatch.setenv("HARVEST_NUM_LAYERS", str(L))
-    hook = sp.forward_hook_factory({"HARVEST_DUMP_DIR": str(tmp_path), "HARVEST_CAPTURE": "2,4,5,8", "HARVEST_MODEL_NAME": "tiny"})
-    ids = torch.arange(50, 54)
-    g = torch.Generator().manual_seed(5)
-    outs = {i: (torch.randn(4, H, generator=g), torch.randn(4, H, generator=g)) for i in range(L)}
-    for i in range(L):  # layer i returns (hidden, residual); the stream entering i+1 is their sum
-        hook(SimpleNamespace(layer_id=i), (None, torch.zeros(4, H), None, None), outs[i])
-    final = torch.randn(4, H, generator=g)
-    hook(SimpleNamespace(), (ids, final, None, fb([A], [0], [4], ids)), None)
-    hook.capture.writer().flush()
-    want = torch.stack([outs[1][0] + outs[1][1], outs[3][0] + outs[3][1], outs[4][0] + outs[4][1], final], dim=1)
-    with open(tmp_path / f"{A}.0-4.safetensors", "rb") as f:
-        assert f.read() == expected_bytes(A, 0, 4, ids, want)
-
-
 def test_register_is_inert_without_dump_dir(monkeypatch):
     monkeypatch.delenv("HARVEST_DUMP_DIR", raising=False)
+    before = set(sys.modules)
     sp.register()
-    assert "sglang" not in sys.modules and sp._capture is None
+    assert not [m for m in set(sys.modules) - before if m.startswith("sglang")] and sp._capture is None
 
 
 def test_bad_capture_env_is_refused(monkeypatch):
@@ -195,16 +181,45 @@ def test_bad_capture_env_is_refused(monkeypatch):
         sp.PluginConfig.from_env()
 
 
+def test_tp_writer_outside_a_server_is_the_only_rank(monkeypatch):
+    """With sglang importable but no server in this process, 0.5.23's get_parallel() raises
+    ValueError (not ImportError): this process writes. Where sglang is not installed, its
+    runtime_context is a stand-in raising exactly what the real one raises (read from 0.5.23)."""
+    try:
+        import sglang.srt.runtime_context  # noqa: F401
+    except ImportError:
+        def get_parallel():
+            raise ValueError("config namespace 'parallel' not published")
+
+        for name in ("sglang", "sglang.srt"):
+            monkeypatch.setitem(sys.modules, name, SimpleNamespace())
+        monkeypatch.setitem(sys.modules, "sglang.srt.runtime_context", SimpleNamespace(get_parallel=get_parallel))
+    assert sp._tp_writer() is True
+
+
+def _graph_config(prefill_backend):
+    """0.5.23's resolved `server_args.cuda_graph_config`: the real class where sglang is importable."""
+    try:
+        from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig
+    except ImportError:
+        return {"decode": {"backend": "full"}, "prefill": {"backend": prefill_backend}}
+    return CudaGraphConfig(decode=PhaseConfig(backend="full"), prefill=PhaseConfig(backend=prefill_backend))
+
+
 @pytest.mark.parametrize(
     "args, on",
     [
-        ({"disable_prefill_cuda_graph": False}, True),  # 0.5.14+ default
+        # 0.5.23: the resolved config decides; on CPU its prefill backend is "disabled" without any flag
+        ({"disable_prefill_cuda_graph": False, "cuda_graph_backend_prefill": None, "cuda_graph_config": _graph_config("disabled")}, False),
+        ({"disable_prefill_cuda_graph": False, "cuda_graph_backend_prefill": None, "cuda_graph_config": _graph_config("breakable")}, True),
+        ({"disable_cuda_graph": True, "cuda_graph_config": _graph_config("full")}, False),
+        ({"disable_prefill_cuda_graph": False, "cuda_graph_config": None}, True),  # not resolved: the flags decide
+        ({"disable_prefill_cuda_graph": False}, True),  # 0.5.14-0.5.22 default
         ({"disable_prefill_cuda_graph": True}, False),
         ({"disable_prefill_cuda_graph": False, "cuda_graph_backend_prefill": "disabled"}, False),
         ({"disable_cuda_graph": True, "disable_prefill_cuda_graph": False}, False),
-        ({"disable_piecewise_cuda_graph": False}, True),  # 0.5.10-0.5.13 default
-        ({"enable_piecewise_cuda_graph": False}, False),  # 0.5.5-0.5.9 default
-    ],
+        ({"disable_piecewise_cuda_graph": False}, True),  # 0.5.11-0.5.13 default
+            ],
 )
 def test_prefill_graph_detection(args, on):
     assert sp.prefill_graphs_on(SimpleNamespace(**args)) is on
