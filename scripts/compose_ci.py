@@ -3,6 +3,7 @@
     python scripts/compose_ci.py pip-conf SERVE_DIR URL CONSTRAINTS
         the host's pip sources as a pip.conf for images built here (local dirs served at URL), and
         the host's installed versions as pip constraints for them (written to CONSTRAINTS)
+    python scripts/compose_ci.py render < CONFIG > FILE  the merged config, runnable on the host network
     python scripts/compose_ci.py workers NAME=PID...   each worker container's RQ worker and its job
     python scripts/compose_ci.py job JOB_ID            where a job is (RQ status and worker, or gone)
     python scripts/compose_ci.py counts                the ledger's counts and stats
@@ -74,6 +75,28 @@ def pip_conf(serve_dir: str, base_url: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render(config: dict) -> dict:
+    """`docker-compose -f docker-compose.yml -f compose.ci.yml config`, as a file compose v1 can
+    run: the `ports:` of host-network services removed (Docker discards them on the host network,
+    but compose v1's client refuses the pair, and an override cannot delete a key), and every `$`
+    doubled so that compose reads back exactly the values `config` printed."""
+
+    def esc(v):
+        if isinstance(v, str):
+            return v.replace("$", "$$")
+        if isinstance(v, list):
+            return [esc(x) for x in v]
+        if isinstance(v, dict):
+            return {k: esc(x) for k, x in v.items()}
+        return v
+
+    out = esc(config)
+    for svc in out["services"].values():
+        if svc.get("network_mode") == "host":
+            svc.pop("ports", None)
+    return out
+
+
 def _conn():
     import redis
 
@@ -119,6 +142,12 @@ def job(job_id: str) -> dict:
     except NoSuchJobError:
         return {"job": job_id, "status": "gone"}  # finished: harvest keeps no RQ results (RESULT_TTL 0)
     return {"job": job_id, "status": str(j.get_status(refresh=True)), "worker": j.worker_name}
+
+
+def reaped(job_id: str) -> int:
+    from harvest.state.keys import Keys
+
+    return int(_conn().hget(Keys(os.environ["CI_RUN"]).reaped, job_id) or 0)
 
 
 def counts() -> dict:
@@ -179,17 +208,25 @@ def main(argv: list[str]) -> int:
     pc.add_argument("serve_dir")
     pc.add_argument("base_url")
     pc.add_argument("constraints")
+    sub.add_parser("render")
     sub.add_parser("workers").add_argument("containers", nargs="*", help="NAME=PID")
     sub.add_parser("job").add_argument("job_id")
     sub.add_parser("counts")
+    sub.add_parser("reaped").add_argument("job_id")
     v = sub.add_parser("verify")
     for arg in ("model", "dataset", "out_url"):
         v.add_argument(arg)
     a = p.parse_args(argv)
-    if a.cmd == "workers":
+    if a.cmd == "render":
+        import yaml
+
+        yaml.safe_dump(render(yaml.safe_load(sys.stdin)), sys.stdout, sort_keys=False)
+    elif a.cmd == "workers":
         print(json.dumps(workers({c.split("=")[0]: int(c.split("=")[1]) for c in a.containers})))
     elif a.cmd == "job":
         print(json.dumps(job(a.job_id)))
+    elif a.cmd == "reaped":
+        print(reaped(a.job_id))
     elif a.cmd == "counts":
         print(json.dumps(counts()))
     elif a.cmd == "verify":

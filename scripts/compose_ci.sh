@@ -15,12 +15,12 @@
 #   HARVEST_COMPOSE_CACHE  base image tar and Docker data root (default ~/.cache/harvest/compose-ci):
 #                          a second run skips the debootstrap and reuses the image layers
 #   COMPOSE_CI_FRESH=1     ignore the cache (a fresh machine's timing)
-#   COMPOSE_CI_ROWS        dataset rows (default 600)
+#   COMPOSE_CI_ROWS        dataset rows (default 800)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 CACHE=${HARVEST_COMPOSE_CACHE:-${HARVEST_CACHE:-$HOME/.cache/harvest}/compose-ci}
-ROWS=${COMPOSE_CI_ROWS:-600}
+ROWS=${COMPOSE_CI_ROWS:-800}
 RUN_NAME=ci
 PROJECT=harvest-ci
 PIP_PORT=16999
@@ -41,8 +41,11 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 log() { printf '\n== %s\n' "$*"; }
 die() { echo "compose-ci: FAIL: $*" >&2; exit 1; }
 skip() { echo "compose-ci: SKIP: $*"; exit 0; }
-dc() { docker-compose -p "$PROJECT" -f "$REPO/docker-compose.yml" -f "$REPO/compose.ci.yml" --env-file "$WORK/ci.env" "$@"; }
-helper() { python3 "$REPO/scripts/compose_ci.py" "$@"; }
+# compose.ci.yml over docker-compose.yml, rendered once (scripts/compose_ci.py render: the ports
+# compose v1 refuses on the host network dropped), then run as the one file of the project.
+dc() { docker-compose -p "$PROJECT" --project-directory "$REPO" -f "$WORK/compose.yml" "$@"; }
+PY=$(python3 -c 'import sys; print(sys.executable)')   # the interpreter itself, not a shim
+helper() { "$PY" "$REPO/scripts/compose_ci.py" "$@"; }
 export HARVEST_REDIS_URL="redis://:$REDIS_PASSWORD@127.0.0.1:16379/0" CI_RUN=$RUN_NAME
 
 cleanup() {
@@ -78,6 +81,7 @@ cleanup() {
   exit "$rc"
 }
 trap cleanup EXIT
+trap 'exit 143' TERM INT
 
 # ---- 1. tools --------------------------------------------------------------------------------
 [ "$(id -u)" = 0 ] || skip "needs root to start a Docker daemon"
@@ -156,6 +160,8 @@ sed -e "s/^REDIS_PASSWORD=.*/REDIS_PASSWORD=$REDIS_PASSWORD/" -e "s/^S3_ACCESS_K
     -e "s|^DATA_DIR=.*|DATA_DIR=$WORK/data|" -e "s|^MODEL_DIR=.*|MODEL_DIR=$WORK/models|" \
     -e "s/^CHUNKED_PREFILL_SIZE=.*/CHUNKED_PREFILL_SIZE=64/" -e "s/^DUMP_TMPFS_SIZE=.*/DUMP_TMPFS_SIZE=1g/" \
     -e "s/^REDIS_MAXMEMORY=.*/REDIS_MAXMEMORY=1gb/" "$REPO/.env.example" > "$WORK/ci.env"
+docker-compose -f "$REPO/docker-compose.yml" -f "$REPO/compose.ci.yml" --env-file "$WORK/ci.env" config \
+  | helper render > "$WORK/compose.yml"
 T=$(now)
 dc --profile cpu --profile producer build >"$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; die "image build failed"; }
 lap "docker-compose build" "$T"
@@ -175,9 +181,9 @@ worker_pids() {  # NAME=PID of each running worker container
 }
 busy_worker() {  # "container worker job" of one worker in the middle of a job, not in $1
   local i
-  for i in $(seq 1 120); do
+  for i in $(seq 1 60); do
     # shellcheck disable=SC2046
-    helper workers $(worker_pids) | python3 -c "
+    helper workers $(worker_pids) | "$PY" -c "
 import json, sys
 for w in json.load(sys.stdin):
     if w['state'] == 'busy' and w['job'] and w['container'] not in sys.argv[1:]:
@@ -188,7 +194,7 @@ else:
   done
   return 1
 }
-ledger() { helper counts | python3 -c "import json,sys; c=json.load(sys.stdin); print($1)"; }
+ledger() { helper counts | "$PY" -c "import json,sys; c=json.load(sys.stdin); print($1)"; }
 wait_for() {  # seconds, python expression over the ledger counts c, label
   local end=$(( $(date +%s) + $1 ))
   until [ "$(ledger "$2")" = True ]; do
@@ -196,13 +202,14 @@ wait_for() {  # seconds, python expression over the ledger counts c, label
     sleep 1
   done
 }
+reaped() { helper reaped "$1"; }   # how often the janitor took this job back from a dead worker
 job_outcome() {  # job id, worker that had it: wait until it is gone (finished), say who finished it
   local seen=""
   for _ in $(seq 1 240); do
     st=$(helper job "$1")
     case "$st" in
       *'"gone"'*) echo "finished${seen:+ (re-run by $seen)}"; return 0 ;;
-      *'"started"'*) w=$(echo "$st" | python3 -c 'import json,sys; print(json.load(sys.stdin)["worker"])')
+      *'"started"'*) w=$(echo "$st" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["worker"])')
                      [ "$w" != "$2" ] && seen=$w ;;
     esac
     sleep 0.5
@@ -229,38 +236,34 @@ before=$(helper workers $(worker_pids))
 T=$(now)
 dc --profile cpu up -d --no-recreate --scale worker=1
 lap "scale worker=3 -> 1" "$T"
-reaped0=$(ledger 'c["stats"].get("jobs_reaped", 0)')
-echo "$before" | python3 -c "
+echo "$before" | "$PY" -c "
 import json, sys; left = set(sys.argv[1:])
 for w in json.load(sys.stdin):
     if w['container'] not in left and w['job']: print(w['job'], w['worker'])" $(worker_pids | cut -d= -f1) |
-  while read -r j w; do note "  scaled-down worker $w: its job $j $(job_outcome "$j" "$w")"; done
+  while read -r j w; do note "  scaled-down worker $w: its job $j $(job_outcome "$j" "$w"), reaped $(reaped "$j") times"; done
 
 log "scale back to 4"
 T=$(now)
 dc --profile cpu up -d --no-recreate --scale worker=4
 lap "scale worker=1 -> 4" "$T"
 
-log "docker kill of a worker in the middle of a job"
-read -r kc kw kj < <(busy_worker) || die "no busy worker to kill"
-T=$(now)
-docker kill "$kc" >/dev/null
-note "  killed $kc (worker $kw) in the middle of job $kj"
-wait_for 60 "c['stats'].get('jobs_reaped', 0) > $reaped0" "the janitor to take back the killed worker's job"
-lap "kill -> job back on the queue (janitor)" "$T"
-note "  killed worker's job $kj: $(job_outcome "$kj" "$kw")"
-
 log "stop of one worker (SIGTERM: it finishes its job, then exits)"
-read -r sc sw sj < <(busy_worker "$kc") || die "no busy worker to stop"
-reaped1=$(ledger 'c["stats"].get("jobs_reaped", 0)')
-grace=$(dc config | python3 -c "import sys, yaml; print(yaml.safe_load(sys.stdin)['services']['worker']['stop_grace_period'])")
+r=$(busy_worker) || die "no busy worker to stop"; read -r sc sw sj <<<"$r"
+grace=$(dc config | "$PY" -c "import sys, yaml; print(yaml.safe_load(sys.stdin)['services']['worker']['stop_grace_period'])")
 T=$(now)
 docker stop -t 600 "$sc" >/dev/null   # what `docker compose stop` does to each of a service's containers
 lap "stop of a busy worker (grace $grace)" "$T"
 code=$(docker inspect -f '{{.State.ExitCode}}' "$sc")
-note "  stopped $sc (worker $sw) exited $code; its job $sj: $(job_outcome "$sj" "$sw")"
+note "  stopped $sc (worker $sw) exited $code; its job $sj: $(job_outcome "$sj" "$sw"), reaped $(reaped "$sj") times"
 [ "$code" = 0 ] || die "the stopped worker exited $code"
-[ "$(ledger 'c["stats"].get("jobs_reaped", 0)')" = "$reaped1" ] || die "the stopped worker's job was reaped, not finished"
+[ "$(reaped "$sj")" = 0 ] || die "the stopped worker's job was reaped, not finished by it"
+
+log "docker kill of a worker in the middle of a job"
+r=$(busy_worker "$sc") || die "no busy worker to kill"; read -r kc kw kj <<<"$r"
+reaped0=$(ledger 'c["stats"].get("jobs_reaped", 0)')
+T_KILL=$(now)
+docker kill "$kc" >/dev/null
+note "  killed $kc (worker $kw) in the middle of job $kj"
 
 log "restart of the collector"
 T=$(now)
@@ -275,6 +278,13 @@ curl -fsS http://127.0.0.1:16108/metrics > "$WORK/metrics.txt" || die "metrics e
 grep -E '^harvest_samples' "$WORK/metrics.txt" | head -8
 grep -q "run=\"$RUN_NAME\"" "$WORK/metrics.txt" || die "the metrics do not name run $RUN_NAME"
 curl -fsS -o /dev/null http://127.0.0.1:16181/ || die "rq-dashboard did not answer"
+
+log "the killed worker's job"
+wait_for 90 "c['stats'].get('jobs_reaped', 0) > $reaped0" "the janitor to take back the killed worker's job"
+lap "kill -> its job back on the queue" "$T_KILL"
+by=$(for c in $(docker ps -a --filter "label=com.docker.compose.service=worker" --format '{{.Names}}'); do
+       docker logs "$c" 2>&1 | grep -q "job $kj back on the queue" && echo "$c"; done | head -1)
+note "  killed worker's job $kj: reaped $(reaped "$kj") time(s), by the janitor of ${by:-?}; $(job_outcome "$kj" "$kw")"
 
 log "wait for the run to finish"
 wait_for 600 "c['queued'] == 0 and c['spooled'] == 0 and c['done'] + c['failed'] == $samples" "the run to finish"
