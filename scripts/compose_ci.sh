@@ -82,6 +82,7 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 143' TERM INT
+trap 'echo "compose-ci: failed at line $LINENO: $BASH_COMMAND" >&2' ERR
 
 # ---- 1. tools --------------------------------------------------------------------------------
 [ "$(id -u)" = 0 ] || skip "needs root to start a Docker daemon"
@@ -283,7 +284,7 @@ log "the killed worker's job"
 wait_for 90 "c['stats'].get('jobs_reaped', 0) > $reaped0" "the janitor to take back the killed worker's job"
 lap "kill -> its job back on the queue" "$T_KILL"
 by=$(for c in $(docker ps -a --filter "label=com.docker.compose.service=worker" --format '{{.Names}}'); do
-       docker logs "$c" 2>&1 | grep -q "job $kj back on the queue" && echo "$c"; done | head -1)
+       if docker logs "$c" 2>&1 | grep -q "job $kj back on the queue"; then echo "$c"; fi; done | head -1) || true
 note "  killed worker's job $kj: reaped $(reaped "$kj") time(s), by the janitor of ${by:-?}; $(job_outcome "$kj" "$kw")"
 
 log "wait for the run to finish"
