@@ -43,15 +43,21 @@ WORKDIR /app
 ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
-COPY pyproject.toml README.md ./
+# Dependencies first, from pyproject.toml alone: a change to the code or the README then
+# rebuilds only the last layer. EXTRA_PACKAGES: more requirements in the same image (CI adds
+# moto[server] for its S3 stand-in).
+COPY pyproject.toml ./
+ARG EXTRA_PACKAGES=""
+RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && set -f && pip install -r /tmp/requirements.txt ${EXTRA_PACKAGES} && rm /tmp/requirements.txt
+COPY README.md ./
 COPY harvest harvest
 COPY producer producer
 COPY workers workers
 COPY engines engines
 COPY collector collector
-# EXTRA_PACKAGES: more pip requirements in the same image (CI adds moto[server] for its S3 stand-in).
-ARG EXTRA_PACKAGES=""
-RUN set -f; pip install . ${EXTRA_PACKAGES}
+RUN pip install --no-deps . && python3 -c "import harvest.cli, workers.worker, collector.collector, engines.reference"
 ENTRYPOINT ["harvest"]
 
 FROM ${SGLANG_IMAGE} AS sglang
