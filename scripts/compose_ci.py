@@ -106,7 +106,7 @@ def _conn():
 def workers(containers: dict[str, int]) -> list[dict]:
     """Which RQ worker runs in which container, and its current job. All containers share the
     host's network, so a container's Redis connections are told apart by their local ports: `ss`
-    names the process (the container's PID 1 on the host) behind each, and RQ names its
+    names the process (the container's PID 1 on the host, or its child under tini) behind each, and RQ names its
     connection after the worker (CLIENT SETNAME)."""
     from rq import Worker
 
@@ -125,7 +125,13 @@ def workers(containers: dict[str, int]) -> list[dict]:
     by_name = {w.name: w for w in Worker.all(connection=conn)}
     out = []
     for container, pid in containers.items():
-        name = pid_name.get(pid)
+        # PID 1 of the container is tini (`init: true`); the worker is its child.
+        try:
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                pids = [pid, *map(int, f.read().split())]
+        except OSError:
+            pids = [pid]
+        name = next((pid_name[p] for p in pids if p in pid_name), None)
         w = by_name.get(name) if name else None
         out.append({"container": container, "worker": name, "state": w.get_state() if w else None,
                     "job": w.get_current_job_id() if w else None})

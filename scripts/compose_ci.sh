@@ -297,8 +297,6 @@ log "verify from the object store (moto S3 on 127.0.0.1:16900)"
 rep=$(HARVEST_S3_ENDPOINT=http://127.0.0.1:16900 AWS_ACCESS_KEY_ID=$S3_KEY AWS_SECRET_ACCESS_KEY=$S3_SECRET AWS_REGION=us-east-1 \
       helper verify "$WORK/models/tiny" "$WORK/data/ci.jsonl" "s3://harvest/hidden/$RUN_NAME") || { echo "$rep"; die "accounting"; }
 note "  accounting: $rep"
-note "  disk: data root $(du -sh "$DATA_ROOT" | cut -f1), base tar $(du -sh "$BASE_TAR" | cut -f1)"
-docker system df | sed 's/^/  /' | tee -a "$SUMMARY"
 
 # ---- 8. down -------------------------------------------------------------------------------------
 log "down -v"
@@ -308,5 +306,7 @@ lap "down -v" "$T"
 [ -z "$(docker ps -aq)" ] || die "containers left after down"
 [ -z "$(docker volume ls -q)" ] || die "volumes left after down"
 docker image prune -f >/dev/null   # dangling layers of superseded builds; the cache keeps the tagged ones
+docker system df | sed 's/^/  /' | tee -a "$SUMMARY"
+note "  disk: data root $(du -sh -x "$DATA_ROOT" | cut -f1) (kept in $CACHE unless COMPOSE_CI_FRESH=1), base tar $(du -sh "$BASE_TAR" | cut -f1)"
 lap "total" "$T0"
 note "compose-ci: OK"
