@@ -307,6 +307,6 @@ lap "down -v" "$T"
 [ -z "$(docker volume ls -q)" ] || die "volumes left after down"
 docker image prune -f >/dev/null   # dangling layers of superseded builds; the cache keeps the tagged ones
 docker system df | sed 's/^/  /' | tee -a "$SUMMARY"
-note "  disk: data root $(du -sh -x "$DATA_ROOT" | cut -f1) (kept in $CACHE unless COMPOSE_CI_FRESH=1), base tar $(du -sh "$BASE_TAR" | cut -f1)"
+note "  disk: data root $(du -sh -x "$DATA_ROOT" | cut -f1) $([ "${COMPOSE_CI_FRESH:-0}" = 1 ] && echo "(removed: COMPOSE_CI_FRESH=1)" || echo "(kept in $CACHE)"), base tar $(du -sh "$BASE_TAR" | cut -f1)"
 lap "total" "$T0"
 note "compose-ci: OK"
