@@ -1,8 +1,12 @@
-"""The docker-compose deployment: `docker-compose config -q` accepts it (when a compose binary is
-installed), and the structural promises of issue 6 hold in the file itself."""
+"""The docker-compose deployment: `docker-compose config -q` accepts it and its CI form (when a
+compose binary is installed), the structural promises of issue 6 hold in the file itself, and the
+CI override (compose.ci.yml) puts everything CI starts on the host network and changes nothing
+but addresses. scripts/compose_ci.sh runs the deployment for real (from .ci/run)."""
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import os
 import re
 import shutil
@@ -16,6 +20,8 @@ from tests.support.ops import REPO
 
 COMPOSE = os.path.join(REPO, "docker-compose.yml")
 ENV_EXAMPLE = os.path.join(REPO, ".env.example")
+COMPOSE_CI = os.path.join(REPO, "compose.ci.yml")
+CI_PROFILES = (None, "cpu", "producer")  # what scripts/compose_ci.sh starts
 
 
 def _compose_cmd() -> list[str] | None:
@@ -47,10 +53,11 @@ def _env_example() -> dict[str, str]:
 @pytest.mark.skipif(_compose_cmd() is None, reason="no docker-compose or `docker compose` on PATH")
 def test_compose_config_is_valid_and_needs_the_env_file(tmp_path):
     cmd = _compose_cmd()
-    for profile in ([], ["--profile", "cpu"], ["--profile", "gpu"], ["--profile", "producer"]):
-        res = subprocess.run([*cmd, "-f", COMPOSE, "--env-file", ENV_EXAMPLE, *profile, "config", "-q"],
-                             capture_output=True, text=True, cwd=REPO)
-        assert res.returncode == 0, res.stderr
+    for files in (["-f", COMPOSE], ["-f", COMPOSE, "-f", COMPOSE_CI]):
+        for profile in ([], ["--profile", "cpu"], ["--profile", "gpu"], ["--profile", "producer"]):
+            res = subprocess.run([*cmd, *files, "--env-file", ENV_EXAMPLE, *profile, "config", "-q"],
+                                 capture_output=True, text=True, cwd=REPO)
+            assert res.returncode == 0, res.stderr
     # Without the secrets, compose refuses to start rather than run with a default password.
     empty = tmp_path / "empty.env"
     empty.write_text("")
@@ -145,3 +152,110 @@ def _minutes(v: str) -> float:
     m = re.fullmatch(r"(\d+)(s|m|h)", v)
     assert m, v
     return int(m.group(1)) * {"s": 1 / 60, "m": 1, "h": 60}[m.group(2)]
+
+
+# --- the CI form: compose.ci.yml over docker-compose.yml --------------------------------------------
+
+def _config(*files: str) -> dict:
+    cmd = _compose_cmd()
+    args = [a for f in files for a in ("-f", f)]
+    res = subprocess.run([*cmd, *args, "--env-file", ENV_EXAMPLE, "config"], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    return yaml.safe_load(res.stdout)
+
+
+def _render(config: dict) -> dict:
+    spec = importlib.util.spec_from_file_location("compose_ci", os.path.join(REPO, "scripts", "compose_ci.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.render(config)
+
+
+def _ci_started(svc: dict) -> bool:
+    return any(p in CI_PROFILES for p in svc.get("profiles", [None]))
+
+
+@pytest.mark.skipif(_compose_cmd() is None, reason="no docker-compose or `docker compose` on PATH")
+def test_ci_form_is_all_host_network_on_loopback():
+    """The workplace rule: no bridge, no private-range network. Every service CI starts is on the
+    host network, builds on it, listens on 127.0.0.1 at a port of its own; no network is created."""
+    merged = _render(_config(COMPOSE, COMPOSE_CI))
+    assert merged["networks"]["default"] == {"external": True, "name": "host"}
+    started = {n: s for n, s in merged["services"].items() if _ci_started(s)}
+    assert {"redis", "s3", "s3-bucket", "engine", "worker", "collector", "metrics", "dashboard", "producer"} <= set(started)
+    ports = {}
+    for name, svc in started.items():
+        assert svc.get("network_mode") == "host", name
+        assert "ports" not in svc and "networks" not in svc, name
+        if "build" in svc:
+            assert svc["build"]["network"] == "host" and svc["build"]["args"]["BASE_IMAGE"] == "local/debian:bookworm", name
+        text = " ".join(map(str, svc.get("command") or [])) if not isinstance(svc.get("command"), str) else svc["command"]
+        for flag in ("--port", "-p"):
+            toks = text.split()
+            if flag in toks:
+                ports[name] = toks[toks.index(flag) + 1]
+        assert "0.0.0.0" not in text, name  # nothing listens beyond loopback
+    assert ports == {"redis": "16379", "s3": "16900", "engine": "16000", "metrics": "16108", "dashboard": "16181"}
+    assert "6379" not in ports.values()  # the machine's own Redis
+    env = started["worker"]["environment"]
+    assert env["HARVEST_REDIS_URL"].endswith("@127.0.0.1:16379/0") and env["HARVEST_S3_ENDPOINT"] == "http://127.0.0.1:16900"
+    assert "http://127.0.0.1:16000" in started["worker"]["command"]
+    # the production file keeps its networks and ports
+    base = _config(COMPOSE)
+    assert "network_mode" not in base["services"]["worker"] and base["services"]["redis"]["ports"]
+    assert "engine" in base["services"]["sglang"]["networks"]["default"]["aliases"]
+
+
+# Tokens an address change may touch: host:port pairs, URLs, bare ports, loopback/any addresses,
+# and the flags that name them.
+_ADDRESS = re.compile(r"^(\d+|127\.0\.0\.1|0\.0\.0\.0|localhost|--bind|--port|--addr|--host|-p|.*://.*|.*:\d+.*)$")
+_ADDRESS_ENV = {"HARVEST_REDIS_URL", "HARVEST_S3_ENDPOINT", "RQ_DASHBOARD_REDIS_URL"}
+_CI_PACE_ENV = {"HARVEST_ENGINE_FAULTS": "hang", "HARVEST_ENGINE_HANG_S": "6"}  # the engine's pace, declared
+
+
+def _sorted_volumes(svc: dict) -> dict:
+    return {**svc, "volumes": sorted(svc.get("volumes", []))}  # compose merges them in no fixed order
+
+
+def _tokens(v) -> list[str]:
+    if v is None:
+        return []
+    return v.split() if isinstance(v, str) else [t for x in v for t in str(x).split()]
+
+
+def _only_addresses(base, ci, where: str) -> None:
+    a, b = _tokens(base), _tokens(ci)
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
+        if op != "equal":
+            changed = a[i1:i2] + b[j1:j2]
+            assert all(_ADDRESS.match(t) for t in changed), f"{where}: {a[i1:i2]} -> {b[j1:j2]} is not an address"
+
+
+@pytest.mark.skipif(_compose_cmd() is None, reason="no docker-compose or `docker compose` on PATH")
+def test_ci_override_changes_nothing_but_addresses():
+    base, ci = _config(COMPOSE)["services"], _render(_config(COMPOSE, COMPOSE_CI))["services"]
+    assert set(base) == set(ci)
+    for name, b in base.items():
+        c = ci[name]
+        if name in ("s3", "s3-bucket"):  # moto's server from the harvest image stands in for MinIO
+            assert c["image"] == "harvest:local" and "build" not in c
+            continue
+        if not _ci_started(c):
+            assert _sorted_volumes(c) == _sorted_volumes(b), name
+            continue
+        _only_addresses(b.get("command"), c.get("command"), f"{name} command")
+        _only_addresses(b.get("healthcheck", {}).get("test"), c.get("healthcheck", {}).get("test"), f"{name} healthcheck")
+        be, ce = b.get("environment", {}), c.get("environment", {})
+        for k in set(be) | set(ce):
+            if be.get(k) != ce.get(k):
+                assert k in _ADDRESS_ENV or _CI_PACE_ENV.get(k) == ce.get(k), f"{name}: env {k} changed"
+                if k in _ADDRESS_ENV:
+                    _only_addresses(re.sub(r"[@/]", " ", be[k]), re.sub(r"[@/]", " ", ce[k]), f"{name} env {k}")
+        if "build" in b:
+            assert {k: v for k, v in c["build"].items() if k not in ("network", "args")} == b["build"], name
+        skip = {"command", "healthcheck", "environment", "build", "ports", "network_mode", "networks"}
+
+        rest = {k: v for k, v in _sorted_volumes(c).items() if k not in skip}
+        assert rest == {k: v for k, v in _sorted_volumes(b).items() if k not in skip}, name
+        hc_b, hc_c = b.get("healthcheck", {}), c.get("healthcheck", {})
+        assert set(hc_c) == set(hc_b), name
