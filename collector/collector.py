@@ -96,9 +96,12 @@ class Collector:
         self.retries, self.retry_delay = retries, retry_delay
         self.orphan_age = orphan_age
         self.out = run_location(cfg.out_url, cfg.run)
+        if not self.out.is_local and not hasattr(self.out.fs, "call_s3"):
+            raise StorageError(f"output {self.out.url()}: shards go to a local folder or to S3 (multipart uploads)")
         # Local output: build the shard in its final folder so committing is a rename.
         self.stage = self.out.local_staging_dir(SHARDS)
         self.shards_committed = 0
+        self._recorded_spool: str | None = None  # the spool the record of the shard in flight names
         self.leases = SpoolLeases(conn, cfg.run)
         self._crash = CrashHook.from_env()
 
@@ -252,7 +255,10 @@ class Collector:
 
     def record(self, plan: ShardPlan) -> None:
         """The one record per node of the shard being committed, which a restart finishes."""
-        self.conn.set(self.packing_key, PackingRecord(plan.shard_id, plan.sample_ids, self.spool_id).to_json())
+        # The spool this record names is the one the fence checks: packer 0 may renew the lease (and
+        # rotate the id of a revoked spool) for every packer while this one is mid-commit.
+        self._recorded_spool = self.spool_id
+        self.conn.set(self.packing_key, PackingRecord(plan.shard_id, plan.sample_ids, self._recorded_spool).to_json())
         self._crash("recorded")
 
     def pack(self, plan: ShardPlan) -> Packed:
@@ -278,8 +284,8 @@ class Collector:
     def _pack_upload(self, plan: ShardPlan) -> Packed:
         name = shard_file(plan.shard_id)
 
-        def stored(parts: int) -> None:  # on an upload thread, after each part
-            if parts == 1:
+        def stored(number: int) -> None:  # on an upload thread, after part `number` is stored
+            if number == 1:
                 self._crash("header-sent")  # the first part holds the safetensors header
             self._crash("uploading")
 
@@ -317,9 +323,10 @@ class Collector:
             finally:
                 _unlink(packed.tmp)
         self._crash("uploaded")
-        rec = PackingRecord(plan.shard_id, plan.sample_ids, self.spool_id, index=plan.index(packed.sha256))
-        if not self.ledger.fence_commit(self.spool_id, plan.sample_ids, self.packing_key, rec.to_json()):
-            raise Voided(f"the commit fence refused shard {plan.shard_id}: spool {self.spool_id} no longer owns "
+        spool = self._recorded_spool
+        rec = PackingRecord(plan.shard_id, plan.sample_ids, spool, index=plan.index(packed.sha256))
+        if not self.ledger.fence_commit(spool, plan.sample_ids, self.packing_key, rec.to_json()):
+            raise Voided(f"the commit fence refused shard {plan.shard_id}: spool {spool} no longer owns "
                          "all of its samples (reclaimed while this node was silent?)")
         self._crash("fenced")
         write_decided_index(self.out, rec, self._retry)

@@ -32,6 +32,8 @@ class Upload:
     name: str
     upload_id: str
     parts: list[dict] = field(default_factory=list)  # [{"PartNumber", "ETag"}] in order
+    attempts: int = 5
+    retry_delay: float = 0.5
 
     def _call(self, method: str, **kw):
         bucket, key, _ = self.loc.fs.split_path(self.loc.path(self.name))
@@ -40,7 +42,8 @@ class Upload:
     def complete(self, what: str) -> None:
         """Make the object visible, whole (retried: completing twice is harmless)."""
         retry(lambda: self._call("complete_multipart_upload", UploadId=self.upload_id,
-                                 MultipartUpload={"Parts": self.parts}), what)
+                                 MultipartUpload={"Parts": self.parts}), what,
+              attempts=self.attempts, base_delay=self.retry_delay)
 
     def abort(self) -> None:
         """Best effort: a restart aborts by name whatever this leaves."""
@@ -53,19 +56,19 @@ class Upload:
 class MultipartWriter:
     """A file-like sink (`write`) that cuts what it is given into parts and sends them.
 
-    `on_part(n)` is told after each part is stored, with the number of parts stored so far."""
+    `on_part(n)` is told after each part is stored, with that part's number (parts finish out of
+    order: part 1, the one holding the header, may not be the first stored)."""
 
     def __init__(self, loc: Location, name: str, what: str, part_bytes: int | None = None,
                  on_part: Callable[[int], None] | None = None, attempts: int = 5, retry_delay: float = 0.5) -> None:
         self.part_bytes = max(MIN_PART_BYTES, part_bytes or DEFAULT_PART_BYTES)
         self.what, self.on_part = what, on_part
         self.attempts, self.retry_delay = attempts, retry_delay
-        self.upload = Upload(loc, name, "")
+        self.upload = Upload(loc, name, "", attempts=attempts, retry_delay=retry_delay)
         created = self._retry(lambda: self.upload._call("create_multipart_upload"))
         self.upload.upload_id = created["UploadId"]
         self._buf = bytearray()
         self._sent: list[Future] = []
-        self._stored = 0
         self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="harvest-part")
 
     def _retry(self, fn):
@@ -95,8 +98,7 @@ class MultipartWriter:
 
     def _stored_one(self, fut: Future) -> None:
         if fut.exception() is None and self.on_part is not None:
-            self._stored += 1
-            self.on_part(self._stored)
+            self.on_part(fut.result()["PartNumber"])
 
     def finish(self) -> Upload:
         """Send the last part and wait for every part; the upload is then ready to complete."""

@@ -2,10 +2,9 @@
 either absent or complete.
 
 Local files are written to a temporary name in the same directory, fsynced and renamed.
-Object stores get a whole body in one call: small documents with `pipe_file` (one PUT),
-shards with `put_file` of a finished local file (one PUT, or a multipart upload that s3fs
-completes only after the last part and aborts on any exception, so no object appears),
-never a streaming `open(..., 'wb')` that an exception could leave half-written.
+Object stores get small documents whole in one call (`pipe_file`, one PUT) and shards as
+multipart uploads that become visible only when completed (harvest.multipart), never a
+streaming `open(..., 'wb')` that an exception could leave half-written.
 
 Storage calls go through `retry`: transient errors (connection resets, timeouts, 5xx the
 client gave up on) are retried with exponential backoff; persistent ones (no such bucket,
@@ -182,35 +181,20 @@ class Location:
         os.makedirs(d, exist_ok=True)
         return d
 
-    def put_file(
-        self,
-        local: str,
-        name: str,
-        part_bytes: int | None = None,
-        progress: Callable[[int], None] | None = None,
-    ) -> None:
-        """Commit the complete local file `local` as `name`, whole or not at all.
-
-        Local stores: a rename when `local` already lies in the destination folder (it is
-        consumed), else copy to a temporary name, fsync, rename. Object stores: s3fs
-        `put_file`, which PUTs small files in one request and sends large ones as a multipart
-        upload completed after the last part (`part_bytes` each) and aborted on any exception.
-        `progress(n)` is told the bytes sent so far."""
+    def put_file(self, local: str, name: str, progress: Callable[[int], None] | None = None) -> None:
+        """Commit the complete local file `local` as `name` of a local store, whole or not at all:
+        a rename when `local` already lies in the destination folder (it is consumed), else a
+        copy to a temporary name, fsync, rename. Object stores take shards as multipart uploads
+        streamed from the spool instead (harvest.multipart)."""
         path = self.path(name)
-        if self.is_local:
-            if os.path.dirname(os.path.abspath(local)) == os.path.dirname(path):
-                if progress:
-                    progress(os.path.getsize(local))
-                os.replace(local, path)
-                return
-            _copy_local_atomic(local, path, progress)
+        if not self.is_local:
+            raise ValueError(f"put_file is for local stores; {self.url()} takes shards through harvest.multipart")
+        if os.path.dirname(os.path.abspath(local)) == os.path.dirname(path):
+            if progress:
+                progress(os.path.getsize(local))
+            os.replace(local, path)
             return
-        kwargs: dict = {}
-        if part_bytes:
-            kwargs["chunksize"] = part_bytes
-        if progress is not None:
-            kwargs["callback"] = _Progress(progress)
-        self.fs.put_file(local, path, **kwargs)
+        _copy_local_atomic(local, path, progress)
 
     def abort_uploads(self, name: str) -> int:
         """Abort unfinished multipart uploads of `name` (left by an uploader killed mid-upload):
@@ -241,16 +225,6 @@ class Location:
             self.fs.rm_file(self.path(name))
         except FileNotFoundError:
             pass
-
-
-class _Progress(fsspec.callbacks.Callback):
-    def __init__(self, fn: Callable[[int], None]) -> None:
-        super().__init__()
-        self._fn = fn
-
-    def call(self, *args, **kwargs) -> None:
-        if self.value:  # set_size() calls too, before any byte is sent
-            self._fn(self.value)
 
 
 def _copy_local_atomic(src: str, dst: str, progress: Callable[[int], None] | None) -> None:

@@ -226,31 +226,34 @@ def _process(ctx: WorkerContext, todo: list[Sample], rows: dict[str, str]) -> di
     spooled, tokens, nbytes, dump_bytes = [], 0, 0, 0
     storage_error = None
     batch = SpoolBatch(ctx.spool_dir, ctx.cfg.run)
-    for rid, c in claimed.items():
-        s = by_rid[rid]
+    try:  # whatever stops the job here (its timeout, an error), no temporary spool file outlives it
+        for rid, c in claimed.items():
+            s = by_rid[rid]
+            try:
+                dump_bytes += sum(os.path.getsize(p) for p in c.paths)
+                if s.id not in failures and storage_error is None:
+                    sample = assemble(c, s, ctx.cfg.capture_points, ctx.cfg.torch_dtype, ctx.cfg.allow_nonfinite)
+                    nbytes += batch.add(sample)
+                    spooled.append(s.id)
+                    tokens += s.num_tokens
+            except SampleFailure as e:
+                failures[s.id] = (e.reason, e.message)
+            except OSError as e:  # the spool disk, not the sample: keep it queued and retry the job
+                storage_error = f"{type(e).__name__}: {e}"
+            finally:
+                for p in c.paths:
+                    try:
+                        os.unlink(p)
+                    except FileNotFoundError:
+                        pass
         try:
-            dump_bytes += sum(os.path.getsize(p) for p in c.paths)
-            if s.id not in failures and storage_error is None:
-                sample = assemble(c, s, ctx.cfg.capture_points, ctx.cfg.torch_dtype, ctx.cfg.allow_nonfinite)
-                nbytes += batch.add(sample)
-                spooled.append(s.id)
-                tokens += s.num_tokens
-        except SampleFailure as e:
-            failures[s.id] = (e.reason, e.message)
-        except OSError as e:  # the spool disk, not the sample: keep it queued and retry the job
+            # Every file durable and in place before any is marked: a crash between leaves them queued.
+            batch.commit()
+        except OSError as e:
             storage_error = f"{type(e).__name__}: {e}"
-        finally:
-            for p in c.paths:
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
-    try:
-        # Every file durable and in place before any is marked: a crash between leaves them queued.
-        batch.commit()
-    except OSError as e:
-        storage_error = f"{type(e).__name__}: {e}"
-        spooled, tokens, nbytes = [], 0, 0
+            spooled, tokens, nbytes = [], 0, 0
+    finally:
+        batch.abort()  # after a commit: nothing left to remove
     owner = ctx.spool_id
     marked = ctx.ledger.mark_spooled(spooled, owner=owner, rows=[rows[i] for i in spooled])
     if failures:

@@ -22,6 +22,7 @@ import redis
 import torch
 from rq import SimpleWorker
 
+from harvest.formats.spool import clear_dead_temps
 from harvest.ids import check_id, node_name
 from harvest.node.dumpdir import claim_dir as claim_dir_of
 from harvest.node.paths import private_dir
@@ -54,6 +55,7 @@ class _Background(threading.Thread):
             try:
                 self.beat.beat()
                 self.ctx.renew_lease()
+                clear_dead_temps(self.ctx.spool_dir)  # spool files of jobs killed before their commit
                 rep = janitor_pass(self.conn, self.run_name, self.dump_dir)
                 if rep.any():
                     log.info("janitor: %s", rep.line())

@@ -54,6 +54,9 @@ def check_output(url: str | None, reach: bool = True) -> None:
     reachable with them: one HEAD of its bucket (3 s to connect, no retries) before anything is
     written. A collector checks only the credentials: its storage errors stop it with the shard
     in progress recorded, to be finished once the storage is fixed."""
+    if url and "://" in url and not url.startswith(("s3://", "s3a://", "file://")):
+        fail(f"output {url}: harvest writes to a local folder, file:// or s3:// (S3-compatible stores too: MinIO, "
+             "Ceph; --s3-endpoint): its shards are streamed as S3 multipart uploads")
     if not url or not url.startswith(("s3://", "s3a://")):
         return
     import botocore.session

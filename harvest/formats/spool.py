@@ -71,7 +71,7 @@ def spool_identity(spool_dir: str) -> str:
         try:
             with open(path, encoding="ascii") as f:
                 sid = check_id(f.read().strip(), "spool id")
-            _clear_dead_temps(spool_dir)
+            clear_dead_temps(spool_dir)
             return sid
         except FileNotFoundError:
             pass
@@ -114,7 +114,7 @@ def rotate_spool_identity(spool_dir: str, revoked: str) -> str:
 TEMP_MAX_AGE_S = 3600.0  # far longer than a job takes to write and commit its spool files
 
 
-def _clear_dead_temps(spool_dir: str) -> None:
+def clear_dead_temps(spool_dir: str) -> None:
     """Temporary id files of processes killed while making the id (their pid is gone), and the
     temporary sample files of workers killed before their batch's commit. Those go by age, not
     pid: workers in other containers share the spool with pids this process cannot see."""
@@ -186,10 +186,11 @@ class SpoolBatch:
         """Write `s` under a temporary name; returns its size in bytes. A failed write leaves
         nothing, and the files added before it can still be committed."""
         final = spool_path(self.spool_dir, s.id)
-        tmp = os.path.join(self.spool_dir, f"{TEMP_PREFIX}{s.id}.{os.getpid()}")
+        # unique even across containers (same small pids) running the same sample at once
+        tmp = os.path.join(self.spool_dir, f"{TEMP_PREFIX}{s.id}.{os.getpid()}.{os.urandom(4).hex()}")
         parts = _parts(s, self.run)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             with os.fdopen(fd, "wb") as f:
                 for piece in parts:
                     f.write(piece)

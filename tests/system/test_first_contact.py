@@ -115,6 +115,14 @@ def test_s3_endpoint_down_names_the_endpoint(tmp_path, data, tiny_model, conn, r
     assert conn.keys("*") == []
 
 
+def test_an_output_that_is_neither_local_nor_s3_is_refused_before_anything(tmp_path, data, tiny_model, conn,
+                                                                           redis_server):
+    rc, out, secs = _harvest("produce", data, "--run", "r1", "--model", tiny_model, "--out", "gs://bucket/out",
+                             "--redis", redis_server.url)
+    _assert_clear(rc, out, secs, "gs://bucket/out", "file://", "s3://")
+    assert conn.keys("*") == []
+
+
 def test_collect_of_an_s3_run_without_credentials(tmp_path, conn, redis_server, tiny_model):
     from tests.support.ops import new_run
 

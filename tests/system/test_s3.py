@@ -84,28 +84,40 @@ def test_commit_to_s3_then_read_samples_by_byte_ranges(conn, tmp_path, s3_bucket
 
 
 def test_upload_failing_midway_leaves_no_object_and_no_pending_parts(tmp_path, s3_bucket, s3_endpoint):
-    local = tmp_path / "big.bin"
-    local.write_bytes(os.urandom(12 << 20))
+    """harvest.multipart against moto: part 2 of 3 is refused for good (injected in front of the
+    real server); the upload is aborted, nothing is visible, no part is left billed."""
+    from harvest.multipart import MultipartWriter
+    from harvest.storage import StorageError
+
+    body = os.urandom(12 << 20)
     loc = Location.from_url(f"{s3_bucket}/out")
-    sent = []
+    real_call = loc.fs.call_s3
 
-    def fail_after_first_part(n):
-        sent.append(n)
-        raise ConnectionAbortedError("link dropped after the first part")
+    def refuse_part_2(method, *a, **kw):
+        if method == "upload_part" and kw["PartNumber"] == 2:
+            raise PermissionError("access denied for part 2")
+        return real_call(method, *a, **kw)
 
-    with pytest.raises(ConnectionAbortedError, match="link dropped after the first part"):
-        loc.put_file(str(local), "shards/x.safetensors", part_bytes=5 << 20, progress=fail_after_first_part)
-    # the three parts (5 + 5 + 2 MiB) go up concurrently, so under load all of them may have
-    # reported progress before the failure stopped the upload; what matters is what follows:
-    # the multipart upload is never completed, so no object and no pending part remains
-    assert 1 <= len(sent) <= 3
+    loc.fs.call_s3 = refuse_part_2
+    try:
+        w = MultipartWriter(loc, "shards/x.safetensors", "upload of x", part_bytes=5 << 20, retry_delay=0.01)
+        with pytest.raises(StorageError, match="^upload of x failed: PermissionError: access denied for part 2$"):
+            w.write(memoryview(body)[: 6 << 20])
+            w.write(memoryview(body)[6 << 20 :])
+            w.finish()
+    finally:
+        del loc.fs.call_s3
     bucket = s3_bucket.removeprefix("s3://")
     assert _s3(s3_endpoint).list_objects_v2(Bucket=bucket).get("KeyCount") == 0
-    assert not loc.exists("shards/x.safetensors")
-    assert _s3(s3_endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []  # s3fs aborted it
-    # and the same call without the failure stores the whole file
-    loc.put_file(str(local), "shards/x.safetensors", part_bytes=5 << 20)
-    assert loc.read_bytes("shards/x.safetensors") == local.read_bytes()
+    assert _s3(s3_endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    # and the same bytes without the failure: invisible until completed, then whole
+    stored = []
+    w = MultipartWriter(loc, "shards/x.safetensors", "upload of x", part_bytes=5 << 20, on_part=stored.append)
+    w.write(body)
+    upload = w.finish()
+    assert sorted(stored) == [1, 2, 3] and not loc.exists("shards/x.safetensors")
+    upload.complete("completing x")
+    assert loc.read_bytes("shards/x.safetensors") == body
 
 
 def test_unfinished_multipart_upload_of_a_killed_collector_is_aborted_on_resume(conn, tmp_path, s3_bucket, s3_endpoint):

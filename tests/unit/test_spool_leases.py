@@ -143,3 +143,14 @@ def test_a_restarted_collector_voids_the_shard_of_its_reclaimed_spool(conn, tmp_
     assert out.list(SHARDS) == [] and out.list(INDEX) == [] and conn.get(c.packing_key) is None
     assert [sid for sid, _, _ in list_spooled(a_dir)] != []  # queued samples' files wait for their new attempt
     assert Ledger(conn, cfg.run).counts()["done"] == 0
+
+
+def test_the_fence_checks_the_spool_the_record_names_not_one_set_mid_commit(conn, tmp_path):
+    """With several packers, packer 0 renews the lease for all and may hand a packer a new spool id
+    while it is mid-commit (collector.packers); its fence must still check the recorded spool."""
+    cfg, (a_dir, a, a_ids, _), _ = _setup(conn, tmp_path)
+    out, c, plan, packed = _packing(conn, cfg, a_dir)
+    c.spool_id = "f" * 32  # as `Packers._share_lease` would, between record and publish
+    c.publish(plan, packed)  # spool `a` still owns every sample: committed, not voided
+    assert out.exists(index_file(plan.shard_id))
+    assert PackingRecord.from_json(conn.get(c.packing_key)).spool == a
