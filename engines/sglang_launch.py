@@ -19,6 +19,7 @@ import shlex
 from collections.abc import Sequence
 
 from engines.sglang_plugin import ENV_CAPTURE, ENV_DUMP_DIR, ENV_MODEL
+from engines.venvs import EngineVenv
 
 SUPPORTED = ("0.5.11", "0.5.23")  # the oldest with the plugin framework, the newest checked live
 ENV_VENV = "HARVEST_SGLANG_VENV"
@@ -32,20 +33,9 @@ def _version(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
 
 
-def default_venv() -> str:
-    return os.environ.get(ENV_VENV) or os.path.join(os.path.expanduser("~"), ".cache", "harvest", "sglang-venv")
-
-
-def venv_python(venv: str | None = None) -> str:
-    """The SGLang CPU venv's python; a clear error naming the build script when it is missing or unfinished."""
-    venv = venv or default_venv()
-    python = os.path.join(venv, "bin", "python")
-    if not (os.path.isfile(os.path.join(venv, ".harvest-complete")) and os.access(python, os.X_OK)):
-        raise FileNotFoundError(
-            f"no complete SGLang venv at {venv}: build it with scripts/sglang_venv.sh (about 1-2 minutes, 2.7 GB), "
-            f"or point {ENV_VENV} at one"
-        )
-    return python
+VENV = EngineVenv("SGLang", ENV_VENV, "sglang-venv", "scripts/sglang_venv.sh", "about 1-2 minutes, 2.7 GB")
+default_venv = VENV.default
+venv_python = VENV.python
 
 
 def launch_spec(

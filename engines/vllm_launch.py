@@ -16,10 +16,10 @@ files, which the worker converts into harvest dump chunks.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 from collections.abc import Sequence
 
+from engines.venvs import EngineVenv
 from harvest.node.dumpdir import vllm_dir
 
 VLLM_VERSION = "0.32.0"
@@ -29,20 +29,9 @@ CONNECTOR_NAME = "HarvestHiddenStatesConnector"
 ENV_VENV = "HARVEST_VLLM_VENV"
 
 
-def default_venv() -> str:
-    return os.environ.get(ENV_VENV) or os.path.join(os.path.expanduser("~"), ".cache", "harvest", "vllm-venv")
-
-
-def venv_python(venv: str | None = None) -> str:
-    """The vLLM venv's python; a clear error naming the build script when the venv is missing or unfinished."""
-    venv = venv or default_venv()
-    python = os.path.join(venv, "bin", "python")
-    if not (os.path.isfile(os.path.join(venv, ".harvest-complete")) and os.access(python, os.X_OK)):
-        raise FileNotFoundError(
-            f"no complete vLLM venv at {venv}: build it with scripts/vllm_venv.sh (about 2-5 minutes, 3.4 GB), "
-            f"or point {ENV_VENV} at one"
-        )
-    return python
+VENV = EngineVenv("vLLM", ENV_VENV, "vllm-venv", "scripts/vllm_venv.sh", "about 2-5 minutes, 3.4 GB")
+default_venv = VENV.default
+venv_python = VENV.python
 
 
 def vllm_layer_ids(capture_points: Sequence[int], num_layers: int) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
 
 import pytest
 import redis
@@ -88,3 +89,17 @@ def s3_bucket(s3_endpoint) -> str:
     name = f"harvest-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
     return f"s3://{name}"
+
+
+@pytest.fixture
+def tiny_fs(request, tmp_path):
+    """A real small filesystem (a tmpfs of the size the test parametrizes, default 1m), for disk-full
+    tests; needs mount privileges (root in a container), skipped otherwise."""
+    d = tmp_path / "tmpfs"
+    d.mkdir()
+    size = getattr(request, "param", "1m")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): the test needs a real small filesystem")
+    yield str(d)
+    subprocess.run(["umount", "-l", str(d)], check=False)

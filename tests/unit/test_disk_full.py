@@ -5,7 +5,6 @@ Uses a real 1 MiB tmpfs (needs mount privileges, as root in a container; skipped
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 import time
 
@@ -17,17 +16,7 @@ from harvest.formats.dump import Chunk, parse_chunk_name, read_chunk
 from harvest.ids import rid_for
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
-    d = tmp_path / "tmpfs"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): the disk-full test needs a real small filesystem")
-    yield str(d)
-    subprocess.run(["umount", "-l", str(d)], check=False)
-
-
+@pytest.mark.parametrize("tiny_fs", ["1m"], indirect=True)
 def test_full_dump_dir_pauses_the_writer_and_loses_nothing(tiny_fs):
     # 12 chunks of ~256 KiB into 1 MiB: at most ~3 fit, so the writer must wait for the
     # "worker" below, which claims (reads, checks, deletes) files slowly.
@@ -64,6 +53,7 @@ def test_full_dump_dir_pauses_the_writer_and_loses_nothing(tiny_fs):
     assert os.listdir(tiny_fs) == []  # no partial temporary files left by failed writes
 
 
+@pytest.mark.parametrize("tiny_fs", ["1m"], indirect=True)
 def test_gives_up_after_full_wait_and_counts_the_error(tiny_fs):
     writer = DumpWriter(tiny_fs, [2], "m", full_wait_s=0.5)
     big = Chunk(rid_for("a" * 32, 1), 0, 4096, torch.arange(4096), torch.zeros(4096, 1, 128))  # 2 MiB > the fs

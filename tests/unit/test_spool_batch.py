@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 
 import pytest
@@ -63,17 +62,7 @@ def test_a_killed_workers_temp_files_go_by_age_when_the_spool_is_next_opened(tmp
     assert list_spooled(spool) == []
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
-    d = tmp_path / "tmpfs"
-    d.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(d)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): this test needs a real small filesystem")
-    yield str(d)
-    subprocess.run(["umount", "-l", str(d)], check=False)
-
-
+@pytest.mark.parametrize("tiny_fs", ["256k"], indirect=True)
 def test_disk_full_mid_batch_keeps_the_complete_files_and_leaves_no_partial_one(tiny_fs):
     batch = SpoolBatch(tiny_fs, "r")
     added = []

@@ -1,14 +1,14 @@
-"""Samples/s of `harvest run` through an SGLang CPU server vs the reference engine (and a vLLM
-CPU server where its venv is built), same data.
+"""Samples/s of `harvest run` through an SGLang CPU server and a vLLM CPU server vs the
+reference engine, same data (each engine where its venv is built).
 
 Each engine is started once (start-up is timed and printed, not counted in the runs), then the
 same dataset goes through the whole pipeline (private Redis, workers, collector, file://
 output, fp32) against each in turn, `--repeat` times, alternating so that load from elsewhere
 on the machine falls on all. Prints samples/s per run and the median ratios against the
-reference engine. Needs the SGLang venv (scripts/sglang_venv.sh); vLLM's (scripts/vllm_venv.sh)
-is optional.
+reference engine. SGLang needs scripts/sglang_venv.sh, vLLM scripts/vllm_venv.sh; an engine
+whose venv is missing is skipped, saying so.
 
-    python bench/sglang_vs_reference.py --samples 400 --workers 2 --repeat 2
+    python bench/engines_vs_reference.py --samples 400 --workers 2 --repeat 2
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=400)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True, help="vLLM --enforce-eager")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="harvest-bench-sglang-")
     model = build_tiny_model(os.path.join(work, "model"))
@@ -74,11 +75,16 @@ def main() -> None:
     port, dump = free_port(), os.path.join(work, "dump-reference")
     engines["reference"] = ([sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dump,
                              "--port", str(port)], {}, f"http://127.0.0.1:{port}", dump)
-    port, dump = free_port(), os.path.join(work, "dump-sglang")
-    env, argv = sglang_launch.launch_spec(model, points, 8, dump_dir=dump, port=port, device="cpu",
-                                          python=sglang_launch.venv_python(), dtype="float32")
-    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, sglang_launch.STANDIN_DIR)])
-    engines["sglang"] = (argv, env, f"http://127.0.0.1:{port}", dump)
+    try:
+        spython = sglang_launch.venv_python()
+    except FileNotFoundError as e:
+        print(f"SGLang skipped: {e}")
+    else:
+        port, dump = free_port(), os.path.join(work, "dump-sglang")
+        env, argv = sglang_launch.launch_spec(model, points, 8, dump_dir=dump, port=port, device="cpu", python=spython,
+                                              dtype="float32")
+        env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, sglang_launch.STANDIN_DIR)])
+        engines["sglang"] = (argv, env, f"http://127.0.0.1:{port}", dump)
     try:
         vpython = vllm_launch.venv_python()
     except FileNotFoundError as e:
@@ -86,7 +92,7 @@ def main() -> None:
     else:
         port, dump = free_port(), os.path.join(work, "dump-vllm")
         env, argv = vllm_launch.launch_spec(model, points, 8, dump_dir=dump, port=port, python=vpython, dtype="float32",
-                                            enforce_eager=True)
+                                            enforce_eager=a.eager)
         env["PYTHONPATH"] = REPO
         engines["vllm"] = (argv, env, f"http://127.0.0.1:{port}", dump)
     procs = []
