@@ -75,26 +75,21 @@ def main() -> None:
     port, dump = free_port(), os.path.join(work, "dump-reference")
     engines["reference"] = ([sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dump,
                              "--port", str(port)], {}, f"http://127.0.0.1:{port}", dump)
-    try:
-        spython = sglang_launch.venv_python()
-    except FileNotFoundError as e:
-        print(f"SGLang skipped: {e}")
-    else:
-        port, dump = free_port(), os.path.join(work, "dump-sglang")
-        env, argv = sglang_launch.launch_spec(model, points, 8, dump_dir=dump, port=port, device="cpu", python=spython,
-                                              dtype="float32")
-        env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, sglang_launch.STANDIN_DIR)])
-        engines["sglang"] = (argv, env, f"http://127.0.0.1:{port}", dump)
-    try:
-        vpython = vllm_launch.venv_python()
-    except FileNotFoundError as e:
-        print(f"vLLM skipped: {e}")
-    else:
-        port, dump = free_port(), os.path.join(work, "dump-vllm")
-        env, argv = vllm_launch.launch_spec(model, points, 8, dump_dir=dump, port=port, python=vpython, dtype="float32",
-                                            enforce_eager=a.eager)
-        env["PYTHONPATH"] = REPO
-        engines["vllm"] = (argv, env, f"http://127.0.0.1:{port}", dump)
+    launchers = {  # name -> launcher module, its own launch options, PYTHONPATH for this checkout
+        "sglang": (sglang_launch, {"device": "cpu"}, sglang_launch.cpu_pythonpath(REPO)),
+        "vllm": (vllm_launch, {"enforce_eager": a.eager}, REPO),
+    }
+    for name, (launch, extra, path) in launchers.items():
+        try:
+            python = launch.venv_python()
+        except FileNotFoundError as e:
+            print(f"{name} skipped: {e}")
+            continue
+        port, dump = free_port(), os.path.join(work, f"dump-{name}")
+        env, argv = launch.launch_spec(model, points, 8, dump_dir=dump, port=port, python=python, dtype="float32",
+                                       **extra)
+        env["PYTHONPATH"] = path
+        engines[name] = (argv, env, f"http://127.0.0.1:{port}", dump)
     procs = []
     try:
         for name, (argv, env, url, dump) in engines.items():

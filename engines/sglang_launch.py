@@ -29,6 +29,12 @@ DEVICES = ("cuda", "cpu")
 STANDIN_DIR = os.path.join("tests", "support", "sgl_kernel_standin")
 
 
+def cpu_pythonpath(repo: str) -> str:
+    """PYTHONPATH for a CPU server: checkout `repo`'s plugin and kernel stand-in, whichever
+    checkout the venv was built from."""
+    return os.pathsep.join([repo, os.path.join(repo, STANDIN_DIR)])
+
+
 def _version(v: str) -> tuple[int, ...]:
     return tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
 

@@ -33,7 +33,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from engines.sglang_launch import STANDIN_DIR, launch_spec, venv_python  # noqa: E402
+from engines.sglang_launch import cpu_pythonpath, launch_spec, venv_python  # noqa: E402
 from harvest.config import (
     model_layers,  # noqa: E402
     parse_layers,  # noqa: E402
@@ -152,7 +152,7 @@ def main() -> int:
                             chunked_prefill_size=args.chunked_prefill_size, sglang_version=sgl_version,
                             device=args.device, python=python, dtype="float32" if args.device == "cpu" else "auto")
     if args.device == "cpu":  # this checkout's plugin and kernel stand-in, whichever checkout built the venv
-        env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, STANDIN_DIR)])
+        env["PYTHONPATH"] = cpu_pythonpath(REPO)
     url = f"http://127.0.0.1:{args.port}"
     print(f"sglang {sgl_version}, {n_layers} layers, capture points {points}", flush=True)
     log = open(os.path.join(args.work, "sglang.log"), "w")

@@ -22,11 +22,13 @@ MARKER="$VENV/.harvest-complete"
 TORCH_VERSION="2.13.0"
 SGLANG_VERSION="0.5.23"
 PYTHON="${PYTHON:-python3}"
-STAMP="$(cat "$REPO/scripts/sglang_venv.sh" "$REPO/scripts/sglang_cpu.lock" | sha256sum | cut -c1-16)"
+# shellcheck source=scripts/engine_venv.sh
+. "$REPO/scripts/engine_venv.sh"
+STAMP="$(cat "$REPO/scripts/sglang_venv.sh" "$REPO/scripts/engine_venv.sh" "$REPO/scripts/sglang_cpu.lock" | sha256sum | cut -c1-16)"
 
 point_at_repo() {
   local site
-  site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  site="$(venv_site)"
   printf '%s\n%s\n' "$REPO" "$REPO/tests/support/sgl_kernel_standin" > "$site/harvest-repo.pth"
   # SGLang finds plugins by entry point (group sglang.srt.plugins); harvest is not pip-installed
   # here, so its entry point is declared by a minimal dist-info that names no files.
@@ -43,13 +45,7 @@ if [[ -f "$MARKER" && "$(cat "$MARKER")" == "$STAMP" ]]; then
   exit 0
 fi
 
-rm -rf "$VENV"
-mkdir -p "$(dirname "$VENV")"
-"$PYTHON" -m venv "$VENV"
-pip=("$VENV/bin/python" -m pip install -q)
-# CPU torch first. Where no local CPU wheel is configured (pip find-links), set TORCH_INDEX_URL,
-# e.g. https://download.pytorch.org/whl/cpu, or plain PyPI hands Linux a multi-GB CUDA build.
-"${pip[@]}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==$TORCH_VERSION"
+fresh_venv_with_cpu_torch
 "$VENV/bin/python" -c 'import sys, torch; sys.exit("need a CPU-only torch, got CUDA " + str(torch.version.cuda) if torch.version.cuda else 0)'
 "${pip[@]}" --no-deps "sglang==$SGLANG_VERSION" -r "$REPO/scripts/sglang_cpu.lock"
 "${pip[@]}" --no-deps torchvision==0.28.0 xgrammar==0.2.7 compressed-tensors==0.18.0

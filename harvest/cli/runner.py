@@ -27,6 +27,8 @@ from harvest.node.dumpdir import default_dump_dir
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the engines' PYTHONPATH
+
 
 @dataclass
 class RunSummary:
@@ -106,7 +108,7 @@ def _start_vllm(children: Supervisor, cfg: RunConfig, dumps: str) -> str:
                             python=venv_python(), dtype="float32" if cfg.storage_dtype == "fp32" else "auto",
                             enforce_eager=True)
     # This checkout's connector (engines/vllm_connector.py), whichever checkout the venv was built from.
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = _REPO
     children.start("engine", [], cmd=argv, env=env)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url, children, timeout=900)  # about a minute on a small CPU machine, more when it is busy
@@ -115,16 +117,14 @@ def _start_vllm(children: Supervisor, cfg: RunConfig, dumps: str) -> str:
 
 def _start_sglang(children: Supervisor, cfg: RunConfig, dumps: str, chunked_prefill_size: int) -> str:
     """Start an SGLang CPU server from its own venv (engines/sglang_launch.py) and wait until it is healthy."""
-    from engines.sglang_launch import STANDIN_DIR, launch_spec, venv_python
+    from engines.sglang_launch import cpu_pythonpath, launch_spec, venv_python
 
     os.makedirs(dumps, mode=0o700, exist_ok=True)
     port = free_port()
     env, argv = launch_spec(cfg.model, cfg.capture_points, cfg.num_layers, dump_dir=dumps, port=port, device="cpu",
                             python=venv_python(), dtype="float32" if cfg.storage_dtype == "fp32" else "auto",
                             chunked_prefill_size=chunked_prefill_size or 8192)
-    # This checkout's plugin and kernel stand-in, whichever checkout the venv was built from.
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join([repo, os.path.join(repo, STANDIN_DIR)])
+    env["PYTHONPATH"] = cpu_pythonpath(_REPO)  # this checkout's plugin, whichever built the venv
     children.start("engine", [], cmd=argv, env=env)
     url = f"http://127.0.0.1:{port}"
     _wait_http(url, children, timeout=600)  # about 20 s on a small CPU machine, more when it is busy

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from harvest.read.final_norm import FinalNorm
 from harvest.read.reader import RunReader
-from harvest.storage import TEMP_PREFIX
+from harvest.storage import TEMP_PREFIX, atomic_write_local
 
 MANIFEST = "harvest-export.json"
 HIDDEN = "hidden_states"
@@ -128,10 +128,7 @@ def _plan_rows(reader: RunReader, dest: str) -> list[str]:
         os.makedirs(dest, exist_ok=True)
         doc = {"format": "speculators", "run": reader.config.run, "capture_points": reader.capture_points,
                "slots": reader.config.slots()[:-1] + [PRE_NORM], "samples": rows}
-        tmp = f"{path}.{TEMP_PREFIX}{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(tmp, path)
+        atomic_write_local(path, json.dumps(doc, indent=1).encode())
     return rows
 
 
