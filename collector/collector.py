@@ -2,7 +2,7 @@
 
 Commit order is the contract readers rely on: record the shard's sample set in Redis, stream
 the shard out of the spool files (to object storage: into a multipart upload, harvest.multipart;
-to a local output: into a temporary file in the shards folder, fsynced), make it visible whole
+to a local output: by the kernel into a temporary file in the shards folder, fsynced), make it visible whole
 (complete the upload; rename), write its index file (the commit), mark the samples done, delete
 their spool files, clear the record. A collector killed anywhere in that sequence finds the
 record on restart and finishes the same shard (same samples, same order, same bytes, same id):
@@ -11,7 +11,8 @@ overwritten by the identical re-pack, so no sample is packed twice and none is l
 
 Each byte is read once from the spool and written once, with no temporary shard on the node's
 disk for object storage: tensor bytes are copied out of the spool files undecoded, and the
-sha256 is computed on that pass. Memory: the copy buffers, plus the parts in flight to object
+sha256 is computed on that pass (for a local output, by a second thread reading the same bytes
+while the kernel copies or clones them: harvest.formats.shard.copy_shard). Memory: the copy buffers, plus the parts in flight to object
 storage. Storage errors that persist stop the collector with a `StorageError`; the spool and the
 record stay, so a restart resumes.
 """
@@ -32,7 +33,7 @@ from collector.records import Voided, remove_shard, tend_revoked, write_decided_
 from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
 from harvest.formats.index import index_file
-from harvest.formats.shard import SHARDS, ShardPlan, plan_shard, shard_file, write_shard
+from harvest.formats.shard import SHARDS, ShardPlan, copy_shard, plan_shard, shard_file, write_shard
 from harvest.formats.spool import (
     SpoolEntry,
     SpoolError,
@@ -268,10 +269,12 @@ class Collector:
         tmp = self._temp_path(plan.shard_id)
         try:
             os.makedirs(self.stage, exist_ok=True)
-            with open(tmp, "wb") as f:
-                sha = write_shard(plan, f, progress=self._packing(plan, local=True))
-                f.flush()
-                os.fsync(f.fileno())
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                sha = copy_shard(plan, fd, progress=self._packing(plan, local=True))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.chmod(tmp, 0o644)
         except BaseException as e:
             _unlink(tmp)

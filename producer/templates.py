@@ -22,6 +22,15 @@ from collections.abc import Sequence
 import numpy as np
 from transformers.utils.chat_template_utils import render_jinja_template
 
+try:
+    from transformers.utils.chat_template_utils import (
+        _alias_reasoning_fields,
+        _compile_jinja_template,
+        _plain_template_data,
+    )
+except ImportError:  # a transformers without them: the public path for every render
+    _compile_jinja_template = None
+
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 Span = tuple[int, int]
 _SENTINEL = "\u2063harvest-sentinel\u2063"
@@ -47,13 +56,31 @@ class ChatRenderer:
         self.markers = bool(tpl) and bool(_GENERATION.search(tpl))
         # apply_chat_template passes the special tokens (bos_token, eos_token, ...) to the template too
         self._vars = dict(tokenizer.special_tokens_map)
+        self._compiled = None
+        if tpl and _compile_jinja_template is not None:
+            try:
+                self._compiled = _compile_jinja_template(tpl)
+                self._plain_vars = _plain_template_data(self._vars)
+            except Exception:  # a template Jinja cannot parse: each chat row is refused by the public path
+                self._compiled = None
 
-    def _render(self, messages: list[dict], gen_prompt: bool = False) -> str:
+    def _prepare(self, messages: list[dict]) -> list[dict]:
+        """The messages as every render of a prefix sees them (render_jinja_template's copy)."""
+        if self._compiled is None:
+            return messages
+        return _alias_reasoning_fields(_plain_template_data(messages))
+
+    def _render(self, chat: list[dict], gen_prompt: bool = False) -> str:
+        """`chat`: prepared messages (`_prepare`), or a prefix of them."""
         try:
-            text, _ = render_jinja_template([messages], chat_template=self.template, add_generation_prompt=gen_prompt, **self._vars)
+            if self._compiled is None:
+                text, _ = render_jinja_template([chat], chat_template=self.template, add_generation_prompt=gen_prompt,
+                                                **self._vars)
+                return text[0]
+            return self._compiled.render(messages=chat, tools=None, documents=None, add_generation_prompt=gen_prompt,
+                                         **self._plain_vars)
         except Exception as e:  # the template's own raise_exception, or a Jinja error
             raise TemplateError(f"chat template failed: {e}") from None
-        return text[0]
 
     def render(self, messages: list[dict]) -> tuple[str, list[Span]]:
         """The whole conversation as text, and the character spans the loss mask covers."""
@@ -67,7 +94,7 @@ class ChatRenderer:
             except Exception as e:
                 raise TemplateError(f"chat template failed: {e}") from None
             return text[0], [(a, b) for a, b in spans[0]]
-        return self._by_prefixes(messages)
+        return self._by_prefixes(self._prepare(messages))
 
     def _opening_prefix(self, first: dict) -> str:
         """What precedes an assistant turn that opens the chat (BOS, a default system prompt, the header).
@@ -75,17 +102,17 @@ class ChatRenderer:
         try:
             return self._render([], gen_prompt=True)
         except TemplateError:
-            text = self._render([{**first, "content": _SENTINEL}])
+            text = self._render(self._prepare([{**first, "content": _SENTINEL}]))
             return text[: max(text.find(_SENTINEL), 0)]
 
-    def _by_prefixes(self, messages: list[dict]) -> tuple[str, list[Span]]:
-        full = self._render(messages)
+    def _by_prefixes(self, chat: list[dict]) -> tuple[str, list[Span]]:
+        full = self._render(chat)
         spans: list[Span] = []
-        for i, m in enumerate(messages):
+        for i, m in enumerate(chat):
             if m["role"] != "assistant":
                 continue
-            before = self._render(messages[:i], gen_prompt=True) if i else self._opening_prefix(m)
-            upto = full if i == len(messages) - 1 else self._render(messages[: i + 1])
+            before = self._render(chat[:i], gen_prompt=True) if i else self._opening_prefix(m)
+            upto = full if i == len(chat) - 1 else self._render(chat[: i + 1])
             if not (full.startswith(upto) and upto.startswith(before)):
                 raise TemplateError(
                     f"the chat template does not render the conversation up to message {i} as a prefix of the whole, "

@@ -100,13 +100,26 @@ def claim(
     return claimed, failed
 
 
+# IEEE floats: a value is NaN or Inf exactly when its bits, sign cleared, reach the all-ones exponent.
+_NONFINITE_BITS = {
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+}
+
+
 def _all_finite(hs: torch.Tensor) -> bool:
-    """No NaN or Inf in `hs`. min/max propagate NaN and an infinity is an extreme, so one
-    aminmax pass (several GB/s) decides; `isfinite` over every value runs ~25x slower."""
+    """No NaN or Inf in `hs`. For the engine dtypes one pass over the integer bits decides
+    (about 3x faster than `aminmax` on bf16 here, 20x faster than `isfinite`: this check reads
+    every hidden-state byte a worker accepts); other dtypes take min/max, which propagate NaN."""
     if hs.numel() == 0 or not hs.is_floating_point():
         return True
-    lo, hi = torch.aminmax(hs)
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    bits = _NONFINITE_BITS.get(hs.dtype)
+    if bits is None or not hs.is_contiguous():
+        lo, hi = torch.aminmax(hs)
+        return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    view, sign_off, inf = bits
+    return int((hs.view(view).numpy() & sign_off).max()) < inf
 
 
 def assemble(
@@ -121,10 +134,12 @@ def assemble(
     chunks = []
     try:
         for path in claimed.paths:
-            chunks.append(read_chunk(path))
+            chunks.append((read_chunk(path), path))
     except DumpError as e:
         raise SampleFailure(BAD_DUMP, str(e)) from None
-    chunks.sort(key=lambda c: c.start)
+    chunks.sort(key=lambda cp: cp[0].start)
+    paths = [p for _, p in chunks]
+    chunks = [c for c, _ in chunks]
     problem = _coverage([(c.start, c.end) for c in chunks], sample.num_tokens)
     if problem:
         raise SampleFailure(INCOMPLETE_DUMP, f"{problem} of [0, {sample.num_tokens})")
@@ -152,10 +167,14 @@ def assemble(
             "check the engine's dtype and model, or set allow_nonfinite in the run",
         )
     stored, scale = to_storage(hs, dtype)
+    # Stored as dumped (no conversion): the spool file takes those very bytes from the dump files,
+    # by the kernel (SpoolBatch.add). The claimed files are this worker's alone until it unlinks them.
+    same = stored.dtype == hs.dtype and scale is None
     return SpooledSample(
         sample.id,
         torch.from_numpy(sample.input_ids.copy()),
         torch.from_numpy(sample.loss_mask.copy()),
         stored,
         scale,
+        hidden_from=tuple((p, *c.hidden_span) for p, c in zip(paths, chunks)) if same else (),
     )

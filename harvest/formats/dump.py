@@ -64,7 +64,7 @@ class Chunk:
 def encode_chunk(chunk: Chunk, capture_points: Sequence[int], model: str) -> bytes:
     import torch
 
-    from harvest.formats.stformat import encode
+    from harvest.formats.stformat import BLOCK, encode
 
     meta = {
         "format": FORMAT,
@@ -78,7 +78,9 @@ def encode_chunk(chunk: Chunk, capture_points: Sequence[int], model: str) -> byt
         "hidden_states": chunk.hidden_states.detach().to("cpu").contiguous(),
         "input_ids": chunk.input_ids.detach().to("cpu", torch.int64).contiguous(),
     }
-    return encode(tensors, meta)
+    # hidden_states (the first tensor by name) starts on a filesystem block, so a worker can have the
+    # kernel clone it into the spool instead of copying it (harvest.formats.filecopy)
+    return encode(tensors, meta, BLOCK)
 
 
 def write_chunk(dump_dir: str, chunk: Chunk, capture_points: Sequence[int], model: str) -> str:
@@ -108,11 +110,14 @@ class ChunkFile:
     model: str
     input_ids: torch.Tensor
     hidden_states: torch.Tensor
+    hidden_span: tuple[int, int]  # where hidden_states' bytes lie in the file: [begin, end)
 
 
 def read_chunk(path: str) -> ChunkFile:
     """Read and check one chunk file against its own name; any mismatch is a DumpError."""
     from safetensors import safe_open
+
+    from harvest.formats.stformat import read_file_header
 
     parsed = parse_chunk_name(os.path.basename(path).removesuffix(".claimed"))
     try:
@@ -127,6 +132,7 @@ def read_chunk(path: str) -> ChunkFile:
                 raise DumpError(f"{path}: tensors {sorted(names)}, expected hidden_states and input_ids")
             hs = f.get_tensor("hidden_states")
             ids = f.get_tensor("input_ids")
+        span = read_file_header(path)[0]["hidden_states"]
     except DumpError:
         raise
     except Exception as e:  # safetensors raises its own error types for corrupt headers
@@ -145,4 +151,6 @@ def read_chunk(path: str) -> ChunkFile:
         raise DumpError(f"{path}: shapes hidden_states {tuple(hs.shape)} input_ids {tuple(ids.shape)} for {n} positions")
     if hs.shape[1] != len(cps):
         raise DumpError(f"{path}: {hs.shape[1]} capture slots for capture points {cps}")
-    return ChunkFile(rid, start, end, cps, meta.get("model", ""), ids, hs)
+    if span.end - span.begin != hs.numel() * hs.element_size():
+        raise DumpError(f"{path}: hidden_states spans {span.end - span.begin} bytes for {list(hs.shape)} {hs.dtype}")
+    return ChunkFile(rid, start, end, cps, meta.get("model", ""), ids, hs, (span.begin, span.end))

@@ -7,9 +7,11 @@ sample ids in order. `index/<id>.json` lists the samples, their token counts and
 shard's size and sha256 (harvest.formats.index); it is written only after the shard and commits it.
 
 A shard is up to a few GiB, so it is never built in memory: `plan_shard` reads only the spool
-files' headers and fixes the layout (and with it the header bytes), and `write_shard` copies
-each tensor's bytes straight out of the spool files into the output, undecoded, through one
-small buffer. The same samples in the same order give the same bytes (and the same id), which
+files' headers and fixes the layout (and with it the header bytes), and the tensor bytes go
+straight from the spool files into the output, undecoded: `copy_shard` has the kernel move them
+into a local file (cloning blocks where the filesystem can: the header is padded to a block,
+and so are the spool files'), `write_shard` streams them through two small buffers into an
+upload. The same samples in the same order give the same bytes (and the same id), which
 is what lets a collector that crashed mid-commit re-pack and overwrite instead of duplicate.
 """
 
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -29,8 +33,9 @@ from harvest.config import FINAL_POST_NORM
 from harvest.formats.dtypes import dtype_name
 from harvest.formats.fp8 import is_fp8
 from harvest.formats.index import FORMAT, ShardError, ShardIndex
+from harvest.formats.filecopy import ShortFile, copy_range
 from harvest.formats.spool import SCALE, SpoolEntry, SpoolError
-from harvest.formats.stformat import Planned, encode_header
+from harvest.formats.stformat import BLOCK, Planned, encode_header
 from harvest.ids import check_id, shard_id_for
 
 SHARDS = "shards"
@@ -110,13 +115,56 @@ def plan_shard(
         "capture_points": json.dumps(list(capture_points)),
     }
     return ShardPlan(
-        shard_id_for(ids), tuple(entries), tensors, encode_header(tensors, meta), tuple(offsets), dtype, tuple(capture_points)
+        shard_id_for(ids), tuple(entries), tensors, encode_header(tensors, meta, BLOCK), tuple(offsets), dtype,
+        tuple(capture_points),
     )
+
+
+def _pieces(plan: ShardPlan) -> Iterator[bytes | tuple[str, int, int, str]]:
+    """The shard in order: bytes to write (the header, the offsets), or (spool file, begin,
+    length, tensor name) ranges to copy."""
+    yield plan.header
+    for t in plan.tensors:
+        if t.name == "offsets":
+            yield struct.pack(f"<{len(plan.offsets)}q", *plan.offsets)
+            continue
+        for e in plan.entries:
+            span = e.spans[t.name]
+            yield e.path, span.begin, span.end - span.begin, t.name
+
+
+def _truncated(path: str, name: str) -> SpoolError:
+    return SpoolError(f"{path}: ends inside tensor {name} (spool file truncated)")
+
+
+def _ranges(plan: ShardPlan, bufs: list[memoryview], wait: Callable[[int], None], stop: threading.Event | None = None,
+            ) -> Iterator[tuple[memoryview | bytes, int]]:
+    """The shard's bytes read in order into the two buffers in turn, each yielded with the slot
+    it lies in (-1 for bytes of the plan); `wait(slot)` is called before a buffer is reused."""
+    turn = 0
+    for piece in _pieces(plan):
+        if stop is not None and stop.is_set():
+            return
+        if isinstance(piece, bytes):
+            yield piece, -1
+            continue
+        path, begin, left, name = piece
+        with open(path, "rb", buffering=0) as f:
+            f.seek(begin)
+            while left:
+                turn ^= 1
+                wait(turn)
+                got = f.readinto(bufs[turn][: min(left, COPY_BUFFER)])
+                if not got:
+                    raise _truncated(path, name)
+                yield bufs[turn][:got], turn
+                left -= got
 
 
 def write_shard(plan: ShardPlan, out: BinaryIO, progress: Callable[[int], None] | None = None) -> str:
     """Stream the shard into `out` (header, then each tensor's rows copied from the spool files
     in sample order); returns the sha256 of everything written. Memory: two copy buffers.
+    For a stream with no file behind it (a multipart upload); a local file takes `copy_shard`.
 
     The checksum runs on a second thread (hashlib releases the GIL on large buffers) while this
     one reads and writes the next buffer, so hashing adds no time when I/O is the bound."""
@@ -124,39 +172,66 @@ def write_shard(plan: ShardPlan, out: BinaryIO, progress: Callable[[int], None] 
     bufs = [memoryview(bytearray(COPY_BUFFER)) for _ in range(2)]
     pending: list[Future | None] = [None, None]
     written = 0
-    with ThreadPoolExecutor(1, thread_name_prefix="shard-sha256") as hasher:
 
-        def emit(data, slot: int | None = None) -> None:
-            nonlocal written
+    def wait(slot: int) -> None:
+        if pending[slot] is not None:
+            pending[slot].result()  # its last bytes are hashed: the buffer is free
+
+    with ThreadPoolExecutor(1, thread_name_prefix="shard-sha256") as hasher:
+        for data, slot in _ranges(plan, bufs, wait):
             out.write(data)
             fut = hasher.submit(digest.update, data)
-            if slot is not None:
+            if slot >= 0:
                 pending[slot] = fut
             written += len(data)
             if progress:
                 progress(written)
-
-        emit(plan.header)
-        turn = 0
-        for t in plan.tensors:
-            if t.name == "offsets":
-                emit(struct.pack(f"<{len(plan.offsets)}q", *plan.offsets))
-                continue
-            for e in plan.entries:
-                span = e.spans[t.name]
-                with open(e.path, "rb", buffering=0) as f:
-                    f.seek(span.begin)
-                    left = span.end - span.begin
-                    while left:
-                        turn ^= 1
-                        if pending[turn] is not None:
-                            pending[turn].result()  # its last bytes are hashed: the buffer is free
-                        buf = bufs[turn]
-                        got = f.readinto(buf[: min(left, COPY_BUFFER)])
-                        if not got:
-                            raise SpoolError(f"{e.path}: ends inside tensor {t.name} (spool file truncated)")
-                        emit(buf[:got], turn)
-                        left -= got
     if written != plan.nbytes:
         raise ShardError(f"shard {plan.shard_id}: wrote {written} bytes, planned {plan.nbytes}")
     return digest.hexdigest()
+
+
+def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None = None) -> str:
+    """Write the shard into the empty local file `fd`, its tensor bytes moved by the kernel
+    (harvest.formats.filecopy: cloned where the filesystem shares blocks, copied in the kernel
+    elsewhere); returns its sha256. The checksum is not on that path: a second thread reads the
+    same bytes from the spool files (just written, so from the page cache) and hashes them while
+    the kernel copies, and this thread waits for it only at the end."""
+    stop = threading.Event()
+
+    def digest() -> str:
+        h = hashlib.sha256()
+        bufs = [memoryview(bytearray(COPY_BUFFER))] * 2  # hashed before the next read: one buffer
+        for data, _ in _ranges(plan, bufs, lambda _: None, stop):
+            h.update(data)
+        return h.hexdigest()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="shard-sha256") as hasher:
+        hashed = hasher.submit(digest)
+        try:
+            pos = 0
+            for piece in _pieces(plan):
+                if isinstance(piece, bytes):
+                    view = memoryview(piece)
+                    while view:
+                        n = os.pwrite(fd, view, pos)
+                        view, pos = view[n:], pos + n
+                else:
+                    path, begin, n, name = piece
+                    src = os.open(path, os.O_RDONLY)
+                    try:
+                        copy_range(src, begin, fd, pos, n)
+                    except ShortFile:
+                        raise _truncated(path, name) from None
+                    finally:
+                        os.close(src)
+                    pos += n
+                if progress:
+                    progress(pos)
+        except BaseException:
+            stop.set()
+            raise
+        sha = hashed.result()
+    if pos != plan.nbytes:
+        raise ShardError(f"shard {plan.shard_id}: wrote {pos} bytes, planned {plan.nbytes}")
+    return sha

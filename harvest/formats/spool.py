@@ -44,6 +44,10 @@ class SpooledSample:
     loss_mask: torch.Tensor  # uint8 [T]
     hidden_states: torch.Tensor  # [T, K, H] in the storage dtype
     hidden_scale: torch.Tensor | None = None  # float32 [T, K], only for fp8 storage
+    # Where `hidden_states`' very bytes already lie, in order: (file, begin, end) ranges of the
+    # worker's claimed dump files. The spool file then takes them from there by the kernel (cloned
+    # where the filesystem shares blocks) instead of from the tensor; empty: from the tensor.
+    hidden_from: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -150,10 +154,11 @@ def set_aside_path(path: str) -> str:
     return os.path.join(os.path.dirname(path), f".bad-{os.path.basename(path)}")
 
 
-def _parts(s: SpooledSample, run: str) -> list[bytes | memoryview]:
+def _parts(s: SpooledSample, run: str) -> list[tuple[str, bytes | memoryview]]:
+    """(tensor name, bytes) in file order, the header first (named "")."""
     import torch
 
-    from harvest.formats.stformat import encode_parts
+    from harvest.formats.stformat import BLOCK, encode_parts
 
     tensors = {
         "input_ids": s.input_ids.to(torch.int32).contiguous(),
@@ -162,7 +167,16 @@ def _parts(s: SpooledSample, run: str) -> list[bytes | memoryview]:
     }
     if s.hidden_scale is not None:
         tensors[SCALE] = s.hidden_scale.to(torch.float32).contiguous()
-    return encode_parts(tensors, {"sample_id": s.id, "run": run})
+    # data on a block: the collector's kernel copy into a shard can then clone it (harvest.formats.filecopy)
+    return list(zip(["", *sorted(tensors)], encode_parts(tensors, {"sample_id": s.id, "run": run}, BLOCK)))
+
+
+def _write_all(fd: int, data: bytes | memoryview, pos: int) -> int:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, pos)
+        view, pos = view[n:], pos + n
+    return pos
 
 
 class SpoolBatch:
@@ -191,15 +205,21 @@ class SpoolBatch:
         parts = _parts(s, self.run)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                for piece in parts:
-                    f.write(piece)
+            try:
+                pos = 0
+                for name, piece in parts:
+                    if name == "hidden_states" and s.hidden_from:
+                        pos = _copy_ranges(s.hidden_from, fd, pos, len(piece))
+                    else:
+                        pos = _write_all(fd, piece, pos)
+            finally:
+                os.close(fd)
         except BaseException:  # disk full mid-file: the batch keeps only complete files
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
         self._temps.append((tmp, final))
-        return sum(len(p) for p in parts)
+        return pos
 
     def commit(self) -> None:
         """Durable, then in place: flush every file, rename each, fsync the dir. On an error
@@ -232,6 +252,22 @@ class SpoolBatch:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         self._temps.clear()
+
+
+def _copy_ranges(ranges: tuple[tuple[str, int, int], ...], fd: int, pos: int, nbytes: int) -> int:
+    """The bytes of `ranges` at `pos` of `fd`, by the kernel; they must be exactly `nbytes`."""
+    from harvest.formats.filecopy import copy_range
+
+    if sum(end - begin for _, begin, end in ranges) != nbytes:
+        raise ValueError(f"hidden_from spans do not hold the {nbytes} bytes of hidden_states")
+    for path, begin, end in ranges:
+        src = os.open(path, os.O_RDONLY)
+        try:
+            copy_range(src, begin, fd, pos, end - begin)
+        finally:
+            os.close(src)
+        pos += end - begin
+    return pos
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

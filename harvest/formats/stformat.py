@@ -105,17 +105,21 @@ class Planned:
         return n
 
 
-def encode_header(tensors: Sequence[Planned], metadata: Mapping[str, str]) -> bytes:
+BLOCK = 4096  # a filesystem block: where spool and shard files start their tensor data
+
+
+def encode_header(tensors: Sequence[Planned], metadata: Mapping[str, str], align: int = 8) -> bytes:
     """The 8-byte length and JSON header for `tensors` laid out in the given order (metadata
-    keys sorted), padded with spaces to a multiple of 8 as safetensors does, so the data
-    stays aligned."""
+    keys sorted), padded with spaces (as safetensors does) so the data starts at a multiple of
+    `align`: 8 keeps every dtype aligned in memory; `BLOCK` also puts the data on a filesystem
+    block, which lets the kernel clone it between files instead of copying it (harvest.formats.shard)."""
     header: dict = {"__metadata__": {k: str(metadata[k]) for k in sorted(metadata)}}
     pos = 0
     for t in tensors:
         header[t.name] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
         pos += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)
+    raw += b" " * (-(8 + len(raw)) % align)
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -132,14 +136,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def encode_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> list[bytes | memoryview]:
+def encode_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
+                 align: int = 8) -> list[bytes | memoryview]:
     """A file as its pieces (header, then each tensor's bytes, sorted by name), without joining
     them: written one after another they make `encode`'s bytes, without a copy of the data."""
     names = sorted(tensors)
     plan = [Planned(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names]
-    return [encode_header(plan, metadata or {}), *(tensor_bytes(tensors[n]) for n in names)]
+    return [encode_header(plan, metadata or {}, align), *(tensor_bytes(tensors[n]) for n in names)]
 
 
-def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+def encode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, align: int = 8) -> bytes:
     """A whole file in memory, tensors in sorted name order: same inputs, same bytes."""
-    return b"".join(encode_parts(tensors, metadata))
+    return b"".join(encode_parts(tensors, metadata, align))

@@ -59,10 +59,12 @@ def run_queue(conn: redis.Redis, run: str, job_class: type[Job] = PayloadJob) ->
 
 def enqueue_samples(queue: Queue, run: str, samples: list[Sample], job_id: str,
                     pipe: redis.client.Pipeline) -> None:
-    """Add one job for `samples` to `pipe` (the caller's MULTI/EXEC, with its ledger moves)."""
+    """Add one job for `samples` to `pipe` (the caller's MULTI/EXEC, with its ledger moves).
+    The description is given: RQ's default is the repr of the call, the whole payload again."""
     queue.enqueue_call(
         JOB_FUNCTION,
         args=(encode_batch(run, samples),),
+        description=f"{JOB_FUNCTION}: {len(samples)} samples of run {run}",
         job_id=job_id,
         timeout=job_timeout(sum(s.num_tokens for s in samples)),
         result_ttl=RESULT_TTL,

@@ -75,3 +75,61 @@ def test_verification_failures(dirs, kwargs, reason, text):
     with pytest.raises(SampleFailure) as e:
         assemble(ok[RID], SAMPLE, [2, 4], torch.float32)
     assert e.value.reason == reason and text in e.value.message
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_finiteness_check_by_bits_agrees_with_isfinite(dtype):
+    """The bit test behind the NaN/Inf check, against torch.isfinite on the edge values of each
+    engine dtype: the largest finite value, the smallest subnormal, -0, and every kind of NaN."""
+    from workers.claim import _all_finite
+
+    info = torch.finfo(dtype)
+    edges = [info.max, -info.max, info.tiny, info.smallest_normal / 4, -0.0, 0.0, 1.0]
+    base = torch.tensor(edges, dtype=torch.float64).to(dtype)
+    assert _all_finite(base.reshape(1, 1, -1)) is True
+    for bad in (float("inf"), float("-inf"), float("nan"), -float("nan")):
+        x = torch.cat([base, torch.tensor([bad], dtype=dtype)])
+        assert _all_finite(x.reshape(1, 1, -1)) is False and not bool(torch.isfinite(x).all())
+    t = torch.randn(64, 3, 8).to(dtype)
+    assert _all_finite(t) and _all_finite(t[:, :, ::2])  # a strided view takes the min/max path
+    t[17, 1, 5] = float("nan")
+    assert not _all_finite(t) and not _all_finite(t[:, :, 1::2])
+
+
+@pytest.mark.parametrize("dumped,stored,kernel", [
+    (torch.bfloat16, torch.bfloat16, True),  # stored as dumped: the spool takes the dump's bytes by the kernel
+    (torch.float32, torch.bfloat16, False),  # cast: written from the tensor
+    (torch.bfloat16, torch.float8_e4m3fn, False),  # quantized, with scales: written from the tensor
+])
+def test_spool_file_takes_the_dumped_bytes_by_the_kernel_only_when_stored_as_dumped(dirs, tmp_path, dumped, stored,
+                                                                                    kernel):
+    """A sample of three chunks: when nothing converts its hidden states, the spool file's copy comes
+    from the claimed dump files' ranges (block-aligned, so a reflink filesystem clones them), and
+    the file is byte for byte the one written from the tensor."""
+    import dataclasses
+
+    from harvest.formats.spool import SpoolBatch, read_sample, spool_path
+    from harvest.formats.stformat import BLOCK
+
+    dump, claimed = dirs
+    hs = torch.randn(10, 2, 4).to(dumped)
+    for a, b in [(0, 4), (4, 8), (8, 10)]:
+        _dump(dump, a, b, hs=hs[a:b])
+    ok, _ = claim(str(dump), str(claimed), {RID: 10}, timeout=1)
+    s = assemble(ok[RID], SAMPLE, [2, 4], stored)
+    assert bool(s.hidden_from) is kernel
+    if kernel:
+        assert [os.path.basename(p).split(".")[1] for p, _, _ in s.hidden_from] == ["0-4", "4-8", "8-10"]
+        assert all(begin % BLOCK == 0 for _, begin, _ in s.hidden_from)
+    files = {}
+    for name, sample in (("kernel", s), ("tensor", dataclasses.replace(s, hidden_from=()))):
+        d = tmp_path / name
+        b = SpoolBatch(str(d), "r")
+        n = b.add(sample)
+        b.commit()
+        with open(spool_path(str(d), s.id), "rb") as f:
+            files[name] = f.read()
+        assert n == len(files[name])
+    assert files["kernel"] == files["tensor"]
+    back = read_sample(spool_path(str(tmp_path / "kernel"), s.id))
+    assert torch.equal(back.hidden_states.view(torch.uint8), s.hidden_states.view(torch.uint8))

@@ -1,11 +1,12 @@
 import base64
 import hashlib
+import json
 
 import numpy as np
 import pytest
 
 from harvest.ids import InvalidId, check_id, job_id_for, parse_rid, rid_for, sample_id, shard_id_for
-from harvest.state.payload import PayloadError, Sample, decode_batch, encode_batch
+from harvest.state.payload import PayloadError, Sample, decode_batch, encode_batch, payload_rows
 
 
 def test_sample_id_is_blake2b128_of_int32le_ids_then_mask_bytes():
@@ -35,14 +36,50 @@ def test_job_and_shard_ids_depend_on_order_and_content():
     assert shard_id_for([a, b]) != shard_id_for([a])
 
 
-def test_payload_round_trip_is_json_with_base64_int32():
-    s = [Sample.build([5, 6, 70000]), Sample.build([9], [0])]
+def test_payload_round_trip_is_json_with_ids_in_the_fewest_bytes_and_mask_bits():
+    big = 1 << 24
+    s = [Sample.build([5, 6, 70000]), Sample.build([9], [0]), Sample.build([1, 65535], [1, 0]),
+         Sample.build([big, 0, big + 7]), Sample.build(list(range(20)), [i % 3 == 0 for i in range(20)])]
     p = encode_batch("run1", s)
-    assert base64.b64decode(p["samples"][0]["ids"]) == np.array([5, 6, 70000], "<i4").tobytes()
+    rows = p["samples"]
+    assert [r["w"] for r in rows] == [3, 2, 2, 4, 2]
+    assert base64.b64decode(rows[0]["ids"]) == bytes([5, 0, 0, 6, 0, 0, 0x70, 0x11, 0x01])  # 70000 = 0x011170
+    assert base64.b64decode(rows[2]["ids"]) == np.array([1, 65535], "<u2").tobytes()
+    assert base64.b64decode(rows[3]["ids"]) == np.array([big, 0, big + 7], "<i4").tobytes()
+    assert base64.b64decode(rows[4]["bits"]) == bytes([0b01001001, 0b10010010, 0b00000100])  # bit i = token i
+    assert json.loads(json.dumps(p)) == p  # JSON all the way
     run, back = decode_batch(p)
     assert run == "run1"
     assert [x.id for x in back] == [x.id for x in s]
-    assert back[0].input_ids.tolist() == [5, 6, 70000] and back[1].loss_mask.tolist() == [0]
+    assert [x.input_ids.tolist() for x in back] == [x.input_ids.tolist() for x in s]
+    assert [x.loss_mask.tolist() for x in back] == [x.loss_mask.tolist() for x in s]
+
+
+def test_version_1_payloads_and_rows_are_still_read():
+    """Jobs and kept rows written before the upgrade: int32 ids and the mask as bytes."""
+    s = Sample.build([5, 6, 70000], [0, 1, 1])
+    row = {"id": s.id, "ids": base64.b64encode(np.array([5, 6, 70000], "<i4").tobytes()).decode(),
+           "mask": base64.b64encode(bytes([0, 1, 1])).decode()}
+    run, (back,) = decode_batch({"v": 1, "run": "r", "samples": [row]})
+    assert back.id == s.id and back.loss_mask.tolist() == [0, 1, 1]
+    run, (back,) = decode_batch({"v": 2, "run": "r", "samples": [row]})  # a v1 row requeued under v2
+    assert back.id == s.id
+    assert json.loads(payload_rows({"samples": [row]})[0]) == row
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"w": 5}, "token id width 5 is not 2, 3 or 4"),
+    ({"w": 3}, "bytes of 3-byte token ids"),
+    ({"bits": base64.b64encode(b"\x01\x00").decode()}, "2 bytes of mask bits for 3 tokens"),
+    ({"ids": "not base64!"}, "malformed sample in payload"),
+])
+def test_malformed_rows_are_refused(change, message):
+    p = encode_batch("r", [Sample.build([5, 6, 7])])
+    p["samples"][0].update(change)
+    if change.get("w") == 3:
+        p["samples"][0]["ids"] = base64.b64encode(b"\x05\x00\x06\x00").decode()
+    with pytest.raises(PayloadError, match=message):
+        decode_batch(p)
 
 
 def test_payload_with_id_not_matching_content_is_refused():
@@ -53,7 +90,7 @@ def test_payload_with_id_not_matching_content_is_refused():
 
 
 def test_payload_that_is_not_ours_is_refused():
-    with pytest.raises(PayloadError, match="not a harvest v1 job payload"):
+    with pytest.raises(PayloadError, match="not a harvest v2 job payload"):
         decode_batch({"samples": []})
     with pytest.raises(PayloadError, match="loss_mask has 1 entries for 2 tokens"):
         Sample.build([1, 2], [1])

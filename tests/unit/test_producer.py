@@ -11,7 +11,7 @@ from harvest.config import RunConfig
 from harvest.ids import sample_id
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
-from harvest.state.payload import decode_batch
+from harvest.state.payload import PAYLOAD_VERSION, decode_batch
 from producer.producer import produce
 from producer.rows import BadRow, Row
 from producer.tokenize import RowTokenizer
@@ -72,7 +72,7 @@ def test_produce_reports_bad_rows_and_enqueues_the_rest_once(conn, tiny_model, t
     # Job data is JSON (no pickle) and decodes to the samples.
     job = q.jobs[0]
     raw = zlib.decompress(conn.hget(job.key, "data"))  # RQ compresses job data
-    assert json.loads(raw)[2][0]["v"] == 1  # JSON: [func, instance, args, kwargs]
+    assert json.loads(raw)[2][0]["v"] == PAYLOAD_VERSION  # JSON: [func, instance, args, kwargs]
     assert decode_batch(job.args[0])[0] == "p"
     s2 = produce(conn, cfg, str(path), tokenizer=tokenizer, progress=False)
     assert (s2.enqueued, s2.skipped, s2.jobs) == (0, 3, 0)

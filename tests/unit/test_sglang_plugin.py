@@ -54,7 +54,8 @@ def capture_for(tmp_path):
 
 
 def expected_bytes(rid, start, end, ids, hs):
-    """The file written independently: sorted header JSON, padded to 8 bytes, then the raw tensors."""
+    """The file written independently: sorted header JSON, padded so the data starts on a 4 KiB
+    block (a worker's kernel copy can then clone it), then the raw tensors."""
     import json
     import struct
 
@@ -66,7 +67,7 @@ def expected_bytes(rid, start, end, ids, hs):
            "hidden_states": {"dtype": "F32", "shape": list(hs.shape), "data_offsets": [0, len(hs_bytes)]},
            "input_ids": {"dtype": "I64", "shape": [len(ids)], "data_offsets": [len(hs_bytes), len(hs_bytes) + len(ids_bytes)]}}
     js = json.dumps(doc, separators=(",", ":")).encode()
-    js += b" " * (-len(js) % 8)
+    js += b" " * (-(8 + len(js)) % 4096)
     data = struct.pack("<Q", len(js)) + js + hs_bytes + ids_bytes
     assert torch.equal(load(data)["hidden_states"], hs)  # and the safetensors library reads it
     return data

@@ -1,15 +1,17 @@
 """The streaming shard writer against the in-memory reference encoding, and range reads back."""
 
+import errno
 import io
 import json
+import os
 
 import pytest
 import torch
 
 from harvest.formats.index import ShardError, index_file
-from harvest.formats.shard import plan_shard, shard_file, write_shard
+from harvest.formats.shard import copy_shard, plan_shard, shard_file, write_shard
 from harvest.formats.spool import SpoolError, inspect_sample, spool_path
-from harvest.formats.stformat import encode
+from harvest.formats.stformat import BLOCK, encode
 from harvest.read.shard_reader import ShardReader
 from harvest.storage import Location
 from tests.support.synth import HIDDEN, POINTS, make_config, spool_samples
@@ -24,6 +26,16 @@ def _stream(plan) -> tuple[bytes, str]:
     buf = io.BytesIO()
     sha = write_shard(plan, buf)
     return buf.getvalue(), sha
+
+
+def _copy(plan, path) -> tuple[bytes, str]:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        sha = copy_shard(plan, fd)
+    finally:
+        os.close(fd)
+    with open(path, "rb") as f:
+        return f.read(), sha
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32", "fp8_e4m3"])
@@ -47,8 +59,9 @@ def test_streamed_shard_equals_reference_encoding_and_reads_back_by_range(tmp_pa
         ref["hidden_scale"] = torch.cat([s.hidden_scale for s in samples])
     meta = {"format": "harvest-shard-1", "run": "r", "sample_ids": json.dumps([s.id for s in samples]),
             "capture_points": json.dumps(POINTS)}
-    assert data == encode(ref, meta)
+    assert data == encode(ref, meta, BLOCK)  # tensor data on a filesystem block (harvest.formats.filecopy)
     assert sha == hashlib.sha256(data).hexdigest() and plan.nbytes == len(data)
+    assert _copy(plan, str(tmp_path / "copied")) == (data, sha)  # a local output: the kernel's copy, hashed aside
     index = plan.index(sha)
     assert index["offsets"] == offsets and index["samples"] == [s.id for s in samples]
     assert index["tokens"] == [1, 17, 5, 300] and index["dtype"] == str(cfg.torch_dtype).removeprefix("torch.")
@@ -87,6 +100,48 @@ def test_truncated_spool_file_is_refused_while_streaming(tmp_path):
         f.truncate(plan.entries[1].spans["hidden_states"].begin + 3)
     with pytest.raises(SpoolError, match=f"{path}: ends inside tensor hidden_states \\(spool file truncated\\)"):
         _stream(plan)
+
+
+def test_truncated_spool_file_is_refused_while_copying(tmp_path):
+    cfg = make_config(str(tmp_path / "out"))
+    spool = str(tmp_path / "spool")
+    samples = spool_samples(spool, cfg, [5, 6])
+    plan = _plan(spool, cfg, samples)
+    path = spool_path(spool, samples[1].id)
+    with open(path, "r+b") as f:
+        f.truncate(plan.entries[1].spans["hidden_states"].begin + 3)
+    with pytest.raises(SpoolError, match=f"{path}: ends inside tensor hidden_states \\(spool file truncated\\)"):
+        _copy(plan, str(tmp_path / "copied"))
+
+
+def test_tensor_data_lies_on_filesystem_blocks(tmp_path):
+    """Spool files and shards start their tensor data on a 4 KiB block, and whole samples of a
+    usual width are whole blocks, so a reflink filesystem can clone every sample's hidden states
+    from the spool into the shard instead of copying them."""
+    cfg = make_config(str(tmp_path / "out"))
+    spool = str(tmp_path / "spool")
+    samples = spool_samples(spool, cfg, [64, 128])  # 64 tokens x 4 points x 16 wide x 2 bytes = 2 blocks
+    plan = _plan(spool, cfg, samples)
+    assert len(plan.header) % BLOCK == 0 and plan.tensors[0].name == "hidden_states"
+    assert [e.spans["hidden_states"].begin % BLOCK for e in plan.entries] == [0, 0]
+
+
+def test_kernel_refusing_the_copy_falls_back_to_the_same_bytes(tmp_path, monkeypatch):
+    """Where copy_file_range is refused (another filesystem on an older kernel: EXDEV), the ranges
+    are copied through a buffer: the same bytes and checksum."""
+    cfg = make_config(str(tmp_path / "out"))
+    spool = str(tmp_path / "spool")
+    plan = _plan(spool, cfg, spool_samples(spool, cfg, [3, 40, 7]))
+    want = _stream(plan)
+    calls = []
+
+    def refuse(*a):
+        calls.append(a)
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    assert _copy(plan, str(tmp_path / "copied")) == want
+    assert calls  # the kernel was asked first
 
 
 def test_spool_file_of_another_dtype_cannot_join_a_shard(tmp_path):

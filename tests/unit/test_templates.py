@@ -183,6 +183,54 @@ def test_prefix_derivation_agrees_with_markers(tokenizer):
     assert (a.input_ids.tolist(), a.loss_mask.tolist()) == (b.input_ids.tolist(), b.loss_mask.tolist())
 
 
+THINKING = (  # reads `reasoning_content`, which transformers fills from `thinking` / `reasoning`
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+REASONING_CHAT = [SYS, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes", "thinking": "hm"},
+                  {"role": "user", "content": "and?"}, {"role": "assistant", "content": "no", "reasoning": "so"}]
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA3, MISTRAL, QWEN_DEFAULT_SYSTEM, THINKING],
+                         ids=["chatml", "llama3", "mistral", "qwen", "thinking"])
+def test_prefix_renders_match_transformers_public_path(tok, template, monkeypatch):
+    """The renderer calls the compiled template itself, once per prefix, on one copy of the
+    conversation: every prefix (with and without the generation prompt) must be the text
+    transformers' `render_jinja_template` gives, and the public-path fallback (a transformers
+    without the private helpers) must give the same samples."""
+    import producer.templates as templates
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    msgs = REASONING_CHAT if template in (THINKING, CHATML, QWEN_DEFAULT_SYSTEM) else [SYS, *TWO_TURNS]
+    r = ChatRenderer(tok, template)
+    assert r._compiled is not None  # the fast path is the one under test
+    chat = r._prepare(msgs)
+    for i in range(len(msgs) + 1):
+        for gen in (False, True):
+            try:
+                want = render_jinja_template([msgs[:i]], chat_template=template, add_generation_prompt=gen,
+                                             **tok.special_tokens_map)[0][0]
+            except Exception:
+                continue  # a prefix this template refuses (Mistral: a lone system turn)
+            assert r._render(chat[:i], gen) == want, (i, gen)
+    if template == THINKING:
+        assert "<think>hm</think>yes" in r.render(msgs)[0] and "<think>so</think>no" in r.render(msgs)[0]
+    fast = RowTokenizer(tok, chat_template=template).one(Row({"messages": msgs}, "t:1"))
+    monkeypatch.setattr(templates, "_compile_jinja_template", None)
+    slow = RowTokenizer(tok, chat_template=template).one(Row({"messages": msgs}, "t:1"))
+    assert (fast.input_ids.tolist(), fast.loss_mask.tolist()) == (slow.input_ids.tolist(), slow.loss_mask.tolist())
+    assert sum(fast.loss_mask.tolist()) > 0
+
+
+def test_unparseable_template_refuses_each_chat_row(tok):
+    """A template Jinja cannot parse fails the chat rows (bad rows), not the producer's start."""
+    rt = RowTokenizer(tok, chat_template="{% for m in messages %}{{ m['content'] }")
+    r = rt.one(Row({"messages": TWO_TURNS}, "t:5"))
+    assert isinstance(r, BadRow) and str(r).startswith("t:5: chat template failed: ")
+    assert rt.one(Row({"text": "plain text"}, "t:6")).num_tokens > 0
+
+
 def test_template_that_rewrites_earlier_turns_is_refused(tok):
     counting = "{{ messages | length }}" + CHATML  # every prefix renders a different head
     r = RowTokenizer(tok, chat_template=counting).one(Row({"messages": TWO_TURNS}, "t:3"))

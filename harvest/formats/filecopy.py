@@ -1,0 +1,51 @@
+"""Byte ranges moved from file to file by the kernel, not through Python.
+
+The spool and shard files are concatenations of byte ranges of other files (a dump's hidden
+states into a spool file, spool files' tensors into a shard). `copy_file_range(2)` moves such a
+range without it ever entering this process: on filesystems that share blocks between files
+(XFS with reflink, btrfs, and others) a block-aligned range is cloned, which writes no data at
+all; elsewhere (ext4) the kernel copies page to page, which is still cheaper than a read and a
+write from Python. Both files' formats put their tensor data on a filesystem block
+(harvest.formats.stformat.BLOCK) so that the ranges are aligned.
+
+Where the kernel refuses (files on different filesystems on older kernels, filesystems without
+the call, special files), the range is copied with `pread`/`pwrite` through one buffer instead:
+the same bytes, more slowly.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+BUFFER = 8 << 20
+_FALLBACK = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF, errno.ETXTBSY, errno.EPERM}
+
+
+class ShortFile(OSError):
+    """The source file ended inside the range being copied."""
+
+
+def copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
+    """Copy `n` bytes at `src_off` of fd `src` to `dst_off` of fd `dst` (neither fd's position
+    moves). Raises ShortFile when `src` ends first."""
+    kernel = hasattr(os, "copy_file_range")
+    while n:
+        if kernel:
+            try:
+                got = os.copy_file_range(src, dst, n, src_off, dst_off)
+            except OSError as e:
+                if e.errno not in _FALLBACK:
+                    raise
+                kernel = False
+                continue
+        else:
+            data = os.pread(src, min(n, BUFFER), src_off)
+            got = len(data)
+            view = memoryview(data)
+            done = 0
+            while done < got:
+                done += os.pwrite(dst, view[done:], dst_off + done)
+        if not got:
+            raise ShortFile(errno.EIO, f"the file ends {n} bytes before the end of the range")
+        src_off, dst_off, n = src_off + got, dst_off + got, n - got
