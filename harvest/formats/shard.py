@@ -33,7 +33,7 @@ from harvest.config import FINAL_POST_NORM
 from harvest.formats.dtypes import dtype_name
 from harvest.formats.fp8 import is_fp8
 from harvest.formats.index import FORMAT, ShardError, ShardIndex
-from harvest.formats.filecopy import ShortFile, copy_range
+from harvest.formats.filecopy import ShortFile, copy_range, start_writeback
 from harvest.formats.spool import SCALE, SpoolEntry, SpoolError
 from harvest.formats.stformat import BLOCK, Planned, encode_header
 from harvest.ids import check_id, shard_id_for
@@ -196,7 +196,8 @@ def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None 
     (harvest.formats.filecopy: cloned where the filesystem shares blocks, copied in the kernel
     elsewhere); returns its sha256. The checksum is not on that path: a second thread reads the
     same bytes from the spool files (just written, so from the page cache) and hashes them while
-    the kernel copies, and this thread waits for it only at the end."""
+    the kernel copies, and this thread waits for it only at the end. Each range's writeback is
+    started as soon as it is copied, so the caller's fsync waits for little."""
     stop = threading.Event()
 
     def digest() -> str:
@@ -225,6 +226,7 @@ def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None 
                         raise _truncated(path, name) from None
                     finally:
                         os.close(src)
+                    start_writeback(fd, pos, n)  # the disk writes this range while the next is copied
                     pos += n
                 if progress:
                     progress(pos)

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from harvest.formats.filecopy import copy_range, start_writeback
 from harvest.ids import check_id
 from harvest.node.paths import private_dir
 from harvest.storage import TEMP_PREFIX
@@ -212,6 +213,7 @@ class SpoolBatch:
                         pos = _copy_ranges(s.hidden_from, fd, pos, len(piece))
                     else:
                         pos = _write_all(fd, piece, pos)
+                start_writeback(fd)  # the disk takes this file while the job assembles the next
             finally:
                 os.close(fd)
         except BaseException:  # disk full mid-file: the batch keeps only complete files
@@ -256,7 +258,6 @@ class SpoolBatch:
 
 def _copy_ranges(ranges: tuple[tuple[str, int, int], ...], fd: int, pos: int, nbytes: int) -> int:
     """The bytes of `ranges` at `pos` of `fd`, by the kernel; they must be exactly `nbytes`."""
-    from harvest.formats.filecopy import copy_range
 
     if sum(end - begin for _, begin, end in ranges) != nbytes:
         raise ValueError(f"hidden_from spans do not hold the {nbytes} bytes of hidden_states")

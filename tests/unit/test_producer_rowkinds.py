@@ -31,6 +31,24 @@ def test_text_masks_everything(tokenizer):
     assert pairs(s) == (ids, [1] * len(ids))
 
 
+def test_truncation_or_padding_in_tokenizer_json_never_cuts_or_pads_a_sample(tiny_model):
+    """A tokenizer.json that truncates (or pads) would silently cut samples: harvest encodes with
+    a private copy that does neither, and leaves the caller's tokenizer as it was."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    text = " ".join(["the model reads"] * 20)
+    full = tok.backend_tokenizer.encode(text).ids
+    tok.backend_tokenizer.enable_truncation(max_length=5)
+    tok.backend_tokenizer.enable_padding(length=200, pad_id=0)
+    t = RowTokenizer(tok)
+    assert t.backend is not tok.backend_tokenizer
+    assert pairs(t.one(Row({"text": text}, "f:1"))) == (full, [1] * len(full))
+    assert tok.backend_tokenizer.truncation["max_length"] == 5 and tok.backend_tokenizer.padding["length"] == 200
+    plain = AutoTokenizer.from_pretrained(tiny_model)
+    assert RowTokenizer(plain).backend is plain.backend_tokenizer  # nothing to turn off: no copy
+
+
 @pytest.mark.parametrize("key", ["completion", "response"])
 def test_prompt_completion_masks_the_completion_and_eos(tokenizer, key):
     s = RowTokenizer(tokenizer).one(Row({"prompt": "the model", key: " reads a token"}, "f:1"))
