@@ -271,7 +271,12 @@ class Collector:
             os.makedirs(self.stage, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                sha = copy_shard(plan, fd, progress=self._packing(plan, local=True))
+                progress = self._packing(plan, local=True)
+                if os.fstat(fd).st_dev == os.stat(self.spool_dir).st_dev:
+                    sha = copy_shard(plan, fd, progress)  # by the kernel, cloned where the filesystem can
+                else:  # another filesystem (a mounted output): one read of each byte, streamed
+                    with open(fd, "wb", closefd=False) as f:
+                        sha = write_shard(plan, f, progress)
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -46,8 +46,9 @@ class SpooledSample:
     hidden_states: torch.Tensor  # [T, K, H] in the storage dtype
     hidden_scale: torch.Tensor | None = None  # float32 [T, K], only for fp8 storage
     # Where `hidden_states`' very bytes already lie, in order: (file, begin, end) ranges of the
-    # worker's claimed dump files. The spool file then takes them from there by the kernel (cloned
-    # where the filesystem shares blocks) instead of from the tensor; empty: from the tensor.
+    # worker's claimed dump files. Where those are on the spool's filesystem, the spool file takes
+    # them from there by the kernel (cloned where the filesystem shares blocks) instead of from the
+    # tensor; empty, or elsewhere: from the tensor.
     hidden_from: tuple[tuple[str, int, int], ...] = ()
 
     @property
@@ -195,7 +196,17 @@ class SpoolBatch:
     def __init__(self, spool_dir: str, run: str) -> None:
         self.spool_dir, self.run = spool_dir, run
         os.makedirs(spool_dir, exist_ok=True)
+        self._dev = os.stat(spool_dir).st_dev
         self._temps: list[tuple[str, str]] = []  # (temp path, final path)
+
+    def _by_kernel(self, s: SpooledSample) -> bool:
+        """Copy the dump's bytes by the kernel only when the dumps lie on the spool's filesystem:
+        from elsewhere (dumps on tmpfs, the usual GPU-node layout) the kernel would refuse, and
+        the tensor, already read, is written as it is."""
+        try:
+            return bool(s.hidden_from) and all(os.stat(p).st_dev == self._dev for p, _, _ in s.hidden_from)
+        except FileNotFoundError:
+            return False
 
     def add(self, s: SpooledSample) -> int:
         """Write `s` under a temporary name; returns its size in bytes. A failed write leaves
@@ -204,12 +215,13 @@ class SpoolBatch:
         # unique even across containers (same small pids) running the same sample at once
         tmp = os.path.join(self.spool_dir, f"{TEMP_PREFIX}{s.id}.{os.getpid()}.{os.urandom(4).hex()}")
         parts = _parts(s, self.run)
+        by_kernel = self._by_kernel(s)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             try:
                 pos = 0
                 for name, piece in parts:
-                    if name == "hidden_states" and s.hidden_from:
+                    if name == "hidden_states" and by_kernel:
                         pos = _copy_ranges(s.hidden_from, fd, pos, len(piece))
                     else:
                         pos = _write_all(fd, piece, pos)

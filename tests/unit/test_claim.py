@@ -133,3 +133,34 @@ def test_spool_file_takes_the_dumped_bytes_by_the_kernel_only_when_stored_as_dum
     assert files["kernel"] == files["tensor"]
     back = read_sample(spool_path(str(tmp_path / "kernel"), s.id))
     assert torch.equal(back.hidden_states.view(torch.uint8), s.hidden_states.view(torch.uint8))
+
+
+def test_dumps_on_another_filesystem_are_spooled_from_the_tensor(tmp_path, monkeypatch):
+    """The usual GPU-node layout: dumps on tmpfs, the spool on a disk. The kernel would refuse to
+    copy across, so the tensor (already read and checked) is written; the same file."""
+    import dataclasses
+
+    from harvest.formats.spool import SpoolBatch, spool_path
+
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    dump = f"/dev/shm/harvest-test-{os.getpid()}-{os.urandom(4).hex()}"
+    os.makedirs(os.path.join(dump, "claimed"))
+    try:
+        _dump(dump, 0, 10, hs=torch.randn(10, 2, 4).to(torch.bfloat16))
+        ok, _ = claim(dump, os.path.join(dump, "claimed"), {RID: 10}, timeout=1)
+        s = assemble(ok[RID], SAMPLE, [2, 4], torch.bfloat16)
+        assert s.hidden_from
+        monkeypatch.setattr(os, "copy_file_range", lambda *a: pytest.fail("the kernel was asked across filesystems"))
+        files = []
+        for name, sample in (("a", s), ("b", dataclasses.replace(s, hidden_from=()))):
+            b = SpoolBatch(str(tmp_path / name), "r")
+            b.add(sample)
+            b.commit()
+            with open(spool_path(str(tmp_path / name), s.id), "rb") as f:
+                files.append(f.read())
+        assert files[0] == files[1]
+    finally:
+        import shutil
+
+        shutil.rmtree(dump, ignore_errors=True)

@@ -138,3 +138,36 @@ def test_orphan_shards_are_swept_only_when_old_unrecorded_and_uncommitted(conn, 
     conn.set(ledger.keys.packing("n2"), json.dumps({"shard_id": "b" * 32, "sample_ids": []}))
     Collector(conn, cfg, spool, node="n1", orphan_age=3600).resume()
     assert sorted(os.listdir(shards)) == sorted(committed + [f"{'b' * 32}.safetensors", f"{'c' * 32}.safetensors"])
+
+
+@pytest.mark.parametrize("output_on", ["spool's filesystem", "another filesystem"])
+def test_local_shard_is_copied_by_the_kernel_only_on_the_spools_filesystem(conn, tmp_path, monkeypatch, output_on):
+    """Same filesystem: copy_file_range (a clone where the filesystem can). Another one (a mounted
+    output; /dev/shm here): one streamed read of each byte, the kernel never asked. Same shard."""
+    if output_on == "another filesystem":
+        if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+            pytest.skip("needs /dev/shm on a filesystem of its own")
+        out = f"/dev/shm/harvest-test-{os.getpid()}-{os.urandom(4).hex()}"
+    else:
+        out = str(tmp_path / "out")
+    cfg = publish_run(conn, make_config(f"file://{out}"))
+    spool = str(tmp_path / "spool")
+    samples = spool_samples(spool, cfg, [7, 40, 3])
+    ledger = Ledger(conn, cfg.run)
+    ledger.add_queued([s.id for s in samples])
+    ledger.mark_spooled([s.id for s in samples])
+    calls = []
+    real = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: calls.append(a) or real(*a))
+    try:
+        assert Collector(conn, cfg, spool, node="n1").step(force=True) == 3
+        assert bool(calls) is (output_on == "spool's filesystem")
+        r = RunReader(f"{out}/{cfg.run}")
+        for s in samples:
+            got = r.get(s.id)
+            assert torch.equal(got["hidden_states"].view(torch.int16), s.hidden_states.view(torch.int16))
+    finally:
+        if out.startswith("/dev/shm/"):
+            import shutil
+
+            shutil.rmtree(out, ignore_errors=True)

@@ -90,7 +90,8 @@ def test_same_samples_same_bytes_and_id(tmp_path):
     assert c.shard_id != a.shard_id  # the order is part of the identity
 
 
-def test_truncated_spool_file_is_refused_while_streaming(tmp_path):
+@pytest.mark.parametrize("how", ["streaming", "copying"])
+def test_truncated_spool_file_is_refused(tmp_path, how):
     cfg = make_config(str(tmp_path / "out"))
     spool = str(tmp_path / "spool")
     samples = spool_samples(spool, cfg, [5, 6])
@@ -99,19 +100,7 @@ def test_truncated_spool_file_is_refused_while_streaming(tmp_path):
     with open(path, "r+b") as f:
         f.truncate(plan.entries[1].spans["hidden_states"].begin + 3)
     with pytest.raises(SpoolError, match=f"{path}: ends inside tensor hidden_states \\(spool file truncated\\)"):
-        _stream(plan)
-
-
-def test_truncated_spool_file_is_refused_while_copying(tmp_path):
-    cfg = make_config(str(tmp_path / "out"))
-    spool = str(tmp_path / "spool")
-    samples = spool_samples(spool, cfg, [5, 6])
-    plan = _plan(spool, cfg, samples)
-    path = spool_path(spool, samples[1].id)
-    with open(path, "r+b") as f:
-        f.truncate(plan.entries[1].spans["hidden_states"].begin + 3)
-    with pytest.raises(SpoolError, match=f"{path}: ends inside tensor hidden_states \\(spool file truncated\\)"):
-        _copy(plan, str(tmp_path / "copied"))
+        _stream(plan) if how == "streaming" else _copy(plan, str(tmp_path / "copied"))
 
 
 def test_tensor_data_lies_on_filesystem_blocks(tmp_path):
