@@ -2,18 +2,19 @@
 
 Commit order is the contract readers rely on: record the shard's sample set in Redis, stream
 the shard out of the spool files (to object storage: into a multipart upload, harvest.multipart;
-to a local output: by the kernel into a temporary file in the shards folder, fsynced), make it visible whole
+to a local output: into a temporary file in the shards folder, fsynced), make it visible whole
 (complete the upload; rename), write its index file (the commit), mark the samples done, delete
 their spool files, clear the record. A collector killed anywhere in that sequence finds the
 record on restart and finishes the same shard (same samples, same order, same bytes, same id):
 an unfinished upload of it is aborted, and a stored shard that lacks its index is simply
 overwritten by the identical re-pack, so no sample is packed twice and none is lost.
 
-Each byte is read once from the spool and written once, with no temporary shard on the node's
-disk for object storage: tensor bytes are copied out of the spool files undecoded, and the
-sha256 is computed on that pass (for a local output, by a second thread reading the same bytes
-while the kernel copies or clones them: harvest.formats.shard.copy_shard). Memory: the copy buffers, plus the parts in flight to object
-storage. Storage errors that persist stop the collector with a `StorageError`; the spool and the
+Each byte is written once, with no temporary shard on the node's disk for object storage: tensor
+bytes are copied out of the spool files undecoded. To object storage, or to a local output on
+another filesystem, they are streamed through small buffers and hashed on that one pass
+(harvest.formats.shard.write_shard); to a local output on the spool's filesystem the kernel
+copies them, cloning blocks where the filesystem can, and a second thread hashes the file as it
+fills (copy_shard). Memory: the copy buffers, plus the parts in flight to object storage. Storage errors that persist stop the collector with a `StorageError`; the spool and the
 record stay, so a restart resumes.
 """
 
@@ -269,7 +270,7 @@ class Collector:
         tmp = self._temp_path(plan.shard_id)
         try:
             os.makedirs(self.stage, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)  # copy_shard reads it back
             try:
                 progress = self._packing(plan, local=True)
                 if os.fstat(fd).st_dev == os.stat(self.spool_dir).st_dev:

@@ -63,7 +63,9 @@ class RowTokenizer:
             raise ValueError("harvest needs a fast (Rust `tokenizers`) tokenizer: one with a tokenizer.json")
         # The Rust tokenizer with padding and truncation off, whatever tokenizer.json says: the
         # tokenizer's own where both are off already (encoding does not change it), else a private
-        # copy with them turned off (a copy costs ~0.1 s for a 32k vocabulary, once per produce).
+        # copy with them turned off (a copy costs ~0.1 s for a 32k vocabulary, once per produce,
+        # and starts with a cold BPE cache). A caller that shares its tokenizer must not call it
+        # with truncation or padding while this one runs: transformers sets those on the backend.
         backend = tokenizer.backend_tokenizer
         if backend.padding is not None or backend.truncation is not None:
             backend = Tokenizer.from_str(backend.to_str())

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from harvest.formats.dump import DumpError, parse_chunk_name, read_chunk
@@ -108,6 +109,9 @@ _NONFINITE_BITS = {
 }
 
 
+_FINITE_BLOCK = 1 << 22  # values a block of the bit test
+
+
 def _all_finite(hs: torch.Tensor) -> bool:
     """No NaN or Inf in `hs`. For the engine dtypes one pass over the integer bits decides
     (about 3x faster than `aminmax` on bf16 here, 20x faster than `isfinite`: this check reads
@@ -119,7 +123,15 @@ def _all_finite(hs: torch.Tensor) -> bool:
         lo, hi = torch.aminmax(hs)
         return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
     view, sign_off, inf = bits
-    return int((hs.view(view).numpy() & sign_off).max()) < inf
+    flat = hs.view(view).reshape(-1).numpy()
+    tmp = np.empty(min(flat.size, _FINITE_BLOCK), flat.dtype)  # blocks: no temporary the size of `hs`
+    for i in range(0, flat.size, _FINITE_BLOCK):
+        part = flat[i : i + _FINITE_BLOCK]
+        out = tmp[: part.size]
+        np.bitwise_and(part, sign_off, out=out)
+        if int(out.max()) >= inf:
+            return False
+    return True
 
 
 def assemble(
@@ -169,7 +181,7 @@ def assemble(
     stored, scale = to_storage(hs, dtype)
     # Stored as dumped (no conversion): the spool file takes those very bytes from the dump files,
     # by the kernel (SpoolBatch.add). The claimed files are this worker's alone until it unlinks them.
-    same = stored.dtype == hs.dtype and scale is None
+    same = scale is None and all(c.hidden_states.dtype == stored.dtype for c in chunks)  # cat may have promoted
     return SpooledSample(
         sample.id,
         torch.from_numpy(sample.input_ids.copy()),

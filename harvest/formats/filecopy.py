@@ -8,9 +8,11 @@ all; elsewhere (ext4) the kernel copies page to page, which is still cheaper tha
 write from Python. Both files' formats put their tensor data on a filesystem block
 (harvest.formats.stformat.BLOCK) so that the ranges are aligned.
 
-Where the kernel refuses (files on different filesystems on older kernels, filesystems without
-the call, special files), the range is copied with `pread`/`pwrite` through one buffer instead:
-the same bytes, more slowly.
+Where the kernel refuses (files on different filesystems: kernels before 5.3 and from 5.19 on
+refuse those; filesystems without the call; special files), or answers 0 bytes where there is
+data (some FUSE, overlay and network filesystems), the range is copied with `pread`/`pwrite`
+through one buffer instead: the same bytes, more slowly. Callers copy by the kernel only within
+one filesystem anyway (harvest.formats.spool, collector.collector).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
             while done < got:
                 done += os.pwrite(dst, view[done:], dst_off + done)
         if not got:
+            if kernel and os.pread(src, 1, src_off):
+                kernel = False  # 0 with data there: some filesystems (FUSE, overlay, NFS) do that
+                continue
             raise ShortFile(errno.EIO, f"the file ends {n} bytes before the end of the range")
         src_off, dst_off, n = src_off + got, dst_off + got, n - got
 

@@ -9,9 +9,9 @@ shard's size and sha256 (harvest.formats.index); it is written only after the sh
 A shard is up to a few GiB, so it is never built in memory: `plan_shard` reads only the spool
 files' headers and fixes the layout (and with it the header bytes), and the tensor bytes go
 straight from the spool files into the output, undecoded: `copy_shard` has the kernel move them
-into a local file (cloning blocks where the filesystem can: the header is padded to a block,
-and so are the spool files'), `write_shard` streams them through two small buffers into an
-upload. The same samples in the same order give the same bytes (and the same id), which
+into a local file on the spool's filesystem (cloning blocks where the filesystem can: the header
+is padded to a block, and so are the spool files'), `write_shard` streams them through two small
+buffers into anything else (an upload, a file on another filesystem). The same samples in the same order give the same bytes (and the same id), which
 is what lets a collector that crashed mid-commit re-pack and overwrite instead of duplicate.
 """
 
@@ -137,14 +137,11 @@ def _truncated(path: str, name: str) -> SpoolError:
     return SpoolError(f"{path}: ends inside tensor {name} (spool file truncated)")
 
 
-def _ranges(plan: ShardPlan, bufs: list[memoryview], wait: Callable[[int], None], stop: threading.Event | None = None,
-            ) -> Iterator[tuple[memoryview | bytes, int]]:
+def _ranges(plan: ShardPlan, bufs: list[memoryview], wait: Callable[[int], None]) -> Iterator[tuple[memoryview | bytes, int]]:
     """The shard's bytes read in order into the two buffers in turn, each yielded with the slot
     it lies in (-1 for bytes of the plan); `wait(slot)` is called before a buffer is reused."""
     turn = 0
     for piece in _pieces(plan):
-        if stop is not None and stop.is_set():
-            return
         if isinstance(piece, bytes):
             yield piece, -1
             continue
@@ -164,7 +161,8 @@ def _ranges(plan: ShardPlan, bufs: list[memoryview], wait: Callable[[int], None]
 def write_shard(plan: ShardPlan, out: BinaryIO, progress: Callable[[int], None] | None = None) -> str:
     """Stream the shard into `out` (header, then each tensor's rows copied from the spool files
     in sample order); returns the sha256 of everything written. Memory: two copy buffers.
-    For a stream with no file behind it (a multipart upload); a local file takes `copy_shard`.
+    For an upload, or a file on another filesystem than the spool's; a file on the spool's
+    filesystem takes `copy_shard`.
 
     The checksum runs on a second thread (hashlib releases the GIL on large buffers) while this
     one reads and writes the next buffer, so hashing adds no time when I/O is the bound."""
@@ -191,26 +189,51 @@ def write_shard(plan: ShardPlan, out: BinaryIO, progress: Callable[[int], None] 
     return digest.hexdigest()
 
 
+class _Copied:
+    """How far the copier has got, for the thread hashing behind it."""
+
+    def __init__(self) -> None:
+        self.pos, self.done, self.cond = 0, False, threading.Condition()
+
+    def advance(self, pos: int, done: bool = False) -> None:
+        with self.cond:
+            self.pos, self.done = pos, self.done or done
+            self.cond.notify()
+
+    def wait_past(self, pos: int) -> tuple[int, bool]:
+        with self.cond:
+            self.cond.wait_for(lambda: self.pos > pos or self.done)
+            return self.pos, self.done
+
+
 def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None = None) -> str:
-    """Write the shard into the empty local file `fd`, its tensor bytes moved by the kernel
-    (harvest.formats.filecopy: cloned where the filesystem shares blocks, copied in the kernel
-    elsewhere); returns its sha256. The checksum is not on that path: a second thread reads the
-    same bytes from the spool files (just written, so from the page cache) and hashes them while
-    the kernel copies, and this thread waits for it only at the end. Each range's writeback is
-    started as soon as it is copied, so the caller's fsync waits for little."""
-    stop = threading.Event()
+    """Write the shard into the empty local file `fd` (opened for reading and writing), its
+    tensor bytes moved by the kernel (harvest.formats.filecopy: cloned where the filesystem
+    shares blocks, copied in the kernel elsewhere); returns its sha256. The checksum is not on
+    that path: a second thread reads back what has been copied so far, from `fd` itself (so the
+    sum is of the very bytes in the file, and from the page cache), and hashes it while the
+    kernel copies the next ranges; this thread waits for it only at the end. Each range's
+    writeback is started as soon as it is copied, so the caller's fsync waits for little."""
+    copied = _Copied()
 
     def digest() -> str:
-        h = hashlib.sha256()
-        bufs = [memoryview(bytearray(COPY_BUFFER))] * 2  # hashed before the next read: one buffer
-        for data, _ in _ranges(plan, bufs, lambda _: None, stop):
-            h.update(data)
-        return h.hexdigest()
+        h, at = hashlib.sha256(), 0
+        buf = memoryview(bytearray(COPY_BUFFER))
+        while True:
+            upto, done = copied.wait_past(at)
+            while at < upto:
+                got = os.preadv(fd, [buf[: min(upto - at, COPY_BUFFER)]], at)
+                if not got:
+                    raise ShardError(f"shard {plan.shard_id}: {at} bytes read back, {upto} written")
+                h.update(buf[:got])
+                at += got
+            if done:
+                return h.hexdigest()
 
     with ThreadPoolExecutor(1, thread_name_prefix="shard-sha256") as hasher:
         hashed = hasher.submit(digest)
+        pos = 0
         try:
-            pos = 0
             for piece in _pieces(plan):
                 if isinstance(piece, bytes):
                     view = memoryview(piece)
@@ -228,12 +251,13 @@ def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None 
                         os.close(src)
                     start_writeback(fd, pos, n)  # the disk writes this range while the next is copied
                     pos += n
+                copied.advance(pos)
                 if progress:
                     progress(pos)
-        except BaseException:
-            stop.set()
-            raise
-        sha = hashed.result()
+            copied.advance(pos, done=True)
+            sha = hashed.result()
+        finally:
+            copied.advance(pos, done=True)  # an error or a kill: the hasher stops where the copy did
     if pos != plan.nbytes:
         raise ShardError(f"shard {plan.shard_id}: wrote {pos} bytes, planned {plan.nbytes}")
     return sha

@@ -105,7 +105,7 @@ class Planned:
         return n
 
 
-BLOCK = 4096  # a filesystem block: where spool and shard files start their tensor data
+BLOCK = 4096  # a filesystem block: where dump, spool and shard files start their tensor data
 
 
 def encode_header(tensors: Sequence[Planned], metadata: Mapping[str, str], align: int = 8) -> bytes:

@@ -8,7 +8,8 @@ to compress, which was the producer's largest cost after the chat template (benc
 the same rows are what Redis keeps for spooled and failed samples (`payload_row`).
 
 Version 1 rows (int32 ids, the mask as bytes) are still read: jobs and rows enqueued before an
-upgrade. Decoding re-derives every sample id from its content, so a payload tampered with in
+upgrade. Older workers refuse version 2 jobs (they fail in RQ, their samples stay queued), so a
+fleet upgrades its workers before its producers. Decoding re-derives every sample id from its content, so a payload tampered with in
 Redis cannot point a worker at another sample's files.
 """
 

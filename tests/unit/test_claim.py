@@ -78,7 +78,7 @@ def test_verification_failures(dirs, kwargs, reason, text):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
-def test_finiteness_check_by_bits_agrees_with_isfinite(dtype):
+def test_finiteness_check_by_bits_agrees_with_isfinite(dtype, monkeypatch):
     """The bit test behind the NaN/Inf check, against torch.isfinite on the edge values of each
     engine dtype: the largest finite value, the smallest subnormal, -0, and every kind of NaN."""
     from workers.claim import _all_finite
@@ -94,6 +94,13 @@ def test_finiteness_check_by_bits_agrees_with_isfinite(dtype):
     assert _all_finite(t) and _all_finite(t[:, :, ::2])  # a strided view takes the min/max path
     t[17, 1, 5] = float("nan")
     assert not _all_finite(t) and not _all_finite(t[:, :, 1::2])
+    monkeypatch.setattr("workers.claim._FINITE_BLOCK", 100)  # blocks of 100 values, the last one short
+    assert not _all_finite(t)
+    t[17, 1, 5] = 0.0
+    t[-1, -1, -1] = float("inf")  # in the short last block
+    assert not _all_finite(t)
+    t[-1, -1, -1] = 1.0
+    assert _all_finite(t)
 
 
 @pytest.mark.parametrize("dumped,stored,kernel", [
@@ -164,3 +171,14 @@ def test_dumps_on_another_filesystem_are_spooled_from_the_tensor(tmp_path, monke
         import shutil
 
         shutil.rmtree(dump, ignore_errors=True)
+
+
+def test_chunks_of_mixed_dtypes_are_spooled_from_the_tensor(dirs):
+    """torch.cat promotes a bf16 chunk beside an fp32 one: the stored fp32 bytes are not the dumped
+    ones, so they come from the tensor, not the dump files."""
+    dump, claimed = dirs
+    _dump(dump, 0, 4, hs=HS[0:4].to(torch.bfloat16))
+    _dump(dump, 4, 10, hs=HS[4:10])
+    ok, _ = claim(str(dump), str(claimed), {RID: 10}, timeout=1)
+    s = assemble(ok[RID], SAMPLE, [2, 4], torch.float32)
+    assert s.hidden_from == () and s.hidden_states.dtype == torch.float32

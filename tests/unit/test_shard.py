@@ -29,7 +29,7 @@ def _stream(plan) -> tuple[bytes, str]:
 
 
 def _copy(plan, path) -> tuple[bytes, str]:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         sha = copy_shard(plan, fd)
     finally:
@@ -131,6 +131,17 @@ def test_kernel_refusing_the_copy_falls_back_to_the_same_bytes(tmp_path, monkeyp
     monkeypatch.setattr(os, "copy_file_range", refuse)
     assert _copy(plan, str(tmp_path / "copied")) == want
     assert calls  # the kernel was asked first
+
+
+def test_kernel_answering_zero_bytes_with_data_there_falls_back(tmp_path, monkeypatch):
+    """Some filesystems (FUSE, overlay, NFS) answer copy_file_range with 0 though the source holds
+    data: that is not the end of the file, the range is copied through a buffer instead."""
+    cfg = make_config(str(tmp_path / "out"))
+    spool = str(tmp_path / "spool")
+    plan = _plan(spool, cfg, spool_samples(spool, cfg, [3, 40]))
+    want = _stream(plan)
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: 0)
+    assert _copy(plan, str(tmp_path / "copied")) == want
 
 
 def test_spool_file_of_another_dtype_cannot_join_a_shard(tmp_path):
