@@ -16,7 +16,7 @@ from harvest.formats.fp8 import dequantize, is_fp8
 from harvest.formats.index import ShardError, ShardIndex
 from harvest.formats.shard import shard_file
 from harvest.formats.spool import SCALE
-from harvest.formats.stformat import FormatError, TensorSpan, header_length, parse_header, tensor_from_bytes
+from harvest.formats.stformat import BLOCK, FormatError, TensorSpan, header_length, parse_header, tensor_from_bytes
 from harvest.storage import Location
 
 _SMALL = ("input_ids", "loss_mask", "offsets")
@@ -30,8 +30,10 @@ class ShardReader:
         self.name: str = shard_file(index["shard_id"])  # from the checked id, never a path read from storage
         if index.get("shard", self.name) != self.name:
             raise ShardError(f"index of shard {index['shard_id']} names {index['shard']!r}, expected {self.name}")
-        # The header is ~0.5 KiB plus the sample ids (35 bytes each): guess, so one read usually does.
-        head = loc.read_range(self.name, 0, 1024 + 40 * len(index["samples"]))
+        # The header is ~0.5 KiB plus the sample ids (35 bytes each), padded so the data starts on a
+        # block (stformat.BLOCK): guess that, rounded up to a block, so one read usually does.
+        guess = 1024 + 40 * len(index["samples"])
+        head = loc.read_range(self.name, 0, -(-guess // BLOCK) * BLOCK)
         try:
             n = header_length(head, self.name)
             raw = head[8 : 8 + n] if len(head) >= 8 + n else loc.read_range(self.name, 8, 8 + n)
