@@ -14,7 +14,8 @@ bytes are copied out of the spool files undecoded. To object storage, or to a lo
 another filesystem, they are streamed through small buffers and hashed on that one pass
 (harvest.formats.shard.write_shard); to a local output on the spool's filesystem the kernel
 copies them, cloning blocks where the filesystem can, and a second thread hashes the file as it
-fills (copy_shard). Memory: the copy buffers, plus the parts in flight to object storage. Storage errors that persist stop the collector with a `StorageError`; the spool and the
+fills (copy_shard). Memory: the copy buffers, plus the parts in flight to object storage.
+Storage errors that persist stop the collector with a `StorageError`; the spool and the
 record stay, so a restart resumes.
 """
 

@@ -146,12 +146,10 @@ def assemble(
     chunks = []
     try:
         for path in claimed.paths:
-            chunks.append((read_chunk(path), path))
+            chunks.append(read_chunk(path))
     except DumpError as e:
         raise SampleFailure(BAD_DUMP, str(e)) from None
-    chunks.sort(key=lambda cp: cp[0].start)
-    paths = [p for _, p in chunks]
-    chunks = [c for c, _ in chunks]
+    chunks.sort(key=lambda c: c.start)
     problem = _coverage([(c.start, c.end) for c in chunks], sample.num_tokens)
     if problem:
         raise SampleFailure(INCOMPLETE_DUMP, f"{problem} of [0, {sample.num_tokens})")
@@ -188,5 +186,5 @@ def assemble(
         torch.from_numpy(sample.loss_mask.copy()),
         stored,
         scale,
-        hidden_from=tuple((p, *c.hidden_span) for p, c in zip(paths, chunks)) if same else (),
+        hidden_from=tuple((c.path, *c.hidden_span) for c in chunks) if same else (),
     )

@@ -110,7 +110,8 @@ class ChunkFile:
     model: str
     input_ids: torch.Tensor
     hidden_states: torch.Tensor
-    hidden_span: tuple[int, int]  # where hidden_states' bytes lie in the file: [begin, end)
+    path: str
+    hidden_span: tuple[int, int]  # where hidden_states' bytes lie in `path`: [begin, end)
 
 
 def read_chunk(path: str) -> ChunkFile:
@@ -153,4 +154,4 @@ def read_chunk(path: str) -> ChunkFile:
         raise DumpError(f"{path}: {hs.shape[1]} capture slots for capture points {cps}")
     if span.end - span.begin != hs.numel() * hs.element_size():
         raise DumpError(f"{path}: hidden_states spans {span.end - span.begin} bytes for {list(hs.shape)} {hs.dtype}")
-    return ChunkFile(rid, start, end, cps, meta.get("model", ""), ids, hs, (span.begin, span.end))
+    return ChunkFile(rid, start, end, cps, meta.get("model", ""), ids, hs, path, (span.begin, span.end))

@@ -29,6 +29,15 @@ class ShortFile(OSError):
     """The source file ended inside the range being copied."""
 
 
+def write_all(fd: int, data: bytes | memoryview, pos: int) -> int:
+    """Write all of `data` at `pos` of `fd` (its position does not move); returns the end."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, pos)
+        view, pos = view[n:], pos + n
+    return pos
+
+
 def copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
     """Copy `n` bytes at `src_off` of fd `src` to `dst_off` of fd `dst` (neither fd's position
     moves). Raises ShortFile when `src` ends first."""
@@ -45,10 +54,7 @@ def copy_range(src: int, src_off: int, dst: int, dst_off: int, n: int) -> None:
         else:
             data = os.pread(src, min(n, BUFFER), src_off)
             got = len(data)
-            view = memoryview(data)
-            done = 0
-            while done < got:
-                done += os.pwrite(dst, view[done:], dst_off + done)
+            write_all(dst, data, dst_off)
         if not got:
             if kernel and os.pread(src, 1, src_off):
                 kernel = False  # 0 with data there: some filesystems (FUSE, overlay, NFS) do that

@@ -33,7 +33,7 @@ from harvest.config import FINAL_POST_NORM
 from harvest.formats.dtypes import dtype_name
 from harvest.formats.fp8 import is_fp8
 from harvest.formats.index import FORMAT, ShardError, ShardIndex
-from harvest.formats.filecopy import ShortFile, copy_range, start_writeback
+from harvest.formats.filecopy import ShortFile, copy_range, start_writeback, write_all
 from harvest.formats.spool import SCALE, SpoolEntry, SpoolError
 from harvest.formats.stformat import BLOCK, Planned, encode_header
 from harvest.ids import check_id, shard_id_for
@@ -236,10 +236,7 @@ def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None 
         try:
             for piece in _pieces(plan):
                 if isinstance(piece, bytes):
-                    view = memoryview(piece)
-                    while view:
-                        n = os.pwrite(fd, view, pos)
-                        view, pos = view[n:], pos + n
+                    pos = write_all(fd, piece, pos)
                 else:
                     path, begin, n, name = piece
                     src = os.open(path, os.O_RDONLY)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from harvest.formats.filecopy import copy_range, start_writeback
+from harvest.formats.filecopy import copy_range, start_writeback, write_all
 from harvest.ids import check_id
 from harvest.node.paths import private_dir
 from harvest.storage import TEMP_PREFIX
@@ -173,14 +173,6 @@ def _parts(s: SpooledSample, run: str) -> list[tuple[str, bytes | memoryview]]:
     return list(zip(["", *sorted(tensors)], encode_parts(tensors, {"sample_id": s.id, "run": run}, BLOCK)))
 
 
-def _write_all(fd: int, data: bytes | memoryview, pos: int) -> int:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, pos)
-        view, pos = view[n:], pos + n
-    return pos
-
-
 class SpoolBatch:
     """A job's spool files, made durable together and only then put in place.
 
@@ -224,7 +216,7 @@ class SpoolBatch:
                     if name == "hidden_states" and by_kernel:
                         pos = _copy_ranges(s.hidden_from, fd, pos, len(piece))
                     else:
-                        pos = _write_all(fd, piece, pos)
+                        pos = write_all(fd, piece, pos)
                 start_writeback(fd)  # the disk takes this file while the job assembles the next
             finally:
                 os.close(fd)
@@ -270,7 +262,6 @@ class SpoolBatch:
 
 def _copy_ranges(ranges: tuple[tuple[str, int, int], ...], fd: int, pos: int, nbytes: int) -> int:
     """The bytes of `ranges` at `pos` of `fd`, by the kernel; they must be exactly `nbytes`."""
-
     if sum(end - begin for _, begin, end in ranges) != nbytes:
         raise ValueError(f"hidden_from spans do not hold the {nbytes} bytes of hidden_states")
     for path, begin, end in ranges:
