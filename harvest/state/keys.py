@@ -141,6 +141,30 @@ class Keys:
         return f"{self.prefix}:packing:{check_id(host, 'host name')}:*"
 
     @property
+    def ledger_epoch(self) -> str:
+        """The `run_id` of the Redis server instance whose ledger was last reconciled from storage
+        (harvest.ops.recovery): a restarted, rolled-back or failed-over Redis has another run_id, so
+        every process sees that the ledger may have forgotten writes and reconciles before going on."""
+        return f"{self.prefix}:ledger-epoch"
+
+    @property
+    def reconcile_lock(self) -> str:
+        """Lock held by the one process reconciling the ledger from storage (harvest.ops.recovery)."""
+        return f"{self.prefix}:reconcile-lock"
+
+    @property
+    def stranded(self) -> str:
+        """Sorted set sample_id -> Redis time (s) a janitor first saw it queued with no live job
+        (harvest.ops.janitor): re-enqueued once it stays so for a grace period."""
+        return f"{self.prefix}:stranded"
+
+    @property
+    def suspect_executions(self) -> str:
+        """Hash `job_id:execution_id` -> Redis time (s) a janitor first saw a started execution whose
+        live worker's heartbeat names another job (a ledger rolled back under a running fleet)."""
+        return f"{self.prefix}:suspect-executions"
+
+    @property
     def packing_pattern(self) -> str:
         """SCAN pattern matching every collector's packing record of the run."""
         return f"{self.prefix}:packing:*"
