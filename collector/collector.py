@@ -35,7 +35,7 @@ from collector.records import Voided, remove_shard, tend_revoked, write_decided_
 from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
 from harvest.formats.index import index_file
-from harvest.formats.shard import SHARDS, ShardPlan, copy_shard, plan_shard, shard_file, write_shard
+from harvest.formats.shard import SHARDS, ShardPlan, ShardSums, copy_shard, plan_shard, shard_file, write_shard
 from harvest.formats.spool import (
     SpoolEntry,
     SpoolError,
@@ -64,7 +64,7 @@ class Packed:
     """A shard's bytes stored but not yet visible: `tmp`, the fsynced temporary file of a local
     output, or `upload`, the multipart upload with every part sent."""
 
-    sha256: str
+    sums: ShardSums
     tmp: str | None = None
     upload: Upload | None = None
 
@@ -275,10 +275,10 @@ class Collector:
             try:
                 progress = self._packing(plan, local=True)
                 if os.fstat(fd).st_dev == os.stat(self.spool_dir).st_dev:
-                    sha = copy_shard(plan, fd, progress)  # by the kernel, cloned where the filesystem can
+                    sums = copy_shard(plan, fd, progress)  # by the kernel, cloned where the filesystem can
                 else:  # another filesystem (a mounted output): one read of each byte, streamed
                     with open(fd, "wb", closefd=False) as f:
-                        sha = write_shard(plan, f, progress)
+                        sums = write_shard(plan, f, progress)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -289,7 +289,7 @@ class Collector:
                 raise StorageError(f"packing {tmp} failed: {type(e).__name__}: {e}") from e
             raise
         self._crash("packed")
-        return Packed(sha, tmp=tmp)
+        return Packed(sums, tmp=tmp)
 
     def _pack_upload(self, plan: ShardPlan) -> Packed:
         name = shard_file(plan.shard_id)
@@ -302,7 +302,7 @@ class Collector:
         w = MultipartWriter(self.out, name, f"upload of {self.out.path(name)}", self.part_bytes, on_part=stored,
                             attempts=self.retries, retry_delay=self.retry_delay)
         try:
-            sha = write_shard(plan, w, progress=self._packing(plan, local=False))
+            sums = write_shard(plan, w, progress=self._packing(plan, local=False))
             upload = w.finish()
         except BaseException as e:
             w.abort()
@@ -310,7 +310,7 @@ class Collector:
                 raise StorageError(f"packing {self.out.path(name)} failed: {type(e).__name__}: {e}") from e
             raise
         self._crash("packed")
-        return Packed(sha, upload=upload)
+        return Packed(sums, upload=upload)
 
     def _packing(self, plan: ShardPlan, local: bool) -> Callable[[int], None]:
         def progress(written: int) -> None:
@@ -334,7 +334,7 @@ class Collector:
                 _unlink(packed.tmp)
         self._crash("uploaded")
         spool = self._recorded_spool
-        rec = PackingRecord(plan.shard_id, plan.sample_ids, spool, index=plan.index(packed.sha256))
+        rec = PackingRecord(plan.shard_id, plan.sample_ids, spool, index=plan.index(packed.sums))
         if not self.ledger.fence_commit(spool, plan.sample_ids, self.packing_key, rec.to_json()):
             raise Voided(f"the commit fence refused shard {plan.shard_id}: spool {spool} no longer owns "
                          "all of its samples (reclaimed while this node was silent?)")

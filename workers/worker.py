@@ -20,7 +20,7 @@ import time
 
 import redis
 import torch
-from rq import SimpleWorker
+from workers.rqworker import HarvestWorker
 
 from harvest.formats.spool import clear_dead_temps
 from harvest.ids import check_id, node_name
@@ -124,7 +124,7 @@ def run_worker(
     ctx.renew_lease()  # the spool is alive from now on (harvest.state.spools)
     install(ctx)
     queue = run_queue(conn, run, job_class=HarvestJob)
-    worker = SimpleWorker([queue], connection=conn, serializer=SERIALIZER, name=name, worker_ttl=RQ_WORKER_TTL,
+    worker = HarvestWorker([queue], connection=conn, serializer=SERIALIZER, name=name, worker_ttl=RQ_WORKER_TTL,
                           job_class=HarvestJob)
     background = _Background(ctx, beat, HEARTBEAT_INTERVAL_S)
     background.start()

@@ -47,6 +47,15 @@ def shard_file(shard_id: str) -> str:
 
 
 @dataclass(frozen=True)
+class ShardSums:
+    """What packing learned of the bytes it stored: the shard's sha256 and, per sample, the
+    checksums readers verify on every ranged read (harvest.formats.index, `crc32`)."""
+
+    sha256: str
+    crc32: list[list[int]] | None = None
+
+
+@dataclass(frozen=True)
 class ShardPlan:
     """Everything about a shard except its tensor bytes: decided from spool headers alone."""
 
@@ -66,8 +75,8 @@ class ShardPlan:
     def sample_ids(self) -> list[str]:
         return [e.id for e in self.entries]
 
-    def index(self, sha256: str) -> ShardIndex:
-        """The index document that commits this shard once its bytes (with `sha256`) are stored."""
+    def index(self, sums: ShardSums) -> ShardIndex:
+        """The index document that commits this shard once its bytes (with `sums`) are stored."""
         return ShardIndex(
             format=FORMAT,
             shard_id=self.shard_id,
@@ -76,7 +85,7 @@ class ShardPlan:
             tokens=[e.num_tokens for e in self.entries],
             offsets=list(self.offsets),
             bytes=self.nbytes,
-            sha256=sha256,
+            sha256=sums.sha256,
             dtype=dtype_name(self.dtype),
             capture_points=list(self.capture_points),
             final_state=FINAL_POST_NORM,  # every engine's final point is HF's post-norm state (harvest.config)
@@ -158,7 +167,7 @@ def _ranges(plan: ShardPlan, bufs: list[memoryview], wait: Callable[[int], None]
                 left -= got
 
 
-def write_shard(plan: ShardPlan, out: BinaryIO, progress: Callable[[int], None] | None = None) -> str:
+def write_shard(plan: ShardPlan, out: BinaryIO, progress: Callable[[int], None] | None = None) -> ShardSums:
     """Stream the shard into `out` (header, then each tensor's rows copied from the spool files
     in sample order); returns the sha256 of everything written. Memory: two copy buffers.
     For an upload, or a file on another filesystem than the spool's; a file on the spool's
@@ -186,7 +195,7 @@ def write_shard(plan: ShardPlan, out: BinaryIO, progress: Callable[[int], None] 
                 progress(written)
     if written != plan.nbytes:
         raise ShardError(f"shard {plan.shard_id}: wrote {written} bytes, planned {plan.nbytes}")
-    return digest.hexdigest()
+    return ShardSums(digest.hexdigest())
 
 
 class _Copied:
@@ -206,7 +215,7 @@ class _Copied:
             return self.pos, self.done
 
 
-def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None = None) -> str:
+def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None = None) -> ShardSums:
     """Write the shard into the empty local file `fd` (opened for reading and writing), its
     tensor bytes moved by the kernel (harvest.formats.filecopy: cloned where the filesystem
     shares blocks, copied in the kernel elsewhere); returns its sha256. The checksum is not on
@@ -257,4 +266,4 @@ def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None 
             copied.advance(pos, done=True)  # an error or a kill: the hasher stops where the copy did
     if pos != plan.nbytes:
         raise ShardError(f"shard {plan.shard_id}: wrote {pos} bytes, planned {plan.nbytes}")
-    return sha
+    return ShardSums(sha)
