@@ -25,17 +25,17 @@ import glob
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import redis
 
 from collector.faults import CrashHook
-from collector.records import Voided, remove_shard, tend_revoked, write_decided_index
+from collector.pack import Packed, pack_local, pack_upload
+from collector.records import Voided, give_up_shard, recorded_anywhere, tend_revoked, write_decided_index
 from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
+from harvest.formats.claims import STALE_S, Claimer
 from harvest.formats.index import index_file
-from harvest.formats.shard import SHARDS, ShardPlan, ShardSums, copy_shard, plan_shard, shard_file, write_shard
+from harvest.formats.shard import SHARDS, ShardPlan, plan_shard, shard_file
 from harvest.formats.spool import (
     SpoolEntry,
     SpoolError,
@@ -46,7 +46,6 @@ from harvest.formats.spool import (
     spool_path,
 )
 from harvest.ids import check_id, node_name
-from harvest.multipart import MultipartWriter, Upload
 from harvest.state.failures import BAD_SPOOL
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
 from harvest.state.packing import PackingRecord
@@ -57,16 +56,7 @@ from harvest.storage import TEMP_PREFIX, StorageError, retry
 log = logging.getLogger("harvest.collector")
 
 TEND_S = 10.0  # how often the run loop looks for the packing records of revoked spools
-
-
-@dataclass(frozen=True)
-class Packed:
-    """A shard's bytes stored but not yet visible: `tmp`, the fsynced temporary file of a local
-    output, or `upload`, the multipart upload with every part sent."""
-
-    sums: ShardSums
-    tmp: str | None = None
-    upload: Upload | None = None
+BUSY_S = 10.0  # how long samples another collector is committing (claimed in storage) are left alone
 
 
 class Collector:
@@ -105,6 +95,11 @@ class Collector:
         self.stage = self.out.local_staging_dir(SHARDS)
         self.shards_committed = 0
         self._recorded_spool: str | None = None  # the spool the record of the shard in flight names
+        self._record_json = ""  # that record as written, which the fence requires to be unchanged
+        self._claimed: tuple[str, float] | None = None  # (shard in flight, time.monotonic()) once claimed in storage
+        self._busy: dict[str, float] = {}  # sample -> monotonic time until which another collector has it
+        self.claimer = Claimer(self.out, self.ledger.identity(), lambda shard: recorded_anywhere(conn, cfg.run, shard),
+                               self._retry)
         self.leases = SpoolLeases(conn, cfg.run)
         self._crash = CrashHook.from_env()
 
@@ -155,7 +150,7 @@ class Collector:
             self._finish_samples(rec.sample_ids, [spool_path(self.spool_dir, s) for s in rec.sample_ids])
             return
         if rec.spool not in (None, self.spool_id):  # this spool was revoked and renamed since
-            self._void(rec.shard_id, f"spool {rec.spool} was reclaimed while the shard was in flight")
+            self._void(rec.shard_id, rec.sample_ids, f"spool {rec.spool} was reclaimed while the shard was in flight")
             return
         name = shard_file(rec.shard_id)
         if self._retry(lambda: self.out.abort_uploads(name), f"aborting unfinished uploads of {self.out.path(name)}"):
@@ -183,7 +178,9 @@ class Collector:
 
     def choose(self, force: bool) -> list[SpoolEntry]:
         """The samples of the next shard if one is due, their headers checked."""
-        files = [f for f in list_spooled(self.spool_dir) if self._mine(f[0])]
+        now = time.monotonic()
+        self._busy = {s: t for s, t in self._busy.items() if t > now}
+        files = [f for f in list_spooled(self.spool_dir) if self._mine(f[0]) and f[0] not in self._busy]
         if not files:
             return []
         ids = [sid for sid, _, _ in files]
@@ -193,8 +190,10 @@ class Collector:
                 # committed already, given up on, or accepted from another node's spool (a retry
                 # of a job whose worker died between writing this file and marking it): not ours
                 _unlink(path)
-            elif st == QUEUED:
-                continue  # written by a worker that died before marking it; its job will run again
+            elif st == QUEUED or st is None:
+                # written by a worker that died before marking it (its job will run again), or
+                # unknown to a ledger that lost its keys: never packed before the ledger says s
+                continue
             else:
                 ready.append((sid, path, size))
         if not ready:
@@ -246,12 +245,43 @@ class Collector:
             raise RuntimeError(f"re-packed shard id {plan.shard_id} differs from the recorded {resumed_shard}")
         self.record(plan)
         if not self._retry(lambda: self.out.exists(index_file(plan.shard_id)), f"checking {index_file(plan.shard_id)}"):
+            if not self.ledger.may_commit(self._recorded_spool, plan.sample_ids):
+                self.void(plan, f"spool {self._recorded_spool} does not own all of its samples (reclaimed, or a "
+                                "Redis that lost its keys): nothing packed")
+                return 0
+            if not self.claim(plan):
+                return 0
             try:
                 self.publish(plan, self.pack(plan))
             except Voided as e:
                 self.void(plan, str(e))
                 return 0
         return self.finish(plan)
+
+    def claim(self, plan: ShardPlan) -> bool:
+        """Claim the shard's samples in storage (harvest.formats.claims) before any byte is packed.
+        Samples already committed elsewhere (a Redis that forgot a commit, another runner on this
+        output) are marked done from that truth; samples another collector is committing are
+        left alone for BUSY_S. Either way this shard is given up, so False, and the next one is
+        chosen from what remains."""
+        got = self.claimer.claim(plan.shard_id, plan.sample_ids)
+        self._claimed = (plan.shard_id, time.monotonic())
+        self._crash("claimed")
+        for sid, old in got.taken_over.items():
+            log.warning("sample %s: took over its claim by shard %s, abandoned with no index", sid, old)
+        if got.whole:
+            return True
+        if got.committed:
+            self.ledger.mark_done(list(got.committed))
+            for sid in got.committed:
+                _unlink(spool_path(self.spool_dir, sid))
+            log.warning("%d samples of shard %s are committed already (e.g. %s in shard %s): marked done from "
+                        "storage, not packed again", len(got.committed), plan.shard_id, *next(iter(got.committed.items())))
+        until = time.monotonic() + BUSY_S
+        self._busy.update({sid: until for sid in got.busy})
+        self.void(plan, f"{len(got.committed)} of its samples are committed in other shards and {len(got.busy)} are "
+                        "being committed by another collector")
+        return False
 
     def plan(self, entries: list[SpoolEntry]) -> ShardPlan:
         return plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype)
@@ -261,64 +291,15 @@ class Collector:
         # The spool this record names is the one the fence checks: packer 0 may renew the lease (and
         # rotate the id of a revoked spool) for every packer while this one is mid-commit.
         self._recorded_spool = self.spool_id
-        self.conn.set(self.packing_key, PackingRecord(plan.shard_id, plan.sample_ids, self._recorded_spool).to_json())
+        self._record_json = PackingRecord(plan.shard_id, plan.sample_ids, self._recorded_spool).to_json()
+        self.conn.set(self.packing_key, self._record_json)
         self._crash("recorded")
 
     def pack(self, plan: ShardPlan) -> Packed:
         """The shard's bytes streamed out of the spool files into storage, not yet visible."""
         if self.stage is None:
-            return self._pack_upload(plan)
-        tmp = self._temp_path(plan.shard_id)
-        try:
-            os.makedirs(self.stage, exist_ok=True)
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)  # copy_shard reads it back
-            try:
-                progress = self._packing(plan, local=True)
-                if os.fstat(fd).st_dev == os.stat(self.spool_dir).st_dev:
-                    sums = copy_shard(plan, fd, progress)  # by the kernel, cloned where the filesystem can
-                else:  # another filesystem (a mounted output): one read of each byte, streamed
-                    with open(fd, "wb", closefd=False) as f:
-                        sums = write_shard(plan, f, progress)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.chmod(tmp, 0o644)
-        except BaseException as e:
-            _unlink(tmp)
-            if isinstance(e, OSError):  # disk full, read-only, not a folder: as persistent as storage errors
-                raise StorageError(f"packing {tmp} failed: {type(e).__name__}: {e}") from e
-            raise
-        self._crash("packed")
-        return Packed(sums, tmp=tmp)
-
-    def _pack_upload(self, plan: ShardPlan) -> Packed:
-        name = shard_file(plan.shard_id)
-
-        def stored(number: int) -> None:  # on an upload thread, after part `number` is stored
-            if number == 1:
-                self._crash("header-sent")  # the first part holds the safetensors header
-            self._crash("uploading")
-
-        w = MultipartWriter(self.out, name, f"upload of {self.out.path(name)}", self.part_bytes, on_part=stored,
-                            attempts=self.retries, retry_delay=self.retry_delay)
-        try:
-            sums = write_shard(plan, w, progress=self._packing(plan, local=False))
-            upload = w.finish()
-        except BaseException as e:
-            w.abort()
-            if isinstance(e, OSError):  # reading the spool (the store's own errors are StorageErrors)
-                raise StorageError(f"packing {self.out.path(name)} failed: {type(e).__name__}: {e}") from e
-            raise
-        self._crash("packed")
-        return Packed(sums, upload=upload)
-
-    def _packing(self, plan: ShardPlan, local: bool) -> Callable[[int], None]:
-        def progress(written: int) -> None:
-            if local and written == len(plan.header):
-                self._crash("header-sent")
-            self._crash("packing")
-
-        return progress
+            return pack_upload(self.out, plan, self.part_bytes, self.retries, self.retry_delay, self._crash)
+        return pack_local(plan, self._temp_path(plan.shard_id), self.spool_dir, self._crash)
 
     def publish(self, plan: ShardPlan, packed: Packed) -> None:
         """The shard made visible whole, then the commit fence, then the index. Raises Voided when
@@ -334,21 +315,26 @@ class Collector:
                 _unlink(packed.tmp)
         self._crash("uploaded")
         spool = self._recorded_spool
+        if self._claimed is None or self._claimed[0] != plan.shard_id:
+            raise RuntimeError(f"shard {plan.shard_id} is published before its samples are claimed (Collector.claim)")
+        if time.monotonic() - self._claimed[1] > STALE_S / 2:  # another ledger may take claims this old over
+            raise Voided(f"shard {plan.shard_id} took over {STALE_S / 2:.0f} s from its claims to its commit")
         rec = PackingRecord(plan.shard_id, plan.sample_ids, spool, index=plan.index(packed.sums))
-        if not self.ledger.fence_commit(spool, plan.sample_ids, self.packing_key, rec.to_json()):
-            raise Voided(f"the commit fence refused shard {plan.shard_id}: spool {spool} no longer owns "
-                         "all of its samples (reclaimed while this node was silent?)")
+        if not self.ledger.fence_commit(spool, plan.sample_ids, self.packing_key, rec.to_json(), self._record_json):
+            raise Voided(f"the commit fence refused shard {plan.shard_id}: spool {spool} no longer owns all of its "
+                         "samples (reclaimed while this node was silent?), or its packing record is gone (a Redis "
+                         "that forgot it)")
         self._crash("fenced")
         write_decided_index(self.out, rec, self._retry)
         self._crash("indexed")
 
     def void(self, plan: ShardPlan, why: str) -> None:
-        """Give up a shard the fence refused: never indexed, its object removed, the record cleared."""
-        self._void(plan.shard_id, why)
+        """Give up a shard: never indexed, its object and its claims removed, the record cleared."""
+        self._void(plan.shard_id, plan.sample_ids, why)
 
-    def _void(self, shard_id: str, why: str) -> None:
+    def _void(self, shard_id: str, sample_ids: list[str], why: str) -> None:
         log.warning("shard %s given up: %s", shard_id, why)
-        remove_shard(self.out, shard_id, self._retry)
+        give_up_shard(self.out, self.claimer, shard_id, sample_ids, self._retry)
         self.conn.delete(self.packing_key)
         self.renew_lease()
 

@@ -18,7 +18,7 @@ CRASH_ENV = "HARVEST_COLLECTOR_CRASH_AT"
 # not renamed); local: about to rename; shard visible (not fenced yet); commit fence passed (the
 # record holds the index document, no index file yet); index written (ledger not yet done);
 # ledger done (spool files still there); some spool files deleted.
-CRASH_POINTS = ("recorded", "packing", "header-sent", "uploading", "packed", "uploaded", "fenced", "indexed",
+CRASH_POINTS = ("recorded", "claimed", "packing", "header-sent", "uploading", "packed", "uploaded", "fenced", "indexed",
                 "marked", "unlinking")
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import redis
 
+from harvest.formats.claims import Claimer
 from harvest.formats.index import ShardIndex, index_file
 from harvest.formats.shard import shard_file
 from harvest.state.keys import Keys
@@ -60,6 +61,24 @@ def remove_shard(out: Location, shard_id: str, retry: Retry) -> None:
         retry(lambda: out.delete(name), f"deleting {out.path(name)}")
 
 
+def give_up_shard(out: Location, claimer: Claimer, shard_id: str, sample_ids: list[str], retry: Retry) -> None:
+    """A shard that will never be indexed: its object (and unfinished uploads) removed, then the
+    claims naming it released, so its samples can be claimed for another shard. The record goes
+    last (the caller's), so a kill in between leaves it to be given up again."""
+    remove_shard(out, shard_id, retry)
+    claimer.release(shard_id, sample_ids)
+
+
+def recorded_anywhere(conn: redis.Redis, run: str, shard_id: str) -> bool:
+    """Whether any collector of this ledger has a packing record naming `shard_id` (it may still
+    commit it). O(nodes): asked only when a claim in storage names a shard with no index."""
+    for key in conn.scan_iter(match=Keys(run).packing_pattern):
+        raw = conn.get(key)
+        if raw is not None and PackingRecord.from_json(raw).shard_id == shard_id:
+            return True
+    return False
+
+
 def tend_revoked(conn: redis.Redis, run: str, out: Location, retry: Retry, own_keys: frozenset[str]) -> int:
     """Finish the decided records, and clear the void ones, of nodes whose spool was revoked.
     Returns the samples this call moved to done."""
@@ -83,7 +102,8 @@ def tend_revoked(conn: redis.Redis, run: str, out: Location, retry: Retry, own_k
             log.warning("finished shard %s of revoked spool %s (%s): %d samples", rec.shard_id, rec.spool, key,
                         len(changed))
         else:
-            remove_shard(out, rec.shard_id, retry)
+            give_up_shard(out, Claimer(out, ledger.identity(), lambda _: True, retry), rec.shard_id, rec.sample_ids,
+                          retry)
             log.warning("removed void shard %s of revoked spool %s (%s)", rec.shard_id, rec.spool, key)
         conn.eval(_DELETE_IF_SAME, 1, key, raw)
     return done

@@ -172,6 +172,71 @@ class Location:
         else:
             self.fs.pipe_file(path, data)
 
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """`name` created whole with `data` only if it does not exist; False if it did. This is how
+        writers that share nothing but the store agree on one winner: one conditional PUT
+        (`If-None-Match: *`) on S3 and S3-compatible stores, a hard link of a complete, fsynced
+        temporary file on local folders (atomic on POSIX filesystems and NFS)."""
+        path = self.path(name)
+        if not self.is_local:
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:  # s3fs's translation of 412 Precondition Failed
+                return False
+            return True
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
+        try:
+            os.fchmod(fd, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            _unlink_quiet(tmp)
+
+    def delete_if(self, name: str, expected: bytes) -> bool:
+        """Delete `name` only if it holds exactly `expected`; True if this call deleted it. On S3 the
+        delete is conditional on the ETag read before the content (`If-Match`), so an object
+        replaced in between is never deleted; on a local folder the file is first taken by an
+        atomic rename, and put back when it is not the expected one."""
+        path = self.path(name)
+        if not self.is_local:
+            try:
+                etag = self.fs.info(path, refresh=True)["ETag"]
+                if self.fs.cat_file(path) != expected:
+                    return False
+                bucket, key, _ = self.fs.split_path(path)
+                self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=etag)
+            except FileNotFoundError:
+                return False
+            except OSError as e:
+                if "pre-condition" in str(e) or "Precondition" in str(e):
+                    return False  # replaced since it was read: not ours to delete
+                raise
+            self.fs.invalidate_cache(path)
+            return True
+        taken = f"{os.path.dirname(path)}/{TEMP_PREFIX}del-{os.getpid()}-{os.urandom(4).hex()}"
+        try:
+            os.rename(path, taken)
+        except FileNotFoundError:
+            return False
+        with open(taken, "rb") as f:
+            same = f.read() == expected
+        if not same:
+            try:
+                os.link(taken, path)  # put back, unless a new one was created meanwhile
+            except FileExistsError:
+                pass
+        _unlink_quiet(taken)
+        return same
+
     def local_staging_dir(self, folder: str) -> str | None:
         """Where to build a file that will become `folder/<name>`: the folder itself when the
         store is local (so committing is a rename, not a copy), else None (stage elsewhere)."""

@@ -141,6 +141,13 @@ class Keys:
         return f"{self.prefix}:packing:{check_id(host, 'host name')}:*"
 
     @property
+    def ledger_id(self) -> str:
+        """A random id this ledger takes when first used: its claims in storage name it
+        (harvest.formats.claims), so a collector tells its own ledger's commits in flight from
+        another ledger's (a second runner on the same output, or this ledger after a wipe)."""
+        return f"{self.prefix}:ledger-id"
+
+    @property
     def ledger_epoch(self) -> str:
         """The `run_id` of the Redis server instance whose ledger was last reconciled from storage
         (harvest.ops.recovery): a restarted, rolled-back or failed-over Redis has another run_id, so

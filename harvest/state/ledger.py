@@ -9,6 +9,7 @@ keeps the per-state counters exact, so status and completion checks never scan t
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterable, Mapping
 
@@ -84,19 +85,41 @@ return moved
 """
 
 # The commit fence. KEYS: state, spool_owner, revoked_spools, the packing record. ARGV: spool,
-# record JSON (with the shard's index document), n, ids. Writes the record only when the spool
-# is not revoked and every sample is in state s, owned by it (or by no spool: spooled without an
-# owner, which no reclaim can take).
+# record JSON (with the shard's index document; '' for a dry run that writes nothing), the record
+# as the collector wrote it before packing ('' for a dry run), n, ids. Writes the record only when
+# the spool is not revoked, every sample is in state s, owned by it (or by no spool: spooled
+# without an owner, which no reclaim can take), and the record is still the one the collector
+# wrote: a Redis that forgot the record (a rollback, a failover) forgot who is packing the shard,
+# and a claim in storage naming it may then be taken over (harvest.formats.claims), so the shard
+# must not be committed.
 _FENCE = """
-local spool, record, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local spool, record, before, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 if redis.call('SISMEMBER', KEYS[3], spool) == 1 then return 0 end
 for i = 1, n do
-  local id = ARGV[3 + i]
+  local id = ARGV[4 + i]
   local owner = redis.call('HGET', KEYS[2], id)
   if redis.call('HGET', KEYS[1], id) ~= 's' or (owner and owner ~= '' and owner ~= spool) then return 0 end
 end
+if record == '' then return 1 end
+if redis.call('GET', KEYS[4]) ~= before then return 0 end
 redis.call('SET', KEYS[4], record)
 return 1
+"""
+
+# Forget samples the ledger says are done but no index in storage names (an index file lost):
+# d -> absent, so the producer enqueues them again. KEYS: state, counts. ARGV: n, ids.
+_FORGET = """
+local n = tonumber(ARGV[1])
+local gone = {}
+for i = 1, n do
+  local id = ARGV[1 + i]
+  if redis.call('HGET', KEYS[1], id) == 'd' then
+    redis.call('HDEL', KEYS[1], id)
+    redis.call('HINCRBY', KEYS[2], 'd', -1)
+    gone[#gone + 1] = id
+  end
+end
+return gone
 """
 
 
@@ -107,6 +130,7 @@ class Ledger:
         self._script = conn.register_script(_TRANSITION)
         self._reclaim = conn.register_script(_RECLAIM)
         self._fence = conn.register_script(_FENCE)
+        self._forget = conn.register_script(_FORGET)
 
     def _state_keys(self) -> list[str]:
         k = self.keys
@@ -154,12 +178,38 @@ class Ledger:
                             client=pipe if pipe is not None else self.conn)
         return [] if pipe is not None else [r.decode() if isinstance(r, bytes) else r for r in res]
 
-    def fence_commit(self, spool: str, ids: list[str], record_key: str, record: str) -> bool:
+    def fence_commit(self, spool: str, ids: list[str], record_key: str, record: str, before: str) -> bool:
         """Write a shard's packing `record` (holding its index document) only if `spool` is not
-        revoked and owns every one of `ids` in state s: after this, the shard's commit is decided
-        and anyone holding the record may finish it."""
+        revoked, owns every one of `ids` in state s, and the record at `record_key` is still
+        `before` (what the collector wrote before packing): after this, the shard's commit is
+        decided and anyone holding the record may finish it."""
         keys = [self.keys.state, self.keys.spool_owner, self.keys.revoked_spools, record_key]
-        return bool(self._fence(keys=keys, args=[spool, record, len(ids), *ids], client=self.conn))
+        return bool(self._fence(keys=keys, args=[spool, record, before, len(ids), *ids], client=self.conn))
+
+    def may_commit(self, spool: str, ids: list[str]) -> bool:
+        """The fence's ownership test alone, writing nothing: asked before a shard is claimed and
+        packed, so a spool the ledger disowned (revoked, or a Redis that lost its keys) uploads
+        nothing only to void it."""
+        keys = [self.keys.state, self.keys.spool_owner, self.keys.revoked_spools, self.keys.prefix]
+        return bool(self._fence(keys=keys, args=[spool, "", "", len(ids), *ids], client=self.conn))
+
+    def identity(self) -> str:
+        """This ledger's random id (`Keys.ledger_id`), taken on first use; a wiped Redis gets a new one."""
+        self.conn.set(self.keys.ledger_id, os.urandom(8).hex(), nx=True)
+        return self.conn.get(self.keys.ledger_id).decode()
+
+    def requeue_done(self, ids: list[str], pipe=None) -> list[str]:
+        """d -> q for samples no index in storage names, with the new jobs enqueued in `pipe`
+        (harvest.ops.reconcile rebuilds them from the shard that still holds their tokens)."""
+        return self._move(ids, QUEUED, DONE, pipe=pipe)
+
+    def forget_done(self, ids: list[str]) -> list[str]:
+        """d -> absent for samples no index names and whose tokens are nowhere in storage: the
+        producer enqueues them again at its next run (it skips only samples the ledger knows)."""
+        if not ids:
+            return []
+        res = self._forget(keys=[self.keys.state, self.keys.counts], args=[len(ids), *ids], client=self.conn)
+        return [r.decode() if isinstance(r, bytes) else r for r in res]
 
     def spooled_payloads(self, ids: list[str]) -> list[str | None]:
         if not ids:

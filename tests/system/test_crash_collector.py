@@ -16,6 +16,7 @@ import boto3
 import pytest
 
 from collector.faults import CRASH_POINTS
+from harvest.formats.claims import CLAIMS, claim_file
 from harvest.formats.index import index_file
 from harvest.formats.shard import SHARDS, shard_file
 from harvest.formats.spool import list_spooled, spool_identity
@@ -48,7 +49,7 @@ def test_state_after_kill_at_each_point_then_restart_finishes(conn, redis_server
     assert rec.pop("index", None) is not None if decided else "index" not in rec
     assert rec == {"shard_id": sid, "sample_ids": first, "spool": spool_identity(t.spool)}
     shard_there, index_there = t.loc.exists(shard_file(sid)), t.loc.exists(index_file(sid))
-    before_upload = point in ("recorded", "packing", "header-sent", "uploading", "packed")
+    before_upload = point in ("recorded", "claimed", "packing", "header-sent", "uploading", "packed")
     assert shard_there == (not before_upload)
     assert index_there == (point in ("indexed", "marked", "unlinking"))
     assert [states[s] for s in first] == (["d"] * 3 if point in ("marked", "unlinking") else ["s"] * 3)
@@ -63,9 +64,15 @@ def test_state_after_kill_at_each_point_then_restart_finishes(conn, redis_server
         uploads = [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
         assert uploads == ([f"out/r/{shard_file(sid)}"] if point in ("packing", "header-sent", "uploading", "packed") else [])
         assert (s3.list_objects_v2(Bucket=bucket, Prefix="out/r/shards/").get("KeyCount", 0) == 1) == shard_there
+    claimed = point not in ("recorded",)  # the samples are claimed in storage before any byte is packed
+    assert [t.loc.exists(claim_file(s)) for s in first] == [claimed] * 3
     assert t.run() == 0
     t.check_complete()
     assert sid in t.committed()  # the recorded shard was finished, not repacked differently
+    # every committed sample's claim names the shard whose index commits it, and nothing else is claimed
+    holder = {s: shard for shard, ids in t.committed().items() for s in ids}
+    assert {s: json.loads(t.loc.read_bytes(claim_file(s)))["shard"] for s in t.order} == holder
+    assert len(t.loc.list(CLAIMS, ".json")) == len(t.order)
 
 
 def test_randomized_kills_then_restart(conn, redis_server, tmp_path, request):

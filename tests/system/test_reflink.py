@@ -96,6 +96,7 @@ def _through_the_node(base: str, conn, run: str) -> tuple[dict[str, int], int, l
     col = Collector(conn, cfg, spool, node="n", max_wait=0)
     plan = col.plan(col.choose(force=True))
     col.record(plan)
+    assert col.claim(plan)
     packed = col.pack(plan)
     used["packed"] = _used(base)  # the spool files are still there
     col.publish(plan, packed)

@@ -48,6 +48,7 @@ def _packing(conn, cfg, spool_dir):
     c = Collector(conn, cfg, spool_dir, node="node-a")
     plan = c.plan(c.choose(force=True))
     c.record(plan)
+    assert c.claim(plan)
     return Location.from_url(cfg.out_url).child(cfg.run), c, plan, c.pack(plan)
 
 
@@ -84,11 +85,17 @@ def test_a_revoked_spool_owns_nothing_again(conn, tmp_path):
     cfg, (_, a, a_ids, _), _ = _setup(conn, tmp_path)
     ledger, leases = Ledger(conn, cfg.run), SpoolLeases(conn, cfg.run)
     key = ledger.keys.packing("node-a")
-    assert ledger.fence_commit(a, a_ids[:2], key, "{}")  # the fence passes while the spool owns them
+    conn.set(key, "recorded")
+    assert ledger.fence_commit(a, a_ids[:2], key, "{}", "recorded")  # the fence passes while the spool owns them
+    assert conn.get(key) == b"{}"
+    conn.set(key, "another")
+    assert not ledger.fence_commit(a, a_ids[:2], key, "{}", "recorded")  # not the record it wrote: refused
+    assert conn.get(key) == b"another"
     conn.delete(key)
     reclaim_spool(conn, cfg, a)
     assert not leases.renew(a, "node-a")
-    assert not ledger.fence_commit(a, a_ids[:2], key, "{}") and conn.get(key) is None
+    assert not ledger.fence_commit(a, a_ids[:2], key, "{}", "") and conn.get(key) is None
+    assert not ledger.may_commit(a, a_ids[:2])
     assert ledger.mark_spooled(a_ids, owner=a) == []  # still queued: the retried job spools them anew
     assert ledger.states(a_ids) == ["q"] * 5
 
@@ -106,6 +113,7 @@ def test_a_decided_commit_is_finished_by_another_node(conn, tmp_path):
     c = Collector(conn, cfg, a_dir, node="node-a")
     plan = c.plan(c.choose(force=True))
     c.record(plan)
+    assert c.claim(plan)
     c.publish(plan, c.pack(plan))  # fenced and indexed ...
     out = Location.from_url(cfg.out_url).child(cfg.run)
     out.delete(index_file(plan.shard_id))  # ... but the node was lost before its index landed

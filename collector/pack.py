@@ -1,0 +1,91 @@
+"""A shard's bytes into storage, not yet visible: the `pack` step of the collector's commit.
+
+To a local output the shard is built as a temporary file in its final folder (committing is then
+a rename): on the spool's filesystem the kernel copies, or clones, the spool files' ranges
+(harvest.formats.shard.copy_shard); on another one (a mounted output) the bytes are streamed
+(write_shard). To object storage they are streamed into a multipart upload (harvest.multipart)
+with no temporary shard on the node's disk. Both hand back the shard's checksums.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from harvest.formats.shard import ShardPlan, ShardSums, copy_shard, shard_file, write_shard
+from harvest.multipart import MultipartWriter, Upload
+from harvest.storage import Location, StorageError
+
+Crash = Callable[[str], None]  # collector.faults.CrashHook: the named kill points tests use
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A shard's bytes stored but not yet visible: `tmp`, the fsynced temporary file of a local
+    output, or `upload`, the multipart upload with every part sent."""
+
+    sums: ShardSums
+    tmp: str | None = None
+    upload: Upload | None = None
+
+
+def _progress(plan: ShardPlan, local: bool, crash: Crash) -> Callable[[int], None]:
+    def progress(written: int) -> None:
+        if local and written == len(plan.header):
+            crash("header-sent")
+        crash("packing")
+
+    return progress
+
+
+def pack_local(plan: ShardPlan, tmp: str, spool_dir: str, crash: Crash) -> Packed:
+    """The shard as the fsynced temporary file `tmp` (in the output's shards folder)."""
+    try:
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)  # copy_shard reads it back
+        try:
+            progress = _progress(plan, True, crash)
+            if os.fstat(fd).st_dev == os.stat(spool_dir).st_dev:
+                sums = copy_shard(plan, fd, progress)  # by the kernel, cloned where the filesystem can
+            else:  # another filesystem (a mounted output): one read of each byte, streamed
+                with open(fd, "wb", closefd=False) as f:
+                    sums = write_shard(plan, f, progress)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(tmp, 0o644)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        if isinstance(e, OSError):  # disk full, read-only, not a folder: as persistent as storage errors
+            raise StorageError(f"packing {tmp} failed: {type(e).__name__}: {e}") from e
+        raise
+    crash("packed")
+    return Packed(sums, tmp=tmp)
+
+
+def pack_upload(out: Location, plan: ShardPlan, part_bytes: int | None, retries: int, retry_delay: float,
+                crash: Crash) -> Packed:
+    """The shard as a multipart upload of `out` with every part stored, not yet completed."""
+    name = shard_file(plan.shard_id)
+
+    def stored(number: int) -> None:  # on an upload thread, after part `number` is stored
+        if number == 1:
+            crash("header-sent")  # the first part holds the safetensors header
+        crash("uploading")
+
+    w = MultipartWriter(out, name, f"upload of {out.path(name)}", part_bytes, on_part=stored,
+                        attempts=retries, retry_delay=retry_delay)
+    try:
+        sums = write_shard(plan, w, progress=_progress(plan, False, crash))
+        upload = w.finish()
+    except BaseException as e:
+        w.abort()
+        if isinstance(e, OSError):  # reading the spool (the store's own errors are StorageErrors)
+            raise StorageError(f"packing {out.path(name)} failed: {type(e).__name__}: {e}") from e
+        raise
+    crash("packed")
+    return Packed(sums, upload=upload)
