@@ -21,6 +21,7 @@ record stay, so a restart resumes.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -45,7 +46,7 @@ from harvest.formats.spool import (
     spool_identity,
     spool_path,
 )
-from harvest.ids import check_id, node_name
+from harvest.ids import check_id, node_name, shard_id_for
 from harvest.state.failures import BAD_SPOOL
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
 from harvest.state.packing import PackingRecord
@@ -284,7 +285,8 @@ class Collector:
         return False
 
     def plan(self, entries: list[SpoolEntry]) -> ShardPlan:
-        return plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype)
+        plan = plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype)
+        return dataclasses.replace(plan, shard_id=shard_id_for(plan.sample_ids, self.claimer.ledger_id))
 
     def record(self, plan: ShardPlan) -> None:
         """The one record per node of the shard being committed, which a restart finishes."""

@@ -62,9 +62,12 @@ def job_id_for(run: str, sample_ids: Iterable[str]) -> str:
     return f"hv-{check_id(run, 'run name')}-{_digest_of(sample_ids)}"
 
 
-def shard_id_for(sample_ids: Iterable[str]) -> str:
-    """A shard is named by the ordered samples it holds, so re-packing the same set rewrites the same object."""
-    return _digest_of(sample_ids)
+def shard_id_for(sample_ids: Iterable[str], ledger: str = "") -> str:
+    """A shard is named by the ordered samples it holds and the ledger that commits it, so re-packing
+    the same set rewrites the same object, while two ledgers on one output (two runners of one
+    dataset) never write, abort or remove each other's shard objects under one name."""
+    ids = list(sample_ids)
+    return _digest_of([*ids, f"ledger-{check_id(ledger, 'ledger id')}"] if ledger else ids)
 
 
 def rid_for(sid: str, attempt: int) -> str:

@@ -39,7 +39,7 @@ def test_state_after_kill_at_each_point_then_restart_finishes(conn, redis_server
     t = Trial(conn, redis_server.url, tmp_path, _out(kind, tmp_path, request), lengths, shard_bytes=0, hidden=hidden)
     t.shard_bytes = sum(size for _, _, size in list_spooled(t.spool)[:3])  # shards of 3 and 2 samples
     first = t.order[:3]
-    sid = shard_id_for(first)
+    sid = shard_id_for(first, t.ledger.identity())
     assert t.run(crash=point, part_bytes=5 << 20) == -signal.SIGKILL
     t.check_invariants()
     states = dict(zip(t.order, t.ledger.states(t.order)))

@@ -127,7 +127,7 @@ def test_unfinished_multipart_upload_of_a_killed_collector_is_aborted_on_resume(
     ids = [sid for sid, _, _ in list_spooled(spool)]
     from harvest.ids import shard_id_for
 
-    sid = shard_id_for(ids)
+    sid = shard_id_for(ids, c.claimer.ledger_id)
     bucket = s3_bucket.removeprefix("s3://")
     key = f"out/r/{shard_file(sid)}"
     _s3(s3_endpoint).create_multipart_upload(Bucket=bucket, Key=key)  # what a SIGKILL mid-upload leaves
@@ -173,11 +173,13 @@ def test_collect_cli_stops_on_missing_bucket_then_finishes_the_recorded_shard(co
     res = harvest_cli(*args, env={"HARVEST_S3_ENDPOINT": "http://127.0.0.1:1"})  # the flag wins over the environment
     ids = [sid for sid, _, _ in list_spooled(spool)]
     from harvest.ids import shard_id_for
+    from harvest.state.ledger import Ledger
 
-    sid = shard_id_for(ids)
+    sid = shard_id_for(ids, Ledger(conn, "r").identity())
     assert res.returncode == 2, res.stderr
     assert res.stderr.splitlines()[-1].startswith(  # after the collector's start line
-        f"harvest: error: collector stopped: upload of {bucket}/out/r/shards/{sid}.safetensors failed: FileNotFoundError: "
+        # the samples are claimed in storage before the shard is packed: the first claim finds no bucket
+        f"harvest: error: collector stopped: claiming {bucket}/out/r/claims/{ids[0]}.json failed: FileNotFoundError: "
     ), res.stderr
     assert res.stderr.rstrip().endswith(
         f"The spool in {spool} is intact and the shard in progress is recorded in Redis; "
