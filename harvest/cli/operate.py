@@ -29,7 +29,8 @@ from harvest.read.trainers import EXPORT_FORMATS
               help="The run's output URL; needed when Redis lost the run (its run.json is read from there).")
 @s3_options
 def reconcile_cmd(run, redis_url, out_url, s3_endpoint, s3_region) -> None:
-    """Rebuild the Redis done-set of RUN from the index files in storage."""
+    """Bring the ledger of RUN in line with the index files in storage, both ways: committed samples
+    done, samples done in the ledger but in no index back on the queue."""
     apply_s3_env(s3_endpoint, s3_region)
     check_output(out_url)
     conn = connect(redis_url)
@@ -37,8 +38,7 @@ def reconcile_cmd(run, redis_url, out_url, s3_endpoint, s3_region) -> None:
     from harvest.state.runstore import load_run
 
     cfg = restore_run(conn, run, out_url) if out_url else load_run(conn, run)
-    n = reconcile(conn, cfg)
-    click.echo(f"marked {n} samples done from storage")
+    click.echo(reconcile(conn, cfg).line())
 
 
 @click.command("export")

@@ -1,14 +1,47 @@
 """Noticing that Redis forgot writes, and reconciling the ledger from storage before going on.
 
-STUB: being written (see docs/architecture.md, "Exactly once"). `Recovery.check()` is safe and
-cheap to call often (at most one INFO and one GET every `min_interval` seconds).
+Redis forgets only across a restart of the server, or by answering from another one: the last
+second of an AOF with `appendfsync everysec` on a kill or power cut, a snapshot-only or
+memory-only Redis restarted, a failover to a replica that was behind. Each of those has a new
+`run_id` (INFO server): a random id every redis-server process takes at start. So the ledger
+keeps, in `Keys.ledger_epoch`, the run_id of the server whose ledger was last reconciled from
+storage; a key that a rollback restores holds an older run_id, a wiped one is gone, and either
+way it differs from the server's own.
+
+Every long-running process (worker, collector, `harvest run`) keeps one `Recovery` and calls
+`check()` often: it costs one INFO every `min_interval` s while the server stays the same. On a
+new server one process takes `Keys.reconcile_lock`, publishes the run again if Redis lost it,
+reconciles the ledger both ways (harvest.ops.reconcile), and records the run_id; the others wait
+for that before they go on, so no worker extracts, and no collector packs, from a ledger that
+has not been reconciled. The claims in storage (harvest.formats.claims) keep a commit from being
+doubled even in the seconds before a process notices; this makes the run finish by itself.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+import uuid
+
 import redis
 
 from harvest.config import RunConfig
+from harvest.ops.reconcile import reconcile
+from harvest.state.keys import Keys
+from harvest.state.runstore import publish_run
+
+log = logging.getLogger("harvest.recovery")
+
+LOCK_MS = 60_000  # the reconciling process renews it while it reads the index files
+WAIT_S = 3600.0  # how long a process waits for another to reconcile before it does so itself
+
+_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+
+
+def server_id(conn: redis.Redis) -> str:
+    """The run_id of the Redis server answering: new at every start of a redis-server process."""
+    return str(conn.info("server")["run_id"])
 
 
 class Recovery:
@@ -16,6 +49,47 @@ class Recovery:
 
     def __init__(self, conn: redis.Redis, cfg: RunConfig, min_interval: float = 2.0) -> None:
         self.conn, self.cfg, self.min_interval = conn, cfg, min_interval
+        self.keys = Keys(cfg.run)
+        self._seen: str | None = None  # the server whose ledger this process knows is reconciled
+        self._last = -float("inf")
 
-    def check(self) -> bool:
-        return False
+    def check(self, force: bool = False) -> bool:
+        now = time.monotonic()
+        if not force and now - self._last < self.min_interval:
+            return False
+        self._last = now
+        sid = server_id(self.conn)
+        if sid == self._seen:
+            return False
+        did = self._ensure(sid)
+        self._seen = sid
+        return did
+
+    def _ensure(self, sid: str) -> bool:
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            epoch = self.conn.get(self.keys.ledger_epoch)
+            if epoch is not None and epoch.decode() == sid:
+                return False
+            token = uuid.uuid4().hex
+            if self.conn.set(self.keys.reconcile_lock, token, nx=True, px=LOCK_MS):
+                try:
+                    self._reconcile(sid, token)
+                finally:
+                    self.conn.eval(_RELEASE, 1, self.keys.reconcile_lock, token)
+                return True
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"run {self.cfg.run}: the ledger was not reconciled within {WAIT_S:.0f} s "
+                                   f"(lock {self.keys.reconcile_lock} held)")
+            time.sleep(0.2)  # another process is reconciling: its lock expires if it dies
+
+    def _reconcile(self, sid: str, token: str) -> None:
+        first = self.conn.get(self.keys.ledger_epoch) is None and self.conn.exists(self.keys.state) == 0
+        publish_run(self.conn, self.cfg)  # a Redis that lost the run gets it back (refused if it differs)
+        t0 = time.monotonic()
+        rep = reconcile(self.conn, self.cfg,
+                        keepalive=lambda: self.conn.eval(_RENEW, 1, self.keys.reconcile_lock, token, LOCK_MS))
+        self.conn.set(self.keys.ledger_epoch, sid)
+        if not first or rep.committed:
+            log.warning("Redis server %s is new to run %s (a restart, a rollback or a failover): ledger reconciled "
+                        "from storage in %.1fs: %s", sid[:12], self.cfg.run, time.monotonic() - t0, rep.line())

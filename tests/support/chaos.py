@@ -41,7 +41,8 @@ from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from tests.support.cli import REPO
 
-KINDS = ("worker", "engine", "collector", "producer", "redis")
+KINDS = ("worker", "engine", "collector", "producer", "redis", "rollback")
+ROLLBACK_LAGS = (1.0, 2.0)  # what `appendfsync everysec` may lose on a kill or a power cut: its last second(s)
 RETURNS = ("within", "after", "never")  # when a lost node comes back, against the spool grace
 
 
@@ -92,9 +93,12 @@ class Trial:
     def __init__(self, root: str, model: str, seed: int, samples: int = 60, workers: int = 2, kills: int = 4,
                  chunk: int = 48, out_url: str | None = None, env: dict | None = None, deadline_s: float = 240,
                  nodes: int = 1, grace_s: float | None = None, kinds: tuple[str, ...] | None = None,
-                 returns: tuple[str, ...] | None = None) -> None:
+                 returns: tuple[str, ...] | None = None, on_commit: bool = False,
+                 rollback_lags: tuple[float, ...] = ROLLBACK_LAGS) -> None:
         """`kinds`: what may be killed (default: every kind, `node` too with several nodes);
-        `returns`: the order in which lost nodes come back (default: at random)."""
+        `returns`: the order in which lost nodes come back (default: at random); `on_commit`: the
+        faults strike right after a collector commits a shard (an index file appears), not at
+        random moments; `rollback_lags`: the seconds a `rollback` fault takes back from the AOF."""
         self.root, self.model, self.seed = root, model, seed
         self.rng = random.Random(seed)
         self.n, self.n_workers, self.n_kills, self.chunk = samples, workers, kills, chunk
@@ -116,6 +120,8 @@ class Trial:
         self.port = 32000 + (os.getpid() * 7 + seed) % 2000
         self.result = TrialResult(seed, samples)
         self.last_worker_kill = 0.0
+        self.on_commit, self.rollback_lags = on_commit, rollback_lags
+        self.aof_sizes: list[tuple[float, str, int]] = []  # (monotonic time, AOF file, its size then)
 
     # -- processes -------------------------------------------------------------------------
     # Names: producer; per node n: engine{n}, worker{n}.{j}, collector{n}.
@@ -178,6 +184,9 @@ class Trial:
             self.redis.kill()
             self.redis.start()
             return
+        if kind == "rollback":
+            self._rollback(self.rng.choice(self.rollback_lags))
+            return
         if kind == "node":
             self._lose_node(now)
             return
@@ -188,6 +197,40 @@ class Trial:
             return
         self._kill(name)
         self._start(name)
+
+    def _aof(self) -> str | None:
+        """The AOF file Redis appends to now (Redis 7: the newest `*.incr.aof` of its appendonlydir)."""
+        d = os.path.join(self.redis.data_dir, "appendonlydir")
+        incr = sorted((f for f in os.listdir(d) if f.endswith(".incr.aof")), key=lambda f: int(f.split(".")[-3])) \
+            if os.path.isdir(d) else []
+        return os.path.join(d, incr[-1]) if incr else None
+
+    def _note_aof(self) -> None:
+        aof = self._aof()
+        if aof:
+            self.aof_sizes.append((time.monotonic(), aof, os.path.getsize(aof)))
+            del self.aof_sizes[:-100]
+
+    def _rollback(self, lag: float) -> None:
+        """Redis killed with its AOF cut back to its size `lag` seconds ago, then restarted: exactly
+        what `appendfsync everysec` may lose (it fsyncs once a second; the page cache holds the rest)."""
+        self._note_aof()
+        self.redis.kill()
+        cut = time.monotonic() - lag
+        then = [(f, n) for t, f, n in self.aof_sizes if t <= cut and f == self.aof_sizes[-1][1]]
+        aof, size = then[-1] if then else (self.aof_sizes[-1][1], 0)
+        before = os.path.getsize(aof)
+        os.truncate(aof, size)
+        self.result.timeline.append(f"rollback {lag:.0f}s: AOF {before} -> {size} bytes")
+        self.redis.start()
+
+    def _commits(self) -> int:
+        from harvest.storage import Location
+
+        try:
+            return len(Location.from_url(f"{self.out}/{self.run}").list("index", ".json"))
+        except Exception:  # noqa: BLE001 - a store mid-restart: no news
+            return 0
 
     def _lose_node(self, now: float) -> None:
         """Every process of one node at once, its disk withheld; the last node up is never lost."""
@@ -265,7 +308,13 @@ class Trial:
                     self._start(name)
             t_start = time.monotonic() - t0  # kill while the pipeline runs, not while it starts
             kill_at = sorted(t_start + self.rng.uniform(1.0, 15.0) for _ in range(self.n_kills))
+            commits = 0
             while True:
+                self._note_aof()
+                if self.on_commit and kill_at:
+                    seen = self._commits()
+                    kill_at = [0.0] * len(kill_at) if seen > commits else [float("inf")] * len(kill_at)
+                    commits = seen
                 now = time.monotonic() - t0
                 if now > self.deadline_s:
                     c = Ledger(conn, self.run).counts()
@@ -278,7 +327,8 @@ class Trial:
                     self._kill_one(kind, now)
                 self._bring_back(now)
                 self._supervise()
-                if not kill_at and not [a for a in self.down.values() if a is not None] and self._finished(conn):
+                if (not kill_at or self.on_commit) and not [a for a in self.down.values() if a is not None] \
+                        and self._finished(conn):
                     break
                 time.sleep(0.2)
         finally:
