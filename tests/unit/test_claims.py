@@ -150,3 +150,17 @@ def test_recovery_reconciles_once_per_redis_server(conn, tmp_path):
     conn.set(ledger.keys.ledger_epoch, "an-older-server")
     assert Recovery(conn, cfg).check()
     assert ledger.states(ids) == ["d"] * len(ids) and ledger.counts()["done"] == len(ids)
+
+
+def test_after_a_redis_wipe_a_collector_packs_nothing_until_the_ledger_knows_its_samples(conn, tmp_path):
+    cfg, spool, ids, ledger, c = _node(conn, tmp_path, "a")
+    conn.flushdb()  # a Redis without persistence restarted: the ledger knows none of the spooled samples
+    for _ in range(3):
+        assert c.step(force=True) == 0
+    out = c.out
+    assert out.list(SHARDS) == [] and out.list(INDEX) == [] and out.list("claims") == []  # nothing written, nothing voided
+    assert len(list_spooled(spool)) == len(ids)  # kept for the samples' next attempt
+    publish_run(conn, cfg)
+    ledger.add_queued(ids)  # the producer runs again; the workers' retried jobs spool them anew
+    ledger.mark_spooled(ids, owner=c.spool_id)
+    assert c.step(force=True) == len(ids)
