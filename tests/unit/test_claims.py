@@ -131,7 +131,7 @@ def test_reconcile_sends_samples_of_a_lost_index_back_to_the_queue_or_forgets_th
     (job,) = run_queue(conn, cfg.run).get_jobs()
     _, samples = decode_batch(job.args[0])
     assert [s.id for s in samples] == [ids[0]]
-    assert rep.line() == (f"marked 0 samples done from storage; 1 done in the ledger but committed by no index went "
+    assert rep.line() == ("marked 0 samples done from storage; 1 done in the ledger but committed by no index went "
                           "back to the queue; 1 done in the ledger whose tokens are in no shard were forgotten (run the "
                           "producer again to enqueue them)")
     again = reconcile(conn, cfg)
