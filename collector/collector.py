@@ -142,7 +142,7 @@ class Collector:
         """Finish (or void) the shard this packer's record names; else sweep orphan shards."""
         raw = self.conn.get(self.packing_key)
         if raw is None:
-            self._retry(lambda: sweep_orphans(self.out, self.conn, self.cfg.run, self.orphan_age), "sweeping orphan shards")
+            self._retry(lambda: sweep_orphans(self.out, self.conn, self.cfg, self.orphan_age), "sweeping orphan shards")
             return
         rec = PackingRecord.from_json(raw)
         log.info("resuming shard %s (%d samples)", rec.shard_id, len(rec.sample_ids))

@@ -5,8 +5,12 @@ record on restart and overwrites the shard with the identical re-pack, so orphan
 when that record is lost too (Redis wiped, a node retired mid-commit). Readers never see an
 orphan (no index, no shard), but it costs storage, so the collector sweeps them at start:
 a shard is removed only if it has no index file, no collector of the run has it recorded as
-in progress, and it is older than `min_age` (a guard against a commit racing the sweep).
-Local outputs also lose temporary files (`.tmp-*`) older than `min_age`.
+in progress, and it is older than `min_age` by the store's own clock (a guard against a commit
+racing the sweep; never this node's clock, which may be off by hours). An orphan may also be a
+committed shard whose index file was lost: if the ledger has any of its samples done, the run is
+reconciled first (harvest.ops.reconcile), which puts those samples back on the queue from this
+shard's tokens, before the shard goes. Local outputs also lose temporary files (`.tmp-*`) older
+than `min_age`.
 """
 
 from __future__ import annotations
@@ -17,9 +21,13 @@ import time
 
 import redis
 
+from harvest.config import RunConfig
+from harvest.formats.claims import store_now
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
+from harvest.ops.reconcile import reconcile, shard_sample_ids
 from harvest.state.keys import Keys
+from harvest.state.ledger import DONE, Ledger
 from harvest.state.packing import PackingRecord
 from harvest.storage import TEMP_PREFIX, Location
 
@@ -36,22 +44,24 @@ def in_progress(conn: redis.Redis, run: str) -> set[str]:
     return out
 
 
-def sweep_orphans(out: Location, conn: redis.Redis, run: str, min_age: float) -> list[str]:
+def sweep_orphans(out: Location, conn: redis.Redis, cfg: RunConfig, min_age: float) -> list[str]:
     """Delete orphan shards (and stale local temporaries); returns the names removed.
     Shards are listed before records and indexes are read: a shard committed meanwhile has
     its record until its index exists, so it is never taken for an orphan."""
-    now = time.time()
     shards = out.list(SHARDS, ".safetensors")
-    busy = in_progress(conn, run)
+    busy = in_progress(conn, cfg.run)
     indexed = {n.removesuffix(".json") for n in out.list(INDEX, ".json")}
+    candidates = [n for n in shards if n.removesuffix(".safetensors") not in indexed | busy]
+    if not candidates:
+        return []
+    now = store_now(out) or time.time()
+    old = [(n, m) for n in candidates if (m := out.modified(f"{SHARDS}/{n}")) is not None and now - m >= min_age]
+    ledger = Ledger(conn, cfg.run)
+    if any(DONE in ledger.states(shard_sample_ids(out, f"{SHARDS}/{n}")) for n, _ in old):
+        log.warning("orphan shards hold samples the ledger has done: an index file was lost; reconciling first")
+        reconcile(conn, cfg)
     removed = []
-    for name in shards:
-        sid = name.removesuffix(".safetensors")
-        if sid in indexed or sid in busy:
-            continue
-        mtime = out.modified(f"{SHARDS}/{name}")
-        if mtime is None or now - mtime < min_age:
-            continue
+    for name, mtime in old:
         out.delete(f"{SHARDS}/{name}")
         removed.append(name)
         log.warning("removed orphan shard %s (no index file, %.0f s old)", out.path(SHARDS, name), now - mtime)

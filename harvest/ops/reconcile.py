@@ -146,12 +146,24 @@ def _tokens_of(loc: Location, wanted: set[str], indexed: dict[str, dict],
     return found
 
 
+def _header(loc: Location, name: str):
+    n = header_length(loc.read_range(name, 0, 8), name)
+    return parse_header(loc.read_range(name, 8, 8 + n), name)
+
+
+def shard_sample_ids(loc: Location, name: str) -> list[str]:
+    """The sample ids a stored shard's header lists (two small ranged reads; an unreadable
+    header lists none)."""
+    try:
+        return list(json.loads(_header(loc, name)[1]["sample_ids"]))
+    except (FormatError, ValueError, KeyError):
+        return []
+
+
 def _read_tokens(loc: Location, name: str) -> dict[str, Sample]:
     """A shard's samples rebuilt from its `input_ids`, `loss_mask` and `offsets` (a few bytes a
     token: the hidden states are not read), keyed by the id its header lists for each."""
-    head = loc.read_range(name, 0, 8)
-    n = header_length(head, name)
-    tensors, meta = parse_header(loc.read_range(name, 8, 8 + n), name)
+    tensors, meta = _header(loc, name)
     ids = json.loads(meta["sample_ids"])
     cols = {}
     for t in ("input_ids", "loss_mask", "offsets"):

@@ -164,3 +164,17 @@ def test_after_a_redis_wipe_a_collector_packs_nothing_until_the_ledger_knows_its
     ledger.add_queued(ids)  # the producer runs again; the workers' retried jobs spool them anew
     ledger.mark_spooled(ids, owner=c.spool_id)
     assert c.step(force=True) == len(ids)
+
+
+def test_the_orphan_sweep_puts_a_lost_index_samples_back_before_it_removes_their_shard(conn, tmp_path):
+    cfg, _, ids, ledger, c = _node(conn, tmp_path, "a", shard_bytes=1)
+    while c.step(force=True):
+        pass
+    out = c.out
+    by_sample = {s[0]: n.removesuffix(".json") for n, s in _indexed(out).items()}
+    out.delete(index_file(by_sample[ids[2]]))  # lost; the shard is now an orphan to the sweep
+    Collector(conn, cfg, c.spool_dir, node="a", orphan_age=0.0).resume()
+    assert not out.exists(f"{SHARDS}/{by_sample[ids[2]]}.safetensors")  # swept ...
+    assert ledger.states(ids[2:4]) == ["q", "d"]  # ... after its sample went back to the queue
+    (job,) = run_queue(conn, cfg.run).get_jobs()
+    assert [s.id for s in decode_batch(job.args[0])[1]] == [ids[2]]
