@@ -39,6 +39,7 @@ from harvest.ids import sample_id
 from harvest.state.heartbeat import HEARTBEAT_TTL_S
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
+from tests.support.aof import AofHistory
 from tests.support.cli import REPO
 
 KINDS = ("worker", "engine", "collector", "producer", "redis", "rollback")
@@ -117,11 +118,11 @@ class Trial:
         os.makedirs(self.logs, exist_ok=True)
 
         self.redis = RedisServer(os.path.join(root, "redis"))
+        self.aof = AofHistory(self.redis)
         self.port = 32000 + (os.getpid() * 7 + seed) % 2000
         self.result = TrialResult(seed, samples)
         self.last_worker_kill = 0.0
         self.on_commit, self.rollback_lags = on_commit, rollback_lags
-        self.aof_sizes: list[tuple[float, str, int]] = []  # (monotonic time, AOF file, its size then)
 
     # -- processes -------------------------------------------------------------------------
     # Names: producer; per node n: engine{n}, worker{n}.{j}, collector{n}.
@@ -198,31 +199,8 @@ class Trial:
         self._kill(name)
         self._start(name)
 
-    def _aof(self) -> str | None:
-        """The AOF file Redis appends to now (Redis 7: the newest `*.incr.aof` of its appendonlydir)."""
-        d = os.path.join(self.redis.data_dir, "appendonlydir")
-        incr = sorted((f for f in os.listdir(d) if f.endswith(".incr.aof")), key=lambda f: int(f.split(".")[-3])) \
-            if os.path.isdir(d) else []
-        return os.path.join(d, incr[-1]) if incr else None
-
-    def _note_aof(self) -> None:
-        aof = self._aof()
-        if aof:
-            self.aof_sizes.append((time.monotonic(), aof, os.path.getsize(aof)))
-            del self.aof_sizes[:-100]
-
     def _rollback(self, lag: float) -> None:
-        """Redis killed with its AOF cut back to its size `lag` seconds ago, then restarted: exactly
-        what `appendfsync everysec` may lose (it fsyncs once a second; the page cache holds the rest)."""
-        self._note_aof()
-        self.redis.kill()
-        cut = time.monotonic() - lag
-        then = [(f, n) for t, f, n in self.aof_sizes if t <= cut and f == self.aof_sizes[-1][1]]
-        aof, size = then[-1] if then else (self.aof_sizes[-1][1], 0)
-        before = os.path.getsize(aof)
-        os.truncate(aof, size)
-        self.result.timeline.append(f"rollback {lag:.0f}s: AOF {before} -> {size} bytes")
-        self.redis.start()
+        self.result.timeline.append(f"rollback {lag:.0f}s: {self.aof.rollback(lag)}")
 
     def _commits(self) -> int:
         from harvest.storage import Location
@@ -310,7 +288,7 @@ class Trial:
             kill_at = sorted(t_start + self.rng.uniform(1.0, 15.0) for _ in range(self.n_kills))
             commits = 0
             while True:
-                self._note_aof()
+                self.aof.note()
                 if self.on_commit and kill_at:
                     seen = self._commits()
                     kill_at = [0.0] * len(kill_at) if seen > commits else [float("inf")] * len(kill_at)
