@@ -66,6 +66,20 @@ def export_cmd(run_url, fmt, dest, dtype, model, no_progress, s3_endpoint, s3_re
     for note in rep.notes:
         click.echo(f"harvest: {note}", err=True)
     click.echo(f"exported {rep.written} samples to {dest} ({rep.skipped} already there)")
+    if rep.corrupt:  # every other sample is exported; these are named, and the export fails (exit 1)
+        import sys
+
+        from harvest.read.shard_reader import UnreadableShard, verify_fix
+        from harvest.storage import Location
+
+        for sid, e in rep.corrupt:
+            what = (f"its shard cannot be read: {e.why}" if isinstance(e, UnreadableShard) else
+                    f"tensor {e.tensor}, bytes [{e.begin}, {e.end}) of {e.shard_url} {e.problem}")
+            click.echo(f"harvest: not exported: sample {sid} of shard {e.shard_id} is corrupt ({what})", err=True)
+        n = len(rep.corrupt)
+        click.echo(f"harvest: error: {n} corrupt sample{'s' * (n != 1)} not exported; "
+                   f"{verify_fix(Location.from_url(run_url), plural=n != 1)}, then export again", err=True)
+        sys.exit(1)
 
 
 @click.command("status")

@@ -5,10 +5,19 @@ shard's bytes are stored (harvest.formats.shard), and reconcile rebuilds the led
 from these files alone. Every reader parses an index through `parse_index`, which checks the
 format version and the fields, so an index from another layout is refused by name instead of
 being misread.
+
+An index also carries what lets every read be checked (`crc32`: per sample, one checksum per
+per-token tensor, written at pack time) and what later repairs decided (`excluded`: samples whose
+bytes stay in the shard but which the index no longer commits, a duplicate copy or a corrupt
+one). Readers, reconcile and the repairs all go through `committed_samples` and `kept_copies`, so
+they agree on which samples a run holds and which copy of each they read.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import NotRequired, TypedDict
 
 from harvest.config import FINAL_POST_NORM, FINAL_STATES
@@ -36,6 +45,14 @@ class ShardIndex(TypedDict):
     # What the final capture point holds (harvest.config.FINAL_POST_NORM); indexes written before it
     # was recorded hold the same, and parse_index fills it in for them.
     final_state: NotRequired[str]
+    # Per sample (storage order), one zlib.crc32 per tensor named in `crc32_tensors` (every tensor but
+    # `offsets`, in the shard's order), over exactly that sample's rows as stored. Indexes written
+    # before them lack both, and are read unchecked.
+    crc32: NotRequired[list[list[int]]]
+    crc32_tensors: NotRequired[list[str]]
+    # {sample id: reason}: samples whose bytes are in the shard but which this index no longer commits
+    # (a duplicate copy kept elsewhere, or a corrupt copy dropped for re-extraction).
+    excluded: NotRequired[dict[str, str]]
 
 
 _FIELDS: dict[str, type] = {"format": str, "shard_id": str, "shard": str, "samples": list, "tokens": list,
@@ -63,4 +80,84 @@ def parse_index(doc: object, where: str) -> ShardIndex:
     n = len(doc["samples"])
     if len(doc["tokens"]) != n or len(doc["offsets"]) != n + 1:
         raise ShardError(f"{where}: {n} samples but {len(doc['tokens'])} token counts and {len(doc['offsets'])} offsets")
+    if len(set(doc["samples"])) != n:
+        raise ShardError(f"{where}: a sample is listed twice")
+    _check_crc32(doc, n, where)
+    excluded = doc.get("excluded", {})
+    if not isinstance(excluded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in excluded.items()):
+        raise ShardError(f"{where}: index field 'excluded' is not an object of sample id to reason")
+    stray = sorted(set(excluded) - set(doc["samples"]))
+    if stray:
+        raise ShardError(f"{where}: excludes {len(stray)} samples it does not hold (first {stray[0]})")
     return doc  # type: ignore[return-value]
+
+
+def _check_crc32(doc: dict, n: int, where: str) -> None:
+    if ("crc32" in doc) != ("crc32_tensors" in doc):
+        raise ShardError(f"{where}: index has {'crc32' if 'crc32' in doc else 'crc32_tensors'} without "
+                         f"{'crc32_tensors' if 'crc32' in doc else 'crc32'}")
+    if "crc32" not in doc:
+        return
+    names, sums = doc["crc32_tensors"], doc["crc32"]
+    if not isinstance(names, list) or not names or not all(isinstance(x, str) for x in names) \
+            or len(set(names)) != len(names):
+        raise ShardError(f"{where}: index field 'crc32_tensors' is not a list of distinct tensor names")
+    if not isinstance(sums, list):
+        raise ShardError(f"{where}: index field 'crc32' is not a list")
+    if len(sums) != n:
+        raise ShardError(f"{where}: {n} samples but {len(sums)} crc32 entries")
+    for i, row in enumerate(sums):
+        if not isinstance(row, list) or len(row) != len(names) or not all(
+                type(c) is int and 0 <= c < 1 << 32 for c in row):
+            raise ShardError(f"{where}: crc32 of sample {i} is not {len(names)} unsigned 32-bit ints "
+                             f"(one per tensor of {names})")
+
+
+def encode_index(doc: Mapping) -> bytes:
+    """The bytes of an index file: the one encoding, so every writer of the same document (a
+    collector finishing a decided commit, a repair rewriting it) writes the same file."""
+    return json.dumps(doc, indent=1).encode()
+
+
+def committed_samples(doc: ShardIndex) -> list[str]:
+    """The samples this index commits, in storage order: its samples less the excluded ones."""
+    excluded = doc.get("excluded") or {}
+    return [s for s in doc["samples"] if s not in excluded]
+
+
+def with_excluded(doc: ShardIndex, reasons: Mapping[str, str]) -> ShardIndex:
+    """A copy of `doc` that no longer commits the samples of `reasons` (those already excluded keep
+    their first reason, so a repair run twice writes the same document)."""
+    excluded = dict(doc.get("excluded") or {})
+    for sid, why in reasons.items():
+        if sid not in doc["samples"]:
+            raise ShardError(f"shard {doc['shard_id']} does not hold sample {sid}: it cannot exclude it")
+        excluded.setdefault(sid, why)
+    return {**doc, "excluded": excluded}  # type: ignore[typeddict-item]
+
+
+@dataclass(frozen=True)
+class Copies:
+    """Which committed copy of each sample a run's readers read: `kept` maps each sample to its
+    shard id (in storage order: shards by id, samples as packed); `extra` maps a sample committed
+    by more than one index to the other shards (ascending) that also commit it."""
+
+    kept: dict[str, str]
+    extra: dict[str, list[str]]
+
+
+def kept_copies(docs: Iterable[ShardIndex]) -> Copies:
+    """The one choice of copy for every sample (readers, `harvest reconcile --dedupe`): the copy in
+    the smallest shard id among the indexes that commit it. Shards are ordered by id, not by the
+    order given, so every process that sees the same index files makes the same choice, and a
+    dedupe that excludes the other copies changes no reader's answer."""
+    kept: dict[str, str] = {}
+    extra: dict[str, list[str]] = {}
+    for doc in sorted(docs, key=lambda d: d["shard_id"]):
+        sid = doc["shard_id"]
+        for sample in committed_samples(doc):
+            if sample in kept:
+                extra.setdefault(sample, []).append(sid)
+            else:
+                kept[sample] = sid
+    return Copies(kept, extra)

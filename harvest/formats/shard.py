@@ -13,6 +13,11 @@ into a local file on the spool's filesystem (cloning blocks where the filesystem
 is padded to a block, and so are the spool files'), `write_shard` streams them through two small
 buffers into anything else (an upload, a file on another filesystem). The same samples in the same order give the same bytes (and the same id), which
 is what lets a collector that crashed mid-commit re-pack and overwrite instead of duplicate.
+
+Both writers also sum what they store on the thread that already sees every byte (the sha256
+hasher): the shard's sha256 and, per sample, one crc32 per per-token tensor over exactly that
+sample's rows (`ShardSums`), which the index records and every ranged read verifies
+(harvest.read.shard_reader). No byte is read a second time for them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import os
 import struct
 import threading
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,9 +37,9 @@ import torch
 
 from harvest.config import FINAL_POST_NORM
 from harvest.formats.dtypes import dtype_name
+from harvest.formats.filecopy import ShortFile, copy_range, start_writeback, write_all
 from harvest.formats.fp8 import is_fp8
 from harvest.formats.index import FORMAT, ShardError, ShardIndex
-from harvest.formats.filecopy import ShortFile, copy_range, start_writeback, write_all
 from harvest.formats.spool import SCALE, SpoolEntry, SpoolError
 from harvest.formats.stformat import BLOCK, Planned, encode_header
 from harvest.ids import check_id, shard_id_for
@@ -75,9 +81,14 @@ class ShardPlan:
     def sample_ids(self) -> list[str]:
         return [e.id for e in self.entries]
 
+    @property
+    def crc32_tensors(self) -> list[str]:
+        """The tensors each sample has a crc32 of: every per-token tensor, in the shard's order."""
+        return [t.name for t in self.tensors if t.name != "offsets"]
+
     def index(self, sums: ShardSums) -> ShardIndex:
         """The index document that commits this shard once its bytes (with `sums`) are stored."""
-        return ShardIndex(
+        doc = ShardIndex(
             format=FORMAT,
             shard_id=self.shard_id,
             shard=shard_file(self.shard_id),
@@ -90,6 +101,10 @@ class ShardPlan:
             capture_points=list(self.capture_points),
             final_state=FINAL_POST_NORM,  # every engine's final point is HF's post-norm state (harvest.config)
         )
+        if sums.crc32 is not None:
+            doc["crc32"] = [list(c) for c in sums.crc32]
+            doc["crc32_tensors"] = self.crc32_tensors
+        return doc
 
 
 def plan_shard(
@@ -142,6 +157,41 @@ def _pieces(plan: ShardPlan) -> Iterator[bytes | tuple[str, int, int, str]]:
             yield e.path, span.begin, span.end - span.begin, t.name
 
 
+class _Crcs:
+    """The crc32 of each (sample, per-token tensor) range of a shard, fed the shard's bytes in
+    order, in pieces cut anywhere (the read-back thread of `copy_shard` reads spans that straddle
+    samples). The ranges come from `_pieces`, so they are the layout itself. It runs on a thread
+    of its own beside the sha256 (both release the GIL), so the two sums cost the time of one
+    where a core is free."""
+
+    def __init__(self, plan: ShardPlan) -> None:
+        slot = {name: j for j, name in enumerate(plan.crc32_tensors)}
+        self.crc = [[0] * len(slot) for _ in plan.entries]
+        self.ranges: list[tuple[int, int, list[int], int]] = []  # (begin, end, that sample's crcs, slot)
+        pos, seen = 0, dict.fromkeys(slot, 0)
+        for piece in _pieces(plan):
+            if isinstance(piece, bytes):
+                pos += len(piece)
+                continue
+            _, _, n, name = piece
+            self.ranges.append((pos, pos + n, self.crc[seen[name]], slot[name]))
+            seen[name] += 1
+            pos += n
+        self.pos = self.k = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        pos, end, ranges = self.pos, self.pos + len(data), self.ranges
+        while self.k < len(ranges) and ranges[self.k][0] < end:
+            begin, stop, crcs, j = ranges[self.k]
+            lo, hi = max(begin, pos), min(stop, end)
+            if lo < hi:
+                crcs[j] = zlib.crc32(data[lo - pos : hi - pos], crcs[j])
+            if stop > end:
+                break
+            self.k += 1
+        self.pos = end
+
+
 def _truncated(path: str, name: str) -> SpoolError:
     return SpoolError(f"{path}: ends inside tensor {name} (spool file truncated)")
 
@@ -169,33 +219,40 @@ def _ranges(plan: ShardPlan, bufs: list[memoryview], wait: Callable[[int], None]
 
 def write_shard(plan: ShardPlan, out: BinaryIO, progress: Callable[[int], None] | None = None) -> ShardSums:
     """Stream the shard into `out` (header, then each tensor's rows copied from the spool files
-    in sample order); returns the sha256 of everything written. Memory: two copy buffers.
+    in sample order); returns the sha256 of everything written and each sample's crc32s. Memory:
+    two copy buffers.
     For an upload, or a file on another filesystem than the spool's; a file on the spool's
     filesystem takes `copy_shard`.
 
-    The checksum runs on a second thread (hashlib releases the GIL on large buffers) while this
-    one reads and writes the next buffer, so hashing adds no time when I/O is the bound."""
-    digest = hashlib.sha256()
+    The checksums run on a second thread (hashlib and zlib release the GIL on large buffers)
+    while this one reads and writes the next buffer, so they add no time when I/O is the bound."""
+    sha, crcs = hashlib.sha256(), _Crcs(plan)
     bufs = [memoryview(bytearray(COPY_BUFFER)) for _ in range(2)]
-    pending: list[Future | None] = [None, None]
+    pending: list[tuple[Future, Future] | None] = [None, None]
     written = 0
 
     def wait(slot: int) -> None:
-        if pending[slot] is not None:
-            pending[slot].result()  # its last bytes are hashed: the buffer is free
+        for fut in pending[slot] or ():
+            fut.result()  # its last bytes are summed: the buffer is free
 
-    with ThreadPoolExecutor(1, thread_name_prefix="shard-sha256") as hasher:
+    plan_bytes: list[Future] = []  # the header's and the offsets' sums (a buffer's are awaited in `wait`)
+    with ThreadPoolExecutor(1, thread_name_prefix="shard-sha256") as hasher, \
+            ThreadPoolExecutor(1, thread_name_prefix="shard-crc32") as crcer:
         for data, slot in _ranges(plan, bufs, wait):
             out.write(data)
-            fut = hasher.submit(digest.update, data)
+            futs = hasher.submit(sha.update, data), crcer.submit(crcs.update, data)
             if slot >= 0:
-                pending[slot] = fut
+                pending[slot] = futs
+            else:
+                plan_bytes += futs
             written += len(data)
             if progress:
                 progress(written)
+        for fut in plan_bytes + [f for futs in pending for f in futs or ()]:
+            fut.result()
     if written != plan.nbytes:
         raise ShardError(f"shard {plan.shard_id}: wrote {written} bytes, planned {plan.nbytes}")
-    return ShardSums(digest.hexdigest())
+    return ShardSums(sha.hexdigest(), crcs.crc)
 
 
 class _Copied:
@@ -218,15 +275,16 @@ class _Copied:
 def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None = None) -> ShardSums:
     """Write the shard into the empty local file `fd` (opened for reading and writing), its
     tensor bytes moved by the kernel (harvest.formats.filecopy: cloned where the filesystem
-    shares blocks, copied in the kernel elsewhere); returns its sha256. The checksum is not on
-    that path: a second thread reads back what has been copied so far, from `fd` itself (so the
-    sum is of the very bytes in the file, and from the page cache), and hashes it while the
-    kernel copies the next ranges; this thread waits for it only at the end. Each range's
-    writeback is started as soon as it is copied, so the caller's fsync waits for little."""
+    shares blocks, copied in the kernel elsewhere); returns its sha256 and each sample's crc32s.
+    The checksums are not on that path: a second thread reads back what has been copied so far,
+    from `fd` itself (so the sums are of the very bytes in the file, and from the page cache), and
+    sums it while the kernel copies the next ranges; this thread waits for it only at the end.
+    Each range's writeback is started as soon as it is copied, so the caller's fsync waits for
+    little."""
     copied = _Copied()
 
-    def digest() -> str:
-        h, at = hashlib.sha256(), 0
+    def digest() -> ShardSums:
+        sha, crcs, at = hashlib.sha256(), _Crcs(plan), 0
         buf = memoryview(bytearray(COPY_BUFFER))
         while True:
             upto, done = copied.wait_past(at)
@@ -234,12 +292,15 @@ def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None 
                 got = os.preadv(fd, [buf[: min(upto - at, COPY_BUFFER)]], at)
                 if not got:
                     raise ShardError(f"shard {plan.shard_id}: {at} bytes read back, {upto} written")
-                h.update(buf[:got])
+                crc = crcer.submit(crcs.update, buf[:got])  # beside the sha256, over the same buffer
+                sha.update(buf[:got])
+                crc.result()
                 at += got
             if done:
-                return h.hexdigest()
+                return ShardSums(sha.hexdigest(), crcs.crc)
 
-    with ThreadPoolExecutor(1, thread_name_prefix="shard-sha256") as hasher:
+    with ThreadPoolExecutor(1, thread_name_prefix="shard-sha256") as hasher, \
+            ThreadPoolExecutor(1, thread_name_prefix="shard-crc32") as crcer:
         hashed = hasher.submit(digest)
         pos = 0
         try:
@@ -261,9 +322,9 @@ def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None 
                 if progress:
                     progress(pos)
             copied.advance(pos, done=True)
-            sha = hashed.result()
+            result = hashed.result()
         finally:
             copied.advance(pos, done=True)  # an error or a kill: the hasher stops where the copy did
     if pos != plan.nbytes:
         raise ShardError(f"shard {plan.shard_id}: wrote {pos} bytes, planned {plan.nbytes}")
-    return ShardSums(sha)
+    return result

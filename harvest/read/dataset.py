@@ -7,10 +7,17 @@ preset). The map-style dataset gives random access by index; the iterable one st
 by shard (good locality on object storage) and splits shards between DataLoader workers and
 distributed ranks. Both open their reader lazily in each process, so they survive pickling
 into DataLoader workers.
+
+Each sample comes once, even where storage holds two copies of it (harvest.read.reader). A
+sample whose stored bytes fail their checksum is one bad item, not a failed run: the map-style
+dataset raises `CorruptSample` for that index (the caller asked for that item); the iterable
+one logs it once, by name, and goes on with the rest of the epoch (a shard that cannot be opened
+at all is skipped the same way, named once).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from collections.abc import Iterator
@@ -20,6 +27,9 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from harvest.config import RunConfig
 from harvest.read.reader import RunReader
+from harvest.read.shard_reader import CorruptSample, UnreadableShard
+
+log = logging.getLogger("harvest.read")
 
 
 class NoFinalState(ValueError):
@@ -105,6 +115,7 @@ class HiddenStateIterable(IterableDataset):
         self._lazy = _Lazy(url, dtype)
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.epoch = 0
+        self._logged: set[str] = set()  # corrupt samples and shards this process has named already
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -124,4 +135,18 @@ class HiddenStateIterable(IterableDataset):
             shards = shards[info.id :: info.num_workers]
         for shard in shards:
             for sid in r.shard_samples(shard):
-                yield self._lazy.item(sid)
+                try:
+                    item = self._lazy.item(sid)
+                except CorruptSample as e:
+                    self._log(sid, "skipping sample %s of shard %s: %s", sid, shard, e)
+                    continue
+                except UnreadableShard as e:  # none of the shard reads
+                    self._log(shard, "skipping shard %s (%d samples): %s", shard, len(r.shard_samples(shard)), e)
+                    break
+                yield item
+
+    def _log(self, key: str, msg: str, *args: object) -> None:
+        """Name a corrupt sample or shard once per process, however many epochs meet it."""
+        if key not in self._logged:
+            self._logged.add(key)
+            log.error(msg, *args)

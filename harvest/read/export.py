@@ -7,6 +7,12 @@ non-default aux set needs. The layouts are in their own modules: `harvest.read.s
 (per-sample `.ckpt`) and `harvest.read.speculators` (an Arrow dataset, `hidden_states/hs_{row}`,
 `token_freq.pt`). Every file is written to a temporary name and renamed, so an existing file is
 complete: an interrupted export re-run keeps those and writes only the rest.
+
+A corrupt sample (its stored bytes fail their checksum, or its shard cannot be opened at all:
+harvest.read.shard_reader) does not stop an export: every other sample is exported, and the
+report names each corrupt one with its shard
+(`harvest export` then exits 1), so a re-run after `harvest reconcile --verify` has dropped and
+re-extracted them writes just those.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from harvest.read import specforge
 from harvest.read.dataset import read_dtype
 from harvest.read.final_norm import FinalNorm, FinalNormError
 from harvest.read.reader import RunReader
+from harvest.read.shard_reader import CorruptSample, UnreadableShard
 from harvest.read.speculators import SpeculatorsExportError, export_speculators
 from harvest.read.trainers import EXPORT_FORMATS, TRAINER_NAMES
 from harvest.storage import TEMP_PREFIX
@@ -38,6 +45,8 @@ class ExportReport:
     written: int = 0
     skipped: int = 0
     notes: list[str] = field(default_factory=list)  # for the user: trainer flags this export needs, dtype warnings
+    # (sample id, why) of samples not exported: their bytes failed their check, or their shard cannot be opened
+    corrupt: list[tuple[str, CorruptSample | UnreadableShard]] = field(default_factory=list)
 
 
 def trainer_points(cfg: RunConfig, fmt: str) -> tuple[list[int], int]:
@@ -82,8 +91,8 @@ def export_run(
         try:
             norm = FinalNorm.from_checkpoint(model or reader.config.model, "pass --model with its path here")
             norm.unapply(torch.ones(1, reader.config.hidden_size))  # refused (1 + w) or zero norms: before any file
-            rep.written, rep.skipped = export_speculators(reader, dest, read_dtype(reader.config, dtype), norm,
-                                                          _atomic, progress)
+            rep.written, rep.skipped, rep.corrupt = export_speculators(
+                reader, dest, read_dtype(reader.config, dtype), norm, _atomic, progress)
         except (FinalNormError, SpeculatorsExportError) as e:
             raise ExportError(str(e)) from None
         return rep
@@ -99,8 +108,13 @@ def export_run(
                 if os.path.exists(path):
                     rep.skipped += 1
                 else:
-                    specforge.write_sample(reader.get(sid, dtype), reader, path, _atomic)
-                    rep.written += 1
+                    try:
+                        sample = reader.get(sid, dtype)
+                    except (CorruptSample, UnreadableShard) as e:
+                        rep.corrupt.append((sid, e))
+                    else:
+                        specforge.write_sample(sample, reader, path, _atomic)
+                        rep.written += 1
                 bar.update(1)
     return rep
 

@@ -18,6 +18,12 @@ samples. Hidden-state files are written to a temporary name and renamed, so an e
 complete and kept. The dataset and token_freq.pt are rewritten for all rows at every export
 (token ids only: small); the trainer's cached `d2t-*.npy` / `t2d-*.npy`, derived from the old
 token_freq.pt, are removed when the counts change.
+
+A row whose sample is corrupt (harvest.read.shard_reader: CorruptSample, UnreadableShard) gets no
+file; every other
+row's is written, but the dataset and token_freq.pt, which list every row, are left as the last
+complete export wrote them (or absent), so DEST never names a row it has no file for: the re-run
+after `harvest reconcile --verify` has re-extracted the sample completes it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from tqdm import tqdm
 
 from harvest.read.final_norm import FinalNorm
 from harvest.read.reader import RunReader
+from harvest.read.shard_reader import CorruptSample, UnreadableShard
 from harvest.storage import TEMP_PREFIX, atomic_write_local
 
 MANIFEST = "harvest-export.json"
@@ -60,32 +67,40 @@ def export_speculators(
     norm: FinalNorm,
     atomic: Callable[[str, Callable[[str], None]], None],
     progress: bool = True,
-) -> tuple[int, int]:
-    """Write (or complete) the speculators dataset of `reader`'s run at `dest`; (written, kept)."""
+) -> tuple[int, int, list[tuple[str, CorruptSample | UnreadableShard]]]:
+    """Write (or complete) the speculators dataset of `reader`'s run at `dest`; (written, kept,
+    the corrupt samples whose rows could not be written)."""
     if importlib.util.find_spec("datasets") is None:  # checked before any file is written
         raise SpeculatorsExportError("the speculators export saves its dataset with the `datasets` package: "
                                      "pip install 'harvest[speculators]' (or datasets)")
     rows = _plan_rows(reader, dest)
     os.makedirs(os.path.join(dest, HIDDEN), exist_ok=True)
     written = kept = 0
+    corrupt: list[tuple[str, CorruptSample | UnreadableShard]] = []
     ids_col, mask_col = [], []
     freq: Counter[int] = Counter()
     with tqdm(total=len(rows), desc="export speculators", unit=" samples", disable=not progress) as bar:
         for row, sid in enumerate(rows):
+            bar.update(1)
             path = hs_file(dest, row)
-            if os.path.exists(path):
-                ids, mask = reader.tokens(sid)
-                kept += 1
-            else:
-                sample = reader.get(sid, dtype)
-                ids, mask = sample["input_ids"], sample["loss_mask"]
-                atomic(path, lambda tmp, s=sample: save_file(_hs_tensors(s, norm), tmp))
-                written += 1
+            try:
+                if os.path.exists(path):
+                    ids, mask = reader.tokens(sid)
+                    kept += 1
+                else:
+                    sample = reader.get(sid, dtype)
+                    ids, mask = sample["input_ids"], sample["loss_mask"]
+                    atomic(path, lambda tmp, s=sample: save_file(_hs_tensors(s, norm), tmp))
+                    written += 1
+            except (CorruptSample, UnreadableShard) as e:
+                corrupt.append((sid, e))
+                continue
             ids, mask = ids.to(torch.int64), mask.to(torch.int64)
             ids_col.append(ids.tolist())
             mask_col.append(mask.tolist())
             freq.update(ids[mask.bool()].tolist())
-            bar.update(1)
+    if corrupt:
+        return written, kept, corrupt  # the dataset would name rows without a file: left as it was
     freq_path = os.path.join(dest, TOKEN_FREQ)
     old_freq = torch.load(freq_path, weights_only=True) if os.path.exists(freq_path) else None
     if old_freq != dict(freq):  # the trainer's vocab mappings cached from the old counts are stale
@@ -93,7 +108,7 @@ def export_speculators(
             os.unlink(stale)
     _save_dataset(dest, ids_col, mask_col)
     atomic(freq_path, lambda tmp: _save_freq(dict(freq), tmp))
-    return written, kept
+    return written, kept, corrupt
 
 
 def _hs_tensors(sample: dict, norm: FinalNorm) -> dict[str, torch.Tensor]:

@@ -1,15 +1,18 @@
-"""The streaming shard writer against the in-memory reference encoding, and range reads back."""
+"""The streaming shard writer against the in-memory reference encoding, its checksums against
+hashlib's and zlib's of the reference bytes, and range reads back."""
 
 import errno
 import io
+import itertools
 import json
 import os
+import zlib
 
 import pytest
 import torch
 
-from harvest.formats.index import ShardError, index_file
-from harvest.formats.shard import copy_shard, plan_shard, shard_file, write_shard
+from harvest.formats.index import ShardError, encode_index, index_file, parse_index
+from harvest.formats.shard import ShardSums, copy_shard, plan_shard, shard_file, write_shard
 from harvest.formats.spool import SpoolError, inspect_sample, spool_path
 from harvest.formats.stformat import BLOCK, encode
 from harvest.read.shard_reader import ShardReader
@@ -22,20 +25,28 @@ def _plan(spool, cfg, samples):
     return plan_shard(entries, cfg.run, cfg.capture_points, cfg.torch_dtype)
 
 
-def _stream(plan) -> tuple[bytes, str]:
+def _stream(plan) -> tuple[bytes, ShardSums]:
     buf = io.BytesIO()
-    sha = write_shard(plan, buf)
-    return buf.getvalue(), sha
+    sums = write_shard(plan, buf)
+    return buf.getvalue(), sums
 
 
-def _copy(plan, path) -> tuple[bytes, str]:
+def _copy(plan, path) -> tuple[bytes, ShardSums]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        sha = copy_shard(plan, fd)
+        sums = copy_shard(plan, fd)
     finally:
         os.close(fd)
     with open(path, "rb") as f:
-        return f.read(), sha
+        return f.read(), sums
+
+
+def _reference_crc32(ref: dict, offsets: list[int]) -> list[list[int]]:
+    """zlib.crc32 of each sample's rows of each tensor but `offsets`, in sorted name order, computed
+    from the reference tensors' own bytes (not from the shard)."""
+    names = sorted(n for n in ref if n != "offsets")
+    return [[zlib.crc32(ref[n][a:b].contiguous().view(torch.uint8).numpy().tobytes()) for n in names]
+            for a, b in itertools.pairwise(offsets)]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32", "fp8_e4m3"])
@@ -60,16 +71,22 @@ def test_streamed_shard_equals_reference_encoding_and_reads_back_by_range(tmp_pa
     meta = {"format": "harvest-shard-1", "run": "r", "sample_ids": json.dumps([s.id for s in samples]),
             "capture_points": json.dumps(POINTS)}
     assert data == encode(ref, meta, BLOCK)  # tensor data on a filesystem block (harvest.formats.filecopy)
-    assert sha == hashlib.sha256(data).hexdigest() and plan.nbytes == len(data)
-    assert _copy(plan, str(tmp_path / "copied")) == (data, sha)  # a local output: the kernel's copy, hashed aside
+    assert sha.sha256 == hashlib.sha256(data).hexdigest() and plan.nbytes == len(data)
+    names = ["hidden_scale", "hidden_states", "input_ids", "loss_mask"] if dtype == "fp8_e4m3" else \
+        ["hidden_states", "input_ids", "loss_mask"]
+    assert sha.crc32 == _reference_crc32(ref, offsets) and len(sha.crc32) == 4 and len(sha.crc32[0]) == len(names)
+    assert _copy(plan, str(tmp_path / "copied")) == (data, sha)  # a local output: the kernel's copy, summed aside
     index = plan.index(sha)
     assert index["offsets"] == offsets and index["samples"] == [s.id for s in samples]
     assert index["tokens"] == [1, 17, 5, 300] and index["dtype"] == str(cfg.torch_dtype).removeprefix("torch.")
     assert index["final_state"] == "post-norm"  # what the final slot holds, whatever the engine
+    assert index["sha256"] == sha.sha256 and index["crc32"] == sha.crc32 and index["crc32_tensors"] == names
+    assert encode_index(index) == json.dumps(index, indent=1).encode()  # the collector's encoding, byte for byte
+    assert parse_index(json.loads(encode_index(index)), "i.json") == index
 
     loc = Location.from_url(str(tmp_path / "out"))
     loc.write_atomic(shard_file(plan.shard_id), data)
-    loc.write_atomic(index_file(plan.shard_id), json.dumps(index).encode())
+    loc.write_atomic(index_file(plan.shard_id), encode_index(index))
     r = ShardReader(loc, index)
     for i, s in enumerate(samples):
         got = r.sample(i)
@@ -152,3 +169,22 @@ def test_spool_file_of_another_dtype_cannot_join_a_shard(tmp_path):
         inspect_sample(spool_path(spool, s.id), s.id, len(POINTS), HIDDEN, cfg.torch_dtype)
     with pytest.raises(ShardError, match="at least one sample"):
         plan_shard([], "r", POINTS, torch.bfloat16)
+
+
+@pytest.mark.parametrize("how", ["streaming", "copying"])
+def test_crc32_of_samples_read_in_pieces_cut_anywhere(tmp_path, monkeypatch, how):
+    """The sums see the shard in buffers that cut samples and tensors anywhere (a buffer smaller
+    than a sample, not a multiple of a row): each sample's crc32s still cover exactly its rows."""
+    from harvest.formats import shard
+
+    cfg = make_config(str(tmp_path / "out"), dtype="fp8_e4m3")
+    spool = str(tmp_path / "spool")
+    samples = spool_samples(spool, cfg, [40, 1, 33, 7])
+    plan = _plan(spool, cfg, samples)
+    want_bytes, want = _stream(plan)  # 8 MiB buffers: every sample in one piece
+    monkeypatch.setattr(shard, "COPY_BUFFER", 1000)
+    got = _stream(plan) if how == "streaming" else _copy(plan, str(tmp_path / "copied"))
+    ref = {"hidden_scale": torch.cat([s.hidden_scale for s in samples]),
+           "hidden_states": torch.cat([s.hidden_states for s in samples]),
+           "input_ids": torch.cat([s.input_ids for s in samples]), "loss_mask": torch.cat([s.loss_mask for s in samples])}
+    assert got == (want_bytes, want) and want.crc32 == _reference_crc32(ref, [0, 40, 41, 74, 81])
