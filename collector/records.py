@@ -21,7 +21,7 @@ from collections.abc import Callable
 import redis
 
 from harvest.formats.claims import Claimer
-from harvest.formats.index import ShardIndex, index_file
+from harvest.formats.index import encode_index, index_file
 from harvest.formats.shard import shard_file
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
@@ -40,15 +40,10 @@ class Voided(Exception):
     """The commit fence refused a shard: it must never be indexed."""
 
 
-def index_body(index: ShardIndex) -> bytes:
-    """The index file's bytes: one encoding, so every writer of a decided record writes the same file."""
-    return json.dumps(index, indent=1).encode()
-
-
 def write_decided_index(out: Location, rec: PackingRecord, retry: Retry) -> None:
     name = index_file(rec.shard_id)
     if not retry(lambda: out.exists(name), f"checking {out.path(name)}"):
-        retry(lambda: out.write_atomic(name, index_body(rec.index)), f"writing {out.path(name)}")
+        retry(lambda: out.write_atomic(name, encode_index(rec.index)), f"writing {out.path(name)}")
 
 
 def remove_shard(out: Location, shard_id: str, retry: Retry) -> None:

@@ -27,17 +27,43 @@ from harvest.read.trainers import EXPORT_FORMATS
 @redis_option
 @click.option("--out", "out_url", default=None,
               help="The run's output URL; needed when Redis lost the run (its run.json is read from there).")
+@click.option("--dedupe", is_flag=True,
+              help="First remove the extra copies of samples committed by more than one shard from the index (the "
+                   "copy readers read is kept); idempotent, safe while the run goes on.")
+@click.option("--verify", is_flag=True,
+              help="First check every committed sample's bytes against its index's checksums and drop corrupt ones "
+                   "from the index, so that they are extracted again.")
+@no_progress_option
 @s3_options
-def reconcile_cmd(run, redis_url, out_url, s3_endpoint, s3_region) -> None:
+def reconcile_cmd(run, redis_url, out_url, dedupe, verify, no_progress, s3_endpoint, s3_region) -> None:
     """Bring the ledger of RUN in line with the index files in storage, both ways: committed samples
     done, samples done in the ledger but in no index back on the queue."""
     apply_s3_env(s3_endpoint, s3_region)
     check_output(out_url)
     conn = connect(redis_url)
     from harvest.ops.reconcile import reconcile, restore_run
-    from harvest.state.runstore import load_run
+    from harvest.state.runstore import load_run, run_location
 
     cfg = restore_run(conn, run, out_url) if out_url else load_run(conn, run)
+    loc = run_location(cfg.out_url, cfg.run)
+    if dedupe:
+        from harvest.ops.dedupe import dedupe_run
+
+        click.echo(dedupe_run(loc).line())
+    if verify:
+        from tqdm import tqdm
+
+        from harvest.ops.verify import verify_run
+
+        with tqdm(desc="verify", unit=" samples", disable=no_progress) as bar:
+            def progress(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
+
+            rep = verify_run(loc, exclude=True, progress=progress)
+        click.echo(rep.line())
+        for c in rep.corrupt:
+            click.echo(f"  {c.line()}")
     click.echo(reconcile(conn, cfg).line())
 
 

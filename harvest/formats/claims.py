@@ -9,7 +9,8 @@ shard it claims every sample of it in storage, with a create that only one write
 shard and the ledger (`Ledger.identity`). Outcomes per sample:
 
 - created now, or found naming this very shard: ours;
-- naming a shard whose index exists: committed there; this collector marks it done and drops it;
+- naming a shard whose index commits it: committed there; this collector marks it done and drops it
+  (an index that excludes it, a corrupt copy dropped for re-extraction, makes the claim abandoned);
 - naming a shard with no index, of this ledger and recorded by no collector of it (`Abandoned`),
   or of another ledger and older than STALE_S by the store's own clock: abandoned (its collector
   died with its record lost); taken over with a conditional delete and a new create;
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from harvest.formats.index import index_file
+from harvest.formats.index import committed_samples, index_file, parse_index
 from harvest.ids import check_id
 from harvest.storage import Location
 
@@ -135,11 +136,14 @@ class Claimer:
             if held is not None and held.shard == shard_id and held.ledger == self.ledger_id:
                 out.mine.append(sid)  # ours, from an earlier attempt at this very shard
                 return
-            if held is not None and self.retry(lambda: self.out.exists(index_file(held.shard)),
-                                               f"checking {self.out.path(index_file(held.shard))}"):
+            doc = None if held is None else self.retry(lambda: _read_or_none(self.out, index_file(held.shard)),
+                                                       f"reading {self.out.path(index_file(held.shard))}")
+            if doc is not None and sid in committed_samples(parse_index(json.loads(doc), index_file(held.shard))):
                 out.committed[sid] = held.shard
                 return
-            if held is not None and not self._abandoned(held, name, now):
+            # an index that excludes the sample (a corrupt copy dropped for re-extraction, a duplicate)
+            # no longer commits it: its claim is abandoned
+            if held is not None and doc is None and not self._abandoned(held, name, now):
                 out.busy[sid] = held.shard
                 return
             if self.retry(lambda: self.out.delete_if(name, raw), f"taking over {self.out.path(name)}") \

@@ -27,6 +27,7 @@ from harvest.formats.index import (
     parse_index,
     with_excluded,
 )
+from harvest.formats.claims import Claim, claim_file
 from harvest.storage import Location, retry
 
 
@@ -70,4 +71,17 @@ def dedupe_run(loc: Location) -> DedupeReport:
             drop.setdefault(shard, {})[sample] = f"duplicate: kept in shard {copies.kept[sample]}"
     rep = DedupeReport(samples=list(copies.extra))
     rep.rewritten = [shard for shard in sorted(drop) if exclude_in_index(loc, shard, drop[shard])]
+    for sample in copies.extra:
+        _claim_for(loc, sample, copies.kept[sample])
     return rep
+
+
+def _claim_for(loc: Location, sample: str, shard: str) -> None:
+    """Point the sample's claim (harvest.formats.claims) at the copy kept, so a collector that
+    meets it later finds it committed, not abandoned in an index that now excludes it."""
+    name = claim_file(sample)
+    raw = retry(lambda: loc.read_bytes(name) if loc.exists(name) else None, f"reading {loc.path(name)}")
+    held = Claim.from_bytes(raw) if raw is not None else None
+    if held is None or held.shard != shard:
+        body = Claim(shard, held.ledger if held else "").to_bytes()
+        retry(lambda: loc.write_atomic(name, body), f"writing {loc.path(name)}")

@@ -30,7 +30,7 @@ import numpy as np
 import redis
 
 from harvest.config import RunConfig
-from harvest.formats.index import INDEX, parse_index
+from harvest.formats.index import INDEX, committed_samples, parse_index
 from harvest.formats.shard import SHARDS
 from harvest.formats.stformat import FormatError, header_length, parse_header, tensor_from_bytes
 from harvest.ids import job_id_for
@@ -67,12 +67,6 @@ def restore_run(conn: redis.Redis, run: str, out_url: str) -> RunConfig:
     loc = run_location(out_url, run)
     cfg = retry(lambda: read_run_json(loc), f"reading {loc.path('run.json')}")
     return publish_run(conn, cfg)
-
-
-def committed_samples(doc: dict) -> list[str]:
-    """The samples an index commits: its samples less those it excludes (duplicates, corrupt)."""
-    excluded = doc.get("excluded") or {}
-    return [s for s in doc["samples"] if s not in excluded]
 
 
 def reconcile(conn: redis.Redis, cfg: RunConfig, keepalive: Callable[[], None] | None = None) -> ReconcileReport:

@@ -4,6 +4,7 @@ Redis's AOF cut back by one and two seconds right after a commit."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections import Counter
@@ -11,8 +12,7 @@ from collections import Counter
 import pytest
 
 from harvest.cli.demo import demo_rows, write_jsonl
-from harvest.formats.index import INDEX
-from harvest.ops.reconcile import committed_samples
+from harvest.formats.index import INDEX, committed_samples
 from harvest.read.reader import RunReader
 from harvest.storage import Location
 from tests.support.chaos import Trial
@@ -85,3 +85,59 @@ def test_aof_cut_back_right_after_a_commit_finishes_by_itself_with_every_sample_
     assert result.ok, result.summary() + "\n" + "\n".join(result.timeline)
     assert result.kills == {"rollback": 1} and result.done == 40 and result.failed == 0, result.summary()
     assert result.restarts_on_exit == {}, result.summary()  # the run finished by itself: nothing had to be restarted
+
+
+def test_reconcile_dedupes_a_seeded_duplicate_and_sends_a_corrupt_sample_back_for_extraction(tmp_path, tiny_model):
+    from harvest.cli.redisproc import RedisServer
+    from harvest.formats.index import encode_index
+    from harvest.read.shard_reader import CorruptSample, ShardReader
+
+    dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(24))
+    out = tmp_path / "out"
+    args = _run_args(dataset, tiny_model, out, tmp_path, "a")
+    res = harvest_cli(*args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    loc = Location.from_url(f"file://{out}/twice")
+    before = _copies(loc.url())
+    first, second = loc.list(INDEX, ".json")[:2]
+    # a duplicate, as an older harvest or two fleets would leave it: shard `first` stored again under another id
+    doc = loc.read_json(f"{INDEX}/{first}")
+    dup_id = "f" * 32
+    loc.write_atomic(f"shards/{dup_id}.safetensors", loc.read_bytes(doc["shard"]))
+    loc.write_atomic(f"{INDEX}/{dup_id}.json", encode_index({**doc, "shard_id": dup_id,
+                                                             "shard": f"shards/{dup_id}.safetensors"}))
+    reader = RunReader(loc.url())
+    assert sorted(reader.sample_ids) == sorted(before) and set(reader.duplicates) == set(doc["samples"])
+    # a flipped byte in one sample's hidden states
+    bad_doc = loc.read_json(f"{INDEX}/{second}")
+    bad = bad_doc["samples"][0]
+    span = ShardReader(loc, bad_doc).tensors["hidden_states"]
+    path = loc.path(bad_doc["shard"])
+    with open(path, "r+b") as f:
+        f.seek(span.begin + 3)
+        byte = f.read(1)
+        f.seek(span.begin + 3)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(CorruptSample, match=f"sample {bad} is corrupt"):
+        RunReader(loc.url()).get(bad)
+
+    with RedisServer(str(tmp_path / "work-a" / "redis")) as server:  # the finished run's private Redis, again
+        res = harvest_cli("reconcile", "--run", "twice", "--redis", server.url, "--dedupe", "--verify", "--no-progress")
+        assert res.returncode == 0, res.stderr
+        lines = res.stdout.splitlines()
+        assert lines[0] == f"deduplicated {len(doc['samples'])} samples committed by more than one shard (1 index files rewritten)"
+        assert lines[1].startswith("verified ") and lines[1].endswith(": 1 corrupt, excluded from 1 index files")
+        assert lines[2].startswith(f"  sample {bad} of shard {bad_doc['shard_id']}: corrupt: tensor hidden_states")
+        assert lines[3] == "marked 0 samples done from storage; 1 done in the ledger but committed by no index went " \
+                           "back to the queue"
+        res = harvest_cli("reconcile", "--run", "twice", "--redis", server.url, "--dedupe", "--no-progress")
+        assert res.stdout.splitlines()[0] == "deduplicated 0 samples committed by more than one shard (0 index files rewritten)"
+        kept = min(doc["shard_id"], dup_id)  # every claim names the copy readers read
+        assert {json.loads(loc.read_bytes(f"claims/{s}.json"))["shard"] for s in doc["samples"]} == {kept}
+    res = harvest_cli(*args)  # the run again: it extracts the corrupt sample anew
+    assert res.returncode == 0, res.stdout + res.stderr
+    reader = RunReader(loc.url())
+    assert reader.duplicates == {} and sorted(reader.sample_ids) == sorted(before)
+    assert reader.shard_of(bad) != bad_doc["shard_id"]
+    reader.get(bad)  # read back whole and checked
+    assert set(_copies(loc.url()).values()) == {1}

@@ -90,8 +90,8 @@ def _status(run, redis_url) -> dict:
 def _check_every_sample_once(conn, run, out_url, total):
     ledger = Ledger(conn, run)
     assert ledger.counts() == {"queued": 0, "spooled": 0, "done": total, "failed": 0, "total": total}
-    reader = RunReader(f"{out_url}/{run}")  # refuses a sample in two shards
-    assert len(reader) == total
+    reader = RunReader(f"{out_url}/{run}")
+    assert reader.duplicates == {} and len(reader) == total  # no sample in two shards
     loc = Location.from_url(f"{out_url}/{run}")
     indexed = sorted(n.removesuffix(".json") for n in loc.list(INDEX, ".json"))
     assert sorted(n.removesuffix(".safetensors") for n in loc.list(SHARDS, ".safetensors")) == indexed  # no orphan
