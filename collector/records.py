@@ -14,7 +14,6 @@ so its shard must never be indexed; whoever finds it removes the shard's object 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 
