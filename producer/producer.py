@@ -71,7 +71,33 @@ def _batches(rows: Iterable, n: int) -> Iterator[list]:
         yield batch
 
 
-def produce(
+def produce(conn: redis.Redis | None, cfg: RunConfig | None, dataset: str, *args, dry_run: bool = False,
+            **kw) -> ProduceSummary:
+    """Tokenize DATASET and enqueue its samples for the run (or only count them, with dry_run);
+    the arguments are `produce_pass`'s.
+
+    Enqueues are idempotent, so a pass during which the Redis server changed (a restart that may
+    have lost its last second of writes with `appendfsync everysec`, a failover: its INFO run_id
+    differs) is simply followed by another, which enqueues only what the server does not know;
+    the passes repeat until one ran on one server throughout."""
+    if dry_run:
+        return produce_pass(conn, cfg, dataset, *args, dry_run=True, **kw)
+    from harvest.ops.recovery import server_id
+
+    earlier = ProduceSummary()
+    while True:
+        before = server_id(conn)
+        s = produce_pass(conn, cfg, dataset, *args, **kw)
+        s.skipped = max(0, s.skipped - earlier.enqueued)  # what an earlier pass enqueued is not "already known"
+        s.enqueued, s.tokens, s.jobs = s.enqueued + earlier.enqueued, s.tokens + earlier.tokens, s.jobs + earlier.jobs
+        if server_id(conn) == before:
+            return s
+        log.warning("Redis restarted while %s was enqueued (a new server run_id): its last writes may be lost, so "
+                    "the dataset is enqueued again (samples Redis knows are skipped)", dataset)
+        earlier = s
+
+
+def produce_pass(
     conn: redis.Redis | None,
     cfg: RunConfig | None,
     dataset: str,
@@ -88,7 +114,8 @@ def produce(
     processes: int = 1,
     on_wait: Callable[[int], None] | None = None,
 ) -> ProduceSummary:
-    """Tokenize DATASET and enqueue its samples for the run (or only count them, with dry_run).
+    """One pass over DATASET: tokenize it and enqueue its samples for the run (or only count
+    them, with dry_run).
 
     `chat_template` is the template's text (overrides the tokenizer's). A dry run needs neither `conn`
     nor `cfg` when `tokenizer` is given. `on_wait(queued)` is called while the queue is full (the
