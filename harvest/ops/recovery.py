@@ -84,12 +84,14 @@ class Recovery:
             time.sleep(0.2)  # another process is reconciling: its lock expires if it dies
 
     def _reconcile(self, sid: str, token: str) -> None:
-        first = self.conn.get(self.keys.ledger_epoch) is None and self.conn.exists(self.keys.state) == 0
+        first = self.conn.get(self.keys.ledger_epoch) is None  # this ledger's first server (or a wiped one)
         publish_run(self.conn, self.cfg)  # a Redis that lost the run gets it back (refused if it differs)
         t0 = time.monotonic()
         rep = reconcile(self.conn, self.cfg,
                         keepalive=lambda: self.conn.eval(_RENEW, 1, self.keys.reconcile_lock, token, LOCK_MS))
         self.conn.set(self.keys.ledger_epoch, sid)
-        if not first or rep.committed:
-            log.warning("Redis server %s is new to run %s (a restart, a rollback or a failover): ledger reconciled "
-                        "from storage in %.1fs: %s", sid[:12], self.cfg.run, time.monotonic() - t0, rep.line())
+        changed = rep.marked_done or rep.requeued or rep.forgotten
+        log.log(logging.WARNING if changed or not first else logging.INFO,
+                "Redis server %s is new to run %s%s: ledger reconciled from storage in %.1fs: %s", sid[:12],
+                self.cfg.run, "" if first else " (a restart, a rollback or a failover)", time.monotonic() - t0,
+                rep.line())
