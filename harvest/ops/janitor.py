@@ -7,13 +7,21 @@ worker is dead when its harvest heartbeat (harvest.state.heartbeat, 15 s TTL) is
 is put back on the queue at once, in one WATCHed transaction with the registry entry's removal,
 so two janitors can never enqueue it twice. A job whose worker died `max_reaps` times (a sample
 that kills the engine or the worker, say) is not retried forever: its still-queued samples fail
-with reason `worker-died`.
+with reason `worker-died`. harvest.ops.liveness holds those rules, and takes back the executions
+of live workers that run something else (a Redis rolled back under the fleet) and jobs dequeued
+by a worker that died before starting them.
 
 Every worker runs a janitor pass every few seconds (one of them does the run-wide part, under a
 short lock); `harvest janitor` runs the same passes for operators. The run-wide part also moves
 due transient-error retries (jobs that returned `rq.Retry` with a backoff interval) from RQ's
 ScheduledJobRegistry to the queue, which RQ would only do with its separate scheduler process,
-and reclaims node spools whose lease lapsed (harvest.ops.reclaim).
+reclaims node spools whose lease lapsed (harvest.ops.reclaim), and re-enqueues samples queued in
+no job (harvest.ops.stranded).
+
+Clocks: every decision of the run-wide part is taken by Redis's clock (one `TIME` per pass) or
+by key TTLs, never by this node's clock, so a node whose clock is off cannot fail or strand
+another node's job (workers.rqworker turns off RQ's own node-clock cleanups). The node-local
+part compares file times with this node's clock: both are the node's own.
 """
 
 from __future__ import annotations
@@ -27,52 +35,61 @@ from dataclasses import dataclass, field
 
 import redis
 from rq.exceptions import NoSuchJobError
-from rq.executions import Execution
-from rq.job import Job, JobStatus
-from rq.registry import FailedJobRegistry
-from rq.utils import current_timestamp
 
 from harvest.config import ConfigError, RunConfig
 from harvest.formats.dump import parse_chunk_name
 from harvest.ids import ID_PATTERN, RID_PREFIX, parse_rid
 from harvest.node.dumpdir import claim_dir_owner, is_temp
+from harvest.ops.liveness import MAX_REAPS, tend_liveness
 from harvest.ops.reclaim import ReclaimReport, reclaim_lost_spools
-from harvest.state.failures import WORKER_DIED, record_failures
-from harvest.state.heartbeat import HEARTBEAT_TTL_S, worker_alive
+from harvest.ops.stranded import StrandedReport, tend_stranded
+from harvest.state.heartbeat import HEARTBEAT_TTL_S
 from harvest.state.jobs import fetch_job, run_queue
-from harvest.state.keys import Keys, rq_execution_key, rq_worker_key, worker_key
-from harvest.state.ledger import DONE, FAILED, QUEUED, Ledger
-from harvest.state.payload import PayloadError, decode_batch
+from harvest.state.keys import Keys, rq_worker_key, worker_key
+from harvest.state.ledger import DONE, FAILED, Ledger
 from harvest.state.runstore import load_run
+from harvest.state.spools import redis_time
 
 log = logging.getLogger("harvest.janitor")
 
-MAX_REAPS = 3
 STALE_DUMP_S = 900.0
 PROVEN_STALE_S = 2.0  # files the ledger proves unclaimable: only give a rename in flight time to land
+MAX_RETRY_INTERVAL_S = 300  # the longest backoff harvest uses (workers.job.backoff_intervals' cap)
+RETRY_SLACK_S = 10  # clocks a few seconds apart are not "absurdly" ahead
 
 
 @dataclass
 class JanitorReport:
     reaped: list[str] = field(default_factory=list)  # job ids put back on the queue
     gave_up: list[str] = field(default_factory=list)  # job ids whose samples failed with worker-died
+    suspects: list[str] = field(default_factory=list)  # executions of live workers running other work: taken back
+    dequeued: list[str] = field(default_factory=list)  # jobs dequeued by a worker that died before starting them
     promoted: list[str] = field(default_factory=list)  # scheduled retries moved to the queue
     forgotten_workers: list[str] = field(default_factory=list)
     claim_dirs_removed: list[str] = field(default_factory=list)
     stale_dumps_removed: int = 0
     reclaimed: list[ReclaimReport] = field(default_factory=list)  # lost spools whose samples went back to the queue
+    stranded: StrandedReport = field(default_factory=StrandedReport)  # samples queued in no job
 
     def any(self) -> bool:
-        return bool(self.reaped or self.gave_up or self.promoted or self.forgotten_workers
-                    or self.claim_dirs_removed or self.stale_dumps_removed or any(r.samples for r in self.reclaimed))
+        return bool(self.reaped or self.gave_up or self.suspects or self.dequeued or self.promoted
+                    or self.forgotten_workers or self.claim_dirs_removed or self.stale_dumps_removed
+                    or any(r.samples for r in self.reclaimed) or self.stranded.requeued or self.stranded.lost)
 
     def line(self) -> str:
         """One line for logs and `harvest janitor`."""
+        st = self.stranded
         return (f"reaped {len(self.reaped)} jobs, gave up {len(self.gave_up)}, released {len(self.promoted)} retries, "
                 f"forgot {len(self.forgotten_workers)} dead workers, removed {len(self.claim_dirs_removed)} claim dirs "
                 f"and {self.stale_dumps_removed} stale dump files"
+                + (f"; took back {len(self.suspects)} executions of live workers running other work"
+                   if self.suspects else "")
+                + (f"; put back {len(self.dequeued)} jobs dequeued and never started" if self.dequeued else "")
                 + "".join(f"; reclaimed spool {r.spool} of node {r.node}: {len(r.samples)} samples"
-                          for r in self.reclaimed if r.samples))
+                          for r in self.reclaimed if r.samples)
+                + (f"; {len(st.requeued)} samples queued in no job back on the queue in {len(st.jobs)} jobs"
+                   if st.requeued else "")
+                + (f"; {len(st.lost)} samples queued in no job, tokens kept nowhere: failed" if st.lost else ""))
 
 
 def _acquire(conn: redis.Redis, key: str, ttl_ms: int) -> str | None:
@@ -80,75 +97,27 @@ def _acquire(conn: redis.Redis, key: str, ttl_ms: int) -> str | None:
     return token if conn.set(key, token, nx=True, px=ttl_ms) else None
 
 
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# Release the lock if it is still ours: at once (ARGV[2] == 0), or after ARGV[2] ms.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if tonumber(ARGV[2]) > 0 then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return redis.call('DEL', KEYS[1])
+"""
 
 
-def reap_dead_workers(conn: redis.Redis, run: str, max_reaps: int = MAX_REAPS) -> tuple[list[str], list[str]]:
-    """Put back the started jobs whose worker has no heartbeat; returns (requeued, given up)."""
-    keys = Keys(run)
-    queue = run_queue(conn, run)
-    reg = queue.started_job_registry
-    requeued, gave_up = [], []
-    for job_id, exec_id in reg.get_job_and_execution_ids(cleanup=False):
-        entry = f"{job_id}:{exec_id}"
-        worker = conn.hget(rq_execution_key(job_id, exec_id), "worker_name")
-        if worker is None or worker_alive(conn, worker.decode()):
-            continue  # alive, or an execution RQ itself will expire
-        worker = worker.decode()
-        try:
-            job = fetch_job(conn, job_id)
-        except NoSuchJobError:
-            conn.zrem(reg.key, entry)
-            continue
-        with conn.pipeline(transaction=True) as pipe:
-            try:
-                pipe.watch(reg.key)
-                if pipe.zscore(reg.key, entry) is None:
-                    continue  # someone else took it back
-                times = int(pipe.hget(keys.reaped, job_id) or 0) + 1
-                pipe.multi()
-                # RQ's own bookkeeping of the execution: its key, the started registry entry, the
-                # job's execution registry and the dead worker's execution index.
-                Execution(exec_id, job_id, conn, worker_name=worker).delete(job=job, pipeline=pipe)
-                pipe.hincrby(keys.reaped, job_id, 1)
-                if times <= max_reaps:
-                    queue.enqueue_job(job, pipeline=pipe)
-                else:
-                    job.set_status(JobStatus.FAILED, pipeline=pipe)
-                    FailedJobRegistry(queue=queue).add(
-                        job, ttl=job.failure_ttl, pipeline=pipe,
-                        exc_string=f"worker {worker} died while running this job {times} times: given up")
-                pipe.execute()
-            except redis.WatchError:
-                continue  # the registry moved under us: the next pass looks again
-        if times <= max_reaps:
-            log.warning("worker %s is dead: job %s back on the queue (%d of %d)", worker, job_id, times, max_reaps)
-            Ledger(conn, run).add_stats(jobs_reaped=1)
-            requeued.append(job_id)
-        else:
-            _fail_samples_of(conn, run, job, f"the worker running this sample's job died {times} times "
-                             f"(last: {worker}); does the sample crash the engine or the worker?")
-            gave_up.append(job_id)
-    return requeued, gave_up
-
-
-def _fail_samples_of(conn: redis.Redis, run: str, job: Job, message: str) -> None:
-    try:
-        _, samples = decode_batch(job.args[0])
-    except (PayloadError, IndexError, TypeError) as e:
-        log.error("job %s holds no valid payload (%s); its samples cannot be failed by id", job.id, e)
-        return
-    ledger = Ledger(conn, run)
-    todo = [s for s, st in zip(samples, ledger.states([s.id for s in samples])) if st == QUEUED]
-    record_failures(ledger, run, {s.id: s for s in todo}, {s.id: (WORKER_DIED, message) for s in todo})
-
-
-def promote_due_retries(conn: redis.Redis, run: str) -> list[str]:
-    """Move jobs whose retry backoff has passed from the ScheduledJobRegistry to the queue."""
+def promote_due_retries(conn: redis.Redis, run: str, now: float | None = None) -> list[str]:
+    """Move jobs whose retry backoff has passed (by Redis's clock, `now`) from the
+    ScheduledJobRegistry to the queue. A due time further ahead than any backoff harvest uses
+    (MAX_RETRY_INTERVAL_S) was written by a node whose clock runs ahead: due too."""
     queue = run_queue(conn, run)
     reg = queue.scheduled_job_registry
+    now = redis_time(conn) if now is None else now
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.zrangebyscore(reg.key, "-inf", now, start=0, num=1000)
+        pipe.zrangebyscore(reg.key, f"({now + MAX_RETRY_INTERVAL_S + RETRY_SLACK_S}", "+inf", start=0, num=1000)
+        due, absurd = pipe.execute()
     moved = []
-    for job_id in reg.get_jobs_to_schedule(current_timestamp()):
+    for job_id in dict.fromkeys(j.decode() for j in due + absurd):
         with conn.pipeline(transaction=True) as pipe:
             try:
                 pipe.watch(reg.key)
@@ -171,16 +140,30 @@ def promote_due_retries(conn: redis.Redis, run: str) -> list[str]:
     return moved
 
 
+def prune_registries(conn: redis.Redis, run: str, now: float) -> None:
+    """Drop failed and finished registry entries whose time ran out (by Redis's clock, `now`): what
+    RQ's maintenance did by the node's clock (workers.rqworker). Their job hashes expire by TTL."""
+    queue = run_queue(conn, run)
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.zremrangebyscore(queue.failed_job_registry.key, 0, now)
+        pipe.zremrangebyscore(queue.finished_job_registry.key, 0, now)
+        pipe.execute()
+
+
 def forget_dead_workers(conn: redis.Redis, run: str) -> list[str]:
     """Drop dead workers from the run's worker set and from RQ's worker registry (so rq-dashboard
     and `rq info` stop listing them before RQ's own key expires)."""
     from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
     keys = Keys(run)
+    names = sorted(n.decode() for n in conn.smembers(keys.workers))
+    with conn.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.exists(worker_key(name))
+        alive = pipe.execute()
     gone = []
-    for raw in conn.smembers(keys.workers):
-        name = raw.decode()
-        if worker_alive(conn, name):
+    for name, live in zip(names, alive):
+        if live:
             continue
         rq_key = rq_worker_key(name)
         with conn.pipeline(transaction=True) as pipe:
@@ -260,21 +243,31 @@ def _stored_run(conn: redis.Redis, run: str) -> RunConfig | None:
 
 
 def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_reaps: int = MAX_REAPS,
-                 stale_dump_s: float = STALE_DUMP_S) -> JanitorReport:
-    """One pass: the run-wide part if this caller wins the lock, then the node-local part."""
+                 stale_dump_s: float = STALE_DUMP_S, hold_s: float = 0.0) -> JanitorReport:
+    """One pass: the run-wide part if this caller wins the lock, then the node-local part.
+
+    `hold_s`: keep the lock that long after the pass (by Redis's clock), so the whole fleet does
+    the run-wide part once per `hold_s` instead of once per worker's pass: its cost is
+    O(workers), and N workers each passing every few seconds would make it O(workers^2) per
+    interval. 0 (operators' `harvest janitor`, tests): release at once."""
     rep = JanitorReport()
     keys = Keys(run)
     token = _acquire(conn, keys.janitor_lock, 30_000)
     if token:
         try:
-            rep.reaped, rep.gave_up = reap_dead_workers(conn, run, max_reaps)
-            rep.promoted = promote_due_retries(conn, run)
+            now = redis_time(conn)  # the one clock of every run-wide decision
+            live = tend_liveness(conn, run, now, max_reaps)
+            rep.reaped, rep.gave_up, rep.suspects, rep.dequeued = live.reaped, live.gave_up, live.suspects, live.dequeued
+            rep.promoted = promote_due_retries(conn, run, now)
             rep.forgotten_workers = forget_dead_workers(conn, run)
             cfg = _stored_run(conn, run)
             if cfg is not None:
                 rep.reclaimed = reclaim_lost_spools(conn, cfg)
+                rep.stranded = tend_stranded(conn, cfg, now)
+                if rep.stranded.checked:  # the same fleet-wide cadence: once per CHECK_INTERVAL_S
+                    prune_registries(conn, run, now)
         finally:
-            conn.eval(_RELEASE, 1, keys.janitor_lock, token)
+            conn.eval(_RELEASE, 1, keys.janitor_lock, token, int(hold_s * 1000))
     if dump_dir:
         rep.claim_dirs_removed, rep.stale_dumps_removed = clean_dump_dir(conn, dump_dir, stale_dump_s, run=run)
     return rep

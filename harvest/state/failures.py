@@ -36,10 +36,11 @@ WORKER_DIED = "worker-died"  # the janitor gave up on a job whose workers kept d
 BAD_SPOOL = "bad-spool"  # a collector found a spool file that does not match the run
 SPOOL_LOST = "spool-lost"  # its spool was reclaimed and no payload row was kept to enqueue it again
 SPOOL_REVOKED = "spool-revoked"  # transient: the worker's spool was reclaimed during the job
+JOB_LOST = "job-lost"  # queued, in no job for the janitor's grace, and its tokens kept nowhere in Redis
 
 REASONS = (ENGINE_UNAVAILABLE, ENGINE_REJECTED, PROMPT_LENGTH, PREFIX_CACHED, JOB_TIMEOUT, WORKER_STOPPED,
            WORKER_ERROR, STORAGE_ERROR, INCOMPLETE_DUMP, BAD_CHUNKS, BAD_DUMP, CAPTURE_MISMATCH, TOKEN_MISMATCH,
-           NONFINITE, WORKER_DIED, BAD_SPOOL, SPOOL_LOST, SPOOL_REVOKED)
+           NONFINITE, WORKER_DIED, BAD_SPOOL, SPOOL_LOST, SPOOL_REVOKED, JOB_LOST)
 
 
 class SampleFailure(Exception):

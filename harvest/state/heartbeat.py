@@ -3,14 +3,31 @@
 RQ's own worker keys live for `job.timeout + 60` s while a SimpleWorker runs a job (about 11 min
 for a default harvest job), far too long to notice a dead worker quickly. A harvest heartbeat
 expires HEARTBEAT_TTL_S after the last beat, so "the key is gone" means "the process is gone"
-within seconds; the janitor (harvest.ops.janitor) acts on that, and `harvest status` shows it.
+within seconds; the janitor (harvest.ops.janitor, harvest.ops.liveness) acts on that, and
+`harvest status` shows it.
+
+Clocks. Liveness is the key's existence, and its TTL runs on Redis's clock, so no node's clock
+decides whether another node is alive. The time stamps in the hash (`started`, `seen`,
+`job_started`) are Redis's `TIME` too, taken inside the script that writes them, so every
+heartbeat of the fleet is stamped by one clock; they are shown by `harvest status` and decide
+nothing.
+
+What a worker runs. `job` and `execution` name the RQ execution the worker is running (empty
+when idle). workers.rqworker.HarvestWorker writes them in the same MULTI/EXEC in which RQ creates
+the execution (`name_execution`), so there is no moment at which RQ's started registry holds an
+execution of a live worker whose heartbeat names another; the janitor takes an execution back
+when its live worker's heartbeat names another job for longer than a grace (a Redis that rolled
+back under a running fleet). Because a rollback can also take back the heartbeat's own fields,
+every beat writes them again from this process's memory: within one beat the hash tells the
+truth again.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis
 
@@ -21,56 +38,134 @@ HEARTBEAT_INTERVAL_S = 5.0
 HEARTBEAT_TTL_S = 15  # three missed beats: dead
 COLLECTOR_BEAT_S = 2.0  # the spool backlog changes at every commit: refresh it more often
 
+# KEYS[1]: the heartbeat hash; KEYS[2] (optional): a set to add ARGV[3] to.
+# ARGV: ttl, the fields to stamp with Redis's TIME (space-separated, '' for none), the set member,
+# then field/value pairs. One script, so the fields, the stamps and the TTL land together.
+_WRITE = """
+local t = redis.call('TIME')
+local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+if #ARGV > 3 then redis.call('HSET', KEYS[1], unpack(ARGV, 4)) end
+for f in string.gmatch(ARGV[2], '%S+') do redis.call('HSET', KEYS[1], f, now) end
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+if KEYS[2] then redis.call('SADD', KEYS[2], ARGV[3]) end
+return now
+"""
+
+IDLE = "idle"
+BUSY = "busy"
+
+_LIVE: dict[str, WorkerBeat] = {}  # this process's started heartbeats, by worker name
+
 
 def _text(h: dict) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in h.items()}
 
 
+def _pairs(fields: dict[str, str]) -> list[str]:
+    return [x for kv in fields.items() for x in kv]
+
+
 class WorkerBeat:
-    """One worker's heartbeat hash `harvest:worker:<name>`: identity, engine, current job."""
+    """One worker's heartbeat hash `harvest:worker:<name>`: identity, engine, current job.
+
+    Thread-safe: the job loop (job_started, job_ended, name_execution) and the heartbeat thread
+    (beat) share it; what the worker is doing is kept here and written again at every beat."""
 
     def __init__(self, conn: redis.Redis, run: str, name: str, host: str, engine: str, ttl: int = HEARTBEAT_TTL_S) -> None:
         self.conn, self.run, self.name, self.ttl = conn, run, name, ttl
         self.key = worker_key(name)
         self.keys = Keys(run)
-        self.identity = {"name": name, "run": run, "host": host, "pid": str(os.getpid()), "engine": engine,
-                         "started": f"{time.time():.3f}"}
+        self.identity = {"name": name, "run": run, "host": host, "pid": str(os.getpid()), "engine": engine}
+        self.doing = {"state": IDLE, "job": "", "execution": "", "job_samples": "0"}
+        self._lock = threading.Lock()
+        self._write = conn.register_script(_WRITE)
+        self._beaten = time.monotonic()
+
+    def _send(self, stamp: str = "", extra: dict[str, str] | None = None, join: bool = False) -> None:
+        fields = {**self.identity, **self.doing, **(extra or {})}
+        keys = [self.key, self.keys.workers] if join else [self.key]
+        self._write(keys=keys, args=[self.ttl, stamp, self.name, *_pairs(fields)])
 
     def start(self) -> None:
         """Announce the worker; must happen before it creates its claim dir (the janitor removes the
         claim dirs of workers without a heartbeat)."""
-        with self.conn.pipeline(transaction=True) as pipe:
-            pipe.hset(self.key, mapping={**self.identity, "state": "idle", "job": "", "job_samples": "0",
-                                         "job_started": "", "jobs_done": "0", "seen": f"{time.time():.3f}"})
-            pipe.expire(self.key, self.ttl)
-            pipe.sadd(self.keys.workers, self.name)
-            pipe.execute()
+        with self._lock:
+            self._send("started seen", {"job_started": "", "jobs_done": "0"}, join=True)
+        _LIVE[self.name] = self
 
     def beat(self) -> None:
-        with self.conn.pipeline(transaction=True) as pipe:
-            pipe.hset(self.key, "seen", f"{time.time():.3f}")
-            pipe.expire(self.key, self.ttl)
-            pipe.execute()
+        """Keep the heartbeat alive and say again what this worker is doing (see the module docstring)."""
+        with self._lock:
+            self._send("seen")
+            self._beaten = time.monotonic()
 
     def set_state(self, state: str) -> None:
-        self.conn.hset(self.key, "state", state)
+        with self._lock:
+            self.doing["state"] = state
+            self._send()
+
+    def name_execution(self, job_id: str, execution_id: str, pipe: redis.client.Pipeline) -> None:
+        """Name the RQ execution this worker is starting, in `pipe`: the MULTI/EXEC in which RQ
+        creates it (workers.rqworker.HarvestWorker.prepare_execution). Plain commands, no script:
+        a script in a transaction that meets a restarted Redis fails the transaction."""
+        with self._lock:
+            self.doing.update(job=job_id, execution=execution_id)
+            pipe.hset(self.key, mapping={**self.identity, **self.doing})
+            pipe.expire(self.key, self.ttl)
+
+    def clear_execution(self, execution_id: str, pipe: redis.client.Pipeline) -> None:
+        """Name no execution any more, in `pipe`: the MULTI/EXEC in which RQ removes `execution_id`
+        (HarvestWorker.cleanup_execution), written again if RQ retries its transaction. Nothing if
+        the heartbeat names another one."""
+        with self._lock:
+            if self.doing["execution"] not in (execution_id, ""):
+                return
+            self.doing.update(job="", execution="")
+            pipe.hset(self.key, mapping={**self.identity, **self.doing})
+            pipe.expire(self.key, self.ttl)
 
     def job_started(self, job_id: str, samples: int) -> None:
-        self.conn.hset(self.key, mapping={"state": "busy", "job": job_id, "job_samples": str(samples),
-                                          "job_started": f"{time.time():.3f}"})
+        with self._lock:
+            if self.doing["job"] != job_id:
+                self.doing["execution"] = ""  # started outside HarvestWorker: the job alone names it
+            self.doing.update(state=BUSY, job=job_id, job_samples=str(samples))
+            self._send("job_started")
 
     def job_ended(self) -> None:
-        with self.conn.pipeline(transaction=False) as pipe:
-            pipe.hset(self.key, mapping={"state": "idle", "job": "", "job_samples": "0", "job_started": ""})
-            pipe.hincrby(self.key, "jobs_done", 1)
-            pipe.execute()
+        """The job function returned. An execution HarvestWorker named stays named until RQ removes
+        it (`clear_execution`, in the same transaction): RQ's started registry never holds it
+        while the heartbeat says otherwise."""
+        with self._lock:
+            self.doing.update(state=IDLE, job_samples="0")
+            if not self.doing["execution"]:
+                self.doing["job"] = ""
+            with self.conn.pipeline(transaction=True) as pipe:
+                pipe.hset(self.key, mapping={**self.identity, **self.doing, "job_started": ""})
+                pipe.hincrby(self.key, "jobs_done", 1)
+                pipe.expire(self.key, self.ttl)
+                pipe.execute()
 
     def stop(self) -> None:
         """A clean exit: gone at once, nothing for the janitor to take back."""
-        with self.conn.pipeline(transaction=True) as pipe:
+        _LIVE.pop(self.name, None)
+        with self._lock, self.conn.pipeline(transaction=True) as pipe:
             pipe.delete(self.key)
             pipe.srem(self.keys.workers, self.name)
             pipe.execute()
+
+
+def keep_alive() -> None:
+    """Beat every heartbeat this process started that has not beaten for HEARTBEAT_INTERVAL_S. A
+    long janitor step (harvest.ops.stranded's sweep) runs on the worker's heartbeat thread: the
+    process is alive meanwhile, and must not look dead to the other janitors."""
+    for b in list(_LIVE.values()):
+        if time.monotonic() - b._beaten >= HEARTBEAT_INTERVAL_S:
+            b.beat()
+
+
+def live_beat(name: str) -> WorkerBeat | None:
+    """The started heartbeat of this process's worker `name` (workers.rqworker finds its own)."""
+    return _LIVE.get(name)
 
 
 def worker_alive(conn: redis.Redis, name: str) -> bool:
@@ -91,31 +186,30 @@ def read_workers(conn: redis.Redis, run: str) -> tuple[list[dict[str, str]], lis
 
 @dataclass
 class CollectorBeat:
-    """A collector's heartbeat: its node's spool backlog, refreshed at most every COLLECTOR_BEAT_S."""
+    """A collector's heartbeat: its node's spool backlog, refreshed at most every COLLECTOR_BEAT_S
+    (by the monotonic clock: a node clock stepped back must not stop the beats)."""
 
     conn: redis.Redis
     run: str
     node: str
     spool_dir: str
     ttl: int = HEARTBEAT_TTL_S
-    _last: float = 0.0
+    _last: float | None = None
+    _write: object = field(default=None, init=False, repr=False)
 
     def maybe_beat(self, shards_committed: int = 0) -> bool:
         """Beat if COLLECTOR_BEAT_S passed since the last beat; True if it did."""
-        now = time.time()
-        if now - self._last < COLLECTOR_BEAT_S:
+        now = time.monotonic()
+        if self._last is not None and now - self._last < COLLECTOR_BEAT_S:
             return False
         self._last = now
+        if self._write is None:
+            self._write = self.conn.register_script(_WRITE)
         files = list_spooled(self.spool_dir)
         keys = Keys(self.run)
-        with self.conn.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.collector(self.node), mapping={
-                "node": self.node, "pid": str(os.getpid()), "spool_files": str(len(files)),
-                "spool_bytes": str(sum(size for _, _, size in files)), "shards_committed": str(shards_committed),
-                "seen": f"{now:.3f}"})
-            pipe.expire(keys.collector(self.node), self.ttl)
-            pipe.sadd(keys.collectors, self.node)
-            pipe.execute()
+        fields = {"node": self.node, "pid": str(os.getpid()), "spool_files": str(len(files)),
+                  "spool_bytes": str(sum(size for _, _, size in files)), "shards_committed": str(shards_committed)}
+        self._write(keys=[keys.collector(self.node), keys.collectors], args=[self.ttl, "seen", self.node, *_pairs(fields)])
         return True
 
 
