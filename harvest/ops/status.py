@@ -20,7 +20,7 @@ from harvest.state.heartbeat import HEARTBEAT_TTL_S, read_collectors, read_worke
 from harvest.state.jobs import run_queue
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import load_run
-from harvest.state.spools import SpoolLeases
+from harvest.state.spools import SpoolLeases, redis_time
 
 RATE_WINDOW_S = 60
 
@@ -142,6 +142,7 @@ def eta(remaining: int, done_per_s: float, spooled_per_s: float) -> tuple[float 
 
 def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: int = 10) -> RunStatus:
     now = time.time() if now is None else now
+    seen_now = redis_time(conn)  # heartbeats are stamped with Redis's clock (harvest.state.heartbeat)
     grace = _grace(conn, run)
     led = Ledger(conn, run)
     counts, stats = led.counts(), led.stats()
@@ -156,8 +157,8 @@ def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: i
         workers[w.get("host", "?")].append(WorkerView(
             name=w.get("name", "?"), host=w.get("host", "?"), engine=w.get("engine", "?"), state=w.get("state", "?"),
             job=w.get("job", "") if busy else "", job_samples=n,
-            job_seconds=round(now - _f(w, "job_started"), 1) if busy and w.get("job_started") else None,
-            jobs_done=int(_f(w, "jobs_done")), seen_seconds_ago=round(now - _f(w, "seen", now), 1)))
+            job_seconds=round(seen_now - _f(w, "job_started"), 1) if busy and w.get("job_started") else None,
+            jobs_done=int(_f(w, "jobs_done")), seen_seconds_ago=round(seen_now - _f(w, "seen", seen_now), 1)))
     in_flight = min(in_flight, counts["queued"])
     cols, dead_cols = read_collectors(conn, run)
     q = run_queue(conn, run)
@@ -184,7 +185,7 @@ def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: i
         workers=dict(sorted(workers.items())), dead_workers=dead,
         collectors=[CollectorView(node=c.get("node", "?"), spool_files=int(_f(c, "spool_files")),
                                   spool_bytes=int(_f(c, "spool_bytes")), shards_committed=int(_f(c, "shards_committed")),
-                                  seen_seconds_ago=round(now - _f(c, "seen", now), 1)) for c in cols],
+                                  seen_seconds_ago=round(seen_now - _f(c, "seen", seen_now), 1)) for c in cols],
         dead_collectors=dead_cols,
         spools=_spools(conn, run, grace), spool_grace_s=grace,
         spools_reclaimed=stats.get("spools_reclaimed", 0), samples_reclaimed=stats.get("samples_reclaimed", 0),

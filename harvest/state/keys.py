@@ -162,13 +162,16 @@ class Keys:
     @property
     def stranded(self) -> str:
         """Sorted set sample_id -> Redis time (s) a janitor first saw it queued with no live job
-        (harvest.ops.janitor): re-enqueued once it stays so for a grace period."""
+        (harvest.ops.stranded): re-enqueued once it stays so for a grace period. Two reserved
+        members, `~check` and `~sweep` (sample ids are hex, so never these), hold the Redis time
+        of the fleet's last cheap check and last sweep."""
         return f"{self.prefix}:stranded"
 
     @property
     def suspect_executions(self) -> str:
         """Hash `job_id:execution_id` -> Redis time (s) a janitor first saw a started execution whose
-        live worker's heartbeat names another job (a ledger rolled back under a running fleet)."""
+        live worker's heartbeat names another job (a ledger rolled back under a running fleet);
+        fields `<job_id>:dequeued` stamp a job dequeued with no execution (harvest.ops.liveness)."""
         return f"{self.prefix}:suspect-executions"
 
     @property
