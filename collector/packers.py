@@ -14,6 +14,14 @@ resumes alone (it clears the node's temporary shard files, renews the spool's le
 spools) and finishes its record; then each other packer finishes its own, and records of packers
 beyond a smaller new N are finished here too, before any packer chooses new samples. Only then
 do the packers run. The first also keeps the node's heartbeat and the spool's lease for all.
+
+Redis away. The client (harvest.state.connection) waits an outage out inside each call, so a
+packer mid-commit just pauses and goes on; a connection error is never taken for a refusal, so
+no shard is voided for it. Past the outage limit the client raises `RedisLost` (and refuses every
+later call): the packers stop with their records and the spool as they are, nothing drained, and
+the restarted collector finishes each record. Before each packing step, every packer asks the
+process's one `Recovery` (harvest.ops.recovery) whether Redis was restarted or rolled back, so
+no shard is chosen from a ledger that was not reconciled.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import redis
 
 from collector.collector import TEND_S, Collector
 from harvest.config import RunConfig
+from harvest.ops.recovery import Recovery
 from harvest.state.heartbeat import CollectorBeat
 
 log = logging.getLogger("harvest.collector")
@@ -41,6 +50,13 @@ class Packers:
                         for i in range(pack_workers)]
         self.first = self.packers[0]
         self.keys = frozenset(p.packing_key for p in self.packers)
+        self.recovery = Recovery(conn, cfg)  # one per process, shared by the packers' threads
+        self._recovery_lock = threading.Lock()
+
+    def check_recovery(self) -> bool:
+        """A restarted or rolled-back Redis noticed and the ledger reconciled before a packer chooses."""
+        with self._recovery_lock:
+            return self.recovery.check()
 
     @property
     def shards_committed(self) -> int:
@@ -70,6 +86,7 @@ class Packers:
         log.info("collector started: run %s, node %s, spool %s (id %s), output %s, shards of %d MiB, max wait %.0fs, "
                  "%d packer(s)", self.cfg.run, f.node, self.spool_dir, f.spool_id, f.out.url(), f.shard_bytes >> 20,
                  f.max_wait, len(self.packers))
+        self.check_recovery()  # a ledger restored from storage before any record is finished
         self.resume()
         failed: list[BaseException] = []
         stop = lambda: should_stop() or bool(failed)  # noqa: E731
@@ -77,6 +94,7 @@ class Packers:
         def loop(p: Collector) -> None:
             try:
                 while not stop():
+                    self.check_recovery()
                     if p.step() == 0:
                         time.sleep(poll)
             except BaseException as e:  # raised again on the calling thread
@@ -96,6 +114,7 @@ class Packers:
                 if time.monotonic() - tended > TEND_S:
                     tended = time.monotonic()
                     self.first.tend_others(self.keys)
+                self.check_recovery()
                 if self.first.step() == 0:
                     time.sleep(poll)
         except BaseException as e:

@@ -13,12 +13,26 @@ spent the samples fail with the transient reason. Permanent ones (the engine rej
 a dump fails verification) fail that sample at once, with its reason and message. Every failed
 sample keeps its payload row so `harvest requeue` can put it back. An unexpected exception
 fails the job's queued samples (harvest.state.failures.WORKER_ERROR) instead of stranding them.
+
+A Redis error is never the samples' fault, so it never fails them. Within the outage limit the
+worker's client (harvest.state.connection) waits Redis out inside the very call, and the job goes
+on. Past it, or on a connection error of any kind, the client is latched (nothing more from this
+process reaches Redis) and `RedisLost` is raised through RQ, which cannot persist anything either,
+and the worker exits: its job stays in RQ's started registry under this worker's name, whose
+heartbeat is then gone, so the janitor's dead-worker reaping puts it back on the queue, with its
+samples still `q` (or `s`, if their mark landed: a retried job skips those). That loses nothing
+provably because the process stops writing at the moment it stops trusting the connection; handing
+the job back instead (returning `rq.Retry`) needs the very Redis that is away, and a hand-back
+that half lands would leave the job failed in RQ's bookkeeping with its samples queued. Other Redis
+errors (Redis answered, with an error) hand the job back with `rq.Retry`; once its retries are
+spent RQ files it as failed and its samples stay queued for `harvest requeue --all`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import traceback
 from collections import Counter
@@ -33,6 +47,8 @@ from harvest.config import RunConfig
 from harvest.formats.spool import SpoolBatch, list_spooled, spool_identity
 from harvest.ids import rid_for
 from harvest.ops.metrics import observe
+from harvest.ops.recovery import Recovery
+from harvest.state.connection import give_up, is_connection_error, outage_of
 from harvest.state.failures import (
     ENGINE_REJECTED,
     ENGINE_UNAVAILABLE,
@@ -77,10 +93,31 @@ class WorkerContext:
     retry_intervals: list[int] = field(default_factory=lambda: backoff_intervals(10, DEFAULT_RETRIES))
     beat: WorkerBeat | None = None
     node: str = "node"
+    recovery: Recovery | None = None  # one per process: the job and the heartbeat thread share it
     spool_id: str = field(init=False)
+    _recovery_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.spool_id = spool_identity(self.spool_dir)  # once: it lists the spool dir
+
+    def check_recovery(self, force: bool = False) -> bool:
+        """harvest.ops.recovery: a restarted or rolled-back Redis is noticed, and the ledger
+        reconciled from storage, before work goes on. One check at a time per process; `force`
+        skips Recovery's rate limit (a reconnect was just seen)."""
+        if self.recovery is None:
+            return False
+        with self._recovery_lock:
+            return self.recovery.check(force=force)
+
+    def outages(self) -> int:
+        """Outages this process's client rode out so far (harvest.state.connection)."""
+        outage = outage_of(self.conn)
+        return outage.outages if outage is not None else 0
+
+    def redis_lost(self) -> bool:
+        """True once this process gave Redis up (harvest.state.connection): touch it no more."""
+        outage = outage_of(self.conn)
+        return outage is not None and outage.lost is not None
 
     @cached_property
     def leases(self) -> SpoolLeases:
@@ -125,10 +162,16 @@ def process_batch(payload: dict) -> dict | Retry:
     run, samples = decode_batch(payload)
     if run != ctx.cfg.run:
         raise ValueError(f"job of run {run!r} reached a worker of run {ctx.cfg.run!r}")
-    ledger = ctx.ledger
-    states = ledger.states([s.id for s in samples])
-    todo = [s for s, st in zip(samples, states) if st == QUEUED]
     job = get_current_job()
+    try:
+        ctx.check_recovery()  # before the ledger's states are read: a restarted Redis is reconciled first
+    except Exception as e:  # a connection error stops the worker; any other hands the job back
+        if is_connection_error(e):
+            raise give_up(ctx.conn, e) from e
+        return _hand_back(ctx, job, f"reconciling the ledger before the job: {type(e).__name__}: {e}")
+    ledger = ctx.ledger
+    states = ledger.states([s.id for s in samples])  # a connection error here: nothing to undo
+    todo = [s for s, st in zip(samples, states) if st == QUEUED]
     if not todo:
         log.info("job %s: nothing to do, its %d samples are past queued", job.id if job else "?", len(samples))
         return {"spooled": 0, "failed": 0, "skipped": len(samples)}
@@ -152,14 +195,22 @@ def process_batch(payload: dict) -> dict | Retry:
         # file it as failed with its samples still queued. Counts as one retry.
         log.warning("stopped during job %s: handing it back", job.id if job else "?")
         return _retry_or_fail(ctx, job, todo, WORKER_STOPPED, "the worker was stopped during the job", interval=0)
+    except redis.RedisError as e:  # Redis's condition, never the samples' (see the module docstring)
+        if is_connection_error(e):
+            log.error("job %s: Redis connection lost (%s): the worker stops; the janitor puts the job back",
+                      job.id if job else "?", e)
+            raise give_up(ctx.conn, e) from e
+        log.exception("job %s: Redis answered with an error", job.id if job else "?")
+        return _hand_back(ctx, job, f"{type(e).__name__}: {e}")
     except Exception as e:
         log.exception("job failed unexpectedly")
         _fail(ctx, todo, {s.id: (WORKER_ERROR, f"{type(e).__name__}: {e} | {_where(e)}") for s in todo})
         return {"spooled": 0, "failed": len(todo), "skipped": len(samples) - len(todo)}
     finally:
-        observe(ctx.conn, ctx.cfg.run, "job_seconds", time.monotonic() - t0)
-        if ctx.beat:
-            ctx.beat.job_ended()
+        if not ctx.redis_lost():
+            observe(ctx.conn, ctx.cfg.run, "job_seconds", time.monotonic() - t0)
+            if ctx.beat:
+                ctx.beat.job_ended()
 
 
 def _where(e: BaseException) -> str:
@@ -178,6 +229,16 @@ def _fail(ctx: WorkerContext, todo: list[Sample], failures: dict[str, tuple[str,
         log.warning("sample %s failed: %s: %s", sid, *failures[sid])
 
 
+def _hand_back(ctx: WorkerContext, job, message: str) -> dict | Retry:
+    """The job back to RQ for a later attempt, its samples untouched (they stay queued). Once its
+    retries are spent RQ files the job as failed: `harvest requeue --all` puts it back."""
+    done = (job.number_of_retries or 0) if job is not None else 0
+    wait = ctx.retry_intervals[min(done, len(ctx.retry_intervals) - 1)]
+    log.warning("job %s: Redis: %s; handing it back, retry %d of %d in %ds", job.id if job else "?", message,
+                done + 1, ctx.retries, wait)
+    return Retry(max=ctx.retries, interval=[wait])
+
+
 def _retry_or_fail(ctx: WorkerContext, job, todo: list[Sample], reason: str, message: str,
                    interval: int | None = None) -> dict | Retry:
     done = (job.number_of_retries or 0) if job is not None else ctx.retries
@@ -192,6 +253,7 @@ def _retry_or_fail(ctx: WorkerContext, job, todo: list[Sample], reason: str, mes
 
 def _process(ctx: WorkerContext, todo: list[Sample], rows: dict[str, str]) -> dict:
     """`rows`: each sample's payload row, kept with it while spooled (harvest.ops.reclaim)."""
+    outages = ctx.outages()
     _wait_for_spool_room(ctx)
     attempts = ctx.ledger.next_attempts([s.id for s in todo])
     by_rid = {rid_for(s.id, a): s for s, a in zip(todo, attempts)}
@@ -254,6 +316,14 @@ def _process(ctx: WorkerContext, todo: list[Sample], rows: dict[str, str]) -> di
             spooled, tokens, nbytes = [], 0, 0
     finally:
         batch.abort()  # after a commit: nothing left to remove
+    if ctx.outages() != outages:  # Redis came back during the job: the ledger reconciled before the marks
+        try:
+            ctx.check_recovery(force=True)
+        except Exception as e:
+            if is_connection_error(e):
+                raise
+            raise SampleFailure(STORAGE_ERROR, f"reconciling the ledger after Redis came back: {type(e).__name__}: "
+                                f"{e}", transient=True) from e
     owner = ctx.spool_id
     marked = ctx.ledger.mark_spooled(spooled, owner=owner, rows=[rows[i] for i in spooled])
     if failures:

@@ -7,6 +7,16 @@ are released, and dead workers' claim dirs in this node's dump dir are removed.
 
 SIGTERM (docker stop) is RQ's warm shutdown: the current job finishes, then the worker exits;
 a second SIGTERM/SIGINT hands the current job back (see workers.job) and exits at once.
+
+A Redis outage (harvest.state.connection) is waited out by every call, RQ's included: RQ 3.0's
+SimpleWorker has no outage handling of its own beyond its dequeue loop (which retries
+ConnectionError for ever, and quits on TimeoutError or anything else raised elsewhere in its
+loop, leaving the job it held "started"), so the client does it for RQ. Past the limit the
+client is latched, every call raises `RedisLost` (no ConnectionError, so RQ's dequeue loop lets
+it through), RQ's loop quits, and `run_worker` re-raises it after leaving the heartbeat, the claim
+dir and RQ's records as they are: the process is gone, so the janitor reaps its job. No janitor
+pass runs until one heartbeat TTL after an outage ended, the time every live worker needs to
+beat again: a heartbeat that expired while Redis was away is no sign of a dead worker.
 """
 
 from __future__ import annotations
@@ -20,19 +30,21 @@ import time
 
 import redis
 import torch
-from workers.rqworker import HarvestWorker
 
 from harvest.formats.spool import clear_dead_temps
 from harvest.ids import check_id, node_name
 from harvest.node.dumpdir import claim_dir as claim_dir_of
 from harvest.node.paths import private_dir
 from harvest.ops.janitor import janitor_pass
-from harvest.state.heartbeat import HEARTBEAT_INTERVAL_S, WorkerBeat
+from harvest.ops.recovery import Recovery
+from harvest.state.connection import RedisLost, outage_of, redis_client
+from harvest.state.heartbeat import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, WorkerBeat
 from harvest.state.jobs import SERIALIZER, run_queue
 from harvest.state.runstore import load_run
 from workers.clients import make_engine
 from workers.clients.base import Engine
 from workers.job import DEFAULT_RETRIES, WorkerContext, backoff_intervals, install
+from workers.rqworker import HarvestWorker
 from workers.safejob import HarvestJob
 
 log = logging.getLogger("harvest.worker")
@@ -51,16 +63,46 @@ class _Background(threading.Thread):
         self.stopped = threading.Event()
 
     def run(self) -> None:
+        outage = outage_of(self.conn)
+        calm_at = 0.0  # monotonic time from which heartbeats can be trusted again
         while not self.stopped.wait(self.interval):
             try:
-                self.beat.beat()
+                self.beat.beat()  # first: after an outage, the beat that says this worker lives
                 self.ctx.renew_lease()
+                t0 = time.monotonic()
+                self.ctx.check_recovery()
+                if time.monotonic() - t0 > self.interval:
+                    # The ledger was being reconciled (here or elsewhere), and every process of the
+                    # run waited for it without beating: their heartbeats may have lapsed meanwhile.
+                    self.beat.beat()
+                    calm_at = time.monotonic() + HEARTBEAT_TTL_S
                 clear_dead_temps(self.ctx.spool_dir)  # spool files of jobs killed before their commit
+                if time.monotonic() < calm_at or (outage is not None and outage.quiet_for() < HEARTBEAT_TTL_S):
+                    continue  # heartbeats lapsed while Redis was away: judge no worker dead yet
                 rep = janitor_pass(self.conn, self.run_name, self.dump_dir)
                 if rep.any():
                     log.info("janitor: %s", rep.line())
-            except Exception:  # a Redis hiccup must not kill the heartbeat for good
+            except RedisLost:
+                return  # the job loop stops the worker; nothing here may reach Redis any more
+            except Exception:  # an error of one pass must not kill the heartbeat for good
                 log.exception("heartbeat/janitor pass failed")
+
+
+class _NoTracebackForLost(logging.Filter):
+    """RQ logs the exception that ends its loop with its traceback; for RedisLost that is a page of
+    redis-py frames around the one line the CLI prints anyway (harvest.cli.errors)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], RedisLost):
+            record.msg, record.args = f"{record.getMessage()}: {record.exc_info[1]}", None
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_thread_exit(args: threading.ExceptHookArgs, default=threading.excepthook) -> None:
+    """RQ's pubsub thread ends by raising RedisLost (after logging it): no traceback for that."""
+    if not isinstance(args.exc_value, RedisLost):
+        default(args)
 
 
 def _wait_for_engine(engine: Engine, beat: WorkerBeat, seconds: float) -> None:
@@ -94,14 +136,18 @@ def run_worker(
     max_jobs: int | None = None,
     engine_wait: float = 0.0,
     node: str | None = None,
+    conn: redis.Redis | None = None,
 ) -> None:
+    """`conn`: the client (harvest.state.connection.redis_client, already reached); made from
+    `redis_url` when not given. Raises RedisLost when Redis stayed away past its limit."""
     # One intra-op thread: a worker's tensor work (the finiteness check, the dtype cast) is small
     # and memory-bound, and the cores belong to the engine and the other workers. With torch's
     # default (all cores) each such op waited for an OpenMP thread that the busy engine had
     # descheduled: aminmax of 2 MiB took 0.59 ms instead of 0.06 ms beside a busy core.
     torch.set_num_threads(1)
     host = check_id(node, "node name") if node else node_name()
-    conn = redis.Redis.from_url(redis_url)
+    conn = conn if conn is not None else redis_client(redis_url)
+    outage = outage_of(conn)
     cfg = load_run(conn, run)
     name = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
     beat = WorkerBeat(conn, run, name, host, engine_url)
@@ -120,6 +166,7 @@ def run_worker(
         retry_intervals=backoff_intervals(retry_backoff, retries),
         beat=beat,
         node=host,
+        recovery=Recovery(conn, cfg),
     )
     ctx.renew_lease()  # the spool is alive from now on (harvest.state.spools)
     install(ctx)
@@ -128,6 +175,8 @@ def run_worker(
                           job_class=HarvestJob)
     background = _Background(ctx, beat, HEARTBEAT_INTERVAL_S)
     background.start()
+    logging.getLogger("rq.worker").addFilter(_NoTracebackForLost())
+    threading.excepthook = _quiet_thread_exit
     log.info("worker started: %s, run %s, node %s, engine %s at %s, spool %s (id %s), dump dir %s", name, run, host,
              cfg.engine, engine_url, ctx.spool_dir, ctx.spool_id, dump_dir)
     try:
@@ -141,9 +190,13 @@ def run_worker(
         if burst:
             janitor_pass(conn, run, dump_dir)  # release due retries before a burst drains the queue
         worker.work(burst=burst, logging_level="WARNING", max_jobs=max_jobs)
+        if outage is not None and outage.lost is not None:
+            raise outage.lost  # RQ's loop quit on it (and logged it): the worker stops for that reason
     finally:
         background.stopped.set()
         background.join(timeout=10)
-        beat.stop()
-        shutil.rmtree(claim_dir, ignore_errors=True)
+        if not ctx.redis_lost():
+            beat.stop()
+            shutil.rmtree(claim_dir, ignore_errors=True)
+        # else: the heartbeat lapses by itself and the janitor removes the claim dir and reaps the job
         ctx.engine.close()

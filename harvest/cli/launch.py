@@ -15,11 +15,10 @@ def _capture_points(model_path: str, num_layers: int | None, run: str | None, re
 
     n = num_layers or model_layers(model_path)
     if run:
-        import redis as redislib
-
+        from harvest.cli.errors import connect
         from harvest.state.runstore import load_run
 
-        return n, load_run(redislib.Redis.from_url(redis_url), run).capture_points
+        return n, load_run(connect(redis_url), run).capture_points  # a Redis down: told with its URL
     return n, parse_layers(layers, n)
 
 

@@ -10,7 +10,7 @@ import sys
 import click
 
 from harvest.cli.checks import check_dataset, check_layers, check_model, check_output
-from harvest.cli.errors import connect, explain
+from harvest.cli.errors import connect, connect_service, explain, redis_wait_option
 from harvest.cli.options import (
     apply_s3_env,
     chunked_prefill_option,
@@ -64,14 +64,17 @@ def _default_run_name(dataset: str) -> str:
 @spool_grace_option
 @s3_endpoint_option
 @s3_region_option
+@redis_wait_option
 def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
             work_dir, dump_dir, max_queued, shard_mb, no_progress, spool_grace=120.0, s3_endpoint=None, s3_region=None,
             engine="reference", max_wait=5.0, batch_samples=None, batch_tokens=None, fields=(), chat_template=None,
-            max_len=None, overlong="skip", strict=False, processes=1) -> None:
+            max_len=None, overlong="skip", strict=False, processes=1, redis_wait=None) -> None:
     """Extract hidden states for DATASET end to end on this machine.
 
-    Exit status: 0 when every sample is done, 1 when samples failed or rows were bad (the summary
-    says how many), 2 on errors, 130 when interrupted (Ctrl-C, SIGTERM; the next run resumes).
+    Redis going away is waited out, up to --redis-wait (its private redis-server is restarted on
+    the same port with its data). Exit status: 0 when every sample is done, 1 when samples failed
+    or rows were bad (the summary says how many), 2 on errors, 75 when Redis stayed away past
+    --redis-wait, 130 when interrupted (Ctrl-C, SIGTERM); after 75 or 130 the same command resumes.
     """
     apply_s3_env(s3_endpoint, s3_region)  # before any child starts: the collector inherits it
     check_dataset(dataset)
@@ -92,7 +95,7 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
                            shard_bytes=shard_mb << 20, spool_grace_s=spool_grace, **sizes)
         summary = run_all(cfg, dataset, workers=workers, redis_url=redis_url, engine_url=engine_url, work_dir=work_dir,
                           dump_dir=dump_dir, chunked_prefill_size=chunked_prefill_size, max_queued=max_queued,
-                          progress=not no_progress, max_wait=max_wait, produce_kw=produce_kw)
+                          progress=not no_progress, max_wait=max_wait, produce_kw=produce_kw, outage_s=redis_wait)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         if explain(e):
             raise
@@ -147,12 +150,14 @@ def demo_cmd(out_dir: str, workers: int, prepare_dir: str | None) -> None:
 @produce_engine_option
 @spool_grace_option
 @s3_options
+@redis_wait_option
 def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, batch_samples, batch_tokens,
                 fields, chat_template, max_len, overlong, dry_run, strict, progress, processes,
-                engine="reference", spool_grace=120.0, s3_endpoint=None, s3_region=None) -> None:
+                engine="reference", spool_grace=120.0, s3_endpoint=None, s3_region=None, redis_wait=None) -> None:
     """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded).
 
-    Exit status: 0, 1 when some rows were bad (each is reported with its file and line), 2 on errors.
+    Exit status: 0, 1 when some rows were bad (each is reported with its file and line), 2 on errors,
+    75 when Redis stayed away past --redis-wait (run it again: it skips what is enqueued).
     """
     apply_s3_env(s3_endpoint, s3_region)
     check_dataset(dataset)
@@ -160,7 +165,7 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
     if not dry_run:
         check_output(out_url)
     kw = producer_kwargs(fields, chat_template, max_len, overlong, strict, processes)
-    conn = None if (dry_run and model) else connect(redis_url)
+    conn = None if (dry_run and model) else connect_service(redis_url, redis_wait)
     from tqdm import tqdm
 
     from harvest.ops.runs import open_run
@@ -202,16 +207,21 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
 @click.option("--engine-wait", default=0.0, show_default=True, type=click.FloatRange(0),
               help="Take no job until the engine is healthy, up to this many seconds (SGLang loads for minutes).")
 @node_option
+@redis_wait_option
 def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_timeout, retries, retry_backoff, max_jobs,
-               max_spool_mb, engine_wait, node) -> None:
-    """Take jobs of RUN: engine call, claim dumps, verify, spool."""
+               max_spool_mb, engine_wait, node, redis_wait=None) -> None:
+    """Take jobs of RUN: engine call, claim dumps, verify, spool.
+
+    Exit status: 0, 2 on errors, 75 when Redis stayed away past --redis-wait (its job goes back to
+    the queue through the janitor; start the worker again).
+    """
     service_logging()
-    connect(redis_url)
+    conn = connect_service(redis_url, redis_wait)
     from workers.worker import run_worker
 
     run_worker(redis_url, run, engine_url, dump_dir, spool_dir, burst=burst, dump_timeout=dump_timeout,
                retries=retries, retry_backoff=retry_backoff, max_jobs=max_jobs, max_spool_bytes=max_spool_mb << 20,
-               engine_wait=engine_wait, node=node)
+               engine_wait=engine_wait, node=node, conn=conn)
 
 
 @click.command("collect")
@@ -227,12 +237,17 @@ def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_time
 @node_option
 @click.option("--burst", is_flag=True, help="Commit what is spooled now, then exit.")
 @s3_options
+@redis_wait_option
 def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, pack_workers, node, burst, s3_endpoint,
-                s3_region) -> None:
-    """Pack this node's spool into shards and commit them to the run's output."""
+                s3_region, redis_wait=None) -> None:
+    """Pack this node's spool into shards and commit them to the run's output.
+
+    Exit status: 0, 2 on errors, 75 when Redis stayed away past --redis-wait; after either the
+    spool and the shard in progress are kept, and a restart finishes it.
+    """
     service_logging()
     apply_s3_env(s3_endpoint, s3_region)
-    conn = connect(redis_url)
+    conn = connect_service(redis_url, redis_wait)
     from collector.packers import Packers
     from harvest.state.runstore import load_run
     from harvest.storage import StorageError

@@ -1,14 +1,31 @@
-"""A private `redis-server` for `harvest run` and the tests: free port, data in a folder we own."""
+"""A private `redis-server` for `harvest run` and the tests: free port, data in a folder we own.
+
+`harvest run` owns its Redis as it owns its other children, so a redis-server that dies is
+started again by `RedisKeeper`: on the same port (every client keeps its URL and reconnects by
+itself, harvest.state.connection), from the same data dir, whose append-only file brings the
+ledger back (`appendfsync everysec`: a kill or a power cut may take back its last second or two,
+since Redis answers before it writes while an fsync is in progress; harvest.ops.recovery
+reconciles that from storage). The keeper is a thread, not a child of `harvest.cli.supervisor`,
+because the run's main thread is the one waiting inside a Redis call while Redis is away.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 
 import redis
+
+log = logging.getLogger("harvest.run")
+
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 5.0)  # between attempts to start it again; then every 5 s
+RESTART_TIMEOUT_S = 120.0  # a restart replays the whole AOF before it answers
 
 
 class RedisNotInstalled(RuntimeError):
@@ -61,9 +78,10 @@ class RedisServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.data_dir}/redis.log")
             try:
-                redis.Redis.from_url(self.url).ping()
+                with redis.Redis.from_url(self.url, socket_connect_timeout=1, socket_timeout=5) as probe:
+                    probe.ping()  # a server still loading its AOF answers LOADING: a ConnectionError
                 return self
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout}s")
@@ -86,3 +104,52 @@ class RedisServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class RedisKeeper(threading.Thread):
+    """Keeps a `RedisServer` running: when its process exits (other than through `stop`), it is
+    started again on the same port with the same data, with a backoff while that fails (the port
+    still held, a disk full). `note` gets one line per event (`harvest run`'s supervisor.log)."""
+
+    def __init__(self, server: RedisServer, note: Callable[[str], None] | None = None) -> None:
+        super().__init__(name="harvest-redis-keeper", daemon=True)
+        self.server, self.note = server, note or (lambda line: None)
+        self.stopped = threading.Event()
+        self.restarts = 0
+        self.last_error = ""  # why the last restart failed ("" once one succeeded)
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            proc = self.server.proc
+            if proc is None or proc.poll() is None:
+                self.stopped.wait(0.2)
+                continue
+            self._say(f"redis-server on port {self.server.port} exited with status {proc.returncode}: starting it "
+                      f"again with its data ({self.server.data_dir})")
+            failures = 0
+            while not self.stopped.is_set():
+                try:
+                    self.server.start(timeout=RESTART_TIMEOUT_S)
+                except (RuntimeError, OSError) as e:
+                    self.last_error = str(e)
+                    wait = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S) - 1)]
+                    failures += 1
+                    if failures == 1 or failures % 12 == 0:
+                        self._say(f"redis-server did not start again ({e}): trying again, every "
+                                  f"{RESTART_BACKOFF_S[-1]:.0f}s at most")
+                    self.stopped.wait(wait)
+                    continue
+                self.restarts += 1
+                self.last_error = ""
+                self._say(f"redis-server is running again on port {self.server.port} (restart {self.restarts})")
+                break
+
+    def _say(self, line: str) -> None:
+        log.warning("%s", line)
+        self.note(line)
+
+    def stop(self) -> None:
+        """No more restarts (before the server itself is stopped)."""
+        self.stopped.set()
+        if self.is_alive():
+            self.join(RESTART_TIMEOUT_S + 10)

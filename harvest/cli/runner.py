@@ -6,6 +6,15 @@ the reference engine (an SGLang or vLLM CPU server from its venv when the run's 
 unless given an engine URL, N workers and a collector as child processes of the `harvest`
 CLI (kept alive by harvest.cli.supervisor), produces the dataset in-process, and waits until
 every sample of the run is done or failed.
+
+Redis away. Its Redis client (harvest.state.connection) waits an outage out inside each call, as
+every child's does, and its private redis-server is restarted by `RedisKeeper` on the same port
+with the same AOF, so a killed Redis costs the run a pause. (It used to stop the run: its client
+was `Redis.from_url`'s, which retries nothing, so the monitor's first ledger read after the kill
+raised ConnectionError, and nothing started the server again.) Each monitor iteration asks the
+run's `Recovery` (harvest.ops.recovery) whether Redis came back with a new identity, which
+reconciles the ledger from storage. Past `outage_s` the run stops (RedisLost, exit 75) with
+everything kept for the next `harvest run` to resume.
 """
 
 from __future__ import annotations
@@ -17,13 +26,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
-import redis
 from tqdm import tqdm
 
-from harvest.cli.redisproc import RedisServer, free_port
+from harvest.cli.errors import connect_service
+from harvest.cli.redisproc import RedisKeeper, RedisServer, free_port
 from harvest.cli.supervisor import Supervisor
 from harvest.config import RunConfig
 from harvest.node.dumpdir import default_dump_dir
+from harvest.ops.recovery import Recovery
+from harvest.state.connection import RedisLost
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 
@@ -144,8 +155,11 @@ def run_all(
     progress: bool = True,
     max_wait: float = 5.0,
     produce_kw: dict | None = None,
+    outage_s: float | None = None,
 ) -> RunSummary:
-    """`produce_kw`: the producer's options (`harvest.cli.options.producer_kwargs`)."""
+    """`produce_kw`: the producer's options (`harvest.cli.options.producer_kwargs`); `outage_s`: how
+    long this process and its children wait for a Redis that went away (None: the default,
+    harvest.state.connection.outage_limit). Raises RedisLost past it."""
     t0 = time.monotonic()
     work = work_dir or default_work_dir(cfg.run)
     os.makedirs(work, mode=0o700, exist_ok=True)
@@ -153,15 +167,18 @@ def run_all(
     os.makedirs(logs, exist_ok=True)
     spool = os.path.join(work, "spool")
     dumps = dump_dir or default_dump_dir(cfg.run)
-    server = None
+    server = keeper = None
     children = Supervisor(logs)
     names: list[str] = []
     try:
         if redis_url is None:
             server = RedisServer(os.path.join(work, "redis")).start()
             redis_url = server.url
-        conn = redis.Redis.from_url(redis_url)
+            keeper = RedisKeeper(server, note=children.note)
+            keeper.start()
+        conn = connect_service(redis_url, outage_s)
         cfg = publish_run(conn, cfg)
+        recovery = Recovery(conn, cfg)
         engine = False
         if engine_url is None and cfg.engine == "vllm":
             engine_url = _start_vllm(children, cfg, dumps)
@@ -182,6 +199,8 @@ def run_all(
         # reconcile and the producer need meanwhile; the collector starts once reconcile has
         # rebuilt the done-set from the index files (it must not take a committed sample for new).
         common = ["--redis", redis_url, "--run", cfg.run]
+        if outage_s is not None:
+            common += ["--redis-wait", str(outage_s)]  # the children wait for Redis as long as this process
         names = [f"worker-{i + 1}" for i in range(workers)]
         for name in names:
             children.start(name, ["worker", *common, "--engine-url", engine_url, "--dump-dir", dumps,
@@ -199,6 +218,7 @@ def run_all(
         ledger = Ledger(conn, cfg.run)
         bar = tqdm(total=ledger.counts()["total"], desc="extract", unit=" samples", disable=not progress)
         while True:
+            recovery.check()  # rate-limited by itself: one INFO every few seconds
             c = ledger.counts()
             bar.total = c["total"]
             bar.n = c["done"] + c["failed"]
@@ -227,7 +247,13 @@ def run_all(
             restarts=children.restarts(),
             produced=summary.text(),
         )
+    except RedisLost as e:
+        if keeper is not None and keeper.last_error:
+            e.hint = f"its private redis-server did not start again: {keeper.last_error}"
+        raise
     finally:
         children.stop(_stop_order(names))
+        if keeper is not None:
+            keeper.stop()  # before the server: a server stopped on purpose is not restarted
         if server is not None:
             server.stop()

@@ -7,6 +7,12 @@ recorded shard, workers wait for the engine), so a restart is all the repair the
 child that keeps dying at start (`max_deaths` exits within `window_s`) ends the run, with its
 last log lines. Stopping goes in dependency order: workers finish their job first, then the
 collector commits what is spooled, then the engine.
+
+The run's private redis-server is not one of these children: `poll` runs on the run's main
+thread, which waits inside a Redis call while Redis is away, so harvest.cli.redisproc.RedisKeeper
+restarts it from a thread of its own (and notes it in the same supervisor.log). A child that
+meets an outage waits it out (harvest.state.connection); past the limit it exits with status 75
+and is restarted like any other.
 """
 
 from __future__ import annotations
@@ -70,7 +76,7 @@ class Supervisor:
                         f"{child.proc.returncode}); last lines of its log:\n{self.tail(child.name)}")
                 wait = self.backoff_s[min(len(child.deaths) - 1, len(self.backoff_s) - 1)]
                 child.restart_at = now + wait
-                self._note(f"{child.name} exited with status {child.proc.returncode}: restarting it in {wait:.0f}s")
+                self.note(f"{child.name} exited with status {child.proc.returncode}: restarting it in {wait:.0f}s")
             if child.restart_at is not None and now >= child.restart_at:
                 child.restarts += 1
                 self._spawn(child)
@@ -90,7 +96,8 @@ class Supervisor:
         except OSError:
             return ""
 
-    def _note(self, line: str) -> None:
+    def note(self, line: str) -> None:
+        """One timestamped line in supervisor.log (the run's Redis keeper writes there too)."""
         with open(os.path.join(self.log_dir, "supervisor.log"), "a") as f:
             f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
 
