@@ -1,7 +1,8 @@
 """Bounded, idempotent enqueue of sample batches as RQ jobs.
 
 Samples are buffered and sent in groups. For a group, the ledger is read (one HMGET) and only
-samples it has never seen are kept; they are cut into jobs bounded by count and tokens, and
+samples it has never seen are kept (and those it failed as `job-lost` or `spool-lost`: their
+tokens were kept nowhere, and this dataset holds them again, so they move `f -> q`); they are cut into jobs bounded by count and tokens, and
 as many jobs as the queue has room for go in one MULTI/EXEC: for each job the ledger's
 absent -> `q` move (Lua) and RQ's job hash and queue push. A kill at any moment therefore
 leaves either a job and its ledger entries, or neither: nothing lost (a sample marked `q`
@@ -18,6 +19,7 @@ queue and in flight) never exceed the bound, whatever the dataset size.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,11 +29,13 @@ import redis
 from harvest.config import RunConfig
 from harvest.ids import job_id_for
 from harvest.state.jobs import enqueue_samples, run_queue
+from harvest.state.failures import JOB_LOST, SPOOL_LOST
 from harvest.state.keys import Keys
 from harvest.state.ledger import QUEUED, Ledger
 from harvest.state.payload import Sample, split_jobs
 
 DEFAULT_MAX_QUEUED = 20000
+TOKENS_LOST = (JOB_LOST, SPOOL_LOST)  # failures the producer undoes: it holds the tokens again
 GROUP_SAMPLES = 1024  # samples per ledger read and per transaction (at most)
 _WAIT_MIN_S, _WAIT_MAX_S = 0.005, 0.25
 
@@ -66,6 +70,7 @@ class Enqueuer:
         self.on_wait = on_wait
         self.stats = EnqueueStats()
         self._pending: dict[str, Sample] = {}  # insertion-ordered; a repeat within the group is one sample
+        self._revive: set[str] = set()  # failed samples whose tokens were lost: enqueued again (f -> q)
 
     def add(self, sample: Sample) -> None:
         if sample.id in self._pending:
@@ -96,7 +101,11 @@ class Enqueuer:
                 pipe.watch(self.counter)
                 ids = list(self._pending)
                 states = pipe.hmget(self.keys.state, ids)
-                known = [i for i, st in zip(ids, states) if st is not None]
+                failed = [i for i, st in zip(ids, states) if st == b"f"]
+                reasons = pipe.hmget(self.keys.failed, failed) if failed else []
+                # failed because their tokens were kept nowhere: this dataset has them again
+                self._revive |= {i for i, r in zip(failed, reasons) if r and json.loads(r).get("reason") in TOKENS_LOST}
+                known = [i for i, st in zip(ids, states) if st is not None and i not in self._revive]
                 for i in known:
                     del self._pending[i]
                 self.stats.skipped += len(known)
@@ -132,4 +141,6 @@ class Enqueuer:
     def _enqueue(self, pipe: redis.client.Pipeline, job: list[Sample]) -> None:
         ids = [s.id for s in job]
         self.ledger.add_queued(ids, pipe=pipe)
+        if revive := [i for i in ids if i in self._revive]:
+            self.ledger.requeue(revive, pipe=pipe)
         enqueue_samples(self.queue, self.cfg.run, job, job_id_for(self.cfg.run, ids), pipe)

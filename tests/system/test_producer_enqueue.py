@@ -66,6 +66,17 @@ def drain_one(conn, run, ledger):
     return ids
 
 
+def _commit_in_storage(run_dir, ids: list[str]) -> None:
+    from harvest.formats.index import FORMAT, encode_index
+    from harvest.storage import atomic_write_local
+
+    shard = "0" * 32
+    atomic_write_local(str(run_dir / "index" / f"{shard}.json"), encode_index({
+        "format": FORMAT, "shard_id": shard, "shard": f"shards/{shard}.safetensors", "samples": ids,
+        "tokens": [1] * len(ids), "offsets": list(range(len(ids) + 1)), "bytes": 0, "sha256": "", "dtype": "bf16",
+        "capture_points": [2, 4, 5, 8]}))
+
+
 def produce_cli(redis_url, dataset, run, *extra, tiny_model, out, popen=False):
     args = [sys.executable, "-m", "harvest.cli", "produce", str(dataset), "--run", run, "--redis", redis_url,
             "--model", tiny_model, "--out", str(out), "--no-progress", *extra]
@@ -160,6 +171,9 @@ def test_100k_rows_bounded_queue_drained_exactly_once_rerun_enqueues_nothing(con
     assert set(got) == set(expected) and max(got.values()) == 1 and sum(got.values()) == n
     assert led.counts() == {"queued": 0, "spooled": 0, "done": n, "failed": 0, "total": n}
 
+    # What storage must say for the ledger's done to stand (a producer reconciles with the index
+    # files first): one index file committing every drained sample, as the collectors would.
+    _commit_in_storage(tmp_path / "out" / "big", sorted(got))
     again = produce_cli(redis_server.url, tmp_path / "big.jsonl", "big", tiny_model=tiny_model, out=tmp_path / "out")
     assert again.returncode == 0, again.stderr
     assert f"enqueued 0 in 0 jobs (0 tokens), skipped {n} already known" in again.stdout

@@ -172,3 +172,21 @@ def test_worker_processes_give_the_same_samples_in_the_same_order(conn, tiny_mod
         seen[procs].append((s.text(), ids))
     assert seen[1] == seen[2]
     assert producer_mod.BATCH_ROWS < len(rows)  # several batches crossed the processes
+
+
+def test_a_sample_failed_with_its_tokens_lost_is_enqueued_again_by_the_producer(conn, tiny_model, tokenizer, tmp_path):
+    from harvest.state.failures import JOB_LOST, WORKER_DIED
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"input_ids": [5, 6, 7]}\n{"input_ids": [8, 9]}\n')
+    cfg = _cfg(tiny_model, tmp_path, max_batch_samples=1)
+    produce(conn, cfg, str(path), tokenizer=tokenizer, progress=False)
+    ledger = Ledger(conn, "p")
+    q = Queue(Keys("p").queue_name, connection=conn, serializer=JSONSerializer)
+    lost, died = [decode_batch(j.args[0])[1][0].id for j in q.jobs]
+    q.empty()
+    ledger.mark_failed({lost: (JOB_LOST, "kept nowhere"), died: (WORKER_DIED, "crashed it")})
+    s = produce(conn, cfg, str(path), tokenizer=tokenizer, progress=False)
+    assert (s.enqueued, s.skipped) == (1, 1)  # the sample that crashed workers stays failed: requeue decides
+    assert ledger.states([lost, died]) == ["q", "f"] and list(ledger.failures()) == [died]
+    assert [decode_batch(j.args[0])[1][0].id for j in q.jobs] == [lost]
