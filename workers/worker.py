@@ -79,7 +79,8 @@ class _Background(threading.Thread):
                 clear_dead_temps(self.ctx.spool_dir)  # spool files of jobs killed before their commit
                 if time.monotonic() < calm_at or (outage is not None and outage.quiet_for() < HEARTBEAT_TTL_S):
                     continue  # heartbeats lapsed while Redis was away: judge no worker dead yet
-                rep = janitor_pass(self.conn, self.run_name, self.dump_dir)
+                # the run-wide part once per beat interval for the whole fleet, not once per worker's pass
+                rep = janitor_pass(self.conn, self.run_name, self.dump_dir, hold_s=self.interval)
                 if rep.any():
                     log.info("janitor: %s", rep.line())
             except RedisLost:
@@ -172,7 +173,7 @@ def run_worker(
     install(ctx)
     queue = run_queue(conn, run, job_class=HarvestJob)
     worker = HarvestWorker([queue], connection=conn, serializer=SERIALIZER, name=name, worker_ttl=RQ_WORKER_TTL,
-                          job_class=HarvestJob)
+                          job_class=HarvestJob, beat=beat)
     background = _Background(ctx, beat, HEARTBEAT_INTERVAL_S)
     background.start()
     logging.getLogger("rq.worker").addFilter(_NoTracebackForLost())

@@ -94,6 +94,8 @@ return moved
 # must not be committed.
 _FENCE = """
 local spool, record, before, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+-- already fenced with this very record: a retry whose first reply was lost (harvest.state.connection)
+if record ~= '' and redis.call('GET', KEYS[4]) == record then return 1 end
 if redis.call('SISMEMBER', KEYS[3], spool) == 1 then return 0 end
 for i = 1, n do
   local id = ARGV[4 + i]
