@@ -32,6 +32,16 @@ def _run_args(dataset, model, out, tmp_path, name):
             "--work-dir", str(tmp_path / f"work-{name}"), "--dump-dir", str(tmp_path / f"dumps-{name}")]
 
 
+def _finished_run(tmp_path, tiny_model) -> tuple[list[str], Location, Counter]:
+    """A run of 24 rows committed by `harvest run`: its arguments, its folder, its committed copies."""
+    dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(24))
+    args = _run_args(dataset, tiny_model, tmp_path / "out", tmp_path, "a")
+    res = harvest_cli(*args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    loc = Location.from_url(f"file://{tmp_path / 'out'}/twice")
+    return args, loc, _copies(loc.url())
+
+
 def test_two_runners_with_two_private_redis_commit_each_sample_once(tmp_path, tiny_model):
     # Both started at once on the same dataset and output, each with a private Redis (two ledgers
     # that never talk): each extracts every sample, and the claims in storage decide who commits.
@@ -56,13 +66,7 @@ def test_two_runners_with_two_private_redis_commit_each_sample_once(tmp_path, ti
 
 
 def test_a_lost_index_file_goes_back_to_the_queue_and_is_committed_once(tmp_path, tiny_model):
-    dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(24))
-    out = tmp_path / "out"
-    args = _run_args(dataset, tiny_model, out, tmp_path, "a")
-    res = harvest_cli(*args)
-    assert res.returncode == 0, res.stdout + res.stderr
-    loc = Location.from_url(f"file://{out}/twice")
-    before = _copies(loc.url())
+    args, loc, before = _finished_run(tmp_path, tiny_model)
     names = loc.list(INDEX, ".json")
     assert len(names) >= 2
     lost = committed_samples(loc.read_json(f"{INDEX}/{names[0]}"))
@@ -92,13 +96,7 @@ def test_reconcile_dedupes_a_seeded_duplicate_and_sends_a_corrupt_sample_back_fo
     from harvest.formats.index import encode_index
     from harvest.read.shard_reader import CorruptSample, ShardReader
 
-    dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(24))
-    out = tmp_path / "out"
-    args = _run_args(dataset, tiny_model, out, tmp_path, "a")
-    res = harvest_cli(*args)
-    assert res.returncode == 0, res.stdout + res.stderr
-    loc = Location.from_url(f"file://{out}/twice")
-    before = _copies(loc.url())
+    args, loc, before = _finished_run(tmp_path, tiny_model)
     first, second = loc.list(INDEX, ".json")[:2]
     # a duplicate, as an older harvest or two fleets would leave it: shard `first` stored again under another id
     doc = loc.read_json(f"{INDEX}/{first}")
