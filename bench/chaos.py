@@ -4,8 +4,10 @@
 
 Each trial is a real run (private Redis with AOF, reference engine, workers, collector,
 producer as processes) with `--kills` SIGKILLs at random moments; every third trial (by
-default) writes to a moto S3 server and runs with engine faults switched on. Prints one line
-a trial and the totals: kills per process kind, samples lost and doubled (both must be 0),
+default) writes to a moto S3 server and runs with engine faults switched on. The faults are
+SIGKILLs of every process kind, Redis killed and restarted, and Redis rolled back (`rollback`:
+killed with its AOF cut back by 1 or 2 s, what `appendfsync everysec` may lose). Prints one line
+a trial and the totals: kills per process kind, samples lost and doubled and runs unreadable (all must be 0),
 failures by reason. With `--nodes N` (N >= 2) each trial runs N nodes (engine, workers and
 collector with their own spool) and `node` faults are among the kills: a whole node lost, back
 within the spool grace, after it, or never; the totals add how lost nodes came back and how
@@ -65,7 +67,7 @@ def main() -> int:
     model = build_tiny_model()
     server, bucket = s3_server() if args.s3_every else (None, None)
     kills, exits, reasons, returns = Counter(), Counter(), Counter(), Counter()
-    lost = doubled = bad_trials = done = failed = reclaimed = revoked = 0
+    lost = doubled = unreadable = bad_trials = done = failed = reclaimed = revoked = 0
     t0 = time.monotonic()
     try:
         for i in range(args.trials):
@@ -84,6 +86,7 @@ def main() -> int:
             reasons.update(r.failure_reasons)
             lost += len(r.lost)
             doubled += len(r.doubled)
+            unreadable += bool(r.unreadable)
             done += r.done
             failed += r.failed
             if r.ok or not args.keep:
@@ -100,7 +103,8 @@ def main() -> int:
     if args.nodes > 1:
         print(f"lost nodes came back: {dict(sorted(returns.items()))}; spools revoked: {revoked}, "
               f"of which reclaimed with samples: {reclaimed}")
-    print(f"samples: done {done}, failed with reason {failed} {dict(reasons)}, lost {lost}, doubled {doubled}")
+    print(f"samples: done {done}, failed with reason {failed} {dict(reasons)}, lost {lost}, doubled {doubled}; "
+          f"runs unreadable {unreadable}")
     return 1 if bad_trials else 0
 
 

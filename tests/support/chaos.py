@@ -64,6 +64,7 @@ class TrialResult:
     failed_without_reason: list[str] = field(default_factory=list)
     failure_reasons: Counter = field(default_factory=Counter)
     shards_without_index: list[str] = field(default_factory=list)
+    unreadable: str = ""  # why a reader could not read the committed run (it must always can)
     leftovers: list[str] = field(default_factory=list)
     timeline: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -72,7 +73,7 @@ class TrialResult:
     @property
     def ok(self) -> bool:
         return not (self.error or self.lost or self.doubled or self.wrong_tokens or self.failed_without_reason
-                    or self.shards_without_index or self.leftovers)
+                    or self.shards_without_index or self.leftovers or self.unreadable)
 
     def summary(self) -> str:
         return (f"seed {self.seed}: {'OK' if self.ok else 'FAIL'} {self.samples} samples, done {self.done}, failed "
@@ -82,7 +83,8 @@ class TrialResult:
                    if self.node_returns else "") +
                 f"lost {len(self.lost)}, doubled {len(self.doubled)}, wrong {len(self.wrong_tokens)}, "
                 f"unexplained failures {len(self.failed_without_reason)}, shards without index "
-                f"{len(self.shards_without_index)}, leftovers {self.leftovers[:5]}, {self.seconds:.0f}s"
+                f"{len(self.shards_without_index)}, leftovers {self.leftovers[:5]}, unreadable {self.unreadable or 0}, "
+                f"{self.seconds:.0f}s"
                 + (f"; error: {self.error}" if self.error else ""))
 
 
@@ -369,10 +371,13 @@ class Trial:
         copies = Counter()
         for name in indexed:  # counted from the index files themselves: a reader would hide duplicates
             copies.update(loc.read_json(f"index/{name}.json")["samples"])
-        reader = RunReader(f"{self.out}/{self.run}")
-        for sid in copies:
-            if reader.get(sid)["input_ids"].tolist() != self.expected.get(sid):
-                res.wrong_tokens.append(sid)
+        try:
+            reader = RunReader(f"{self.out}/{self.run}")
+            for sid in copies:
+                if reader.get(sid)["input_ids"].tolist() != self.expected.get(sid):
+                    res.wrong_tokens.append(sid)
+        except Exception as e:  # noqa: BLE001 - a run that cannot be read is the worst outcome: counted
+            res.unreadable = f"{type(e).__name__}: {e}"
         failures = Ledger(conn, self.run).failures()
         res.done = sum(1 for sid in self.expected if copies[sid])
         res.failed = sum(1 for sid in self.expected if sid in failures and not copies[sid])
