@@ -63,6 +63,7 @@ from harvest.state.failures import (
     record_failures,
 )
 from harvest.state.heartbeat import WorkerBeat
+from harvest.state.jobs import MAX_RETRY_INTERVAL_S
 from harvest.state.ledger import QUEUED, Ledger
 from harvest.state.payload import Sample, decode_batch, payload_rows
 from harvest.state.spools import SpoolLeases
@@ -74,7 +75,7 @@ log = logging.getLogger("harvest.worker")
 DEFAULT_RETRIES = 5
 
 
-def backoff_intervals(base: float, retries: int, cap: float = 300.0) -> list[int]:
+def backoff_intervals(base: float, retries: int, cap: float = MAX_RETRY_INTERVAL_S) -> list[int]:
     """base, 3*base, 9*base, ... (whole seconds, RQ's unit), capped."""
     return [max(1, int(min(cap, base * 3**i))) for i in range(max(1, retries))]
 

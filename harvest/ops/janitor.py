@@ -44,7 +44,7 @@ from harvest.ops.liveness import MAX_REAPS, tend_liveness
 from harvest.ops.reclaim import ReclaimReport, reclaim_lost_spools
 from harvest.ops.stranded import StrandedReport, tend_stranded
 from harvest.state.heartbeat import HEARTBEAT_TTL_S
-from harvest.state.jobs import fetch_job, run_queue
+from harvest.state.jobs import MAX_RETRY_INTERVAL_S, fetch_job, run_queue
 from harvest.state.keys import Keys, rq_worker_key, worker_key
 from harvest.state.ledger import DONE, FAILED, Ledger
 from harvest.state.runstore import load_run
@@ -54,7 +54,6 @@ log = logging.getLogger("harvest.janitor")
 
 STALE_DUMP_S = 900.0
 PROVEN_STALE_S = 2.0  # files the ledger proves unclaimable: only give a rename in flight time to land
-MAX_RETRY_INTERVAL_S = 300  # the longest backoff harvest uses (workers.job.backoff_intervals' cap)
 RETRY_SLACK_S = 10  # clocks a few seconds apart are not "absurdly" ahead
 
 

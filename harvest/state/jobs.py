@@ -26,6 +26,9 @@ JOB_FAILURE_TTL = 7 * 24 * 3600  # RQ's failed registry keeps a failed job this 
 RESULT_TTL = 0  # results are in the ledger; RQ keeps none
 
 
+MAX_RETRY_INTERVAL_S = 300  # the longest backoff between a job's retries (workers.job.backoff_intervals)
+
+
 def job_timeout(num_tokens: int) -> int:
     """Generous: a job is an engine call plus file moves; RQ kills it past this."""
     return 600 + num_tokens // 50
