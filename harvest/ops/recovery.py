@@ -29,6 +29,7 @@ from harvest.config import RunConfig
 from harvest.ops.reconcile import reconcile
 from harvest.state.keys import Keys
 from harvest.state.runstore import publish_run
+from harvest.storage import retry
 
 log = logging.getLogger("harvest.recovery")
 
@@ -85,7 +86,8 @@ class Recovery:
 
     def _reconcile(self, sid: str, token: str) -> None:
         first = self.conn.get(self.keys.ledger_epoch) is None  # this ledger's first server (or a wiped one)
-        publish_run(self.conn, self.cfg)  # a Redis that lost the run gets it back (refused if it differs)
+        if not self.conn.exists(self.keys.config):  # a Redis that lost the run gets it back (refused if it differs)
+            retry(lambda: publish_run(self.conn, self.cfg), f"publishing run {self.cfg.run} again")
         t0 = time.monotonic()
         rep = reconcile(self.conn, self.cfg,
                         keepalive=lambda: self.conn.eval(_RENEW, 1, self.keys.reconcile_lock, token, LOCK_MS))

@@ -239,7 +239,7 @@ def test_harvest_run_writes_fp8_to_s3_and_the_dataset_reads_it(tmp_path, tiny_mo
 
 def test_bucket_lost_mid_run_stops_the_run_loop_with_spool_and_record_intact(conn, tmp_path, s3_bucket, s3_endpoint):
     """A real persistent error (the bucket is deleted after start-up) stops `run` with a
-    StorageError naming the upload; nothing was written to the node's disk but the spool."""
+    StorageError naming the first storage write of the shard (its first sample's claim); nothing was written to the node's disk but the spool."""
     from harvest.storage import StorageError
 
     cfg, spool, samples = _setup(conn, tmp_path, f"{s3_bucket}/out", [12, 12, 12, 12])
@@ -256,7 +256,8 @@ def test_bucket_lost_mid_run_stops_the_run_loop_with_spool_and_record_intact(con
     packers = Packers(conn, cfg, spool, 1, node="n1", max_wait=0, retry_delay=0.01)
     packers.first = packers.packers[0] = LosesItsBucket(conn, cfg, spool, node="n1", max_wait=0, retry_delay=0.01)
     order = [sid for sid, _, _ in list_spooled(spool)]
-    with pytest.raises(StorageError, match=rf"^upload of {bucket}/out/r/shards/[0-9a-f]{{32}}\.safetensors failed: "
+    # the shard's samples are claimed in storage before it is packed: the first claim meets the lost bucket
+    with pytest.raises(StorageError, match=rf"^claiming {bucket}/out/r/claims/{order[0]}\.json failed: "
                                            "FileNotFoundError: The specified bucket does not exist$"):
         packers.run(should_stop=lambda: False, poll=0.05)
     rec = json.loads(conn.get(Ledger(conn, "r").keys.packing("n1")))
