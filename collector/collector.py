@@ -286,7 +286,7 @@ class Collector:
 
     def plan(self, entries: list[SpoolEntry]) -> ShardPlan:
         plan = plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype)
-        self.claimer.ledger_id = self.ledger.identity()  # a wiped Redis is a new ledger: its shards and claims say so
+        self.claimer.ledger_id = self.ledger.identity(known=self.claimer.ledger_id)  # the same across a rollback
         return dataclasses.replace(plan, shard_id=shard_id_for(plan.sample_ids, self.claimer.ledger_id))
 
     def record(self, plan: ShardPlan) -> None:

@@ -144,7 +144,8 @@ class Keys:
     def ledger_id(self) -> str:
         """A random id this ledger takes when first used: its claims in storage name it
         (harvest.formats.claims), so a collector tells its own ledger's commits in flight from
-        another ledger's (a second runner on the same output, or this ledger after a wipe)."""
+        another ledger's (a second runner on the same output). A collector that knew the id writes
+        it back if Redis lost it (`Ledger.identity`)."""
         return f"{self.prefix}:ledger-id"
 
     @property

@@ -195,9 +195,11 @@ class Ledger:
         keys = [self.keys.state, self.keys.spool_owner, self.keys.revoked_spools, self.keys.prefix]
         return bool(self._fence(keys=keys, args=[spool, "", "", len(ids), *ids], client=self.conn))
 
-    def identity(self) -> str:
-        """This ledger's random id (`Keys.ledger_id`), taken on first use; a wiped Redis gets a new one."""
-        self.conn.set(self.keys.ledger_id, os.urandom(8).hex(), nx=True)
+    def identity(self, known: str | None = None) -> str:
+        """This ledger's random id (`Keys.ledger_id`), taken on first use. `known`: the id the caller
+        has been using: a Redis that lost the key (a rollback past its creation, a wipe) gets it
+        back, so the claims this ledger already holds in storage stay its own."""
+        self.conn.set(self.keys.ledger_id, known or os.urandom(8).hex(), nx=True)
         return self.conn.get(self.keys.ledger_id).decode()
 
     def requeue_done(self, ids: list[str], pipe=None) -> list[str]:
