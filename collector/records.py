@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import redis
 
+from collector.sweep import in_progress
 from harvest.formats.claims import Claimer
 from harvest.formats.index import encode_index, index_file
 from harvest.formats.shard import shard_file
@@ -66,11 +67,7 @@ def give_up_shard(out: Location, claimer: Claimer, shard_id: str, sample_ids: li
 def recorded_anywhere(conn: redis.Redis, run: str, shard_id: str) -> bool:
     """Whether any collector of this ledger has a packing record naming `shard_id` (it may still
     commit it). O(nodes): asked only when a claim in storage names a shard with no index."""
-    for key in conn.scan_iter(match=Keys(run).packing_pattern):
-        raw = conn.get(key)
-        if raw is not None and PackingRecord.from_json(raw).shard_id == shard_id:
-            return True
-    return False
+    return shard_id in in_progress(conn, run)
 
 
 def tend_revoked(conn: redis.Redis, run: str, out: Location, retry: Retry, own_keys: frozenset[str]) -> int:
