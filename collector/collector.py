@@ -36,6 +36,7 @@ from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
 from harvest.formats.claims import STALE_S, Claimer
 from harvest.formats.index import index_file
+from harvest.formats.runfile import run_location
 from harvest.formats.shard import SHARDS, ShardPlan, plan_shard, shard_file
 from harvest.formats.spool import (
     SpoolEntry,
@@ -50,7 +51,6 @@ from harvest.ids import check_id, node_name, shard_id_for
 from harvest.state.failures import BAD_SPOOL
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
 from harvest.state.packing import PackingRecord
-from harvest.state.runstore import run_location
 from harvest.state.spools import SpoolLeases
 from harvest.storage import TEMP_PREFIX, StorageError, retry
 

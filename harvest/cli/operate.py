@@ -42,7 +42,8 @@ def reconcile_cmd(run, redis_url, out_url, dedupe, verify, no_progress, s3_endpo
     check_output(out_url)
     conn = connect(redis_url)
     from harvest.ops.reconcile import reconcile, restore_run
-    from harvest.state.runstore import load_run, run_location
+    from harvest.formats.runfile import run_location
+    from harvest.state.runstore import load_run
 
     cfg = restore_run(conn, run, out_url) if out_url else load_run(conn, run)
     loc = run_location(cfg.out_url, cfg.run)

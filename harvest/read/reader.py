@@ -21,8 +21,8 @@ import torch
 
 from harvest.config import RunConfig
 from harvest.formats.index import INDEX, ShardError, ShardIndex, kept_copies, parse_index
+from harvest.formats.runfile import read_run_json
 from harvest.read.shard_reader import ShardReader, UnreadableShard
-from harvest.state.runstore import read_run_json
 from harvest.storage import Location
 
 log = logging.getLogger("harvest.read")

@@ -13,13 +13,13 @@ import torch
 
 from harvest.cli.demo import build_tiny_model
 from harvest.formats.index import index_file
+from harvest.formats.runfile import RUN_FILE
 from harvest.formats.shard import shard_file
 from harvest.ops.verify import verify_run
 from harvest.read.reader import RunReader
 from harvest.read.shard_reader import CorruptSample
 from harvest.read.specforge import sample_file
 from harvest.read.speculators import MANIFEST, TOKEN_FREQ, hs_file
-from harvest.state.runstore import RUN_FILE
 from harvest.storage import Location
 from tests.support.cli import harvest_cli
 from tests.support.synth import HIDDEN, make_config, spool_samples

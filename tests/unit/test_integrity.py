@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from harvest.formats.index import ShardError, committed_samples, encode_index, index_file, parse_index
+from harvest.formats.runfile import RUN_FILE
 from harvest.formats.shard import plan_shard, shard_file, write_shard
 from harvest.formats.spool import inspect_sample, spool_path
 from harvest.ops.dedupe import DedupeReport, dedupe_run
@@ -24,7 +25,6 @@ from harvest.ops.verify import Corruption, verify_run
 from harvest.read.dataset import HiddenStateDataset, HiddenStateIterable
 from harvest.read.reader import RunReader
 from harvest.read.shard_reader import CorruptSample, ShardReader, UnreadableShard
-from harvest.state.runstore import RUN_FILE
 from harvest.storage import Location
 from tests.support.synth import HIDDEN, POINTS, make_config, spool_samples
 
