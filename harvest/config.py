@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from harvest.formats.dtypes import STORAGE_DTYPES, storage_torch_dtype
 from harvest.ids import check_id
+from harvest.settings import RunTunables
 
 if TYPE_CHECKING:
     import torch
@@ -122,7 +123,10 @@ def _is_eagle3_draft(doc: dict) -> bool:
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunIdentity:
+    """What every node of a run must agree on: what is stored, and where. Two starts of one run
+    name that differ in any of it are refused (harvest.formats.runfile.check_same_run)."""
+
     run: str
     model: str
     capture_points: list[int]
@@ -131,16 +135,8 @@ class RunConfig:
     storage_dtype: str = "bf16"
     engine: str = "reference"
     tokenizer: str | None = None
-    max_batch_samples: int = 32
-    max_batch_tokens: int = 16384
-    shard_bytes: int = 1 << 30
     allow_nonfinite: bool = False
-    num_layers: int = 0  # the model's decoder layers (0: unknown, runs written before it was recorded)
-    # A node spool none of whose processes renewed its lease for this long is lost: its samples are
-    # reclaimed and enqueued again (harvest.state.spools, harvest.ops.reclaim).
-    spool_grace_s: float = 120.0
     final_state: str = FINAL_POST_NORM  # what capture point L holds (FINAL_POST_NORM)
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_id(self.run, "run name")
@@ -150,10 +146,22 @@ class RunConfig:
             raise ConfigError(f"engine {self.engine!r}: choose one of {', '.join(ENGINE_KINDS)}")
         if self.final_state not in FINAL_STATES:
             raise ConfigError(f"final state {self.final_state!r}: this harvest stores {', '.join(FINAL_STATES)}")
-        if not self.spool_grace_s > 0:
-            raise ConfigError(f"spool grace {self.spool_grace_s!r}: must be a positive number of seconds")
         if list(self.capture_points) != sorted(set(self.capture_points)) or not self.capture_points:
             raise ConfigError(f"capture points {self.capture_points} must be a non-empty ascending list")
+
+
+@dataclass(frozen=True)
+class RunConfig(RunTunables, RunIdentity):
+    """The run: its identity (RunIdentity), its tunables (harvest.settings.RunTunables) and what
+    follows from the model. One flat JSON object in run.json and in Redis, as it always was."""
+
+    num_layers: int = 0  # the model's decoder layers (0: unknown, runs written before it was recorded)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        RunIdentity.__post_init__(self)
+        if not self.spool_grace_s > 0:
+            raise ConfigError(f"spool grace {self.spool_grace_s!r}: must be a positive number of seconds")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -184,12 +192,15 @@ class RunConfig:
         return cls(**data)
 
     def identity(self) -> dict:
-        """The fields that change what is stored; two runs of one name must agree on all of them.
-        `num_layers` follows from the model, and runs stored before it was recorded lack it."""
-        d = asdict(self)
-        for k in ("max_batch_samples", "max_batch_tokens", "shard_bytes", "num_layers", "spool_grace_s", "extra"):
-            d.pop(k)
-        return d
+        """The fields that change what is stored (RunIdentity's); two runs of one name must agree on
+        all of them. `num_layers` follows from the model, and runs stored before it was recorded lack it."""
+        return {k: v for k, v in asdict(self).items() if k in _IDENTITY}
+
+    def tunables(self) -> RunTunables:
+        return RunTunables(**{f.name: getattr(self, f.name) for f in fields(RunTunables)})
+
+
+_IDENTITY = frozenset(f.name for f in fields(RunIdentity))
 
 
 def build_config(

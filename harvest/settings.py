@@ -1,0 +1,99 @@
+"""Every tunable's default, once: frozen settings, one class per process that takes them.
+
+A default is written here and nowhere else: the CLI's options read theirs from these classes
+(`default=WorkerSettings.dump_timeout_s`), the entries take an instance (`run_worker`,
+`collector.service.run_collector`, `harvest.cli.runner.run_all`), and a module-level constant
+elsewhere imports its value. tests/unit/test_house_defaults.py holds the literals to this module.
+
+What a run must agree on across nodes is not here: that is the run's identity,
+`harvest.config.RunIdentity`. `RunTunables` are the run's own settings, recorded in run.json
+beside its identity but never compared (`RunConfig.identity()`).
+
+Imports nothing of harvest: every module may read it, `harvest.config` included.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class RunTunables:
+    """A run's settings that change no stored byte: recorded in run.json, not compared."""
+
+    max_batch_samples: int = 32  # samples per job (a producer may choose its own)
+    max_batch_tokens: int = 16384  # tokens per job
+    shard_bytes: int = 1 << 30  # target shard size (a collector may choose its own)
+    # A node spool none of whose processes renewed its lease for this long is lost: its samples are
+    # reclaimed and enqueued again (harvest.state.spools, harvest.ops.reclaim).
+    spool_grace_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class ProducerSettings:
+    """`harvest produce` (and the producer inside `harvest run`)."""
+
+    max_queued: int = 20000  # samples queued or in flight at most; the producer waits beyond
+    processes: int = 1  # tokenizer processes
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """`harvest worker` (workers.worker.run_worker)."""
+
+    dump_timeout_s: float = 60.0  # wait for a request's dump files
+    max_spool_bytes: int = 64 << 30  # backpressure while this node's spool holds more
+    retries: int = 5  # retries of a job that meets a transient error
+    retry_backoff_s: float = 10.0  # before the first retry; x3 each time (capped by the job contract)
+    engine_wait_s: float = 0.0  # take no job until the engine is healthy, up to this long
+    max_jobs: int | None = None  # exit after this many jobs
+    burst: bool = False  # exit when the queue is empty
+    node: str | None = None  # node name (None: the host's, harvest.ids.node_name)
+
+
+@dataclass(frozen=True)
+class CollectorSettings:
+    """`harvest collect` (collector.service.run_collector) and each of its packers."""
+
+    MAX_PACK_WORKERS: ClassVar[int] = 4  # the default packers: the cores, up to this many
+
+    max_wait_s: float = 60.0  # commit a partial shard once its oldest sample is this old
+    shard_bytes: int | None = None  # None: the run's (RunTunables.shard_bytes)
+    part_bytes: int = 16 << 20  # object storage: multipart part size
+    pack_workers: int | None = None  # None: the cores, up to MAX_PACK_WORKERS
+    node: str | None = None
+    burst: bool = False  # commit what is spooled now, then exit
+    storage_retries: int = 5  # attempts of a storage call before a StorageError
+    retry_delay_s: float = 0.5  # first delay between those attempts
+    orphan_age_s: float = 6 * 3600.0  # a shard file no record names is removed once this old
+
+    def packers(self) -> int:
+        return self.pack_workers or min(self.MAX_PACK_WORKERS, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engines `harvest` starts or prints launch flags for."""
+
+    port: int = 30000  # the reference engine's and SGLang's
+    vllm_port: int = 8000
+    sglang_chunked_prefill_size: int = 8192
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """`harvest run` and `harvest demo`: the whole pipeline on this machine (harvest.cli.runner)."""
+
+    workers: int = 2  # with 2, one batch is in the engine while the other worker spools
+    redis_url: str | None = None  # None: a private redis-server
+    engine_url: str | None = None  # None: start the run's engine
+    work_dir: str | None = None  # node-local state (None: harvest.cli.runner.default_work_dir)
+    dump_dir: str | None = None  # None: harvest.node.dumpdir.default_dump_dir
+    chunked_prefill_size: int = 0  # the engine's (0: whole prompts; SGLang's default for sglang)
+    max_queued: int = ProducerSettings.max_queued
+    max_wait_s: float = 5.0  # the collector's: a local run commits partial shards soon
+    worker_engine_wait_s: float = 300.0  # its workers wait this long for the engine it starts
+    progress: bool = True
+    outage_s: float | None = None  # how long Redis may be away (None: harvest.state.connection's)
