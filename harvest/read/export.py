@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+import harvest.read.specforge as specforge
 from harvest.config import RunConfig
-from harvest.read import specforge
 from harvest.read.dataset import read_dtype
 from harvest.read.final_norm import FinalNorm, FinalNormError
 from harvest.read.reader import RunReader
