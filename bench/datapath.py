@@ -46,8 +46,8 @@ from collector.packers import Packers  # noqa: E402
 from harvest.cli.redisproc import RedisServer, free_port  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
 from harvest.formats.dump import Chunk, write_chunk  # noqa: E402
-from harvest.formats.spool import SpoolBatch  # noqa: E402
 from harvest.ids import rid_for  # noqa: E402
+from harvest.node.spooldir import SpoolBatch  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.payload import Sample  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402

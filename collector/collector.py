@@ -38,16 +38,9 @@ from harvest.formats.claims import STALE_S, Claimer
 from harvest.formats.index import index_file
 from harvest.formats.runfile import run_location
 from harvest.formats.shard import SHARDS, ShardPlan, plan_shard, shard_file
-from harvest.formats.spool import (
-    SpoolEntry,
-    SpoolError,
-    inspect_sample,
-    list_spooled,
-    set_aside_path,
-    spool_identity,
-    spool_path,
-)
+from harvest.formats.spool import SpoolEntry, SpoolError, inspect_sample
 from harvest.ids import check_id, node_name, shard_id_for
+from harvest.node.spooldir import list_spooled, set_aside_path, spool_identity, spool_path
 from harvest.state.failures import BAD_SPOOL
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
 from harvest.state.packing import PackingRecord

@@ -44,8 +44,8 @@ from rq import Retry, get_current_job
 from rq.timeouts import JobTimeoutException
 
 from harvest.config import RunConfig
-from harvest.formats.spool import SpoolBatch, list_spooled, spool_identity
 from harvest.ids import rid_for
+from harvest.node.spooldir import SpoolBatch, list_spooled, spool_identity
 from harvest.ops.metrics import observe
 from harvest.ops.recovery import Recovery
 from harvest.state.connection import give_up, is_connection_error, outage_of

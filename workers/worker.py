@@ -31,10 +31,10 @@ import time
 import redis
 import torch
 
-from harvest.formats.spool import clear_dead_temps
 from harvest.ids import check_id, node_name
 from harvest.node.dumpdir import claim_dir as claim_dir_of
 from harvest.node.paths import private_dir
+from harvest.node.spooldir import clear_dead_temps
 from harvest.ops.janitor import janitor_pass
 from harvest.ops.recovery import Recovery
 from harvest.state.connection import RedisLost, outage_of, redis_client

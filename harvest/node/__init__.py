@@ -1,1 +1,1 @@
-"""Node-local filesystem layout: private directories and the dump directory's names."""
+"""Node-local filesystem layout: private directories, the dump directory's names and the spool directory's."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from harvest.formats.spool import list_spooled
+from harvest.node.spooldir import list_spooled
 from harvest.state.keys import Keys, worker_key
 
 HEARTBEAT_INTERVAL_S = 5.0

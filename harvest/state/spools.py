@@ -1,6 +1,6 @@
 """Spool leases: which node spools are alive, and which were given up for lost.
 
-Who owns what. A spool is a spool dir with its random id (harvest.formats.spool.spool_identity),
+Who owns what. A spool is a spool dir with its random id (harvest.node.spooldir.spool_identity),
 shared by one node's workers and collector. It owns the samples the ledger holds in state `s`
 with it as owner, for as long as its lease lives: every worker and collector that uses the
 spool renews the lease at each heartbeat (`renew`, stamped with Redis's clock, so nodes'
@@ -11,7 +11,7 @@ revokes the id for good, then puts the spool's samples back on the queue.
 What fences a late return. A revoked id owns nothing again: the ledger refuses to mark a
 sample spooled for it, the commit fence (`Ledger.fence_commit`) refuses its collector, and
 `renew` answers False, upon which the spool's processes take a new id
-(harvest.formats.spool.rotate_spool_identity) and carry on as a fresh spool.
+(harvest.node.spooldir.rotate_spool_identity) and carry on as a fresh spool.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import redis
 
-from harvest.formats.spool import rotate_spool_identity
+from harvest.node.spooldir import rotate_spool_identity
 from harvest.state.keys import Keys
 
 log = logging.getLogger("harvest.spool")
@@ -79,6 +79,14 @@ class SpoolLeases:
             return set()
         flags = self.conn.smismember(self.keys.revoked_spools, ids)
         return {s for s, f in zip(ids, flags) if f}
+
+    def node_of(self, spool: str) -> str:
+        """The node that last renewed `spool`'s lease ("?" if none ever did)."""
+        return (self.conn.hget(self.keys.spool_nodes, spool) or b"?").decode()
+
+    def sample_counts(self) -> dict[str, int]:
+        """Spool -> samples in state s that it owns, for every spool owning any."""
+        return {k.decode(): int(v) for k, v in self.conn.hgetall(self.keys.spool_counts).items()}
 
     def of_node(self, node: str) -> list[str]:
         return sorted(k.decode() for k, v in self.conn.hgetall(self.keys.spool_nodes).items() if v.decode() == node)

@@ -14,7 +14,7 @@ from collector.faults import CRASH_ENV
 from collector.packers import Packers
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
-from harvest.formats.spool import list_spooled
+from harvest.node.spooldir import list_spooled
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run

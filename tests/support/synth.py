@@ -7,8 +7,9 @@ import torch
 
 from harvest.config import RunConfig
 from harvest.formats.fp8 import to_storage
-from harvest.formats.spool import SpooledSample, write_sample
+from harvest.formats.spool import SpooledSample
 from harvest.ids import sample_id
+from harvest.node.spooldir import write_sample
 
 POINTS = [2, 4, 5, 8]  # eagle3 preset of an 8-layer model
 HIDDEN = 16

@@ -19,8 +19,8 @@ from collector.faults import CRASH_POINTS
 from harvest.formats.claims import CLAIMS, claim_file
 from harvest.formats.index import index_file
 from harvest.formats.shard import SHARDS, shard_file
-from harvest.formats.spool import list_spooled, spool_identity
 from harvest.ids import shard_id_for
+from harvest.node.spooldir import list_spooled, spool_identity
 from tests.support.crash import NODE, Trial
 
 

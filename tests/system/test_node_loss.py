@@ -16,7 +16,7 @@ import pytest
 from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
-from harvest.formats.spool import list_spooled, spool_identity
+from harvest.node.spooldir import list_spooled, spool_identity
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger
 from harvest.storage import Location

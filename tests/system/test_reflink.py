@@ -19,8 +19,8 @@ import torch
 
 from collector.collector import Collector
 from harvest.formats.dump import Chunk, write_chunk
-from harvest.formats.spool import SpoolBatch
 from harvest.ids import rid_for
+from harvest.node.spooldir import SpoolBatch
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger
 from harvest.state.payload import Sample

@@ -12,7 +12,7 @@ from collector.collector import Collector
 from collector.packers import Packers
 from harvest.formats.index import INDEX, index_file
 from harvest.formats.shard import SHARDS, shard_file
-from harvest.formats.spool import list_spooled, spool_identity
+from harvest.node.spooldir import list_spooled, spool_identity
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run

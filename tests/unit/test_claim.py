@@ -115,8 +115,9 @@ def test_spool_file_takes_the_dumped_bytes_by_the_kernel_only_when_stored_as_dum
     the file is byte for byte the one written from the tensor."""
     import dataclasses
 
-    from harvest.formats.spool import SpoolBatch, read_sample, spool_path
+    from harvest.formats.spool import read_sample
     from harvest.formats.stformat import BLOCK
+    from harvest.node.spooldir import SpoolBatch, spool_path
 
     dump, claimed = dirs
     hs = torch.randn(10, 2, 4).to(dumped)
@@ -147,7 +148,7 @@ def test_dumps_on_another_filesystem_are_spooled_from_the_tensor(tmp_path, monke
     copy across, so the tensor (already read and checked) is written; the same file."""
     import dataclasses
 
-    from harvest.formats.spool import SpoolBatch, spool_path
+    from harvest.node.spooldir import SpoolBatch, spool_path
 
     if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
         pytest.skip("needs /dev/shm on a filesystem of its own")

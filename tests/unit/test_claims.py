@@ -12,7 +12,7 @@ from collector.collector import Collector
 from harvest.formats.claims import STALE_S, Claim, claim_file
 from harvest.formats.index import INDEX, index_file
 from harvest.formats.shard import SHARDS
-from harvest.formats.spool import list_spooled
+from harvest.node.spooldir import list_spooled
 from harvest.ops.reconcile import reconcile
 from harvest.ops.recovery import Recovery, server_id
 from harvest.state.jobs import run_queue

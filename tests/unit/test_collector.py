@@ -10,7 +10,7 @@ import torch
 from collector.collector import Collector
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
-from harvest.formats.spool import list_spooled
+from harvest.node.spooldir import list_spooled
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run

@@ -7,8 +7,9 @@ import torch
 from collector.collector import Collector
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.formats.fp8 import FP8, FP8_MAX, dequantize, quantize
-from harvest.formats.spool import read_sample, spool_path, write_sample
+from harvest.formats.spool import read_sample
 from harvest.ids import rid_for
+from harvest.node.spooldir import spool_path, write_sample
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger
 from harvest.state.payload import Sample

@@ -13,8 +13,9 @@ import torch
 
 from harvest.formats.index import ShardError, encode_index, index_file, parse_index
 from harvest.formats.shard import ShardSums, copy_shard, plan_shard, shard_file, write_shard
-from harvest.formats.spool import SpoolError, inspect_sample, spool_path
+from harvest.formats.spool import SpoolError, inspect_sample
 from harvest.formats.stformat import BLOCK, encode
+from harvest.node.spooldir import spool_path
 from harvest.read.shard_reader import ShardReader
 from harvest.storage import Location
 from tests.support.synth import HIDDEN, POINTS, make_config, spool_samples

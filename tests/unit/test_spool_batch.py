@@ -1,4 +1,4 @@
-"""A job's spool files are made durable together and appear only at commit (harvest.formats.spool.SpoolBatch)."""
+"""A job's spool files are made durable together and appear only at commit (harvest.node.spooldir.SpoolBatch)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from harvest.formats.spool import TEMP_MAX_AGE_S, SpoolBatch, SpooledSample, list_spooled, read_sample, spool_identity
+from harvest.formats.spool import SpooledSample, read_sample
+from harvest.node.spooldir import TEMP_MAX_AGE_S, SpoolBatch, list_spooled, spool_identity
 from harvest.storage import TEMP_PREFIX
 
 

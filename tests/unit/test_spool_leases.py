@@ -11,7 +11,7 @@ from collector.collector import Collector
 from collector.records import Voided, tend_revoked
 from harvest.formats.index import INDEX, index_file
 from harvest.formats.shard import SHARDS, shard_file
-from harvest.formats.spool import list_spooled, rotate_spool_identity, spool_identity
+from harvest.node.spooldir import list_spooled, rotate_spool_identity, spool_identity
 from harvest.ops.reclaim import reclaim_lost_spools, reclaim_spool
 from harvest.state.jobs import run_queue
 from harvest.state.ledger import Ledger

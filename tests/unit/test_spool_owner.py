@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from collector.collector import Collector
-from harvest.formats.spool import list_spooled, spool_identity
+from harvest.node.spooldir import list_spooled, spool_identity
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
