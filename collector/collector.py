@@ -43,7 +43,7 @@ from harvest.ids import check_id, node_name, shard_id_for
 from harvest.node.spooldir import list_spooled, set_aside_path, spool_identity, spool_path
 from harvest.state.failures import BAD_SPOOL
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
-from harvest.state.packing import PackingRecord
+from harvest.state.packing import PackingRecord, PackingRecords
 from harvest.state.spools import SpoolLeases
 from harvest.storage import TEMP_PREFIX, StorageError, retry
 
@@ -76,7 +76,8 @@ class Collector:
         # Packer `packer` of the node's `packers` (collector.packers): its own record, and only the
         # spool files of its slice of the sample ids, so no two packers ever pick the same sample.
         self.packer, self.packers = packer, packers
-        self.packing_key = self.ledger.keys.packing(self.node, packer)
+        self.records = PackingRecords(conn, cfg.run)
+        self.packing_key = self.records.key(self.node, packer)
         self.shard_bytes = shard_bytes or cfg.shard_bytes
         self.max_wait = max_wait
         self.part_bytes = part_bytes
@@ -133,11 +134,10 @@ class Collector:
 
     def resume_record(self) -> None:
         """Finish (or void) the shard this packer's record names; else sweep orphan shards."""
-        raw = self.conn.get(self.packing_key)
-        if raw is None:
+        rec = self.records.get(self.packing_key)
+        if rec is None:
             self._retry(lambda: sweep_orphans(self.out, self.conn, self.cfg, self.orphan_age), "sweeping orphan shards")
             return
-        rec = PackingRecord.from_json(raw)
         log.info("resuming shard %s (%d samples)", rec.shard_id, len(rec.sample_ids))
         if rec.index is not None:  # the commit was decided before the restart
             write_decided_index(self.out, rec, self._retry)
@@ -287,8 +287,8 @@ class Collector:
         # The spool this record names is the one the fence checks: packer 0 may renew the lease (and
         # rotate the id of a revoked spool) for every packer while this one is mid-commit.
         self._recorded_spool = self.spool_id
-        self._record_json = PackingRecord(plan.shard_id, plan.sample_ids, self._recorded_spool).to_json()
-        self.conn.set(self.packing_key, self._record_json)
+        self._record_json = self.records.put(self.packing_key,
+                                             PackingRecord(plan.shard_id, plan.sample_ids, self._recorded_spool))
         self._crash("recorded")
 
     def pack(self, plan: ShardPlan) -> Packed:
@@ -331,7 +331,7 @@ class Collector:
     def _void(self, shard_id: str, sample_ids: list[str], why: str) -> None:
         log.warning("shard %s given up: %s", shard_id, why)
         give_up_shard(self.out, self.claimer, shard_id, sample_ids, self._retry)
-        self.conn.delete(self.packing_key)
+        self.records.clear(self.packing_key)
         self.renew_lease()
 
     def finish(self, plan: ShardPlan) -> int:
@@ -353,7 +353,7 @@ class Collector:
         for p in paths:
             _unlink(p)
             self._crash("unlinking")
-        self.conn.delete(self.packing_key)
+        self.records.clear(self.packing_key)
         return [s in changed for s in sample_ids]
 
 

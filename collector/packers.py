@@ -72,8 +72,7 @@ class Packers:
         for p in self.packers[1:]:
             p.resume_record()
         n = len(self.packers)
-        for key in self.conn.scan_iter(match=self.first.ledger.keys.packing_extra_pattern(self.first.node)):
-            index = int(key.decode().rsplit(":", 1)[1])
+        for index in self.first.records.extra_packers(self.first.node):
             if index >= n:  # a packer of an earlier run of this node with more packers
                 leftover = Collector(self.conn, self.cfg, self.spool_dir, packer=index, packers=n, **self.kw)
                 leftover.spool_id = self.first.spool_id

@@ -1,4 +1,5 @@
-"""The packing record: the one shard a node's collector is committing, kept in Redis.
+"""The packing record: the one shard a node's collector is committing, kept in Redis (its format
+and its store, `PackingRecords`, are harvest.state.packing's; this module holds the collectors' rules).
 
 `harvest:<run>:packing:<node>` holds `{shard_id, sample_ids, spool}` from the moment a shard is
 chosen until it is committed or given up, so a restarted collector finishes the same shard.
@@ -19,19 +20,15 @@ from collections.abc import Callable
 
 import redis
 
-from collector.sweep import in_progress
 from harvest.formats.claims import Claimer
 from harvest.formats.index import encode_index, index_file
 from harvest.formats.shard import shard_file
-from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
-from harvest.state.packing import PackingRecord
+from harvest.state.packing import PackingRecord, PackingRecords
 from harvest.state.spools import SpoolLeases
 from harvest.storage import Location
 
 log = logging.getLogger("harvest.collector")
-
-_DELETE_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 Retry = Callable[[Callable[[], object], str], object]
 
@@ -67,20 +64,15 @@ def give_up_shard(out: Location, claimer: Claimer, shard_id: str, sample_ids: li
 def recorded_anywhere(conn: redis.Redis, run: str, shard_id: str) -> bool:
     """Whether any collector of this ledger has a packing record naming `shard_id` (it may still
     commit it). O(nodes): asked only when a claim in storage names a shard with no index."""
-    return shard_id in in_progress(conn, run)
+    return shard_id in PackingRecords(conn, run).shard_ids()
 
 
 def tend_revoked(conn: redis.Redis, run: str, out: Location, retry: Retry, own_keys: frozenset[str]) -> int:
     """Finish the decided records, and clear the void ones, of nodes whose spool was revoked.
     Returns the samples this call moved to done."""
-    keys, ledger, leases = Keys(run), Ledger(conn, run), SpoolLeases(conn, run)
+    records, ledger, leases = PackingRecords(conn, run), Ledger(conn, run), SpoolLeases(conn, run)
     done = 0
-    for key in conn.scan_iter(match=keys.packing_pattern):
-        key = key.decode()
-        raw = conn.get(key)
-        if key in own_keys or raw is None:
-            continue
-        rec = PackingRecord.from_json(raw)
+    for key, rec, raw in records.items(skip=own_keys):
         if rec.spool is None or not leases.is_revoked(rec.spool):
             continue  # a live node's shard in progress: its own collector's
         if rec.index is not None:
@@ -96,5 +88,5 @@ def tend_revoked(conn: redis.Redis, run: str, out: Location, retry: Retry, own_k
             give_up_shard(out, Claimer(out, ledger.identity(), lambda _: True, retry), rec.shard_id, rec.sample_ids,
                           retry)
             log.warning("removed void shard %s of revoked spool %s (%s)", rec.shard_id, rec.spool, key)
-        conn.eval(_DELETE_IF_SAME, 1, key, raw)
+        records.clear_if_same(key, raw)
     return done

@@ -26,22 +26,11 @@ from harvest.formats.claims import store_now
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
 from harvest.ops.reconcile import reconcile, shard_sample_ids
-from harvest.state.keys import Keys
 from harvest.state.ledger import DONE, Ledger
-from harvest.state.packing import PackingRecord
+from harvest.state.packing import PackingRecords
 from harvest.storage import TEMP_PREFIX, Location
 
 log = logging.getLogger("harvest.collector")
-
-
-def in_progress(conn: redis.Redis, run: str) -> set[str]:
-    """Shard ids recorded by any collector of the run as being committed."""
-    out = set()
-    for key in conn.scan_iter(match=Keys(run).packing_pattern):
-        raw = conn.get(key)
-        if raw:
-            out.add(PackingRecord.from_json(raw).shard_id)
-    return out
 
 
 def sweep_orphans(out: Location, conn: redis.Redis, cfg: RunConfig, min_age: float) -> list[str]:
@@ -49,7 +38,7 @@ def sweep_orphans(out: Location, conn: redis.Redis, cfg: RunConfig, min_age: flo
     Shards are listed before records and indexes are read: a shard committed meanwhile has
     its record until its index exists, so it is never taken for an orphan."""
     shards = out.list(SHARDS, ".safetensors")
-    busy = in_progress(conn, cfg.run)
+    busy = PackingRecords(conn, cfg.run).shard_ids()
     indexed = {n.removesuffix(".json") for n in out.list(INDEX, ".json")}
     candidates = [n for n in shards if n.removesuffix(".safetensors") not in indexed | busy]
     if not candidates:

@@ -32,7 +32,7 @@ from harvest.state.failures import SPOOL_LOST
 from harvest.state.jobs import enqueue_samples, run_queue
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
-from harvest.state.packing import PackingRecord
+from harvest.state.packing import PackingRecords
 from harvest.state.payload import PAYLOAD_VERSION, PayloadError, decode_batch, split_jobs
 from harvest.state.spools import SpoolLeases
 
@@ -51,25 +51,13 @@ class ReclaimReport:
     decided: list[str] = field(default_factory=list)  # in a shard whose commit was decided: left to finish
 
 
-def decided_samples(conn: redis.Redis, run: str, spool: str | None = None) -> set[str]:
-    """Samples in packing records that hold an index document (of `spool`, or of any spool)."""
-    out: set[str] = set()
-    for key in conn.scan_iter(match=Keys(run).packing_pattern):
-        raw = conn.get(key)
-        if raw:
-            rec = PackingRecord.from_json(raw)
-            if rec.index is not None and (spool is None or rec.spool == spool):
-                out.update(rec.sample_ids)
-    return out
-
-
 def reclaim_spool(conn: redis.Redis, cfg: RunConfig, spool: str) -> ReclaimReport:
     """Revoke `spool` and put the samples it owns back on the queue (see the module docstring)."""
     keys, ledger, leases = Keys(cfg.run), Ledger(conn, cfg.run), SpoolLeases(conn, cfg.run)
-    node = (conn.hget(keys.spool_nodes, spool) or b"?").decode()
+    node = leases.node_of(spool)
     first = leases.revoke(spool)
     rep = ReclaimReport(spool, node)
-    rep.decided = sorted(decided_samples(conn, cfg.run, spool))
+    rep.decided = sorted(PackingRecords(conn, cfg.run).decided_samples(spool))
     skip = set(rep.decided)
     owned = [k.decode() for k, v in conn.hscan_iter(keys.spool_owner, count=1000) if v.decode() == spool]
     owned = [s for s in owned if s not in skip]
@@ -109,6 +97,6 @@ def reclaim_lost_spools(conn: redis.Redis, cfg: RunConfig) -> list[ReclaimReport
     that still owns samples (a reclaim cut short)."""
     leases = SpoolLeases(conn, cfg.run)
     spools = set(leases.silent_since(cfg.spool_grace_s))
-    counts = {k.decode(): int(v) for k, v in conn.hgetall(Keys(cfg.run).spool_counts).items()}
+    counts = leases.sample_counts()
     spools |= {s for s in leases.revoked(list(counts)) if counts[s] > 0}
     return [reclaim_spool(conn, cfg, s) for s in sorted(spools)]
