@@ -53,8 +53,9 @@ class SampleFailure(Exception):
 
 
 def record_failures(ledger: Ledger, run: str, samples: Mapping[str, Sample],
-                    failures: Mapping[str, tuple[str, str]]) -> list[str]:
+                    failures: Mapping[str, tuple[str, str]], forgotten: bool = False) -> list[str]:
     """Mark samples failed (sample id -> (reason, message)), keeping their payload rows first so
-    they can be requeued later. Returns the samples that moved to failed."""
+    they can be requeued later. Returns the samples that moved to failed. `forgotten`: see
+    Ledger.mark_failed."""
     ledger.keep_failed_payloads({sid: payload_row(run, samples[sid]) for sid in failures if sid in samples})
-    return ledger.mark_failed(dict(failures))
+    return ledger.mark_failed(dict(failures), forgotten=forgotten)

@@ -169,8 +169,15 @@ class Ledger:
         again (harvest.ops.reclaim). Only the first worker to spool a sample becomes its owner,
         and only the owner's collector packs it: if a worker died after writing its spool file but
         before this call, the retried job may spool the sample on another node, and two
-        collectors must not both commit it. A revoked spool becomes the owner of nothing."""
-        return self._move(ids, SPOOLED, QUEUED, [owner] * len(ids), rows=rows)
+        collectors must not both commit it. A revoked spool becomes the owner of nothing.
+
+        An absent sample is spooled too: a Redis that lost its last second (a rollback, a
+        failover) can forget the enqueue of a job a worker had already dequeued. The worker holds
+        the sample's tokens (its row, kept here) and its spool file, so the sample is taken up
+        again rather than left on the spool, unknown to the ledger and never packed. A sample
+        the ledger forgot after it was done is `d` again before this (the worker reconciles
+        first), and the claims in storage keep a second copy from being committed."""
+        return self._move(ids, SPOOLED, QUEUED + ABSENT, [owner] * len(ids), rows=rows)
 
     def reclaim(self, spool: str, ids: list[str], pipe=None) -> list[str]:
         """s -> q for those of `ids` that `spool` still owns (the janitor, after revoking it)."""
@@ -225,10 +232,13 @@ class Ledger:
             return []
         return [v.decode() if v is not None else None for v in self.conn.hmget(self.keys.spool_owner, ids)]
 
-    def mark_failed(self, failures: Mapping[str, tuple[str, str]]) -> list[str]:
+    def mark_failed(self, failures: Mapping[str, tuple[str, str]], forgotten: bool = False) -> list[str]:
+        """q or s -> f. `forgotten`: also absent -> f, for a worker that holds the samples' rows
+        (kept first, harvest.state.failures) while a rollback made the ledger forget them, as in
+        `mark_spooled`; without it they would be nowhere, and `requeue` could not find them."""
         ids = list(failures)
         infos = [json.dumps({"reason": r, "message": m}) for r, m in failures.values()]
-        return self._move(ids, FAILED, QUEUED + SPOOLED, infos)
+        return self._move(ids, FAILED, QUEUED + SPOOLED + (ABSENT if forgotten else ""), infos)
 
     def mark_done(self, ids: list[str], pipe=None) -> list[str]:
         """Only the collector (after its index file is written) and reconcile call this.

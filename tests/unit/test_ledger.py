@@ -26,3 +26,18 @@ def test_ledger_values_are_plain_strings(conn):
     led.mark_failed({"a" * 32: ("x", "y")})
     raw = conn.hget(led.keys.failed, "a" * 32)
     assert json.loads(raw) == {"reason": "x", "message": "y"}
+
+
+def test_a_sample_the_ledger_forgot_is_taken_up_by_the_worker_that_holds_it(conn):
+    # A rollback lost the enqueue of a job a worker had already dequeued (issue 24's stall): the
+    # worker's spool mark and its failures still land, with exact counts, while a plain
+    # mark_failed of an unknown sample (the janitor's, the stranded sweep's) changes nothing.
+    led = Ledger(conn, "r3")
+    a, b, c = "a" * 32, "b" * 32, "c" * 32
+    assert led.mark_spooled([a], owner="spool1", rows=['{"id": "a"}']) == [a]
+    assert led.spool_owners([a]) == ["spool1"] and led.spooled_payloads([a]) == ['{"id": "a"}']
+    assert led.mark_failed({b: ("bad-dump", "x")}) == []
+    assert led.mark_failed({b: ("bad-dump", "x")}, forgotten=True) == [b]
+    assert led.mark_failed({c: ("bad-dump", "x")}, forgotten=True) == [c]
+    assert led.mark_spooled([b, c]) == []  # failed is not absent: requeue first
+    assert led.counts() == {"queued": 0, "spooled": 1, "done": 0, "failed": 2, "total": 3}
