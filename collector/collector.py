@@ -41,6 +41,7 @@ from harvest.formats.shard import SHARDS, ShardPlan, plan_shard, shard_file
 from harvest.formats.spool import SpoolEntry, SpoolError, inspect_sample
 from harvest.ids import check_id, node_name, shard_id_for
 from harvest.node.spooldir import list_spooled, set_aside_path, spool_identity, spool_path
+from harvest.settings import CollectorSettings
 from harvest.state.failures import BAD_SPOOL
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
 from harvest.state.packing import PackingRecord, PackingRecords
@@ -61,11 +62,11 @@ class Collector:
         spool_dir: str,
         node: str | None = None,
         shard_bytes: int | None = None,
-        max_wait: float = 60.0,
+        max_wait: float = CollectorSettings.max_wait_s,
         part_bytes: int | None = None,
-        retries: int = 5,
-        retry_delay: float = 0.5,
-        orphan_age: float = 6 * 3600.0,
+        retries: int = CollectorSettings.storage_retries,
+        retry_delay: float = CollectorSettings.retry_delay_s,
+        orphan_age: float = CollectorSettings.orphan_age_s,
         packer: int = 0,
         packers: int = 1,
     ) -> None:

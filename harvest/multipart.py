@@ -17,10 +17,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from harvest.settings import CollectorSettings
 from harvest.storage import Location, retry
 
 MIN_PART_BYTES = 5 << 20  # S3's minimum for every part but the last
-DEFAULT_PART_BYTES = 16 << 20
+DEFAULT_PART_BYTES = CollectorSettings.part_bytes
 IN_FLIGHT = 4  # parts sent at once; memory is (IN_FLIGHT + 1) * part_bytes
 
 

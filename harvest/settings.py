@@ -79,6 +79,7 @@ class EngineSettings:
 
     port: int = 30000  # the reference engine's and SGLang's
     vllm_port: int = 8000
+    chunked_prefill_size: int = 0  # the reference engine's prefill chunk (0: whole prompts)
     sglang_chunked_prefill_size: int = 8192
 
 
@@ -91,7 +92,7 @@ class RunnerSettings:
     engine_url: str | None = None  # None: start the run's engine
     work_dir: str | None = None  # node-local state (None: harvest.cli.runner.default_work_dir)
     dump_dir: str | None = None  # None: harvest.node.dumpdir.default_dump_dir
-    chunked_prefill_size: int = 0  # the engine's (0: whole prompts; SGLang's default for sglang)
+    chunked_prefill_size: int = EngineSettings.chunked_prefill_size  # 0: the engine's own (sglang: 8192)
     max_queued: int = ProducerSettings.max_queued
     max_wait_s: float = 5.0  # the collector's: a local run commits partial shards soon
     worker_engine_wait_s: float = 300.0  # its workers wait this long for the engine it starts

@@ -28,13 +28,14 @@ import redis
 
 from harvest.config import RunConfig
 from harvest.ids import job_id_for
+from harvest.settings import ProducerSettings
 from harvest.state.jobs import enqueue_samples, run_queue
 from harvest.state.failures import JOB_LOST, SPOOL_LOST
 from harvest.state.keys import Keys
 from harvest.state.ledger import QUEUED, Ledger
 from harvest.state.payload import Sample, split_jobs
 
-DEFAULT_MAX_QUEUED = 20000
+DEFAULT_MAX_QUEUED = ProducerSettings.max_queued
 TOKENS_LOST = (JOB_LOST, SPOOL_LOST)  # failures the producer undoes: it holds the tokens again
 GROUP_SAMPLES = 1024  # samples per ledger read and per transaction (at most)
 _WAIT_MIN_S, _WAIT_MAX_S = 0.005, 0.25

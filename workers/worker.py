@@ -37,13 +37,14 @@ from harvest.node.paths import private_dir
 from harvest.node.spooldir import clear_dead_temps
 from harvest.ops.janitor import janitor_pass
 from harvest.ops.recovery import Recovery
+from harvest.settings import WorkerSettings
 from harvest.state.connection import RedisLost, outage_of, redis_client
 from harvest.state.heartbeat import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, WorkerBeat
 from harvest.state.jobs import SERIALIZER, run_queue
 from harvest.state.runstore import load_run
 from workers.clients import make_engine
 from workers.clients.base import Engine
-from workers.job import DEFAULT_RETRIES, WorkerContext, backoff_intervals, install
+from workers.job import WorkerContext, backoff_intervals, install
 from workers.rqworker import HarvestWorker
 from workers.safejob import HarvestJob
 
@@ -129,24 +130,18 @@ def run_worker(
     engine_url: str,
     dump_dir: str,
     spool_dir: str,
-    burst: bool = False,
-    dump_timeout: float = 60.0,
-    max_spool_bytes: int = 64 << 30,
-    retries: int = DEFAULT_RETRIES,
-    retry_backoff: float = 10.0,
-    max_jobs: int | None = None,
-    engine_wait: float = 0.0,
-    node: str | None = None,
+    settings: WorkerSettings = WorkerSettings(),
     conn: redis.Redis | None = None,
 ) -> None:
-    """`conn`: the client (harvest.state.connection.redis_client, already reached); made from
-    `redis_url` when not given. Raises RedisLost when Redis stayed away past its limit."""
+    """`settings`: the worker's tunables (harvest.settings). `conn`: the client
+    (harvest.state.connection.redis_client, already reached); made from `redis_url` when not
+    given. Raises RedisLost when Redis stayed away past its limit."""
     # One intra-op thread: a worker's tensor work (the finiteness check, the dtype cast) is small
     # and memory-bound, and the cores belong to the engine and the other workers. With torch's
     # default (all cores) each such op waited for an OpenMP thread that the busy engine had
     # descheduled: aminmax of 2 MiB took 0.59 ms instead of 0.06 ms beside a busy core.
     torch.set_num_threads(1)
-    host = check_id(node, "node name") if node else node_name()
+    host = check_id(settings.node, "node name") if settings.node else node_name()
     conn = conn if conn is not None else redis_client(redis_url)
     outage = outage_of(conn)
     cfg = load_run(conn, run)
@@ -161,10 +156,10 @@ def run_worker(
         dump_dir=dump_dir,
         spool_dir=private_dir(spool_dir, "spool dir"),
         claim_dir=claim_dir,
-        dump_timeout=dump_timeout,
-        max_spool_bytes=max_spool_bytes,
-        retries=retries,
-        retry_intervals=backoff_intervals(retry_backoff, retries),
+        dump_timeout=settings.dump_timeout_s,
+        max_spool_bytes=settings.max_spool_bytes,
+        retries=settings.retries,
+        retry_intervals=backoff_intervals(settings.retry_backoff_s, settings.retries),
         beat=beat,
         node=host,
         recovery=Recovery(conn, cfg),
@@ -185,12 +180,12 @@ def run_worker(
         # run the cleanup below, or the claim dir and heartbeat outlive the process.
         previous = signal.signal(signal.SIGTERM, _stop_before_work)
         try:
-            _wait_for_engine(ctx.engine, beat, engine_wait)
+            _wait_for_engine(ctx.engine, beat, settings.engine_wait_s)
         finally:
             signal.signal(signal.SIGTERM, previous)
-        if burst:
+        if settings.burst:
             janitor_pass(conn, run, dump_dir)  # release due retries before a burst drains the queue
-        worker.work(burst=burst, logging_level="WARNING", max_jobs=max_jobs)
+        worker.work(burst=settings.burst, logging_level="WARNING", max_jobs=settings.max_jobs)
         if outage is not None and outage.lost is not None:
             raise outage.lost  # RQ's loop quit on it (and logged it): the worker stops for that reason
     finally:

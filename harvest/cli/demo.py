@@ -16,6 +16,7 @@ import shutil
 import tempfile
 
 DEMO_VERSION = "2"  # 2: random non-unit norm weights
+DEMO_CHUNKED_PREFILL = 64  # the reference engine's chunk in `harvest demo`: demo_rows' lengths straddle it
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for m in messages %}"

@@ -12,6 +12,7 @@ import click
 from harvest.config import ENGINE_KINDS
 from harvest.formats.dtypes import READ_DTYPES, STORAGE_DTYPES
 from harvest.node.dumpdir import default_dump_dir
+from harvest.settings import EngineSettings, ProducerSettings, RunTunables
 
 DEFAULT_REDIS = os.environ.get("HARVEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 # The engines `harvest run` can start itself when no --engine-url is given.
@@ -55,9 +56,11 @@ dtype_option = click.option("--dtype", "storage_dtype", default="bf16", show_def
 read_dtype_option = click.option("--dtype", "dtype", default=None, type=click.Choice(list(READ_DTYPES)),
                                  help="Hidden-state dtype of the files (default: bf16 for specforge, which reads "
                                       "nothing else; the run's for speculators; fp8 runs export bf16).")
-max_queued_option = click.option("--max-queued", default=20000, show_default=True, type=click.IntRange(1),
+max_queued_option = click.option("--max-queued", default=ProducerSettings.max_queued, show_default=True,
+                                 type=click.IntRange(1),
                                  help="Samples queued or in flight at most; the producer waits while the queue is full.")
-chunked_prefill_option = click.option("--chunked-prefill-size", default=0, show_default=True, type=click.IntRange(0),
+chunked_prefill_option = click.option("--chunked-prefill-size", default=EngineSettings.chunked_prefill_size,
+                                      show_default=True, type=click.IntRange(0),
                                       help="Reference engine chunk size (0: whole prompts).")
 s3_endpoint_option = click.option("--s3-endpoint", default=None,
                                   help="S3-compatible endpoint URL (MinIO, Ceph...); else HARVEST_S3_ENDPOINT / "
@@ -66,17 +69,18 @@ s3_region_option = click.option("--s3-region", default=None, help="S3 region; el
 no_progress_option = click.option("--no-progress", is_flag=True)
 node_option = click.option("--node", default=None,
                            help="Node name in heartbeats, spools and `harvest status` (default: host name).")
-spool_grace_option = click.option("--spool-grace", "spool_grace", default=120.0, show_default=True,
-                                  type=click.FloatRange(min=1), help="Seconds a node's spool may be silent before "
-                                  "its samples are reclaimed and extracted again elsewhere (a new run's setting).")
+spool_grace_option = click.option("--spool-grace", "spool_grace", default=RunTunables.spool_grace_s,
+                                  show_default=True, type=click.FloatRange(min=1),
+                                  help="Seconds a node's spool may be silent before its samples are reclaimed and "
+                                       "extracted again elsewhere (a new run's setting).")
 
 
 # The producer's options, shared by `harvest produce` and `harvest run`.
 batch_samples_option = click.option("--batch-samples", default=None, type=click.IntRange(1),
-                                    help="Samples per job (default: the run's, 32).")
+                                    help=f"Samples per job (default: the run's, {RunTunables.max_batch_samples}).")
 batch_tokens_option = click.option("--batch-tokens", default=None, type=click.IntRange(1),
-                                   help="Tokens per job (default: the run's, 16384); size it to keep the engine's "
-                                        "prefill budget full.")
+                                   help=f"Tokens per job (default: the run's, {RunTunables.max_batch_tokens}); size it "
+                                        "to keep the engine's prefill budget full.")
 fields_option = click.option("--field", "fields", multiple=True, metavar="NAME=COLUMN",
                              help="Read a field from another column, e.g. text=content (repeatable).")
 chat_template_option = click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -86,7 +90,8 @@ overlong_option = click.option("--overlong", type=click.Choice(["skip", "truncat
                                show_default=True,
                                help="What to do with samples over --max-len (skipped ones are reported).")
 strict_option = click.option("--strict", is_flag=True, help="Stop at the first bad row.")
-processes_option = click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 256),
+processes_option = click.option("--processes", default=ProducerSettings.processes, show_default=True,
+                                type=click.IntRange(1, 256),
                                 help="Tokenizer processes; pays only with cores beyond those the tokenizer's threads fill.")
 
 

@@ -32,6 +32,14 @@ from harvest.cli.options import (
     service_logging,
     spool_grace_option,
 )
+from harvest.settings import (
+    CollectorSettings,
+    EngineSettings,
+    ProducerSettings,
+    RunnerSettings,
+    RunTunables,
+    WorkerSettings,
+)
 
 
 def _default_run_name(dataset: str) -> str:
@@ -47,7 +55,7 @@ def _default_run_name(dataset: str) -> str:
 @click.option("--run", "run", default=None, help="Run name; defaults to the dataset's file name.")
 @layers_option
 @dtype_option
-@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 256),
+@click.option("--workers", default=RunnerSettings.workers, show_default=True, type=click.IntRange(1, 256),
               help="Workers for the engine: with 2, one batch is in the engine while the other worker spools.")
 @click.option("--redis", "redis_url", default=None, help="Use this Redis instead of starting a private one.")
 @click.option("--engine-url", default=None, help="Use this engine instead of starting the reference engine.")
@@ -56,8 +64,9 @@ def _default_run_name(dataset: str) -> str:
 @click.option("--work-dir", default=None, type=click.Path(), help="Node-local state (Redis data, spool, logs).")
 @click.option("--dump-dir", default=None, type=click.Path(), help="Engine dump directory (default under /dev/shm).")
 @max_queued_option
-@click.option("--shard-mb", default=1024, show_default=True, type=click.IntRange(1), help="Target shard size in MiB.")
-@click.option("--max-wait", default=5.0, show_default=True, type=click.FloatRange(0),
+@click.option("--shard-mb", default=RunTunables.shard_bytes >> 20, show_default=True, type=click.IntRange(1),
+              help="Target shard size in MiB.")
+@click.option("--max-wait", default=RunnerSettings.max_wait_s, show_default=True, type=click.FloatRange(0),
               help="Commit a partial shard once its oldest sample is this old (s).")
 @producer_options
 @no_progress_option
@@ -66,9 +75,9 @@ def _default_run_name(dataset: str) -> str:
 @s3_region_option
 @redis_wait_option
 def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
-            work_dir, dump_dir, max_queued, shard_mb, no_progress, spool_grace=120.0, s3_endpoint=None, s3_region=None,
-            engine="reference", max_wait=5.0, batch_samples=None, batch_tokens=None, fields=(), chat_template=None,
-            max_len=None, overlong="skip", strict=False, processes=1, redis_wait=None) -> None:
+            work_dir, dump_dir, max_queued, shard_mb, no_progress, spool_grace, s3_endpoint, s3_region, engine,
+            max_wait, batch_samples, batch_tokens, fields, chat_template, max_len, overlong, strict, processes,
+            redis_wait) -> None:
     """Extract hidden states for DATASET end to end on this machine.
 
     Redis going away is waited out, up to --redis-wait (its private redis-server is restarted on
@@ -83,19 +92,26 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
     if redis_url:
         connect(redis_url)  # reached before run.json is written
     produce_kw = producer_kwargs(fields, chat_template, max_len, overlong, strict, processes)
+    sizes = {k: v for k, v in (("max_batch_samples", batch_samples), ("max_batch_tokens", batch_tokens)) if v}
+    settings = RunnerSettings(workers=workers, redis_url=redis_url, engine_url=engine_url, work_dir=work_dir,
+                              dump_dir=dump_dir, chunked_prefill_size=chunked_prefill_size, max_queued=max_queued,
+                              max_wait_s=max_wait, progress=not no_progress, outage_s=redis_wait)
+    _run_here(dataset, settings, produce_kw, run=run or _default_run_name(dataset), model=model, out_url=out_url,
+              layers=layers, storage_dtype=storage_dtype, engine=engine, shard_bytes=shard_mb << 20,
+              spool_grace_s=spool_grace, **sizes)
+
+
+def _run_here(dataset: str, settings: RunnerSettings, produce_kw: dict, **config) -> None:
+    """The run `harvest.config.build_config(**config)`, on this machine (harvest.cli.runner); prints
+    its summary and exits with its status (`run`'s exit statuses)."""
     from harvest.cli.runner import run_all
     from harvest.config import build_config
 
     # SIGTERM stops the run as Ctrl-C does: the children are stopped in order, and the next
     # `harvest run` resumes from the ledger and the spool.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    sizes = {k: v for k, v in (("max_batch_samples", batch_samples), ("max_batch_tokens", batch_tokens)) if v}
     try:
-        cfg = build_config(run or _default_run_name(dataset), model, out_url, layers, storage_dtype, engine=engine,
-                           shard_bytes=shard_mb << 20, spool_grace_s=spool_grace, **sizes)
-        summary = run_all(cfg, dataset, workers=workers, redis_url=redis_url, engine_url=engine_url, work_dir=work_dir,
-                          dump_dir=dump_dir, chunked_prefill_size=chunked_prefill_size, max_queued=max_queued,
-                          progress=not no_progress, max_wait=max_wait, produce_kw=produce_kw, outage_s=redis_wait)
+        summary = run_all(build_config(**config), dataset, settings, produce_kw)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         if explain(e):
             raise
@@ -111,13 +127,13 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
 
 @click.command("demo")
 @click.option("--out", "out_dir", default="harvest-demo", show_default=True, type=click.Path())
-@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option("--workers", default=RunnerSettings.workers, show_default=True, type=click.IntRange(1, 64))
 @click.option("--prepare", "prepare_dir", default=None, type=click.Path(file_okay=False),
               help="Only write the tiny model to DIR/models/tiny and the dataset to DIR/data/demo.jsonl (what the "
                    "docker compose quickstart mounts), then exit.")
 def demo_cmd(out_dir: str, workers: int, prepare_dir: str | None) -> None:
     """Build a tiny model offline and run the whole pipeline on a bundled dataset."""
-    from harvest.cli.demo import build_tiny_model, demo_rows, write_jsonl
+    from harvest.cli.demo import DEMO_CHUNKED_PREFILL, build_tiny_model, demo_rows, write_jsonl
 
     if prepare_dir:
         model = build_tiny_model(os.path.join(prepare_dir, "models", "tiny"))
@@ -127,12 +143,14 @@ def demo_cmd(out_dir: str, workers: int, prepare_dir: str | None) -> None:
     click.echo("building the tiny demo model (cached after the first time)...")
     model = build_tiny_model()
     dataset = write_jsonl(os.path.join(out_dir, "demo.jsonl"), demo_rows())
-    ctx = click.get_current_context()
-    ctx.invoke(
-        run_cmd, dataset=dataset, model=model, out_url=os.path.join(out_dir, "output"), run="demo", layers="eagle3",
-        storage_dtype="bf16", workers=workers, redis_url=None, engine_url=None, chunked_prefill_size=64,
-        work_dir=os.path.join(out_dir, "work"), dump_dir=None, max_queued=20000, shard_mb=1024, no_progress=False,
-    )
+    out_url = os.path.join(out_dir, "output")
+    check_dataset(dataset)
+    check_model(model)
+    check_output(out_url)
+    settings = RunnerSettings(workers=workers, chunked_prefill_size=DEMO_CHUNKED_PREFILL,
+                              work_dir=os.path.join(out_dir, "work"))
+    produce_kw = producer_kwargs((), None, None, "skip", False, ProducerSettings.processes)
+    _run_here(dataset, settings, produce_kw, run="demo", model=model, out_url=out_url)
 
 
 @click.command("produce")
@@ -153,7 +171,7 @@ def demo_cmd(out_dir: str, workers: int, prepare_dir: str | None) -> None:
 @redis_wait_option
 def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, batch_samples, batch_tokens,
                 fields, chat_template, max_len, overlong, dry_run, strict, progress, processes,
-                engine="reference", spool_grace=120.0, s3_endpoint=None, s3_region=None, redis_wait=None) -> None:
+                engine, spool_grace, s3_endpoint, s3_region, redis_wait) -> None:
     """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded).
 
     Exit status: 0, 1 when some rows were bad (each is reported with its file and line), 2 on errors,
@@ -192,24 +210,25 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
 @click.command("worker")
 @run_option
 @redis_option
-@click.option("--engine-url", default="http://127.0.0.1:30000", show_default=True)
+@click.option("--engine-url", default=f"http://127.0.0.1:{EngineSettings.port}", show_default=True)
 @click.option("--dump-dir", required=True, type=click.Path())
 @click.option("--spool-dir", required=True, type=click.Path())
 @click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
-@click.option("--dump-timeout", default=60.0, show_default=True, help="Seconds to wait for a request's dump files.")
-@click.option("--retries", default=5, show_default=True, type=click.IntRange(1, 100),
+@click.option("--dump-timeout", default=WorkerSettings.dump_timeout_s, show_default=True,
+              help="Seconds to wait for a request's dump files.")
+@click.option("--retries", default=WorkerSettings.retries, show_default=True, type=click.IntRange(1, 100),
               help="Retries of a job that meets a transient error (engine down, 5xx, timeout, spool disk).")
-@click.option("--retry-backoff", default=10.0, show_default=True, type=click.FloatRange(1),
+@click.option("--retry-backoff", default=WorkerSettings.retry_backoff_s, show_default=True, type=click.FloatRange(1),
               help="Seconds before the first retry; x3 each time, at most 300.")
 @click.option("--max-jobs", default=None, type=click.IntRange(1), help="Exit after this many jobs.")
-@click.option("--max-spool-mb", default=64 << 10, show_default=True, type=click.IntRange(1),
+@click.option("--max-spool-mb", default=WorkerSettings.max_spool_bytes >> 20, show_default=True, type=click.IntRange(1),
               help="Wait (backpressure) while this node's spool holds more than this.")
-@click.option("--engine-wait", default=0.0, show_default=True, type=click.FloatRange(0),
+@click.option("--engine-wait", default=WorkerSettings.engine_wait_s, show_default=True, type=click.FloatRange(0),
               help="Take no job until the engine is healthy, up to this many seconds (SGLang loads for minutes).")
 @node_option
 @redis_wait_option
 def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_timeout, retries, retry_backoff, max_jobs,
-               max_spool_mb, engine_wait, node, redis_wait=None) -> None:
+               max_spool_mb, engine_wait, node, redis_wait) -> None:
     """Take jobs of RUN: engine call, claim dumps, verify, spool.
 
     Exit status: 0, 2 on errors, 75 when Redis stayed away past --redis-wait (its job goes back to
@@ -219,27 +238,31 @@ def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_time
     conn = connect_service(redis_url, redis_wait)
     from workers.worker import run_worker
 
-    run_worker(redis_url, run, engine_url, dump_dir, spool_dir, burst=burst, dump_timeout=dump_timeout,
-               retries=retries, retry_backoff=retry_backoff, max_jobs=max_jobs, max_spool_bytes=max_spool_mb << 20,
-               engine_wait=engine_wait, node=node, conn=conn)
+    settings = WorkerSettings(dump_timeout_s=dump_timeout, max_spool_bytes=max_spool_mb << 20, retries=retries,
+                              retry_backoff_s=retry_backoff, engine_wait_s=engine_wait, max_jobs=max_jobs, burst=burst,
+                              node=node)
+    run_worker(redis_url, run, engine_url, dump_dir, spool_dir, settings, conn=conn)
 
 
 @click.command("collect")
 @run_option
 @redis_option
 @click.option("--spool-dir", required=True, type=click.Path())
-@click.option("--max-wait", default=60.0, show_default=True, help="Commit a partial shard once its oldest sample is this old (s).")
+@click.option("--max-wait", default=CollectorSettings.max_wait_s, show_default=True,
+              help="Commit a partial shard once its oldest sample is this old (s).")
 @click.option("--shard-mb", default=None, type=click.IntRange(1), help="Target shard size in MiB (default: the run's).")
 @click.option("--part-mb", default=None, type=click.IntRange(5),
-              help="Object storage: multipart part size in MiB (default 16; up to 5 parts in memory per packer).")
+              help=f"Object storage: multipart part size in MiB (default {CollectorSettings.part_bytes >> 20}; up to 5 "
+                   "parts in memory per packer).")
 @click.option("--pack-workers", default=None, type=click.IntRange(1),
-              help="Packers sharing this spool, each streaming its own shards [default: the cores, up to 4].")
+              help="Packers sharing this spool, each streaming its own shards "
+                   f"[default: the cores, up to {CollectorSettings.MAX_PACK_WORKERS}].")
 @node_option
 @click.option("--burst", is_flag=True, help="Commit what is spooled now, then exit.")
 @s3_options
 @redis_wait_option
 def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, pack_workers, node, burst, s3_endpoint,
-                s3_region, redis_wait=None) -> None:
+                s3_region, redis_wait) -> None:
     """Pack this node's spool into shards and commit them to the run's output.
 
     Exit status: 0, 2 on errors, 75 when Redis stayed away past --redis-wait; after either the
@@ -248,19 +271,19 @@ def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, pack_wor
     service_logging()
     apply_s3_env(s3_endpoint, s3_region)
     conn = connect_service(redis_url, redis_wait)
-    from collector.packers import Packers
+    from collector.service import run_collector
     from harvest.state.runstore import load_run
     from harvest.storage import StorageError
 
     cfg = load_run(conn, run)
     check_output(cfg.out_url, reach=False)
-    stop = {"now": burst}
+    stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
-    os.makedirs(spool_dir, mode=0o700, exist_ok=True)
-    packers = Packers(conn, cfg, spool_dir, pack_workers or min(4, os.cpu_count() or 1), node=node, max_wait=max_wait,
-                      shard_bytes=shard_mb << 20 if shard_mb else None, part_bytes=part_mb << 20 if part_mb else None)
+    settings = CollectorSettings(max_wait_s=max_wait, shard_bytes=shard_mb << 20 if shard_mb else None,
+                                 part_bytes=part_mb << 20 if part_mb else CollectorSettings.part_bytes,
+                                 pack_workers=pack_workers, node=node, burst=burst)
     try:
-        packers.run(lambda: stop["now"])
+        run_collector(conn, cfg, spool_dir, settings, lambda: stop["now"])
     except StorageError as e:
         fail(f"collector stopped: {e}. The spool in {spool_dir} is intact and the shard in progress is recorded "
              "in Redis; fix the storage and restart `harvest collect` to finish it.")
@@ -270,7 +293,7 @@ def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, pack_wor
 @click.option("--model", required=True, type=click.Path(exists=True))
 @click.option("--dump-dir", required=True, type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=30000, show_default=True, type=int)
+@click.option("--port", default=EngineSettings.port, show_default=True, type=int)
 @layers_option
 @chunked_prefill_option
 @click.option("--threads", default=0, show_default=True, type=click.IntRange(0),

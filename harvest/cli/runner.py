@@ -34,6 +34,7 @@ from harvest.cli.supervisor import Supervisor
 from harvest.config import RunConfig
 from harvest.node.dumpdir import default_dump_dir
 from harvest.ops.recovery import Recovery
+from harvest.settings import EngineSettings, RunnerSettings
 from harvest.state.connection import RedisLost
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
@@ -134,7 +135,7 @@ def _start_sglang(children: Supervisor, cfg: RunConfig, dumps: str, chunked_pref
     port = free_port()
     env, argv = launch_spec(cfg.model, cfg.capture_points, cfg.num_layers, dump_dir=dumps, port=port, device="cpu",
                             python=venv_python(), dtype="float32" if cfg.storage_dtype == "fp32" else "auto",
-                            chunked_prefill_size=chunked_prefill_size or 8192)
+                            chunked_prefill_size=chunked_prefill_size or EngineSettings.sglang_chunked_prefill_size)
     env["PYTHONPATH"] = cpu_pythonpath(_REPO)  # this checkout's plugin, whichever built the venv
     children.start("engine", [], cmd=argv, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -142,31 +143,21 @@ def _start_sglang(children: Supervisor, cfg: RunConfig, dumps: str, chunked_pref
     return url
 
 
-def run_all(
-    cfg: RunConfig,
-    dataset: str,
-    workers: int = 2,
-    redis_url: str | None = None,
-    engine_url: str | None = None,
-    work_dir: str | None = None,
-    dump_dir: str | None = None,
-    chunked_prefill_size: int = 0,
-    max_queued: int = 20000,
-    progress: bool = True,
-    max_wait: float = 5.0,
-    produce_kw: dict | None = None,
-    outage_s: float | None = None,
-) -> RunSummary:
-    """`produce_kw`: the producer's options (`harvest.cli.options.producer_kwargs`); `outage_s`: how
-    long this process and its children wait for a Redis that went away (None: the default,
-    harvest.state.connection.outage_limit). Raises RedisLost past it."""
+def run_all(cfg: RunConfig, dataset: str, settings: RunnerSettings = RunnerSettings(),
+            produce_kw: dict | None = None) -> RunSummary:
+    """`settings`: where and how (harvest.settings.RunnerSettings; its `outage_s`: how long this
+    process and its children wait for a Redis that went away, None: the default,
+    harvest.state.connection.outage_limit); `produce_kw`: the producer's options
+    (`harvest.cli.options.producer_kwargs`). Raises RedisLost past the outage limit."""
     t0 = time.monotonic()
-    work = work_dir or default_work_dir(cfg.run)
+    redis_url, engine_url, outage_s = settings.redis_url, settings.engine_url, settings.outage_s
+    chunked_prefill_size = settings.chunked_prefill_size
+    work = settings.work_dir or default_work_dir(cfg.run)
     os.makedirs(work, mode=0o700, exist_ok=True)
     logs = os.path.join(work, "logs")
     os.makedirs(logs, exist_ok=True)
     spool = os.path.join(work, "spool")
-    dumps = dump_dir or default_dump_dir(cfg.run)
+    dumps = settings.dump_dir or default_dump_dir(cfg.run)
     server = keeper = None
     children = Supervisor(logs)
     names: list[str] = []
@@ -201,22 +192,22 @@ def run_all(
         common = ["--redis", redis_url, "--run", cfg.run]
         if outage_s is not None:
             common += ["--redis-wait", str(outage_s)]  # the children wait for Redis as long as this process
-        names = [f"worker-{i + 1}" for i in range(workers)]
+        names = [f"worker-{i + 1}" for i in range(settings.workers)]
         for name in names:
             children.start(name, ["worker", *common, "--engine-url", engine_url, "--dump-dir", dumps,
-                                               "--spool-dir", spool, "--engine-wait", "300"])
+                                  "--spool-dir", spool, "--engine-wait", f"{settings.worker_engine_wait_s:g}"])
         from harvest.ops.reconcile import reconcile
 
         reconcile(conn, cfg)
-        children.start("collector", ["collect", *common, "--spool-dir", spool, "--max-wait", str(max_wait)])
+        children.start("collector", ["collect", *common, "--spool-dir", spool, "--max-wait", str(settings.max_wait_s)])
         if engine:
             _wait_http(engine_url, children, timeout=300)
         from producer.producer import produce
 
-        summary = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress, on_bad=_report_bad,
-                          on_wait=lambda _: children.poll(), **(produce_kw or {}))
+        summary = produce(conn, cfg, dataset, max_queued=settings.max_queued, progress=settings.progress,
+                          on_bad=_report_bad, on_wait=lambda _: children.poll(), **(produce_kw or {}))
         ledger = Ledger(conn, cfg.run)
-        bar = tqdm(total=ledger.counts()["total"], desc="extract", unit=" samples", disable=not progress)
+        bar = tqdm(total=ledger.counts()["total"], desc="extract", unit=" samples", disable=not settings.progress)
         while True:
             recovery.check()  # rate-limited by itself: one INFO every few seconds
             c = ledger.counts()

@@ -14,12 +14,13 @@ import redis
 
 from harvest.config import RunConfig, build_config
 from harvest.ops.reconcile import reconcile
+from harvest.settings import RunTunables
 from harvest.state.runstore import load_run, publish_run
 
 
 def open_run(conn: redis.Redis, run: str, *, model: str | None, out_url: str | None, layers: str,
              storage_dtype: str, engine: str, dry_run: bool = False, batch_samples: int | None = None,
-             batch_tokens: int | None = None, spool_grace_s: float = 120.0) -> RunConfig:
+             batch_tokens: int | None = None, spool_grace_s: float = RunTunables.spool_grace_s) -> RunConfig:
     """The run `run`: published from these settings when `model` and `out_url` are given (a
     dry run publishes nothing), else the stored one; with this producer's job sizes."""
     if model and out_url and not dry_run:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import redis
 
 from harvest.config import ConfigError, RunConfig
+from harvest.settings import RunTunables
 from harvest.state.heartbeat import HEARTBEAT_TTL_S, read_collectors, read_workers
 from harvest.state.jobs import run_queue
 from harvest.state.ledger import Ledger
@@ -90,7 +91,7 @@ class RunStatus:
     dead_collectors: list[str] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
     spools: list[SpoolStatus] = field(default_factory=list)
-    spool_grace_s: float = 120.0
+    spool_grace_s: float = RunTunables.spool_grace_s
     spools_reclaimed: int = 0
     samples_reclaimed: int = 0
 
