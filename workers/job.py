@@ -32,23 +32,19 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import redis
 from rq import Retry, get_current_job
 from rq.timeouts import JobTimeoutException
 
-from harvest.config import RunConfig
 from harvest.ids import rid_for
-from harvest.node.spooldir import SpoolBatch, list_spooled, spool_identity
+from harvest.node.spooldir import SpoolBatch, list_spooled
 from harvest.ops.metrics import observe
-from harvest.ops.recovery import Recovery
-from harvest.state.connection import give_up, is_connection_error, outage_of
+from harvest.state.connection import give_up, is_connection_error
 from harvest.state.failures import (
     ENGINE_REJECTED,
     ENGINE_UNAVAILABLE,
@@ -62,90 +58,16 @@ from harvest.state.failures import (
     SampleFailure,
     record_failures,
 )
-from harvest.state.heartbeat import WorkerBeat
-from harvest.state.jobs import MAX_RETRY_INTERVAL_S
-from harvest.state.ledger import QUEUED, Ledger
+from harvest.state.ledger import QUEUED
 from harvest.state.payload import Sample, decode_batch, payload_rows
-from harvest.state.spools import SpoolLeases
-from workers.claim import assemble, claim
-from workers.clients.base import Engine, EngineUnavailable, Rejected
+from workers.claim import Claimed, assemble
+from workers.claim import claim as claim_dumps
+from workers.clients.base import EngineUnavailable, Rejected
+from workers.context import DEFAULT_RETRIES, WorkerContext, backoff_intervals, current, install
+
+__all__ = ["DEFAULT_RETRIES", "BatchJob", "JobResult", "WorkerContext", "backoff_intervals", "install", "process_batch"]
 
 log = logging.getLogger("harvest.worker")
-
-DEFAULT_RETRIES = 5
-
-
-def backoff_intervals(base: float, retries: int, cap: float = MAX_RETRY_INTERVAL_S) -> list[int]:
-    """base, 3*base, 9*base, ... (whole seconds, RQ's unit), capped."""
-    return [max(1, int(min(cap, base * 3**i))) for i in range(max(1, retries))]
-
-
-@dataclass
-class WorkerContext:
-    conn: redis.Redis
-    cfg: RunConfig
-    engine: Engine
-    dump_dir: str
-    spool_dir: str
-    claim_dir: str
-    dump_timeout: float = 60.0
-    max_spool_bytes: int = 64 << 30
-    retries: int = DEFAULT_RETRIES
-    retry_intervals: list[int] = field(default_factory=lambda: backoff_intervals(10, DEFAULT_RETRIES))
-    beat: WorkerBeat | None = None
-    node: str = "node"
-    recovery: Recovery | None = None  # one per process: the job and the heartbeat thread share it
-    spool_id: str = field(init=False)
-    _recovery_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
-
-    def __post_init__(self) -> None:
-        self.spool_id = spool_identity(self.spool_dir)  # once: it lists the spool dir
-
-    def check_recovery(self, force: bool = False) -> bool:
-        """harvest.ops.recovery: a restarted or rolled-back Redis is noticed, and the ledger
-        reconciled from storage, before work goes on. One check at a time per process; `force`
-        skips Recovery's rate limit (a reconnect was just seen)."""
-        if self.recovery is None:
-            return False
-        with self._recovery_lock:
-            return self.recovery.check(force=force)
-
-    def outages(self) -> int:
-        """Outages this process's client rode out so far (harvest.state.connection)."""
-        outage = outage_of(self.conn)
-        return outage.outages if outage is not None else 0
-
-    def redis_lost(self) -> bool:
-        """True once this process gave Redis up (harvest.state.connection): touch it no more."""
-        outage = outage_of(self.conn)
-        return outage is not None and outage.lost is not None
-
-    @cached_property
-    def leases(self) -> SpoolLeases:
-        return SpoolLeases(self.conn, self.cfg.run)
-
-    def renew_lease(self) -> None:
-        """Renew the spool's lease (at every heartbeat). A revoked spool (its samples were
-        reclaimed while this node was silent) takes a new id and goes on as a fresh spool."""
-        self.spool_id = self.leases.renew_or_rotate(self.spool_dir, self.spool_id, self.node)
-
-    @cached_property
-    def ledger(self) -> Ledger:
-        return Ledger(self.conn, self.cfg.run)
-
-
-_context: WorkerContext | None = None
-
-
-def install(ctx: WorkerContext) -> None:
-    global _context
-    _context = ctx
-
-
-def _ctx() -> WorkerContext:
-    if _context is None:
-        raise RuntimeError("process_batch runs only inside `harvest worker` (no worker context installed)")
-    return _context
 
 
 def _wait_for_spool_room(ctx: WorkerContext) -> None:
@@ -158,187 +80,280 @@ def _wait_for_spool_room(ctx: WorkerContext) -> None:
         time.sleep(0.5)
 
 
+@dataclass
+class JobResult:
+    """What one execution of a job did with its samples (the ledger holds the truth)."""
+
+    spooled: int = 0
+    failed: int = 0
+    skipped: int = 0  # samples already past queued when the job started
+    reasons: dict[str, int] = field(default_factory=dict)  # failure reason -> samples failed with it
+
+    def to_rq(self) -> dict:
+        """RQ's return value: JSON only (harvest.state.jobs.SERIALIZER), the three counts."""
+        return {"spooled": self.spooled, "failed": self.failed, "skipped": self.skipped}
+
+
+@dataclass
+class Spooled:
+    """The `spool` step's outcome: samples durable and in place, or the storage error that stopped it."""
+
+    ids: list[str] = field(default_factory=list)
+    tokens: int = 0
+    nbytes: int = 0
+    dump_bytes: int = 0
+    error: str | None = None
+
+
 def process_batch(payload: dict) -> dict | Retry:
-    ctx = _ctx()
-    run, samples = decode_batch(payload)
-    if run != ctx.cfg.run:
-        raise ValueError(f"job of run {run!r} reached a worker of run {ctx.cfg.run!r}")
-    job = get_current_job()
-    try:
-        ctx.check_recovery()  # before the ledger's states are read: a restarted Redis is reconciled first
-    except Exception as e:  # a connection error stops the worker; any other hands the job back
-        if is_connection_error(e):
-            raise give_up(ctx.conn, e) from e
-        return _hand_back(ctx, job, f"reconciling the ledger before the job: {type(e).__name__}: {e}")
-    ledger = ctx.ledger
-    states = ledger.states([s.id for s in samples])  # a connection error here: nothing to undo
-    todo = [s for s, st in zip(samples, states) if st == QUEUED]
-    if not todo:
-        log.info("job %s: nothing to do, its %d samples are past queued", job.id if job else "?", len(samples))
-        return {"spooled": 0, "failed": 0, "skipped": len(samples)}
-    t0 = time.monotonic()
-    if ctx.beat:
-        ctx.beat.job_started(job.id if job else "", len(todo))
-    try:
-        rows = dict(zip((s.id for s in samples), payload_rows(payload)))
-        out = _process(ctx, todo, rows)
-        out["skipped"] = len(samples) - len(todo)
-        log.info("job %s: %d samples, %d tokens, %.2fs: spooled %d, failed %d%s", job.id if job else "?", len(todo),
-                 sum(s.num_tokens for s in todo), time.monotonic() - t0, out["spooled"], out["failed"],
-                 "".join(f", {r} {n}" for r, n in sorted(out.pop("reasons").items())))
+    """The RQ job function (harvest.state.jobs.JOB_FUNCTION): `JobResult.to_rq()`, or `rq.Retry`."""
+    out = BatchJob(current(), payload, get_current_job()).run()
+    return out if isinstance(out, Retry) else out.to_rq()
+
+
+class BatchJob:
+    """One execution of a job, in named steps: `reconcile` (a restarted Redis first), `choose` (the
+    samples still queued), then under `attempt` (every failure mapped to a retry, a hand-back or
+    failed samples): `generate` (the engine call), `claim` (the dumps), `spool` (assembled,
+    durable, in place), `mark` (the ledger), `finish` (the result, or the transient failure)."""
+
+    def __init__(self, ctx: WorkerContext, payload: dict, job) -> None:
+        run, self.samples = decode_batch(payload)
+        if run != ctx.cfg.run:
+            raise ValueError(f"job of run {run!r} reached a worker of run {ctx.cfg.run!r}")
+        self.ctx, self.payload, self.job = ctx, payload, job
+        self.name = job.id if job else "?"
+        self.todo: list[Sample] = []
+        self.by_rid: dict[str, Sample] = {}
+        self.failures: dict[str, tuple[str, str]] = {}  # sample -> (reason, message), failed at `mark`
+        self.owner = ""  # the spool id the samples are marked with
+
+    def run(self) -> JobResult | Retry:
+        held = self.reconcile()
+        if held is not None:
+            return held
+        if not self.choose():
+            log.info("job %s: nothing to do, its %d samples are past queued", self.name, len(self.samples))
+            return JobResult(skipped=len(self.samples))
+        return self.attempt()
+
+    def reconcile(self) -> Retry | None:
+        """Before the ledger's states are read: a restarted Redis is reconciled first. A connection
+        error stops the worker; any other hands the job back."""
+        try:
+            self.ctx.check_recovery()
+        except Exception as e:
+            if is_connection_error(e):
+                raise give_up(self.ctx.conn, e) from e
+            return self.hand_back(f"reconciling the ledger before the job: {type(e).__name__}: {e}")
+        return None
+
+    def choose(self) -> list[Sample]:
+        """The job's samples still queued (a connection error here: nothing to undo)."""
+        states = self.ctx.ledger.states([s.id for s in self.samples])
+        self.todo = [s for s, st in zip(self.samples, states) if st == QUEUED]
+        return self.todo
+
+    def attempt(self) -> JobResult | Retry:
+        """The steps from the engine call on; what stops them decides the job's outcome."""
+        ctx, todo = self.ctx, self.todo
+        t0 = time.monotonic()
+        if ctx.beat:
+            ctx.beat.job_started(self.job.id if self.job else "", len(todo))
+        try:
+            out = self.work()
+        except SampleFailure as e:  # only transient failures leave `work`: per-sample ones are recorded there
+            return self.retry_or_fail(e.reason, e.message)
+        except JobTimeoutException as e:  # RQ's limit for the job: a slow engine, not a bad sample
+            return self.retry_or_fail(JOB_TIMEOUT, str(e))
+        except (SystemExit, KeyboardInterrupt):
+            # A second stop signal (cold shutdown) while working: hand the job back rather than let RQ
+            # file it as failed with its samples still queued. Counts as one retry.
+            log.warning("stopped during job %s: handing it back", self.name)
+            return self.retry_or_fail(WORKER_STOPPED, "the worker was stopped during the job", interval=0)
+        except redis.RedisError as e:  # Redis's condition, never the samples' (see the module docstring)
+            if is_connection_error(e):
+                log.error("job %s: Redis connection lost (%s): the worker stops; the janitor puts the job back",
+                          self.name, e)
+                raise give_up(ctx.conn, e) from e
+            log.exception("job %s: Redis answered with an error", self.name)
+            return self.hand_back(f"{type(e).__name__}: {e}")
+        except Exception as e:
+            log.exception("job failed unexpectedly")
+            self.fail({s.id: (WORKER_ERROR, f"{type(e).__name__}: {e} | {_where(e)}") for s in todo})
+            return JobResult(failed=len(todo), skipped=len(self.samples) - len(todo))
+        else:
+            out.skipped = len(self.samples) - len(todo)
+            log.info("job %s: %d samples, %d tokens, %.2fs: spooled %d, failed %d%s", self.name, len(todo),
+                     sum(s.num_tokens for s in todo), time.monotonic() - t0, out.spooled, out.failed,
+                     "".join(f", {r} {n}" for r, n in sorted(out.reasons.items())))
+            return out
+        finally:
+            if not ctx.redis_lost():
+                observe(ctx.conn, ctx.cfg.run, "job_seconds", time.monotonic() - t0)
+                if ctx.beat:
+                    ctx.beat.job_ended()
+
+    def work(self) -> JobResult:
+        rows = dict(zip((s.id for s in self.samples), payload_rows(self.payload)))  # kept while spooled
+        outages = self.ctx.outages()
+        _wait_for_spool_room(self.ctx)
+        claimed = self.claim(self.generate())
+        spooled = self.spool(claimed)
+        marked = self.mark(spooled, rows, outages)
+        return self.finish(spooled, marked)
+
+    def generate(self) -> dict[str, int]:
+        """Every queued sample through the engine under a new rid. Returns the rids whose dumps to
+        claim (their token counts); refusals and mismatches are noted in `failures`."""
+        ctx = self.ctx
+        attempts = ctx.ledger.next_attempts([s.id for s in self.todo])
+        self.by_rid = by_rid = {rid_for(s.id, a): s for s, a in zip(self.todo, attempts)}
+        t0 = time.monotonic()
+        try:
+            results = ctx.engine.generate(list(by_rid), [s.input_ids.tolist() for s in self.todo])
+        except EngineUnavailable as e:
+            # Whatever the engine managed to dump for these rids is never claimed: clear it now.
+            claim_dumps(ctx.dump_dir, ctx.claim_dir, {r: s.num_tokens for r, s in by_rid.items()}, timeout=0)
+            _clear(ctx.claim_dir)
+            raise SampleFailure(ENGINE_UNAVAILABLE, str(e), transient=True) from None
+        observe(ctx.conn, ctx.cfg.run, "engine_seconds", time.monotonic() - t0)
+        wanted: dict[str, int] = {}
+        for r in results:
+            s = by_rid[r.rid]
+            if isinstance(r, Rejected):  # refused before any forward: nothing dumped, nothing to wait for
+                self.failures[s.id] = (ENGINE_REJECTED, r.message)
+                continue
+            if r.prompt_tokens not in (-1, s.num_tokens):
+                self.failures[s.id] = (PROMPT_LENGTH,
+                                       f"engine saw {r.prompt_tokens} prompt tokens, sent {s.num_tokens}")
+            elif r.cached_tokens:
+                self.failures[s.id] = (
+                    PREFIX_CACHED,
+                    (f"engine served {r.cached_tokens} prompt tokens from its prefix cache, so their hidden states "
+                     "were never computed: run SGLang with --disable-radix-cache, or a version that honours extra_key"),
+                )
+            wanted[r.rid] = s.num_tokens
+        return wanted
+
+    def claim(self, wanted: dict[str, int]) -> dict[str, Claimed]:
+        """The dumps of `wanted` moved into this worker's claim dir (workers.claim)."""
+        claimed, missing = claim_dumps(self.ctx.dump_dir, self.ctx.claim_dir, wanted, self.ctx.dump_timeout)
+        for rid, f in missing.items():
+            self.failures.setdefault(self.by_rid[rid].id, (f.reason, f.message))
+        return claimed
+
+    def spool(self, claimed: dict[str, Claimed]) -> Spooled:
+        """Each claimed sample not failed assembled into the spool; every file durable and in place
+        before any is marked (a crash between leaves them queued); the dumps deleted."""
+        out = Spooled()
+        batch = SpoolBatch(self.ctx.spool_dir, self.ctx.cfg.run)
+        try:  # whatever stops the job here (its timeout, an error), no temporary spool file outlives it
+            for rid, c in claimed.items():
+                self._spool_one(batch, self.by_rid[rid], c, out)
+            self._commit(batch, out)
+        finally:
+            batch.abort()  # after a commit: nothing left to remove
         return out
-    except SampleFailure as e:  # only transient failures leave _process: per-sample ones are recorded there
-        return _retry_or_fail(ctx, job, todo, e.reason, e.message)
-    except JobTimeoutException as e:  # RQ's limit for the job: a slow engine, not a bad sample
-        return _retry_or_fail(ctx, job, todo, JOB_TIMEOUT, str(e))
-    except (SystemExit, KeyboardInterrupt):
-        # A second stop signal (cold shutdown) while working: hand the job back rather than let RQ
-        # file it as failed with its samples still queued. Counts as one retry.
-        log.warning("stopped during job %s: handing it back", job.id if job else "?")
-        return _retry_or_fail(ctx, job, todo, WORKER_STOPPED, "the worker was stopped during the job", interval=0)
-    except redis.RedisError as e:  # Redis's condition, never the samples' (see the module docstring)
-        if is_connection_error(e):
-            log.error("job %s: Redis connection lost (%s): the worker stops; the janitor puts the job back",
-                      job.id if job else "?", e)
-            raise give_up(ctx.conn, e) from e
-        log.exception("job %s: Redis answered with an error", job.id if job else "?")
-        return _hand_back(ctx, job, f"{type(e).__name__}: {e}")
-    except Exception as e:
-        log.exception("job failed unexpectedly")
-        _fail(ctx, todo, {s.id: (WORKER_ERROR, f"{type(e).__name__}: {e} | {_where(e)}") for s in todo})
-        return {"spooled": 0, "failed": len(todo), "skipped": len(samples) - len(todo)}
-    finally:
-        if not ctx.redis_lost():
-            observe(ctx.conn, ctx.cfg.run, "job_seconds", time.monotonic() - t0)
-            if ctx.beat:
-                ctx.beat.job_ended()
+
+    def _spool_one(self, batch: SpoolBatch, s: Sample, c: Claimed, out: Spooled) -> None:
+        cfg = self.ctx.cfg
+        try:
+            out.dump_bytes += sum(os.path.getsize(p) for p in c.paths)
+            if s.id not in self.failures and out.error is None:
+                out.nbytes += batch.add(assemble(c, s, cfg.capture_points, cfg.torch_dtype, cfg.allow_nonfinite))
+                out.ids.append(s.id)
+                out.tokens += s.num_tokens
+        except SampleFailure as e:
+            self.failures[s.id] = (e.reason, e.message)
+        except OSError as e:  # the spool disk, not the sample: keep it queued and retry the job
+            out.error = f"{type(e).__name__}: {e}"
+        finally:
+            for p in c.paths:
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+
+    @staticmethod
+    def _commit(batch: SpoolBatch, out: Spooled) -> None:
+        try:
+            batch.commit()
+        except OSError as e:
+            out.error = f"{type(e).__name__}: {e}"
+            out.ids, out.tokens, out.nbytes = [], 0, 0
+
+    def mark(self, spooled: Spooled, rows: dict[str, str], outages: int) -> list[str]:
+        """The ledger: the spooled samples `s` (with their payload rows, harvest.ops.reclaim), the
+        failed ones `f`, the stats. Returns the samples this call marked spooled."""
+        ctx = self.ctx
+        if ctx.outages() != outages:  # Redis came back during the job: the ledger reconciled before the marks
+            try:
+                ctx.check_recovery(force=True)
+            except Exception as e:
+                if is_connection_error(e):
+                    raise
+                raise SampleFailure(STORAGE_ERROR, f"reconciling the ledger after Redis came back: "
+                                    f"{type(e).__name__}: {e}", transient=True) from e
+        self.owner = ctx.spool_id
+        marked = ctx.ledger.mark_spooled(spooled.ids, owner=self.owner, rows=[rows[i] for i in spooled.ids])
+        if self.failures:
+            self.fail(self.failures)
+        ctx.ledger.add_stats(samples_spooled=len(spooled.ids), tokens_spooled=spooled.tokens,
+                             bytes_spooled=spooled.nbytes, dump_bytes=spooled.dump_bytes)
+        return marked
+
+    def finish(self, spooled: Spooled, marked: list[str]) -> JobResult:
+        """The job's result; a spool that failed to write, or was revoked meanwhile, retries the job."""
+        ctx = self.ctx
+        if spooled.error:
+            raise SampleFailure(STORAGE_ERROR, f"writing the spool {ctx.spool_dir}: {spooled.error}", transient=True)
+        if len(marked) < len(spooled.ids) and ctx.leases.is_revoked(self.owner):
+            # The ledger refused a revoked owner: those samples are still queued, and this job retries
+            # them under the spool's new id.
+            ctx.renew_lease()
+            raise SampleFailure(SPOOL_REVOKED, f"spool {self.owner} was reclaimed during the job; retrying as "
+                                f"{ctx.spool_id}", transient=True)
+        return JobResult(spooled=len(spooled.ids), failed=len(self.failures),
+                         reasons=dict(Counter(r for r, _ in self.failures.values())))
+
+    def fail(self, failures: dict[str, tuple[str, str]]) -> None:
+        """Fail those of `failures` still queued (a retried job may find some already spooled)."""
+        ctx = self.ctx
+        by_id = {s.id: s for s in self.todo}
+        still = {sid for sid, st in zip(failures, ctx.ledger.states(list(failures))) if st == QUEUED}
+        failures = {sid: f for sid, f in failures.items() if sid in still}
+        changed = record_failures(ctx.ledger, ctx.cfg.run, by_id, failures)
+        ctx.ledger.add_stats(samples_failed=len(changed))
+        for sid in changed:
+            log.warning("sample %s failed: %s: %s", sid, *failures[sid])
+
+    def hand_back(self, message: str) -> Retry:
+        """The job back to RQ for a later attempt, its samples untouched (they stay queued). Once its
+        retries are spent RQ files the job as failed: `harvest requeue --all` puts it back."""
+        ctx, job = self.ctx, self.job
+        done = (job.number_of_retries or 0) if job is not None else 0
+        wait = ctx.retry_intervals[min(done, len(ctx.retry_intervals) - 1)]
+        log.warning("job %s: Redis: %s; handing it back, retry %d of %d in %ds", self.name, message,
+                    done + 1, ctx.retries, wait)
+        return Retry(max=ctx.retries, interval=[wait])
+
+    def retry_or_fail(self, reason: str, message: str, interval: int | None = None) -> JobResult | Retry:
+        """A transient failure: the job retried later while its budget lasts, else its samples failed."""
+        ctx, job = self.ctx, self.job
+        done = (job.number_of_retries or 0) if job is not None else ctx.retries
+        if job is not None and done < ctx.retries:
+            wait = ctx.retry_intervals[min(done, len(ctx.retry_intervals) - 1)] if interval is None else interval
+            log.warning("job %s: %s (%s); retry %d of %d in %ds", job.id, reason, message, done + 1, ctx.retries, wait)
+            ctx.ledger.add_stats(job_retries=1)
+            return Retry(max=ctx.retries, interval=[wait] if wait else 0)
+        self.fail({s.id: (reason, f"{message} (gave up after {done} retries)") for s in self.todo})
+        return JobResult(failed=len(self.todo))
 
 
 def _where(e: BaseException) -> str:
     tb = traceback.extract_tb(e.__traceback__)
     return f"{tb[-1].filename}:{tb[-1].lineno}" if tb else "?"
-
-
-def _fail(ctx: WorkerContext, todo: list[Sample], failures: dict[str, tuple[str, str]]) -> None:
-    """Fail those of `failures` still queued (a retried job may find some already spooled)."""
-    by_id = {s.id: s for s in todo}
-    still = {sid for sid, st in zip(failures, ctx.ledger.states(list(failures))) if st == QUEUED}
-    failures = {sid: f for sid, f in failures.items() if sid in still}
-    changed = record_failures(ctx.ledger, ctx.cfg.run, by_id, failures)
-    ctx.ledger.add_stats(samples_failed=len(changed))
-    for sid in changed:
-        log.warning("sample %s failed: %s: %s", sid, *failures[sid])
-
-
-def _hand_back(ctx: WorkerContext, job, message: str) -> dict | Retry:
-    """The job back to RQ for a later attempt, its samples untouched (they stay queued). Once its
-    retries are spent RQ files the job as failed: `harvest requeue --all` puts it back."""
-    done = (job.number_of_retries or 0) if job is not None else 0
-    wait = ctx.retry_intervals[min(done, len(ctx.retry_intervals) - 1)]
-    log.warning("job %s: Redis: %s; handing it back, retry %d of %d in %ds", job.id if job else "?", message,
-                done + 1, ctx.retries, wait)
-    return Retry(max=ctx.retries, interval=[wait])
-
-
-def _retry_or_fail(ctx: WorkerContext, job, todo: list[Sample], reason: str, message: str,
-                   interval: int | None = None) -> dict | Retry:
-    done = (job.number_of_retries or 0) if job is not None else ctx.retries
-    if job is not None and done < ctx.retries:
-        wait = ctx.retry_intervals[min(done, len(ctx.retry_intervals) - 1)] if interval is None else interval
-        log.warning("job %s: %s (%s); retry %d of %d in %ds", job.id, reason, message, done + 1, ctx.retries, wait)
-        ctx.ledger.add_stats(job_retries=1)
-        return Retry(max=ctx.retries, interval=[wait] if wait else 0)
-    _fail(ctx, todo, {s.id: (reason, f"{message} (gave up after {done} retries)") for s in todo})
-    return {"spooled": 0, "failed": len(todo), "skipped": 0}
-
-
-def _process(ctx: WorkerContext, todo: list[Sample], rows: dict[str, str]) -> dict:
-    """`rows`: each sample's payload row, kept with it while spooled (harvest.ops.reclaim)."""
-    outages = ctx.outages()
-    _wait_for_spool_room(ctx)
-    attempts = ctx.ledger.next_attempts([s.id for s in todo])
-    by_rid = {rid_for(s.id, a): s for s, a in zip(todo, attempts)}
-    failures: dict[str, tuple[str, str]] = {}
-    t0 = time.monotonic()
-    try:
-        results = ctx.engine.generate(list(by_rid), [s.input_ids.tolist() for s in todo])
-    except EngineUnavailable as e:
-        # Whatever the engine managed to dump for these rids is never claimed: clear it now.
-        claim(ctx.dump_dir, ctx.claim_dir, {r: s.num_tokens for r, s in by_rid.items()}, timeout=0)
-        _clear(ctx.claim_dir)
-        raise SampleFailure(ENGINE_UNAVAILABLE, str(e), transient=True) from None
-    observe(ctx.conn, ctx.cfg.run, "engine_seconds", time.monotonic() - t0)
-    wanted: dict[str, int] = {}
-    for r in results:
-        s = by_rid[r.rid]
-        if isinstance(r, Rejected):  # refused before any forward: nothing dumped, nothing to wait for
-            failures[s.id] = (ENGINE_REJECTED, r.message)
-            continue
-        if r.prompt_tokens not in (-1, s.num_tokens):
-            failures[s.id] = (PROMPT_LENGTH, f"engine saw {r.prompt_tokens} prompt tokens, sent {s.num_tokens}")
-        elif r.cached_tokens:
-            failures[s.id] = (
-                PREFIX_CACHED,
-                f"engine served {r.cached_tokens} prompt tokens from its prefix cache, so their hidden states were "
-                "never computed: run SGLang with --disable-radix-cache, or a version that honours extra_key",
-            )
-        wanted[r.rid] = s.num_tokens
-    claimed, missing = claim(ctx.dump_dir, ctx.claim_dir, wanted, ctx.dump_timeout)
-    for rid, f in missing.items():
-        failures.setdefault(by_rid[rid].id, (f.reason, f.message))
-    spooled, tokens, nbytes, dump_bytes = [], 0, 0, 0
-    storage_error = None
-    batch = SpoolBatch(ctx.spool_dir, ctx.cfg.run)
-    try:  # whatever stops the job here (its timeout, an error), no temporary spool file outlives it
-        for rid, c in claimed.items():
-            s = by_rid[rid]
-            try:
-                dump_bytes += sum(os.path.getsize(p) for p in c.paths)
-                if s.id not in failures and storage_error is None:
-                    sample = assemble(c, s, ctx.cfg.capture_points, ctx.cfg.torch_dtype, ctx.cfg.allow_nonfinite)
-                    nbytes += batch.add(sample)
-                    spooled.append(s.id)
-                    tokens += s.num_tokens
-            except SampleFailure as e:
-                failures[s.id] = (e.reason, e.message)
-            except OSError as e:  # the spool disk, not the sample: keep it queued and retry the job
-                storage_error = f"{type(e).__name__}: {e}"
-            finally:
-                for p in c.paths:
-                    try:
-                        os.unlink(p)
-                    except FileNotFoundError:
-                        pass
-        try:
-            # Every file durable and in place before any is marked: a crash between leaves them queued.
-            batch.commit()
-        except OSError as e:
-            storage_error = f"{type(e).__name__}: {e}"
-            spooled, tokens, nbytes = [], 0, 0
-    finally:
-        batch.abort()  # after a commit: nothing left to remove
-    if ctx.outages() != outages:  # Redis came back during the job: the ledger reconciled before the marks
-        try:
-            ctx.check_recovery(force=True)
-        except Exception as e:
-            if is_connection_error(e):
-                raise
-            raise SampleFailure(STORAGE_ERROR, f"reconciling the ledger after Redis came back: {type(e).__name__}: "
-                                f"{e}", transient=True) from e
-    owner = ctx.spool_id
-    marked = ctx.ledger.mark_spooled(spooled, owner=owner, rows=[rows[i] for i in spooled])
-    if failures:
-        _fail(ctx, todo, failures)
-    ctx.ledger.add_stats(samples_spooled=len(spooled), tokens_spooled=tokens, bytes_spooled=nbytes, dump_bytes=dump_bytes)
-    if storage_error:
-        raise SampleFailure(STORAGE_ERROR, f"writing the spool {ctx.spool_dir}: {storage_error}", transient=True)
-    if len(marked) < len(spooled) and ctx.leases.is_revoked(owner):
-        # The ledger refused a revoked owner: those samples are still queued, and this job retries
-        # them under the spool's new id.
-        ctx.renew_lease()
-        raise SampleFailure(SPOOL_REVOKED, f"spool {owner} was reclaimed during the job; retrying as {ctx.spool_id}",
-                            transient=True)
-    return {"spooled": len(spooled), "failed": len(failures), "reasons": dict(Counter(r for r, _ in failures.values()))}
 
 
 def _clear(claim_dir: str) -> None:

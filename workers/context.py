@@ -1,0 +1,96 @@
+"""The worker process's context: what `harvest worker` knows that a job's JSON payload does not
+(the engine, the dump, claim and spool directories, the retry policy, the heartbeat), installed
+once before the worker takes jobs and read by every job (workers.job)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import redis
+
+from harvest.config import RunConfig
+from harvest.node.spooldir import spool_identity
+from harvest.ops.recovery import Recovery
+from harvest.state.connection import outage_of
+from harvest.state.heartbeat import WorkerBeat
+from harvest.state.jobs import MAX_RETRY_INTERVAL_S
+from harvest.state.ledger import Ledger
+from harvest.state.spools import SpoolLeases
+from workers.clients.base import Engine
+
+DEFAULT_RETRIES = 5
+
+
+def backoff_intervals(base: float, retries: int, cap: float = MAX_RETRY_INTERVAL_S) -> list[int]:
+    """base, 3*base, 9*base, ... (whole seconds, RQ's unit), capped."""
+    return [max(1, int(min(cap, base * 3**i))) for i in range(max(1, retries))]
+
+
+@dataclass
+class WorkerContext:
+    conn: redis.Redis
+    cfg: RunConfig
+    engine: Engine
+    dump_dir: str
+    spool_dir: str
+    claim_dir: str
+    dump_timeout: float = 60.0
+    max_spool_bytes: int = 64 << 30
+    retries: int = DEFAULT_RETRIES
+    retry_intervals: list[int] = field(default_factory=lambda: backoff_intervals(10, DEFAULT_RETRIES))
+    beat: WorkerBeat | None = None
+    node: str = "node"
+    recovery: Recovery | None = None  # one per process: the job and the heartbeat thread share it
+    spool_id: str = field(init=False)
+    _recovery_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.spool_id = spool_identity(self.spool_dir)  # once: it lists the spool dir
+
+    def check_recovery(self, force: bool = False) -> bool:
+        """harvest.ops.recovery: a restarted or rolled-back Redis is noticed, and the ledger
+        reconciled from storage, before work goes on. One check at a time per process; `force`
+        skips Recovery's rate limit (a reconnect was just seen)."""
+        if self.recovery is None:
+            return False
+        with self._recovery_lock:
+            return self.recovery.check(force=force)
+
+    def outages(self) -> int:
+        """Outages this process's client rode out so far (harvest.state.connection)."""
+        outage = outage_of(self.conn)
+        return outage.outages if outage is not None else 0
+
+    def redis_lost(self) -> bool:
+        """True once this process gave Redis up (harvest.state.connection): touch it no more."""
+        outage = outage_of(self.conn)
+        return outage is not None and outage.lost is not None
+
+    @cached_property
+    def leases(self) -> SpoolLeases:
+        return SpoolLeases(self.conn, self.cfg.run)
+
+    def renew_lease(self) -> None:
+        """Renew the spool's lease (at every heartbeat). A revoked spool (its samples were
+        reclaimed while this node was silent) takes a new id and goes on as a fresh spool."""
+        self.spool_id = self.leases.renew_or_rotate(self.spool_dir, self.spool_id, self.node)
+
+    @cached_property
+    def ledger(self) -> Ledger:
+        return Ledger(self.conn, self.cfg.run)
+
+
+_context: WorkerContext | None = None
+
+
+def install(ctx: WorkerContext) -> None:
+    global _context
+    _context = ctx
+
+
+def current() -> WorkerContext:
+    if _context is None:
+        raise RuntimeError("process_batch runs only inside `harvest worker` (no worker context installed)")
+    return _context
