@@ -22,8 +22,6 @@ import sys
 import tempfile
 import time
 
-import httpx
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -31,6 +29,7 @@ from engines import sglang_launch, vllm_launch  # noqa: E402
 from harvest.cli.demo import build_tiny_model, demo_rows, write_jsonl  # noqa: E402
 from harvest.cli.redisproc import free_port  # noqa: E402
 from harvest.config import eagle3_layers  # noqa: E402
+from harvest.health import wait_healthy  # noqa: E402
 
 
 def _start(argv: list[str], env: dict[str, str], log: str, url: str) -> tuple[subprocess.Popen, float]:
@@ -38,15 +37,13 @@ def _start(argv: list[str], env: dict[str, str], log: str, url: str) -> tuple[su
     with open(log, "wb") as f:
         p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=REPO,
                              start_new_session=True)
-    while True:
+
+    def running() -> None:
         if p.poll() is not None:
             raise RuntimeError(f"{argv[:3]} exited {p.returncode}; see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return p, time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+
+    wait_healthy(url, None, check=running, interval=0.5, probe_timeout=2)  # no deadline: True or it raises
+    return p, time.monotonic() - t0
 
 
 def _run(work: str, tag: str, dataset: str, model: str, url: str, dump: str, workers: int, engine: str) -> float:

@@ -43,6 +43,7 @@ sys.path.insert(0, REPO)
 
 from harvest.cli.demo import build_tiny_model  # noqa: E402
 from harvest.formats.dump import parse_chunk_name  # noqa: E402
+from harvest.health import wait_healthy  # noqa: E402
 from harvest.ids import rid_for, sample_id  # noqa: E402
 from harvest.state.payload import Sample, split_jobs  # noqa: E402
 
@@ -59,16 +60,12 @@ def batches(rows: list[list[int]], max_samples: int, max_tokens: int) -> list[li
 
 
 def wait_engine(url: str, proc: subprocess.Popen) -> None:
-    for _ in range(600):
+    def running() -> None:
         if proc.poll() is not None:
             raise SystemExit("engine exited")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit("engine did not start")
+
+    if not wait_healthy(url, 60, check=running, interval=0.1, probe_timeout=2):
+        raise SystemExit("engine did not start")
 
 
 def direct(url: str, dump_dir: str, work: list[list[list[int]]], threads: int, attempt: int) -> float:

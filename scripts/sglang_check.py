@@ -38,6 +38,7 @@ from harvest.config import (
     model_layers,  # noqa: E402
     parse_layers,  # noqa: E402
 )
+from harvest.health import wait_healthy  # noqa: E402
 from harvest.read.reader import RunReader  # noqa: E402
 
 WORDS = "the a model token layer state hidden draft speculative decode prefill batch queue shard".split()
@@ -61,18 +62,13 @@ def dataset_rows(n: int, seed: int, long_words: int = 1500) -> list[dict]:
     return rows
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_started(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    def running() -> None:
         if proc.poll() is not None:
             raise SystemExit(f"SGLang exited with {proc.returncode} before it was healthy (see its log)")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(3)
-    raise SystemExit(f"SGLang not healthy after {timeout:.0f}s")
+
+    if not wait_healthy(url, timeout, check=running, interval=3, probe_timeout=5):
+        raise SystemExit(f"SGLang not healthy after {timeout:.0f}s")
 
 
 def side_traffic(url: str, dump_dir: str) -> list[str]:
@@ -160,7 +156,7 @@ def main() -> int:
     report: dict = {"sglang": sgl_version, "model": args.model, "capture_points": points}
     try:
         t0 = time.monotonic()
-        wait_healthy(url, server, args.startup_timeout)
+        wait_started(url, server, args.startup_timeout)
         report["startup_s"] = round(time.monotonic() - t0, 1)
         problems = side_traffic(url, dump_dir)
         out = os.path.join(args.work, "out")

@@ -16,6 +16,7 @@ import httpx
 from engines.sglang_launch import launch_spec
 from harvest.cli.demo import build_tiny_model
 from harvest.cli.redisproc import free_port
+from harvest.health import wait_healthy
 
 
 def build_model(path: str, seed: int = 7) -> str:
@@ -60,16 +61,14 @@ class SGLangServer:
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        while time.monotonic() - t0 < timeout:
+
+        def running() -> None:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"SGLang exited {self.proc.returncode} while starting:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    self.start_seconds = time.monotonic() - t0
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+
+        if wait_healthy(self.url, timeout - (time.monotonic() - t0), check=running, interval=0.5, probe_timeout=2):
+            self.start_seconds = time.monotonic() - t0
+            return self
         self.stop()
         raise RuntimeError(f"SGLang not healthy after {timeout:.0f}s:\n{self.log_tail()}")
 

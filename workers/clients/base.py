@@ -47,14 +47,6 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def healthy(http: httpx.Client, url: str) -> bool:
-    """The engine answers `/health` with 200 (SGLang, vLLM and the reference engine all serve it)."""
-    try:
-        return http.get(f"{url}/health", timeout=5.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def post_with_retries(http: httpx.Client, url: str, body: dict, retries: int, backoff: float,
                       what: str) -> tuple[int, object]:
     """POST `body`; transport errors and 5xx are retried with exponential backoff, anything

@@ -13,7 +13,8 @@ import logging
 
 import httpx
 
-from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, healthy, post_with_retries
+from harvest.health import healthy
+from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, post_with_retries
 
 log = logging.getLogger("harvest.worker")
 
@@ -30,7 +31,7 @@ class SGLangClient:
         self.http.close()
 
     def health(self) -> bool:
-        return healthy(self.http, self.url)
+        return healthy(self.url, 5.0, self.http)
 
     def model_info(self) -> dict:
         r = self.http.get(f"{self.url}/get_model_info", timeout=10.0)

@@ -36,9 +36,10 @@ from safetensors import safe_open
 
 from harvest.config import RunConfig
 from harvest.formats.dump import Chunk, write_chunk
+from harvest.health import healthy
 from harvest.node.dumpdir import vllm_dir
 from harvest.read.final_norm import FinalNorm
-from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, healthy, post_with_retries
+from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, post_with_retries
 
 log = logging.getLogger("harvest.worker")
 
@@ -140,7 +141,7 @@ class VllmClient:
         self.http.close()
 
     def health(self) -> bool:
-        return healthy(self.http, self.url)
+        return healthy(self.url, 5.0, self.http)
 
     @property
     def norm(self) -> FinalNorm:
