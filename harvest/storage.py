@@ -19,14 +19,15 @@ import json
 import logging
 import os
 import posixpath
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from harvest.atomic import write_atomic
 
 log = logging.getLogger("harvest.storage")
 T = TypeVar("T")
@@ -184,22 +185,8 @@ class Location:
             except FileExistsError:  # s3fs's translation of 412 Precondition Failed
                 return False
             return True
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
-        try:
-            os.fchmod(fd, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-            return True
-        finally:
-            _unlink_quiet(tmp)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return write_atomic(path, data, prefix=TEMP_PREFIX, exclusive=True)
 
     def delete_if(self, name: str, expected: bytes) -> bool:
         """Delete `name` only if it holds exactly `expected`; True if this call deleted it. On S3 the
@@ -293,46 +280,27 @@ class Location:
 
 
 def _copy_local_atomic(src: str, dst: str, progress: Callable[[int], None] | None) -> None:
-    folder = os.path.dirname(dst)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
-            done = 0
-            while True:
-                buf = inp.read(8 << 20)
-                if not buf:
-                    break
-                out.write(buf)
-                done += len(buf)
-                if progress:
-                    progress(done)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        _unlink_quiet(tmp)
-        raise
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    write_atomic(dst, _read_pieces(src, progress), prefix=TEMP_PREFIX)
+
+
+def _read_pieces(src: str, progress: Callable[[int], None] | None) -> Iterator[bytes]:
+    """`src` in 8 MiB pieces; `progress` gets the bytes written so far after each."""
+    done = 0
+    with open(src, "rb") as inp:
+        while buf := inp.read(8 << 20):
+            yield buf
+            done += len(buf)
+            if progress:
+                progress(done)
 
 
 def atomic_write_local(path: str, data: bytes | memoryview | Sequence[bytes | memoryview]) -> None:
-    """`path` appears whole or not at all (temp name, fsync, rename); `data` may be a list of
-    pieces written in order, so a caller need not join (copy) them first."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=folder)
-    try:
-        os.fchmod(fd, 0o644)  # readers (trainers) are often another user; mkstemp makes 0600
-        with os.fdopen(fd, "wb") as f:
-            for piece in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
-                f.write(piece)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quiet(tmp)
-        raise
+    """`path` appears whole or not at all (temp name, fsync, rename: harvest.atomic), its folder
+    made if missing; `data` may be a list of pieces written in order, so a caller need not join
+    (copy) them first."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_atomic(path, data, prefix=TEMP_PREFIX)
 
 
 def _unlink_quiet(path: str) -> None:
