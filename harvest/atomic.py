@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 Bytes = bytes | bytearray | memoryview
 
@@ -77,6 +77,32 @@ def write_atomic(
     if fsync_dir:
         fsync_directory(folder)
     return True
+
+
+@contextlib.contextmanager
+def atomic_path(path: str, *, prefix: str, fsync: bool = True, fsync_dir: bool = False) -> Iterator[str]:
+    """For writers that take a file name (safetensors' `save_file`, a library's `save`): yields a
+    temporary path, `prefix` + random in `path`'s directory; when the block ends normally the
+    file is made 0644, fsynced (`fsync`) and renamed over `path` (then the directory fsynced,
+    `fsync_dir`); when it raises, the temporary file is removed."""
+    folder = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=folder)
+    os.close(fd)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o644)
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quiet(tmp)
+        raise
+    if fsync_dir:
+        fsync_directory(folder)
 
 
 def fsync_directory(folder: str) -> None:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from harvest.atomic import write_atomic
+from harvest.atomic import atomic_path, write_atomic
 from harvest.health import healthy, wait_healthy
 
 
@@ -89,3 +89,16 @@ def test_wait_healthy_stops_when_the_check_raises_and_refused_is_unhealthy():
     with pytest.raises(RuntimeError, match="engine exited"):
         wait_healthy("http://127.0.0.1:9", None, check=exited)
     assert not healthy("http://127.0.0.1:9", 1)
+
+
+def test_atomic_path_for_writers_that_take_a_name(tmp_path):
+    path = str(tmp_path / "a.bin")
+    with atomic_path(path, prefix=".tmp-", fsync_dir=True) as tmp:
+        assert os.path.dirname(tmp) == str(tmp_path) and not os.path.exists(path)
+        with open(tmp, "wb") as f:
+            f.write(b"x")
+    assert open(path, "rb").read() == b"x" and stat.S_IMODE(os.stat(path).st_mode) == 0o644
+    with pytest.raises(RuntimeError), atomic_path(str(tmp_path / "b.bin"), prefix=".tmp-") as tmp:
+        open(tmp, "wb").close()
+        raise RuntimeError("writer failed")
+    assert os.listdir(tmp_path) == ["a.bin"]
