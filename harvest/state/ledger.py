@@ -164,7 +164,7 @@ class Ledger:
         return self._move(ids, QUEUED, FAILED, pipe=pipe)
 
     def mark_spooled(self, ids: list[str], owner: str = "", rows: list[str] | None = None) -> list[str]:
-        """q -> s, recording which spool dir (harvest.formats.spool.spool_identity) holds the copy,
+        """q -> s, recording which spool dir (harvest.node.spooldir.spool_identity) holds the copy,
         and keeping each sample's payload row (`rows`) so a lost spool's samples can be enqueued
         again (harvest.ops.reclaim). Only the first worker to spool a sample becomes its owner,
         and only the owner's collector packs it: if a worker died after writing its spool file but
