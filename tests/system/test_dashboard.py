@@ -122,7 +122,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path, con
         wait_until(lambda: (lambda c: c["total"] and c["done"] + c["failed"] == c["total"])(led.counts()), 180,
                    "every sample settled")
         assert led.counts()["failed"] == 2
-        time.sleep(3)  # a few scrapes of the settled run, with the workers and the collector still alive
+        settled = f'sum(harvest_samples{{run="{run}",state=~"done|failed"}})'  # scraped once the run settled
+        wait_until(lambda: [s["value"][1] for s in _query(purl, settled)] == [str(led.counts()["total"])], 60,
+                   "Prometheus scraping the settled run (workers and collector still alive)")
 
         queries = [q.replace("$run", run) for q in dashboard_queries()]
         missing: dict[str, list] = {}

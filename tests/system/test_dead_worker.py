@@ -20,7 +20,7 @@ from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.read.reader import RunReader
 from harvest.state.heartbeat import read_workers
 from harvest.state.jobs import run_queue
-from harvest.state.keys import Keys
+from harvest.state.keys import Keys, rq_worker_key
 from harvest.state.ledger import Ledger
 from harvest.state.payload import decode_batch
 from tests.support.ops import Procs, cli, new_run, wait_until
@@ -49,6 +49,12 @@ def _setup(tmp_path, conn, redis_server, tiny_model, procs, run):
     worker_args = ["worker", "--run", run, "--redis", redis_server.url, "--engine-url", url, "--dump-dir", dumps,
                    "--spool-dir", spool]
     return cfg, dumps, spool, blocker, worker_args
+
+
+def _warm_stop_recorded(conn, name: str) -> None:
+    """Until RQ has handled a worker's SIGTERM in the middle of its job (it records the request's date)."""
+    wait_until(lambda: conn.hget(rq_worker_key(name), "shutdown_requested_date"), 60,
+               f"worker {name} handling SIGTERM (RQ's shutdown_requested_date)")
 
 
 def _busy_worker(conn, run) -> dict:
@@ -117,7 +123,8 @@ def test_sigterm_finishes_the_current_job_and_exits(tmp_path, conn, redis_server
     w = _busy_worker(conn, run)
     mine = _job_samples(conn, w["job"])
     a.terminate()  # SIGTERM, as docker stop sends
-    time.sleep(1.0)
+    _warm_stop_recorded(conn, w["name"])  # handled in the middle of the job
+    time.sleep(1.0)  # a while after it
     assert a.poll() is None  # still finishing its job
     os.unlink(blocker)
     assert procs.wait("worker-a", 60) == 0
@@ -208,7 +215,8 @@ def test_second_sigterm_hands_the_job_back_at_once(tmp_path, conn, redis_server,
     q = run_queue(conn, run)
     waiting = q.count
     a.terminate()
-    time.sleep(1.5)  # RQ ignores a repeated signal within 1 s
+    _warm_stop_recorded(conn, w["name"])  # the first signal handled (not merely sent) ...
+    time.sleep(1.5)  # ... for RQ ignores a repeated signal within 1 s of it
     a.terminate()  # cold shutdown: the job goes back instead of being filed as failed
     assert procs.wait("worker-a", 60) == 0
     assert w["job"] in q.job_ids and q.count == waiting + 1

@@ -25,6 +25,7 @@ from harvest.state.payload import decode_batch
 from harvest.state.runstore import publish_run
 from producer.producer import produce
 from tests.support.cli import REPO
+from tests.support.wait import wait_for
 
 
 def write_rows(path, n, offset=0):
@@ -104,8 +105,7 @@ def test_ledger_move_and_rq_job_are_one_transaction(conn, redis_server, tokenize
 
     th = threading.Thread(target=watch)
     th.start()
-    ready.wait()
-    time.sleep(0.2)
+    wait_for(ready.is_set, 30, "MONITOR started (the server answered OK: it feeds every later command)")
     s = produce(conn, cfg, str(tmp_path / "d.jsonl"), tokenizer=tokenizer, progress=False)
     conn.echo("monitor-stop")
     th.join(10)

@@ -37,6 +37,7 @@ from harvest.read.reader import RunReader
 from tests.support.cli import REPO, harvest_cli
 from tests.support.expected import expected_tokens
 from tests.support.sglang_server import Reference, SGLangServer, StripExtraKey, build_model
+from tests.support.wait import wait_for
 
 try:
     SGLANG_PYTHON = venv_python()
@@ -106,6 +107,21 @@ def _dump_files(dumps: str) -> dict[str, list[tuple[int, int, object]]]:
             assert meta["capture_points"] == str(POINTS)
             out.setdefault(meta["rid"], []).append((int(meta["start"]), int(meta["end"]), f.get_tensor("hidden_states")))
     return {rid: sorted(v, key=lambda t: t[0]) for rid, v in out.items()}
+
+
+def _wait_dumped(dumps: str, prompts: dict[str, list[int]], timeout: float = 60) -> None:
+    """Until the plugin's files reach the end of every prompt (each file appears whole, by rename)."""
+
+    def done() -> bool:
+        ends = {}
+        for name in os.listdir(dumps):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(dumps, name), "pt") as f:
+                    meta = f.metadata()
+                ends[meta["rid"]] = max(ends.get(meta["rid"], 0), int(meta["end"]))
+        return all(ends.get(rid) == len(ids) for rid, ids in prompts.items())
+
+    wait_for(done, timeout, f"the plugin's dump files reaching the end of all {len(prompts)} prompts in {dumps}")
 
 
 def _log_since(path: str, offset: int) -> str:
@@ -188,7 +204,7 @@ def test_concurrent_requests_batch_and_plain_requests_leave_no_files(server, ref
     for t in threads:
         t.join()
     assert all(r.status_code == 200 for r in answers.values()), {k: r.text[:200] for k, r in answers.items()}
-    time.sleep(1.0)  # the plugin's writer is asynchronous
+    _wait_dumped(server.dumps, prompts)  # the plugin's writer is asynchronous
     files = _dump_files(server.dumps)
     assert sorted(files) == sorted(prompts)  # nothing for the plain requests
     for rid, parts in files.items():
@@ -295,7 +311,7 @@ def test_tensor_parallel_2_only_rank_0_writes(tmp_path, model, reference):
                                                   "extra_key": list(prompts), "sampling_params": {"max_new_tokens": 1}},
                        timeout=300)
         assert r.status_code == 200, r.text
-        time.sleep(1.0)
+        _wait_dumped(str(dumps), prompts)  # the plugin's writer is asynchronous
         files = _dump_files(str(dumps))
         assert sorted(files) == sorted(prompts)
         for rid, parts in files.items():

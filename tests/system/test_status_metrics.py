@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -24,6 +23,7 @@ from harvest.state.ledger import Ledger
 from harvest.state.payload import Sample, decode_batch
 from harvest.state.runstore import load_run
 from tests.support.ops import REPO, Procs, cli, enqueue, new_run, wait_until
+from tests.support.wait import OutputReader
 
 
 @pytest.fixture
@@ -163,11 +163,13 @@ def test_status_watch_refreshes_in_place(conn, redis_server, tiny_model, tmp_pat
     new_run(conn, "stat2", tiny_model, f"file://{tmp_path}/out")
     p = subprocess.Popen([sys.executable, "-m", "harvest.cli", "status", "--run", "stat2", "--redis", redis_server.url,
                           "--watch", "0.5"], cwd=REPO, stdout=subprocess.PIPE, text=True)
-    try:
-        time.sleep(4)  # long enough for a few frames; the assertions below count frames, not time
+    reader = OutputReader(p.stdout)
+    try:  # Ctrl-C once two whole frames are out (a signal before the CLI is up would kill it, not stop it)
+        reader.wait_for(lambda out: out.count("  samples  total 0") >= 2, 120, "two frames of `status --watch`", p)
     finally:
         p.send_signal(signal.SIGINT)
-        out, _ = p.communicate(timeout=20)
+        p.wait(20)
+        out = reader.close()
     assert p.returncode == 0
     # Piped, click drops the clear-screen codes, so the frames follow one another.
     assert out.count("run stat2 ") >= 2 and out.count("  samples  total 0") == out.count("run stat2 ")

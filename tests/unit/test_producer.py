@@ -15,6 +15,7 @@ from harvest.state.payload import PAYLOAD_VERSION, decode_batch
 from producer.producer import produce
 from producer.rows import BadRow, Row
 from producer.tokenize import RowTokenizer
+from tests.support.wait import wait_for
 
 
 def _cfg(tiny_model, tmp_path, **kw):
@@ -105,7 +106,7 @@ def test_enqueue_waits_while_queue_is_full(conn, tiny_model, tokenizer, tmp_path
     th = threading.Thread(target=drain)
     th.start()
     s = produce(conn, cfg, str(path), tokenizer=tokenizer, progress=False, max_queued=4)
-    time.sleep(0.5)
+    wait_for(lambda: led.counts()["done"] == 10 or not th.is_alive(), 30, "the stand-in worker draining the queue")
     done.set()
     th.join()
     assert s.enqueued == 10
