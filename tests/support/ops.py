@@ -8,8 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 import httpx
 import redis
@@ -22,18 +20,9 @@ from harvest.state.ledger import Ledger
 from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
 from tests.support.cli import REPO
+from tests.support.wait import wait_for
 
-
-def wait_until(pred: Callable[[], object], timeout: float, what: str, poll: float = 0.1):
-    """Functional deadline, not a timing assertion: fail with `what` if `pred` never holds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f}s: {what}")
-        time.sleep(poll)
+wait_until = wait_for  # the operations tests' name for tests.support.wait.wait_for
 
 
 class Procs:
