@@ -9,11 +9,11 @@ import signal
 import subprocess
 import sys
 
-import httpx
 import redis
 
 from harvest.cli.redisproc import free_port
 from harvest.config import RunConfig
+from harvest.health import healthy
 from harvest.ids import job_id_for
 from harvest.state.jobs import enqueue_samples, run_queue
 from harvest.state.ledger import Ledger
@@ -51,14 +51,11 @@ class Procs:
         p = self.start(name, "engine", "--model", model, "--dump-dir", dump_dir, "--port", str(port), "--layers", layers)
         url = f"http://127.0.0.1:{port}"
 
-        def healthy() -> bool:
+        def up() -> bool:
             assert p.poll() is None, self.log(name)
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
+            return healthy(url, 1)
 
-        wait_until(healthy, 120, f"engine {name} healthy")
+        wait_until(up, 120, f"engine {name} healthy")
         return url
 
     def wait(self, name: str, timeout: float = 120) -> int:
