@@ -33,7 +33,8 @@ log = logging.getLogger("harvest.engine")
 
 
 class BadRequest(ValueError):
-    pass
+    """A request this engine answers with HTTP 400 (never raised past its handler: outside
+    harvest.errors' root on purpose)."""
 
 
 @dataclass

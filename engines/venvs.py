@@ -8,6 +8,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from harvest.errors import ConfigurationError
+
+
+class VenvMissing(ConfigurationError, FileNotFoundError):
+    """An engine's venv is not there, or its build did not finish; the message names the script."""
+
 
 @dataclass(frozen=True)
 class EngineVenv:
@@ -25,6 +31,6 @@ class EngineVenv:
         venv = venv or self.default()
         python = os.path.join(venv, "bin", "python")
         if not (os.path.isfile(os.path.join(venv, ".harvest-complete")) and os.access(python, os.X_OK)):
-            raise FileNotFoundError(f"no complete {self.engine} venv at {venv}: build it with {self.script} "
+            raise VenvMissing(f"no complete {self.engine} venv at {venv}: build it with {self.script} "
                                     f"({self.cost}), or point {self.env_var} at one")
         return python

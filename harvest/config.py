@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from harvest.errors import ConfigurationError
 from harvest.formats.dtypes import STORAGE_DTYPES, storage_torch_dtype
 from harvest.ids import check_id
 from harvest.settings import RunTunables
@@ -29,8 +30,9 @@ FINAL_POST_NORM = "post-norm"
 FINAL_STATES = (FINAL_POST_NORM,)
 
 
-class ConfigError(ValueError):
-    """A run configuration that cannot be used, or that contradicts the stored one."""
+class ConfigError(ConfigurationError, ValueError):
+    """A run configuration (or a flag that shapes it) that cannot be used, or that contradicts
+    the stored one."""
 
 
 def eagle3_layers(num_layers: int) -> list[int]:
@@ -245,9 +247,11 @@ def model_layers(model_dir: str) -> int:
     try:
         n = model_config_json(model_dir).get("num_hidden_layers")
     except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror}; pass --num-layers") from None
+        raise ConfigError(f"cannot read {path}: {e.strerror}; pass --num-layers") from None
+    except ValueError as e:  # not JSON
+        raise ConfigError(f"cannot read {path}: {e}; pass --num-layers") from None
     if not isinstance(n, int):
-        raise ValueError(f"{path} has no num_hidden_layers; pass --num-layers")
+        raise ConfigError(f"{path} has no num_hidden_layers; pass --num-layers")
     return n
 
 

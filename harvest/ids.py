@@ -13,12 +13,14 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from harvest.errors import InputError
+
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]+")
 RID_PREFIX = "hv-"
 _RID_PATTERN = re.compile(r"hv-([0-9a-f]{32})-([0-9]+)")
 
 
-class InvalidId(ValueError):
+class InvalidId(InputError, ValueError):
     """An id that does not match `[A-Za-z0-9_-]+` (so it must never become a file name)."""
 
 

@@ -28,6 +28,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from harvest.atomic import write_atomic
+from harvest.errors import StorageError  # the kind itself: what every failure here is raised as
 
 log = logging.getLogger("harvest.storage")
 T = TypeVar("T")
@@ -38,10 +39,6 @@ TEMP_PREFIX = ".tmp-"
 S3_ENDPOINT_VARS = ("HARVEST_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 S3_REGION_VARS = ("HARVEST_S3_REGION", "AWS_REGION", "AWS_DEFAULT_REGION")
 _PERSISTENT_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENAMETOOLONG}
-
-
-class StorageError(RuntimeError):
-    """A storage operation that failed for good; the message names the object and the cause."""
 
 
 def _first_env(names: tuple[str, ...]) -> str | None:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import redis
 from tqdm import tqdm
 
-from harvest.config import RunConfig
+from harvest.config import ConfigError, RunConfig
+from harvest.errors import InputError
 from harvest.state.payload import Sample
 from producer.enqueue import DEFAULT_MAX_QUEUED, Enqueuer
 from producer.parallel import ProcessTokenizer
@@ -29,7 +30,7 @@ BATCH_ROWS = 256  # rows tokenized together (one encode_batch call)
 KEEP_BAD_ROWS = 1000  # the first ones are kept for the summary; all are logged and counted
 
 
-class BadRowError(ValueError):
+class BadRowError(InputError, ValueError):
     """A bad row under --strict."""
 
 
@@ -62,7 +63,10 @@ class ProduceSummary:
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:  # no tokenizer files there, or one transformers cannot load
+        raise ConfigError(str(e)) from e
 
 
 def _batches(rows: Iterable, n: int) -> Iterator[list]:

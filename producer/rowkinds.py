@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from harvest.config import ConfigError
+from harvest.errors import InputError
+
 FIELDS = (
     "input_ids", "loss_mask", "text", "prompt", "completion", "response", "messages", "conversations", "system",
 )
@@ -24,7 +27,7 @@ SHAREGPT_ROLES = {
 }
 
 
-class RowError(ValueError):
+class RowError(InputError, ValueError):
     """A row that gives no sample; the message names the field and what is wrong with it."""
 
 
@@ -45,9 +48,9 @@ class FieldMap:
             logical, sep, actual = spec.partition("=")
             logical, actual = logical.strip(), actual.strip()
             if not sep or not actual:
-                raise ValueError(f"--field {spec!r}: expected LOGICAL=COLUMN, e.g. text=content")
+                raise ConfigError(f"--field {spec!r}: expected LOGICAL=COLUMN, e.g. text=content")
             if logical not in FIELDS:
-                raise ValueError(f"--field {spec!r}: unknown field {logical!r}; expected one of {', '.join(FIELDS)}")
+                raise ConfigError(f"--field {spec!r}: unknown field {logical!r}; expected one of {', '.join(FIELDS)}")
             names[logical] = actual
         return cls(names)
 

@@ -13,10 +13,19 @@ import json
 import os
 from collections.abc import Iterator
 
+from harvest.errors import InputError
 from producer.rows import BadRow, Row
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 COLUMNAR_SUFFIXES = (".parquet", ".arrow")
+
+
+class DatasetNotFound(InputError, FileNotFoundError):
+    """The DATASET path does not exist."""
+
+
+class DatasetError(InputError, ValueError):
+    """A DATASET path that holds no dataset harvest reads; the message says what it expects."""
 
 
 def _open_binary(path: str) -> io.BufferedIOBase:
@@ -68,14 +77,27 @@ def _is_hf_dataset(path: str) -> bool:
 def _hf_files(path: str) -> list[str]:
     """The Arrow files of a `save_to_disk` dataset, in its row order."""
     if os.path.isfile(os.path.join(path, "dataset_dict.json")):
-        with open(os.path.join(path, "dataset_dict.json"), encoding="utf-8") as f:
-            splits = json.load(f).get("splits", [])
-        raise ValueError(
+        splits = _json(os.path.join(path, "dataset_dict.json")).get("splits", [])
+        raise DatasetError(
             f"dataset {path} is a DatasetDict with splits {splits}: pass one split's folder, e.g. {path}/{splits[0] if splits else 'train'}"
         )
-    with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
-        state = json.load(f)
-    return [os.path.join(path, d["filename"]) for d in state.get("_data_files", [])]
+    state = _json(os.path.join(path, "state.json"))
+    try:
+        return [os.path.join(path, d["filename"]) for d in state.get("_data_files", [])]
+    except (KeyError, TypeError) as e:
+        raise DatasetError(f"dataset {path}: state.json lists its data files without a filename ({e!r})") from None
+
+
+def _json(path: str) -> dict:
+    """A saved dataset's JSON document; not JSON (or not an object): a DatasetError naming it."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            doc = json.load(f)
+        except ValueError as e:
+            raise DatasetError(f"dataset file {path} is not JSON ({e}): not saved with save_to_disk?") from None
+    if not isinstance(doc, dict):
+        raise DatasetError(f"dataset file {path} is not a JSON object: not saved with save_to_disk?")
+    return doc
 
 
 def _walk(path: str) -> list[str]:
@@ -96,17 +118,17 @@ def _walk(path: str) -> list[str]:
 def dataset_files(path: str) -> list[str]:
     """The files a dataset path stands for, in reading order (sorted within a directory)."""
     if not os.path.exists(path):
-        raise FileNotFoundError(f"dataset {path} does not exist")
+        raise DatasetNotFound(f"dataset {path} does not exist")
     if os.path.isfile(path):
         if not path.endswith(JSONL_SUFFIXES + COLUMNAR_SUFFIXES):
-            raise ValueError(
+            raise DatasetError(
                 f"dataset {path}: unsupported format; expected one of {', '.join(JSONL_SUFFIXES + COLUMNAR_SUFFIXES)}, "
                 "a dataset saved with datasets.save_to_disk, or a directory of those"
             )
         return [path]
     files = _walk(path)
     if not files:
-        raise ValueError(f"dataset {path}: no {', '.join(JSONL_SUFFIXES + COLUMNAR_SUFFIXES)} files or saved datasets in it")
+        raise DatasetError(f"dataset {path}: no {', '.join(JSONL_SUFFIXES + COLUMNAR_SUFFIXES)} files or saved datasets in it")
     return files
 
 

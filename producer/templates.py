@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from harvest.errors import InputError
+
 try:
     from transformers.utils.chat_template_utils import (
         _alias_reasoning_fields,
@@ -36,7 +38,7 @@ Span = tuple[int, int]
 _SENTINEL = "\u2063harvest-sentinel\u2063"
 
 
-class TemplateError(ValueError):
+class TemplateError(InputError, ValueError):
     """A conversation the chat template cannot render into masked tokens."""
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
+from harvest.config import ConfigError
 from harvest.state.payload import PayloadError, Sample
 from producer.rowkinds import Chat, FieldMap, Pretokenized, PromptCompletion, RowError, Text, classify
 from producer.rows import BadRow, Row
@@ -29,9 +30,9 @@ class LengthPolicy:
 
     def __post_init__(self) -> None:
         if self.overlong not in OVERLONG_POLICIES:
-            raise ValueError(f"--overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {self.overlong!r}")
+            raise ConfigError(f"--overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {self.overlong!r}")
         if self.max_len is not None and self.max_len < 1:
-            raise ValueError(f"--max-len must be at least 1, got {self.max_len}")
+            raise ConfigError(f"--max-len must be at least 1, got {self.max_len}")
 
 
 class _Texts:
@@ -60,7 +61,7 @@ class RowTokenizer:
         length: LengthPolicy = LengthPolicy(),
     ) -> None:
         if not getattr(tokenizer, "is_fast", False):
-            raise ValueError("harvest needs a fast (Rust `tokenizers`) tokenizer: one with a tokenizer.json")
+            raise ConfigError("harvest needs a fast (Rust `tokenizers`) tokenizer: one with a tokenizer.json")
         # The Rust tokenizer with padding and truncation off, whatever tokenizer.json says: the
         # tokenizer's own where both are off already (encoding does not change it), else a private
         # copy with them turned off (a copy costs ~0.1 s for a 32k vocabulary, once per produce,

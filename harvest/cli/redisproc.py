@@ -22,14 +22,20 @@ from collections.abc import Callable
 
 import redis
 
+from harvest.errors import ConfigurationError, ServiceError
+
 log = logging.getLogger("harvest.run")
 
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 5.0)  # between attempts to start it again; then every 5 s
 RESTART_TIMEOUT_S = 120.0  # a restart replays the whole AOF before it answers
 
 
-class RedisNotInstalled(RuntimeError):
-    pass
+class RedisNotInstalled(ConfigurationError, RuntimeError):
+    """No redis-server to start: install it, or pass --redis URL."""
+
+
+class RedisServerFailed(ServiceError, RuntimeError):
+    """The private redis-server exited at start, or did not answer in time."""
 
 
 def free_port() -> int:
@@ -76,7 +82,7 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.data_dir}/redis.log")
+                raise RedisServerFailed(f"redis-server exited with {self.proc.returncode}; see {self.data_dir}/redis.log")
             try:
                 with redis.Redis.from_url(self.url, socket_connect_timeout=1, socket_timeout=5) as probe:
                     probe.ping()  # a server still loading its AOF answers LOADING: a ConnectionError
@@ -84,7 +90,7 @@ class RedisServer:
             except (redis.ConnectionError, redis.TimeoutError):
                 time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout}s")
+        raise RedisServerFailed(f"redis-server did not answer on port {self.port} within {timeout}s")
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -130,7 +136,7 @@ class RedisKeeper(threading.Thread):
             while not self.stopped.is_set():
                 try:
                     self.server.start(timeout=RESTART_TIMEOUT_S)
-                except (RuntimeError, OSError) as e:
+                except (RedisServerFailed, OSError) as e:
                     self.last_error = str(e)
                     wait = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S) - 1)]
                     failures += 1

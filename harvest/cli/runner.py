@@ -32,6 +32,7 @@ from harvest.cli.errors import connect_service
 from harvest.cli.redisproc import RedisKeeper, RedisServer, free_port
 from harvest.cli.supervisor import Supervisor
 from harvest.config import RunConfig
+from harvest.errors import ServiceError
 from harvest.node.dumpdir import default_dump_dir
 from harvest.ops.recovery import Recovery
 from harvest.settings import EngineSettings, RunnerSettings
@@ -96,6 +97,10 @@ def _report_bad(row) -> None:
     tqdm.write(f"{row.kind} row {row}", file=sys.stderr)  # above the progress bar
 
 
+class EngineNotHealthy(ServiceError, RuntimeError):
+    """The engine `harvest run` started did not answer /health in time (its log says why)."""
+
+
 def _wait_http(url: str, children: Supervisor, timeout: float) -> None:
     """Wait for the engine's /health, restarting it (or giving up) as the supervisor decides."""
     deadline = time.monotonic() + timeout
@@ -107,7 +112,7 @@ def _wait_http(url: str, children: Supervisor, timeout: float) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"engine at {url} not healthy after {timeout:.0f}s")
+    raise EngineNotHealthy(f"engine at {url} not healthy after {timeout:.0f}s")
 
 
 def _start_vllm(children: Supervisor, cfg: RunConfig, dumps: str) -> str:

@@ -24,10 +24,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from harvest.errors import ServiceError
+
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 
 
-class ChildKeepsDying(RuntimeError):
+class ChildKeepsDying(ServiceError, RuntimeError):
     """A child died `max_deaths` times within `window_s`: restarting it again would not help."""
 
 

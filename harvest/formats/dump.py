@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from harvest.errors import InputError
 from harvest.ids import parse_rid
 from harvest.node.dumpdir import temp_chunk_path
 from harvest.node.paths import check_regular_file
@@ -33,7 +34,7 @@ FORMAT = "harvest-dump-1"
 _NAME = re.compile(r"(hv-[0-9a-f]{32}-[0-9]+)\.([0-9]+)-([0-9]+)\.safetensors")
 
 
-class DumpError(ValueError):
+class DumpError(InputError, ValueError):
     """A dump file that does not follow the contract."""
 
 

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from typing import NotRequired, TypedDict
 
 from harvest.config import FINAL_POST_NORM, FINAL_STATES
+from harvest.errors import InputError
 from harvest.ids import check_id
 
 FORMAT = "harvest-shard-1"  # the layout version of a shard and of its index: they change together
 INDEX = "index"
 
 
-class ShardError(ValueError):
+class ShardError(InputError, ValueError):
     """A shard or index file that does not follow the layout."""
 
 

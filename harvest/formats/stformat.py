@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from harvest.errors import InputError
+
 DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
@@ -35,7 +37,7 @@ NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100_000_000
 
 
-class FormatError(ValueError):
+class FormatError(InputError, ValueError):
     """Bytes that are not a safetensors file harvest can use."""
 
 

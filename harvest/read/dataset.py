@@ -26,13 +26,14 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from harvest.config import RunConfig
+from harvest.errors import ConfigurationError
 from harvest.read.reader import RunReader
 from harvest.read.shard_reader import CorruptSample, UnreadableShard
 
 log = logging.getLogger("harvest.read")
 
 
-class NoFinalState(ValueError):
+class NoFinalState(ConfigurationError, ValueError):
     """The run did not capture the final hidden state, which EAGLE-3 training needs."""
 
 

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import harvest.read.specforge as specforge
 from harvest.config import RunConfig
+from harvest.errors import ConfigurationError, HarvestError, StorageError
 from harvest.read.dataset import read_dtype
 from harvest.read.final_norm import FinalNorm, FinalNormError
 from harvest.read.reader import RunReader
@@ -36,8 +37,12 @@ from harvest.read.trainers import EXPORT_FORMATS, TRAINER_NAMES
 from harvest.storage import TEMP_PREFIX
 
 
-class ExportError(ValueError):
+class ExportError(ConfigurationError, ValueError):
     """An export that cannot give its trainer what it reads; the message names the fix."""
+
+
+class ExportStorageError(StorageError, OSError):
+    """The run's output (RUN_URL) could not be read, or DEST written: the storage's own words."""
 
 
 @dataclass
@@ -81,9 +86,21 @@ def export_run(
     """Write every committed sample of the run at `run_url` into `dest` as `fmt`; files already
     there are kept. Hidden states in `dtype` (default: bf16 for SpecForge, else as stored; fp8
     runs give bf16). `model`: the run's checkpoint here (default: the run's model path), whose
-    final norm the speculators export reads."""
+    final norm the speculators export reads. Every OSError on the way (reading `run_url`, writing
+    `dest`: both the user's storage, an object store's with no file name) is an ExportStorageError
+    with the storage's message."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"export format {fmt!r}: choose one of {', '.join(EXPORT_FORMATS)}")
+    try:
+        return _export(run_url, fmt, dest, dtype, progress, model)
+    except OSError as e:
+        if isinstance(e, HarvestError):  # an OSError that already says what to fix
+            raise
+        raise ExportStorageError(str(e)) from e
+
+
+def _export(run_url: str, fmt: str, dest: str, dtype: torch.dtype | None, progress: bool,
+            model: str | None) -> ExportReport:
     reader = RunReader(run_url)
     aux, _ = trainer_points(reader.config, fmt)
     rep = ExportReport(notes=layer_notes(fmt, aux, reader.config.num_layers))

@@ -26,6 +26,8 @@ import os
 import torch
 from safetensors import safe_open
 
+from harvest.errors import InputError
+
 # model_type -> whether the checkpoint stores the norm weight as an offset from 1 (Gemma: x * (1 + w)).
 RMSNORM_MODELS: dict[str, bool] = {
     "llama": False, "mistral": False, "mixtral": False, "qwen2": False, "qwen2_moe": False, "qwen3": False,
@@ -37,7 +39,7 @@ NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_
              "transformer.norm.weight")
 
 
-class FinalNormError(ValueError):
+class FinalNormError(InputError, ValueError):
     """The checkpoint's final norm cannot be found or is not a supported kind."""
 
 

@@ -41,6 +41,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from harvest.errors import ConfigurationError
 from harvest.read.final_norm import FinalNorm
 from harvest.read.reader import RunReader
 from harvest.read.shard_reader import CorruptSample, UnreadableShard
@@ -52,7 +53,7 @@ TOKEN_FREQ = "token_freq.pt"
 PRE_NORM = "final:pre-norm (y / w of harvest's post-norm state)"
 
 
-class SpeculatorsExportError(ValueError):
+class SpeculatorsExportError(ConfigurationError, ValueError):
     """DEST holds something other than this run's speculators export."""
 
 

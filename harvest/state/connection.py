@@ -57,6 +57,8 @@ from redis.backoff import ExponentialBackoff
 from redis.connection import Connection, parse_url
 from redis.retry import Retry
 
+from harvest.errors import ServiceError
+
 log = logging.getLogger("harvest.redis")
 
 T = TypeVar("T")
@@ -105,10 +107,12 @@ def outage_limit(seconds: float | None = None) -> float:
     return value
 
 
-class RedisLost(redis.exceptions.RedisError):
+class RedisLost(ServiceError, redis.exceptions.RedisError):
     """Redis answered once, went away and did not come back within the limit. Not a
     ConnectionError on purpose: code that retries those for ever (RQ's dequeue loop) must let
-    it through, so that the process stops."""
+    it through, so that the process stops. The CLI exits with REDIS_LOST_EXIT for it."""
+
+    exit_status = REDIS_LOST_EXIT
 
     def __init__(self, url: str, waited_s: float, limit_s: float, cause: str, hint: str = "") -> None:
         self.url, self.waited_s, self.limit_s, self.cause, self.hint = redact(url), waited_s, limit_s, cause, hint
@@ -117,6 +121,10 @@ class RedisLost(redis.exceptions.RedisError):
     def line(self) -> str:
         return (f"lost Redis at {self.url}: it answered, then went away ({self.cause}) and did not come back within "
                 f"{self.limit_s:.0f} s (waited {self.waited_s:.0f} s)" + (f"; {self.hint}" if self.hint else ""))
+
+    def for_user(self) -> str:
+        return (f"{self.line()}. Start Redis again (with its data: AOF) and run the same command: the spool, the "
+                f"packing records and the jobs in flight resume (--redis-wait or {OUTAGE_ENV} waits longer)")
 
 
 class Outage:

@@ -21,13 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from harvest.errors import InputError
 from harvest.ids import check_id, sample_id
 
 PAYLOAD_VERSION = 2
 READ_VERSIONS = (1, 2)
 
 
-class PayloadError(ValueError):
+class PayloadError(InputError, ValueError):
     """A job payload that is not what a producer writes."""
 
 
