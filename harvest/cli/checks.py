@@ -13,14 +13,12 @@ from harvest.cli.options import fail
 
 def check_dataset(path: str) -> None:
     """The dataset resolves to readable files (what the producer would find first)."""
-    from producer.sources import dataset_files
+    from producer.sources import DatasetNotFound, dataset_files
 
     try:
-        dataset_files(path)
-    except FileNotFoundError as e:
+        dataset_files(path)  # any other DatasetError (an InputError) is told as it is
+    except DatasetNotFound as e:
         fail(f"{e}: check the DATASET argument (a .jsonl/.parquet/.arrow file, a saved dataset, or a folder of them)")
-    except (OSError, ValueError) as e:
-        fail(str(e))
 
 
 def looks_local(model: str) -> bool:
@@ -97,10 +95,10 @@ def check_output(url: str | None, reach: bool = True) -> None:
 
 def check_layers(model: str, layers: str) -> None:
     """The capture points fit the model, read from its config.json (before torch is imported)."""
-    from harvest.config import model_layers, parse_layers
+    from harvest.config import ConfigError, model_layers, parse_layers
 
     try:
         n = model_layers(model)
-    except ValueError:
+    except ConfigError:
         return  # not a plain config.json: the engine resolves the shape itself and says why it cannot
     parse_layers(layers, n)  # a ConfigError names the flag and the range

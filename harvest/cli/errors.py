@@ -1,9 +1,13 @@
 """The CLI's one mapping from the exceptions a user's mistake raises to a line naming the fix.
 
 Commands do not wrap their bodies in try/except: `HarvestGroup` catches what a wrong flag, a
-stopped service or a missing credential raises anywhere below a command (Redis unreachable,
-S3 without credentials, a bad run configuration or id) and turns it into one `harvest: error:`
-line and exit status 2. Anything else is a bug and keeps its traceback.
+stopped service or a missing credential raises anywhere below a command and turns it into one
+`harvest: error:` line and the error's exit status (2; a Redis lost past its wait, 75). What it
+tells is a `harvest.errors.HarvestError` (raised where the mistake is detected, or found in the
+exception's cause/context chain), or a foreign error translated by one table, `FOREIGN` (Redis
+unreachable or refusing the login, S3 without credentials or unreachable), and `OS_ERRORS` (an
+OSError on a path the user named on the command line). Anything else is a bug and keeps its
+traceback.
 
 Redis connections of the CLI go through `connect` (one-shot commands) or `connect_service`
 (the long-running ones: worker, collector, producer, `harvest run`, the janitor and metrics
@@ -17,11 +21,15 @@ so the message names it however deep the failure happened.
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import click
 
-from harvest.cli.options import fail
+from harvest.errors import ConfigurationError, HarvestError, InputError, ServiceError, StorageError
 
 # harvest.state.connection imports redis (~70 ms): imported where used, so `harvest --help` and the
 # commands without Redis (export, engine) do not pay for it. tests/unit/test_connection.py holds
@@ -80,7 +88,7 @@ def connect_service(url: str, outage_s: float | None = None):
     return conn
 
 
-def _chain(e: BaseException):
+def _chain(e: BaseException | None) -> Iterator[BaseException]:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
@@ -88,44 +96,123 @@ def _chain(e: BaseException):
         e = e.__cause__ or e.__context__
 
 
-def _is(e: BaseException, module: str, name: str) -> bool:
-    return any(c.__name__ == name and c.__module__.startswith(module) for c in type(e).__mro__)
-
-
-def explain(exc: BaseException) -> str | None:
-    """The one-line message for a user's mistake, or None for a bug."""
-    from harvest.config import ConfigError
-    from harvest.ids import InvalidId
-    from harvest.state.connection import OUTAGE_ENV, RedisLost
-    from harvest.storage import StorageError
-
-    for e in _chain(exc):
-        if isinstance(e, RedisLost):
-            return (f"{e.line()}. Start Redis again (with its data: AOF) and run the same command: the spool, the "
-                    f"packing records and the jobs in flight resume (--redis-wait or {OUTAGE_ENV} waits longer)")
-        if _is(e, "redis", "AuthenticationError") or _is(e, "redis", "AuthenticationWrongNumberOfArgsError"):
-            return f"Redis at {redact(_tried.get('redis', '?'))} refused the login: put user:password in the --redis URL"
-        if _is(e, "redis", "ConnectionError") or _is(e, "redis", "TimeoutError"):
-            return redis_fix(_tried.get("redis"), _short(e))
-        if _is(e, "botocore", "NoCredentialsError") or _is(e, "botocore", "PartialCredentialsError"):
-            return f"no S3 credentials found: {S3_CREDENTIALS_FIX}"
-        if _is(e, "botocore", "EndpointConnectionError"):
-            return f"cannot reach the S3 endpoint ({_short(e)}): check --s3-endpoint / HARVEST_S3_ENDPOINT"
-        if isinstance(e, (ConfigError, InvalidId, StorageError)):
-            return str(e)
-        if type(e).__name__ == "RedisNotInstalled":
-            return str(e)
-    return None
-
-
 def _short(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text if len(text) <= 160 else text[:157] + "..."
 
 
+def _redis_login(e: BaseException) -> str:
+    return f"Redis at {redact(_tried.get('redis', '?'))} refused the login: put user:password in the --redis URL"
+
+
+def _redis_down(e: BaseException) -> str:
+    return redis_fix(_tried.get("redis"), _short(e))
+
+
+def _s3_credentials(e: BaseException) -> str:
+    return f"no S3 credentials found: {S3_CREDENTIALS_FIX}"
+
+
+def _s3_endpoint(e: BaseException) -> str:
+    return f"cannot reach the S3 endpoint ({_short(e)}): check --s3-endpoint / HARVEST_S3_ENDPOINT"
+
+
+@dataclass(frozen=True)
+class Foreign:
+    """One row of the translation table: an instance of `module`.`name` is told as `kind` with
+    `message(e)`. The class is looked up only in an already imported `module` (nothing can raise
+    an instance of a class never imported), so `harvest --help` imports neither redis nor botocore."""
+
+    module: str
+    name: str
+    kind: type[HarvestError]
+    message: Callable[[BaseException], str]
+
+    def cls(self) -> type[BaseException] | None:
+        mod = sys.modules.get(self.module)
+        return getattr(mod, self.name, None) if mod is not None else None
+
+
+# In order: the first row an exception is an instance of wins (redis' AuthenticationError is one
+# of its ConnectionErrors).
+FOREIGN: tuple[Foreign, ...] = (
+    Foreign("redis.exceptions", "AuthenticationError", ConfigurationError, _redis_login),
+    Foreign("redis.exceptions", "AuthenticationWrongNumberOfArgsError", ConfigurationError, _redis_login),
+    Foreign("redis.exceptions", "ConnectionError", ServiceError, _redis_down),
+    Foreign("redis.exceptions", "TimeoutError", ServiceError, _redis_down),
+    Foreign("botocore.exceptions", "NoCredentialsError", ConfigurationError, _s3_credentials),
+    Foreign("botocore.exceptions", "PartialCredentialsError", ConfigurationError, _s3_credentials),
+    Foreign("botocore.exceptions", "EndpointConnectionError", ServiceError, _s3_endpoint),
+)
+
+# An OSError on a path the user named (an argument of the command, or a file under one) is told
+# as the OS tells it ("[Errno 2] No such file or directory: 'x'"); on any other path it is a bug.
+OS_ERRORS: dict[int, type[HarvestError]] = {
+    errno.ENOENT: InputError, errno.ENOTDIR: InputError, errno.EISDIR: InputError,
+    errno.EACCES: StorageError, errno.EPERM: StorageError, errno.EROFS: StorageError,
+    errno.ENOSPC: StorageError, errno.EDQUOT: StorageError,
+}
+
+
+def named_paths(args: Iterable[str]) -> list[str]:
+    """The absolute paths a command line's arguments may name (`--out=DIR` too; URLs other than
+    file:// are no local path)."""
+    roots = []
+    for arg in args:
+        for value in (arg, arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else ""):
+            value = value.removeprefix("file://")
+            if value and not value.startswith("-") and "://" not in value:
+                roots.append(os.path.abspath(os.path.expanduser(value)))
+    return roots
+
+
+def _on_named_path(e: OSError, roots: list[str]) -> bool:
+    for name in (e.filename, e.filename2):
+        if isinstance(name, (str, bytes, os.PathLike)):
+            path = os.path.abspath(os.fsdecode(name))
+            if any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
+                return True
+    return False
+
+
+def translate(exc: BaseException, args: Iterable[str] = ()) -> HarvestError | None:
+    """What `exc` tells the user: the first HarvestError in its chain (itself, then its cause or
+    context), or a foreign error there translated by FOREIGN, or OS_ERRORS for an OSError on a
+    path among `args` (the command line); None for a bug."""
+    roots = named_paths(args)
+    for e in _chain(exc):
+        if isinstance(e, HarvestError):
+            return e
+        for row in FOREIGN:
+            cls = row.cls()
+            if cls is not None and isinstance(e, cls):
+                return _told(row.kind(row.message(e)), e)
+        if isinstance(e, OSError) and e.errno in OS_ERRORS and _on_named_path(e, roots):
+            return _told(OS_ERRORS[e.errno](str(e)), e)
+    return None
+
+
+def _told(err: HarvestError, cause: BaseException) -> HarvestError:
+    err.__cause__ = cause
+    return err
+
+
+def explain(exc: BaseException, args: Iterable[str] = ()) -> str | None:
+    """The message for a user's mistake, or None for a bug."""
+    err = translate(exc, args)
+    return None if err is None else err.for_user()
+
+
+_ARGS = "harvest.args"  # ctx.meta key: the command line below the group (the command and its arguments)
+
+
 class HarvestGroup(click.Group):
-    """The `harvest` group: a command's known failure becomes one line and exit status 2; a
-    Redis lost past its wait, exit status 75 (temporary: the same command resumes)."""
+    """The `harvest` group: a command's known failure becomes one line and its exit status (2;
+    a Redis lost past its wait, 75: temporary, the same command resumes)."""
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        ctx.meta[_ARGS] = list(args)
+        return super().resolve_command(ctx, args)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -133,13 +220,8 @@ class HarvestGroup(click.Group):
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except Exception as e:
-            msg = explain(e)
-            if msg is None:
+            err = translate(e, ctx.meta.get(_ARGS, ()))
+            if err is None:
                 raise
-            if any(type(c).__name__ == "RedisLost" for c in _chain(e)):
-                from harvest.state.connection import REDIS_LOST_EXIT
-
-                click.echo(f"harvest: error: {msg}", err=True)
-                sys.exit(REDIS_LOST_EXIT)
-            fail(msg)
-
+            click.echo(f"harvest: error: {err.for_user()}", err=True)
+            sys.exit(err.exit_status)

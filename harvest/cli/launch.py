@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import click
 
-from harvest.cli.options import fail, launch_options
+from harvest.cli.options import launch_options
 from harvest.settings import EngineSettings
 
 
 def _capture_points(model_path: str, num_layers: int | None, run: str | None, redis_url: str,
                     layers: str) -> tuple[int, list[int]]:
-    """(decoder layers, capture points) for an engine launch: the run's points when named."""
+    """(decoder layers, capture points) for an engine launch: the run's points when named. What a
+    user can get wrong here (a model config, --layers, the run) raises a ConfigError, which the
+    CLI tells as one line."""
     from harvest.config import model_layers, parse_layers
 
     n = num_layers or model_layers(model_path)
@@ -43,21 +45,18 @@ def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, tp
                     sglang_version, device, dtype) -> None:
     """Print the SGLang launch command (with the plugin's environment) for a run."""
     from engines.sglang_launch import launch_command, venv_python
-    from harvest.config import ConfigError
+    from engines.venvs import VenvMissing
 
-    try:
-        n, points = _capture_points(model_path, num_layers, run, redis_url, layers)
-        python = "python"
-        if device == "cpu":
-            try:
-                python = venv_python()
-            except FileNotFoundError:
-                pass
-        click.echo(launch_command(model_path, points, n, dump_dir=_dump_dir(dump_dir, run), tp_size=tp_size, port=port,
-                                  chunked_prefill_size=chunked_prefill_size, sglang_version=sglang_version,
-                                  device=device, python=python, dtype=dtype))
-    except (ConfigError, ValueError) as e:
-        fail(str(e))
+    n, points = _capture_points(model_path, num_layers, run, redis_url, layers)
+    python = "python"
+    if device == "cpu":
+        try:
+            python = venv_python()
+        except VenvMissing:
+            pass
+    click.echo(launch_command(model_path, points, n, dump_dir=_dump_dir(dump_dir, run), tp_size=tp_size, port=port,
+                              chunked_prefill_size=chunked_prefill_size, sglang_version=sglang_version,
+                              device=device, python=python, dtype=dtype))
 
 
 @click.command("vllm-args")
@@ -71,20 +70,17 @@ def vllm_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, port
                   enforce_eager) -> None:
     """Print the vLLM server command (connector, capture layers, environment) for a run; vLLM
     writes its files into DUMP_DIR/.vllm."""
+    from engines.venvs import VenvMissing
     from engines.vllm_launch import launch_command, venv_python
-    from harvest.config import ConfigError
 
-    try:
-        n, points = _capture_points(model_path, num_layers, run, redis_url, layers)
-        if python is None:
-            try:
-                python = venv_python()
-            except FileNotFoundError:
-                python = "python"
-        click.echo(launch_command(model_path, points, n, dump_dir=_dump_dir(dump_dir, run), port=port, python=python,
-                                  dtype=dtype, kvcache_gib=kvcache_gib, enforce_eager=enforce_eager))
-    except (ConfigError, ValueError) as e:
-        fail(str(e))
+    n, points = _capture_points(model_path, num_layers, run, redis_url, layers)
+    if python is None:
+        try:
+            python = venv_python()
+        except VenvMissing:
+            python = "python"
+    click.echo(launch_command(model_path, points, n, dump_dir=_dump_dir(dump_dir, run), port=port, python=python,
+                              dtype=dtype, kvcache_gib=kvcache_gib, enforce_eager=enforce_eager))
 
 
 COMMANDS = (sglang_args_cmd, vllm_args_cmd)

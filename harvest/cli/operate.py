@@ -41,8 +41,8 @@ def reconcile_cmd(run, redis_url, out_url, dedupe, verify, no_progress, s3_endpo
     apply_s3_env(s3_endpoint, s3_region)
     check_output(out_url)
     conn = connect(redis_url)
-    from harvest.ops.reconcile import reconcile, restore_run
     from harvest.formats.runfile import run_location
+    from harvest.ops.reconcile import reconcile, restore_run
     from harvest.state.runstore import load_run
 
     cfg = restore_run(conn, run, out_url) if out_url else load_run(conn, run)
@@ -80,16 +80,14 @@ def reconcile_cmd(run, redis_url, out_url, dedupe, verify, no_progress, s3_endpo
 @s3_options
 def export_cmd(run_url, fmt, dest, dtype, model, no_progress, s3_endpoint, s3_region) -> None:
     """Write a run in the layout a drafter trainer reads (idempotent; a grown run adds only its new samples)."""
-    from harvest.config import ConfigError
     from harvest.formats.dtypes import storage_torch_dtype
-    from harvest.read.export import ExportError, export_run
+    from harvest.read.export import export_run
 
     apply_s3_env(s3_endpoint, s3_region)
-    try:
-        rep = export_run(run_url, fmt, dest, dtype=storage_torch_dtype(dtype) if dtype else None,
-                         progress=not no_progress, model=model)
-    except (ConfigError, ExportError, OSError) as e:
-        fail(str(e))
+    # A run that cannot be exported is a ConfigError or ExportError, an unreadable RUN_URL or DEST
+    # an OSError on a path named here: harvest.cli.errors.HarvestGroup tells either as one line.
+    rep = export_run(run_url, fmt, dest, dtype=storage_torch_dtype(dtype) if dtype else None,
+                     progress=not no_progress, model=model)
     for note in rep.notes:
         click.echo(f"harvest: {note}", err=True)
     click.echo(f"exported {rep.written} samples to {dest} ({rep.skipped} already there)")
@@ -249,10 +247,7 @@ def metrics_cmd(redis_url, port, host, runs) -> None:
     conn = connect(redis_url)
     from harvest.ops.metrics import serve
 
-    try:
-        serve(conn, port, host, runs or None)
-    except OSError as e:
-        fail(f"cannot listen on {host}:{port} ({e.strerror}): pass another --port, or stop what holds it")
+    serve(conn, port, host, runs or None)  # an address taken: CannotListen, told as one line
     click.echo(f"serving metrics on http://{host}:{port}/metrics", err=True)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import NoReturn
 
 import click
 
@@ -19,7 +20,8 @@ DEFAULT_REDIS = os.environ.get("HARVEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 LAUNCHABLE_ENGINES = ("reference", "sglang", "vllm")
 
 
-def fail(msg: str) -> None:
+def fail(msg: str) -> NoReturn:
+    """The one way a command stops on a mistake it found itself: one line naming the fix, exit 2."""
     click.echo(f"harvest: error: {msg}", err=True)
     sys.exit(2)
 
@@ -109,11 +111,10 @@ def producer_kwargs(fields, chat_template, max_len, overlong, strict, processes)
     from producer.templates import load_chat_template
     from producer.tokenize import LengthPolicy
 
-    try:
-        return dict(fields=FieldMap.parse(fields), length=LengthPolicy(max_len, overlong), strict=strict,
-                    chat_template=load_chat_template(chat_template) if chat_template else None, processes=processes)
-    except (OSError, ValueError) as e:
-        fail(str(e))
+    # A bad --field or length policy is a ConfigError, an unreadable --chat-template an OSError on a
+    # path the user named: both told by harvest.cli.errors.HarvestGroup.
+    return dict(fields=FieldMap.parse(fields), length=LengthPolicy(max_len, overlong), strict=strict,
+                chat_template=load_chat_template(chat_template) if chat_template else None, processes=processes)
 
 
 def engine_option(kinds: tuple[str, ...], help: str):

@@ -10,7 +10,7 @@ import sys
 import click
 
 from harvest.cli.checks import check_dataset, check_layers, check_model, check_output
-from harvest.cli.errors import connect, connect_service, explain, redis_wait_option
+from harvest.cli.errors import connect, connect_service, redis_wait_option
 from harvest.cli.options import (
     apply_s3_env,
     chunked_prefill_option,
@@ -112,10 +112,6 @@ def _run_here(dataset: str, settings: RunnerSettings, produce_kw: dict, **config
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         summary = run_all(build_config(**config), dataset, settings, produce_kw)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        if explain(e):
-            raise
-        fail(str(e))
     except KeyboardInterrupt:
         click.echo("harvest: interrupted: the run's processes are stopped; run the same command again to resume",
                    err=True)
@@ -191,18 +187,13 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
 
     kw.update(dry_run=dry_run, on_bad=lambda r: tqdm.write(f"{r.kind} row {r}", file=sys.stderr))  # above the bar
     progress = sys.stderr.isatty() if progress is None else progress
-    try:
-        if conn is None:
-            s = produce(None, None, dataset, tokenizer=load_tokenizer(model), progress=progress, **kw)
-        else:
-            cfg = open_run(conn, run, model=model, out_url=out_url, layers=layers, storage_dtype=storage_dtype,
-                           engine=engine, dry_run=dry_run, batch_samples=batch_samples, batch_tokens=batch_tokens,
-                           spool_grace_s=spool_grace)
-            s = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress, **kw)
-    except (FileNotFoundError, ValueError) as e:
-        if explain(e):
-            raise
-        fail(str(e))
+    if conn is None:
+        s = produce(None, None, dataset, tokenizer=load_tokenizer(model), progress=progress, **kw)
+    else:
+        cfg = open_run(conn, run, model=model, out_url=out_url, layers=layers, storage_dtype=storage_dtype,
+                       engine=engine, dry_run=dry_run, batch_samples=batch_samples, batch_tokens=batch_tokens,
+                       spool_grace_s=spool_grace)
+        s = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress, **kw)
     click.echo(s.text())
     sys.exit(1 if s.bad else 0)
 
@@ -272,8 +263,8 @@ def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, pack_wor
     apply_s3_env(s3_endpoint, s3_region)
     conn = connect_service(redis_url, redis_wait)
     from collector.service import run_collector
+    from harvest.errors import StorageError
     from harvest.state.runstore import load_run
-    from harvest.storage import StorageError
 
     cfg = load_run(conn, run)
     check_output(cfg.out_url, reach=False)

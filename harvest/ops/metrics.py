@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import redis
 
+from harvest.errors import ConfigurationError
 from harvest.ops.runlist import discover_runs
 from harvest.state.keys import Keys
 
@@ -142,6 +143,10 @@ def failure_reasons(conn: redis.Redis, run: str) -> Counter:
     return c
 
 
+class CannotListen(ConfigurationError, OSError):
+    """The exporter's address is taken or not this host's: another --port or --host."""
+
+
 def serve(conn: redis.Redis, port: int, addr: str = "127.0.0.1", runs: Iterable[str] | None = None):
     """Start the HTTP exporter in a background thread; returns (server, thread). It listens on
     the loopback interface unless told otherwise: the counts name runs, models and hosts."""
@@ -149,4 +154,8 @@ def serve(conn: redis.Redis, port: int, addr: str = "127.0.0.1", runs: Iterable[
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RedisCollector(conn, runs))
-    return start_http_server(port, addr=addr, registry=registry)
+    try:
+        return start_http_server(port, addr=addr, registry=registry)
+    except OSError as e:
+        raise CannotListen(f"cannot listen on {addr}:{port} ({e.strerror}): pass another --port, or stop what "
+                           "holds it") from e
