@@ -318,12 +318,13 @@ class BatchJob:
                          reasons=dict(Counter(r for r, _ in self.failures.values())))
 
     def fail(self, failures: dict[str, tuple[str, str]]) -> None:
-        """Fail those of `failures` still queued (a retried job may find some already spooled)."""
+        """Fail those of `failures` still queued (a retried job may find some already spooled), or
+        absent: a rollback forgot this job's enqueue, and this job holds their rows (Ledger.mark_failed)."""
         ctx = self.ctx
         by_id = {s.id: s for s in self.todo}
-        still = {sid for sid, st in zip(failures, ctx.ledger.states(list(failures))) if st == QUEUED}
+        still = {sid for sid, st in zip(failures, ctx.ledger.states(list(failures))) if st in (QUEUED, None)}
         failures = {sid: f for sid, f in failures.items() if sid in still}
-        changed = record_failures(ctx.ledger, ctx.cfg.run, by_id, failures)
+        changed = record_failures(ctx.ledger, ctx.cfg.run, by_id, failures, forgotten=True)
         ctx.ledger.add_stats(samples_failed=len(changed))
         for sid in changed:
             log.warning("sample %s failed: %s: %s", sid, *failures[sid])
