@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from harvest.errors import InputError
 from harvest.formats.filecopy import copy_range, write_all
 from harvest.ids import check_id
 
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 SCALE = "hidden_scale"
 
 
-class SpoolError(ValueError):
+class SpoolError(InputError, ValueError):
     """A spool file that does not hold what the run stores (or is not a spool file at all)."""
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import stat
 
+from harvest.errors import ConfigurationError
 
-class UnsafePath(OSError):
+
+class UnsafePath(ConfigurationError, OSError):
     """A path harvest will not use: a symlink, or not what it should be."""
 
 

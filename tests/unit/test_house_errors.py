@@ -25,8 +25,7 @@ from tests.support.cli import REPO
 PACKAGES = ("harvest", "producer", "workers", "collector", "engines")
 ROOT = "HarvestError"
 
-# Exception classes outside the root, "path:Class" -> why. "pending:" ones belong in the root
-# once their file's owner applies the one-line change named (issue 25): tolerated either way.
+# Exception classes outside the root, "path:Class" -> why.
 OUTSIDE = {
     "harvest/state/failures.py:SampleFailure": "one sample's failure with its reason: recorded in the ledger by the "
                                                 "worker, never raised to the CLI",
@@ -34,10 +33,6 @@ OUTSIDE = {
     "workers/safejob.py:RefusedJob": "raised inside RQ's job execution; RQ fails that job, the worker goes on",
     "harvest/formats/filecopy.py:ShortFile": "a kernel copy met the end of its source: the shard writer falls back",
     "engines/reference.py:BadRequest": "answered as HTTP 400 by the reference engine's handler",
-    "workers/clients/base.py:EngineUnavailable": "pending: class EngineUnavailable(ServiceError, RuntimeError)",
-    "workers/clients/vllm.py:VllmDumpError": "pending: class VllmDumpError(InputError)",
-    "harvest/formats/spool.py:SpoolError": "pending: class SpoolError(InputError, ValueError)",
-    "harvest/node/paths.py:UnsafePath": "pending: class UnsafePath(ConfigurationError, OSError)",
 }
 
 

@@ -15,10 +15,12 @@ from typing import Protocol
 
 import httpx
 
+from harvest.errors import ServiceError
+
 log = logging.getLogger("harvest.worker")
 
 
-class EngineUnavailable(RuntimeError):
+class EngineUnavailable(ServiceError, RuntimeError):
     """The engine did not answer usefully after all retries (transient cause persisted)."""
 
 

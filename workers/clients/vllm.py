@@ -35,6 +35,7 @@ import torch
 from safetensors import safe_open
 
 from harvest.config import RunConfig
+from harvest.errors import InputError
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.health import healthy
 from harvest.node.dumpdir import vllm_dir
@@ -48,7 +49,7 @@ CONNECTOR_FORMAT = "harvest-vllm-1"
 STALE_S = 600.0  # vLLM files of harvest requests older than this were abandoned (see VllmClient.sweep)
 
 
-class VllmDumpError(Exception):
+class VllmDumpError(InputError):
     """vLLM's file for a request is missing, late, outside its storage dir, or not what harvest's connector writes."""
 
 
