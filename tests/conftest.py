@@ -5,6 +5,7 @@ docker); tests/unit/ runs in this process beside the shared Redis."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pathlib
 import subprocess
@@ -17,11 +18,49 @@ from harvest.cli.redisproc import RedisServer
 
 SYSTEM = pathlib.Path(__file__).parent / "system"
 
+# The files that take minutes, longest first (2-core machine). `python -m pytest` runs the suite
+# on pytest-xdist workers (pyproject.toml's addopts), which take tests in collection order: these
+# go first, so the run lasts about as long as its longest chain instead of ending on a slow file
+# started last.
+SLOW_FIRST = [
+    "system/test_sglang_live.py",  # 6-11 min: five SGLang server starts (one worker: a module-scoped server)
+    "system/test_vllm.py",
+    "system/test_chaos.py",
+    "system/test_clock_skew.py",
+    "system/test_trainers.py",
+    "system/test_exactly_once.py",
+    "system/test_crash_collector.py",
+    "system/test_dead_worker.py",
+    "system/test_node_loss.py",
+    "system/test_redis_outage.py",
+    "system/test_redis_outage_limit.py",
+    "system/test_redis_outage_client.py",
+    "system/test_run_supervisor.py",
+    "system/test_dashboard.py",
+]
+# Files whose tests must stay on one xdist worker (--dist loadgroup): they share module-scoped
+# fixtures that are costly or not safe to run twice at once (an SGLang server, a `harvest run`,
+# wheels downloaded into one cache folder).
+ONE_WORKER = ["system/test_sglang_live.py", "system/test_trainers.py", "system/test_sglang_contract.py"]
 
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker more than the usable cores, at least 2. Much of a system test is spent
+    waiting (for processes to start, heartbeats to lapse, backoffs), so an extra worker fills it."""
+    return max(2, len(os.sched_getaffinity(0)) + 1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    here = pathlib.Path(__file__).parent
+    rank = {here / name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: each file keeps its order
     for item in items:
         if SYSTEM in item.path.parents:
             item.add_marker(pytest.mark.slow)
+        if item.path in {here / name for name in ONE_WORKER}:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +79,15 @@ def conn(redis_server) -> redis.Redis:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    return build_tiny_model(str(tmp_path_factory.mktemp("model") / "tiny"))
+    """Built once per run. Under pytest-xdist the workers share one copy in the run's temporary
+    folder: the first to take the lock builds it (build_tiny_model renames a finished build into
+    place), the others wait and find it there."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return build_tiny_model(str(tmp_path_factory.mktemp("model") / "tiny"))
+    root = tmp_path_factory.getbasetemp().parent  # shared by the run's workers
+    with open(root / "tiny-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_tiny_model(str(root / "model" / "tiny"))
 
 
 @pytest.fixture(scope="session")
