@@ -13,6 +13,7 @@ import redis
 from harvest.config import RunConfig
 from harvest.node.spooldir import spool_identity
 from harvest.ops.recovery import Recovery
+from harvest.settings import WorkerSettings
 from harvest.state.connection import outage_of
 from harvest.state.heartbeat import WorkerBeat
 from harvest.state.jobs import MAX_RETRY_INTERVAL_S
@@ -20,7 +21,7 @@ from harvest.state.ledger import Ledger
 from harvest.state.spools import SpoolLeases
 from workers.clients.base import Engine
 
-DEFAULT_RETRIES = 5
+DEFAULT_RETRIES = WorkerSettings.retries
 
 
 def backoff_intervals(base: float, retries: int, cap: float = MAX_RETRY_INTERVAL_S) -> list[int]:
@@ -36,10 +37,11 @@ class WorkerContext:
     dump_dir: str
     spool_dir: str
     claim_dir: str
-    dump_timeout: float = 60.0
-    max_spool_bytes: int = 64 << 30
+    dump_timeout: float = WorkerSettings.dump_timeout_s
+    max_spool_bytes: int = WorkerSettings.max_spool_bytes
     retries: int = DEFAULT_RETRIES
-    retry_intervals: list[int] = field(default_factory=lambda: backoff_intervals(10, DEFAULT_RETRIES))
+    retry_intervals: list[int] = field(
+        default_factory=lambda: backoff_intervals(WorkerSettings.retry_backoff_s, DEFAULT_RETRIES))
     beat: WorkerBeat | None = None
     node: str = "node"
     recovery: Recovery | None = None  # one per process: the job and the heartbeat thread share it
