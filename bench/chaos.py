@@ -62,6 +62,8 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=1, help="nodes per trial; 2 or more adds node faults")
     ap.add_argument("--s3-every", type=int, default=3, help="every Nth trial writes to S3 with engine faults on (0: never)")
     ap.add_argument("--keep", action="store_true", help="keep the folders of failed trials")
+    ap.add_argument("--deadline", type=float, default=240.0,
+                    help="seconds a trial may take before it counts as stalled (more on a loaded machine; +60 per extra node)")
     args = ap.parse_args()
 
     model = build_tiny_model()
@@ -76,7 +78,7 @@ def main() -> int:
             root = tempfile.mkdtemp(prefix=f"chaos-{seed}-")
             r = Trial(root, model, seed, samples=args.samples, kills=args.kills, workers=args.workers,
                       out_url=bucket if s3 else None, env={"HARVEST_ENGINE_FAULTS": FAULTS} if s3 else None,
-                      nodes=args.nodes, deadline_s=240 + 60 * (args.nodes - 1)).execute()
+                      nodes=args.nodes, deadline_s=args.deadline + 60 * (args.nodes - 1)).execute()
             print(("s3  " if s3 else "file ") + r.summary(), flush=True)
             kills.update(r.kills)
             exits.update(r.restarts_on_exit)
