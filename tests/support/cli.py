@@ -22,17 +22,18 @@ def harvest_cli(*args: str, timeout: float = 300, env: dict | None = None) -> su
     try:
         stdout, stderr = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(p)
+        kill_group(p)
         stdout, stderr = p.communicate()
         raise subprocess.TimeoutExpired(argv, timeout, stdout, stderr) from None
     finally:
         if p.poll() is None:
-            _kill_group(p)
+            kill_group(p)
             p.wait()
     return subprocess.CompletedProcess(argv, p.returncode, stdout, stderr)
 
 
-def _kill_group(p: subprocess.Popen) -> None:
+def kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL `p` and every process of its group (one started with start_new_session=True)."""
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except ProcessLookupError:

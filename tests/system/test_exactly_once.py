@@ -16,7 +16,7 @@ from harvest.formats.index import INDEX, committed_samples
 from harvest.read.reader import RunReader
 from harvest.storage import Location
 from tests.support.chaos import Trial
-from tests.support.cli import REPO, harvest_cli
+from tests.support.cli import REPO, harvest_cli, kill_group
 
 
 def _copies(out: str) -> Counter:
@@ -48,13 +48,13 @@ def test_two_runners_with_two_private_redis_commit_each_sample_once(tmp_path, ti
     dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(60))
     out = tmp_path / "out"
     procs = [subprocess.Popen([sys.executable, "-m", "harvest.cli", *_run_args(dataset, tiny_model, out, tmp_path, n)],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for n in "ab"]
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for n in "ab"]
     try:
         logs = [p.communicate(timeout=400)[0] for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            kill_group(p)  # the run and whatever it started
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
     copies = _copies(f"file://{out}/twice")
     assert copies and set(copies.values()) == {1}, [s for s, n in copies.items() if n > 1]

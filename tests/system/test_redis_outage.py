@@ -32,7 +32,7 @@ from harvest.ids import sample_id
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from tests.support.chaos import Trial, make_rows
-from tests.support.cli import REPO
+from tests.support.cli import REPO, kill_group
 from tests.support.ops import wait_until
 
 OUTAGE_S = 15.0  # the old failure point was ~10 s (harvest run: 2-4 s); each test stays well under 2 min
@@ -165,7 +165,7 @@ def test_harvest_run_restarts_its_redis_and_finishes(tiny_model, tmp_path):
         [sys.executable, "-m", "harvest.cli", "run", str(data), "--model", tiny_model, "--out", str(out), "--run",
          "outage", "--dtype", "fp32", "--batch-samples", "2", "--max-wait", "1", "--chunked-prefill-size", "32",
          "--no-progress", "--work-dir", str(work), "--dump-dir", str(tmp_path / "dumps")],
-        cwd=REPO, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL)
+        cwd=REPO, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         pid, port = wait_until(lambda: _private_redis(p), 60, "harvest run's redis-server")
         conn = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
@@ -187,9 +187,8 @@ def test_harvest_run_restarts_its_redis_and_finishes(tiny_model, tmp_path):
             hold.close()
         rc = p.wait(150)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        kill_group(p)  # the run and whatever it started
+        p.wait()
     stdout.seek(0), stderr.seek(0)
     text, err = stdout.read(), stderr.read()
     assert rc == 0, text + err

@@ -26,7 +26,7 @@ from harvest.state.heartbeat import read_workers
 from harvest.state.jobs import run_queue
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
-from tests.support.cli import REPO
+from tests.support.cli import REPO, kill_group
 from tests.support.ops import Procs, cli, new_run, wait_until
 
 
@@ -127,7 +127,8 @@ def test_harvest_run_whose_redis_cannot_come_back_stops_with_exit_75(tmp_path, t
         [sys.executable, "-m", "harvest.cli", "run", data, "--model", tiny_model, "--out", str(tmp_path / "out"),
          "--run", "gone", "--batch-samples", "2", "--no-progress", "--work-dir", str(work), "--dump-dir",
          str(tmp_path / "dumps"), "--redis-wait", "4"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+        start_new_session=True)
     try:
         pid, port = wait_until(lambda: _private_redis(p), 60, "harvest run's redis-server")
         conn = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
@@ -140,9 +141,8 @@ def test_harvest_run_whose_redis_cannot_come_back_stops_with_exit_75(tmp_path, t
             f.write("not a manifest\n")
         stdout, stderr = p.communicate(timeout=120)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        kill_group(p)  # the run and whatever it started
+        p.wait()
     assert p.returncode == 75, stdout + stderr
     lines = [ln for ln in stderr.splitlines() if ln.startswith("harvest: error: ")]
     assert len(lines) == 1, stderr

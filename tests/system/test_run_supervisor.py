@@ -15,7 +15,7 @@ import redis
 from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.cli.supervisor import ChildKeepsDying, Supervisor
 from harvest.read.reader import RunReader
-from tests.support.cli import REPO, harvest_cli
+from tests.support.cli import REPO, harvest_cli, kill_group
 
 
 def _busy_worker_pid(conn: redis.Redis, timeout: float = 120.0) -> int:
@@ -37,12 +37,12 @@ def test_a_killed_worker_is_restarted_and_the_run_finishes(tmp_path, tiny_model,
         [sys.executable, "-m", "harvest.cli", "run", dataset, "--model", tiny_model, "--out", f"file://{out}",
          "--run", "sup", "--redis", redis_server.url, "--no-progress", "--work-dir", str(tmp_path / "work"),
          "--dump-dir", str(tmp_path / "dumps")],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         os.kill(_busy_worker_pid(redis.Redis.from_url(redis_server.url)), signal.SIGKILL)
         stdout, stderr = p.communicate(timeout=600)
     finally:
-        p.kill()
+        kill_group(p)  # the run and whatever it started
     assert p.returncode == 0, stdout + stderr
     n = len(RunReader(f"file://{out}/sup"))
     assert f"samples: {n} done, 0 failed ({n} enqueued now, 0 already known)" in stdout

@@ -34,7 +34,7 @@ from engines.sglang_launch import default_venv, venv_python
 from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.ids import rid_for, sample_id
 from harvest.read.reader import RunReader
-from tests.support.cli import REPO, harvest_cli
+from tests.support.cli import REPO, harvest_cli, kill_group
 from tests.support.expected import expected_tokens
 from tests.support.sglang_server import Reference, SGLangServer, StripExtraKey, build_model
 from tests.support.wait import wait_for
@@ -233,7 +233,8 @@ def test_engine_killed_mid_run_every_sample_exactly_once(tmp_path, model, server
         [sys.executable, "-m", "harvest.cli", "run", dataset, "--model", model,
          "--out", f"file://{out}", "--run", "crash", "--dtype", "fp32", "--layers", ",".join(map(str, POINTS)),
          "--engine-url", server.url, "--workers", "2", "--no-progress", "--dump-dir", server.dumps,
-         "--work-dir", str(work)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--work-dir", str(work)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while not [n for n in os.listdir(server.dumps) if n.startswith("hv-")]:  # a job is in the engine
@@ -243,8 +244,7 @@ def test_engine_killed_mid_run_every_sample_exactly_once(tmp_path, model, server
         server.start()
         stdout, _ = run.communicate(timeout=600)
     finally:
-        if run.poll() is None:
-            run.kill()
+        kill_group(run)  # the run and whatever it started (not the module's server: a session of its own)
     assert run.returncode == 0, stdout
     assert f"samples: {len(expected)} done, 0 failed" in stdout, stdout
     worker_logs = "".join((work / "logs" / n).read_text(errors="replace") for n in os.listdir(work / "logs") if n.startswith("worker"))
