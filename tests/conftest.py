@@ -46,9 +46,11 @@ ONE_WORKER = ["system/test_sglang_live.py", "system/test_trainers.py", "system/t
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: one worker more than the usable cores, at least 2. Much of a system test is spent
-    waiting (for processes to start, heartbeats to lapse, backoffs), so an extra worker fills it."""
-    return max(2, len(os.sched_getaffinity(0)) + 1)
+    """`-n auto`: a worker per usable core (the cores this process may run on, not psutil's physical
+    count, which says 1 on some 2-vCPU machines), at least 2. Not more: the system tests start
+    processes that each import torch, so the suite keeps the cores busy, and a worker more only
+    stretches every test's waits on a loaded machine."""
+    return max(2, len(os.sched_getaffinity(0)))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
