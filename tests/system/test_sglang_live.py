@@ -133,8 +133,8 @@ def _log_since(path: str, offset: int) -> str:
 def test_plugin_unit_tests_pass_inside_sglangs_venv():
     """The plugin's and the launch's unit tests with the real sglang importable (4 plugin tests
     failed there before: _tp_writer met 0.5.23's ValueError outside a server)."""
-    r = subprocess.run([SGLANG_PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_sglang_plugin.py",
-                        "tests/unit/test_sglang_launch.py"],
+    r = subprocess.run([SGLANG_PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",  # no xdist there
+                        "tests/unit/test_sglang_plugin.py", "tests/unit/test_sglang_launch.py"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
