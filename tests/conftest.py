@@ -25,10 +25,10 @@ SYSTEM = pathlib.Path(__file__).parent / "system"
 SLOW_FIRST = [
     "system/test_sglang_live.py",  # 6-11 min: five SGLang server starts (one worker: a module-scoped server)
     "system/test_vllm.py",
+    "system/test_exactly_once.py",
     "system/test_chaos.py",
     "system/test_clock_skew.py",
     "system/test_trainers.py",
-    "system/test_exactly_once.py",
     "system/test_crash_collector.py",
     "system/test_dead_worker.py",
     "system/test_node_loss.py",
