@@ -79,21 +79,15 @@ def test_a_lost_index_file_goes_back_to_the_queue_and_is_committed_once(tmp_path
     assert set(lost) <= set(after)  # extracted and committed again, once
 
 
-# Known gap, found at the end of stop 23: with seed 52 (lag 1 s) about one run in four under load, and
-# seed 53 (lag 2 s) once in a fresh clone's full suite,
-# stalls after the rollback: RQ's finish of a job whose hash the rollback lost raises
-# InvalidJobOperation, and 8 samples are then neither packed nor found stranded within the
-# deadline. Not strict: it runs every time, and passes more often than not; the fix is open.
-_STALL = pytest.mark.xfail(strict=False, reason="known stall after a rollback that loses a running job's hash (see above)")
-
-
-@pytest.mark.parametrize("lag", [pytest.param(1.0, marks=_STALL), pytest.param(2.0, marks=_STALL)])
+@pytest.mark.parametrize("lag", [1.0, 2.0])
 def test_aof_cut_back_right_after_a_commit_finishes_by_itself_with_every_sample_once(tiny_model, tmp_path, lag):
     # The parts as separate processes, 40 rows in jobs of the producer's size; right after the
     # first index file appears, Redis is SIGKILLed and its AOF cut back to its size `lag` s
     # earlier (what `appendfsync everysec` may lose), then restarted. Nothing else is restarted.
+    # The rollback may forget the enqueue of a job a worker already holds: the worker spools those
+    # samples anyway (Ledger.mark_spooled takes absent ones), or they would sit on the spool for good.
     result = Trial(str(tmp_path), tiny_model, 51 + int(lag), samples=40, kills=1, kinds=("rollback",),
-                   on_commit=True, rollback_lags=(lag,), deadline_s=180).execute()
+                   on_commit=True, rollback_lags=(lag,), deadline_s=300).execute()
     assert result.ok, result.summary() + "\n" + "\n".join(result.timeline)
     assert result.kills == {"rollback": 1} and result.done == 40 and result.failed == 0, result.summary()
     assert result.restarts_on_exit == {}, result.summary()  # the run finished by itself: nothing had to be restarted
