@@ -94,7 +94,7 @@ def make_rows(n: int, vocab: int, rng: random.Random) -> list[list[int]]:
 
 class Trial:
     def __init__(self, root: str, model: str, seed: int, samples: int = 60, workers: int = 2, kills: int = 4,
-                 chunk: int = 48, out_url: str | None = None, env: dict | None = None, deadline_s: float = 240,
+                 chunk: int = 48, out_url: str | None = None, env: dict | None = None, deadline_s: float = 420,
                  nodes: int = 1, grace_s: float | None = None, kinds: tuple[str, ...] | None = None,
                  returns: tuple[str, ...] | None = None, on_commit: bool = False,
                  rollback_lags: tuple[float, ...] = ROLLBACK_LAGS) -> None:
