@@ -25,7 +25,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import httpx
 from tqdm import tqdm
 
 from harvest.cli.errors import connect_service
@@ -33,6 +32,7 @@ from harvest.cli.redisproc import RedisKeeper, RedisServer, free_port
 from harvest.cli.supervisor import Supervisor
 from harvest.config import RunConfig
 from harvest.errors import ServiceError
+from harvest.health import wait_healthy
 from harvest.node.dumpdir import default_dump_dir
 from harvest.ops.recovery import Recovery
 from harvest.settings import EngineSettings, RunnerSettings
@@ -103,16 +103,8 @@ class EngineNotHealthy(ServiceError, RuntimeError):
 
 def _wait_http(url: str, children: Supervisor, timeout: float) -> None:
     """Wait for the engine's /health, restarting it (or giving up) as the supervisor decides."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        children.poll()
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise EngineNotHealthy(f"engine at {url} not healthy after {timeout:.0f}s")
+    if not wait_healthy(url, timeout, interval=0.2, probe_timeout=2.0, check=children.poll):
+        raise EngineNotHealthy(f"engine at {url} not healthy after {timeout:.0f}s")
 
 
 def _start_vllm(children: Supervisor, cfg: RunConfig, dumps: str) -> str:
