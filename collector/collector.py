@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import logging
 import os
 import time
@@ -35,7 +36,7 @@ from collector.records import Voided, give_up_shard, recorded_anywhere, tend_rev
 from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
 from harvest.formats.claims import STALE_S, Claimer
-from harvest.formats.index import index_file
+from harvest.formats.index import committed_samples, index_file, parse_index
 from harvest.formats.runfile import run_location
 from harvest.formats.shard import SHARDS, ShardPlan, plan_shard, shard_file
 from harvest.formats.spool import SpoolEntry, SpoolError, inspect_sample
@@ -281,7 +282,27 @@ class Collector:
     def plan(self, entries: list[SpoolEntry]) -> ShardPlan:
         plan = plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype)
         self.claimer.ledger_id = self.ledger.identity(known=self.claimer.ledger_id)  # the same across a rollback
-        return dataclasses.replace(plan, shard_id=shard_id_for(plan.sample_ids, self.claimer.ledger_id))
+        return dataclasses.replace(plan, shard_id=self._fresh_shard_id(plan.sample_ids))
+
+    def _fresh_shard_id(self, sample_ids: list[str]) -> str:
+        """The shard id of `sample_ids`, skipping the generations whose index exists but no longer
+        commits all of them: a repair (`reconcile --verify`, `--dedupe`) excluded some, and they are
+        packed again now. Reusing that name would find its index and take the samples for committed
+        while it excludes them. Deterministic, so a restart resumes the same id."""
+        for generation in range(1000):
+            shard_id = shard_id_for(sample_ids, self.claimer.ledger_id, generation)
+            name = index_file(shard_id)
+            raw = self._retry(lambda: self._read_or_none(name), f"reading {self.out.path(name)}")
+            if raw is None or set(sample_ids) <= set(committed_samples(parse_index(json.loads(raw), name))):
+                return shard_id
+        raise RuntimeError(f"1000 generations of the shard of {sample_ids[0]}... are indexed without it: the index "
+                           "files were modified outside harvest")
+
+    def _read_or_none(self, name: str) -> bytes | None:
+        try:
+            return self.out.read_bytes(name)
+        except FileNotFoundError:
+            return None
 
     def record(self, plan: ShardPlan) -> None:
         """The one record per node of the shard being committed, which a restart finishes."""

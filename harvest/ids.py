@@ -64,12 +64,17 @@ def job_id_for(run: str, sample_ids: Iterable[str]) -> str:
     return f"hv-{check_id(run, 'run name')}-{_digest_of(sample_ids)}"
 
 
-def shard_id_for(sample_ids: Iterable[str], ledger: str = "") -> str:
+def shard_id_for(sample_ids: Iterable[str], ledger: str = "", generation: int = 0) -> str:
     """A shard is named by the ordered samples it holds and the ledger that commits it, so re-packing
     the same set rewrites the same object, while two ledgers on one output (two runners of one
-    dataset) never write, abort or remove each other's shard objects under one name."""
+    dataset) never write, abort or remove each other's shard objects under one name.
+    `generation`: the same set packed again after a repair excluded some of it from the shard of
+    generation 0 (a corrupt copy re-extracted): a new name, as the old one's index stays."""
     ids = list(sample_ids)
-    return _digest_of([*ids, f"ledger-{check_id(ledger, 'ledger id')}"] if ledger else ids)
+    tail = [f"ledger-{check_id(ledger, 'ledger id')}"] if ledger else []
+    if generation:
+        tail.append(f"generation-{int(generation)}")
+    return _digest_of([*ids, *tail])
 
 
 def rid_for(sid: str, attempt: int) -> str:

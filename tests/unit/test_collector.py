@@ -171,3 +171,38 @@ def test_local_shard_is_copied_by_the_kernel_only_on_the_spools_filesystem(conn,
             import shutil
 
             shutil.rmtree(out, ignore_errors=True)
+
+
+def test_a_shard_whose_samples_a_repair_excluded_is_packed_again_under_a_new_name(conn, tmp_path):
+    # `reconcile --verify` excluded a corrupt copy and sent its samples back; extracted again, the
+    # same set in the same order would get the same shard id, whose index exists and excludes them:
+    # taken as committed, they would be marked done and never read. They get the next generation.
+    from harvest.formats.index import encode_index, index_file, with_excluded
+    from harvest.ids import shard_id_for
+
+    cfg, spool, samples, ledger = _setup(conn, tmp_path, [4, 6])
+    ids = [s.id for s in samples]
+    c = Collector(conn, cfg, spool, node="n1")
+    while c.step(force=True):
+        pass
+    loc = c.out
+    (old,) = loc.list(INDEX, ".json")
+    old_id = old.removesuffix(".json")
+    assert old_id == shard_id_for(ids, ledger.identity())
+    doc = loc.read_json(f"{INDEX}/{old}")
+    loc.write_atomic(index_file(old_id), encode_index(with_excluded(doc, {sid: "corrupt: test" for sid in ids})))
+    assert RunReader(loc.url()).sample_ids == []
+    ledger.requeue_done(ids)
+    spool_samples(spool, cfg, [4, 6])  # extracted again: the same bytes, the same order
+    ledger.mark_spooled(ids)
+    while c.step(force=True):
+        pass
+    new_id = shard_id_for(ids, ledger.identity(), generation=1)
+    assert sorted(loc.list(INDEX, ".json")) == sorted([old, f"{new_id}.json"])
+    assert loc.read_json(index_file(old_id))["excluded"] == {sid: "corrupt: test" for sid in ids}  # left as it was
+    reader = RunReader(loc.url())
+    assert sorted(reader.sample_ids) == sorted(ids) and {reader.shard_of(s) for s in ids} == {new_id}
+    for s in samples:
+        assert torch.equal(reader.get(s.id)["hidden_states"], s.hidden_states)
+    assert ledger.counts() == {"queued": 0, "spooled": 0, "done": 2, "failed": 0, "total": 2}
+    assert {json.loads(loc.read_bytes(f"claims/{s}.json"))["shard"] for s in ids} == {new_id}
