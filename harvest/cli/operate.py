@@ -76,9 +76,12 @@ def reconcile_cmd(run, redis_url, out_url, dedupe, verify, no_progress, s3_endpo
 @click.option("--model", "model", default=None, type=click.Path(),
               help="The run's checkpoint on this machine (default: the run's model path); speculators reads its "
                    "final norm.")
+@click.option("--in-place", "in_place", is_flag=True,
+              help="Write only the small part (tokens, masks, the sample list); the trainer reads the hidden states "
+                   "from RUN_URL by byte range (speculators: --hidden-states-backend harvest).")
 @no_progress_option
 @s3_options
-def export_cmd(run_url, fmt, dest, dtype, model, no_progress, s3_endpoint, s3_region) -> None:
+def export_cmd(run_url, fmt, dest, dtype, model, in_place, no_progress, s3_endpoint, s3_region) -> None:
     """Write a run in the layout a drafter trainer reads (idempotent; a grown run adds only its new samples)."""
     from harvest.formats.dtypes import storage_torch_dtype
     from harvest.read.export import export_run
@@ -87,7 +90,7 @@ def export_cmd(run_url, fmt, dest, dtype, model, no_progress, s3_endpoint, s3_re
     # A run that cannot be exported is a ConfigError or ExportError, an unreadable RUN_URL or DEST
     # an OSError on a path named here: harvest.cli.errors.HarvestGroup tells either as one line.
     rep = export_run(run_url, fmt, dest, dtype=storage_torch_dtype(dtype) if dtype else None,
-                     progress=not no_progress, model=model)
+                     progress=not no_progress, model=model, in_place=in_place)
     for note in rep.notes:
         click.echo(f"harvest: {note}", err=True)
     click.echo(f"exported {rep.written} samples to {dest} ({rep.skipped} already there)")

@@ -8,6 +8,11 @@ non-default aux set needs. The layouts are in their own modules: `harvest.read.s
 `token_freq.pt`). Every file is written to a temporary name and renamed, so an existing file is
 complete: an interrupted export re-run keeps those and writes only the rest.
 
+`in_place` writes only the small part, and the trainer reads the hidden states from the run
+itself, by byte range: for speculators the dataset, `token_freq.pt` and the manifest, read through
+the `harvest` hidden-states backend (harvest.read.speculators_backend); for SpecForge a pointer
+file per sample with its tokens (harvest.read.specforge_feed).
+
 A corrupt sample (its stored bytes fail their checksum, or its shard cannot be opened at all:
 harvest.read.shard_reader) does not stop an export: every other sample is exported, and the
 report names each corrupt one with its shard
@@ -26,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 import harvest.read.specforge as specforge
+import harvest.read.specforge_feed as specforge_feed
 from harvest.config import RunConfig
 from harvest.errors import ConfigurationError, HarvestError, StorageError
 from harvest.read.dataset import read_dtype
@@ -81,18 +87,20 @@ def layer_notes(fmt: str, aux: list[int], num_layers: int) -> list[str]:
 
 
 def export_run(
-    run_url: str, fmt: str, dest: str, dtype: torch.dtype | None = None, progress: bool = True, model: str | None = None
+    run_url: str, fmt: str, dest: str, dtype: torch.dtype | None = None, progress: bool = True, model: str | None = None,
+    in_place: bool = False,
 ) -> ExportReport:
     """Write every committed sample of the run at `run_url` into `dest` as `fmt`; files already
     there are kept. Hidden states in `dtype` (default: bf16 for SpecForge, else as stored; fp8
     runs give bf16). `model`: the run's checkpoint here (default: the run's model path), whose
     final norm the speculators export reads. Every OSError on the way (reading `run_url`, writing
     `dest`: both the user's storage, an object store's with no file name) is an ExportStorageError
-    with the storage's message."""
+    with the storage's message. `in_place`: no hidden states in `dest`; the trainer reads them from
+    `run_url` (so it must stay readable from the training machine)."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"export format {fmt!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     try:
-        return _export(run_url, fmt, dest, dtype, progress, model)
+        return _export(run_url, fmt, dest, dtype, progress, model, in_place)
     except OSError as e:
         if isinstance(e, HarvestError):  # an OSError that already says what to fix
             raise
@@ -100,7 +108,7 @@ def export_run(
 
 
 def _export(run_url: str, fmt: str, dest: str, dtype: torch.dtype | None, progress: bool,
-            model: str | None) -> ExportReport:
+            model: str | None, in_place: bool) -> ExportReport:
     reader = RunReader(run_url)
     aux, _ = trainer_points(reader.config, fmt)
     rep = ExportReport(notes=layer_notes(fmt, aux, reader.config.num_layers))
@@ -109,7 +117,7 @@ def _export(run_url: str, fmt: str, dest: str, dtype: torch.dtype | None, progre
             norm = FinalNorm.from_checkpoint(model or reader.config.model, "pass --model with its path here")
             norm.unapply(torch.ones(1, reader.config.hidden_size))  # refused (1 + w) or zero norms: before any file
             rep.written, rep.skipped, rep.corrupt = export_speculators(
-                reader, dest, read_dtype(reader.config, dtype), norm, _atomic, progress)
+                reader, dest, read_dtype(reader.config, dtype), norm, _atomic, progress, in_place)
         except (FinalNormError, SpeculatorsExportError) as e:
             raise ExportError(str(e)) from None
         return rep
@@ -126,11 +134,13 @@ def _export(run_url: str, fmt: str, dest: str, dtype: torch.dtype | None, progre
                     rep.skipped += 1
                 else:
                     try:
-                        sample = reader.get(sid, dtype)
+                        if in_place:  # the tokens now (checked); the hidden states when SpecForge loads the file
+                            specforge_feed.write_pointer(reader, sid, dtype, path, _atomic)
+                        else:
+                            specforge.write_sample(reader.get(sid, dtype), reader, path, _atomic)
                     except (CorruptSample, UnreadableShard) as e:
                         rep.corrupt.append((sid, e))
                     else:
-                        specforge.write_sample(sample, reader, path, _atomic)
                         rep.written += 1
                 bar.update(1)
     return rep

@@ -19,6 +19,13 @@ complete and kept. The dataset and token_freq.pt are rewritten for all rows at e
 (token ids only: small); the trainer's cached `d2t-*.npy` / `t2d-*.npy`, derived from the old
 token_freq.pt, are removed when the counts change.
 
+In place (`--in-place`, harvest.read.speculators_backend): only the small part is written, the
+dataset, `token_freq.pt` and the manifest, which then also records the run's URL and the dtype,
+beside `harvest-final-norm.safetensors` (the final norm's weight and eps): no `hidden_states/`.
+speculators' `--hidden-states-backend harvest` reads each row from the run's shards by byte range
+and computes the same tensors (`speculators_tensors`) the files would hold. A DEST keeps the form
+it was first exported in.
+
 A row whose sample is corrupt (harvest.read.shard_reader: CorruptSample, UnreadableShard) gets no
 file; every other
 row's is written, but the dataset and token_freq.pt, which list every row, are left as the last
@@ -50,6 +57,7 @@ from harvest.storage import TEMP_PREFIX, atomic_write_local
 MANIFEST = "harvest-export.json"
 HIDDEN = "hidden_states"
 TOKEN_FREQ = "token_freq.pt"
+FINAL_NORM = "harvest-final-norm.safetensors"  # in place: the norm the backend undoes, so training needs no checkpoint
 PRE_NORM = "final:pre-norm (y / w of harvest's post-norm state)"
 
 
@@ -68,14 +76,20 @@ def export_speculators(
     norm: FinalNorm,
     atomic: Callable[[str, Callable[[str], None]], None],
     progress: bool = True,
+    in_place: bool = False,
 ) -> tuple[int, int, list[tuple[str, CorruptSample | UnreadableShard]]]:
     """Write (or complete) the speculators dataset of `reader`'s run at `dest`; (written, kept,
-    the corrupt samples whose rows could not be written)."""
+    the corrupt samples whose rows could not be written). `in_place`: no hidden-state files, the
+    rows are read from the run by the `harvest` backend (every row counts as written)."""
     if importlib.util.find_spec("datasets") is None:  # checked before any file is written
         raise SpeculatorsExportError("the speculators export saves its dataset with the `datasets` package: "
                                      "pip install 'harvest[speculators]' (or datasets)")
-    rows = _plan_rows(reader, dest)
-    os.makedirs(os.path.join(dest, HIDDEN), exist_ok=True)
+    rows = _plan_rows(reader, dest, dtype, in_place)
+    if in_place:
+        atomic(os.path.join(dest, FINAL_NORM), lambda tmp: save_file(
+            {"weight": norm.weight.contiguous()}, tmp, metadata={"eps": repr(norm.eps), "model_type": norm.model_type}))
+    else:
+        os.makedirs(os.path.join(dest, HIDDEN), exist_ok=True)
     written = kept = 0
     corrupt: list[tuple[str, CorruptSample | UnreadableShard]] = []
     ids_col, mask_col = [], []
@@ -85,13 +99,16 @@ def export_speculators(
             bar.update(1)
             path = hs_file(dest, row)
             try:
-                if os.path.exists(path):
+                if in_place:
+                    ids, mask = reader.tokens(sid)  # checked against their crc32s; the hidden states at read time
+                    written += 1
+                elif os.path.exists(path):
                     ids, mask = reader.tokens(sid)
                     kept += 1
                 else:
                     sample = reader.get(sid, dtype)
                     ids, mask = sample["input_ids"], sample["loss_mask"]
-                    atomic(path, lambda tmp, s=sample: save_file(_hs_tensors(s, norm), tmp))
+                    atomic(path, lambda tmp, s=sample: save_file(speculators_tensors(s, norm), tmp))
                     written += 1
             except (CorruptSample, UnreadableShard) as e:
                 corrupt.append((sid, e))
@@ -112,16 +129,20 @@ def export_speculators(
     return written, kept, corrupt
 
 
-def _hs_tensors(sample: dict, norm: FinalNorm) -> dict[str, torch.Tensor]:
-    hs = sample["hidden_states"]
-    pre = norm.unapply(hs[:, -1]).to(hs.dtype)
-    return {"token_ids": sample["input_ids"].to(torch.int64).contiguous(),
-            "hidden_states": torch.cat([hs[:, :-1], pre.unsqueeze(1)], 1).contiguous()}
+def speculators_tensors(sample: dict, norm: FinalNorm) -> dict[str, torch.Tensor]:
+    """A reader sample as speculators reads a row: `token_ids` [T] int64, `hidden_states` [T, K, H]
+    with the last slot the pre-norm state `y / w`, in the sample's dtype (the export's files and the
+    in-place backend both go through here, so they hold the same bytes). The last slot is replaced
+    in `sample`'s own tensor (a reader's sample owns it): no second copy of the aux slots."""
+    hs = sample["hidden_states"].contiguous()
+    hs[:, -1] = norm.unapply(hs[:, -1]).to(hs.dtype)
+    return {"token_ids": sample["input_ids"].to(torch.int64).contiguous(), "hidden_states": hs}
 
 
-def _plan_rows(reader: RunReader, dest: str) -> list[str]:
+def _plan_rows(reader: RunReader, dest: str, dtype: torch.dtype | None, in_place: bool) -> list[str]:
     """Sample ids in row order: the rows planned by an earlier export, then the run's new samples.
-    Written to the manifest before any row is, so a row never changes sample."""
+    Written to the manifest before any row is, so a row never changes sample. In place, the
+    manifest also names the run's URL and the dtype rows are read in."""
     path = os.path.join(dest, MANIFEST)
     old: list[str] = []
     if os.path.exists(path):
@@ -131,6 +152,9 @@ def _plan_rows(reader: RunReader, dest: str) -> list[str]:
             raise SpeculatorsExportError(
                 f"{dest} holds the {doc.get('format')} export of run {doc.get('run')!r}, not of run "
                 f"{reader.config.run!r}: choose another DEST")
+        if bool(doc.get("in_place")) != in_place:
+            was, now = ("in place", "with hidden-state files") if doc.get("in_place") else ("with hidden-state files", "in place")
+            raise SpeculatorsExportError(f"{dest} holds this run's export {was}; to export it {now}, choose another DEST")
         old = list(doc.get("samples", []))
         gone = [s for s in old if s not in reader]
         if gone:
@@ -140,10 +164,12 @@ def _plan_rows(reader: RunReader, dest: str) -> list[str]:
         raise SpeculatorsExportError(f"{dest} is not empty and holds no harvest export: choose an empty or new DEST")
     seen = set(old)
     rows = old + [s for s in reader.sample_ids if s not in seen]
-    if rows != old or not old:
+    if rows != old or not old or in_place:
         os.makedirs(dest, exist_ok=True)
         doc = {"format": "speculators", "run": reader.config.run, "capture_points": reader.capture_points,
                "slots": reader.config.slots()[:-1] + [PRE_NORM], "samples": rows}
+        if in_place:  # what the backend needs besides the rows (the URL: where the run is read from now)
+            doc.update(in_place=True, run_url=reader.loc.url(), dtype=str(dtype).removeprefix("torch.") if dtype else None)
         atomic_write_local(path, json.dumps(doc, indent=1).encode())
     return rows
 
