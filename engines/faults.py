@@ -6,6 +6,17 @@ puts a NaN into the next `hv-` request's dump. Each entry is `kind[:count]`; wit
 the fault hits every time (a permanent fault), with one it hits that many times and then the
 engine behaves (a transient fault, which a retry must get past). Nothing is faulted unless
 the variable is set, and production engines (SGLang) never read it.
+
+Three kinds are wrong numbers rather than broken files, for `harvest audit` to catch: every
+check the worker makes (tokens, coverage, capture points, finiteness) passes them, as it would
+pass the bugs they imitate (misaligned rows under chunked prefill, a capture hook on the wrong
+module, batch-variant kernels):
+
+- `shift-chunk`: a request spanning several prefill chunks gets the rows of its second chunk
+  shifted by one position (row i holds position i-1's states; the chunk's first row is right);
+- `wrong-layer`: a request's first capture point is taken from the next layer (HF index p+1);
+- `perturb`: a request that shares its /generate call with others gets a relative 1e-3 of noise
+  on its rows from position T//2 on (alone, it is computed right).
 """
 
 from __future__ import annotations
@@ -19,7 +30,11 @@ ENV_HANG_S = "HARVEST_ENGINE_HANG_S"
 HTTP500, HANG = "http500", "hang"
 # per hv- request in a call
 DROP_CHUNK, BAD_IDS, NAN, CACHED = "drop-chunk", "bad-ids", "nan", "cached"
-DUMP_KINDS = (DROP_CHUNK, BAD_IDS, NAN, CACHED)  # a request gets at most one, the first that applies
+SHIFT_CHUNK, WRONG_LAYER, PERTURB = "shift-chunk", "wrong-layer", "perturb"  # plausible numbers, wrong
+PERTURB_SCALE = 1e-3  # of each row's RMS: invisible to the worker, 10x the audit's fp32 tolerance
+# A request gets at most one, the first that applies (shift-chunk only to a request over one
+# chunk, perturb only to one sharing its call: a count is not spent on a request it cannot hit).
+DUMP_KINDS = (DROP_CHUNK, BAD_IDS, NAN, CACHED, SHIFT_CHUNK, WRONG_LAYER, PERTURB)
 KINDS = (HTTP500, HANG, *DUMP_KINDS)
 
 

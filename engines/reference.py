@@ -96,7 +96,7 @@ class ReferenceEngine:
         return {**self.info(), "busy_seconds": self.busy_seconds, "prefill_tokens": self.prefill_tokens,
                 "requests": self.requests, "threads": torch.get_num_threads()}
 
-    def _forward(self, req: _Request, n: int) -> torch.Tensor:
+    def _forward(self, req: _Request, n: int, wrong_layer: bool = False) -> torch.Tensor:
         from transformers.cache_utils import DynamicCache
 
         if req.cache is None:
@@ -104,7 +104,10 @@ class ReferenceEngine:
         ids = torch.tensor([req.ids[req.done : req.done + n]], dtype=torch.long)
         out = self.model(ids, use_cache=True, output_hidden_states=True, **{self._cache_kw: req.cache})
         req.last_logits = out.logits[0, -1]
-        return torch.stack([out.hidden_states[p][0] for p in self.capture_points], dim=1)  # [n, K, H]
+        points = list(self.capture_points)
+        if wrong_layer:  # test-only fault: the first capture point read from the next layer
+            points[0] = min(points[0] + 1, self.num_layers)
+        return torch.stack([out.hidden_states[p][0] for p in points], dim=1)  # [n, K, H]
 
     @torch.inference_mode()
     def generate(self, rids: list[str], prompts: list[list[int]]) -> list[dict]:
@@ -113,8 +116,15 @@ class ReferenceEngine:
         if self.faults:
             hv = [r.rid for r in reqs if r.rid.startswith(RID_PREFIX)]
             hit = {k: set() for k in fx.DUMP_KINDS}
+            lengths = {r.rid: len(r.ids) for r in reqs}
+
+            def applies(kind: str, rid: str) -> bool:  # not spent on a request the fault cannot hit
+                if kind == fx.SHIFT_CHUNK:
+                    return 0 < self.chunk < lengths[rid]
+                return kind != fx.PERTURB or len(reqs) > 1
+
             for rid in hv:  # at most one dump fault a request, so each kind shows up on its own
-                kind = next((k for k in fx.DUMP_KINDS if self.faults.take(k)), None)
+                kind = next((k for k in fx.DUMP_KINDS if applies(k, rid) and self.faults.take(k)), None)
                 if kind:
                     hit[kind].add(rid)
         with self._lock:
@@ -132,10 +142,10 @@ class ReferenceEngine:
                     prefix.append(r.done)
                     lens.append(n)
                     ids.append(torch.tensor(r.ids[r.done : r.done + n]))
-                    hs.append(self._forward(r, n))
+                    hs.append(self._forward(r, n, r.rid in hit.get(fx.WRONG_LAYER, ())))
                     r.done += n
                 chunks = cut_batch(step_rids, prefix, lens, torch.cat(ids), torch.cat(hs))
-                self.writer.submit(self._inject(chunks, hit) if hit else chunks)
+                self.writer.submit(self._inject(chunks, hit, {r.rid: len(r.ids) for r in reqs}) if hit else chunks)
             self.busy_seconds += time.perf_counter() - t0
             self.prefill_tokens += sum(len(r.ids) for r in reqs)
             self.requests += len(reqs)
@@ -158,7 +168,7 @@ class ReferenceEngine:
             )
         return out
 
-    def _inject(self, chunks: list[Chunk], hit: dict[str, set[str]]) -> list[Chunk]:
+    def _inject(self, chunks: list[Chunk], hit: dict[str, set[str]], lengths: dict[str, int]) -> list[Chunk]:
         """Test-only faults (engines/faults.py) applied to the chunks about to be written."""
         out = []
         for c in chunks:
@@ -171,6 +181,17 @@ class ReferenceEngine:
             if c.rid in hit[fx.NAN]:
                 hs = c.hidden_states.clone()
                 hs[0, 0, 0] = float("nan")
+                c = replace(c, hidden_states=hs)
+            if c.rid in hit[fx.SHIFT_CHUNK] and c.start > 0:
+                hit[fx.SHIFT_CHUNK].discard(c.rid)  # one chunk of the request: its second
+                c = replace(c, hidden_states=torch.cat([c.hidden_states[:1], c.hidden_states[:-1]]))
+            if c.rid in hit[fx.PERTURB] and c.end > lengths[c.rid] // 2:
+                hs = c.hidden_states.clone()
+                rows = hs[max(0, lengths[c.rid] // 2 - c.start):]
+                g = torch.Generator().manual_seed(c.start)
+                noise = torch.randn(rows.shape, generator=g, dtype=torch.float32)
+                rms = rows.float().pow(2).mean(-1, keepdim=True).sqrt()
+                rows += (fx.PERTURB_SCALE * rms * noise).to(hs.dtype)
                 c = replace(c, hidden_states=hs)
             out.append(c)
         return out

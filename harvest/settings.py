@@ -84,6 +84,18 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
+class AuditSettings:
+    """`harvest audit` (harvest.ops.audit)."""
+
+    samples: int = 32  # committed samples recomputed, stratified by length
+    # The prefill chunk of the reference engine the audit starts itself: a prime, so its chunk
+    # boundaries fall elsewhere than any power-of-two chunking the run may have used.
+    chunked_prefill_size: int = 61
+    engine_wait_s: float = 300.0  # for the engine it starts to answer /health
+    dump_timeout_s: float = 120.0  # for one sample's dump files (one sample alone: it is quick)
+
+
+@dataclass(frozen=True)
 class RunnerSettings:
     """`harvest run` and `harvest demo`: the whole pipeline on this machine (harvest.cli.runner)."""
 

@@ -88,6 +88,11 @@ class Keys:
         return f"{self.prefix}:revoked-spools"
 
     @property
+    def audit(self) -> str:
+        """JSON summary of the run's last `harvest audit` (the output's audits/latest.json holds it too)."""
+        return f"{self.prefix}:audit"
+
+    @property
     def failed_payload(self) -> str:
         """Hash sample_id -> JSON payload row {id, ids, mask} of a failed sample, so requeue can rebuild its job."""
         return f"{self.prefix}:failed-payload"
