@@ -110,3 +110,15 @@ class RunnerSettings:
     worker_engine_wait_s: float = 300.0  # its workers wait this long for the engine it starts
     progress: bool = True
     outage_s: float | None = None  # how long Redis may be away (None: harvest.state.connection's)
+    # Workers pause while the work dir's filesystem (spool, Redis's append-only file) has less free (0: never)
+    min_free_bytes: int = 256 << 20
+
+
+@dataclass(frozen=True)
+class FeedSettings:
+    """The training feed, `harvest.read.HiddenStateIterable` (a trainer's process, not harvest's)."""
+
+    shuffle_window: int = 4  # shards whose samples are shuffled together (a reader's next reads stay in these)
+    readahead_bytes: int = 256 << 20  # samples read ahead on a thread, at most this many bytes (0: none)
+    follow_poll_s: float = 2.0  # a follower lists the run's index files this often while waiting
+    follow_wait_s: float = 600.0  # ... and gives up (FeedStalled) when nothing new came for this long

@@ -3,10 +3,11 @@
 Each item holds `input_ids` [T] and `loss_mask` [T] (int64), `hidden_state` [T, H] (the final,
 post-norm hidden state, the drafter's target-side input) and `aux_hidden_state` [T, (K-1)*H]
 (the other capture points concatenated in ascending layer order: `[T, 3H]` for the EAGLE-3
-preset). The map-style dataset gives random access by index; the iterable one streams shard
-by shard (good locality on object storage) and splits shards between DataLoader workers and
-distributed ranks. Both open their reader lazily in each process, so they survive pickling
-into DataLoader workers.
+preset). The map-style dataset gives random access by index; the iterable one is the training
+feed: equal spans of a seeded, shard-local order for every rank and DataLoader worker, read
+ahead on a thread, resumable mid-epoch, optionally following a live run (its rules:
+harvest.read.partition, harvest.read.follow, harvest.read.readahead). Both open their storage
+lazily in each process, so they survive pickling into DataLoader workers.
 
 Each sample comes once, even where storage holds two copies of it (harvest.read.reader). A
 sample whose stored bytes fail their checksum is one bad item, not a failed run: the map-style
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from collections.abc import Iterator
 
 import torch
@@ -27,8 +27,15 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from harvest.config import RunConfig
 from harvest.errors import ConfigurationError
+from harvest.formats.index import ShardError
+from harvest.formats.runfile import read_run_json
+from harvest.read.follow import Shards, list_shards, tail
+from harvest.read.partition import Stage, batch_count, delivered, digest, replay, sample_order, span_sizes, spans
+from harvest.read.readahead import ReadAhead
 from harvest.read.reader import RunReader
 from harvest.read.shard_reader import CorruptSample, UnreadableShard
+from harvest.settings import FeedSettings
+from harvest.storage import Location
 
 log = logging.getLogger("harvest.read")
 
@@ -105,46 +112,232 @@ class HiddenStateDataset(Dataset):
         return self._lazy.item(self.sample_ids[i])
 
 
-class HiddenStateIterable(IterableDataset):
-    """Iterable: shards in order (or shuffled per epoch with `seed`), samples within a shard in
-    packing order. Shards are dealt round-robin to `rank`/`world_size` and then to DataLoader
-    workers, so every sample is yielded exactly once per epoch across all of them."""
+STATE_FORMAT = "harvest-feed-1"
+_IN_TAIL = ("this rank is past its part of the epoch's view, in a followed run's tail, whose order depends on "
+            "when each shard appeared: save the state before the tail, or resume at the next epoch")
 
-    def __init__(
-        self, url: str, dtype: torch.dtype | None = None, seed: int | None = None, rank: int = 0, world_size: int = 1
-    ) -> None:
-        self._lazy = _Lazy(url, dtype)
-        self.seed, self.rank, self.world_size = seed, rank, world_size
+
+def _nbytes(item: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in item.values())
+
+
+class HiddenStateIterable(IterableDataset):
+    """The training feed: every committed sample once per epoch, dealt in equal contiguous spans of
+    a seeded order to `world_size` ranks x DataLoader workers, read ahead on a thread, resumable
+    mid-epoch, optionally following a live run. The rules are harvest.read.partition's (order,
+    spans, delivery, resume) and harvest.read.follow's (view, tail); docs/architecture.md,
+    "Training feed", has the contract.
+
+    - `seed`: None reads in storage order; else the order is shuffled by (seed, epoch): shards,
+      then samples within `window` shards. `set_epoch(e)` at the start of every epoch, as with
+      torch's DistributedSampler: it takes the epoch's view (rank 0's, under torch.distributed).
+    - `batch_size`, `num_workers`: the DataLoader's, needed only by `state_dict(batches=...)` to
+      know what the loop was handed; a DataLoader with another worker count is refused.
+    - `drop_remainder`: every span exactly n // parts (equal step counts), else within one.
+    - `readahead_bytes`: how far the read-ahead thread may run ahead (0: read in line).
+    - `follow`: after its part of the view, wait for the shards committed later, until the run
+      is settled (`wait_s` without a new index file: FeedStalled).
+    """
+
+    def __init__(self, url: str, dtype: torch.dtype | None = None, seed: int | None = None, rank: int = 0,
+                 world_size: int = 1, *, batch_size: int = 1, num_workers: int | None = None,
+                 window: int = FeedSettings.shuffle_window, drop_remainder: bool = False,
+                 readahead_bytes: int = FeedSettings.readahead_bytes, follow: bool = False,
+                 wait_s: float = FeedSettings.follow_wait_s, poll_s: float = FeedSettings.follow_poll_s) -> None:
+        if not 0 <= rank < world_size:
+            raise ConfigurationError(f"rank {rank} of world size {world_size}: a rank is in [0, world size)")
+        if batch_size < 1 or window < 1 or (num_workers is not None and num_workers < 0):
+            raise ConfigurationError(f"batch_size {batch_size}, window {window}, num_workers {num_workers}: "
+                                     "batch_size and window are at least 1, num_workers at least 0")
+        self.url, self.dtype, self.seed, self.rank, self.world_size = url, dtype, seed, rank, world_size
+        self.batch_size, self.num_workers, self.window, self.drop_remainder = batch_size, num_workers, window, drop_remainder
+        self.readahead_bytes, self.follow, self.wait_s, self.poll_s = readahead_bytes, follow, wait_s, poll_s
         self.epoch = 0
+        self._shards: Shards | None = None
+        self._pid = -1
+        self._view: list[str] = []  # shard ids of the epoch's view, agreed by every rank
+        self._stages: list[Stage] = []  # the epoch's earlier passes (load_state_dict), for `_resume_epoch`
+        self._resume_epoch: int | None = None
+        self._digest: str | None = None
+        self._consumed = 0  # positions of this part handed out by this process's last iteration
+        self._in_tail = False
         self._logged: set[str] = set()  # corrupt samples and shards this process has named already
+        self._view = self._agree(list_shards(self._store.loc))
+
+    # -- the run, per process ----------------------------------------------------------------------
+
+    @property
+    def _store(self) -> Shards:
+        if self._shards is None or self._pid != os.getpid():
+            loc = Location.from_url(self.url)
+            docs = self._shards.docs if self._shards is not None else {}
+            self._shards, self._pid = Shards(loc, read_run_json(loc), dict(docs)), os.getpid()
+            self.dtype = read_dtype(self._shards.cfg, self.dtype)
+        return self._shards
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        store = state.pop("_shards")
+        state["_docs"] = store.docs if store is not None else {}  # the index documents, read once
+        state["_shards"], state["_pid"] = None, -1
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        docs = state.pop("_docs", {})
+        self.__dict__.update(state)
+        if docs:
+            loc = Location.from_url(self.url)
+            self._shards, self._pid = Shards(loc, read_run_json(loc), docs), os.getpid()
+
+    def _agree(self, names: list[str]) -> list[str]:
+        """Rank 0's view for every rank when torch.distributed runs this job: ranks that list a live
+        run a moment apart would see different shards, and deal some samples twice or never."""
+        import torch.distributed as dist
+
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            box = [names]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return names
+
+    # -- epochs and the order ----------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        """Start epoch `epoch`: the view is the index files committed now (unless a loaded state
+        already fixed this epoch's). Call it on every rank, before iterating."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._view = self._agree(list_shards(self._store.loc))
+        if self._resume_epoch is not None and self._resume_epoch != epoch:
+            self._stages, self._resume_epoch, self._digest = [], None, None
+
+    def _order(self) -> tuple[list[tuple[str, list[str]]], list[str]]:
+        shards = self._store.view(self._view)
+        return shards, sample_order(shards, self.seed, self.epoch, self.window)
+
+    def _parts(self) -> tuple[int, int]:
+        """(this process's part, parts) for the DataLoader worker it runs in."""
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        if self.num_workers is not None and max(self.num_workers, 1) != workers:
+            raise ConfigurationError(f"the feed was told num_workers={self.num_workers}, its DataLoader runs "
+                                     f"{workers if info is not None else 0}: give both the same")
+        return self.rank * workers + worker, self.world_size * workers
+
+    def _deal(self, order: list[str], parts: int) -> list[list[str]]:
+        """The spans of this epoch: of the whole order, or of what a resumed state left of it."""
+        if self._resume_epoch != self.epoch:
+            return spans(order, parts, self.drop_remainder)
+        if digest(order) != self._digest:
+            raise ShardError(f"{self.url}: the index files of the shards epoch {self.epoch}'s state names changed "
+                             "since it was saved (a repair excluded samples?): its order cannot be resumed exactly")
+        return spans(replay(order, self._stages), parts)
 
     def __len__(self) -> int:
-        """Samples in the run: all ranks together (a progress figure; each rank sees ~1/world_size)."""
-        return len(self._lazy.reader)
+        """Samples in this epoch's view: all ranks together (a follower's tail comes on top)."""
+        return sum(len(s) for _, s in self._store.view(self._view))
+
+    def samples(self) -> list[str]:
+        """The sample ids this process's part reads this epoch, in order (the tail not included)."""
+        part, parts = self._parts()
+        return self._deal(self._order()[1], parts)[part]
+
+    # -- iterating ---------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        r = self._lazy.reader
-        shards = r.shard_ids()
-        if self.seed is not None:
-            random.Random(self.seed + self.epoch).shuffle(shards)
-        shards = shards[self.rank :: self.world_size]
-        info = get_worker_info()
-        if info is not None:
-            shards = shards[info.id :: info.num_workers]
-        for shard in shards:
-            for sid in r.shard_samples(shard):
-                try:
-                    item = self._lazy.item(sid)
-                except CorruptSample as e:
-                    self._log(sid, "skipping sample %s of shard %s: %s", sid, shard, e)
-                    continue
-                except UnreadableShard as e:  # none of the shard reads
-                    self._log(shard, "skipping shard %s (%d samples): %s", shard, len(r.shard_samples(shard)), e)
-                    break
-                yield item
+        part, parts = self._parts()
+        shards, order = self._order()
+        where = {s: shard for shard, samples in shards for s in samples}
+        mine = self._deal(order, parts)[part]
+        self._consumed, self._in_tail = 0, False
+        yield from self._read([(where[s], s) for s in mine])
+        if self.follow:
+            self._in_tail = True
+            seen, known = set(self._view), set(order)
+            for new in tail(self._store, seen, known, part, parts, self.poll_s, self.wait_s):
+                yield from self._read(new)
+        if self._resume_epoch == self.epoch and get_worker_info() is None:
+            self._stages, self._resume_epoch, self._digest = [], None, None  # this process resumed it
+
+    def _read(self, keys: list[tuple[str, str]]) -> Iterator[dict[str, torch.Tensor]]:
+        store = self._store
+        ahead = ReadAhead(keys, self._fetch, _nbytes, self.readahead_bytes)
+        for (shard, sid), got in ahead:
+            self._consumed += 1
+            if isinstance(got, CorruptSample):
+                self._log(sid, "skipping sample %s of shard %s: %s", sid, shard, got)
+            elif isinstance(got, UnreadableShard):  # none of the shard reads
+                n = len(store.doc(shard)["samples"])
+                self._log(shard, "skipping shard %s (%d samples): %s", shard, n, got)
+            elif isinstance(got, Exception):
+                raise got
+            else:
+                yield got
+
+    def _fetch(self, key: tuple[str, str]) -> dict[str, torch.Tensor]:
+        shard, sid = key
+        store = self._store
+        return eagle3_item(store.reader(shard).sample(store.position(shard, sid), self.dtype), store.cfg)
+
+    # -- mid-epoch resume --------------------------------------------------------------------------
+
+    def state_dict(self, batches: int | None = None) -> dict:
+        """Where this epoch stands, for `load_state_dict`: the epoch, its view (shard ids), a digest
+        of its order and, per stage, what every rank's every worker has handed to its loop.
+        `batches`: the batches each rank's loop took from its DataLoader this epoch (its step count;
+        ranks step together), with the feed's `batch_size` and `num_workers`. None: what this
+        process's own iteration yielded (a DataLoader without workers); other ranks are taken to
+        have taken as many batches. A position inside a followed run's tail is refused: its order
+        depends on when each shard appeared."""
+        shards, order = self._order()
+        resumed = self._resume_epoch == self.epoch
+        stages = list(self._stages) if resumed else []
+        rest = replay(order, stages)
+        if batches is None:
+            if self.num_workers:
+                raise ConfigurationError("with DataLoader workers the feed cannot see what its loop was handed: "
+                                         "pass state_dict(batches=<batches taken this epoch>)")
+            workers, own = 1, self._consumed
+            steps = -(-own // self.batch_size)
+        else:
+            if self.num_workers is None:
+                raise ConfigurationError("state_dict(batches=...) needs the DataLoader's worker count: give the feed "
+                                         "num_workers= (and batch_size=) as the DataLoader has them")
+            workers, own, steps = max(self.num_workers, 1), None, batches
+        parts, drop = self.world_size * workers, self.drop_remainder and not resumed
+        sizes = span_sizes(len(rest), parts, drop)
+        consumed: list[int] = []
+        for r in range(self.world_size):
+            mine = sizes[r * workers : (r + 1) * workers]
+            if own is not None and r == self.rank:
+                if own > mine[0] and self.follow:
+                    raise ConfigurationError(_IN_TAIL)
+                consumed.append(min(own, mine[0]))
+                continue
+            total = sum(batch_count(n, self.batch_size) for n in mine)
+            if steps > total and self.follow and r == self.rank:
+                raise ConfigurationError(_IN_TAIL)
+            consumed += delivered(mine, self.batch_size, min(steps, total))
+        return {"format": STATE_FORMAT, "run": self._store.cfg.run, "epoch": self.epoch, "seed": self.seed,
+                "window": self.window, "shards": list(self._view), "digest": digest(order),
+                "stages": [st.to_json() for st in [*stages, Stage(parts, drop, tuple(consumed))]]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next iteration of `state`'s epoch yields exactly the samples no rank's loop
+        was handed before it was saved, dealt again over this job's ranks and workers (in equal
+        spans, whatever their number now). Call it before the DataLoader starts its workers."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ConfigurationError(f"not a feed state of this harvest ({STATE_FORMAT})")
+        run = self._store.cfg.run
+        if state["run"] != run or state["seed"] != self.seed or state["window"] != self.window:
+            raise ConfigurationError(f"the state is of run {state['run']!r}, seed {state['seed']}, window "
+                                     f"{state['window']}; this feed reads run {run!r} with seed {self.seed}, window "
+                                     f"{self.window}: its order would differ")
+        self.epoch = int(state["epoch"])
+        self._view = list(state["shards"])
+        self._stages = [Stage.from_json(st) for st in state["stages"]]
+        self._resume_epoch, self._digest = self.epoch, state["digest"]
+        self._deal(self._order()[1], 1)  # the view still gives the state's order: checked now, not in a worker
 
     def _log(self, key: str, msg: str, *args: object) -> None:
         """Name a corrupt sample or shard once per process, however many epochs meet it."""

@@ -9,6 +9,7 @@ from collector.collector import Collector
 from harvest.config import RunConfig
 from harvest.formats.fp8 import dequantize
 from harvest.read.dataset import HiddenStateDataset, HiddenStateIterable, NoFinalState, eagle3_item
+from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 from tests.support.synth import make_config, spool_samples
@@ -62,7 +63,7 @@ def test_map_style_dataset_yields_eagle3_items_in_storage_order(conn, tmp_path):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_iterable_dataset_yields_each_sample_once_across_workers_and_ranks(conn, tmp_path, workers):
     cfg, samples = _run(conn, tmp_path, dtype="fp8_e4m3")
-    assert len(HiddenStateIterable(cfg.out_url + "/r")._lazy.reader.shard_ids()) >= 3
+    assert len(RunReader(cfg.out_url + "/r").shard_ids()) >= 3
     seen = []
     for rank in range(2):
         ds = HiddenStateIterable(cfg.out_url + "/r", seed=7, rank=rank, world_size=2)

@@ -1,0 +1,91 @@
+"""The training feed over a real committed run of uneven shards: every rank and DataLoader worker
+gets the same number of samples per epoch to within one (exactly one count with
+drop_remainder), contiguous spans of a seeded shard-local order, and the union over ranks and
+workers is every sample once, each epoch in another order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from harvest.errors import ConfigurationError
+from harvest.read.dataset import HiddenStateIterable
+from tests.support.feedrun import FeedRun
+
+SHARDS = [1, 7, 2, 5, 3, 9, 4]  # 31 samples
+
+
+class Tagged(IterableDataset):
+    """The feed, each item tagged with the DataLoader worker that read it."""
+
+    def __init__(self, feed: HiddenStateIterable) -> None:
+        self.feed = feed
+
+    def __iter__(self):
+        info = get_worker_info()
+        for item in self.feed:
+            yield {"worker": info.id if info is not None else 0, "input_ids": item["input_ids"]}
+
+
+def read_epoch(run: FeedRun, world_size: int, workers: int, epoch: int = 0, **kw) -> dict[tuple[int, int], list[str]]:
+    """(rank, worker) -> the samples it yielded, in order."""
+    got: dict[tuple[int, int], list[str]] = {}
+    for rank in range(world_size):
+        feed = HiddenStateIterable(run.url, seed=5, rank=rank, world_size=world_size, window=2, **kw)
+        feed.set_epoch(epoch)
+        for w in range(max(workers, 1)):
+            got[(rank, w)] = []
+        for x in DataLoader(Tagged(feed), batch_size=None, num_workers=workers):
+            got[(rank, int(x["worker"]))].append(run.sid(x))
+    return got
+
+
+@pytest.fixture
+def run(tmp_path):
+    r = FeedRun(tmp_path, sum(SHARDS))
+    r.commit_sizes(SHARDS)
+    return r
+
+
+@pytest.mark.parametrize("world_size,workers", [(2, 0), (3, 0), (2, 2), (3, 2)])
+def test_every_rank_and_worker_gets_an_equal_share_and_together_every_sample_once(run, world_size, workers):
+    got = read_epoch(run, world_size, workers)
+    counts = [len(v) for v in got.values()]
+    parts = world_size * max(workers, 1)
+    assert len(got) == parts and max(counts) - min(counts) <= 1 and sum(counts) == 31
+    everything = [s for v in got.values() for s in v]
+    assert sorted(everything) == sorted(run.ids)  # each once
+    # the spans are the contiguous cuts of one order, in rank-major order of (rank, worker)
+    feed = HiddenStateIterable(run.url, seed=5, window=2)
+    order = [s for sp in [got[k] for k in sorted(got)] for s in sp]
+    assert order == feed.samples()  # one rank, in-process: the whole order
+    again = read_epoch(run, world_size, workers)
+    assert again == got  # deterministic
+    other = read_epoch(run, world_size, workers, epoch=1)
+    assert sorted(s for v in other.values() for s in v) == sorted(run.ids) and other != got
+
+
+@pytest.mark.parametrize("world_size,workers", [(2, 2), (3, 0)])
+def test_drop_remainder_gives_every_part_exactly_the_same_count(run, world_size, workers):
+    got = read_epoch(run, world_size, workers, drop_remainder=True)
+    parts = world_size * max(workers, 1)
+    assert {len(v) for v in got.values()} == {31 // parts}
+    assert len({s for v in got.values() for s in v}) == 31 - 31 % parts
+
+
+def test_items_are_the_samples_and_the_feed_refuses_a_loader_of_another_shape(run):
+    feed = HiddenStateIterable(run.url, num_workers=2, readahead_bytes=0)
+    with pytest.raises(ConfigurationError, match="the feed was told num_workers=2, its DataLoader runs 0: give both"):
+        next(iter(feed))
+    with pytest.raises(ConfigurationError, match=r"rank 2 of world size 2"):
+        HiddenStateIterable(run.url, rank=2, world_size=2)
+    by_id = {s.id: s for s in run.samples}
+    items = list(HiddenStateIterable(run.url, dtype=torch.float32))
+    assert len(items) == 31
+    for item in items:
+        s = by_id[run.sid(item)]
+        hs = s.hidden_states.float()
+        assert torch.equal(item["hidden_state"], hs[:, 3])
+        assert torch.equal(item["aux_hidden_state"], torch.cat([hs[:, 0], hs[:, 1], hs[:, 2]], dim=-1))
+        assert torch.equal(item["loss_mask"], s.loss_mask.long())
