@@ -58,7 +58,7 @@ def pack_local(plan: ShardPlan, tmp: str, spool_dir: str, crash: Crash) -> Packe
     except BaseException as e:
         try:
             os.unlink(tmp)
-        except (FileNotFoundError, NotADirectoryError):
+        except OSError:  # never created, or the output read-only or gone: the error to tell is `e`
             pass
         if isinstance(e, OSError):  # disk full, read-only, not a folder: as persistent as storage errors
             raise StorageError(f"packing {tmp} failed: {type(e).__name__}: {e}") from e

@@ -215,20 +215,38 @@ def build_config(
     tokenizer: str | None = None,
     **extra,
 ) -> RunConfig:
-    """A RunConfig from a model directory: its layer count and width come from its config.json."""
+    """A RunConfig from a model directory: its layer count and width come from its config.json.
+    A local model, tokenizer and output are stored absolute: run.json is read from other folders
+    (`harvest export`) and other nodes, where a path typed relative to one shell means nothing."""
     num_layers, hidden_size = _model_shape(model)
     return RunConfig(
         run=run,
-        model=model,
+        model=absolute_model(model),
         capture_points=parse_layers(layers, num_layers),
         hidden_size=hidden_size,
-        out_url=out_url,
+        out_url=absolute_location(out_url),
         storage_dtype=storage_dtype,
         engine=engine,
-        tokenizer=tokenizer,
+        tokenizer=absolute_model(tokenizer) if tokenizer else tokenizer,
         num_layers=num_layers,
         **extra,
     )
+
+
+def absolute_model(model: str) -> str:
+    """A model folder on this machine as an absolute path; a hub id (`org/name`) as given."""
+    path = os.path.expanduser(model)
+    return os.path.abspath(path) if os.path.isdir(path) else model
+
+
+def absolute_location(url: str) -> str:
+    """An output given as a local path (or `file://` one) made absolute; other URLs as given."""
+    if url.startswith("file://"):
+        path = url[len("file://"):]
+        return "file://" + os.path.abspath(os.path.expanduser(path)) if path else url
+    if "://" in url:
+        return url
+    return os.path.abspath(os.path.expanduser(url))
 
 
 def model_config_json(model: str) -> dict:

@@ -31,10 +31,16 @@ def looks_local(model: str) -> bool:
     return os.sep in model and os.path.exists(head)
 
 
-def check_model(model: str | None) -> None:
+HUB_PROBE_S = 4.0  # a hub that does not answer within this is unreachable for the run's purposes
+
+
+def check_model(model: str | None, local_only: bool = False) -> None:
     """A local model folder exists and holds a config.json; a missing one is named at once and
     never looked up on the hub. A local model also turns the hub off for transformers (here and
-    in the processes this one starts)."""
+    in the processes this one starts). A bare name that is no folder here (`--model tiny`) is a
+    hub id: refused at once with `local_only` (the reference engine loads only local folders),
+    else the hub is asked about it once, within seconds: transformers' own lookup of an
+    unreachable hub took 44 s and ended in a multi-line message (issue 26)."""
     if not model:
         return
     path = os.path.expanduser(model)
@@ -45,6 +51,45 @@ def check_model(model: str | None) -> None:
         if not os.path.isfile(os.path.join(path, "config.json")):
             fail(f"model folder {model!r} has no config.json: --model must be a Hugging Face model folder")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return
+    if local_only:
+        fail(f"model {model!r} is not a folder on this machine, and the reference engine loads only local models: "
+             "pass --model PATH, a Hugging Face model folder")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        fail(f"model {model!r} is not a folder on this machine, and the model hub is off (HF_HUB_OFFLINE): "
+             "pass --model PATH, a local Hugging Face model folder")
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    answer = _probe_hub(f"{endpoint}/api/models/{model}")
+    if answer == 404:
+        fail(f"model {model!r} is not a folder on this machine, nor a model on the hub ({endpoint}): "
+             "pass --model PATH, a local Hugging Face model folder, or the hub id org/name")
+    if isinstance(answer, str):
+        fail(f"model {model!r} is not a folder on this machine, and the model hub ({endpoint}) cannot be reached "
+             f"({answer}): pass --model PATH, a local Hugging Face model folder")
+
+
+def _probe_hub(url: str) -> int | str:
+    """The hub's HTTP status for `url`, or why it gave none within HUB_PROBE_S (name resolution
+    included: it runs on a thread that is abandoned when late)."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    result: list[int | str] = []
+
+    def probe() -> None:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=HUB_PROBE_S) as r:
+                result.append(r.status)
+        except urllib.error.HTTPError as e:
+            result.append(e.code)
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            result.append(str(getattr(e, "reason", e)))
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(HUB_PROBE_S + 0.5)
+    return result[0] if result else f"no answer within {HUB_PROBE_S:.0f} s"
 
 
 def check_output(url: str | None, reach: bool = True) -> None:

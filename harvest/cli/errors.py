@@ -61,6 +61,27 @@ def redis_fix(url: str | None, cause: str = "") -> str:
             "(default from HARVEST_REDIS_URL)")
 
 
+LOADING_WAIT_S = 120.0  # a restarted Redis replaying a large append-only file answers LOADING meanwhile
+
+
+def _ping(conn) -> None:
+    """First contact; a server still loading its data after a restart is waited for (up to
+    LOADING_WAIT_S), not told to be started: it is running."""
+    import time
+
+    import redis
+
+    deadline = time.monotonic() + LOADING_WAIT_S
+    while True:
+        try:
+            conn.ping()
+            return
+        except redis.exceptions.BusyLoadingError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def connect(url: str, ping: bool = True, outage_s: float | None = None):
     """The client of a one-shot command for `url` (at most 5 s to connect; a Redis lost mid-command
     waited for `outage_s`, default ONE_SHOT_OUTAGE_S, then RedisLost, per call: the client is not
@@ -72,7 +93,7 @@ def connect(url: str, ping: bool = True, outage_s: float | None = None):
     _tried["redis"] = url
     conn = redis_client(url, ONE_SHOT_OUTAGE_S if outage_s is None else outage_s, latch=False)
     if ping:
-        conn.ping()
+        _ping(conn)
     return conn
 
 
@@ -84,7 +105,7 @@ def connect_service(url: str, outage_s: float | None = None):
 
     _tried["redis"] = url
     conn = redis_client(url, outage_s)
-    conn.ping()
+    _ping(conn)
     return conn
 
 
@@ -107,6 +128,11 @@ def _redis_login(e: BaseException) -> str:
 
 def _redis_down(e: BaseException) -> str:
     return redis_fix(_tried.get("redis"), _short(e))
+
+
+def _redis_loading(e: BaseException) -> str:
+    return (f"Redis at {redact(_tried.get('redis', '?'))} is running but still loading its data (a restarted server "
+            "replays its append-only file first): run the command again once it has loaded")
 
 
 def _s3_credentials(e: BaseException) -> str:
@@ -138,6 +164,7 @@ class Foreign:
 FOREIGN: tuple[Foreign, ...] = (
     Foreign("redis.exceptions", "AuthenticationError", ConfigurationError, _redis_login),
     Foreign("redis.exceptions", "AuthenticationWrongNumberOfArgsError", ConfigurationError, _redis_login),
+    Foreign("redis.exceptions", "BusyLoadingError", ServiceError, _redis_loading),  # a ConnectionError: first
     Foreign("redis.exceptions", "ConnectionError", ServiceError, _redis_down),
     Foreign("redis.exceptions", "TimeoutError", ServiceError, _redis_down),
     Foreign("botocore.exceptions", "NoCredentialsError", ConfigurationError, _s3_credentials),

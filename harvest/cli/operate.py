@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 
 import click
 
@@ -21,6 +23,24 @@ from harvest.cli.options import (
 )
 from harvest.read.trainers import EXPORT_FORMATS
 
+work_dir_option = click.option(
+    "--work-dir", "work_dir", default=None, type=click.Path(file_okay=False),
+    help="A local `harvest run`'s work dir (the summary prints it): reach its Redis there, running or finished, "
+         "instead of --redis.")
+
+
+@contextlib.contextmanager
+def _reach(redis_url: str, work_dir: str | None) -> Iterator[str]:
+    """The Redis URL a command talks to: --redis, or the Redis of a local run's work dir
+    (harvest.cli.workdir.work_dir_redis: its runner's, or one started for this command)."""
+    if work_dir is None:
+        yield redis_url
+        return
+    from harvest.cli.workdir import work_dir_redis
+
+    with work_dir_redis(work_dir) as url:
+        yield url
+
 
 @click.command("reconcile")
 @run_option
@@ -35,12 +55,24 @@ from harvest.read.trainers import EXPORT_FORMATS
                    "from the index, so that they are extracted again.")
 @no_progress_option
 @s3_options
-def reconcile_cmd(run, redis_url, out_url, dedupe, verify, no_progress, s3_endpoint, s3_region) -> None:
+@work_dir_option
+def reconcile_cmd(run, redis_url, out_url, dedupe, verify, no_progress, s3_endpoint, s3_region, work_dir) -> None:
     """Bring the ledger of RUN in line with the index files in storage, both ways: committed samples
-    done, samples done in the ledger but in no index back on the queue."""
+    done, samples done in the ledger but in no index back on the queue. First the ledger's own
+    counters and side tables are rebuilt from its state hash where they disagree with it
+    (`harvest status --check` lists that)."""
     apply_s3_env(s3_endpoint, s3_region)
     check_output(out_url)
-    conn = connect(redis_url)
+    with _reach(redis_url, work_dir) as url:
+        _reconcile(connect(url), run, out_url, dedupe, verify, no_progress)
+
+
+def _reconcile(conn, run: str, out_url: str | None, dedupe: bool, verify: bool, no_progress: bool) -> None:
+    from harvest.ops.ledgercheck import check_ledger
+
+    repaired = check_ledger(conn, run, repair=True)
+    if not repaired.ok:
+        click.echo(f"repaired the ledger of run {run} from its state hash: " + "; ".join(repaired.problems))
     from harvest.formats.runfile import run_location
     from harvest.ops.reconcile import reconcile, restore_run
     from harvest.state.runstore import load_run
@@ -116,16 +148,33 @@ def export_cmd(run_url, fmt, dest, dtype, model, in_place, no_progress, s3_endpo
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (with --watch: one per line).")
 @click.option("--watch", "watch", default=None, type=click.FloatRange(0.5), is_flag=False, flag_value=2.0,
               help="Refresh in place every N seconds (default 2) until Ctrl-C.")
-def status_cmd(run, redis_url, as_json, watch) -> None:
+@work_dir_option
+@click.option("--check", "check", is_flag=True,
+              help="Check the ledger's invariants (its counters and failures agree with its per-sample states); "
+                   "exit 1 naming each disagreement (`harvest reconcile` repairs them).")
+def status_cmd(run, redis_url, as_json, watch, work_dir, check) -> None:
     """Where RUN stands: counts, throughput, ETA, workers, spool backlog, failure reasons."""
+    with _reach(redis_url, work_dir) as url:
+        _status(connect(url), run, as_json, watch, check)
+
+
+def _status(conn, run: str, as_json: bool, watch: float | None, check: bool) -> None:
     import json
     import time
 
-    conn = connect(redis_url)
     from harvest.ops.status import compute_status, render
     from harvest.state.runstore import load_run
 
     load_run(conn, run)  # a run not in Redis: say so, and how to start it
+    if check:
+        import sys
+
+        from harvest.ops.ledgercheck import check_ledger
+
+        rep = check_ledger(conn, run)
+        for line in rep.lines():
+            click.echo(line)
+        sys.exit(0 if rep.ok else 1)
     try:
         while True:
             st = compute_status(conn, run)
@@ -152,12 +201,18 @@ def status_cmd(run, redis_url, as_json, watch) -> None:
 @click.option("--spool", "spools", multiple=True,
               help="Reclaim this node spool now: its spooled samples back on the queue (see `harvest status`).")
 @click.option("--node", "nodes", multiple=True, help="Reclaim the spools of this node now (a node known to be gone).")
-def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run, spools, nodes) -> None:
-    """Put failed samples of RUN back on the queue, exactly once; or reclaim a lost node's spool."""
+@work_dir_option
+def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run, spools, nodes, work_dir) -> None:
+    """Put failed samples of RUN back on the queue, exactly once; or reclaim a lost node's spool.
+    A finished local run's requeued samples are extracted by running its `harvest run` again."""
     if not (reasons or samples or all_ or spools or nodes):
         fail("say what to requeue: --reason REASON, --sample ID or --all (see `harvest status` for the reasons), "
              "or --spool ID / --node NAME for a lost node")
-    conn = connect(redis_url)
+    with _reach(redis_url, work_dir) as url:
+        _requeue(connect(url), run, reasons, samples, all_, dry_run, spools, nodes)
+
+
+def _requeue(conn, run: str, reasons, samples, all_: bool, dry_run: bool, spools, nodes) -> None:
     from harvest.ops.requeue import requeue
     from harvest.state.runstore import load_run
 
@@ -263,11 +318,16 @@ def metrics_cmd(redis_url, port, host, runs) -> None:
 @click.command("runs")
 @redis_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per run, one per line.")
-def runs_cmd(redis_url, as_json) -> None:
+@work_dir_option
+def runs_cmd(redis_url, as_json, work_dir) -> None:
     """List the runs in Redis with their progress."""
+    with _reach(redis_url, work_dir) as url:
+        _runs(connect(url), as_json)
+
+
+def _runs(conn, as_json: bool) -> None:
     import json
 
-    conn = connect(redis_url)
     from harvest.ops.runlist import list_runs, render_runs
 
     rows = list_runs(conn)

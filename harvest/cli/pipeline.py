@@ -61,7 +61,9 @@ def _default_run_name(dataset: str) -> str:
 @click.option("--engine-url", default=None, help="Use this engine instead of starting the reference engine.")
 @run_engine_option
 @chunked_prefill_option
-@click.option("--work-dir", default=None, type=click.Path(), help="Node-local state (Redis data, spool, logs).")
+@click.option("--work-dir", default=None, type=click.Path(),
+              help="Node-local state (Redis data, spool, logs); one runner at a time "
+                   "[default: $HARVEST_WORK/RUN, else ~/.cache/harvest/work/RUN].")
 @click.option("--dump-dir", default=None, type=click.Path(), help="Engine dump directory (default under /dev/shm).")
 @max_queued_option
 @click.option("--shard-mb", default=RunTunables.shard_bytes >> 20, show_default=True, type=click.IntRange(1),
@@ -74,10 +76,14 @@ def _default_run_name(dataset: str) -> str:
 @s3_endpoint_option
 @s3_region_option
 @redis_wait_option
+@click.option("--min-free-mb", "min_free_mb", default=RunnerSettings.min_free_bytes >> 20, show_default=True,
+              type=click.IntRange(0),
+              help="Pause the workers while the work dir's filesystem has less free space (spool, Redis's "
+                   "append-only file); they go on once there is room again. 0: never pause.")
 def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
             work_dir, dump_dir, max_queued, shard_mb, no_progress, spool_grace, s3_endpoint, s3_region, engine,
             max_wait, batch_samples, batch_tokens, fields, chat_template, max_len, overlong, strict, processes,
-            redis_wait) -> None:
+            redis_wait, min_free_mb) -> None:
     """Extract hidden states for DATASET end to end on this machine.
 
     Redis going away is waited out, up to --redis-wait (its private redis-server is restarted on
@@ -87,7 +93,7 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
     """
     apply_s3_env(s3_endpoint, s3_region)  # before any child starts: the collector inherits it
     check_dataset(dataset)
-    check_model(model)
+    check_model(model, local_only=engine == "reference" and not engine_url)
     check_output(out_url)
     if redis_url:
         connect(redis_url)  # reached before run.json is written
@@ -95,7 +101,8 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
     sizes = {k: v for k, v in (("max_batch_samples", batch_samples), ("max_batch_tokens", batch_tokens)) if v}
     settings = RunnerSettings(workers=workers, redis_url=redis_url, engine_url=engine_url, work_dir=work_dir,
                               dump_dir=dump_dir, chunked_prefill_size=chunked_prefill_size, max_queued=max_queued,
-                              max_wait_s=max_wait, progress=not no_progress, outage_s=redis_wait)
+                              max_wait_s=max_wait, progress=not no_progress, outage_s=redis_wait,
+                              min_free_bytes=min_free_mb << 20)
     _run_here(dataset, settings, produce_kw, run=run or _default_run_name(dataset), model=model, out_url=out_url,
               layers=layers, storage_dtype=storage_dtype, engine=engine, shard_bytes=shard_mb << 20,
               spool_grace_s=spool_grace, **sizes)
@@ -104,17 +111,26 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
 def _run_here(dataset: str, settings: RunnerSettings, produce_kw: dict, **config) -> None:
     """The run `harvest.config.build_config(**config)`, on this machine (harvest.cli.runner); prints
     its summary and exits with its status (`run`'s exit statuses)."""
+    import dataclasses
+
     from harvest.cli.runner import run_all
+    from harvest.cli.workdir import default_work_dir
     from harvest.config import build_config
 
-    # SIGTERM stops the run as Ctrl-C does: the children are stopped in order, and the next
-    # `harvest run` resumes from the ledger and the spool.
+    cfg = build_config(**config)  # every check of the configuration before anything is written
+    work = os.path.abspath(settings.work_dir or default_work_dir(config["run"]))
+    settings = dataclasses.replace(settings, work_dir=work)
+    # SIGTERM stops the run as Ctrl-C does: the children are stopped in order (harvest.cli.runner),
+    # and the next `harvest run` resumes from the ledger and the spool.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        summary = run_all(build_config(**config), dataset, settings, produce_kw)
+        summary = run_all(cfg, dataset, settings, produce_kw)
     except KeyboardInterrupt:
-        click.echo("harvest: interrupted: the run's processes are stopped; run the same command again to resume",
-                   err=True)
+        import shlex
+
+        where = f"--work-dir {shlex.quote(work)}" if settings.redis_url is None else "--redis URL"
+        click.echo("harvest: interrupted: the run's processes are stopped; run the same command again to resume "
+                   f"(where it stands: harvest status --run {config['run']} {where})", err=True)
         sys.exit(130)
     for line in summary.lines():
         click.echo(line)

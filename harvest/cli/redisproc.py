@@ -5,7 +5,11 @@ started again by `RedisKeeper`: on the same port (every client keeps its URL and
 itself, harvest.state.connection), from the same data dir, whose append-only file brings the
 ledger back (`appendfsync everysec`: a kill or a power cut may take back its last second or two,
 since Redis answers before it writes while an fsync is in progress; harvest.ops.recovery
-reconciles that from storage). The keeper is a thread, not a child of `harvest.cli.supervisor`,
+reconciles that from storage). Like the run's other children, the server runs in a session of
+its own (a Ctrl-C in the terminal reaches only the runner, which stops it last, after the
+collector has committed) and gets SIGTERM when the process that started it dies, even by
+SIGKILL (PR_SET_PDEATHSIG; SIGTERM so that it flushes its append-only file): an orphaned server
+would hold the work dir's data while the next runner starts another on it. The keeper is a thread, not a child of `harvest.cli.supervisor`,
 because the run's main thread is the one waiting inside a Redis call while Redis is away.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -22,6 +27,7 @@ from collections.abc import Callable
 
 import redis
 
+from harvest.cli.supervisor import detached
 from harvest.errors import ConfigurationError, ServiceError
 
 log = logging.getLogger("harvest.run")
@@ -78,7 +84,8 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=detached(signal.SIGTERM))
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -15,6 +15,15 @@ raised ConnectionError, and nothing started the server again.) Each monitor iter
 run's `Recovery` (harvest.ops.recovery) whether Redis came back with a new identity, which
 reconciles the ledger from storage. Past `outage_s` the run stops (RedisLost, exit 75) with
 everything kept for the next `harvest run` to resume.
+
+One runner per work dir and dump dir (harvest.cli.workdir: a second is refused at once, naming
+the first), every check before the first write (the run is published only once Redis and the
+stored configuration agreed), children in sessions of their own (a terminal's Ctrl-C reaches
+this process, which stops them in order: harvest.cli.supervisor), no engine started for a rerun
+with nothing to do (the producer runs first when the ledger knows the run and nothing is
+queued or spooled), workers paused while the work dir's disk is full (harvest.cli.diskwatch),
+and the summary's tokens and bytes read from the index files, the truth, not from counters that
+an interrupted commit skipped.
 """
 
 from __future__ import annotations
@@ -27,16 +36,22 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+import shlex
+import signal
+import threading
+
+from harvest.cli.diskwatch import DiskWatch
 from harvest.cli.errors import connect_service
 from harvest.cli.redisproc import RedisKeeper, RedisServer, free_port
 from harvest.cli.supervisor import Supervisor
+from harvest.cli.workdir import REDIS_SUBDIR, RunnerLocks, default_work_dir
 from harvest.config import RunConfig
-from harvest.errors import ServiceError
+from harvest.errors import HarvestError, ServiceError
 from harvest.health import wait_healthy
 from harvest.node.dumpdir import default_dump_dir
 from harvest.ops.recovery import Recovery
 from harvest.settings import EngineSettings, RunnerSettings
-from harvest.state.connection import RedisLost
+from harvest.state.connection import RedisLost, redact
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 
@@ -58,6 +73,8 @@ class RunSummary:
     failure_reasons: dict[str, int] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)  # child name -> times the supervisor restarted it
     produced: str = ""  # the producer's own summary line (rows, overlong, truncated...)
+    where: str = ""  # how the operator's commands reach the run: `--work-dir DIR` or `--redis URL`
+    started: bool = True  # False: nothing was queued or spooled, no engine or worker was started
 
     @property
     def exit_status(self) -> int:
@@ -76,16 +93,17 @@ class RunSummary:
         ]
         if self.produced:
             out.append(f"  produced: {self.produced}")
+        if not self.started:
+            out.append("  nothing to extract: no engine or worker was started")
         for reason, n in sorted(self.failure_reasons.items(), key=lambda kv: -kv[1]):
-            out.append(f"  failed because {reason}: {n} (`harvest status --run {self.run}` lists them)")
+            out.append(f"  failed because {reason}: {n}")
         if self.restarts:
             out.append("  restarted: " + ", ".join(f"{n} {k}x" for n, k in sorted(self.restarts.items())))
+        out.append(f"  status: harvest status --run {self.run} {self.where}")
+        if self.failed:
+            out.append(f"  requeue the failed: harvest requeue --run {self.run} {self.where} --all  (then run the "
+                       "same `harvest run` again)")
         return out
-
-
-def default_work_dir(run: str) -> str:
-    base = os.environ.get("HARVEST_WORK") or os.path.join(os.path.expanduser("~"), ".cache", "harvest", "work")
-    return os.path.join(base, run)
 
 
 def _stop_order(workers: list[str]) -> list[list[str]]:
@@ -140,108 +158,221 @@ def _start_sglang(children: Supervisor, cfg: RunConfig, dumps: str, chunked_pref
     return url
 
 
+
+class _Launcher:
+    """Starts the run's engine, workers and collector, once, when there is work for them."""
+
+    def __init__(self, children: Supervisor, cfg: RunConfig, settings: RunnerSettings, redis_url: str,
+                 dumps: str, spool: str, names: list[str]) -> None:
+        self.children, self.cfg, self.settings, self.redis_url = children, cfg, settings, redis_url
+        self.dumps, self.spool, self.names = dumps, spool, names
+        self.engine_url = settings.engine_url
+        self.workers = self.collector = False
+        self._health: str | None = None  # the reference engine's URL until it answered /health once
+
+    @property
+    def started(self) -> bool:
+        return self.workers
+
+    def _common(self) -> list[str]:
+        common = ["--redis", self.redis_url, "--run", self.cfg.run]
+        if self.settings.outage_s is not None:
+            common += ["--redis-wait", str(self.settings.outage_s)]  # the children wait for Redis as long as this process
+        return common
+
+    def start_workers(self) -> None:
+        """The engine (unless given one) and the workers, which wait for its /health themselves."""
+        if self.workers:
+            return
+        cfg, children = self.cfg, self.children
+        if self.engine_url is None and cfg.engine == "vllm":
+            self.engine_url = _start_vllm(children, cfg, self.dumps)
+        elif self.engine_url is None and cfg.engine == "sglang":
+            self.engine_url = _start_sglang(children, cfg, self.dumps, self.settings.chunked_prefill_size)
+        elif self.engine_url is None:
+            port = free_port()
+            self.engine_url = self._health = f"http://127.0.0.1:{port}"
+            children.start("engine", ["engine", "--model", cfg.model, "--dump-dir", self.dumps, "--port", str(port),
+                                      "--layers", ",".join(map(str, cfg.capture_points)),
+                                      "--chunked-prefill-size", str(self.settings.chunked_prefill_size)])
+        for name in self.names:
+            children.start(name, ["worker", *self._common(), "--engine-url", self.engine_url, "--dump-dir", self.dumps,
+                                  "--spool-dir", self.spool, "--engine-wait", f"{self.settings.worker_engine_wait_s:g}"])
+        self.workers = True
+
+    def start_collector(self) -> None:
+        """After reconcile has rebuilt the done-set (a committed sample must not be taken for new)."""
+        if not self.collector:
+            self.children.start("collector", ["collect", *self._common(), "--spool-dir", self.spool,
+                                              "--max-wait", str(self.settings.max_wait_s)])
+            self.collector = True
+
+    def wait_engine(self) -> None:
+        if self._health:
+            _wait_http(self._health, self.children, timeout=300)
+            self._health = None
+
+    def ensure(self) -> None:
+        """Everything, now (the producer found work on a rerun that had none)."""
+        self.start_workers()
+        self.start_collector()
+        self.wait_engine()
+
+
+def _stop_on_interrupt(children: Supervisor) -> None:
+    """From now on Ctrl-C and SIGTERM hurry the stop (workers hand their jobs back at once)
+    instead of interrupting it half-way."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: children.hurry())
+
+
+def committed_totals(cfg: RunConfig) -> tuple[int, int] | None:
+    """(tokens, bytes) the run's index files commit (each sample's kept copy once; every shard's
+    bytes), or None when the output cannot be read now."""
+    from harvest.formats.index import INDEX, kept_copies, parse_index
+    from harvest.formats.runfile import run_location
+
+    try:
+        loc = run_location(cfg.out_url, cfg.run)
+        docs = [parse_index(loc.read_json(f"{INDEX}/{n}"), loc.path(INDEX, n)) for n in loc.list(INDEX, ".json")]
+    except (OSError, HarvestError):
+        return None
+    kept = kept_copies(docs).kept
+    tokens = sum(t for d in docs for s, t in zip(d["samples"], d["tokens"]) if kept.get(s) == d["shard_id"])
+    return tokens, sum(d["bytes"] for d in docs)
+
+
+def _where(work: str, redis_url: str | None) -> str:
+    """The option that reaches the run's Redis in the operator's commands, as a user types it."""
+    return f"--redis {shlex.quote(redact(redis_url))}" if redis_url else f"--work-dir {shlex.quote(work)}"
+
+
 def run_all(cfg: RunConfig, dataset: str, settings: RunnerSettings = RunnerSettings(),
             produce_kw: dict | None = None) -> RunSummary:
     """`settings`: where and how (harvest.settings.RunnerSettings; its `outage_s`: how long this
     process and its children wait for a Redis that went away, None: the default,
     harvest.state.connection.outage_limit); `produce_kw`: the producer's options
-    (`harvest.cli.options.producer_kwargs`). Raises RedisLost past the outage limit."""
+    (`harvest.cli.options.producer_kwargs`). Raises RedisLost past the outage limit, WorkDirBusy
+    (before anything is started) when another runner holds the work dir or the dump dir."""
+    work = os.path.abspath(settings.work_dir or default_work_dir(cfg.run))
+    dumps = os.path.abspath(settings.dump_dir or default_dump_dir(cfg.run))
+    locks = RunnerLocks(work, dumps, cfg.run).acquire(run=cfg.run)
+    try:
+        return _run_locked(cfg, dataset, settings, produce_kw, work, dumps, locks)
+    finally:
+        locks.release()  # last: the private Redis is stopped by now
+
+
+def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_kw: dict | None, work: str,
+                dumps: str, locks: RunnerLocks) -> RunSummary:
     t0 = time.monotonic()
-    redis_url, engine_url, outage_s = settings.redis_url, settings.engine_url, settings.outage_s
-    chunked_prefill_size = settings.chunked_prefill_size
-    work = settings.work_dir or default_work_dir(cfg.run)
-    os.makedirs(work, mode=0o700, exist_ok=True)
-    logs = os.path.join(work, "logs")
+    redis_url, outage_s = settings.redis_url, settings.outage_s
+    logs, spool = os.path.join(work, "logs"), os.path.join(work, "spool")
     os.makedirs(logs, exist_ok=True)
-    spool = os.path.join(work, "spool")
-    dumps = settings.dump_dir or default_dump_dir(cfg.run)
     server = keeper = None
     children = Supervisor(logs)
-    names: list[str] = []
+    names = [f"worker-{i + 1}" for i in range(settings.workers)]
     try:
         if redis_url is None:
-            server = RedisServer(os.path.join(work, "redis")).start()
-            redis_url = server.url
+            server = RedisServer(os.path.join(work, REDIS_SUBDIR)).start()
             keeper = RedisKeeper(server, note=children.note)
             keeper.start()
-        conn = connect_service(redis_url, outage_s)
-        cfg = publish_run(conn, cfg)
+        conn = connect_service(server.url if server else redis_url, outage_s)
+        cfg = publish_run(conn, cfg)  # checks Redis's and run.json's configuration first, then writes
+        if server is not None:
+            locks.update(run=cfg.run, redis=server.url)  # `harvest status --work-dir` talks to it meanwhile
         recovery = Recovery(conn, cfg)
-        engine = False
-        if engine_url is None and cfg.engine == "vllm":
-            engine_url = _start_vllm(children, cfg, dumps)
-        elif engine_url is None and cfg.engine == "sglang":
-            engine_url = _start_sglang(children, cfg, dumps, chunked_prefill_size)
-        elif engine_url is None:
-            port = free_port()
-            engine_url = f"http://127.0.0.1:{port}"
-            layers = ",".join(map(str, cfg.capture_points))
-            engine = True
-            children.start(
-                "engine",
-                ["engine", "--model", cfg.model, "--dump-dir", dumps, "--port", str(port), "--layers", layers,
-                 "--chunked-prefill-size", str(chunked_prefill_size)],
-            )
-        # Start-up is mostly imports (torch) and the engine's model load: overlap them. Workers
-        # start now and wait for the engine's /health themselves; this process imports what
-        # reconcile and the producer need meanwhile; the collector starts once reconcile has
-        # rebuilt the done-set from the index files (it must not take a committed sample for new).
-        common = ["--redis", redis_url, "--run", cfg.run]
-        if outage_s is not None:
-            common += ["--redis-wait", str(outage_s)]  # the children wait for Redis as long as this process
-        names = [f"worker-{i + 1}" for i in range(settings.workers)]
-        for name in names:
-            children.start(name, ["worker", *common, "--engine-url", engine_url, "--dump-dir", dumps,
-                                  "--spool-dir", spool, "--engine-wait", f"{settings.worker_engine_wait_s:g}"])
+        ledger = Ledger(conn, cfg.run)
+        launch = _Launcher(children, cfg, settings, server.url if server else redis_url, dumps, spool, names)
+        before = ledger.counts()
+        if before["total"] == 0 or before["queued"] or before["spooled"]:
+            # Work ahead: overlap the start-up (imports, the engine's model load) with reconcile and
+            # the producer. A rerun of a run with nothing pending produces first instead, and
+            # starts them only if the dataset brings something new.
+            launch.start_workers()
         from harvest.ops.reconcile import reconcile
 
         reconcile(conn, cfg)
-        children.start("collector", ["collect", *common, "--spool-dir", spool, "--max-wait", str(settings.max_wait_s)])
-        if engine:
-            _wait_http(engine_url, children, timeout=300)
+        if launch.started or ledger.counts()["queued"]:
+            launch.ensure()
+        disk = DiskWatch(work, spool, server.data_dir if server else None, settings.min_free_bytes)
+
+        def on_wait(_: int) -> None:  # the queue is full: its consumers must run
+            launch.ensure()
+            _tend(children, disk, names)
+
         from producer.producer import produce
 
         summary = produce(conn, cfg, dataset, max_queued=settings.max_queued, progress=settings.progress,
-                          on_bad=_report_bad, on_wait=lambda _: children.poll(), **(produce_kw or {}))
-        ledger = Ledger(conn, cfg.run)
-        bar = tqdm(total=ledger.counts()["total"], desc="extract", unit=" samples", disable=not settings.progress)
-        while True:
-            recovery.check()  # rate-limited by itself: one INFO every few seconds
-            c = ledger.counts()
-            bar.total = c["total"]
-            bar.n = c["done"] + c["failed"]
-            bar.set_postfix_str(f"queued {c['queued']} spooled {c['spooled']} failed {c['failed']}")
-            bar.refresh()
-            if c["queued"] == 0 and c["spooled"] == 0:
-                break
-            children.poll()
-            time.sleep(0.1)
-        bar.close()
+                          on_bad=_report_bad, on_wait=on_wait, **(produce_kw or {}))
+        c = ledger.counts()
+        if c["queued"] or c["spooled"]:
+            launch.ensure()
+        if launch.started:
+            _extract(ledger, recovery, children, disk, names, settings.progress)
         children.stop(_stop_order(names))
-        c, stats = ledger.counts(), ledger.stats()
+        c = ledger.counts()
+        totals = committed_totals(cfg)
+        if totals is None:  # the output unreadable just now: the counters the collectors kept
+            stats = ledger.stats()
+            totals = stats.get("tokens_done", 0), stats.get("bytes_done", 0)
         reasons = Counter(f["reason"] for f in ledger.failures().values())
         return RunSummary(
-            run=cfg.run,
-            out=cfg.out_url,
-            enqueued=summary.enqueued,
-            skipped=summary.skipped,
-            bad_rows=summary.bad,
-            done=c["done"],
-            failed=c["failed"],
-            tokens=stats.get("tokens_done", 0),
-            bytes=stats.get("bytes_done", 0),
-            seconds=time.monotonic() - t0,
-            failure_reasons=dict(reasons),
-            restarts=children.restarts(),
-            produced=summary.text(),
-        )
+            run=cfg.run, out=cfg.out_url, enqueued=summary.enqueued, skipped=summary.skipped, bad_rows=summary.bad,
+            done=c["done"], failed=c["failed"], tokens=totals[0], bytes=totals[1], seconds=time.monotonic() - t0,
+            failure_reasons=dict(reasons), restarts=children.restarts(), produced=summary.text(),
+            where=_where(work, settings.redis_url), started=launch.started)
     except RedisLost as e:
         if keeper is not None and keeper.last_error:
             e.hint = f"its private redis-server did not start again: {keeper.last_error}"
         raise
+    except KeyboardInterrupt:
+        _stop_on_interrupt(children)
+        tqdm.write("harvest: stopping: the workers finish their jobs, the collector commits what is spooled, then "
+                   "the engine and Redis stop (Ctrl-C again: the workers hand their jobs back at once)",
+                   file=sys.stderr)
+        raise
     finally:
+        _stop_on_interrupt(children)
         children.stop(_stop_order(names))
         if keeper is not None:
             keeper.stop()  # before the server: a server stopped on purpose is not restarted
-        if server is not None:
+        if server is not None and server.proc is not None and server.proc.poll() is None:
+            children.note("stopping redis-server")
             server.stop()
+            children.note(f"redis-server stopped (exit status {server.proc.returncode})")
+
+
+def _tend(children: Supervisor, disk: DiskWatch, names: list[str]) -> None:
+    """One round of keeping the children: restarts due, and the disk's pause or resume."""
+    change = disk.check()
+    if change == "pause":
+        children.tolerant = True
+        children.hold(names)
+        children.note(disk.pause_line())
+        tqdm.write(disk.pause_line(), file=sys.stderr)
+    elif change == "resume":
+        children.release(names)
+        children.tolerant = False
+        children.note(disk.resume_line())
+        tqdm.write(disk.resume_line(), file=sys.stderr)
+    children.poll()
+
+
+def _extract(ledger: Ledger, recovery: Recovery, children: Supervisor, disk: DiskWatch, names: list[str],
+             progress: bool) -> None:
+    """Until nothing is queued or spooled: the progress bar, Redis's identity, the children."""
+    bar = tqdm(total=ledger.counts()["total"], desc="extract", unit=" samples", disable=not progress)
+    while True:
+        recovery.check()  # rate-limited by itself: one INFO every few seconds
+        c = ledger.counts()
+        bar.total = c["total"]
+        bar.n = c["done"] + c["failed"]
+        bar.set_postfix_str(f"queued {c['queued']} spooled {c['spooled']} failed {c['failed']}")
+        bar.refresh()
+        if c["queued"] == 0 and c["spooled"] == 0:
+            break
+        _tend(children, disk, names)
+        time.sleep(0.1)
+    bar.close()

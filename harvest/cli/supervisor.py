@@ -6,7 +6,15 @@ crash-safe on its own (a worker's job goes back through the janitor, the collect
 recorded shard, workers wait for the engine), so a restart is all the repair there is. Only a
 child that keeps dying at start (`max_deaths` exits within `window_s`) ends the run, with its
 last log lines. Stopping goes in dependency order: workers finish their job first, then the
-collector commits what is spooled, then the engine.
+collector commits what is spooled, then the engine; each step is a line in supervisor.log.
+
+Every child runs in a session (and process group) of its own: a Ctrl-C in the runner's terminal
+reaches the runner alone, which then stops them in that order (before, the terminal's SIGINT hit
+every child at the same instant: Redis died first, workers failed their jobs, spool files were
+left uncommitted). A second Ctrl-C (`hurry`) hands the workers' jobs back at once (a worker's
+second SIGTERM). Since a terminal no longer kills them, a child must not outlive a runner that
+is SIGKILLed: each asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), the
+crash every child is built to survive; the next `harvest run` resumes.
 
 The run's private redis-server is not one of these children: `poll` runs on the run's main
 thread, which waits inside a Redis call while Redis is away, so harvest.cli.redisproc.RedisKeeper
@@ -17,16 +25,46 @@ and is restarted like any other.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harvest.errors import ServiceError
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def detached(death_signal: int = signal.SIGKILL) -> Callable[[], None]:
+    """A Popen `preexec_fn`: the child gets a session of its own (a terminal's Ctrl-C does not
+    reach it) and `death_signal` when the process that started it dies, however it dies. Only
+    async-signal-safe calls run in the child (setsid, prctl through a function resolved here,
+    getppid, kill)."""
+    parent = os.getpid()
+    prctl = _LIBC.prctl if _LIBC is not None else None
+
+    def preexec() -> None:
+        os.setsid()
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl: no signal would come
+            os.kill(os.getpid(), death_signal)
+
+    return preexec
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group a detached child leads (what it started goes too)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class ChildKeepsDying(ServiceError, RuntimeError):
@@ -42,6 +80,8 @@ class Child:
     deaths: list[float] = field(default_factory=list)  # monotonic times of its exits
     restarts: int = 0
     restart_at: float | None = None  # when a dead child is due to start again
+    held: bool = False  # stopped for a while (a full disk): not restarted, its exit not counted
+    stopped: bool = False  # stopped for good
 
 
 class Supervisor:
@@ -50,6 +90,8 @@ class Supervisor:
         self.log_dir = log_dir
         self.max_deaths, self.window_s, self.backoff_s = max_deaths, window_s, backoff_s
         self.children: dict[str, Child] = {}
+        self.hurried = False  # a second Ctrl-C: workers hand their jobs back at once
+        self.tolerant = False  # while the run is paused, a child that keeps dying does not end it
 
     def start(self, name: str, args: list[str], cmd: list[str] | None = None,
               env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -61,7 +103,8 @@ class Supervisor:
     def _spawn(self, child: Child) -> subprocess.Popen:
         log = open(os.path.join(self.log_dir, f"{child.name}.log"), "ab")
         child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env={**os.environ, **child.env} if child.env else None)
+                                      env={**os.environ, **child.env} if child.env else None,
+                                      preexec_fn=detached(signal.SIGKILL))
         log.close()
         child.restart_at = None
         return child.proc
@@ -70,8 +113,12 @@ class Supervisor:
         """Restart the children that died and are due; raise ChildKeepsDying for one that keeps dying."""
         now = time.monotonic()
         for child in self.children.values():
+            if child.stopped or child.held:
+                continue
             if child.restart_at is None and child.proc is not None and child.proc.poll() is not None:
                 child.deaths = [t for t in child.deaths if now - t < self.window_s] + [now]
+                if self.tolerant:
+                    child.deaths = child.deaths[-(self.max_deaths - 1):]
                 if len(child.deaths) >= self.max_deaths:
                     raise ChildKeepsDying(
                         f"{child.name} died {len(child.deaths)} times within {self.window_s:.0f}s (last exit status "
@@ -82,6 +129,34 @@ class Supervisor:
             if child.restart_at is not None and now >= child.restart_at:
                 child.restarts += 1
                 self._spawn(child)
+
+    def hold(self, names: list[str]) -> None:
+        """Stop these children for a while (SIGTERM: a worker finishes its job), without waiting
+        and without restarting them, until `release`."""
+        for n in names:
+            child = self.children.get(n)
+            if child is None or child.held or child.stopped:
+                continue
+            child.held, child.restart_at = True, None
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+
+    def release(self, names: list[str]) -> None:
+        """Start held children again (one still finishing its job is restarted once it exited)."""
+        for n in names:
+            child = self.children.get(n)
+            if child is None or not child.held:
+                continue
+            child.held = False
+            if child.proc is not None and child.proc.poll() is None:
+                child.restart_at = None  # its exit, when it comes, is a death like any (restarted after 1 s)
+            else:
+                self._spawn(child)
+
+    def hurry(self) -> None:
+        """A second Ctrl-C (or SIGTERM) while stopping: the workers hand their jobs back now. Only
+        sets a flag: called from a signal handler; `stop` acts on it."""
+        self.hurried = True
 
     def alive(self, name: str) -> subprocess.Popen | None:
         """The child's running process, or None while it is dead (waiting for its restart)."""
@@ -103,23 +178,42 @@ class Supervisor:
         with open(os.path.join(self.log_dir, "supervisor.log"), "a") as f:
             f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
 
-    def stop(self, order: list[list[str]] | None = None, timeout: float = 30.0) -> None:
+    def stop(self, order: list[list[str]] | None = None, timeout: float = 60.0) -> None:
         """SIGTERM the children group by group (`order`: e.g. workers, then the collector, then the
-        engine), waiting for each group to exit before the next; the rest go last."""
+        engine), waiting for each group to exit before the next; the rest go last. Each step is a
+        line in supervisor.log. Once `hurry` was called, a group still running gets a second
+        SIGTERM (a worker hands its job back); past `timeout` a group is SIGKILLed."""
         named = [n for group in order or [] for n in group]
         groups = [[n for n in g if n in self.children] for g in order or []]
         groups.append([n for n in self.children if n not in named])
         for group in groups:
-            procs = [self.children[n].proc for n in group if self.children[n].proc is not None]
+            live = []
             for n in group:
-                self.children[n].restart_at = None  # a stopped child is not restarted
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
+                child = self.children[n]
+                child.stopped, child.held, child.restart_at = True, False, None  # never restarted again
+                if child.proc is not None and child.proc.poll() is None:
+                    live.append(n)
+            if not live:
+                continue
+            self.note(f"stopping {', '.join(live)}")
+            for n in live:
+                self.children[n].proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + timeout
-            for p in procs:
-                try:
-                    p.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            hurried = self.hurried
+            while time.monotonic() < deadline and any(self.children[n].proc.poll() is None for n in live):
+                if self.hurried and not hurried:
+                    hurried = True
+                    running = [n for n in live if self.children[n].proc.poll() is None]
+                    self.note(f"stopping {', '.join(running)} at once (a second interrupt)")
+                    for n in running:
+                        self.children[n].proc.send_signal(signal.SIGTERM)
+                time.sleep(0.05)
+            for n in live:
+                p = self.children[n].proc
+                if p.poll() is None:
+                    self.note(f"{n} did not stop within {timeout:.0f}s: killing it")
+                    kill_group(p.pid)
                     p.wait()
+                else:
+                    kill_group(p.pid)  # whatever it started and left behind
+                self.note(f"{n} stopped (exit status {p.returncode})")

@@ -9,7 +9,7 @@ that changes what is stored is refused by name. Readers (harvest.read) parse it 
 
 from __future__ import annotations
 
-from harvest.config import ConfigError, RunConfig
+from harvest.config import ConfigError, RunConfig, absolute_location, absolute_model
 from harvest.storage import Location
 
 RUN_FILE = "run.json"
@@ -20,10 +20,24 @@ def run_location(out_url: str, run: str) -> Location:
     return Location.from_url(out_url).child(run)
 
 
+# Fields a run stores as locations: absolute since issue 26, as typed before.
+_LOCATIONS = {"model": absolute_model, "tokenizer": absolute_model, "out_url": absolute_location}
+
+
+def _same(key: str, now: object, stored: object) -> bool:
+    """`now` (absolute, for a location) names what `stored` does: a run stored before locations
+    were made absolute holds them as typed, relative to the folder its command ran in; the same
+    command from that folder must still find it the same run."""
+    if now == stored:
+        return True
+    norm = _LOCATIONS.get(key)
+    return bool(norm and isinstance(stored, str) and stored and norm(stored) == now)
+
+
 def check_same_run(a: RunConfig, b: RunConfig, where: str) -> None:
     """Refuse `a` (the configuration now) unless it stores what `b` (the one in `where`) does."""
     ia, ib = a.identity(), b.identity()
-    diff = sorted(k for k in ia if ia[k] != ib[k])
+    diff = sorted(k for k in ia if not _same(k, ia[k], ib[k]))
     if diff:
         details = ", ".join(f"{k}: {ib[k]!r} there, {ia[k]!r} now" for k in diff)
         raise ConfigError(f"run {a.run!r} already exists with a different configuration in {where} ({details}); use another --run name")

@@ -16,9 +16,14 @@ from harvest.state.keys import Keys
 
 
 def publish_run(conn: redis.Redis, cfg: RunConfig) -> RunConfig:
-    """Store the run in Redis and storage; returns the configuration now in force."""
-    publish_run_json(cfg)
+    """Store the run in Redis and storage; returns the configuration now in force. Redis's copy
+    is checked before run.json is written: a start refused for a configuration that differs
+    from the stored run leaves no run.json in a new output behind."""
     key = Keys(cfg.run).config
+    raw = conn.get(key)
+    if raw is not None:
+        check_same_run(cfg, RunConfig.from_json(raw), f"Redis key {key}")
+    publish_run_json(cfg)
     if not conn.set(key, cfg.to_json(), nx=True):
         stored = RunConfig.from_json(conn.get(key))
         check_same_run(cfg, stored, f"Redis key {key}")
