@@ -6,6 +6,11 @@ spare beyond what the tokenizer's threads fill (measure with bench/enqueue.py --
 on a 2-core machine they do not). Batches are submitted through a bounded window, so the
 reader never runs more than a few batches ahead of the enqueue (memory stays flat), and
 results come back in dataset order.
+
+A row is judged as in one process (producer.rows): each worker runs the same RowTokenizer. A
+batch the pool cannot take or give back (a row nested too deep to pickle, say) is tokenized in
+this process instead, by the same rules, so such a row is the same bad row as without
+--processes; an exception of harvest's own code is then raised here, with its traceback.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ class ProcessTokenizer:
     """Like RowTokenizer over a stream of batches, but in `processes` worker processes."""
 
     def __init__(self, tokenizer, processes: int, **kwargs) -> None:
-        RowTokenizer(tokenizer, **kwargs)  # fail here, in the parent, on a bad template or tokenizer
+        # Built here first: a bad template or tokenizer fails in the parent; and it tokenizes any
+        # batch the pool could not.
+        self.local = RowTokenizer(tokenizer, **kwargs)
         ctx = mp.get_context("spawn")  # no fork of a process holding Redis connections and threads
         self.pool = ctx.Pool(processes, initializer=_init, initargs=(tokenizer, kwargs))
         self.window = 2 * processes
@@ -55,7 +62,12 @@ class ProcessTokenizer:
                 if not pending:
                     return
                 batch, res = pending.popleft()
-                out, truncated = res.get()
+                try:
+                    out, truncated = res.get()
+                except Exception:  # noqa: BLE001 - pickling the batch, or a worker's failure: redone here
+                    before = self.local.truncated
+                    out = self.local(batch)
+                    truncated = self.local.truncated - before
                 self.truncated += truncated
                 yield batch, out
         finally:

@@ -1,7 +1,10 @@
 """The producer's main loop: read rows, tokenize them a batch at a time, enqueue, report.
 
 Rows that give no sample are counted by kind: `bad` (broken input: it sets the exit status,
-and `--strict` stops at the first), `empty` and `overlong` (reported, never enqueued).
+and `--strict` stops at the first), `empty` and `overlong` (reported, never enqueued;
+`--overlong fail` stops at the first). A sample's length limit is `--max-len` or the model's
+context, the smaller (producer.tokenize.LengthPolicy): a row past what the engine can take is
+handled here, before it is enqueued, not by a job that holds the engine for minutes.
 """
 
 from __future__ import annotations
@@ -12,10 +15,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import redis
-from tqdm import tqdm
-
 from harvest.config import ConfigError, RunConfig
 from harvest.errors import InputError
+from harvest.progress import progress as progress_display
 from harvest.state.payload import Sample
 from producer.enqueue import DEFAULT_MAX_QUEUED, Enqueuer
 from producer.parallel import ProcessTokenizer
@@ -31,7 +33,7 @@ KEEP_BAD_ROWS = 1000  # the first ones are kept for the summary; all are logged 
 
 
 class BadRowError(InputError, ValueError):
-    """A bad row under --strict."""
+    """A bad row under --strict, or an overlong one under --overlong fail."""
 
 
 @dataclass
@@ -127,9 +129,12 @@ def produce_pass(
     (see producer.parallel for when that pays); otherwise one thread tokenizes ahead of the enqueue.
     """
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer or cfg.model)
+    # The model's context bounds every sample too; a dry run given only a tokenizer reads the
+    # model folder it was loaded from.
+    length = length.with_model(cfg.model if cfg is not None else getattr(tokenizer, "name_or_path", None))
     rows = read_dataset(dataset)
     s = ProduceSummary(dry_run=dry_run)
-    bar = tqdm(desc="produce", unit=" rows", disable=not progress, dynamic_ncols=True)
+    bar = progress_display("produce", " rows", enabled=progress)
     enq = None
     if not dry_run:
         def waiting(q: int) -> None:
@@ -145,16 +150,17 @@ def produce_pass(
     else:
         to_samples = RowTokenizer(tokenizer, **kw)
         tokenized = prefetch((b, to_samples(b)) for b in _batches(rows, BATCH_ROWS))
+    fail_overlong = length.overlong == "fail"
     try:
         for batch, results in tokenized:
             for result in results:
-                _count(s, result, enq, strict, on_bad)
+                _count(s, result, enq, strict, fail_overlong, on_bad)
             s.rows += len(batch)
+            _postfix(bar, s, enq, refresh=False)  # before the update, which draws it: never a batch behind
             bar.update(len(batch))
-            if enq:
-                bar.set_postfix(enqueued=enq.stats.enqueued, skipped=enq.stats.skipped, bad=s.bad, refresh=False)
         if enq:
             enq.flush()
+        _postfix(bar, s, enq, refresh=True)  # the final counts, the last flush's jobs among them
     finally:
         tokenized.close()  # stops the prefetch thread or the worker processes, also on --strict or an error
         bar.close()
@@ -164,7 +170,16 @@ def produce_pass(
     return s
 
 
-def _count(s: ProduceSummary, result: Sample | BadRow, enq: Enqueuer | None, strict: bool, on_bad) -> None:
+def _postfix(bar, s: ProduceSummary, enq: Enqueuer | None, refresh: bool) -> None:
+    """The display's counts as they are now (a dry run shows what it found)."""
+    if enq:
+        bar.set_postfix(enqueued=enq.stats.enqueued, skipped=enq.stats.skipped, bad=s.bad, refresh=refresh)
+    else:
+        bar.set_postfix(samples=s.samples, bad=s.bad, refresh=refresh)
+
+
+def _count(s: ProduceSummary, result: Sample | BadRow, enq: Enqueuer | None, strict: bool, fail_overlong: bool,
+           on_bad) -> None:
     if isinstance(result, Sample):
         s.samples += 1
         s.sample_tokens += result.num_tokens
@@ -172,6 +187,8 @@ def _count(s: ProduceSummary, result: Sample | BadRow, enq: Enqueuer | None, str
             enq.add(result)
         return
     setattr(s, result.kind, getattr(s, result.kind) + 1)
+    if result.kind == "overlong" and fail_overlong:
+        raise BadRowError(f"overlong row: {result}")
     if result.kind == "bad":
         if strict:
             raise BadRowError(f"bad row (--strict): {result}")

@@ -84,19 +84,31 @@ def _type(v: object) -> str:
     return "null" if v is None else type(v).__name__
 
 
+def _unicode(v: str, where: str) -> str:
+    """`v`, refused if it holds a lone surrogate (JSON's `"\\ud800"` parses to one): no tokenizer
+    can encode it, and the message names the field and the character."""
+    if v.isascii():
+        return v
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RowError(f"{where} is not valid Unicode: a lone surrogate {v[e.start]!r} at character {e.start}") from None
+    return v
+
+
 def _string(d: Mapping, key: str) -> str:
     v = d[key]
     if not isinstance(v, str):
         raise RowError(f"'{key}' must be a string, got {_type(v)}")
-    return v
+    return _unicode(v, f"'{key}'")
 
 
 def _content(v: object, where: str) -> str:
     """A message's content: a string, or a list of `{"type": "text", "text": ...}` parts (joined)."""
     if isinstance(v, str):
-        return v
+        return _unicode(v, f"{where} content")
     if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
-        return "".join(p["text"] for p in v)
+        return _unicode("".join(p["text"] for p in v), f"{where} content")
     raise RowError(f"{where} content must be a string, got {_type(v)}")
 
 

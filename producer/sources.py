@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 
 from harvest.errors import InputError
-from producer.rows import BadRow, Row
+from producer.rows import BadRow, Row, exception_reason
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 COLUMNAR_SUFFIXES = (".parquet", ".arrow")
@@ -65,9 +65,15 @@ def read_jsonl(path: str) -> Iterator[Row | BadRow]:
             yield BadRow(where, f"not UTF-8 ({e.reason} at byte {e.start})")
             continue
         try:
-            yield Row(json.loads(text), where)
+            data = json.loads(text)
         except json.JSONDecodeError as e:
             yield BadRow(where, f"invalid JSON ({e.msg} at column {e.colno})")
+            continue
+        except Exception as e:  # noqa: BLE001 - the parser on this line's data (see producer.rows): nested
+            # too deep (RecursionError), an integer over Python's digit limit (ValueError), ...
+            yield BadRow(where, exception_reason("JSON not parsed", e))
+            continue
+        yield Row(data, where)
 
 
 def _is_hf_dataset(path: str) -> bool:
@@ -116,7 +122,11 @@ def _walk(path: str) -> list[str]:
 
 
 def dataset_files(path: str) -> list[str]:
-    """The files a dataset path stands for, in reading order (sorted within a directory)."""
+    """The files a dataset path stands for, in reading order (sorted within a directory).
+
+    A dataset without a single row is refused here (DatasetError, naming it), before anything is
+    registered or written: a run of nothing is a mistake (the wrong file, a failed download), not a
+    success. Finding a row costs the first line of a file, or a Parquet footer."""
     if not os.path.exists(path):
         raise DatasetNotFound(f"dataset {path} does not exist")
     if os.path.isfile(path):
@@ -125,11 +135,36 @@ def dataset_files(path: str) -> list[str]:
                 f"dataset {path}: unsupported format; expected one of {', '.join(JSONL_SUFFIXES + COLUMNAR_SUFFIXES)}, "
                 "a dataset saved with datasets.save_to_disk, or a directory of those"
             )
-        return [path]
-    files = _walk(path)
-    if not files:
-        raise DatasetError(f"dataset {path}: no {', '.join(JSONL_SUFFIXES + COLUMNAR_SUFFIXES)} files or saved datasets in it")
+        files = [path]
+    else:
+        files = _walk(path)
+        if not files:
+            raise DatasetError(f"dataset {path}: no {', '.join(JSONL_SUFFIXES + COLUMNAR_SUFFIXES)} files or saved datasets in it")
+    if not any(map(_holds_a_row, files)):
+        raise EmptyDataset(path, len(files))
     return files
+
+
+class EmptyDataset(DatasetError):
+    """A dataset path whose files hold no row (empty, or blank lines only)."""
+
+    def __init__(self, path: str, files: int) -> None:
+        what = "the file is empty or blank" if os.path.isfile(path) else f"its {files} file{'s' * (files != 1)} hold none"
+        super().__init__(f"dataset {path} holds no rows ({what}): nothing to extract; check the DATASET argument")
+
+
+def _holds_a_row(path: str) -> bool:
+    """Whether `path` yields anything at all: a row, or a bad row (an unreadable file counts, and is
+    reported with its place when read)."""
+    if path.endswith(COLUMNAR_SUFFIXES):
+        from producer.columnar import holds_a_row
+
+        return holds_a_row(path)
+    lines = _lines(path)
+    try:
+        return any(isinstance(raw, BadRow) or raw.strip() for _, raw in lines)
+    finally:
+        lines.close()  # the file, at once
 
 
 def read_file(path: str) -> Iterator[Row | BadRow]:
@@ -141,7 +176,8 @@ def read_file(path: str) -> Iterator[Row | BadRow]:
 
 
 def read_dataset(path: str) -> Iterator[Row | BadRow]:
-    """All rows of a dataset path; the files are resolved (and errors raised) before the first row."""
+    """All rows of a dataset path; the files are resolved (and errors raised, an empty dataset's
+    among them) before the first row."""
     files = dataset_files(path)
 
     def rows() -> Iterator[Row | BadRow]:

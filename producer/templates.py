@@ -70,7 +70,10 @@ class ChatRenderer:
         """The messages as every render of a prefix sees them (render_jinja_template's copy)."""
         if self._compiled is None:
             return messages
-        return _alias_reasoning_fields(_plain_template_data(messages))
+        try:
+            return _alias_reasoning_fields(_plain_template_data(messages))
+        except Exception as e:  # noqa: BLE001 - transformers' copy of this row's messages (producer.rows)
+            raise TemplateError(f"chat template's data not prepared: {type(e).__name__}: {e}") from None
 
     def _render(self, chat: list[dict], gen_prompt: bool = False) -> str:
         """`chat`: prepared messages (`_prepare`), or a prefix of them."""

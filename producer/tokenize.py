@@ -2,37 +2,90 @@
 
 Texts of a whole batch of rows go through the fast tokenizer's Rust `encode_batch` in one call
 (it parallelises across threads); chats are rendered to text and assistant spans first and
-their masks come from the token offsets. The length policy (`--max-len`, `--overlong`) and
-the empty-sample check apply to every row kind alike.
+their masks come from the token offsets. The length policy (`--max-len`, the model's context,
+`--overlong`) and the empty-sample check apply to every row kind alike. One row never stops a
+batch: see producer.rows for where the line runs between a bad row and a bug.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from harvest.config import ConfigError
+from harvest.config import ConfigError, model_config_json
 from harvest.state.payload import PayloadError, Sample
 from producer.rowkinds import Chat, FieldMap, Pretokenized, PromptCompletion, RowError, Text, classify
-from producer.rows import BadRow, Row
+from producer.rows import OVERLONG_POLICIES, BadRow, Row, exception_reason
 from producer.templates import ChatRenderer, TemplateError, mask_from_spans
 
-OVERLONG_POLICIES = ("skip", "truncate")
+ROW_ERRORS = (RowError, TemplateError, PayloadError)  # harvest's own verdicts on a row, told as they are
+# The keys a model config states its context length by, in the order SGLang reads them
+# (sglang.srt.configs.model_config.get_context_length): the first one present is the limit.
+CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
 
 
 @dataclass(frozen=True)
 class LengthPolicy:
+    """The longest sample: `max_len` (--max-len) and the model's `context` (`model_context`), the
+    smaller of the two; `overlong` says what a longer one becomes (producer.rows.OVERLONG_POLICIES)."""
+
     max_len: int | None = None
-    overlong: str = "skip"  # skip: report and drop; truncate: keep the first max_len tokens
+    overlong: str = "skip"  # skip: report and drop; truncate: keep the first tokens; fail: stop the producer
+    context: int | None = None  # the model's context length, when known
+    context_from: str = ""  # where `context` was read, for the message
 
     def __post_init__(self) -> None:
         if self.overlong not in OVERLONG_POLICIES:
             raise ConfigError(f"--overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {self.overlong!r}")
         if self.max_len is not None and self.max_len < 1:
             raise ConfigError(f"--max-len must be at least 1, got {self.max_len}")
+
+    def limit(self) -> tuple[int | None, str, str]:
+        """(the longest sample allowed, what sets it, where that was read) or (None, "", "") when
+        nothing does."""
+        if self.context is not None and (self.max_len is None or self.context < self.max_len):
+            return self.context, f"the model's context of {self.context}", f"{self.context_from} in its config.json"
+        if self.max_len is not None:
+            return self.max_len, f"--max-len {self.max_len}", ""
+        return None, "", ""
+
+    def with_model(self, model_dir: str | None) -> LengthPolicy:
+        """This policy bounded by the context of the model in `model_dir` too (unchanged when it
+        states none, or is no local folder)."""
+        found = model_context(model_dir) if model_dir else None
+        return replace(self, context=found[0], context_from=found[1]) if found else self
+
+
+def model_context(model_dir: str) -> tuple[int, str] | None:
+    """(context length, where it was read) of the local model in `model_dir`, from its config.json
+    as SGLang derives it: the first of CONTEXT_KEYS it states, times its `rope_scaling` factor
+    unless that scaling already states its original length (or is llama3's, whose length is stated
+    whole). None: no config.json there, or no such key. Past this length an engine refuses a prompt
+    (SGLang, vLLM), or computes positions the model never saw (the reference engine)."""
+    try:
+        c = model_config_json(model_dir)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(c, dict):
+        return None
+    key = next((k for k in CONTEXT_KEYS if _positive_int(c.get(k))), None)
+    if key is None:
+        return None
+    n, why = c[key], key
+    rs = c.get("rope_scaling")
+    if isinstance(rs, dict) and "original_max_position_embeddings" not in rs \
+            and (rs.get("rope_type") or rs.get("type")) != "llama3":
+        factor = rs.get("factor")
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+            n, why = int(n * factor), f"{key} {n} x rope_scaling factor {factor:g}"
+    return n, why
+
+
+def _positive_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 class _Texts:
@@ -41,17 +94,44 @@ class _Texts:
     def __init__(self) -> None:
         self.texts: list[str] = []
         self.encoded: list = []
+        self.failed: dict[int, str] = {}  # text index -> why the tokenizer gave no encoding
 
     def add(self, text: str) -> int:
         self.texts.append(text)
         return len(self.texts) - 1
 
     def encode(self, backend: Tokenizer, special: bool) -> None:
-        self.encoded = backend.encode_batch(self.texts, add_special_tokens=special) if self.texts else []
+        """All texts in one call; if the tokenizer refuses the batch, each text alone, so the text
+        it refuses fails its own row (`failed`) and the others are encoded as in one call."""
+        if not self.texts:
+            return
+        try:
+            self.encoded = backend.encode_batch(self.texts, add_special_tokens=special)
+            return
+        except Exception:  # noqa: BLE001 - the tokenizer on rows' data (producer.rows); found per text below
+            pass
+        self.encoded = []
+        for i, text in enumerate(self.texts):
+            try:
+                self.encoded.append(backend.encode(text, add_special_tokens=special))
+            except Exception as e:  # noqa: BLE001 - this text's own: its row is bad
+                self.encoded.append(None)
+                self.failed[i] = _refusal(text, e)
+
+
+def _refusal(text: str, e: Exception) -> str:
+    """Why the tokenizer refused `text`: a lone surrogate (which it reports only as a type error), or
+    its own words."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as u:
+        return (f"the row's text as rendered is not valid Unicode: a lone surrogate {text[u.start]!r} at character "
+                f"{u.start}; the tokenizer cannot encode it")
+    return exception_reason("the tokenizer cannot encode this row's text", e)
 
 
 class RowTokenizer:
-    """Turns rows into samples. `truncated` counts rows cut to --max-len (they are still samples)."""
+    """Turns rows into samples. `truncated` counts rows cut to their length limit (they are still samples)."""
 
     def __init__(
         self,
@@ -95,57 +175,94 @@ class RowTokenizer:
                 if isinstance(kind, Pretokenized):
                     out[i] = self._finish(row, *self._pretokenized(kind))
                 elif isinstance(kind, Text):
-                    plans[i] = ("text", special.add(kind.text))
+                    plans[i] = ("text", [(special, special.add(kind.text))], None)
                 elif isinstance(kind, PromptCompletion):
-                    plans[i] = ("pc", special.add(kind.prompt), plain.add(kind.completion))
+                    plans[i] = ("pc", [(special, special.add(kind.prompt)), (plain, plain.add(kind.completion))], None)
                 elif isinstance(kind, Chat):
                     text, spans = self.chat.render(kind.messages)
-                    plans[i] = ("chat", plain.add(text), spans)
-            except (RowError, TemplateError, PayloadError) as e:
+                    plans[i] = ("chat", [(plain, plain.add(text))], spans)
+            except ROW_ERRORS as e:
                 out[i] = BadRow(row.where, str(e))
         special.encode(self.backend, True)
         plain.encode(self.backend, False)
-        for i, plan in plans.items():
-            if plan[0] == "text":
-                ids = special.encoded[plan[1]].ids
+        for i, (what, refs, spans) in plans.items():
+            refused = [texts.failed[j] for texts, j in refs if j in texts.failed]
+            if refused:
+                out[i] = BadRow(rows[i].where, refused[0])
+                continue
+            encs = [texts.encoded[j] for texts, j in refs]
+            if what == "text":
+                ids = encs[0].ids
                 mask = [1] * len(ids)
-            elif plan[0] == "pc":
-                p, c = special.encoded[plan[1]].ids, plain.encoded[plan[2]].ids
+            elif what == "pc":
+                p, c = encs[0].ids, encs[1].ids
                 if self.eos_id is not None and (not c or c[-1] != self.eos_id):
                     c = [*c, self.eos_id]  # the model must learn to stop after the completion
                 ids, mask = p + c, [0] * len(p) + [1] * len(c)
             else:
-                enc = plain.encoded[plan[1]]
-                ids, mask = enc.ids, mask_from_spans(enc, plan[2])
+                ids, mask = encs[0].ids, mask_from_spans(encs[0], spans)
             out[i] = self._finish(rows[i], ids, mask)
         return out  # type: ignore[return-value]
 
     def _pretokenized(self, kind: Pretokenized) -> tuple[np.ndarray, np.ndarray | None]:
+        """The row's ids (and mask) checked in Python before numpy sees them: numpy would take
+        `true` for token 1 and a 30-digit number for an object array."""
         f = self.fields
-        ids = np.asarray(kind.input_ids) if isinstance(kind.input_ids, list) else None
-        if ids is None or ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-            raise RowError(f"'{f['input_ids']}' must be a list of integers")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-            bad = ids[(ids < 0) | (ids >= self.vocab_size)][0]
-            raise RowError(f"token id {int(bad)} outside the vocabulary [0, {self.vocab_size})")
+        ids = _int_list(kind.input_ids, f["input_ids"], "a list of integers (token ids)", {int}, None)
+        if ids:
+            lo, hi = min(ids), max(ids)
+            if lo < 0 or hi >= self.vocab_size:
+                i = next(i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size)
+                raise RowError(f"token id {ids[i]} ('{f['input_ids']}'[{i}]) outside the vocabulary [0, {self.vocab_size})")
         if kind.loss_mask is None:
-            return ids, None
-        mask = np.asarray(kind.loss_mask) if isinstance(kind.loss_mask, list) else None
-        if mask is None or mask.ndim != 1 or (mask.size and (mask.dtype.kind not in "iub" or not np.isin(mask, (0, 1)).all())):
-            raise RowError(f"'{f['loss_mask']}' must be a list of 0 and 1")
-        if mask.size != ids.size:
-            raise RowError(f"'{f['loss_mask']}' has {mask.size} entries for {ids.size} tokens")
-        return ids, mask
+            return np.array(ids, np.int64), None
+        mask = _int_list(kind.loss_mask, f["loss_mask"], "a list of 0 and 1", {int, bool}, {0, 1})
+        if len(mask) != len(ids):
+            raise RowError(f"'{f['loss_mask']}' has {len(mask)} entries for {len(ids)} tokens")
+        return np.array(ids, np.int64), np.array(mask, np.uint8)
 
     def _finish(self, row: Row, ids, mask) -> Sample | BadRow:
         n = len(ids)
         if n == 0:
             return BadRow(row.where, "empty sample (0 tokens)", "empty")
-        max_len = self.length.max_len
-        if max_len is not None and n > max_len:
-            if self.length.overlong == "skip":
-                return BadRow(row.where, f"{n} tokens, over --max-len {max_len} (--overlong skip)", "overlong")
-            ids = ids[:max_len]
-            mask = None if mask is None else mask[:max_len]
+        limit, what, source = self.length.limit()
+        if limit is not None and n > limit:
+            if self.length.overlong != "truncate":
+                why = f"{source}; " if source else ""
+                return BadRow(row.where, f"{n} tokens, over {what} ({why}--overlong {self.length.overlong})", "overlong")
+            ids = ids[:limit]
+            mask = None if mask is None else mask[:limit]
             self.truncated += 1
         return Sample.build(ids, mask)
+
+
+def _int_list(v: object, key: str, what: str, types: set[type], values: set[int] | None) -> list:
+    """`v`, a list whose items are all of `types` exactly (a boolean is no token id; a mask takes
+    true and false as 1 and 0) and, with `values`, among them; else RowError naming the first item
+    that is not. The checks run at C speed (`set(map(type, v))`); the item is looked for only then."""
+    if not isinstance(v, list):
+        raise RowError(f"'{key}' must be {what}, got {_kind(v)}")
+    if not set(map(type, v)) <= types or (values is not None and not set(v) <= values):
+        i = next(i for i, x in enumerate(v) if type(x) not in types or (values is not None and x not in values))
+        raise RowError(f"'{key}' must be {what}: '{key}'[{i}] is {_show(v[i])}")
+    return v
+
+
+def _kind(v: object) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def _show(v: object) -> str:
+    """An item of a row's list, for a message: its JSON spelling (short) and what it is."""
+    if isinstance(v, bool):
+        return f"{'true' if v else 'false'} (a boolean, not an integer)"
+    if v is None:
+        return "null"
+    if isinstance(v, int):
+        text = str(v) if abs(v) < 10 ** 24 else f"an integer of {len(str(abs(v)))} digits"
+        return text
+    if isinstance(v, float):
+        return f"{v!r} (a number with a fraction)" if len(repr(v)) <= 24 else "a number with a fraction"
+    if isinstance(v, str):
+        return f"{v!r} (a string)" if len(v) <= 20 else f"a string of {len(v)} characters"
+    return {"dict": "an object", "list": "a list"}.get(type(v).__name__, f"a {type(v).__name__}")

@@ -13,9 +13,14 @@ import click
 from harvest.config import ENGINE_KINDS
 from harvest.formats.dtypes import READ_DTYPES, STORAGE_DTYPES
 from harvest.node.dumpdir import default_dump_dir
+from harvest.progress import PLAIN_INTERVAL_S
 from harvest.settings import EngineSettings, ProducerSettings, RunTunables
+from producer.rows import OVERLONG_POLICIES
 
-DEFAULT_REDIS = os.environ.get("HARVEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+# --redis: the flag, else HARVEST_REDIS_URL (read by click when the command runs, and never shown
+# in --help: it may hold a password), else this.
+REDIS_ENV = "HARVEST_REDIS_URL"
+LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 # The engines `harvest run` can start itself when no --engine-url is given.
 LAUNCHABLE_ENGINES = ("reference", "sglang", "vllm")
 
@@ -47,14 +52,16 @@ def apply_s3_env(endpoint: str | None, region: str | None) -> None:
         os.environ["HARVEST_S3_REGION"] = region
 
 
-redis_option = click.option("--redis", "redis_url", default=DEFAULT_REDIS, show_default=True,
-                            help="Redis URL (password and user go in the URL).")
+redis_option = click.option("--redis", "redis_url", default=LOCAL_REDIS, envvar=REDIS_ENV, show_envvar=True,
+                            show_default=True, help="Redis URL (password and user go in the URL).")
 run_option = click.option("--run", "run", required=True, help="Run name ([A-Za-z0-9_-]+).")
 layers_option = click.option("--layers", default="eagle3", show_default=True,
                              help="'eagle3', HF hidden_states indices (e.g. 2,4,7), or a draft model's config.json "
                                   "(SpecForge's or speculators': its three aux layers and the final state).")
 dtype_option = click.option("--dtype", "storage_dtype", default="bf16", show_default=True,
-                            type=click.Choice(list(STORAGE_DTYPES)))
+                            type=click.Choice(list(STORAGE_DTYPES)),
+                            help="How the hidden states are stored (a new run's setting): fp8_e4m3 keeps a float32 "
+                                 "scale per token and capture point; export converts on request.")
 read_dtype_option = click.option("--dtype", "dtype", default=None, type=click.Choice(list(READ_DTYPES)),
                                  help="Hidden-state dtype of the files (default: bf16 for specforge, which reads "
                                       "nothing else; the run's for speculators; fp8 runs export bf16).")
@@ -68,7 +75,9 @@ s3_endpoint_option = click.option("--s3-endpoint", default=None,
                                   help="S3-compatible endpoint URL (MinIO, Ceph...); else HARVEST_S3_ENDPOINT / "
                                        "AWS_ENDPOINT_URL. Credentials: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
 s3_region_option = click.option("--s3-region", default=None, help="S3 region; else AWS_REGION / AWS_DEFAULT_REGION.")
-no_progress_option = click.option("--no-progress", is_flag=True)
+no_progress_option = click.option("--no-progress", is_flag=True,
+                                  help="Show no progress (else a bar on a terminal, a line every "
+                                       f"{PLAIN_INTERVAL_S:.0f}s in a log).")
 node_option = click.option("--node", default=None,
                            help="Node name in heartbeats, spools and `harvest status` (default: host name).")
 spool_grace_option = click.option("--spool-grace", "spool_grace", default=RunTunables.spool_grace_s,
@@ -87,10 +96,13 @@ fields_option = click.option("--field", "fields", multiple=True, metavar="NAME=C
                              help="Read a field from another column, e.g. text=content (repeatable).")
 chat_template_option = click.option("--chat-template", type=click.Path(exists=True, dir_okay=False), default=None,
                                     help="Jinja chat template file (default: the tokenizer's).")
-max_len_option = click.option("--max-len", type=click.IntRange(1), default=None, help="Longest sample in tokens.")
-overlong_option = click.option("--overlong", type=click.Choice(["skip", "truncate"]), default="skip",
+max_len_option = click.option("--max-len", type=click.IntRange(1), default=None,
+                               help="Longest sample in tokens (default and upper bound: the model's context, "
+                                    "max_position_embeddings in its config.json).")
+overlong_option = click.option("--overlong", type=click.Choice(list(OVERLONG_POLICIES)), default="skip",
                                show_default=True,
-                               help="What to do with samples over --max-len (skipped ones are reported).")
+                               help="A sample over its limit (--max-len or the model's context): skip it (reported "
+                                    "with its file and line), truncate it to the limit, or fail (stop, exit 2).")
 strict_option = click.option("--strict", is_flag=True, help="Stop at the first bad row.")
 processes_option = click.option("--processes", default=ProducerSettings.processes, show_default=True,
                                 type=click.IntRange(1, 256),

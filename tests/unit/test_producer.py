@@ -41,8 +41,8 @@ def test_row_kinds(tokenizer):
 def test_bad_rows_name_file_and_line(tokenizer):
     t = RowTokenizer(tokenizer)
     cases = [
-        ({"input_ids": [1, 99999]}, "f:1: token id 99999 outside the vocabulary [0, 512)"),
-        ({"input_ids": "1 2"}, "f:1: 'input_ids' must be a list of integers"),
+        ({"input_ids": [1, 99999]}, "f:1: token id 99999 ('input_ids'[1]) outside the vocabulary [0, 512)"),
+        ({"input_ids": "1 2"}, "f:1: 'input_ids' must be a list of integers (token ids), got str"),
         ({"foo": 1}, "f:1: no usable field: expected one of input_ids, messages, conversations, prompt, text; got ['foo']"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "f:1: 'messages'[0] has role 'robot'; expected one of system, user, assistant, tool"),
         ({"text": ""}, "f:1: empty sample (0 tokens)"),

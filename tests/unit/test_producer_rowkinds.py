@@ -127,7 +127,7 @@ def test_length_policy(tokenizer):
     trunc = RowTokenizer(tokenizer, length=LengthPolicy(max_len=3, overlong="truncate"))
     assert pairs(trunc.one(row)) == ([5, 6, 7], [0, 0, 1]) and trunc.truncated == 1
     assert pairs(skip.one(Row({"input_ids": [5, 6, 7]}, "f:8"))) == ([5, 6, 7], [1, 1, 1])
-    with pytest.raises(ValueError, match="--overlong must be one of skip, truncate"):
+    with pytest.raises(ValueError, match="--overlong must be one of skip, truncate, fail, got 'drop'"):
         LengthPolicy(overlong="drop")
 
 
@@ -139,15 +139,28 @@ def test_empty_samples_are_reported(tokenizer):
 
 
 @pytest.mark.parametrize("data,msg", [
-    ({"input_ids": [1, 99999]}, "token id 99999 outside the vocabulary [0, 512)"),
-    ({"input_ids": [-1, 2]}, "token id -1 outside the vocabulary [0, 512)"),
-    ({"input_ids": "1 2"}, "'input_ids' must be a list of integers"),
-    ({"input_ids": [1.5, 2]}, "'input_ids' must be a list of integers"),
-    ({"input_ids": [[1], [2]]}, "'input_ids' must be a list of integers"),
-    ({"input_ids": [1, 2], "loss_mask": [1, 2]}, "'loss_mask' must be a list of 0 and 1"),
+    ({"input_ids": [1, 99999]}, "token id 99999 ('input_ids'[1]) outside the vocabulary [0, 512)"),
+    ({"input_ids": [-1, 2]}, "token id -1 ('input_ids'[0]) outside the vocabulary [0, 512)"),
+    ({"input_ids": "1 2"}, "'input_ids' must be a list of integers (token ids), got str"),
+    ({"input_ids": None}, "'input_ids' must be a list of integers (token ids), got null"),
+    ({"input_ids": [1.5, 2]}, "'input_ids' must be a list of integers (token ids): 'input_ids'[0] is 1.5 (a number with a fraction)"),
+    ({"input_ids": [[1], [2]]}, "'input_ids' must be a list of integers (token ids): 'input_ids'[0] is a list"),
+    ({"input_ids": [5, True, 7]}, "'input_ids' must be a list of integers (token ids): 'input_ids'[1] is true (a boolean, not an integer)"),
+    ({"input_ids": [5, "6"]}, "'input_ids' must be a list of integers (token ids): 'input_ids'[1] is '6' (a string)"),
+    ({"input_ids": [5, 10 ** 30]}, "token id 1000000000000000000000000000000 ('input_ids'[1]) outside the vocabulary [0, 512)"),
+    ({"input_ids": [1, 2], "loss_mask": [1, 2]}, "'loss_mask' must be a list of 0 and 1: 'loss_mask'[1] is 2"),
+    ({"input_ids": [1, 2], "loss_mask": [1, None]}, "'loss_mask' must be a list of 0 and 1: 'loss_mask'[1] is null"),
+    ({"input_ids": [1, 2], "loss_mask": [1.0, 0]}, "'loss_mask' must be a list of 0 and 1: 'loss_mask'[0] is 1.0 (a number with a fraction)"),
+    ({"input_ids": [1, 2], "loss_mask": {"a": 1}}, "'loss_mask' must be a list of 0 and 1, got dict"),
     ({"input_ids": [1, 2], "loss_mask": [1]}, "'loss_mask' has 1 entries for 2 tokens"),
     ({"text": 5}, "'text' must be a string, got int"),
     ({"text": None}, "'text' must be a string, got null"),
+    ({"text": "ab\ud800c"}, "'text' is not valid Unicode: a lone surrogate '\\ud800' at character 2"),
+    ({"prompt": "a", "completion": "\udfff"}, "'completion' is not valid Unicode: a lone surrogate '\\udfff' at character 0"),
+    ({"messages": [{"role": "user", "content": "hi \ud800"}]},
+     "'messages'[0] content is not valid Unicode: a lone surrogate '\\ud800' at character 3"),
+    ({"conversations": [{"from": "human", "value": [{"type": "text", "text": "\ud800"}]}]},
+     "'conversations'[0] content is not valid Unicode: a lone surrogate '\\ud800' at character 0"),
     ({"prompt": "a"}, "'prompt' without 'completion' or 'response'"),
     ({"prompt": "a", "completion": ["x"]}, "'completion' must be a string, got list"),
     ({"messages": []}, "'messages' must be a non-empty list of messages, got an empty list"),
