@@ -8,17 +8,19 @@ needs only the output folder (any fsspec URL): the run's configuration comes fro
 
 - reading: `RunReader` (samples by id, shard by shard, each checked against its crc32) and
   `hidden_at` (one capture point of a sample);
-- training: `HiddenStateDataset` (map-style) and `HiddenStateIterable` (shards dealt to ranks and
-  DataLoader workers), whose items `eagle3_item` shapes;
+- training: `HiddenStateDataset` (map-style) and `HiddenStateIterable` (the training feed: equal
+  spans of a seeded, shard-local order for every rank and DataLoader worker, read-ahead,
+  `state_dict`/`load_state_dict`, following a live run), whose items `eagle3_item` shapes;
 - trainers' own files: `export_run` into one of `EXPORT_FORMATS`, with its `ExportReport`;
 - what a read raises: `ConfigError` (no run, or a run.json this harvest cannot read),
   `ShardError` (a shard or index that disagrees with its run; the base of the next two),
   `CorruptSample` (one sample's bytes fail their check), `UnreadableShard` (a whole shard lost),
   `NoFinalState` (a dataset over a run without the final state), `ExportError` (an export its
-  trainer cannot use).
+  trainer cannot use), `FeedStalled` (a followed run committed nothing new for the feed's wait and
+  is not settled).
 
-The modules below (reader, shard_reader, dataset, export, specforge, speculators, final_norm,
-trainers) hold the implementation; their other names are harvest's own, not promised to trainers.
+The modules below (reader, shard_reader, dataset, partition, readahead, follow, export, specforge,
+speculators, final_norm, trainers) hold the implementation; their other names are harvest's own, not promised to trainers.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers; loaded lazily below
     from harvest.formats.index import ShardError
     from harvest.read.dataset import HiddenStateDataset, HiddenStateIterable, NoFinalState, eagle3_item
     from harvest.read.export import ExportError, ExportReport, export_run
+    from harvest.read.follow import FeedStalled
     from harvest.read.reader import RunReader, hidden_at
     from harvest.read.shard_reader import CorruptSample, UnreadableShard
     from harvest.read.trainers import EXPORT_FORMATS
@@ -50,6 +53,7 @@ __all__ = [
     "UnreadableShard",
     "NoFinalState",
     "ExportError",
+    "FeedStalled",
 ]
 
 # Each public name -> the module that defines it.
@@ -68,6 +72,7 @@ _HOME = {
     "ShardError": "harvest.formats.index",
     "CorruptSample": "harvest.read.shard_reader",
     "UnreadableShard": "harvest.read.shard_reader",
+    "FeedStalled": "harvest.read.follow",
 }
 
 

@@ -34,6 +34,7 @@ PUBLIC = [
     "UnreadableShard",
     "NoFinalState",
     "ExportError",
+    "FeedStalled",
 ]
 
 
