@@ -23,7 +23,9 @@ this process, which stops them in order: harvest.cli.supervisor), no engine star
 with nothing to do (the producer runs first when the ledger knows the run and nothing is
 queued or spooled), workers paused while the work dir's disk is full (harvest.cli.diskwatch),
 and the summary's tokens and bytes read from the index files, the truth, not from counters that
-an interrupted commit skipped.
+an interrupted commit skipped. When nothing is left queued or spooled it writes the run's
+`settled.json` (harvest.formats.settled), which ends the training feeds following the run, and
+it removes that marker when it starts on the run again.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from harvest.cli.supervisor import Supervisor
 from harvest.cli.workdir import REDIS_SUBDIR, RunnerLocks, default_work_dir
 from harvest.config import RunConfig
 from harvest.errors import HarvestError, ServiceError
+from harvest.formats.runfile import run_location
+from harvest.formats.settled import SETTLED, clear_settled, write_settled
 from harvest.health import wait_healthy
 from harvest.node.dumpdir import default_dump_dir
 from harvest.ops.recovery import Recovery
@@ -54,6 +58,7 @@ from harvest.settings import EngineSettings, RunnerSettings
 from harvest.state.connection import RedisLost, redact
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
+from harvest.storage import retry
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the engines' PYTHONPATH
 
@@ -280,6 +285,8 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
             keeper.start()
         conn = connect_service(server.url if server else redis_url, outage_s)
         cfg = publish_run(conn, cfg)  # checks Redis's and run.json's configuration first, then writes
+        out = run_location(cfg.out_url, cfg.run)
+        retry(lambda: clear_settled(out), f"removing {out.path(SETTLED)}")  # open again: followers wait
         if server is not None:
             locks.update(run=cfg.run, redis=server.url)  # `harvest status --work-dir` talks to it meanwhile
         recovery = Recovery(conn, cfg)
@@ -313,6 +320,8 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
             _extract(ledger, recovery, children, disk, names, settings.progress)
         children.stop(_stop_order(names))
         c = ledger.counts()
+        if c["queued"] == 0 and c["spooled"] == 0:  # every index is written: followers of the run may end
+            retry(lambda: write_settled(out, cfg.run, c["done"], c["failed"]), f"writing {out.path(SETTLED)}")
         totals = committed_totals(cfg)
         if totals is None:  # the output unreadable just now: the counters the collectors kept
             stats = ledger.stats()
