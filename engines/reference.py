@@ -107,6 +107,9 @@ class ReferenceEngine:
         points = list(self.capture_points)
         if wrong_layer:  # test-only fault: the first capture point read from the next layer
             points[0] = min(points[0] + 1, self.num_layers)
+            if req.done == 0:
+                log.warning("injected fault %s: %s capture point %d taken from layer %d", fx.WRONG_LAYER, req.rid,
+                            self.capture_points[0], points[0])
         return torch.stack([out.hidden_states[p][0] for p in points], dim=1)  # [n, K, H]
 
     @torch.inference_mode()
@@ -185,9 +188,14 @@ class ReferenceEngine:
             if c.rid in hit[fx.SHIFT_CHUNK] and c.start > 0:
                 hit[fx.SHIFT_CHUNK].discard(c.rid)  # one chunk of the request: its second
                 c = replace(c, hidden_states=torch.cat([c.hidden_states[:1], c.hidden_states[:-1]]))
+                log.warning("injected fault %s: %s rows [%d, %d) hold the states of the position before them",
+                            fx.SHIFT_CHUNK, c.rid, c.start + 1, c.end)
             if c.rid in hit[fx.PERTURB] and c.end > lengths[c.rid] // 2:
+                first = max(0, lengths[c.rid] // 2 - c.start)
+                log.warning("injected fault %s: %s rows [%d, %d) perturbed by %g of their RMS", fx.PERTURB, c.rid,
+                            c.start + first, c.end, fx.PERTURB_SCALE)
                 hs = c.hidden_states.clone()
-                rows = hs[max(0, lengths[c.rid] // 2 - c.start):]
+                rows = hs[first:]
                 g = torch.Generator().manual_seed(c.start)
                 noise = torch.randn(rows.shape, generator=g, dtype=torch.float32)
                 rms = rows.float().pow(2).mean(-1, keepdim=True).sqrt()

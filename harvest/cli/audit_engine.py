@@ -59,6 +59,7 @@ class EngineRoute:
     def __init__(self, cfg: RunConfig, engine_url: str | None, dump_dir: str | None, model: str | None,
                  chunked_prefill_size: int, settings: AuditSettings = AuditSettings()) -> None:
         self.cfg, self.settings = cfg, settings
+        self.engine_points = list(cfg.capture_points)  # what the engine dumps: the run's, or every layer
         self._proc: subprocess.Popen | None = None
         self._own_dumps: str | None = None
         if engine_url is None:
@@ -87,8 +88,10 @@ class EngineRoute:
         url = f"http://127.0.0.1:{port}"
         self._log = os.path.join(self._own_dumps, "engine.log")
         dumps = os.path.join(self._own_dumps, "dumps")
+        if self.cfg.num_layers:  # every layer, so a capture point taken from the wrong one is named
+            self.engine_points = list(range(self.cfg.num_layers + 1))
         argv = [sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dumps, "--port",
-                str(port), "--layers", ",".join(map(str, self.cfg.capture_points)), "--chunked-prefill-size", str(chunk)]
+                str(port), "--layers", ",".join(map(str, self.engine_points)), "--chunked-prefill-size", str(chunk)]
         with open(self._log, "ab") as log:
             self._proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -123,12 +126,15 @@ class EngineRoute:
             if rid in failed:
                 raise Unchecked(str(failed[rid]))
             try:
-                spooled = assemble(claimed[rid], sample, self.cfg.capture_points, torch.float32)
+                hs = assemble(claimed[rid], sample, self.engine_points, torch.float32).hidden_states.clone()
             except SampleFailure as e:
                 raise Unchecked(str(e)) from None
-            return spooled.hidden_states.clone(), None
         finally:
             shutil.rmtree(mine, ignore_errors=True)
+        if self.engine_points == list(self.cfg.capture_points):
+            return hs, None
+        layers = {p: hs[:, j] for j, p in enumerate(self.engine_points)}
+        return torch.stack([layers[p] for p in self.cfg.capture_points], dim=1), layers
 
     def close(self) -> None:
         self.client.close()

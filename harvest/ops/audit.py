@@ -214,8 +214,8 @@ def audit_run(loc: Location, cfg: RunConfig, route: Route, n: int, seed: int, to
         elif bad := reader.check(p.position):
             e = bad[0]
             res.outcome = CORRUPT
-            res.detail = (f"tensor {e.tensor}, bytes [{e.begin}, {e.end}) of the shard {e.problem}: corruption at rest, "
-                          "not drift")
+            res.detail = (f"tensor {e.tensor}, bytes [{e.begin}, {e.end}) of the shard {e.problem}: corruption at "
+                          "rest, not drift")
         else:
             sample, stored = _stored(reader, p.position, torch.float32)
             if sample.id != p.sample_id:  # sound bytes, other tokens: packed under the wrong id

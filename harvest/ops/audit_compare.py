@@ -38,7 +38,8 @@ TOLERANCE: dict[str, float] = {
                           # scales, harvest.formats.fp8), plus the bf16 pass it was computed by
 }
 WORST_ROWS = 3  # positions named per capture point
-OK, DRIFT, MISALIGNED, WRONG_LAYER, CORRUPT, UNCHECKED = "ok", "drift", "misaligned", "wrong-layer", "corrupt", "unchecked"
+OK, DRIFT, MISALIGNED, WRONG_LAYER = "ok", "drift", "misaligned", "wrong-layer"
+CORRUPT, UNCHECKED = "corrupt", "unchecked"  # stored bytes fail their crc32s; the route could not recompute it
 OUTCOMES = (OK, DRIFT, MISALIGNED, WRONG_LAYER, CORRUPT, UNCHECKED)
 _SPECIFIC = (MISALIGNED, WRONG_LAYER, DRIFT)  # a sample's reason: the most specific of its points'
 
@@ -124,7 +125,8 @@ def compare_point(point: int, stored: torch.Tensor, recomputed: torch.Tensor, to
             st.reason, st.detail = WRONG_LAYER, f"capture point {point} holds layer {q}'s states"
             return st
     st.reason = DRIFT
-    st.detail = f"{st.bad_rows} of {len(r)} rows beyond the bound, rows {_ranges(sorted(bad.nonzero().flatten().tolist()))}"
+    rows = _ranges(sorted(bad.nonzero().flatten().tolist()))
+    st.detail = f"{st.bad_rows} of {len(r)} rows beyond the bound, rows {rows}"
     return st
 
 
@@ -153,7 +155,8 @@ def compare_sample(result: SampleResult, points: Sequence[int], stored: torch.Te
     """Fill `result` from `stored` and `recomputed` [T, K, H] (K = `points`); `layers`: every
     recomputed layer the route has (HF: all of them; else the capture points themselves)."""
     if stored.shape != recomputed.shape:
-        result.outcome, result.detail = DRIFT, f"stored shape {tuple(stored.shape)}, recomputed {tuple(recomputed.shape)}"
+        result.outcome = DRIFT
+        result.detail = f"stored shape {tuple(stored.shape)}, recomputed {tuple(recomputed.shape)}"
         return result
     others = dict(layers) if layers is not None else {p: recomputed[:, k] for k, p in enumerate(points)}
     result.points = [compare_point(p, stored[:, k], recomputed[:, k], tol, others) for k, p in enumerate(points)]

@@ -66,7 +66,7 @@ class HFRoute:
     def recompute(self, sample: Sample) -> tuple[torch.Tensor, Mapping[int, torch.Tensor]]:
         import torch
 
-        ids = torch.tensor([sample.input_ids.astype("int64")], device=self.device)
+        ids = torch.from_numpy(sample.input_ids.astype("int64")).unsqueeze(0).to(self.device)
         with torch.inference_mode():
             hs = self.model(ids, output_hidden_states=True, **self._kw).hidden_states
         layers = {i: h[0].cpu() for i, h in enumerate(hs)}

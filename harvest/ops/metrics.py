@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import redis
 
 from harvest.errors import ConfigurationError
+from harvest.ops.audit_record import last_audit
 from harvest.ops.runlist import discover_runs
 from harvest.state.keys import Keys
 
@@ -100,6 +101,14 @@ class RedisCollector:
         eta_s = GaugeMetricFamily("harvest_eta_seconds", "Seconds until the run's queued and spooled samples are "
                                   "committed, as `harvest status` says (from the spool rate before the first commit); "
                                   "absent while nothing moves.", labels=["run"])
+        audited = GaugeMetricFamily("harvest_audit_timestamp_seconds", "When the run was last audited (`harvest "
+                                    "audit`), by route and verdict.", labels=["run", "route", "verdict"])
+        audit_samples = GaugeMetricFamily("harvest_audit_samples", "Samples of the last audit by outcome (ok, drift, "
+                                          "misaligned, wrong-layer, corrupt, unchecked).", labels=["run", "outcome"])
+        audit_worst = GaugeMetricFamily("harvest_audit_worst_relative_error", "The last audit's largest relative "
+                                        "error of a row (its bound: harvest_audit_tolerance).", labels=["run"])
+        audit_bound = GaugeMetricFamily("harvest_audit_tolerance", "The last audit's bound on a row's relative "
+                                        "error (the storage dtype's).", labels=["run"])
         counters = {f: CounterMetricFamily(m.removesuffix("_total"), h, labels=["run"]) for f, (m, h) in STATS.items()}
         hists = {n: HistogramMetricFamily(f"harvest_{n}", h, labels=["run"]) for n, h in HISTOGRAMS.items()}
         for run in runs:
@@ -126,13 +135,21 @@ class RedisCollector:
                           rates.get("samples_spooled", 0) / window)
             if left is not None:
                 eta_s.add_metric([run], left)
+            audit = last_audit(self.conn, run)
+            if audit:
+                audited.add_metric([run, str(audit.get("route", "")), str(audit.get("verdict", ""))], audit.get("at", 0))
+                for outcome, n in (audit.get("outcomes") or {}).items():
+                    audit_samples.add_metric([run, outcome], n)
+                audit_worst.add_metric([run], audit.get("worst_rel", 0.0))
+                audit_bound.add_metric([run], audit.get("tolerance", 0.0))
             stats = led.stats()
             for f, fam in counters.items():
                 fam.add_metric([run], stats.get(f, 0))
             for n, fam in hists.items():
                 buckets, total, _ = read_histogram(self.conn, run, n)
                 fam.add_metric([run], buckets, total)
-        yield from (samples, queue, failed, workers, spool, spool_files, eta_s, *counters.values(), *hists.values())
+        yield from (samples, queue, failed, workers, spool, spool_files, eta_s, audited, audit_samples, audit_worst,
+                    audit_bound, *counters.values(), *hists.values())
 
 
 def failure_reasons(conn: redis.Redis, run: str) -> Counter:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import redis
 
 from harvest.config import ConfigError, RunConfig
+from harvest.ops.audit_record import last_audit, status_line
 from harvest.settings import RunTunables
 from harvest.state.heartbeat import HEARTBEAT_TTL_S, read_collectors, read_workers
 from harvest.state.jobs import run_queue
@@ -94,6 +95,7 @@ class RunStatus:
     spool_grace_s: float = RunTunables.spool_grace_s
     spools_reclaimed: int = 0
     samples_reclaimed: int = 0
+    audit: dict | None = None  # the last `harvest audit`'s summary (harvest.ops.audit_record), None: never
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -191,6 +193,7 @@ def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: i
         spools=_spools(conn, run, grace), spool_grace_s=grace,
         spools_reclaimed=stats.get("spools_reclaimed", 0), samples_reclaimed=stats.get("samples_reclaimed", 0),
         failures=[Failure(r, n, examples.get(r, "")) for r, n in reasons.most_common(top)],
+        audit=last_audit(conn, run),
     )
 
 
@@ -229,6 +232,7 @@ def render(st: RunStatus, width: int = 100) -> str:
         f"  jobs     queued {st.jobs['queued']}   running {st.jobs['started']}   waiting to retry {st.jobs['scheduled']}   "
         f"failed in RQ {st.jobs['failed']}",
     ]
+    lines.append(status_line(st.audit, st.run))
     n_alive = sum(len(ws) for ws in st.workers.values())
     lines.append(f"  workers  {n_alive} alive" + (f", {len(st.dead_workers)} dead (janitor will take back their jobs)"
                                                     if st.dead_workers else ""))
