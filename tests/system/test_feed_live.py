@@ -1,0 +1,125 @@
+"""The training feed following a live run, as real processes: two reader processes (ranks 0 and 1
+of 2, each with 2 DataLoader workers) start when about a fifth of a `harvest run` is committed;
+a second node then loses its spool (SIGKILL, its samples reclaimed after the run's grace and
+extracted again by the runner's node); the readers end when the runner writes settled.json, and
+together they have read every sample of the run exactly once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from harvest.cli.demo import demo_rows, write_jsonl
+from harvest.formats.settled import read_settled
+from harvest.node.spooldir import spool_identity
+from harvest.read.reader import RunReader
+from harvest.state.ledger import Ledger
+from harvest.storage import Location
+from tests.support.cli import REPO, harvest_cli, kill_group
+from tests.support.ops import Procs, new_run
+from tests.support.wait import OutputReader, wait_for
+
+pytestmark = pytest.mark.slow
+
+ROWS = 40
+PACE = {"HARVEST_ENGINE_FAULTS": "hang", "HARVEST_ENGINE_HANG_S": "0.5"}  # each engine call takes 0.5 s more
+
+READER = """
+import json, sys
+from torch.utils.data import DataLoader
+from harvest.read import HiddenStateIterable
+
+url, rank = sys.argv[1], int(sys.argv[2])
+feed = HiddenStateIterable(url, seed=3, rank=rank, world_size=2, num_workers=2, follow=True, poll_s=0.2, wait_s=150)
+print("view", len(feed), flush=True)
+got = [x["input_ids"].tolist() for x in DataLoader(feed, batch_size=None, num_workers=2)]
+print(json.dumps(got), flush=True)
+"""
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Procs(str(tmp_path / "logs"))
+    yield p
+    p.close()
+
+
+def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(tmp_path, conn, redis_server,
+                                                                               tiny_model, procs):
+    run, out = "live", f"file://{tmp_path}/out"
+    url = f"{out}/{run}"
+    new_run(conn, run, tiny_model, out, batch=4, spool_grace_s=6)
+    data = write_jsonl(str(tmp_path / "data.jsonl"), demo_rows(ROWS, seed=5))
+    ledger = Ledger(conn, run)
+
+    # node a: an engine and a worker with a spool of their own, and no collector: what it spools
+    # waits there until the node is lost and its samples are reclaimed
+    a_spool = str(tmp_path / "spool-a")
+    a_url = procs.engine("engine-a", tiny_model, str(tmp_path / "dumps-a"))
+    procs.start("worker-a", "worker", "--run", run, "--redis", redis_server.url, "--engine-url", a_url,
+                "--dump-dir", str(tmp_path / "dumps-a"), "--spool-dir", a_spool, "--node", "a")
+
+    result: dict = {}
+
+    def runner() -> None:
+        result["res"] = harvest_cli(
+            "run", data, "--model", tiny_model, "--out", out, "--run", run, "--redis", redis_server.url,
+            "--layers", "eagle3", "--dtype", "fp32", "--workers", "1", "--max-wait", "1", "--spool-grace", "6",
+            "--work-dir", str(tmp_path / "work"), "--dump-dir", str(tmp_path / "dumps-main"), "--no-progress",
+            timeout=300, env=PACE)
+
+    main = threading.Thread(target=runner, daemon=True)
+    main.start()
+
+    def committed() -> int:
+        loc = Location.from_url(url)
+        return len(RunReader(url)) if loc.exists("run.json") and loc.list("index", ".json") else 0
+
+    wait_for(lambda: committed() >= ROWS // 5, 180, "a fifth of the run committed")
+    readers = [subprocess.Popen([sys.executable, "-c", READER, url, str(rank)], cwd=REPO, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+               for rank in range(2)]
+    outs = [OutputReader(p.stdout) for p in readers]
+    try:
+        views = []
+        for i, (o, p) in enumerate(zip(outs, readers)):
+            o.wait_for(lambda t: t.startswith("view "), 120, f"reader {i} open", proc=p)
+            views.append(int(o.text.split()[1]))
+        wait_for(lambda: _spooled_on(conn, ledger, a_spool), 120, "node a spooled samples")
+        for name in ("worker-a", "engine-a"):  # node a lost: its spool is left as it was
+            procs.procs[name].send_signal(signal.SIGKILL)
+            procs.procs[name].wait()
+        stranded = _spooled_on(conn, ledger, a_spool)
+
+        main.join(300)
+        res = result["res"]
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        got = []
+        for i, (o, p) in enumerate(zip(outs, readers)):
+            assert p.wait(120) == 0, p.stderr.read()[-3000:]
+            got += json.loads(o.close().strip().splitlines()[-1])
+    finally:
+        for p in readers:
+            if p.poll() is None:
+                kill_group(p)
+
+    reader = RunReader(url)
+    total = ledger.counts()["total"]
+    assert ledger.counts()["done"] == total == len(reader) and ledger.counts()["failed"] == 0
+    stats = ledger.stats()
+    assert stats["spools_reclaimed"] == 1 and stats["samples_reclaimed"] == stranded
+    assert all(ROWS // 5 <= v < total for v in views), views  # the readers started on a run still going
+    by_tokens = {tuple(reader.tokens(s)[0].tolist()): s for s in reader.sample_ids}
+    read = [by_tokens[tuple(t)] for t in got]
+    assert len(read) == len(set(read)) == total and sorted(read) == sorted(reader.sample_ids)
+    assert read_settled(Location.from_url(url))["done"] == total
+
+
+def _spooled_on(conn, ledger: Ledger, spool_dir: str) -> int:
+    """Samples the spool `spool_dir` holds for the run, by the ledger."""
+    return int(conn.hget(ledger.keys.spool_counts, spool_identity(spool_dir)) or 0)
