@@ -1,7 +1,7 @@
 """The training feed following a live run, as real processes: two reader processes (ranks 0 and 1
 of 2, each with 2 DataLoader workers) start when about a fifth of a `harvest run` is committed;
-a second node then loses its spool (SIGKILL, its samples reclaimed after the run's grace and
-extracted again by the runner's node); the readers end when the runner writes settled.json, and
+a second node's worker then dies with samples on its spool (SIGKILL; its samples reclaimed after
+the run's grace and extracted again by the runner's node); the readers end when the runner writes settled.json, and
 together they have read every sample of the run exactly once."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import threading
 import pytest
 
 from harvest.cli.demo import demo_rows, write_jsonl
+from harvest.cli.redisproc import free_port
 from harvest.formats.settled import read_settled
+from harvest.health import healthy
 from harvest.node.spooldir import spool_identity
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger
@@ -27,7 +29,7 @@ from tests.support.wait import OutputReader, wait_for
 pytestmark = pytest.mark.slow
 
 ROWS = 40
-PACE = {"HARVEST_ENGINE_FAULTS": "hang", "HARVEST_ENGINE_HANG_S": "0.5"}  # each engine call takes 0.5 s more
+PACE = {"HARVEST_ENGINE_FAULTS": "hang", "HARVEST_ENGINE_HANG_S": "0.3"}  # each engine call takes 0.3 s more
 
 READER = """
 import json, sys
@@ -57,21 +59,25 @@ def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(t
     data = write_jsonl(str(tmp_path / "data.jsonl"), demo_rows(ROWS, seed=5))
     ledger = Ledger(conn, run)
 
-    # node a: an engine and a worker with a spool of their own, and no collector: what it spools
-    # waits there until the node is lost and its samples are reclaimed
-    a_spool = str(tmp_path / "spool-a")
-    a_url = procs.engine("engine-a", tiny_model, str(tmp_path / "dumps-a"))
-    procs.start("worker-a", "worker", "--run", run, "--redis", redis_server.url, "--engine-url", a_url,
-                "--dump-dir", str(tmp_path / "dumps-a"), "--spool-dir", a_spool, "--node", "a")
+    # one engine serves both nodes (its dump dir shared, as workers of one host share it); node a is a
+    # worker with a spool of its own and no collector: what it spools waits there until the node is
+    # lost and its samples are reclaimed
+    dumps, a_spool, port = str(tmp_path / "dumps"), str(tmp_path / "spool-a"), free_port()
+    engine = procs.start("engine", "engine", "--model", tiny_model, "--dump-dir", dumps, "--port", str(port),
+                         "--layers", "eagle3", env=PACE)
+    engine_url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: engine.poll() is None and healthy(engine_url, 1), 120, "the engine healthy")
+    procs.start("worker-a", "worker", "--run", run, "--redis", redis_server.url, "--engine-url", engine_url,
+                "--dump-dir", dumps, "--spool-dir", a_spool, "--node", "a")
 
     result: dict = {}
 
     def runner() -> None:
         result["res"] = harvest_cli(
             "run", data, "--model", tiny_model, "--out", out, "--run", run, "--redis", redis_server.url,
-            "--layers", "eagle3", "--dtype", "fp32", "--workers", "1", "--max-wait", "1", "--spool-grace", "6",
-            "--work-dir", str(tmp_path / "work"), "--dump-dir", str(tmp_path / "dumps-main"), "--no-progress",
-            timeout=300, env=PACE)
+            "--engine-url", engine_url, "--layers", "eagle3", "--dtype", "fp32", "--workers", "1", "--max-wait", "1",
+            "--spool-grace", "6", "--work-dir", str(tmp_path / "work"), "--dump-dir", dumps, "--no-progress",
+            timeout=300)
 
     main = threading.Thread(target=runner, daemon=True)
     main.start()
@@ -91,9 +97,8 @@ def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(t
             o.wait_for(lambda t: t.startswith("view "), 120, f"reader {i} open", proc=p)
             views.append(int(o.text.split()[1]))
         wait_for(lambda: _spooled_on(conn, ledger, a_spool), 120, "node a spooled samples")
-        for name in ("worker-a", "engine-a"):  # node a lost: its spool is left as it was
-            procs.procs[name].send_signal(signal.SIGKILL)
-            procs.procs[name].wait()
+        procs.procs["worker-a"].send_signal(signal.SIGKILL)  # node a lost: its spool is left as it was
+        procs.procs["worker-a"].wait()
         stranded = _spooled_on(conn, ledger, a_spool)
 
         main.join(300)
