@@ -21,6 +21,7 @@ import os
 import posixpath
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -28,7 +29,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from harvest.atomic import write_atomic
-from harvest.errors import StorageError  # the kind itself: what every failure here is raised as
+from harvest.errors import InputError, StorageError  # StorageError: what every failure here is raised as
 
 log = logging.getLogger("harvest.storage")
 T = TypeVar("T")
@@ -39,6 +40,22 @@ TEMP_PREFIX = ".tmp-"
 S3_ENDPOINT_VARS = ("HARVEST_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 S3_REGION_VARS = ("HARVEST_S3_REGION", "AWS_REGION", "AWS_DEFAULT_REGION")
 _PERSISTENT_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.ENAMETOOLONG}
+
+
+class UnreadableDocument(InputError, ValueError):
+    """A stored JSON document (an index, a claim) that does not parse: garbled or cut short. The
+    message names it; who reads it adds the repair."""
+
+
+def named(e: OSError, where: str) -> OSError:
+    """`e`, naming `where` if it does not already: an object store's error often says only
+    `Access Denied`. The same type (callers catch FileNotFoundError and the like), with its errno;
+    an exception of a type of its own (a client library's) is left as it is."""
+    if e.filename is not None or where in str(e) or type(e).__module__ != "builtins":
+        return e
+    new = type(e)(e.errno, e.strerror, where) if e.errno is not None and e.strerror else type(e)(f"{where}: {e}")
+    new.__cause__ = e
+    return new
 
 
 def _first_env(names: tuple[str, ...]) -> str | None:
@@ -133,30 +150,58 @@ class Location:
     def url(self) -> str:
         return self.fs.unstrip_protocol(self.root)
 
+    def describe(self, name: str = "") -> str:
+        """`name` here as a user would type it: a path in a local folder, a URL in an object store."""
+        p = self.path(name) if name else self.root
+        return p if self.is_local else self.fs.unstrip_protocol(p)
+
+    @contextmanager
+    def naming(self, name: str = "") -> Iterator[None]:
+        """OSErrors raised inside name `name` here (`named`), whatever the store said."""
+        try:
+            yield
+        except OSError as e:
+            new = named(e, self.describe(name))
+            if new is e:
+                raise
+            raise new from e
+
     def exists(self, name: str) -> bool:
         return self.fs.exists(self.path(name))
 
     def size(self, name: str) -> int:
-        return int(self.fs.size(self.path(name)))
+        with self.naming(name):
+            return int(self.fs.size(self.path(name)))
 
     def read_bytes(self, name: str) -> bytes:
-        return self.fs.cat_file(self.path(name))
+        with self.naming(name):
+            return self.fs.cat_file(self.path(name))
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of `name`: one ranged GET on object stores."""
         if end <= start:
             return b""
-        return self.fs.cat_file(self.path(name), start=start, end=end)
+        with self.naming(name):
+            return self.fs.cat_file(self.path(name), start=start, end=end)
 
     def read_json(self, name: str):
-        return json.loads(self.read_bytes(name))
+        """The JSON document `name`; one that does not parse is an UnreadableDocument naming it."""
+        data = self.read_bytes(name)
+        try:
+            return json.loads(data)
+        except json.JSONDecodeError as e:
+            why = f"{e.msg} at line {e.lineno} column {e.colno}"
+        except (ValueError, RecursionError) as e:  # not UTF-8; nested past the parser's depth
+            why = f"{type(e).__name__}: {e}"
+        raise UnreadableDocument(f"{self.describe(name)} is not JSON ({why}): garbled or cut short")
 
     def list(self, folder: str, suffix: str = "") -> list[str]:
         """Names (not paths) in `folder`, sorted, fresh from the store; an absent folder is
         empty; dot-names (temporary files) are not listed."""
         p = self.path(folder)
         try:
-            entries = self.fs.ls(p, detail=False, refresh=True)
+            with self.naming(folder):
+                entries = self.fs.ls(p, detail=False, refresh=True)
         except FileNotFoundError:
             return []
         names = sorted(posixpath.basename(e.rstrip("/")) for e in entries)

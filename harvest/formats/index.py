@@ -16,6 +16,7 @@ they agree on which samples a run holds and which copy of each they read.
 from __future__ import annotations
 
 import json
+import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NotRequired, TypedDict
@@ -23,6 +24,7 @@ from typing import NotRequired, TypedDict
 from harvest.config import FINAL_POST_NORM, FINAL_STATES
 from harvest.errors import InputError
 from harvest.ids import check_id
+from harvest.storage import Location, UnreadableDocument
 
 FORMAT = "harvest-shard-1"  # the layout version of a shard and of its index: they change together
 INDEX = "index"
@@ -62,6 +64,21 @@ _FIELDS: dict[str, type] = {"format": str, "shard_id": str, "shard": str, "sampl
 
 def index_file(shard_id: str) -> str:
     return f"{INDEX}/{check_id(shard_id, 'shard id')}.json"
+
+
+def read_index(loc: Location, name: str) -> ShardIndex:
+    """The index file `index/<name>` of the run folder `loc`, read and checked (`parse_index`).
+    Every error names the file: one that is not JSON at all (garbled, cut short) is a ShardError
+    with the way out, as one an object store refuses names it too (Location.read_bytes)."""
+    path = f"{INDEX}/{name}"
+    try:
+        doc = loc.read_json(path)
+    except UnreadableDocument as e:
+        run = posixpath.basename(loc.root)
+        raise ShardError(f"index file {e}; move it out of {loc.describe(INDEX)} (its shard is then uncommitted) and "
+                         f"run `harvest reconcile --run {run}` (with the run's --redis or --work-dir) to extract its "
+                         "samples again") from None
+    return parse_index(doc, loc.describe(path))
 
 
 def parse_index(doc: object, where: str) -> ShardIndex:

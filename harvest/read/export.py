@@ -28,12 +28,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from tqdm import tqdm
 
 import harvest.read.specforge as specforge
 import harvest.read.specforge_feed as specforge_feed
 from harvest.config import RunConfig
 from harvest.errors import ConfigurationError, HarvestError, StorageError
+from harvest.progress import progress as progress_display
 from harvest.read.dataset import read_dtype
 from harvest.read.final_norm import FinalNorm, FinalNormError
 from harvest.read.reader import RunReader
@@ -104,7 +104,10 @@ def export_run(
     except OSError as e:
         if isinstance(e, HarvestError):  # an OSError that already says what to fix
             raise
-        raise ExportStorageError(str(e)) from e
+        # Reads of the run name their object (harvest.storage.named); a write or a library's error
+        # that names none is told with the export it stopped.
+        named = e.filename is not None or run_url in str(e) or dest in str(e)
+        raise ExportStorageError(str(e) if named else f"{e} (exporting {run_url} to {dest})") from e
 
 
 def _export(run_url: str, fmt: str, dest: str, dtype: torch.dtype | None, progress: bool,
@@ -125,7 +128,7 @@ def _export(run_url: str, fmt: str, dest: str, dtype: torch.dtype | None, progre
         rep.notes.append(f"warning: SpecForge reads bf16 only (its TargetHead is bf16 and casts nothing): "
                          f"these {str(dtype).removeprefix('torch.')} files fail at training time")
     dtype = dtype or specforge.DTYPE
-    with tqdm(total=len(reader), desc=f"export {fmt}", unit=" samples", disable=not progress) as bar:
+    with progress_display(f"export {fmt}", " samples", total=len(reader), enabled=progress) as bar:
         for shard in reader.shard_ids():
             os.makedirs(os.path.join(dest, shard), exist_ok=True)
             for sid in reader.shard_samples(shard):

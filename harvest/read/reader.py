@@ -19,9 +19,10 @@ from collections.abc import Iterator
 
 import torch
 
-from harvest.config import RunConfig
-from harvest.formats.index import INDEX, ShardError, ShardIndex, kept_copies, parse_index
-from harvest.formats.runfile import read_run_json
+from harvest.config import ConfigError, RunConfig
+from harvest.errors import HarvestError
+from harvest.formats.index import INDEX, ShardError, ShardIndex, kept_copies, read_index
+from harvest.formats.runfile import RUN_FILE, read_run_json
 from harvest.read.shard_reader import ShardReader, UnreadableShard
 from harvest.storage import Location
 
@@ -33,15 +34,15 @@ class RunReader:
         """`dtype`: default conversion of `hidden_states` for `get` (None: as stored)."""
         self.loc = Location.from_url(url)
         self.dtype = dtype
-        self.config: RunConfig = read_run_json(self.loc)
+        self.config: RunConfig = _run_config(self.loc)
         self._indexes: dict[str, ShardIndex] = {}
         self._shards: dict[str, ShardReader] = {}
         self._unreadable: dict[str, UnreadableShard] = {}
         for name in self.loc.list(INDEX, ".json"):
-            doc = parse_index(self.loc.read_json(f"{INDEX}/{name}"), self.loc.path(INDEX, name))
+            doc = read_index(self.loc, name)
             if doc["final_state"] != self.config.final_state:
-                raise ShardError(f"{self.loc.path(INDEX, name)}: final state {doc['final_state']!r}, but the run "
-                                 f"records {self.config.final_state!r}")
+                raise ShardError(f"{self.loc.describe(f'{INDEX}/{name}')}: final state {doc['final_state']!r}, but "
+                                 f"the run records {self.config.final_state!r}")
             self._indexes[doc["shard_id"]] = doc
         copies = kept_copies(self._indexes.values())
         self.duplicates: dict[str, list[str]] = copies.extra  # sample -> the other shards that also commit it
@@ -144,3 +145,20 @@ class RunReader:
 def hidden_at(sample: dict, point: int) -> torch.Tensor:
     """The `[T, H]` hidden states of one capture point (HF hidden_states index)."""
     return sample["hidden_states"][:, sample["capture_points"].index(point)]
+
+
+def _run_config(loc: Location) -> RunConfig:
+    """The run in `loc`'s run.json; whatever is wrong with it (garbled, fields of another harvest)
+    is a ConfigError that names the file."""
+    where = loc.describe(RUN_FILE)
+    try:
+        return read_run_json(loc)
+    except HarvestError as e:
+        if where in str(e) or loc.path(RUN_FILE) in str(e):
+            raise
+        raise ConfigError(f"{where}: {e}") from None
+    except ValueError as e:  # not JSON, or fields of the wrong type
+        raise ConfigError(f"{where} is not a harvest run.json ({type(e).__name__}: {e}): garbled, or not "
+                          "written by harvest") from None
+    except TypeError as e:  # a field a RunConfig does not take as it is
+        raise ConfigError(f"{where} is not a harvest run.json ({e})") from None
