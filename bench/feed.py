@@ -18,7 +18,9 @@ process), four ways:
 Samples/s and MB/s of hidden states (plain: of shard bytes, nearly all hidden states), the
 median of `--repeats`, and each feed's ratio to the plain read of the same storage measured in
 the same run (goal >= 0.8). The local figures come from the page cache (everything was just
-written; nothing drops caches on a shared machine): they compare CPU cost, not the disk.
+written; nothing drops caches on a shared machine): they compare CPU cost, not the disk. torch
+runs one intra-op thread here, as in speculators' DataLoader workers (`_worker_init_fn`): on a
+busy machine its small elementwise ops otherwise wait for descheduled pool threads (10x slower).
 
     python bench/feed.py --samples 64 --tokens 512 --hidden 1024
 """
@@ -172,6 +174,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="Where to work (default: a temp dir)")
     args = ap.parse_args()
+    torch.set_num_threads(1)
 
     base = tempfile.mkdtemp(prefix="harvest-feed-", dir=args.dir)
     moto, endpoint = moto_server()
