@@ -19,19 +19,23 @@ from tests.support.synth import HIDDEN, POINTS, make_config, spool_samples
 class FeedRun:
     """A run at `<tmp>/out/r` whose samples are spooled once and committed in shards on demand."""
 
-    def __init__(self, tmp_path, n: int, dtype: str = "bf16") -> None:
-        self.cfg: RunConfig = make_config(str(tmp_path / "out"), dtype=dtype)
+    def __init__(self, tmp_path, n: int, dtype: str = "bf16", hidden: int = HIDDEN, tokens: int | None = None,
+                 out_url: str | None = None) -> None:
+        """`n` samples of 1..11 tokens (or `tokens` each), hidden size `hidden`, committed into
+        `out_url` (default: the folder `<tmp_path>/out`)."""
+        self.cfg: RunConfig = make_config(out_url or str(tmp_path / "out"), dtype=dtype, hidden=hidden)
         self.loc = Location.from_url(self.cfg.out_url).child(self.cfg.run)
         self.loc.write_atomic(RUN_FILE, self.cfg.to_json().encode())
         self.spool = str(tmp_path / "spool")
-        self.samples: list[SpooledSample] = spool_samples(self.spool, self.cfg, [1 + (7 * i) % 11 for i in range(n)])
+        lengths = [tokens or 1 + (7 * i) % 11 for i in range(n)]
+        self.samples: list[SpooledSample] = spool_samples(self.spool, self.cfg, lengths)
         self.by_tokens = {tuple(s.input_ids.tolist()): s.id for s in self.samples}
-        self.url = self.loc.root
+        self.url = self.loc.root if self.loc.is_local else self.loc.url()
 
     def commit(self, indices: Sequence[int]) -> str:
         """One shard of these samples, then its index (the commit); returns the shard id."""
-        entries = [inspect_sample(spool_path(self.spool, self.samples[i].id), self.samples[i].id, len(POINTS), HIDDEN,
-                                  self.cfg.torch_dtype) for i in indices]
+        entries = [inspect_sample(spool_path(self.spool, self.samples[i].id), self.samples[i].id, len(POINTS),
+                                  self.cfg.hidden_size, self.cfg.torch_dtype) for i in indices]
         plan = plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype)
         buf = io.BytesIO()
         sums = write_shard(plan, buf)
