@@ -1,0 +1,331 @@
+"""The control plane of a fleet, measured by simulation: what one Redis carries per sample.
+
+    python bench/fleet.py [--nodes 1,4,16] [--per-node 300] [--tokens 1024] [--ledger 10000,100000,1000000]
+    python bench/fleet.py --soak [--soak-nodes 16] [--soak-samples 50000] [--seed 1]
+
+One private redis-server (AOF on, as harvest runs it) and, per fleet size, N simulated nodes of
+real `harvest worker` and `harvest collect` processes against the zero-cost engine
+(engines/synthetic.py: dump chunks written at once, hidden size 4), so the control plane, not
+the bytes, is what costs. Everything lives in /dev/shm. The producer is this process (harvest's
+Enqueuer). A job holds 32 samples (1k-token samples) and a shard as many samples as a 1 GiB
+shard of an 8B model (4 capture points x 4096 x bf16: 32 samples of 1k tokens, 4 of 8k), so
+jobs and shards amortize as in a real fleet. Per fleet it prints:
+
+- samples/s end to end (enqueue to done);
+- Redis commands per sample: executed (INFO commandstats deltas, commands inside Lua scripts
+  included) and sent by clients (counted in each process's redis-py, by role and activity:
+  producer, worker job / RQ / heartbeat / janitor, collector commit / loop; tests.support.fleet),
+  with the bench's own polling taken out;
+- Redis main-thread CPU µs per sample (INFO cpu), and per node and second when idle;
+- Redis memory per queued and per done sample;
+- the worker's and the collector's own CPU ms per sample (/proc/<pid>/stat);
+- then the cost of one `harvest status` and one metrics scrape with 10k, 100k, 1M samples in a
+  ledger synthesized through the ledger's own scripts;
+- and a projection: the fleet size (GPUs) at which one Redis core is saturated, for 1k- and
+  8k-token samples at 50k prefill tokens/s per GPU (the 8k figure from a fleet of 8k-token
+  samples with harvest's default job token cap, 16384: two samples a job).
+
+Ratios are against the smallest fleet of the same run. `--soak` runs the fleet soak instead:
+16 nodes, 50k samples, random SIGKILLs of workers, collectors and whole nodes, every sample
+accounted for exactly once (tests.support.chaos's accounting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import numpy as np  # noqa: E402
+import redis  # noqa: E402
+
+from harvest.cli.redisproc import RedisServer  # noqa: E402
+from harvest.config import RunConfig  # noqa: E402
+from harvest.ops.metrics import RedisCollector  # noqa: E402
+from harvest.ops.status import compute_status  # noqa: E402
+from harvest.state.heartbeat import read_collectors, read_workers  # noqa: E402
+from harvest.state.ledger import Ledger  # noqa: E402
+from harvest.state.payload import Sample  # noqa: E402
+from harvest.state.runstore import publish_run  # noqa: E402
+from producer.enqueue import Enqueuer  # noqa: E402
+from tests.support.fleet import Fleet, RedisStats, counts, install_counter, tagged  # noqa: E402
+from tests.support.wait import wait_for  # noqa: E402
+
+POINTS, HIDDEN = [2, 4, 5, 8], 4  # the simulated run: 4 capture points, hidden size 4, fp32 (= the engine's dtype)
+REAL_ROW = 4 * 4096 * 2  # bytes a token costs an 8B model's run: 4 capture points x 4096 x bf16
+REAL_SHARD = 1 << 30
+VOCAB = 128_000
+GPU_TOKENS_S = 50_000  # prefill tokens/s of one GPU on an 8B model
+
+
+def sample_bytes(tokens: int) -> int:
+    """A simulated sample's spool file: header block, hidden states, int32 ids, uint8 mask."""
+    return 4096 + tokens * (len(POINTS) * HIDDEN * 4 + 5) + 64
+
+
+def make_samples(n: int, tokens: int, rng: np.random.Generator) -> list[Sample]:
+    return [Sample.build(rng.integers(0, VOCAB, tokens)) for _ in range(n)]
+
+
+def bench_sent() -> Counter:
+    """(activity, COMMAND) -> commands this process sent (producer, status, metrics, polling)."""
+    return Counter({(a, c): n for a, cmds in counts().items() for c, n in cmds.items()})
+
+
+def executed(r: RedisStats, bench: Counter) -> dict[str, int]:
+    """Commands the server executed less those this process sent for its polling (`bench.*`)."""
+    out = dict(r.calls)
+    for (act, cmd), n in bench.items():
+        if act.startswith("bench"):
+            k = cmd.lower()
+            out[k] = out.get(k, 0) - n
+    return {k: v for k, v in out.items() if v > 0}
+
+
+def new_run(conn: redis.Redis, root: str, run: str, tokens: int, job: int, job_tokens: int) -> RunConfig:
+    per_shard = max(1, REAL_SHARD // (tokens * REAL_ROW))
+    cfg = RunConfig(run=run, model="synthetic", capture_points=POINTS, hidden_size=HIDDEN, out_url=os.path.join(root, "out"),
+                    storage_dtype="fp32", max_batch_samples=job, max_batch_tokens=job_tokens,
+                    shard_bytes=per_shard * sample_bytes(tokens), num_layers=8)
+    return publish_run(conn, cfg)
+
+
+def wait_ready(conn: redis.Redis, fleet: Fleet, timeout: float = 300) -> None:
+    def ready() -> bool:
+        for name, p in fleet.procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited ({p.returncode}); see {fleet.root}/logs/{name}.log")
+        with tagged("bench.poll"):
+            return (len(read_workers(conn, fleet.run)[0]) == fleet.nodes * fleet.workers
+                    and len(read_collectors(conn, fleet.run)[0]) == fleet.nodes)
+
+    wait_for(ready, timeout, f"{fleet.nodes} nodes of {fleet.run} up", poll=0.5)
+
+
+def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: int, tokens: int, job: int,
+                  job_tokens: int, idle_s: float, base_us_s: float, rng: np.random.Generator) -> dict:
+    run = f"fleet{nodes}t{tokens}"
+    cfg = new_run(conn, root, run, tokens, job, job_tokens)
+    todo = make_samples(samples, tokens, rng)
+    fleet = Fleet(os.path.join(root, run), url, run, nodes)
+    try:
+        fleet.start_all()
+        wait_ready(conn, fleet)
+        time.sleep(1.0)
+        s0, b0, r0, c0, t0 = fleet.sent(), bench_sent(), RedisStats.read(conn), fleet.cpu(), time.monotonic()
+        with tagged("producer"):
+            enq = Enqueuer(conn, cfg, max_queued=samples)
+            for s in todo:
+                enq.add(s)
+            enq.flush()
+        led = Ledger(conn, run)
+
+        def done() -> bool:
+            with tagged("bench.poll"):
+                c = led.counts()
+            return c["done"] + c["failed"] >= samples
+
+        wait_for(done, 600, f"{samples} samples of {run} done", poll=0.2)
+        t1 = time.monotonic()
+        b1, r1, c1, s1 = bench_sent(), RedisStats.read(conn), fleet.cpu(), fleet.sent()
+        time.sleep(idle_s)
+        b2, r2, s2 = bench_sent(), RedisStats.read(conn), fleet.sent()
+        with tagged("bench.poll"):
+            stats, failed = led.stats(), led.counts()["failed"]
+    finally:
+        fleet.stop()
+    run_r, idle_r = r1.since(r0), r2.since(r1)
+    sent = (s1 - s0) + Counter({k: v for k, v in (b1 - b0).items() if not k[0].startswith("bench")})
+    idle_sent = (s2 - s1) + Counter({k: v for k, v in (b2 - b1).items() if not k[0].startswith("bench")})
+    ex = executed(run_r, b1 - b0)
+    idle_ex = executed(idle_r, b2 - b1)
+    idle_cpu_us_s = max(0.0, idle_r.cpu_s * 1e6 / idle_s - base_us_s)  # the fleet's, beyond an idle server's own
+    return {
+        "nodes": nodes, "samples": samples, "tokens": tokens, "failed": failed, "seconds": t1 - t0,
+        "jobs": enq.stats.jobs, "shards": stats.get("shards", 0),
+        "executed": ex, "sent": sent, "idle_executed": sum(idle_ex.values()) / idle_s,
+        "idle_sent": sum(idle_sent.values()) / idle_s, "idle_cpu_us_s": idle_cpu_us_s,
+        # what the run cost beyond the fleet's idle background over the same seconds
+        "cpu_us": run_r.cpu_s * 1e6, "busy_cpu_us": run_r.cpu_s * 1e6 - (idle_cpu_us_s + base_us_s) * (t1 - t0),
+        "usec": run_r.usec, "mem_done": RedisStats.read(conn).memory - r0.memory,
+        "cpu": {k: c1[k] - c0.get(k, 0) for k in c1},
+    }
+
+
+def memory_per_queued(conn: redis.Redis, root: str, tokens: int, job: int, n: int, rng) -> float:
+    cfg = new_run(conn, root, "memq", tokens, job, job * tokens)
+    todo = make_samples(n, tokens, rng)
+    m0 = conn.info("memory")["used_memory"]
+    with tagged("bench.memq"):
+        enq = Enqueuer(conn, cfg, max_queued=n)
+        for s in todo:
+            enq.add(s)
+        enq.flush()
+    return (conn.info("memory")["used_memory"] - m0) / n
+
+
+def ledger_cost(conn: redis.Redis, sizes: list[int]) -> list[dict]:
+    """Cost of one status and one metrics scrape as the ledger grows (synthesized through the
+    ledger's scripts: 10% queued, 2% spooled, 1% failed, the rest done)."""
+    cfg = publish_run(conn, RunConfig(run="big", model="synthetic", capture_points=POINTS, hidden_size=HIDDEN,
+                                      out_url="/nonexistent", num_layers=8))
+    led, have, out = Ledger(conn, cfg.run), 0, []
+    reasons = ["engine-rejected", "token-mismatch", "incomplete-dump", "nonfinite"]
+    for size in sizes:
+        with tagged("bench.fill"):
+            for lo in range(have, size, 10_000):
+                ids = [f"{i:032x}" for i in range(lo, min(size, lo + 10_000))]
+                led.add_queued(ids)
+                k = len(ids)
+                led.mark_failed({i: (reasons[j % 4], f"synthetic failure {j}") for j, i in enumerate(ids[: k // 100])})
+                led.mark_spooled(ids[k // 100: k // 100 + k // 50], owner="spool-x")
+                led.mark_done(ids[k // 100 + k // 50 + k // 10:])
+        have = size
+        row = {"samples": size}
+        info_us = min((lambda a: RedisStats.read(conn).since(a).cpu_s)(RedisStats.read(conn)) for _ in range(5)) * 1e6
+        for what, fn in (("status", lambda: compute_status(conn, "big")),
+                         ("metrics", lambda: list(RedisCollector(conn, ["big"]).collect())),
+                         ("metrics (all runs)", lambda: list(RedisCollector(conn).collect()))):
+            r0 = RedisStats.read(conn)
+            b0, t0 = bench_sent(), time.perf_counter()
+            with tagged(f"bench.{what}"):
+                fn()
+            t, b1 = time.perf_counter() - t0, bench_sent()
+            r = RedisStats.read(conn).since(r0)  # holds r0's own INFO
+            row[what] = {"sent": sum((b1 - b0).values()), "executed": r.total - 1, "cpu_us": r.cpu_s * 1e6 - info_us,
+                         "ms": t * 1e3}
+        out.append(row)
+    return out
+
+
+ROLES = ("producer", "worker.job", "worker.rq", "worker.beat", "worker.janitor", "collector.commit", "collector.loop")
+
+
+def print_fleets(res: list[dict], mem_q: float) -> None:
+    base = res[0]
+    print(f"\n{'fleet':>18} {'samples':>8} {'s/s':>7} {'x':>5} {'exec/s':>7} {'sent/s':>7} {'cpu µs/s':>9} "
+          f"{'busy µs/s':>9} {'MB/done':>8} {'worker ms/s':>11} {'coll ms/s':>9}   idle: exec/s/node  µs/s/node")
+    for r in res:
+        n = r["samples"]
+        sps = n / r["seconds"]
+        print(f"{r['nodes']:>4} nodes {r['tokens']:>5} tok {n:>8} {sps:>7.0f} {sps / (base['samples'] / base['seconds']):>5.2f} "
+              f"{sum(r['executed'].values()) / n:>7.2f} {sum(r['sent'].values()) / n:>7.2f} {r['cpu_us'] / n:>9.1f} "
+              f"{r['busy_cpu_us'] / n:>9.1f} {r['mem_done'] / n / 1e6:>8.4f} {r['cpu'].get('worker', 0) * 1e3 / n:>11.2f} "
+              f"{r['cpu'].get('collector', 0) * 1e3 / n:>9.2f}   {r['idle_executed'] / r['nodes']:>10.1f} "
+              f"{r['idle_cpu_us_s'] / r['nodes']:>10.0f}")
+    print(f"  (s/s: samples/s end to end; x: against {base['nodes']} node(s); exec/s, sent/s: Redis commands per sample "
+          f"executed (Lua's inner ones included) and sent by clients; cpu: Redis main-thread µs per sample, busy: less the "
+          f"idle fleet's; MB/done: Redis memory after the run per done sample; worker/coll ms/s: their own CPU per sample)")
+    print(f"  Redis memory per queued sample ({base['tokens']}-token samples, jobs of 32): {mem_q / 1e3:.1f} KB")
+    for r in res:
+        n, jobs, shards = r["samples"], r["jobs"], max(1, r["shards"])
+        by_role = Counter()
+        by_cmd: dict[str, Counter] = {}
+        for (act, cmd), v in r["sent"].items():
+            by_role[act] += v
+            by_cmd.setdefault(act, Counter())[cmd] += v
+        print(f"\n  {r['nodes']} nodes, {r['tokens']}-token samples: {n} samples, {jobs} jobs ({n / max(1, jobs):.1f} "
+              f"samples/job), {shards} shards ({n / shards:.1f} samples/shard), {r['failed']} failed; commands sent per "
+              f"sample by activity [per job] (top commands):")
+        for act in sorted(by_role, key=lambda a: (a not in ROLES, ROLES.index(a) if a in ROLES else 0, a)):
+            top = ", ".join(f"{c} {v / n:.2f}" for c, v in by_cmd[act].most_common(6))
+            print(f"    {act:<18} {by_role[act] / n:6.2f}  [{by_role[act] / max(1, jobs):6.1f}]  {top}")
+        top = sorted(r["executed"].items(), key=lambda kv: -kv[1])[:10]
+        print("    executed per sample: " + ", ".join(f"{k} {v / n:.2f}" for k, v in top))
+        cpu = sorted(r["usec"].items(), key=lambda kv: -kv[1])[:6]
+        print("    Redis µs per sample by command (commandstats; a script's include its inner calls): "
+              + ", ".join(f"{k} {v / n:.1f}" for k, v in cpu if v > 0))
+
+
+def print_ledger(rows: list[dict]) -> None:
+    print(f"\n{'ledger samples':>15} | {'status: sent':>12} {'exec':>6} {'Redis µs':>9} {'ms':>7} | {'metrics: sent':>13} "
+          f"{'exec':>6} {'Redis µs':>9} {'ms':>7} | {'metrics (all runs): sent':>24} {'exec':>6}")
+    for r in rows:
+        s, m, a = r["status"], r["metrics"], r["metrics (all runs)"]
+        print(f"{r['samples']:>15} | {s['sent']:>12} {s['executed']:>6} {s['cpu_us']:>9.0f} {s['ms']:>7.1f} | "
+              f"{m['sent']:>13} {m['executed']:>6} {m['cpu_us']:>9.0f} {m['ms']:>7.1f} | {a['sent']:>24} {a['executed']:>6}")
+    f, l_ = rows[0], rows[-1]
+    print(f"  ratio {l_['samples'] // f['samples']}x the samples: status {l_['status']['cpu_us'] / max(1, f['status']['cpu_us']):.1f}x "
+          f"Redis CPU, {l_['status']['executed'] / max(1, f['status']['executed']):.1f}x commands; metrics "
+          f"{l_['metrics']['cpu_us'] / max(1, f['metrics']['cpu_us']):.1f}x Redis CPU, "
+          f"{l_['metrics']['executed'] / max(1, f['metrics']['executed']):.1f}x commands")
+
+
+def project(short: dict, long: dict) -> None:
+    """GPUs one Redis core carries: 1e6 µs/s over (samples/s per GPU x µs per sample + idle µs/s per GPU)."""
+    print("\nprojection: one Redis core (1e6 µs/s of main-thread CPU) saturates at")
+    for r in (short, long):
+        per_gpu = GPU_TOKENS_S / r["tokens"]
+        c_s = r["busy_cpu_us"] / r["samples"]
+        c_idle = r["idle_cpu_us_s"] / r["nodes"]  # a simulated node: one worker and one collector
+        gpus = 1e6 / (per_gpu * c_s + c_idle)
+        cmds = sum(r["executed"].values()) / r["samples"] * per_gpu * gpus
+        print(f"  {r['tokens']:>5}-token samples ({per_gpu:.1f} samples/s per GPU, {c_s:.1f} µs per sample, "
+              f"{c_idle:.0f} µs/s idle per GPU): {gpus:,.0f} GPUs ({per_gpu * gpus:,.0f} samples/s, {cmds:,.0f} commands/s)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", default="1,4,16")
+    ap.add_argument("--per-node", type=int, default=300, help="samples per node (at least 600 a fleet)")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--long-tokens", type=int, default=8192)
+    ap.add_argument("--long-per-node", type=int, default=40)
+    ap.add_argument("--ledger", default="10000,100000,1000000")
+    ap.add_argument("--idle", type=float, default=6.0, help="seconds of idle fleet measured after each run")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--soak", action="store_true", help="the fleet soak instead (see the module docstring)")
+    ap.add_argument("--soak-nodes", type=int, default=16)
+    ap.add_argument("--soak-samples", type=int, default=50_000)
+    ap.add_argument("--soak-kills", type=int, default=12)
+    args = ap.parse_args()
+    install_counter("bench", "other")
+    rng = np.random.default_rng(args.seed)
+    root = tempfile.mkdtemp(prefix="harvest-fleet-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    server = RedisServer(os.path.join(root, "redis")).start()
+    conn = redis.Redis.from_url(server.url)
+    t0 = time.monotonic()
+    try:
+        if args.soak:
+            from tests.support.fleet_soak import soak
+
+            return soak(conn, server, root, args.soak_nodes, args.soak_samples, args.soak_kills, args.seed)
+        print(f"redis-server {conn.info('server')['redis_version']} (AOF everysec), {os.cpu_count()} cores; "
+              f"simulated samples: {len(POINTS)} x {HIDDEN} fp32 per token", flush=True)
+        r0 = RedisStats.read(conn)
+        time.sleep(args.idle)
+        base_us_s = RedisStats.read(conn).since(r0).cpu_s * 1e6 / args.idle  # serverCron and the rest, no client
+        print(f"  an idle redis-server's own CPU: {base_us_s:.0f} µs/s (taken out of the fleets' idle figures)", flush=True)
+        mem_q = memory_per_queued(conn, root, args.tokens, 32, 3000, rng)
+        conn.flushall()
+        res = []
+        for n in [int(x) for x in args.nodes.split(",")]:
+            samples = max(600, n * args.per_node)
+            res.append(measure_fleet(conn, server.url, root, n, samples, args.tokens, 32, 32 * args.tokens, args.idle, base_us_s, rng))
+            print(f"  fleet of {n}: {samples} samples in {res[-1]['seconds']:.1f}s", flush=True)
+            conn.flushall()
+        big = max(int(x) for x in args.nodes.split(","))
+        long = measure_fleet(conn, server.url, root, big, big * args.long_per_node, args.long_tokens, 32,
+                             RunConfig.__dataclass_fields__["max_batch_tokens"].default, args.idle, base_us_s, rng)
+        print(f"  fleet of {big}, {args.long_tokens}-token samples: {long['samples']} in {long['seconds']:.1f}s", flush=True)
+        conn.flushall()
+        rows = ledger_cost(conn, [int(x) for x in args.ledger.split(",")])
+        print_fleets(res + [long], mem_q)
+        print_ledger(rows)
+        project(res[-1], long)
+        print(f"\n{time.monotonic() - t0:.0f}s in all")
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
