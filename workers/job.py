@@ -340,15 +340,20 @@ class BatchJob:
         return Retry(max=ctx.retries, interval=[wait])
 
     def retry_or_fail(self, reason: str, message: str, interval: int | None = None) -> JobResult | Retry:
-        """A transient failure: the job retried later while its budget lasts, else its samples failed."""
+        """A transient failure: the job retried later while its budget lasts, else its samples failed.
+        The failure counts the job's attempts (its first run and RQ's retries of it) apart from what
+        `message` counts (the engine client's own tries within this attempt: "failed 5 times"), so the
+        two counts are never read as one."""
         ctx, job = self.ctx, self.job
-        done = (job.number_of_retries or 0) if job is not None else ctx.retries
+        done = (job.number_of_retries or 0) if job is not None else 0  # retries RQ ran; none without a job
         if job is not None and done < ctx.retries:
             wait = ctx.retry_intervals[min(done, len(ctx.retry_intervals) - 1)] if interval is None else interval
             log.warning("job %s: %s (%s); retry %d of %d in %ds", job.id, reason, message, done + 1, ctx.retries, wait)
             ctx.ledger.add_stats(job_retries=1)
             return Retry(max=ctx.retries, interval=[wait] if wait else 0)
-        self.fail({s.id: (reason, f"{message} (gave up after {done} retries)") for s in self.todo})
+        retries = f"{done} {'retry' if done == 1 else 'retries'}"
+        why = f"{message} (the job's attempt {done + 1} of {done + 1}: it gave up after {retries})"
+        self.fail({s.id: (reason, why) for s in self.todo})
         return JobResult(failed=len(self.todo))
 
 
