@@ -325,3 +325,33 @@ def test_tensor_parallel_2_only_rank_0_writes(tmp_path, model, reference):
         assert "TP1] harvest: this rank writes" not in log
     finally:
         s.stop()
+
+
+def test_audit_of_a_run_passes_against_the_sglang_server_and_transformers(tmp_path, model, server, tokenizer):
+    """`harvest audit` of an SGLang run: against the same live server (each sample alone, a fresh
+    rid, through the worker's client and claim) and against an fp32 transformers forward; both
+    pass at the fp32 bound, and a sample over several chunks is among those checked."""
+    rows = [*demo_rows(12, seed=5), {"input_ids": [5 + (i * 41) % 500 for i in range(300)]}]
+    lengths = sorted(len(ids) for ids, _ in _expected(tokenizer, rows).values())
+    dataset = write_jsonl(str(tmp_path / "audit.jsonl"), rows)
+    out, work = tmp_path / "out", tmp_path / "work"
+    res = harvest_cli("run", dataset, "--model", model, "--out", f"file://{out}", "--run", "audited", "--dtype", "fp32",
+                      "--layers", ",".join(map(str, POINTS)), "--engine", "sglang", "--engine-url", server.url,
+                      "--workers", "1", "--no-progress", "--dump-dir", server.dumps, "--work-dir", str(work),
+                      timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    from harvest.cli.redisproc import RedisServer
+
+    with RedisServer(str(work / "redis")) as redis_server:
+        for route in (["--against", "engine", "--engine-url", server.url, "--dump-dir", server.dumps],
+                      ["--against", "hf"]):
+            res = harvest_cli("audit", "--run", "audited", "--redis", redis_server.url, "--samples", "6",
+                              "--seed", "1", "--no-progress", *route, timeout=600)
+            assert res.returncode == 0, res.stdout + res.stderr
+            lines = res.stdout.splitlines()
+            assert lines[0].startswith(f"audit of run audited: 6 of {len(lengths)} committed samples (seed 1, "
+                                       "stratified by length: "), lines[0]
+            assert lines[0].endswith(f"-{lengths[-1]} tokens), fp32, capture points 0, 2, 4, 7, 8"), lines[0]
+            assert lines[-2] == "verdict: pass: 6 of 6 samples within the bound", res.stdout
+            print("\n" + res.stdout)
+    assert [n for n in os.listdir(server.dumps) if n.startswith("hv-")] == []  # the audit's dumps claimed and gone
