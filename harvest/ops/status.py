@@ -121,13 +121,24 @@ def _spools(conn: redis.Redis, run: str, grace: float) -> list[SpoolStatus]:
         if v.revoked:
             state = "reclaimed"
         elif v.seen_seconds_ago > HEARTBEAT_TTL_S:
-            state = f"silent (reclaimed in {_duration(max(0.0, grace - v.seen_seconds_ago))})"
+            state = _silent(v.samples, grace - v.seen_seconds_ago)
         else:
             state = "alive"
         if v.revoked and not v.samples and v.seen_seconds_ago > 3600:
             continue  # long gone and empty: not worth a line
         out.append(SpoolStatus(v.spool, v.node, v.seen_seconds_ago, v.samples, state))
     return out
+
+
+def _silent(samples: int, grace_left: float) -> str:
+    """What becomes of a spool no process renews, said as it is: an empty one has nothing to reclaim
+    (its node finished, or stopped); one holding samples is reclaimed by a live worker's janitor once
+    its grace has passed, and only then."""
+    if not samples:
+        return "stopped (nothing spooled)"
+    if grace_left > 0:
+        return f"silent (reclaimed in {_duration(grace_left)})"
+    return "silent past its grace (reclaimed at the next janitor pass of a live worker)"
 
 
 def eta(remaining: int, done_per_s: float, spooled_per_s: float) -> tuple[float | None, str]:
