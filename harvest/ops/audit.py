@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from harvest import __version__
 from harvest.config import RunConfig
-from harvest.errors import ServiceError
+from harvest.errors import InputError, ServiceError
 from harvest.formats.index import ShardIndex, kept_copies
 from harvest.ops.audit_compare import (
     CORRUPT,
@@ -54,6 +54,10 @@ if TYPE_CHECKING:
 class Unchecked(ServiceError):
     """The route could not recompute this sample (the engine refused it, its dump failed the
     worker's checks): the sample is reported unchecked, with this message."""
+
+
+class NothingToAudit(InputError):
+    """The run commits no sample yet."""
 
 
 class Route(Protocol):
@@ -196,6 +200,8 @@ def audit_run(loc: Location, cfg: RunConfig, route: Route, n: int, seed: int, to
 
     docs = read_indexes(loc)
     every = committed(docs)
+    if not every:
+        raise NothingToAudit(f"run {cfg.run} commits no sample yet in {loc.url()}: nothing to audit")
     chosen = pick(every, n, seed)
     rep = AuditReport(cfg, route.name, route.detail, seed, n, len(every), tolerance)
     by_id = {d["shard_id"]: d for d in docs}
