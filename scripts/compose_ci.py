@@ -31,14 +31,27 @@ sys.path.insert(0, REPO)  # harvest and tests.support from this checkout
 
 
 IMAGE_CONSTRAINTS = "/etc/pip-constraints.txt"  # where the CI base image holds them
+# compose.ci.yml's S3 store is moto's server, installed into the harvest image unpinned (its
+# EXTRA_PACKAGES): its one version is the host's, through these constraints.
+IMAGE_PINNED_BY_HOST = ("moto",)
 
 
-def host_constraints() -> str:
-    """The versions installed here, where the suite passes, as constraints: the images resolve to
-    the same set, and pip never backtracks through botocore releases."""
-    out = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True,
-                         text=True, check=True).stdout
-    return "".join(line + "\n" for line in out.splitlines() if "==" in line and not line.startswith("-"))
+def host_constraints(freeze: str | None = None) -> str:
+    """The versions installed here (`freeze`: `pip freeze`'s output, default this interpreter's),
+    where the suite passes, as constraints: the images resolve to the same set, and pip never
+    backtracks through botocore releases. moto's version is taken from here alone (compose.ci.yml
+    names no version), so a host with another moto builds images with that one; a host without
+    moto is refused, naming the fix."""
+    if freeze is None:
+        freeze = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True,
+                                text=True, check=True).stdout
+    pins = [line for line in freeze.splitlines() if "==" in line and not line.startswith("-")]
+    names = {re.split(r"[=\[ ]", line, maxsplit=1)[0].lower().replace("_", "-") for line in pins}
+    missing = [p for p in IMAGE_PINNED_BY_HOST if p not in names]
+    if missing:
+        raise SystemExit(f"compose_ci.py: {', '.join(missing)} not installed here: the CI images take its version from "
+                         "this host; pip install -e '.[dev]' first")
+    return "".join(line + "\n" for line in pins)
 
 
 def pip_conf(serve_dir: str, base_url: str) -> str:
