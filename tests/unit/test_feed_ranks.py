@@ -1,7 +1,8 @@
 """The training feed over a real committed run of uneven shards: every rank and DataLoader worker
 gets the same number of samples per epoch to within one (exactly one count with
 drop_remainder), contiguous spans of a seeded shard-local order, and the union over ranks and
-workers is every sample once, each epoch in another order."""
+workers is every sample once, each epoch in another order; ranks of a torch.distributed job that
+list a live run at different moments deal rank 0's view."""
 
 from __future__ import annotations
 
@@ -89,3 +90,40 @@ def test_items_are_the_samples_and_the_feed_refuses_a_loader_of_another_shape(ru
         assert torch.equal(item["hidden_state"], hs[:, 3])
         assert torch.equal(item["aux_hidden_state"], torch.cat([hs[:, 0], hs[:, 1], hs[:, 2]], dim=-1))
         assert torch.equal(item["loss_mask"], s.loss_mask.long())
+
+
+def _rank_main(rank: int, url: str, init: str, out: str, newest: str) -> None:
+    """One rank of a 2-process gloo job; rank 1 lists the run a moment before `newest` was committed."""
+    import json
+
+    import torch.distributed as dist
+
+    import harvest.read.dataset as ds
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    if rank == 1:
+        listed = ds.list_shards
+        ds.list_shards = lambda loc: [s for s in listed(loc) if s != newest]  # an earlier moment's listing
+    feed = ds.HiddenStateIterable(url, seed=2, rank=rank, world_size=2, window=2)
+    got = [str(x["input_ids"].tolist()) for x in feed]
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"view": feed._view, "got": got}, f)
+    dist.destroy_process_group()
+
+
+def test_ranks_that_list_a_live_run_at_different_moments_deal_rank_0s_view(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    run = FeedRun(tmp_path, 34)
+    run.commit_sizes(SHARDS)
+    newest = run.commit([31, 32, 33])  # committed between the two ranks' listings
+    out = str(tmp_path / "ranks")
+    mp.start_processes(_rank_main, args=(run.url, f"file://{tmp_path / 'rdv'}", out, newest), nprocs=2,
+                       join=True, start_method="spawn")
+    got = [json.load(open(f"{out}.{r}")) for r in range(2)]
+    assert got[0]["view"] == got[1]["view"] and newest in got[1]["view"]
+    by = {str(s.input_ids.long().tolist()): s.id for s in run.samples}
+    read = [by[t] for g in got for t in g["got"]]
+    assert sorted(read) == sorted(run.ids)  # each once, though rank 1's own listing lacked a shard
