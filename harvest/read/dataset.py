@@ -150,7 +150,8 @@ class HiddenStateIterable(IterableDataset):
             raise ConfigurationError(f"batch_size {batch_size}, window {window}, num_workers {num_workers}: "
                                      "batch_size and window are at least 1, num_workers at least 0")
         self.url, self.dtype, self.seed, self.rank, self.world_size = url, dtype, seed, rank, world_size
-        self.batch_size, self.num_workers, self.window, self.drop_remainder = batch_size, num_workers, window, drop_remainder
+        self.batch_size, self.num_workers, self.window = batch_size, num_workers, window
+        self.drop_remainder = drop_remainder
         self.readahead_bytes, self.follow, self.wait_s, self.poll_s = readahead_bytes, follow, wait_s, poll_s
         self.epoch = 0
         self._shards: Shards | None = None
@@ -160,7 +161,6 @@ class HiddenStateIterable(IterableDataset):
         self._resume_epoch: int | None = None
         self._digest: str | None = None
         self._consumed = 0  # positions of this part handed out by this process's last iteration
-        self._in_tail = False
         self._logged: set[str] = set()  # corrupt samples and shards this process has named already
         self._view = self._agree(list_shards(self._store.loc))
 
@@ -249,10 +249,9 @@ class HiddenStateIterable(IterableDataset):
         shards, order = self._order()
         where = {s: shard for shard, samples in shards for s in samples}
         mine = self._deal(order, parts)[part]
-        self._consumed, self._in_tail = 0, False
+        self._consumed = 0
         yield from self._read([(where[s], s) for s in mine])
         if self.follow:
-            self._in_tail = True
             seen, known = set(self._view), set(order)
             for new in tail(self._store, seen, known, part, parts, self.poll_s, self.wait_s):
                 yield from self._read(new)
@@ -289,7 +288,7 @@ class HiddenStateIterable(IterableDataset):
         process's own iteration yielded (a DataLoader without workers); other ranks are taken to
         have taken as many batches. A position inside a followed run's tail is refused: its order
         depends on when each shard appeared."""
-        shards, order = self._order()
+        order = self._order()[1]
         resumed = self._resume_epoch == self.epoch
         stages = list(self._stages) if resumed else []
         rest = replay(order, stages)

@@ -10,8 +10,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from harvest.errors import ConfigurationError
-from harvest.formats.index import encode_index, index_file, with_excluded
-from harvest.formats.index import ShardError
+from harvest.formats.index import ShardError, encode_index, index_file, with_excluded
 from harvest.read.dataset import HiddenStateIterable
 from tests.support.feedrun import FeedRun
 
