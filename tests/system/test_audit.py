@@ -18,6 +18,8 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 import zlib
 from collections import Counter
 from dataclasses import dataclass
@@ -25,13 +27,14 @@ from dataclasses import dataclass
 import pytest
 
 from harvest.cli.demo import demo_rows, write_jsonl
-from harvest.cli.redisproc import RedisServer
+from harvest.cli.redisproc import RedisServer, free_port
 from harvest.formats.index import INDEX, committed_samples
+from harvest.health import wait_healthy
 from harvest.ids import parse_rid
 from harvest.read.reader import RunReader
 from harvest.read.shard_reader import ShardReader
 from harvest.storage import Location
-from tests.support.cli import harvest_cli
+from tests.support.cli import REPO, harvest_cli, kill_group
 
 pytestmark = pytest.mark.xdist_group("test_audit")
 
@@ -96,7 +99,8 @@ def faulty(tmp_path_factory, tiny_model) -> Faulty:
     expected[sid] = head(sid) + f"misaligned: rows {_range(a, b)} hold the states of the position before them " \
                                 "(every capture point)"
     reasons[sid], rows[sid] = "misaligned", range(a, b)
-    (rid, point, layer), = re.findall(r"injected fault wrong-layer: (\S+) capture point (\d+) taken from layer (\d+)", log)
+    (rid, point, layer), = re.findall(r"injected fault wrong-layer: (\S+) capture point (\d+) taken from layer (\d+)",
+                                      log)
     sid = parse_rid(rid)[0]
     assert (point, layer) == ("2", "3")  # eagle3 of 8 layers: [2, 4, 5, 8]
     expected[sid] = head(sid) + "wrong-layer: capture point 2 holds layer 3's states"
@@ -130,7 +134,9 @@ def _committed_bytes(loc: Location) -> str:
     return h.hexdigest()
 
 
-def _check_caught(f: Faulty, res, route_line: str) -> None:
+def _check_caught(f: Faulty, res, route_line: str,
+                  verdict: str = "4 of 25 samples not within the bound (1 drift, 1 misaligned, 1 wrong-layer, "
+                                 "1 corrupt)") -> None:
     assert res.returncode == 1, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     assert lines[0].startswith(f"audit of run {RUN}: 25 of 25 committed samples (seed 3, stratified by length: 1-")
@@ -146,12 +152,11 @@ def _check_caught(f: Faulty, res, route_line: str) -> None:
         while lines[at].startswith("  point "):  # the capture points that failed, under their sample's line
             points.append(lines[at])
             at += 1
-        assert len(points) == (1 if f.reasons[sid] == "wrong-layer" else 4), points
+        assert len(points) == (1 if f.reasons[sid] == "wrong-layer" else 4), points  # only point 2 is wrong
         for ln in points:
             worst = [int(x) for x in ln.split("worst rows ")[1].split(", ")]
             assert set(worst) <= set(want), (ln, want)
-    assert lines[-2] == "verdict: FAIL: 4 of 25 samples not within the bound (1 drift, 1 misaligned, 1 wrong-layer, " \
-                        "1 corrupt)"
+    assert lines[-2] == f"verdict: FAIL: {verdict}"
 
 
 def test_each_fault_is_caught_against_the_engine_with_its_reason_and_rows(faulty):
@@ -168,6 +173,34 @@ def test_each_fault_is_caught_against_the_engine_with_its_reason_and_rows(faulty
     assert {r["sample"]: r["outcome"] for r in doc["results"] if r["outcome"] != "ok"} == faulty.reasons
     latest = faulty.loc.read_json("audits/latest.json")
     assert latest["record"] == "audits/" + os.path.basename(record.group(1)) and latest["verdict"] == "fail"
+
+
+def test_a_given_engine_with_the_batch_fault_on_computes_each_sample_alone_and_right(faulty, tiny_model, tmp_path):
+    # The run's own (faulty) engine kind, given by URL: `perturb` on for good, the run's capture points
+    # and chunk. Sent alone, no sample meets the batch fault; the three wrong copies are still caught,
+    # the wrong layer as drift at its capture point (layer 3 is not among the points such a server dumps).
+    port = free_port()
+    dumps = tmp_path / "dumps"
+    p = subprocess.Popen([sys.executable, "-m", "harvest.cli", "engine", "--model", tiny_model, "--dump-dir",
+                          str(dumps), "--port", str(port), "--layers", "2,4,5,8", "--chunked-prefill-size", "64"],
+                         cwd=REPO, env={**os.environ, "HARVEST_ENGINE_FAULTS": "perturb"}, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert wait_healthy(f"http://127.0.0.1:{port}", 120), "the reference engine did not start"
+        res, _ = _audit(faulty, "--engine-url", f"http://127.0.0.1:{port}", "--dump-dir", str(dumps), "--samples",
+                        "100", "--seed", "3")
+    finally:
+        kill_group(p)
+        p.wait()
+    wrong = next(s for s, r in faulty.reasons.items() if r == "wrong-layer")
+    n = len(faulty.rows[wrong])
+    expected = {**faulty.expected, wrong: faulty.expected[wrong].split("wrong-layer: ")[0]
+                + f"drift: {n} of {n} rows beyond the bound, rows 0-{n - 1} (capture point 2)"}
+    _check_caught(Faulty(**{**faulty.__dict__, "expected": expected}), res,
+                  rf"against engine: reference engine at http://127\.0\.0\.1:{port} \(given\), chunked prefill 64, "
+                  r"each sample alone with a fresh rid", verdict="4 of 25 samples not within the bound (2 drift, 1 "
+                  "misaligned, 1 corrupt)")
+    assert [f for f in os.listdir(dumps) if not f.startswith(".")] == []  # every dump the audit caused, claimed
 
 
 def test_each_fault_is_caught_against_transformers_and_a_small_audit_holds_the_longest(faulty):
