@@ -39,7 +39,7 @@ def _isatty(stream: IO[str]) -> bool:
 
 
 class PlainProgress:
-    """Progress as whole lines, `desc: 1200 rows of 5000 (24%), 40.0 rows/s, enqueued=1100`, at most
+    """Progress as whole lines, `desc: 1200 rows of 5000 (24%), 40.0 rows/s, bad=0, enqueued=1100`, at most
     one per `interval` seconds (and the last one at `close`), for streams that are no terminal."""
 
     def __init__(self, desc: str, unit: str, total: int | None, stream: IO[str], interval: float,
@@ -62,7 +62,7 @@ class PlainProgress:
         self._maybe_print()
 
     def set_postfix(self, ordered_dict: dict | None = None, refresh: bool = True, **kwargs) -> None:
-        items = {**(ordered_dict or {}), **kwargs}
+        items = {**(ordered_dict or {}), **{k: kwargs[k] for k in sorted(kwargs)}}  # keys sorted, as tqdm does
         self.postfix = ", ".join(f"{k}={v}" for k, v in items.items())
         if refresh:
             self._maybe_print()

@@ -84,7 +84,7 @@ def test_enqueue_with_fields_template_and_length_policy(conn, redis_server, toke
     # progress as plain lines (stderr is a pipe here), the last one with the final counts
     progress = [line for line in r.stderr.splitlines() if line.startswith("produce: ")]
     assert "\r" not in r.stderr and progress[-1].startswith("produce: 3 rows, ")
-    assert progress[-1].endswith(", enqueued=0, skipped=0, bad=0"), progress
+    assert progress[-1].endswith(", bad=0, enqueued=0, skipped=0"), progress
     assert Ledger(conn, "f").counts()["queued"] == 2
 
 

@@ -54,7 +54,7 @@ def test_plain_lines_come_once_per_interval_with_the_current_postfix_and_a_last_
     bar.close()
     bar.close()  # once
     assert out.getvalue().splitlines() == [
-        "produce: 300 rows, 10.0 rows/s, enqueued=90, bad=1",
+        "produce: 300 rows, 10.0 rows/s, bad=1, enqueued=90",
         "produce: 400 rows, 10.0 rows/s, 40s in all, waiting: 7 queued",
     ]
     bar.update(1)
