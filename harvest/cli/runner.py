@@ -25,7 +25,8 @@ queued or spooled), workers paused while the work dir's disk is full (harvest.cl
 and the summary's tokens and bytes read from the index files, the truth, not from counters that
 an interrupted commit skipped. When nothing is left queued or spooled it writes the run's
 `settled.json` (harvest.formats.settled), which ends the training feeds following the run, and
-it removes that marker when it starts on the run again.
+it removes that marker as soon as the run has work again (queued or spooled samples at the
+start, or new ones from the producer); a rerun with nothing to do leaves it as it was.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from harvest.cli.workdir import REDIS_SUBDIR, RunnerLocks, default_work_dir
 from harvest.config import RunConfig
 from harvest.errors import HarvestError, ServiceError
 from harvest.formats.runfile import run_location
-from harvest.formats.settled import SETTLED, clear_settled, write_settled
+from harvest.formats.settled import settle, unsettle
 from harvest.health import wait_healthy
 from harvest.node.dumpdir import default_dump_dir
 from harvest.ops.recovery import Recovery
@@ -58,7 +59,6 @@ from harvest.settings import EngineSettings, RunnerSettings
 from harvest.state.connection import RedisLost, redact
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
-from harvest.storage import retry
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the engines' PYTHONPATH
 
@@ -286,13 +286,14 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
         conn = connect_service(server.url if server else redis_url, outage_s)
         cfg = publish_run(conn, cfg)  # checks Redis's and run.json's configuration first, then writes
         out = run_location(cfg.out_url, cfg.run)
-        retry(lambda: clear_settled(out), f"removing {out.path(SETTLED)}")  # open again: followers wait
         if server is not None:
             locks.update(run=cfg.run, redis=server.url)  # `harvest status --work-dir` talks to it meanwhile
         recovery = Recovery(conn, cfg)
         ledger = Ledger(conn, cfg.run)
         launch = _Launcher(children, cfg, settings, server.url if server else redis_url, dumps, spool, names)
         before = ledger.counts()
+        if before["queued"] or before["spooled"]:
+            unsettle(out)
         if before["total"] == 0 or before["queued"] or before["spooled"]:
             # Work ahead: overlap the start-up (imports, the engine's model load) with reconcile and
             # the producer. A rerun of a run with nothing pending produces first instead, and
@@ -313,6 +314,8 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
 
         summary = produce(conn, cfg, dataset, max_queued=settings.max_queued, progress=settings.progress,
                           on_bad=_report_bad, on_wait=on_wait, **(produce_kw or {}))
+        if summary.enqueued:
+            unsettle(out)
         c = ledger.counts()
         if c["queued"] or c["spooled"]:
             launch.ensure()
@@ -321,7 +324,7 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
         children.stop(_stop_order(names))
         c = ledger.counts()
         if c["queued"] == 0 and c["spooled"] == 0:  # every index is written: followers of the run may end
-            retry(lambda: write_settled(out, cfg.run, c["done"], c["failed"]), f"writing {out.path(SETTLED)}")
+            settle(out, cfg.run, c["done"], c["failed"])
         totals = committed_totals(cfg)
         if totals is None:  # the output unreadable just now: the counters the collectors kept
             stats = ledger.stats()

@@ -6,13 +6,14 @@ place, memory under its cap."""
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
 
 import pytest
 
-from harvest.formats.settled import SETTLED, clear_settled, read_settled, write_settled
+from harvest.formats.settled import SETTLED, clear_settled, read_settled, settle, unsettle, write_settled
 from harvest.formats.shard import shard_file
 from harvest.read.dataset import HiddenStateIterable
 from harvest.read.follow import FeedStalled
@@ -75,6 +76,22 @@ def test_each_epoch_sees_the_shards_committed_when_it_starts(tmp_path):
     assert sorted(run.sid(x) for x in follower) == sorted(run.ids[:9])  # settled: ends after one more listing
     clear_settled(run.loc)
     assert read_settled(run.loc) is None and not run.loc.exists(SETTLED)
+
+
+def test_the_settled_marker_is_rewritten_only_when_it_would_say_something_else(tmp_path):
+    run = FeedRun(tmp_path, 1)
+    path = run.loc.path(SETTLED)
+    settle(run.loc, "r", 5, 1)
+    first = (open(path, "rb").read(), os.stat(path).st_mtime_ns)
+    assert read_settled(run.loc) | {"at": None} == {"format": "harvest-settled-1", "run": "r", "done": 5, "failed": 1,
+                                                   "at": None}
+    settle(run.loc, "r", 5, 1)  # a rerun with nothing to do: not a byte changed
+    assert (open(path, "rb").read(), os.stat(path).st_mtime_ns) == first
+    settle(run.loc, "r", 6, 0)
+    assert (read_settled(run.loc)["done"], read_settled(run.loc)["failed"]) == (6, 0)
+    unsettle(run.loc)
+    unsettle(run.loc)  # nothing to remove: fine
+    assert read_settled(run.loc) is None
 
 
 def test_a_follower_that_waits_in_vain_says_so_by_name(tmp_path):
