@@ -113,7 +113,7 @@ class HiddenStateDataset(Dataset):
 
 
 STATE_FORMAT = "harvest-feed-1"
-_IN_TAIL = ("this rank is past its part of the epoch's view, in a followed run's tail, whose order depends on "
+_IN_TAIL = ("a rank is past its part of the epoch's view, in a followed run's tail, whose order depends on "
             "when each shard appeared: save the state before the tail, or resume at the next epoch")
 
 
@@ -314,7 +314,7 @@ class HiddenStateIterable(IterableDataset):
                 consumed.append(min(own, mine[0]))
                 continue
             total = sum(batch_count(n, self.batch_size) for n in mine)
-            if steps > total and self.follow and r == self.rank:
+            if steps > total and self.follow:  # that rank's loop is reading the tail
                 raise ConfigurationError(_IN_TAIL)
             consumed += delivered(mine, self.batch_size, min(steps, total))
         return {"format": STATE_FORMAT, "run": self._store.cfg.run, "epoch": self.epoch, "seed": self.seed,

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from harvest.errors import ConfigurationError
 from harvest.formats.settled import SETTLED, clear_settled, read_settled, settle, unsettle, write_settled
 from harvest.formats.shard import shard_file
 from harvest.read.dataset import HiddenStateIterable
@@ -76,6 +77,12 @@ def test_each_epoch_sees_the_shards_committed_when_it_starts(tmp_path):
     assert sorted(run.sid(x) for x in follower) == sorted(run.ids[:9])  # settled: ends after one more listing
     clear_settled(run.loc)
     assert read_settled(run.loc) is None and not run.loc.exists(SETTLED)
+    # a position in a follower's tail cannot be saved: its order depends on when shards appeared
+    follower = HiddenStateIterable(run.url, follow=True, world_size=2, batch_size=2, num_workers=0)
+    assert follower.state_dict(batches=2)["stages"][0]["consumed"] == [4, 4]  # spans 5 and 4: in the view
+    with pytest.raises(ConfigurationError, match="a rank is past its part of the epoch's view, in a followed run's "
+                                                 "tail"):
+        follower.state_dict(batches=3)  # rank 1's 4 samples are 2 batches: its loop is in the tail
 
 
 def test_the_settled_marker_is_rewritten_only_when_it_would_say_something_else(tmp_path):
