@@ -137,6 +137,9 @@ class HiddenStateIterable(IterableDataset):
     - `readahead_bytes`: how far the read-ahead thread may run ahead (0: read in line).
     - `follow`: after its part of the view, wait for the shards committed later, until the run
       is settled (`wait_s` without a new index file: FeedStalled).
+
+    The epoch, its view and a loaded state travel to DataLoader workers when they start, so use
+    `persistent_workers=False` (the default): persistent workers would keep epoch 0's order.
     """
 
     def __init__(self, url: str, dtype: torch.dtype | None = None, seed: int | None = None, rank: int = 0,
