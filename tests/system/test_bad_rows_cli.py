@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from harvest.read.reader import RunReader
 from harvest.state.jobs import run_queue
 from harvest.state.ledger import Ledger
 from harvest.state.payload import decode_batch
@@ -96,3 +97,20 @@ def test_an_empty_dataset_is_an_error_that_names_it_and_writes_nothing(conn, red
                     "--no-progress")
     assert (r.returncode, r.stdout, r.stderr.strip()) == (2, "", msg)
     assert not out.exists() and not (tmp_path / "w").exists() and conn.keys("harvest:e:*") == []
+
+
+def test_harvest_run_goes_on_past_every_bad_row_and_says_so(tiny_model, tmp_path):
+    """The same rows through `harvest run`: every good row is extracted, each bad one reported with its
+    file and line, the overlong one never reaches the engine; exit 1 (rows were bad)."""
+    p = _dataset(tmp_path / "d.jsonl")
+    out = tmp_path / "out"
+    r = harvest_cli("run", str(p), "--model", tiny_model, "--out", str(out), "--run", "rows", "--workers", "1",
+                    "--work-dir", str(tmp_path / "work"), "--no-progress", "--max-wait", "1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert _rows_of(r.stderr) == _reported(p)
+    lines = r.stdout.splitlines()
+    assert "  samples: 3 done, 0 failed (3 enqueued now, 0 already known)" in lines, r.stdout
+    assert "  bad rows: 4 (each reported above on stderr with its file and line)" in lines, r.stdout
+    assert any(line.startswith("  produced: rows 8: 3 samples (") and
+               line.endswith("; bad 4, empty 0, overlong 1 skipped, truncated 0") for line in lines), r.stdout
+    assert len(RunReader(str(out / "rows"))) == 3
