@@ -89,7 +89,10 @@ class Collector:
         if not self.out.is_local and not hasattr(self.out.fs, "call_s3"):
             raise StorageError(f"output {self.out.url()}: shards go to a local folder or to S3 (multipart uploads)")
         # Local output: build the shard in its final folder so committing is a rename.
-        self.stage = self.out.local_staging_dir(SHARDS)
+        try:
+            self.stage = self.out.local_staging_dir(SHARDS)
+        except OSError as e:  # read-only, full, not a folder: as persistent as storage errors, told as one
+            raise StorageError(f"preparing {self.out.path(SHARDS)} failed: {type(e).__name__}: {e}") from e
         self.shards_committed = 0
         self._recorded_spool: str | None = None  # the spool the record of the shard in flight names
         self._record_json = ""  # that record as written, which the fence requires to be unchanged

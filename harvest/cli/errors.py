@@ -61,17 +61,15 @@ def redis_fix(url: str | None, cause: str = "") -> str:
             "(default from HARVEST_REDIS_URL)")
 
 
-LOADING_WAIT_S = 120.0  # a restarted Redis replaying a large append-only file answers LOADING meanwhile
-
-
-def _ping(conn) -> None:
-    """First contact; a server still loading its data after a restart is waited for (up to
-    LOADING_WAIT_S), not told to be started: it is running."""
+def _ping(conn, wait_s: float) -> None:
+    """First contact. A server still loading its data (a restart replays its append-only file,
+    answering LOADING meanwhile) is running: it is waited for as an outage would be, up to
+    `wait_s`, and then told as loading (`_redis_loading`), never as a Redis to start."""
     import time
 
     import redis
 
-    deadline = time.monotonic() + LOADING_WAIT_S
+    deadline = time.monotonic() + wait_s
     while True:
         try:
             conn.ping()
@@ -91,9 +89,10 @@ def connect(url: str, ping: bool = True, outage_s: float | None = None):
     from harvest.state.connection import ONE_SHOT_OUTAGE_S, redis_client
 
     _tried["redis"] = url
-    conn = redis_client(url, ONE_SHOT_OUTAGE_S if outage_s is None else outage_s, latch=False)
+    limit = ONE_SHOT_OUTAGE_S if outage_s is None else outage_s
+    conn = redis_client(url, limit, latch=False)
     if ping:
-        _ping(conn)
+        _ping(conn, limit)
     return conn
 
 
@@ -101,11 +100,11 @@ def connect_service(url: str, outage_s: float | None = None):
     """The client of a long-running process for `url`: reached now (or the command fails at once,
     naming the fix), then every outage up to `outage_s` (None: HARVEST_REDIS_OUTAGE_S, else 300 s)
     waited out; past it RedisLost, and the client is latched (the process stops, exit 75)."""
-    from harvest.state.connection import redis_client
+    from harvest.state.connection import outage_limit, redis_client
 
     _tried["redis"] = url
     conn = redis_client(url, outage_s)
-    _ping(conn)
+    _ping(conn, outage_limit(outage_s))
     return conn
 
 

@@ -1,0 +1,95 @@
+"""A full disk under `harvest run`'s work dir (its spool and its private Redis's append-only
+file), on a real small filesystem: the run pauses with one line naming the filesystem and what
+fills it, goes on by itself once space returns, or stops cleanly when asked (Ctrl-C, here its
+SIGINT) and the same command finishes it later."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from harvest.cli.demo import demo_rows, write_jsonl
+from harvest.read.reader import RunReader
+from tests.support.cli import REPO, harvest_cli, kill_group
+from tests.support.wait import OutputReader
+
+FREE_LEFT = 3 << 20  # what the filler leaves: under --min-free-mb 8
+
+
+def _fill(fs: str) -> str:
+    st = os.statvfs(fs)
+    filler = os.path.join(fs, "filler")
+    with open(filler, "wb") as f:
+        f.write(b"\0" * (st.f_bavail * st.f_frsize - FREE_LEFT))
+    return filler
+
+
+def _args(tmp_path, fs: str) -> tuple[list[str], str]:
+    dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(10, seed=4))
+    work = os.path.join(fs, "work")
+    return (["run", dataset, "--model", "MODEL", "--out", str(tmp_path / "out"), "--run", "full", "--work-dir", work,
+             "--dump-dir", str(tmp_path / "dumps"), "--min-free-mb", "8", "--no-progress"], work)
+
+
+def _start(args: list[str]) -> tuple[subprocess.Popen, OutputReader, OutputReader]:
+    p = subprocess.Popen([sys.executable, "-m", "harvest.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return p, OutputReader(p.stdout), OutputReader(p.stderr)
+
+
+def _paused(fs: str, work: str) -> str:
+    return f"harvest: paused: the filesystem {fs} (work dir {work}) is full: "
+
+
+@pytest.mark.parametrize("tiny_fs", ["48m"], indirect=True)
+def test_a_full_work_dir_pauses_the_run_and_it_goes_on_when_space_returns(tmp_path, tiny_model, tiny_fs):
+    args, work = _args(tmp_path, tiny_fs)
+    args[args.index("MODEL")] = tiny_model
+    filler = _fill(tiny_fs)
+    p, stdout, err = _start(args)
+    try:
+        err.wait_for(lambda t: _paused(tiny_fs, work) in t, 180, "the pause line", proc=p)
+        line = next(x for x in err.text.splitlines() if x.startswith(_paused(tiny_fs, work)))
+        assert ", less than --min-free-mb 8; the spool (" in line and f"{work}/spool) holds " in line
+        assert f"the private Redis's append-only file ({work}/redis) " in line
+        assert line.endswith("The workers are stopped; free space there and the run goes on by itself (at 12.0 MiB "
+                             "free), or Ctrl-C stops it cleanly")
+        assert p.poll() is None  # paused, not ended
+        os.unlink(filler)
+        p.wait(timeout=400)
+    finally:
+        kill_group(p)
+    text, out = err.close(), stdout.close()
+    assert p.returncode == 0, out + text
+    assert f"harvest: resumed: the filesystem {tiny_fs} has " in text
+    assert "Errno 28" not in text and "No space left" not in text
+    n = len(RunReader(str(tmp_path / "out" / "full")))
+    assert f"samples: {n} done, 0 failed ({n} enqueued now, 0 already known)" in out
+
+
+@pytest.mark.parametrize("tiny_fs", ["48m"], indirect=True)
+def test_a_paused_run_stops_cleanly_when_asked_and_the_same_command_finishes_it(tmp_path, tiny_model, tiny_fs):
+    args, work = _args(tmp_path, tiny_fs)
+    args[args.index("MODEL")] = tiny_model
+    filler = _fill(tiny_fs)
+    p, stdout, err = _start(args)
+    try:
+        err.wait_for(lambda t: _paused(tiny_fs, work) in t, 180, "the pause line", proc=p)
+        p.send_signal(signal.SIGINT)  # what Ctrl-C in its terminal sends it
+        p.wait(timeout=240)
+    finally:
+        kill_group(p)
+    text, out = err.close(), stdout.close()
+    assert p.returncode == 130, out + text
+    assert "harvest: interrupted: the run's processes are stopped; run the same command again to resume" in text
+    res = harvest_cli("status", "--run", "full", "--work-dir", work, "--check")
+    assert res.returncode == 0 and "consistent" in res.stdout, res.stdout + res.stderr
+    os.unlink(filler)
+    res = harvest_cli(*args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    n = len(RunReader(str(tmp_path / "out" / "full")))
+    assert f"samples: {n} done, 0 failed" in res.stdout
