@@ -168,7 +168,7 @@ class AuditReport:
         corrupt = sum(r.outcome == CORRUPT for r in self.results)
         out.append(f"stored bytes: {n - corrupt} of {n} samples match their index's crc32s"
                    + (f"; {corrupt} corrupt at rest (not recomputed)" if corrupt else ""))
-        out.append(f"bound ({cfg.storage_dtype}): relative error per row <= {self.tolerance:.1e}")
+        out.append(f"bound ({cfg.storage_dtype}): relative error per row <= {self.tolerance:.2e}")
         out += [f"  {p.line()}" for p in self.worst()]
         for r in self.results:
             if r.outcome == OK:

@@ -87,7 +87,7 @@ def status_line(doc: dict | None, run: str) -> str:
     bad = {k: v for k, v in sorted(outcomes.items()) if k != "ok" and v}
     text = (f"  audit    {doc.get('verdict', '?')} {when}, against {doc.get('route', '?')}, {doc.get('samples', '?')} "
             f"samples (seed {doc.get('seed', '?')}), worst relative error {doc.get('worst_rel', 0.0):.1e} "
-            f"(bound {doc.get('tolerance', 0.0):.0e})")
+            f"(bound {doc.get('tolerance', 0.0):.2e})")
     if bad:
         text += ": " + ", ".join(f"{v} {k}" for k, v in bad.items())
     if doc.get("requeued"):

@@ -143,7 +143,7 @@ def _check_caught(f: Faulty, res, route_line: str,
     assert lines[0].endswith(" tokens), fp32, capture points 2, 4, 5, 8")
     assert re.fullmatch(route_line, lines[1]), lines[1]
     assert lines[2] == "stored bytes: 24 of 25 samples match their index's crc32s; 1 corrupt at rest (not recomputed)"
-    assert lines[3] == "bound (fp32): relative error per row <= 1.0e-04"
+    assert lines[3] == "bound (fp32): relative error per row <= 1.00e-04"
     flagged = [ln for ln in lines if ln.startswith(("FAIL ", "CORRUPT ", "UNCHECKED "))]
     assert sorted(flagged) == sorted(f.expected.values())
     for sid, want in f.rows.items():  # each failing capture point's worst rows lie in the rows the fault changed
@@ -248,7 +248,7 @@ def test_requeue_bad_extracts_them_again_once_and_both_routes_then_pass(faulty):
         fams = {m.name: m for m in RedisCollector(redis.Redis.from_url(server.url), [RUN]).collect()}
     line = next(ln for ln in status.stdout.splitlines() if ln.startswith("  audit    "))
     assert re.fullmatch(r"  audit    pass \S+ \S+, against hf, 25 samples \(seed 11\), worst relative error \S+ "
-                        r"\(bound 1e-04\)", line), line
+                        r"\(bound 1.00e-04\)", line), line
     assert [(s.labels, s.value) for s in fams["harvest_audit_samples"].samples] == [({"run": RUN, "outcome": "ok"}, 25)]
     (stamp,) = fams["harvest_audit_timestamp_seconds"].samples
     assert stamp.labels == {"run": RUN, "route": "hf", "verdict": "pass"} and stamp.value > 0

@@ -113,7 +113,7 @@ def test_status_line_says_when_how_and_the_verdict():
            "outcomes": {"ok": 22, "drift": 1, "misaligned": 2}, "requeued": ["a"]}
     line = status_line(doc, "r1")
     assert line.startswith("  audit    fail ") and line.endswith(
-        ", against hf, 25 samples (seed 7), worst relative error 9.8e-01 (bound 1e-04): 1 drift, 2 misaligned; "
+        ", against hf, 25 samples (seed 7), worst relative error 9.8e-01 (bound 1.00e-04): 1 drift, 2 misaligned; "
         "1 requeued")
 
 
