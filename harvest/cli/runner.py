@@ -44,7 +44,7 @@ import signal
 import threading
 
 from harvest.cli.diskwatch import DiskWatch
-from harvest.cli.errors import connect_service
+from harvest.cli.errors import connect, connect_service
 from harvest.cli.redisproc import RedisKeeper, RedisServer, free_port
 from harvest.cli.supervisor import Supervisor
 from harvest.cli.workdir import REDIS_SUBDIR, RunnerLocks, default_work_dir
@@ -58,7 +58,7 @@ from harvest.ops.recovery import Recovery
 from harvest.settings import EngineSettings, RunnerSettings
 from harvest.state.connection import RedisLost, redact
 from harvest.state.ledger import Ledger
-from harvest.state.runstore import publish_run
+from harvest.state.runstore import check_run, publish_run
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the engines' PYTHONPATH
 
@@ -262,6 +262,10 @@ def run_all(cfg: RunConfig, dataset: str, settings: RunnerSettings = RunnerSetti
     (before anything is started) when another runner holds the work dir or the dump dir."""
     work = os.path.abspath(settings.work_dir or default_work_dir(cfg.run))
     dumps = os.path.abspath(settings.dump_dir or default_dump_dir(cfg.run))
+    # The run as stored (a shared Redis, the output's run.json) before anything of this run is
+    # created: a refused start leaves no work dir behind (a private Redis's copy is checked by
+    # publish_run, once that Redis runs in its own work dir).
+    check_run(connect(settings.redis_url) if settings.redis_url else None, cfg)
     locks = RunnerLocks(work, dumps, cfg.run).acquire(run=cfg.run)
     try:
         return _run_locked(cfg, dataset, settings, produce_kw, work, dumps, locks)

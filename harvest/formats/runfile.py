@@ -43,6 +43,13 @@ def check_same_run(a: RunConfig, b: RunConfig, where: str) -> None:
         raise ConfigError(f"run {a.run!r} already exists with a different configuration in {where} ({details}); use another --run name")
 
 
+def check_run_json(cfg: RunConfig) -> None:
+    """Refuse `cfg` if its output already holds a run.json that stores something else; writes nothing."""
+    loc = run_location(cfg.out_url, cfg.run)
+    if loc.exists(RUN_FILE):
+        check_same_run(cfg, RunConfig.from_json(loc.read_bytes(RUN_FILE)), loc.path(RUN_FILE))
+
+
 def publish_run_json(cfg: RunConfig) -> None:
     """Write the run's run.json, or check the one there against `cfg` (ConfigError if they differ)."""
     loc = run_location(cfg.out_url, cfg.run)

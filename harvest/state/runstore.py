@@ -11,8 +11,20 @@ from __future__ import annotations
 import redis
 
 from harvest.config import ConfigError, RunConfig
-from harvest.formats.runfile import check_same_run, publish_run_json
+from harvest.formats.runfile import check_run_json, check_same_run, publish_run_json
 from harvest.state.keys import Keys
+
+
+def check_run(conn: redis.Redis | None, cfg: RunConfig) -> None:
+    """Refuse `cfg` (ConfigError) if Redis (when given) or the output already holds the run with a
+    configuration that stores something else; writes nothing, so a command can ask before it
+    creates anything of its own (`harvest run`: its work dir, its private Redis)."""
+    if conn is not None:
+        key = Keys(cfg.run).config
+        raw = conn.get(key)
+        if raw is not None:
+            check_same_run(cfg, RunConfig.from_json(raw), f"Redis key {key}")
+    check_run_json(cfg)
 
 
 def publish_run(conn: redis.Redis, cfg: RunConfig) -> RunConfig:
@@ -20,9 +32,7 @@ def publish_run(conn: redis.Redis, cfg: RunConfig) -> RunConfig:
     is checked before run.json is written: a start refused for a configuration that differs
     from the stored run leaves no run.json in a new output behind."""
     key = Keys(cfg.run).config
-    raw = conn.get(key)
-    if raw is not None:
-        check_same_run(cfg, RunConfig.from_json(raw), f"Redis key {key}")
+    check_run(conn, cfg)
     publish_run_json(cfg)
     if not conn.set(key, cfg.to_json(), nx=True):
         stored = RunConfig.from_json(conn.get(key))
