@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from harvest.errors import ServiceError
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+SECOND_SIGNAL_AFTER_S = 1.0  # a hurried stop's second SIGTERM comes at least this long after the first
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
@@ -198,10 +199,13 @@ class Supervisor:
             self.note(f"stopping {', '.join(live)}")
             for n in live:
                 self.children[n].proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
+            sent = time.monotonic()
+            deadline = sent + timeout
             hurried = self.hurried
             while time.monotonic() < deadline and any(self.children[n].proc.poll() is None for n in live):
-                if self.hurried and not hurried:
+                # Not within a second of the first: two SIGTERMs that arrive before the child's
+                # handler ran are one (signals do not queue), and the job would not be handed back.
+                if self.hurried and not hurried and time.monotonic() - sent >= SECOND_SIGNAL_AFTER_S:
                     hurried = True
                     running = [n for n in live if self.children[n].proc.poll() is None]
                     self.note(f"stopping {', '.join(running)} at once (a second interrupt)")
