@@ -31,14 +31,14 @@ import time
 import redis
 
 from collector.faults import CrashHook
-from collector.pack import Packed, pack_local, pack_upload
+from collector.pack import Packed, pack_local, pack_upload, staging_dir
 from collector.records import Voided, give_up_shard, recorded_anywhere, tend_revoked, write_decided_index
 from collector.sweep import sweep_orphans
 from harvest.config import RunConfig
 from harvest.formats.claims import STALE_S, Claimer
 from harvest.formats.index import committed_samples, index_file, parse_index
 from harvest.formats.runfile import run_location
-from harvest.formats.shard import SHARDS, ShardPlan, plan_shard, shard_file
+from harvest.formats.shard import ShardPlan, plan_shard, shard_file
 from harvest.formats.spool import SpoolEntry, SpoolError, inspect_sample
 from harvest.ids import check_id, node_name, shard_id_for
 from harvest.node.spooldir import list_spooled, set_aside_path, spool_identity, spool_path
@@ -89,10 +89,7 @@ class Collector:
         if not self.out.is_local and not hasattr(self.out.fs, "call_s3"):
             raise StorageError(f"output {self.out.url()}: shards go to a local folder or to S3 (multipart uploads)")
         # Local output: build the shard in its final folder so committing is a rename.
-        try:
-            self.stage = self.out.local_staging_dir(SHARDS)
-        except OSError as e:  # read-only, full, not a folder: as persistent as storage errors, told as one
-            raise StorageError(f"preparing {self.out.path(SHARDS)} failed: {type(e).__name__}: {e}") from e
+        self.stage = staging_dir(self.out)  # a read-only or full output: a StorageError, told as one line
         self.shards_committed = 0
         self._recorded_spool: str | None = None  # the spool the record of the shard in flight names
         self._record_json = ""  # that record as written, which the fence requires to be unchanged

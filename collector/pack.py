@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harvest.formats.shard import ShardPlan, ShardSums, copy_shard, shard_file, write_shard
+from harvest.formats.shard import SHARDS, ShardPlan, ShardSums, copy_shard, shard_file, write_shard
 from harvest.multipart import MultipartWriter, Upload
 from harvest.storage import Location, StorageError
 
@@ -37,6 +37,15 @@ def _progress(plan: ShardPlan, local: bool, crash: Crash) -> Callable[[int], Non
         crash("packing")
 
     return progress
+
+
+def staging_dir(out: Location) -> str | None:
+    """Where a local output's shards are built (None for object storage); an OSError making it
+    (read-only, full, not a folder) is as persistent as a storage error, and told as one."""
+    try:
+        return out.local_staging_dir(SHARDS)
+    except OSError as e:
+        raise StorageError(f"preparing {out.path(SHARDS)} failed: {type(e).__name__}: {e}") from e
 
 
 def pack_local(plan: ShardPlan, tmp: str, spool_dir: str, crash: Crash) -> Packed:
