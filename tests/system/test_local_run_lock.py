@@ -45,7 +45,9 @@ def test_two_runners_racing_for_one_work_dir_one_is_refused_naming_the_other(tmp
     work = str(tmp_path / "work")
     args = ["run", dataset, "--model", tiny_model, "--out", str(tmp_path / "out"), "--run", "twice", "--work-dir", work,
             "--dump-dir", str(tmp_path / "dumps"), "--no-progress"]
-    winner = _start(args)  # the same command in two terminals, the second while the first runs
+    # the same command in two terminals, the second while the first runs (its engine answers after 5 s:
+    # it surely still runs when the second has started, however loaded the machine)
+    winner = _start(args, {"HARVEST_ENGINE_FAULTS": "hang", "HARVEST_ENGINE_HANG_S": "5"})
     try:
         wait_for(lambda: read_holder(os.path.join(work, "runner.lock")).get("pid") == winner.pid, 120,
                  "the first runner holding its work dir")
