@@ -15,7 +15,9 @@ process), four ways:
   (hs-connectors' `FileTransfer`, SpecForge's `load_feature_file` with the tensors touched), from
   the local disk where a training machine keeps them.
 
-Samples/s and MB/s of hidden states (plain: of shard bytes, nearly all hidden states), the
+Every feed hands each sample's hidden states to one copy, as the trainers' collators do (and
+safetensors' and torch's memory-mapped files are read only then). Samples/s and MB/s of hidden
+states (plain: of shard bytes, nearly all hidden states), the
 median of `--repeats`, and each feed's ratio to the plain read of the same storage measured in
 the same run (goal >= 0.8). The local figures come from the page cache (everything was just
 written; nothing drops caches on a shared machine): they compare CPU cost, not the disk. torch
@@ -121,7 +123,7 @@ def speculators_feed(dest: str, run_url: str, rows: int, workers: int) -> Callab
         transfer = open_transfer(dest, run_url)  # a fresh reader each time: its index reads are counted
 
         def one(i: int) -> int:
-            hs = transfer.get_cached(i)["hidden_states"]
+            hs = transfer.get_cached(i)["hidden_states"].clone()  # the collator's copy
             return hs.numel() * hs.element_size()
         if workers == 1:
             return sum(one(i) for i in range(rows))
@@ -158,7 +160,7 @@ def export_files(dest: str, rows: int) -> Callable[[], int]:
         transfer = FileTransfer(Path(dest) / "hidden_states")
         n = 0
         for i in range(rows):
-            hs = transfer.get_cached(i)["hidden_states"]
+            hs = transfer.get_cached(i)["hidden_states"].clone()  # memory-mapped: read here, as the collator copies
             n += hs.numel() * hs.element_size()
         return n
     return feed

@@ -36,8 +36,14 @@ from tests.system.test_trainers import (  # noqa: F401 (fixtures)
     run,
 )
 
+# One xdist worker for the whole file: its tests share the module's `harvest run` (the `run` fixture),
+# which a second worker would run again.
+pytestmark = pytest.mark.xdist_group("test_trainers_in_place")
+
 
 def io_counters() -> dict[str, int]:
+    """This process's I/O counters: `write_bytes` counts the bytes of the pages it dirties, when it
+    dirties them (so no sync is needed to see a write), on any disk filesystem."""
     with open("/proc/self/io") as f:
         return {k: int(v) for k, v in (line.split(":") for line in f)}
 
@@ -66,7 +72,6 @@ class _FeedTrainer(_CpuTrainer):
     loader fed through, its disk writes measured."""
 
     def run_training(self):
-        os.sync()
         before = io_counters()
         batches = sum(1 for _ in self.seen["loader"])
         self.seen.update(batches=batches, written=disk_written(before))
@@ -151,7 +156,6 @@ def test_speculators_reads_the_run_in_place_from_s3(run, s3_run, hf, tiny_model,
     # measure sees writes (a feed that wrote its rows to disk would fail above).
     from harvest.read.export import export_run
 
-    os.sync()
     before = io_counters()
     export_run(run_url, "speculators", str(tmp / "spec-full-here"), progress=False, model=tiny_model)
     written = disk_written(before)
@@ -205,7 +209,6 @@ def test_specforge_reads_the_run_in_place_through_pointer_files(run, s3_run, hf,
 
     # SpecForge's own pipeline over the pointers: targets are the model's logits; nothing written.
     head = TargetHead.from_pretrained(_indexed_checkpoint(tiny_model, str(tmp / "indexed-ip")))
-    os.sync()
     before = io_counters()
     worst, agree, n, samples = 0.0, 0, 0, 0
     for b, target in _specforge_targets(small, head):
