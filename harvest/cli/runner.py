@@ -55,6 +55,7 @@ from harvest.formats.settled import settle, unsettle
 from harvest.health import wait_healthy
 from harvest.node.dumpdir import default_dump_dir
 from harvest.ops.recovery import Recovery
+from harvest.progress import progress as progress_display
 from harvest.settings import EngineSettings, RunnerSettings
 from harvest.state.connection import RedisLost, redact
 from harvest.state.ledger import Ledger
@@ -379,7 +380,7 @@ def _tend(children: Supervisor, disk: DiskWatch, names: list[str]) -> None:
 def _extract(ledger: Ledger, recovery: Recovery, children: Supervisor, disk: DiskWatch, names: list[str],
              progress: bool) -> None:
     """Until nothing is queued or spooled: the progress bar, Redis's identity, the children."""
-    bar = tqdm(total=ledger.counts()["total"], desc="extract", unit=" samples", disable=not progress)
+    bar = progress_display("extract", " samples", total=ledger.counts()["total"], enabled=progress)  # TTY: a bar
     while True:
         recovery.check()  # rate-limited by itself: one INFO every few seconds
         c = ledger.counts()
