@@ -105,9 +105,13 @@ def test_harvest_run_goes_on_past_every_bad_row_and_says_so(tiny_model, tmp_path
     p = _dataset(tmp_path / "d.jsonl")
     out = tmp_path / "out"
     r = harvest_cli("run", str(p), "--model", tiny_model, "--out", str(out), "--run", "rows", "--workers", "1",
-                    "--work-dir", str(tmp_path / "work"), "--no-progress", "--max-wait", "1")
+                    "--work-dir", str(tmp_path / "work"), "--max-wait", "1")
     assert r.returncode == 1, r.stdout + r.stderr
     assert _rows_of(r.stderr) == _reported(p)
+    # stderr is no terminal: progress as whole lines, the last with the final counts, no \r frames
+    assert "\r" not in r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("extract: ")][-1].startswith(
+        "extract: 3 samples of 3 (100%), "), r.stderr
     lines = r.stdout.splitlines()
     assert "  samples: 3 done, 0 failed (3 enqueued now, 0 already known)" in lines, r.stdout
     assert "  bad rows: 4 (each reported above on stderr with its file and line)" in lines, r.stdout
