@@ -26,7 +26,7 @@ SLOW_FIRST = [
     "system/test_sglang_live.py",  # 6-11 min: five SGLang server starts (one worker: a module-scoped server)
     "system/test_vllm.py",
     "system/test_exactly_once.py",
-    "system/test_audit.py",  # 3-4 min: two extractions and six audits of one run, one after another
+    "system/test_audit.py",  # 2-4 min: two extractions and five audits of one run, one after another
     "system/test_chaos.py",
     "system/test_clock_skew.py",
     "system/test_trainers.py",

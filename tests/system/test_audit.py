@@ -7,13 +7,16 @@ fourth sample's hidden states flipped in its shard. Every sample passes the work
 run ends 25 done, 0 failed): the numbers are plausible, only a second computation sees them. The
 engine's log says which sample each fault hit and which rows (the injector's own account); each
 route must name the same samples, reasons and rows. Then `--requeue-bad` repairs the run: the
-four are extracted again (by an engine without faults), committed once, and both routes pass.
+four are extracted again (by an engine without faults), committed once, and both routes pass,
+the engine route against a given engine whose batch fault is on for good (each sample alone
+never meets it).
 
 The tests share the module's run and follow one another (one xdist worker): the last one repairs it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -40,6 +43,10 @@ pytestmark = pytest.mark.xdist_group("test_audit")
 
 RUN = "faulty"
 FAULTS = "shift-chunk:1,wrong-layer:1,perturb:1"
+# One torch thread in every process here (engines, the transformers forward): the suite runs tests
+# side by side on two cores, where torch's threads of several processes wait on one another (the
+# workers run one thread for the same reason); the forward of the tiny model needs no more.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 @dataclass
@@ -82,7 +89,7 @@ def faulty(tmp_path_factory, tiny_model) -> Faulty:
     args = ["run", dataset, "--model", tiny_model, "--out", f"file://{out}", "--run", RUN, "--dtype", "fp32",
             "--workers", "1", "--shard-mb", "1", "--max-wait", "1", "--chunked-prefill-size", "64", "--no-progress",
             "--work-dir", str(work), "--dump-dir", str(base / "dumps")]
-    res = harvest_cli(*args, env={"HARVEST_ENGINE_FAULTS": FAULTS})
+    res = harvest_cli(*args, env={"HARVEST_ENGINE_FAULTS": FAULTS, **ONE_THREAD})
     assert res.returncode == 0, res.stdout + res.stderr
     assert "samples: 25 done, 0 failed" in res.stdout  # the worker's checks pass every fault
     log = (work / "logs" / "engine.log").read_text()
@@ -123,7 +130,8 @@ def faulty(tmp_path_factory, tiny_model) -> Faulty:
 
 def _audit(f: Faulty, *args: str):
     with RedisServer(os.path.join(f.work, "redis")) as server:  # the run's private Redis, again
-        return harvest_cli("audit", "--run", RUN, "--redis", server.url, "--no-progress", *args), server.url
+        return harvest_cli("audit", "--run", RUN, "--redis", server.url, "--no-progress", *args, env=ONE_THREAD), \
+            server.url
 
 
 def _committed_bytes(loc: Location) -> str:
@@ -175,54 +183,35 @@ def test_each_fault_is_caught_against_the_engine_with_its_reason_and_rows(faulty
     assert latest["record"] == "audits/" + os.path.basename(record.group(1)) and latest["verdict"] == "fail"
 
 
-def test_a_given_engine_with_the_batch_fault_on_computes_each_sample_alone_and_right(faulty, tiny_model, tmp_path):
-    # The run's own (faulty) engine kind, given by URL: `perturb` on for good, the run's capture points
-    # and chunk. Sent alone, no sample meets the batch fault; the three wrong copies are still caught,
-    # the wrong layer as drift at its capture point (layer 3 is not among the points such a server dumps).
+def test_each_fault_is_caught_against_transformers_with_its_reason_and_rows(faulty):
+    res, _ = _audit(faulty, "--against", "hf", "--samples", "100", "--seed", "3")
+    _check_caught(faulty, res, r"against hf: transformers \S+ forward of \S+ on cpu in float32, each sample whole")
+
+
+@contextlib.contextmanager
+def _engine(model: str, dumps: str, faults: str):
+    """A reference engine of the run's kind, capture points and chunk, with test faults on for good."""
     port = free_port()
-    dumps = tmp_path / "dumps"
-    p = subprocess.Popen([sys.executable, "-m", "harvest.cli", "engine", "--model", tiny_model, "--dump-dir",
-                          str(dumps), "--port", str(port), "--layers", "2,4,5,8", "--chunked-prefill-size", "64"],
-                         cwd=REPO, env={**os.environ, "HARVEST_ENGINE_FAULTS": "perturb"}, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen([sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dumps,
+                          "--port", str(port), "--layers", "2,4,5,8", "--chunked-prefill-size", "64"],
+                         cwd=REPO, env={**os.environ, "HARVEST_ENGINE_FAULTS": faults, **ONE_THREAD},
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         assert wait_healthy(f"http://127.0.0.1:{port}", 120), "the reference engine did not start"
-        res, _ = _audit(faulty, "--engine-url", f"http://127.0.0.1:{port}", "--dump-dir", str(dumps), "--samples",
-                        "100", "--seed", "3")
+        yield f"http://127.0.0.1:{port}"
     finally:
         kill_group(p)
         p.wait()
-    wrong = next(s for s, r in faulty.reasons.items() if r == "wrong-layer")
-    n = len(faulty.rows[wrong])
-    expected = {**faulty.expected, wrong: faulty.expected[wrong].split("wrong-layer: ")[0]
-                + f"drift: {n} of {n} rows beyond the bound, rows 0-{n - 1} (capture point 2)"}
-    _check_caught(Faulty(**{**faulty.__dict__, "expected": expected}), res,
-                  rf"against engine: reference engine at http://127\.0\.0\.1:{port} \(given\), chunked prefill 64, "
-                  r"each sample alone with a fresh rid", verdict="4 of 25 samples not within the bound (2 drift, 1 "
-                  "misaligned, 1 corrupt)")
-    assert [f for f in os.listdir(dumps) if not f.startswith(".")] == []  # every dump the audit caused, claimed
 
 
-def test_each_fault_is_caught_against_transformers_and_a_small_audit_holds_the_longest(faulty):
-    res, url = _audit(faulty, "--against", "hf", "--samples", "100", "--seed", "3")
-    _check_caught(faulty, res, r"against hf: transformers \S+ forward of \S+ on cpu in float32, each sample whole")
-    res, _ = _audit(faulty, "--against", "hf", "--samples", "3", "--seed", "8")
-    lengths = sorted(len(RunReader(faulty.loc.url()).tokens(s)[0]) for s in faulty.before)
-    head = res.stdout.splitlines()[0]
-    assert head.startswith(f"audit of run {RUN}: 3 of 25 committed samples (seed 8, stratified by length: ")
-    assert f"-{lengths[-1]} tokens)" in head  # the longest stratum first: the sample over several chunks
-    flagged = [ln for ln in res.stdout.splitlines() if ln.startswith(("FAIL ", "CORRUPT "))]
-    assert res.returncode == (1 if flagged else 0) and set(flagged) <= set(faulty.expected.values())
-
-
-def test_requeue_bad_extracts_them_again_once_and_both_routes_then_pass(faulty):
+def test_requeue_bad_extracts_them_again_once_and_both_routes_then_pass(faulty, tiny_model, tmp_path):
     res, _ = _audit(faulty, "--against", "hf", "--samples", "100", "--seed", "3", "--requeue-bad")
     assert res.returncode == 1, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     assert re.fullmatch(r"requeue-bad: excluded 4 samples from \d index files; marked 0 samples done from storage; "
                         r"4 done in the ledger but committed by no index went back to the queue", lines[-2]), lines[-2]
     assert len(RunReader(faulty.loc.url())) == 21  # excluded: no reader reads the wrong copies any more
-    res = harvest_cli(*faulty.args)  # the run again, its engine without faults: the four extracted anew
+    res = harvest_cli(*faulty.args, env=ONE_THREAD)  # the run again, its engine without faults: the four extracted anew
     assert res.returncode == 0, res.stdout + res.stderr
     assert "samples: 25 done, 0 failed (0 enqueued now, 25 already known)" in res.stdout
     reader = RunReader(faulty.loc.url())
@@ -232,13 +221,21 @@ def test_requeue_bad_extracts_them_again_once_and_both_routes_then_pass(faulty):
     assert set(copies.values()) == {1} and sorted(copies) == faulty.before  # each committed once
     for sid in faulty.reasons:
         reader.get(sid)  # read back whole and checked
-    for route in ("engine", "hf"):
-        res, url = _audit(faulty, "--against", route, "--samples", "100", "--seed", "11")
+    # Clean by both routes. The engine route against a given engine (URL and dump dir) whose batch
+    # fault is on for good: sent alone, no sample meets it.
+    dumps = tmp_path / "dumps"
+    with _engine(tiny_model, str(dumps), "perturb") as url:
+        engine, _ = _audit(faulty, "--engine-url", url, "--dump-dir", str(dumps), "--samples", "100", "--seed", "11")
+    hf, _ = _audit(faulty, "--against", "hf", "--samples", "100", "--seed", "11")
+    for res in (engine, hf):
         assert res.returncode == 0, res.stdout + res.stderr
         lines = res.stdout.splitlines()
         assert lines[2] == "stored bytes: 25 of 25 samples match their index's crc32s"
         assert not [ln for ln in lines if ln.startswith(("FAIL ", "CORRUPT ", "UNCHECKED "))]
         assert lines[-2] == "verdict: pass: 25 of 25 samples within the bound"
+    assert re.fullmatch(rf"against engine: reference engine at {re.escape(url)} \(given\), chunked prefill 64, each "
+                        r"sample alone with a fresh rid", engine.stdout.splitlines()[1])
+    assert [f for f in os.listdir(dumps) if not f.startswith(".")] == []  # every dump the audit caused, claimed
     with RedisServer(os.path.join(faulty.work, "redis")) as server:
         status = harvest_cli("status", "--run", RUN, "--redis", server.url)
         import redis
