@@ -38,7 +38,7 @@ from harvest.state.payload import Sample
 
 
 class AuditEngineDown(ServiceError, RuntimeError):
-    """The engine the audit started did not come up (its log says why)."""
+    """The engine the audit started did not come up (its log says why), or a given one does not answer."""
 
 
 def _chunk_of(url: str) -> int | None:
@@ -73,6 +73,9 @@ class EngineRoute:
             if dump_dir is None:
                 raise ConfigError("--engine-url needs --dump-dir: the folder that server writes its dump files to "
                                   "(its HARVEST_DUMP_DIR)")
+            if not wait_healthy(engine_url.rstrip("/"), 10.0):
+                raise AuditEngineDown(f"no engine answers at {engine_url.rstrip('/')}/health: start the server, or "
+                                      "pass the URL of one on this node")
             chunk, how = _chunk_of(engine_url.rstrip("/")), "given"
         from workers.clients import make_engine
 
