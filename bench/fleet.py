@@ -55,7 +55,7 @@ from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.payload import Sample  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
 from producer.enqueue import Enqueuer  # noqa: E402
-from tests.support.fleet import Fleet, RedisStats, counts, install_counter, tagged  # noqa: E402
+from tests.support.fleet import TRIPS, Fleet, RedisStats, counts, install_counter, rq_cost, tagged  # noqa: E402
 from tests.support.wait import wait_for  # noqa: E402
 
 POINTS, HIDDEN = [2, 4, 5, 8], 4  # the simulated run: 4 capture points, hidden size 4, fp32 (= the engine's dtype)
@@ -79,11 +79,19 @@ def bench_sent() -> Counter:
     return Counter({(a, c): n for a, cmds in counts().items() for c, n in cmds.items()})
 
 
+def commands(sent: Counter) -> int:
+    return sum(v for (_, c), v in sent.items() if c != TRIPS)
+
+
+def trips(sent: Counter) -> int:
+    return sum(v for (_, c), v in sent.items() if c == TRIPS)
+
+
 def executed(r: RedisStats, bench: Counter) -> dict[str, int]:
     """Commands the server executed less those this process sent for its polling (`bench.*`)."""
     out = dict(r.calls)
     for (act, cmd), n in bench.items():
-        if act.startswith("bench"):
+        if act.startswith("bench") and cmd != TRIPS:
             k = cmd.lower()
             out[k] = out.get(k, 0) - n
     return {k: v for k, v in out.items() if v > 0}
@@ -97,7 +105,7 @@ def new_run(conn: redis.Redis, root: str, run: str, tokens: int, job: int, job_t
     return publish_run(conn, cfg)
 
 
-def wait_ready(conn: redis.Redis, fleet: Fleet, timeout: float = 300) -> None:
+def wait_ready(conn: redis.Redis, fleet: Fleet, timeout: float = 900) -> None:
     def ready() -> bool:
         for name, p in fleet.procs.items():
             if p.poll() is not None:
@@ -151,7 +159,7 @@ def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: i
         "nodes": nodes, "samples": samples, "tokens": tokens, "failed": failed, "seconds": t1 - t0,
         "jobs": enq.stats.jobs, "shards": stats.get("shards", 0),
         "executed": ex, "sent": sent, "idle_executed": sum(idle_ex.values()) / idle_s,
-        "idle_sent": sum(idle_sent.values()) / idle_s, "idle_cpu_us_s": idle_cpu_us_s,
+        "idle_sent": commands(idle_sent) / idle_s, "idle_trips": trips(idle_sent) / idle_s, "idle_cpu_us_s": idle_cpu_us_s,
         # what the run cost beyond the fleet's idle background over the same seconds
         "cpu_us": run_r.cpu_s * 1e6, "busy_cpu_us": run_r.cpu_s * 1e6 - (idle_cpu_us_s + base_us_s) * (t1 - t0),
         "usec": run_r.usec, "mem_done": RedisStats.read(conn).memory - r0.memory,
@@ -210,33 +218,39 @@ ROLES = ("producer", "worker.job", "worker.rq", "worker.beat", "worker.janitor",
 
 def print_fleets(res: list[dict], mem_q: float) -> None:
     base = res[0]
-    print(f"\n{'fleet':>18} {'samples':>8} {'s/s':>7} {'x':>5} {'exec/s':>7} {'sent/s':>7} {'cpu µs/s':>9} "
-          f"{'busy µs/s':>9} {'MB/done':>8} {'worker ms/s':>11} {'coll ms/s':>9}   idle: exec/s/node  µs/s/node")
+    print(f"\n{'fleet':>18} {'samples':>8} {'s/s':>7} {'x':>5} {'exec/s':>7} {'sent/s':>7} {'trips/s':>7} {'cpu µs/s':>9} "
+          f"{'busy µs/s':>9} {'KB/done':>8} {'worker ms/s':>11} {'coll ms/s':>9}   idle/node: trips/s  µs/s")
     for r in res:
         n = r["samples"]
         sps = n / r["seconds"]
         print(f"{r['nodes']:>4} nodes {r['tokens']:>5} tok {n:>8} {sps:>7.0f} {sps / (base['samples'] / base['seconds']):>5.2f} "
-              f"{sum(r['executed'].values()) / n:>7.2f} {sum(r['sent'].values()) / n:>7.2f} {r['cpu_us'] / n:>9.1f} "
-              f"{r['busy_cpu_us'] / n:>9.1f} {r['mem_done'] / n / 1e6:>8.4f} {r['cpu'].get('worker', 0) * 1e3 / n:>11.2f} "
-              f"{r['cpu'].get('collector', 0) * 1e3 / n:>9.2f}   {r['idle_executed'] / r['nodes']:>10.1f} "
-              f"{r['idle_cpu_us_s'] / r['nodes']:>10.0f}")
+              f"{sum(r['executed'].values()) / n:>7.2f} {commands(r['sent']) / n:>7.2f} {trips(r['sent']) / n:>7.2f} "
+              f"{r['cpu_us'] / n:>9.1f} {r['busy_cpu_us'] / n:>9.1f} {r['mem_done'] / n / 1e3:>8.2f} "
+              f"{r['cpu'].get('worker', 0) * 1e3 / n:>11.2f} {r['cpu'].get('collector', 0) * 1e3 / n:>9.2f}   "
+              f"{r['idle_trips'] / r['nodes']:>14.1f} {r['idle_cpu_us_s'] / r['nodes']:>5.0f}")
     print(f"  (s/s: samples/s end to end; x: against {base['nodes']} node(s); exec/s, sent/s: Redis commands per sample "
-          f"executed (Lua's inner ones included) and sent by clients; cpu: Redis main-thread µs per sample, busy: less the "
-          f"idle fleet's; MB/done: Redis memory after the run per done sample; worker/coll ms/s: their own CPU per sample)")
+          f"executed (Lua's inner ones included) and sent by clients; trips/s: round trips (a pipeline is one); cpu: Redis "
+          f"main-thread µs per sample, busy: less the idle fleet's; KB/done: Redis memory left per done sample; "
+          f"worker/coll ms/s: their own CPU per sample)")
     print(f"  Redis memory per queued sample ({base['tokens']}-token samples, jobs of 32): {mem_q / 1e3:.1f} KB")
     for r in res:
         n, jobs, shards = r["samples"], r["jobs"], max(1, r["shards"])
         by_role = Counter()
         by_cmd: dict[str, Counter] = {}
+        by_trips = Counter()
         for (act, cmd), v in r["sent"].items():
+            if cmd == TRIPS:
+                by_trips[act] += v
+                continue
             by_role[act] += v
             by_cmd.setdefault(act, Counter())[cmd] += v
         print(f"\n  {r['nodes']} nodes, {r['tokens']}-token samples: {n} samples, {jobs} jobs ({n / max(1, jobs):.1f} "
               f"samples/job), {shards} shards ({n / shards:.1f} samples/shard), {r['failed']} failed; commands sent per "
-              f"sample by activity [per job] (top commands):")
+              f"sample by activity [per job] (round trips per sample) top commands:")
         for act in sorted(by_role, key=lambda a: (a not in ROLES, ROLES.index(a) if a in ROLES else 0, a)):
             top = ", ".join(f"{c} {v / n:.2f}" for c, v in by_cmd[act].most_common(6))
-            print(f"    {act:<18} {by_role[act] / n:6.2f}  [{by_role[act] / max(1, jobs):6.1f}]  {top}")
+            print(f"    {act:<18} {by_role[act] / n:6.2f}  [{by_role[act] / max(1, jobs):6.1f}]  ({by_trips[act] / n:5.2f})  "
+                  f"{top}")
         top = sorted(r["executed"].items(), key=lambda kv: -kv[1])[:10]
         print("    executed per sample: " + ", ".join(f"{k} {v / n:.2f}" for k, v in top))
         cpu = sorted(r["usec"].items(), key=lambda kv: -kv[1])[:6]
@@ -266,9 +280,10 @@ def project(short: dict, long: dict) -> None:
         c_s = r["busy_cpu_us"] / r["samples"]
         c_idle = r["idle_cpu_us_s"] / r["nodes"]  # a simulated node: one worker and one collector
         gpus = 1e6 / (per_gpu * c_s + c_idle)
-        cmds = sum(r["executed"].values()) / r["samples"] * per_gpu * gpus
+        cmds = commands(r["sent"]) / r["samples"] * per_gpu * gpus
         print(f"  {r['tokens']:>5}-token samples ({per_gpu:.1f} samples/s per GPU, {c_s:.1f} µs per sample, "
-              f"{c_idle:.0f} µs/s idle per GPU): {gpus:,.0f} GPUs ({per_gpu * gpus:,.0f} samples/s, {cmds:,.0f} commands/s)")
+              f"{c_idle:.0f} µs/s idle per GPU): {gpus:,.0f} GPUs ({per_gpu * gpus:,.0f} samples/s, {cmds:,.0f} commands/s "
+              f"sent)")
 
 
 def main() -> int:
@@ -316,9 +331,18 @@ def main() -> int:
                              RunConfig.__dataclass_fields__["max_batch_tokens"].default, args.idle, base_us_s, rng)
         print(f"  fleet of {big}, {args.long_tokens}-token samples: {long['samples']} in {long['seconds']:.1f}s", flush=True)
         conn.flushall()
+        rq = [rq_cost(conn, root, new_run(conn, root, f"rq{j}", 64, j, j * 64), 100, base_us_s,
+                      lambda n: make_samples(n, 64, rng)) for j in (8, 32, 128)]
+        conn.flushall()
         rows = ledger_cost(conn, [int(x) for x in args.ledger.split(",")])
         print_fleets(res + [long], mem_q)
         print_ledger(rows)
+        print("\none worker's jobs (64-token samples; in this process): Redis CPU per job and per sample")
+        for q in rq:
+            print(f"  jobs of {q['job']:>3}: {q['cpu_us']:7.0f} µs a job ({q['cpu_us'] / q['job']:5.1f} a sample), of "
+                  f"which harvest's scripts {q['scripts_us']:6.0f} ({q['scripts_us'] / q['job']:4.1f} a sample) and the "
+                  f"rest, RQ's, {q['rq_us']:6.0f} ({q['rq_us'] / q['job']:4.1f} a sample); {q['commands']:.0f} commands "
+                  f"executed and {q['trips']:.0f} round trips a job")
         project(res[-1], long)
         print(f"\n{time.monotonic() - t0:.0f}s in all")
     finally:

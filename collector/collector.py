@@ -131,6 +131,7 @@ class Collector:
         temporary shard files); the others call `resume_record`."""
         self._clear_temps()
         self.renew_lease()
+        self.records.adopt()  # records of an older collector into the index its periodic pass reads
         self.tend_others()
         self.resume_record()
 
@@ -179,9 +180,11 @@ class Collector:
         files = [f for f in list_spooled(self.spool_dir) if self._mine(f[0]) and f[0] not in self._busy]
         if not files:
             return []
+        if not (force or self._may_be_due(files)):
+            return []
         ids = [sid for sid, _, _ in files]
         ready = []
-        for (sid, path, size), st, owner in zip(files, self.ledger.states(ids), self.ledger.spool_owners(ids)):
+        for (sid, path, size), st, owner in zip(files, *self.ledger.states_and_owners(ids)):
             if st in (DONE, FAILED) or (st == SPOOLED and owner not in (None, "", self.spool_id)):
                 # committed already, given up on, or accepted from another node's spool (a retry
                 # of a job whose worker died between writing this file and marking it): not ours
@@ -218,6 +221,16 @@ class Collector:
             except SpoolError as e:
                 self._reject(sid, path, e)
         return chosen
+
+    def _may_be_due(self, files: list[tuple[str, str, int]]) -> bool:
+        """From the files and one O(1) read (a poll reads no sample's state): they hold every ready
+        sample, so all below a shard, none max_wait old and samples queued rule a due shard out."""
+        try:
+            old = time.time() - os.stat(files[0][1]).st_mtime >= self.max_wait  # oldest first (list_spooled)
+        except FileNotFoundError:
+            return True  # a file went meanwhile: let the full look decide
+        return old or sum(size for _, _, size in files) >= self.shard_bytes or self.conn.hget(
+            self.ledger.keys.counts, QUEUED) in (None, b"0")  # nothing queued
 
     def _mine(self, sid: str) -> bool:
         return self.packers == 1 or int(sid[:8], 16) % self.packers == self.packer
@@ -359,18 +372,18 @@ class Collector:
     def finish(self, plan: ShardPlan) -> int:
         """After the index: ledger, spool files, record (`_finish_samples`), then the stats."""
         sample_ids = plan.sample_ids
-        changed = self._finish_samples(sample_ids, [e.path for e in plan.entries])
-        self.ledger.add_stats(tokens_done=sum(e.num_tokens for e, c in zip(plan.entries, changed) if c),
-                              bytes_done=plan.nbytes, shards=1)
+        self._finish_samples(sample_ids, [e.path for e in plan.entries], tokens=[e.num_tokens for e in plan.entries],
+                             stats={"bytes_done": plan.nbytes, "shards": 1})
         self.shards_committed += 1
         log.info("committed shard %s: %d samples, %d tokens, %.1f MB to %s", plan.shard_id, len(sample_ids),
                  sum(e.num_tokens for e in plan.entries), plan.nbytes / 1e6, self.out.url())
         return len(sample_ids)
 
-    def _finish_samples(self, sample_ids: list[str], paths: list[str]) -> list[bool]:
-        """After the index exists: ledger done, spool files gone, record cleared. Returns, per
-        sample, whether this call moved it to done."""
-        changed = set(self.ledger.mark_done(sample_ids))
+    def _finish_samples(self, sample_ids: list[str], paths: list[str], tokens: list[int] | None = None,
+                        stats: dict[str, int] | None = None) -> list[bool]:
+        """After the index exists: ledger done (with the shard's stats and `tokens`, in one call),
+        spool files gone, record cleared. Returns, per sample, whether this call moved it to done."""
+        changed = set(self.ledger.mark_done(sample_ids, tokens=tokens, stats=stats))
         self._crash("marked")
         for p in paths:
             _unlink(p)

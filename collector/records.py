@@ -72,15 +72,15 @@ def tend_revoked(conn: redis.Redis, run: str, out: Location, retry: Retry, own_k
     Returns the samples this call moved to done."""
     records, ledger, leases = PackingRecords(conn, run), Ledger(conn, run), SpoolLeases(conn, run)
     done = 0
-    for key, rec, raw in records.items(skip=own_keys):
+    for key, rec, raw in records.items(skip=own_keys, complete=False):  # periodic: the index, not a SCAN
         if rec.spool is None or not leases.is_revoked(rec.spool):
             continue  # a live node's shard in progress: its own collector's
         if rec.index is not None:
             write_decided_index(out, rec, retry)
-            changed = ledger.mark_done(rec.sample_ids)
+            tokens = dict(zip(rec.index["samples"], rec.index["tokens"]))
+            changed = ledger.mark_done(rec.sample_ids, tokens=[tokens.get(s, 0) for s in rec.sample_ids])
             if changed:
-                tokens = dict(zip(rec.index["samples"], rec.index["tokens"]))
-                ledger.add_stats(tokens_done=sum(tokens[s] for s in changed), bytes_done=rec.index["bytes"], shards=1)
+                ledger.add_stats(bytes_done=rec.index["bytes"], shards=1)
             done += len(changed)
             log.warning("finished shard %s of revoked spool %s (%s): %d samples", rec.shard_id, rec.spool, key,
                         len(changed))

@@ -43,7 +43,7 @@ from rq.timeouts import JobTimeoutException
 
 from harvest.ids import rid_for
 from harvest.node.spooldir import SpoolBatch, list_spooled
-from harvest.ops.metrics import observe
+from harvest.ops.metrics import bucket_of, observe
 from harvest.state.connection import give_up, is_connection_error
 from harvest.state.failures import (
     ENGINE_REJECTED,
@@ -56,10 +56,9 @@ from harvest.state.failures import (
     WORKER_ERROR,
     WORKER_STOPPED,
     SampleFailure,
-    record_failures,
 )
 from harvest.state.ledger import QUEUED
-from harvest.state.payload import Sample, decode_batch, payload_rows
+from harvest.state.payload import Sample, decode_batch, payload_row, payload_rows
 from workers.claim import Claimed, assemble
 from workers.claim import claim as claim_dumps
 from workers.clients.base import EngineUnavailable, Rejected
@@ -127,6 +126,8 @@ class BatchJob:
         self.by_rid: dict[str, Sample] = {}
         self.failures: dict[str, tuple[str, str]] = {}  # sample -> (reason, message), failed at `mark`
         self.owner = ""  # the spool id the samples are marked with
+        self.attempts: dict[str, int] = {}  # sample -> this execution's attempt number (its rid), from `choose`
+        self.engine_seconds: float | None = None  # the engine call's latency, recorded with the marks
 
     def run(self) -> JobResult | Retry:
         held = self.reconcile()
@@ -149,9 +150,12 @@ class BatchJob:
         return None
 
     def choose(self) -> list[Sample]:
-        """The job's samples still queued (a connection error here: nothing to undo)."""
-        states = self.ctx.ledger.states([s.id for s in self.samples])
+        """The job's samples still queued, each with a new attempt number (a fresh rid), in one
+        ledger call (a connection error here: nothing to undo; an attempt number taken by a job
+        that stops before its engine call is only skipped)."""
+        states, attempts = self.ctx.ledger.take([s.id for s in self.samples])
         self.todo = [s for s, st in zip(self.samples, states) if st == QUEUED]
+        self.attempts = {s.id: a for s, st, a in zip(self.samples, states, attempts) if st == QUEUED}
         return self.todo
 
     def attempt(self) -> JobResult | Retry:
@@ -190,9 +194,13 @@ class BatchJob:
             return out
         finally:
             if not ctx.redis_lost():
-                observe(ctx.conn, ctx.cfg.run, "job_seconds", time.monotonic() - t0)
-                if ctx.beat:
-                    ctx.beat.job_ended()
+                if self.engine_seconds is not None:  # the job stopped before its marks recorded it
+                    observe(ctx.conn, ctx.cfg.run, "engine_seconds", self.engine_seconds)
+                took = time.monotonic() - t0
+                if ctx.beat:  # the job's duration with the heartbeat's end of job: one call
+                    ctx.beat.job_ended(observe=("job_seconds", bucket_of(took), took))
+                else:
+                    observe(ctx.conn, ctx.cfg.run, "job_seconds", took)
 
     def work(self) -> JobResult:
         rows = dict(zip((s.id for s in self.samples), payload_rows(self.payload)))  # kept while spooled
@@ -207,8 +215,7 @@ class BatchJob:
         """Every queued sample through the engine under a new rid. Returns the rids whose dumps to
         claim (their token counts); refusals and mismatches are noted in `failures`."""
         ctx = self.ctx
-        attempts = ctx.ledger.next_attempts([s.id for s in self.todo])
-        self.by_rid = by_rid = {rid_for(s.id, a): s for s, a in zip(self.todo, attempts)}
+        self.by_rid = by_rid = {rid_for(s.id, self.attempts[s.id]): s for s in self.todo}
         t0 = time.monotonic()
         try:
             results = ctx.engine.generate(list(by_rid), [s.input_ids.tolist() for s in self.todo])
@@ -217,7 +224,7 @@ class BatchJob:
             claim_dumps(ctx.dump_dir, ctx.claim_dir, {r: s.num_tokens for r, s in by_rid.items()}, timeout=0)
             _clear(ctx.claim_dir)
             raise SampleFailure(ENGINE_UNAVAILABLE, str(e), transient=True) from None
-        observe(ctx.conn, ctx.cfg.run, "engine_seconds", time.monotonic() - t0)
+        self.engine_seconds = time.monotonic() - t0  # recorded with the marks (`mark`)
         wanted: dict[str, int] = {}
         for r in results:
             s = by_rid[r.rid]
@@ -284,8 +291,9 @@ class BatchJob:
             out.ids, out.tokens, out.nbytes = [], 0, 0
 
     def mark(self, spooled: Spooled, rows: dict[str, str], outages: int) -> list[str]:
-        """The ledger: the spooled samples `s` (with their payload rows, harvest.ops.reclaim), the
-        failed ones `f`, the stats. Returns the samples this call marked spooled."""
+        """The ledger, in one call (Ledger.settle_job): the spooled samples `s` (with their payload
+        rows, harvest.ops.reclaim), the failed ones `f` (with theirs, for requeue), the stats, the
+        engine's latency. Returns the samples this call marked spooled."""
         ctx = self.ctx
         if ctx.outages() != outages:  # Redis came back during the job: the ledger reconciled before the marks
             try:
@@ -296,11 +304,19 @@ class BatchJob:
                 raise SampleFailure(STORAGE_ERROR, f"reconciling the ledger after Redis came back: "
                                     f"{type(e).__name__}: {e}", transient=True) from e
         self.owner = ctx.spool_id
-        marked = ctx.ledger.mark_spooled(spooled.ids, owner=self.owner, rows=[rows[i] for i in spooled.ids])
-        if self.failures:
-            self.fail(self.failures)
-        ctx.ledger.add_stats(samples_spooled=len(spooled.ids), tokens_spooled=spooled.tokens,
-                             bytes_spooled=spooled.nbytes, dump_bytes=spooled.dump_bytes)
+        observed = {}
+        if self.engine_seconds is not None:
+            observed["engine_seconds"] = (bucket_of(self.engine_seconds), self.engine_seconds)
+        # Failed samples not in this job's payload keep no row (none to keep); a sample spooled
+        # meanwhile by a duplicate of this job is not failed (the script moves only q or absent).
+        marked, failed = ctx.ledger.settle_job(
+            spooled.ids, self.owner, rows, self.failures,
+            stats={"samples_spooled": len(spooled.ids), "tokens_spooled": spooled.tokens,
+                   "bytes_spooled": spooled.nbytes, "dump_bytes": spooled.dump_bytes},
+            observe=observed)
+        self.engine_seconds = None
+        for sid in failed:
+            log.warning("sample %s failed: %s: %s", sid, *self.failures[sid])
         return marked
 
     def finish(self, spooled: Spooled, marked: list[str]) -> JobResult:
@@ -321,11 +337,8 @@ class BatchJob:
         """Fail those of `failures` still queued (a retried job may find some already spooled), or
         absent: a rollback forgot this job's enqueue, and this job holds their rows (Ledger.mark_failed)."""
         ctx = self.ctx
-        by_id = {s.id: s for s in self.todo}
-        still = {sid for sid, st in zip(failures, ctx.ledger.states(list(failures))) if st in (QUEUED, None)}
-        failures = {sid: f for sid, f in failures.items() if sid in still}
-        changed = record_failures(ctx.ledger, ctx.cfg.run, by_id, failures, forgotten=True)
-        ctx.ledger.add_stats(samples_failed=len(changed))
+        rows = {s.id: payload_row(ctx.cfg.run, s) for s in self.todo if s.id in failures}
+        _, changed = ctx.ledger.settle_job([], "", rows, failures)  # moves only q or absent, counts samples_failed
         for sid in changed:
             log.warning("sample %s failed: %s: %s", sid, *failures[sid])
 

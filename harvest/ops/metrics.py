@@ -11,7 +11,6 @@ hash, so one scrape target gives exact fleet-wide numbers that survive restarts.
 from __future__ import annotations
 
 import bisect
-import json
 from collections import Counter
 from collections.abc import Iterable
 
@@ -50,16 +49,25 @@ def _le(v: float) -> str:
     return "+Inf" if v == float("inf") else repr(float(v))
 
 
-def observe(conn: redis.Redis, run: str, name: str, value: float) -> None:
-    """Add one observation to the run's Redis histogram `name` (cumulative buckets are derived on read)."""
+def bucket_of(value: float) -> str:
+    """The field of the histogram bucket `value` falls in (its upper bound)."""
     i = bisect.bisect_left(BUCKETS, value)
-    bound = _le(BUCKETS[i]) if i < len(BUCKETS) else "+Inf"
-    key = Keys(run).histogram(name)
-    pipe = conn.pipeline(transaction=False)
-    pipe.hincrby(key, bound, 1)
-    pipe.hincrby(key, "count", 1)
-    pipe.hincrbyfloat(key, "sum", float(value))
-    pipe.execute()
+    return _le(BUCKETS[i]) if i < len(BUCKETS) else "+Inf"
+
+
+# One observation: KEYS[1] the histogram; ARGV: bucket, value. One command a job, not three.
+_OBSERVE = """
+redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+redis.call('HINCRBY', KEYS[1], 'count', 1)
+redis.call('HINCRBYFLOAT', KEYS[1], 'sum', ARGV[2])
+return 1
+"""
+
+
+def observe(conn: redis.Redis, run: str, name: str, value: float) -> None:
+    """Add one observation to the run's Redis histogram `name` (cumulative buckets are derived on
+    read). A worker's engine latency usually goes with its job's marks instead (Ledger.settle_job)."""
+    conn.register_script(_OBSERVE)(keys=[Keys(run).histogram(name)], args=[bucket_of(value), repr(float(value))])
 
 
 def read_histogram(conn: redis.Redis, run: str, name: str) -> tuple[list[tuple[str, int]], float, int]:
@@ -153,11 +161,11 @@ class RedisCollector:
 
 
 def failure_reasons(conn: redis.Redis, run: str) -> Counter:
-    """Failed samples now in the ledger, counted by reason (one HSCAN of the failure hash)."""
-    c: Counter = Counter()
-    for _, v in conn.hscan_iter(Keys(run).failed, count=1000):
-        c[json.loads(v).get("reason", "?")] += 1
-    return c
+    """Failed samples now in the ledger, counted by reason: the ledger's counters, O(reasons)
+    (Ledger.failure_counts)."""
+    from harvest.state.ledger import Ledger
+
+    return Counter(Ledger(conn, run).failure_counts()[0])
 
 
 class CannotListen(ConfigurationError, OSError):

@@ -8,7 +8,6 @@ buckets of the last minute (harvest.state.ledger.rates), divided by the time tho
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
@@ -179,13 +178,8 @@ def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: i
     samples_per_s = rates.get("samples_done", 0) / window
     spooled_per_s = rates.get("samples_spooled", 0) / window
     eta_s, eta_basis = eta(counts["queued"] + counts["spooled"], samples_per_s, spooled_per_s)
-    reasons: Counter = Counter()
-    examples: dict[str, str] = {}
-    for sid, raw in conn.hscan_iter(led.keys.failed, count=1000):  # one pass over the failures
-        info = json.loads(raw)
-        r = info.get("reason", "?")
-        reasons[r] += 1
-        examples.setdefault(r, f"{sid.decode()}: {info.get('message', '')}")
+    counted, examples = led.failure_counts()  # the ledger's counters: O(reasons)
+    reasons: Counter = Counter(counted)
     return RunStatus(
         run=run, at=now, total=counts["total"], queued=counts["queued"] - in_flight, in_flight=in_flight,
         spooled=counts["spooled"], done=counts["done"], failed=counts["failed"],

@@ -51,6 +51,22 @@ if KEYS[2] then redis.call('SADD', KEYS[2], ARGV[3]) end
 return now
 """
 
+# A job ended: KEYS[1] the heartbeat hash, KEYS[2] (optional) a histogram (harvest.ops.metrics);
+# ARGV: ttl, the histogram's bucket and value ('' '' for none), field/value pairs. The fields, one
+# more job done, the TTL and the job's duration land together, in one command: a job's end costs
+# the fleet's Redis one round trip.
+_JOB_ENDED = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('HINCRBY', KEYS[1], 'jobs_done', 1)
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+if KEYS[2] then
+  redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+  redis.call('HINCRBY', KEYS[2], 'count', 1)
+  redis.call('HINCRBYFLOAT', KEYS[2], 'sum', ARGV[3])
+end
+return 1
+"""
+
 IDLE = "idle"
 BUSY = "busy"
 
@@ -79,6 +95,7 @@ class WorkerBeat:
         self.doing = {"state": IDLE, "job": "", "execution": "", "job_samples": "0"}
         self._lock = threading.Lock()
         self._write = conn.register_script(_WRITE)
+        self._ended = conn.register_script(_JOB_ENDED)
         self._beaten = time.monotonic()
 
     def _send(self, stamp: str = "", extra: dict[str, str] | None = None, join: bool = False) -> None:
@@ -131,19 +148,20 @@ class WorkerBeat:
             self.doing.update(state=BUSY, job=job_id, job_samples=str(samples))
             self._send("job_started")
 
-    def job_ended(self) -> None:
+    def job_ended(self, observe: tuple[str, str, float] | None = None) -> None:
         """The job function returned. An execution HarvestWorker named stays named until RQ removes
         it (`clear_execution`, in the same transaction): RQ's started registry never holds it
-        while the heartbeat says otherwise."""
+        while the heartbeat says otherwise. `observe`: (histogram name, bucket, seconds), recorded
+        in the same call (the job's duration, harvest.ops.metrics)."""
         with self._lock:
             self.doing.update(state=IDLE, job_samples="0")
             if not self.doing["execution"]:
                 self.doing["job"] = ""
-            with self.conn.pipeline(transaction=True) as pipe:
-                pipe.hset(self.key, mapping={**self.identity, **self.doing, "job_started": ""})
-                pipe.hincrby(self.key, "jobs_done", 1)
-                pipe.expire(self.key, self.ttl)
-                pipe.execute()
+            keys, hist = [self.key], ["", ""]
+            if observe is not None:
+                keys.append(self.keys.histogram(observe[0]))
+                hist = [observe[1], repr(float(observe[2]))]
+            self._ended(keys=keys, args=[self.ttl, *hist, *_pairs({**self.identity, **self.doing, "job_started": ""})])
 
     def stop(self) -> None:
         """A clean exit: gone at once, nothing for the janitor to take back."""

@@ -48,6 +48,22 @@ class Keys:
         return f"{self.prefix}:failed"
 
     @property
+    def failed_reasons(self) -> str:
+        """Hash failure reason -> samples now in state f with it, kept by the ledger's scripts (status
+        and metrics count failures from it, not by scanning `failed`)."""
+        return f"{self.prefix}:failed-reasons"
+
+    @property
+    def failed_examples(self) -> str:
+        """Hash failure reason -> `<sample>: <message>` of the latest sample failed with it (status's example)."""
+        return f"{self.prefix}:failed-examples"
+
+    @property
+    def packing_index(self) -> str:
+        """Set of the keys of the run's packing records (harvest.state.packing): listed without a SCAN."""
+        return f"{self.prefix}:packing-index"
+
+    @property
     def spool_owner(self) -> str:
         """Hash sample_id -> id of the spool dir that holds its accepted copy (state s only)."""
         return f"{self.prefix}:spool_owner"

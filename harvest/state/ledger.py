@@ -2,8 +2,15 @@
 
 States are one letter: `q` queued (a job holds it), `s` spooled (hidden states on a node's
 spool, not yet in a committed shard), `d` done (in a committed shard), `f` failed (with a
-reason). Every move goes through one Lua script that checks the allowed source states and
-keeps the per-state counters exact, so status and completion checks never scan the hash.
+reason). Every move goes through one Lua script (harvest.state.ledger_lua) that checks the
+allowed source states and keeps the per-state counters exact, and the per-reason failure
+counters too, so status, metrics and completion checks never scan the hash.
+
+Cost (bench/fleet.py). The control plane's budget is per sample: a worker's job settles all its
+samples in one call (`settle_job`: the spooled ones, the failed ones with their payload rows, the
+stats and the engine-latency observation), a collector's shard in one (`mark_done` with its
+stats), and a job's samples are taken with their new attempt numbers in one (`take`); inside a
+call, states are read and written per batch of samples, and counters once per call.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from collections.abc import Iterable, Mapping
 import redis
 
 from harvest.state.keys import Keys
+from harvest.state.ledger_lua import ADD_STATS, SETTLE, TAKE, TRANSITION, VIEW
 
 QUEUED, SPOOLED, DONE, FAILED = "q", "s", "d", "f"
 ABSENT = "_"
@@ -23,49 +31,9 @@ STATE_NAMES = {QUEUED: "queued", SPOOLED: "spooled", DONE: "done", FAILED: "fail
 RATE_BUCKET_S = 10  # throughput buckets: small enough for a one-minute rate, few enough keys
 RATE_TTL_S = 300
 
-# KEYS: state, counts, failed, spool_owner, spooled_payload, spool_counts, revoked_spools.
-# ARGV: to, allowed-from letters, n, id_1..id_n, info_1..info_n, row_1..row_n
-# (info: the failure JSON when moving to f, the owning spool id when moving to s; row: the payload
-# row kept while a sample is spooled). A sample never becomes spooled for a revoked spool.
-_TRANSITION = """
-local to, allowed, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local changed = {}
-for i = 1, n do
-  local id = ARGV[3 + i]
-  local info = ARGV[3 + n + i]
-  local row = ARGV[3 + 2 * n + i]
-  local cur = redis.call('HGET', KEYS[1], id)
-  local c = cur or '_'
-  local fenced = to == 's' and info ~= '' and redis.call('SISMEMBER', KEYS[7], info) == 1
-  if string.find(allowed, c, 1, true) and c ~= to and not fenced then
-    redis.call('HSET', KEYS[1], id, to)
-    if cur then redis.call('HINCRBY', KEYS[2], cur, -1) end
-    redis.call('HINCRBY', KEYS[2], to, 1)
-    if to == 'f' then
-      redis.call('HSET', KEYS[3], id, info)
-    elseif c == 'f' then
-      redis.call('HDEL', KEYS[3], id)
-    end
-    if c == 's' then
-      local owner = redis.call('HGET', KEYS[4], id)
-      if owner and owner ~= '' and redis.call('HINCRBY', KEYS[6], owner, -1) <= 0 then
-        redis.call('HDEL', KEYS[6], owner)
-      end
-      redis.call('HDEL', KEYS[4], id)
-      redis.call('HDEL', KEYS[5], id)
-    end
-    if to == 's' then
-      redis.call('HSET', KEYS[4], id, info)
-      if info ~= '' then redis.call('HINCRBY', KEYS[6], info, 1) end
-      if row ~= '' then redis.call('HSET', KEYS[5], id, row) end
-    end
-    changed[#changed + 1] = id
-  end
-end
-return changed
-"""
+SCRIPT_ARGS = 4000  # ids a script takes at once (Lua's unpack is bounded near 8000 values)
 
-# Reclaim: s -> q for the samples a (revoked) spool still owns. KEYS as _TRANSITION's; ARGV: spool, n, ids.
+# Reclaim: s -> q for the samples a (revoked) spool still owns. KEYS as the moves'; ARGV: spool, n, ids.
 _RECLAIM = """
 local spool, n = ARGV[1], tonumber(ARGV[2])
 local moved = {}
@@ -97,10 +65,13 @@ local spool, record, before, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 -- already fenced with this very record: a retry whose first reply was lost (harvest.state.connection)
 if record ~= '' and redis.call('GET', KEYS[4]) == record then return 1 end
 if redis.call('SISMEMBER', KEYS[3], spool) == 1 then return 0 end
-for i = 1, n do
-  local id = ARGV[4 + i]
-  local owner = redis.call('HGET', KEYS[2], id)
-  if redis.call('HGET', KEYS[1], id) ~= 's' or (owner and owner ~= '' and owner ~= spool) then return 0 end
+for lo = 1, n, 400 do
+  local ids = {}
+  for i = lo, math.min(n, lo + 399) do ids[#ids + 1] = ARGV[4 + i] end
+  local st, ow = redis.call('HMGET', KEYS[1], unpack(ids)), redis.call('HMGET', KEYS[2], unpack(ids))
+  for j = 1, #ids do
+    if st[j] ~= 's' or (ow[j] and ow[j] ~= '' and ow[j] ~= spool) then return 0 end
+  end
 end
 if record == '' then return 1 end
 if redis.call('GET', KEYS[4]) ~= before then return 0 end
@@ -129,22 +100,27 @@ class Ledger:
     def __init__(self, conn: redis.Redis, run: str) -> None:
         self.conn = conn
         self.keys = Keys(run)
-        self._script = conn.register_script(_TRANSITION)
+        self._script = conn.register_script(TRANSITION)
+        self._settle_script = conn.register_script(SETTLE)
+        self._stats = conn.register_script(ADD_STATS)
+        self._take = conn.register_script(TAKE)
+        self._view = conn.register_script(VIEW)
         self._reclaim = conn.register_script(_RECLAIM)
         self._fence = conn.register_script(_FENCE)
         self._forget = conn.register_script(_FORGET)
 
     def _state_keys(self) -> list[str]:
         k = self.keys
-        return [k.state, k.counts, k.failed, k.spool_owner, k.spooled_payload, k.spool_counts, k.revoked_spools]
+        return [k.state, k.counts, k.failed, k.spool_owner, k.spooled_payload, k.spool_counts, k.revoked_spools,
+                k.failed_reasons, k.failed_examples, k.failed_payload]
 
     def _move(self, ids: list[str], to: str, allowed: str, infos: list[str] | None = None, pipe=None,
-              rows: list[str] | None = None) -> list[str]:
+              rows: list[str] | None = None, keep: bool = False) -> list[str]:
         if not ids:
             return []
         infos = infos or [""] * len(ids)
         rows = rows or [""] * len(ids)
-        args = [to, allowed, len(ids), *ids, *infos, *rows]
+        args = [to, allowed, len(ids), *ids, *infos, *rows, "1" if keep else "0"]
         res = self._script(keys=self._state_keys(), args=args, client=pipe if pipe is not None else self.conn)
         if pipe is not None:
             return []
@@ -155,6 +131,62 @@ class Ledger:
             return []
         vals = self.conn.hmget(self.keys.state, ids)
         return [v.decode() if v is not None else None for v in vals]
+
+    def take(self, ids: list[str]) -> tuple[list[str | None], list[int]]:
+        """A job's samples as the worker starts it: each one's state, and for the queued ones a new
+        attempt number (so each attempt gets a fresh rid), in one call: (states, attempts; 0 where
+        not queued)."""
+        states: list[str | None] = []
+        attempts: list[int] = []
+        for i in range(0, len(ids), SCRIPT_ARGS):
+            res = self._take(keys=[self.keys.state, self.keys.attempts], args=ids[i : i + SCRIPT_ARGS])
+            for st, a in zip(res[0::2], res[1::2]):
+                states.append(st.decode() or None if isinstance(st, bytes) else (st or None))
+                attempts.append(int(a))
+        return states, attempts
+
+    def states_and_owners(self, ids: list[str]) -> tuple[list[str | None], list[str | None]]:
+        """The states and spool owners of `ids`, read together (one call per SCRIPT_ARGS ids)."""
+        states: list[str | None] = []
+        owners: list[str | None] = []
+        for i in range(0, len(ids), SCRIPT_ARGS):
+            st, ow = self._view(keys=[self.keys.state, self.keys.spool_owner], args=ids[i : i + SCRIPT_ARGS])
+            states += [v.decode() if v else None for v in st]
+            owners += [v.decode() if v else None for v in ow]
+        return states, owners
+
+    def settle_job(self, spooled: list[str], owner: str, rows: Mapping[str, str],
+                   failures: Mapping[str, tuple[str, str]], stats: Mapping[str, int] | None = None,
+                   observe: Mapping[str, tuple[str, float]] | None = None) -> tuple[list[str], list[str]]:
+        """A worker's job, written in one call: `spooled` q or absent -> s, owned by `owner` with
+        their payload rows kept (as `mark_spooled`); `failures` (id -> (reason, message)) q or
+        absent -> f with their rows kept as failed payloads (as `record_failures`, for samples this
+        job holds: a rollback may have forgotten its enqueue); `stats` and the count of samples
+        failed added to the run's stats; `observe` (histogram name -> (its bucket, seconds), as
+        harvest.ops.metrics buckets them) recorded. Returns (ids marked spooled, ids marked failed)."""
+        fail_ids = list(failures)
+        infos = [json.dumps({"reason": r, "message": m}) for r, m in failures.values()]
+        segments = [("s", QUEUED + ABSENT, False, "", "", list(spooled), [owner] * len(spooled),
+                     [rows.get(i, "") for i in spooled]),
+                    ("f", QUEUED + ABSENT, True, "samples_failed", "", fail_ids, infos,
+                     [rows.get(i, "") for i in fail_ids])]
+        hist = [(self.keys.histogram(name), bound, v) for name, (bound, v) in (observe or {}).items()]
+        out = self._settle(segments, dict(stats or {}), hist)
+        return out[0], out[1]
+
+    def _settle(self, segments: list[tuple], stats: dict[str, int],
+                hist: list[tuple[str, str, float]] = ()) -> list[list[str]]:
+        keys = [*self._state_keys(), self.keys.stats, self.keys.rate(int(time.time()) // RATE_BUCKET_S)]
+        args: list = [RATE_TTL_S, len(segments)]
+        for to, allowed, keep, count, total, ids, infos, rows in segments:
+            args += [to, allowed, "1" if keep else "0", count, total, len(ids), *ids, *infos, *rows]
+        args += [len(stats), *(x for kv in stats.items() for x in (kv[0], int(kv[1])))]
+        args.append(len(hist))
+        for i, (key, bound, value) in enumerate(hist):
+            keys.append(key)
+            args += [len(keys), bound, repr(float(value))]
+        res = self._settle_script(keys=keys, args=args, client=self.conn)
+        return [[r.decode() if isinstance(r, bytes) else r for r in seg] for seg in res]
 
     def add_queued(self, ids: list[str], pipe=None) -> list[str]:
         """New samples only: an id with any state is left as it is (idempotent enqueue)."""
@@ -205,9 +237,15 @@ class Ledger:
     def identity(self, known: str | None = None) -> str:
         """This ledger's random id (`Keys.ledger_id`), taken on first use. `known`: the id the caller
         has been using: a Redis that lost the key (a rollback past its creation, a wipe) gets it
-        back, so the claims this ledger already holds in storage stay its own."""
-        self.conn.set(self.keys.ledger_id, known or os.urandom(8).hex(), nx=True)
-        return self.conn.get(self.keys.ledger_id).decode()
+        back, so the claims this ledger already holds in storage stay its own. One command (SET NX
+        GET, Redis >= 7.0; two on an older server)."""
+        new = known or os.urandom(8).hex()
+        try:
+            old = self.conn.set(self.keys.ledger_id, new, nx=True, get=True)
+        except redis.ResponseError:  # Redis < 7.0: NX and GET together are refused
+            self.conn.set(self.keys.ledger_id, new, nx=True)
+            old = self.conn.get(self.keys.ledger_id)
+        return old.decode() if old is not None else new
 
     def requeue_done(self, ids: list[str], pipe=None) -> list[str]:
         """d -> q for samples no index in storage names, with the new jobs enqueued in `pipe`
@@ -232,21 +270,31 @@ class Ledger:
             return []
         return [v.decode() if v is not None else None for v in self.conn.hmget(self.keys.spool_owner, ids)]
 
-    def mark_failed(self, failures: Mapping[str, tuple[str, str]], forgotten: bool = False) -> list[str]:
+    def mark_failed(self, failures: Mapping[str, tuple[str, str]], forgotten: bool = False,
+                    rows: Mapping[str, str] | None = None) -> list[str]:
         """q or s -> f. `forgotten`: also absent -> f, for a worker that holds the samples' rows
         (kept first, harvest.state.failures) while a rollback made the ledger forget them, as in
-        `mark_spooled`; without it they would be nowhere, and `requeue` could not find them."""
+        `mark_spooled`; without it they would be nowhere, and `requeue` could not find them.
+        `rows`: payload rows kept as failed payloads in the same call (`keep_failed_payloads`)."""
         ids = list(failures)
         infos = [json.dumps({"reason": r, "message": m}) for r, m in failures.values()]
-        return self._move(ids, FAILED, QUEUED + SPOOLED + (ABSENT if forgotten else ""), infos)
+        return self._move(ids, FAILED, QUEUED + SPOOLED + (ABSENT if forgotten else ""), infos,
+                          rows=[(rows or {}).get(i, "") for i in ids] if rows else None, keep=bool(rows))
 
-    def mark_done(self, ids: list[str], pipe=None) -> list[str]:
+    def mark_done(self, ids: list[str], pipe=None, tokens: list[int] | None = None,
+                  stats: Mapping[str, int] | None = None) -> list[str]:
         """Only the collector (after its index file is written) and reconcile call this.
-        Samples that changed state are counted in the `samples_done` stat (throughput)."""
-        changed = self._move(ids, DONE, ABSENT + QUEUED + SPOOLED + FAILED, pipe=pipe)
-        if changed:
-            self.add_stats(samples_done=len(changed))
-        return changed
+        Samples that changed state are counted in the `samples_done` stat (throughput), and with
+        `tokens` (per id) their tokens in `tokens_done`; `stats` are added in the same call (a
+        shard's bytes). In `pipe` (a caller's transaction): the move alone, no stats."""
+        if pipe is not None:
+            return self._move(ids, DONE, ABSENT + QUEUED + SPOOLED + FAILED, pipe=pipe)
+        if not ids and not stats:
+            return []
+        infos = [str(int(t)) for t in tokens] if tokens is not None else [""] * len(ids)
+        seg = (DONE, ABSENT + QUEUED + SPOOLED + FAILED, False, "samples_done", "tokens_done" if tokens is not None else "",
+               list(ids), infos, [""] * len(ids))
+        return self._settle([seg], dict(stats or {}))[0]
 
     def counts(self) -> dict[str, int]:
         raw = self.conn.hgetall(self.keys.counts)
@@ -261,6 +309,27 @@ class Ledger:
     def failures(self) -> dict[str, dict]:
         return {k.decode(): json.loads(v) for k, v in self.conn.hgetall(self.keys.failed).items()}
 
+    def failure_counts(self) -> tuple[dict[str, int], dict[str, str]]:
+        """(reason -> samples failed with it, reason -> `<sample>: <message>` of its latest), from
+        the counters the scripts keep: O(reasons), read in one transaction with the `f` count.
+        Where the counters do not add up to it (a ledger written by an older harvest, or repaired
+        by hand), one pass over the failures instead: right, at O(failures)."""
+        with self.conn.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self.keys.failed_reasons)
+            pipe.hgetall(self.keys.failed_examples)
+            pipe.hget(self.keys.counts, FAILED)
+            raw, ex, f = pipe.execute()
+        counts = {k.decode(): int(v) for k, v in raw.items() if int(v) > 0}
+        if sum(counts.values()) == int(f or 0):
+            return counts, {k.decode(): v.decode() for k, v in ex.items()}
+        counts, examples = {}, {}
+        for sid, info_raw in self.conn.hscan_iter(self.keys.failed, count=1000):
+            info = json.loads(info_raw)
+            r = info.get("reason", "?")
+            counts[r] = counts.get(r, 0) + 1
+            examples.setdefault(r, f"{sid.decode()}: {info.get('message', '')}")
+        return counts, examples
+
     def next_attempts(self, ids: Iterable[str]) -> list[int]:
         pipe = self.conn.pipeline(transaction=False)
         for i in ids:
@@ -269,13 +338,10 @@ class Ledger:
 
     def add_stats(self, **incr: int) -> None:
         """Add to the run's totals and to the current RATE_BUCKET_S bucket (throughput over the last minute)."""
-        bucket = self.keys.rate(int(time.time()) // RATE_BUCKET_S)
-        pipe = self.conn.pipeline(transaction=False)
-        for k, v in incr.items():
-            pipe.hincrby(self.keys.stats, k, int(v))
-            pipe.hincrby(bucket, k, int(v))
-        pipe.expire(bucket, RATE_TTL_S)
-        pipe.execute()
+        if incr:
+            bucket = self.keys.rate(int(time.time()) // RATE_BUCKET_S)
+            self._stats(keys=[self.keys.stats, bucket],
+                        args=[RATE_TTL_S, *(x for k, v in incr.items() for x in (k, int(v)))], client=self.conn)
 
     def rates(self, window_s: int = 60, now: float | None = None) -> tuple[dict[str, int], float]:
         """Sums of the stats added in the buckets overlapping the last `window_s` seconds, and the

@@ -20,7 +20,23 @@ from harvest.formats.index import ShardIndex
 from harvest.ids import check_id
 from harvest.state.keys import Keys
 
-_DELETE_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# KEYS: the record, the run's index of record keys (`Keys.packing_index`). The index lets the
+# periodic reader (every collector's `tend_revoked`, every 10 s) list the records in O(records),
+# where a SCAN of the keyspace costs O(keys): RQ's job hashes and every worker's keys, so
+# O(nodes^2) for the fleet. The readers whose answer fences a commit (a claim taken over when no
+# record names its shard, a reclaim leaving decided shards alone) still SCAN as well (`complete`):
+# they are rare (a conflict, a lost node, a start), and a record written by an older collector
+# during a rolling upgrade is in no index.
+_PUT = "redis.call('SET', KEYS[1], ARGV[1]) redis.call('SADD', KEYS[2], KEYS[1]) return 1"
+_CLEAR = "redis.call('SREM', KEYS[2], KEYS[1]) return redis.call('DEL', KEYS[1])"
+_FORGET_IF_GONE = "if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('SREM', KEYS[2], KEYS[1]) end return 0"
+_DELETE_IF_SAME = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SREM', KEYS[2], KEYS[1])
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
 
 
 @dataclass
@@ -47,6 +63,10 @@ class PackingRecords:
 
     def __init__(self, conn: redis.Redis, run: str) -> None:
         self.conn, self.keys = conn, Keys(run)
+        self._put = conn.register_script(_PUT)
+        self._clear = conn.register_script(_CLEAR)
+        self._delete_if_same = conn.register_script(_DELETE_IF_SAME)
+        self._forget_if_gone = conn.register_script(_FORGET_IF_GONE)
 
     def key(self, node: str, packer: int = 0) -> str:
         """The record of packer `packer` of `node`'s collector (packer 0: the node's plain key)."""
@@ -59,30 +79,45 @@ class PackingRecords:
     def put(self, key: str, rec: PackingRecord) -> str:
         """Write `rec` at `key`; returns the JSON written (the commit fence requires it unchanged)."""
         raw = rec.to_json()
-        self.conn.set(key, raw)
+        self._put(keys=[key, self.keys.packing_index], args=[raw])
         return raw
 
     def clear(self, key: str) -> None:
-        self.conn.delete(key)
+        self._clear(keys=[key, self.keys.packing_index])
 
     def clear_if_same(self, key: str, raw: bytes) -> bool:
         """Remove the record at `key` only while it is still `raw` (as `items` read it)."""
-        return bool(self.conn.eval(_DELETE_IF_SAME, 1, key, raw))
+        return bool(self._delete_if_same(keys=[key, self.keys.packing_index], args=[raw]))
 
-    def items(self, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, PackingRecord, bytes]]:
-        """(key, record, the record as stored) of every record of the run, but those at `skip`."""
-        for key in self.conn.scan_iter(match=self.keys.packing_pattern):
-            key = key.decode()
-            if key in skip:
-                continue
-            raw = self.conn.get(key)
+    def adopt(self) -> int:
+        """Index the records written without the index (by a harvest before it, or by hand): one
+        SCAN of the keyspace, at a collector's start only. Returns how many it indexed."""
+        found = [k.decode() for k in self.conn.scan_iter(match=self.keys.packing_pattern, count=1000)]
+        return int(self.conn.sadd(self.keys.packing_index, *found)) if found else 0
+
+    def _keys(self, complete: bool) -> list[str]:
+        keys = {k.decode() for k in self.conn.smembers(self.keys.packing_index)}
+        if complete:
+            keys |= {k.decode() for k in self.conn.scan_iter(match=self.keys.packing_pattern, count=1000)}
+        return sorted(keys)
+
+    def items(self, skip: frozenset[str] = frozenset(),
+              complete: bool = True) -> Iterator[tuple[str, PackingRecord, bytes]]:
+        """(key, record, the record as stored) of every record of the run, but those at `skip`.
+        `complete=False`: the indexed records only, O(records), for a periodic pass."""
+        keys = [k for k in self._keys(complete) if k not in skip]
+        for key, raw in zip(keys, self.conn.mget(keys) if keys else []):
             if raw:
                 yield key, PackingRecord.from_json(raw), raw
+            else:  # cleared by a harvest before the index (or just now): out of the index unless written again
+                self._forget_if_gone(keys=[key, self.keys.packing_index])
 
     def extra_packers(self, node: str) -> Iterator[int]:
         """The packer numbers, other than 0, that have a record of `node`'s collector."""
-        for key in self.conn.scan_iter(match=self.keys.packing_extra_pattern(node)):
-            yield int(key.decode().rsplit(":", 1)[1])
+        prefix = self.keys.packing(node) + ":"
+        for key in self._keys(complete=True):
+            if key.startswith(prefix):
+                yield int(key.rsplit(":", 1)[1])
 
     def shard_ids(self) -> set[str]:
         """Shard ids recorded by any collector of the run as being committed."""

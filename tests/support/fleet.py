@@ -48,6 +48,7 @@ def _default_activity() -> str:
 
 
 _ROLE, _REST = "bench", "other"
+TRIPS = "~trips"  # the pseudo-command counting round trips (sends), beside the commands
 
 
 class tagged:
@@ -100,6 +101,19 @@ def install_counter(role: str, rest: str = "other") -> None:
 
         pack._counted = True
         cls.pack = pack
+    from redis.connection import AbstractConnection
+
+    if not getattr(AbstractConnection.send_packed_command, "_counted", False):
+        orig_send = AbstractConnection.send_packed_command
+
+        def send_packed_command(self, command, check_health=True):
+            """One send is one round trip (a pipeline's commands go in one): counted as `~trips`."""
+            with _lock:
+                _counts[(activity(), TRIPS)] += 1
+            return orig_send(self, command, check_health)
+
+        send_packed_command._counted = True
+        AbstractConnection.send_packed_command = send_packed_command
 
 
 def counts() -> dict[str, dict[str, int]]:
@@ -315,6 +329,57 @@ class Fleet:
                 for cmd, n in cmds.items():
                     out[(act, cmd)] += n
         return out
+
+
+def rq_cost(conn: redis.Redis, root: str, cfg, jobs: int, base_us_s: float, make_samples) -> dict:
+    """One worker in this process (harvest's RQ worker, burst) runs `jobs` jobs of the run `cfg`'s
+    size (`make_samples(n)`) against the synthetic engine: Redis CPU per job (less an idle server's
+    own, `base_us_s`), and how much of it is harvest's scripts (commandstats' EVALSHA time, their
+    inner calls included) and how much the rest, RQ's own."""
+    import threading
+
+    from engines.reference import serve
+    from engines.synthetic import SyntheticEngine
+    from harvest.cli.redisproc import free_port
+    from harvest.node.dumpdir import claim_dir
+    from harvest.node.paths import private_dir
+    from harvest.state.heartbeat import WorkerBeat
+    from harvest.state.jobs import SERIALIZER, run_queue
+    from tests.support.ops import enqueue
+    from workers.clients.sglang import SGLangClient
+    from workers.context import WorkerContext, install
+    from workers.rqworker import HarvestWorker
+    from workers.safejob import HarvestJob
+
+    job = cfg.max_batch_samples
+    dump = private_dir(os.path.join(root, f"{cfg.run}-dump"), "dump dir")
+    port = free_port()
+    httpd = serve(SyntheticEngine(dump, cfg.capture_points, cfg.hidden_size), "127.0.0.1", port)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    beat = WorkerBeat(conn, cfg.run, "bench-1-aaaaaa", "bench", f"http://127.0.0.1:{port}")
+    beat.start()
+    claims = private_dir(claim_dir(dump, beat.name), "claim dir")
+    install(WorkerContext(conn=conn, cfg=cfg, engine=SGLangClient(f"http://127.0.0.1:{port}"), dump_dir=dump,
+                          spool_dir=os.path.join(root, f"{cfg.run}-spool"), claim_dir=claims, beat=beat, node="bench"))
+
+    def work(n: int) -> tuple[RedisStats, float, int]:
+        with tagged("bench.rq"):
+            for _ in range(n):
+                enqueue(conn, cfg, make_samples(job))
+        r0, t0, sends = RedisStats.read(conn), time.monotonic(), counts().get("bench.rqwork", {}).get(TRIPS, 0)
+        with tagged("bench.rqwork"):
+            HarvestWorker([run_queue(conn, cfg.run, job_class=HarvestJob)], connection=conn, serializer=SERIALIZER,
+                          name=beat.name, job_class=HarvestJob, beat=beat).work(burst=True, logging_level="WARNING")
+        sends = counts()["bench.rqwork"].get(TRIPS, 0) - sends
+        return RedisStats.read(conn).since(r0), time.monotonic() - t0, sends
+
+    work(2)  # scripts loaded
+    r, seconds, sends = work(jobs)
+    httpd.shutdown()
+    cpu = (r.cpu_s * 1e6 - base_us_s * seconds) / jobs
+    scripts = r.usec.get("evalsha", 0) / jobs
+    return {"job": job, "cpu_us": cpu, "scripts_us": scripts, "rq_us": cpu - scripts, "commands": (r.total - 1) / jobs,
+            "trips": sends / jobs}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,215 @@
+"""The ledger's Lua: every move of sample states, with everything kept beside the states, in one
+script call (harvest.state.ledger holds the contract; this module holds only the scripts).
+
+Why the moves are batched inside the script. Redis runs scripts on its one thread, and each
+`redis.call` costs about a microsecond of it. A move written per sample (read the state, write
+it, bump two counters, look up and bump the owner's counter, ...) cost some 8 calls a sample, the
+largest part of the control plane's Redis CPU (bench/fleet.py). Here a call reads the states of
+up to `B` samples with one HMGET, writes them with one HSET, and the counters (per state, per
+spool, per failure reason) are summed in Lua and written once per call. What the moves do is
+unchanged: the same allowed sources, the same fences, the same side tables.
+
+Keys of every script built on `_MOVE` (in this order): state, counts, failed, spool_owner,
+spooled_payload, spool_counts, revoked_spools, failed_reasons, failed_examples, failed_payload.
+"""
+
+from __future__ import annotations
+
+N_MOVE_KEYS = 10
+
+# move(to, allowed, n, base, keep): the samples ARGV[base+1..base+n] (infos at ARGV[base+n+i],
+# rows at ARGV[base+2n+i]) move to `to` from any state letter in `allowed` ('_' = absent), except
+# to s for a revoked spool. info: the failure JSON when moving to f, the owning spool id when
+# moving to s, a number (tokens) summed by `settle`'s segments otherwise. row: the payload row kept
+# while spooled (to s), or kept as the failed payload (to f, when `keep`). Returns the moved ids in
+# order; `finish()` writes the counters. An id listed twice moves once.
+_MOVE = """
+local B = 400
+local dcount, dspool, dreason, leaving, examples = {}, {}, {}, {}, {}
+local revoked_cache, now = {}, {}
+local function bump(t, k, v) t[k] = (t[k] or 0) + v end
+local function revoked(spool)
+  local r = revoked_cache[spool]
+  if r == nil then
+    r = redis.call('SISMEMBER', KEYS[7], spool) == 1
+    revoked_cache[spool] = r
+  end
+  return r
+end
+local function failure(info)
+  local ok, t = pcall(cjson.decode, info)
+  if ok and type(t) == 'table' then
+    return tostring(t.reason or '?'), tostring(t.message or '')
+  end
+  return '?', ''
+end
+local function hset(key, pairs) if #pairs > 0 then redis.call('HSET', key, unpack(pairs)) end end
+local function hdel(key, ids) if #ids > 0 then redis.call('HDEL', key, unpack(ids)) end end
+local function move(to, allowed, n, base, keep)
+  local changed = {}
+  for lo = 1, n, B do
+    local hi = math.min(n, lo + B - 1)
+    local ids = {}
+    for i = lo, hi do ids[#ids + 1] = ARGV[base + i] end
+    local cur = redis.call('HMGET', KEYS[1], unpack(ids))
+    local st, fl, own, row, kept, from_s, from_f = {}, {}, {}, {}, {}, {}, {}
+    for j = 1, #ids do
+      local i = lo + j - 1
+      local id, info, r = ids[j], ARGV[base + n + i], ARGV[base + 2 * n + i]
+      local c = now[id] or cur[j] or '_'
+      if string.find(allowed, c, 1, true) and c ~= to and not (to == 's' and info ~= '' and revoked(info)) then
+        now[id] = to
+        st[#st + 1] = id; st[#st + 1] = to
+        if c ~= '_' then bump(dcount, c, -1) end
+        bump(dcount, to, 1)
+        if c == 's' then from_s[#from_s + 1] = id end
+        if c == 'f' then from_f[#from_f + 1] = id end
+        if to == 'f' then
+          fl[#fl + 1] = id; fl[#fl + 1] = info
+          local reason, message = failure(info)
+          bump(dreason, reason, 1)
+          examples[reason] = id .. ': ' .. message  -- the latest failure of its reason
+          if keep and r ~= '' then kept[#kept + 1] = id; kept[#kept + 1] = r end
+        elseif to == 's' then
+          own[#own + 1] = id; own[#own + 1] = info
+          if info ~= '' then bump(dspool, info, 1) end
+          if r ~= '' then row[#row + 1] = id; row[#row + 1] = r end
+        end
+        changed[#changed + 1] = id
+      end
+    end
+    if #from_s > 0 then
+      local owners = redis.call('HMGET', KEYS[4], unpack(from_s))
+      for j = 1, #from_s do
+        if owners[j] and owners[j] ~= '' then bump(dspool, owners[j], -1) end
+      end
+      hdel(KEYS[4], from_s)
+      hdel(KEYS[5], from_s)
+    end
+    if #from_f > 0 and to ~= 'f' then
+      local old = redis.call('HMGET', KEYS[3], unpack(from_f))
+      for j = 1, #from_f do
+        if old[j] then bump(dreason, (failure(old[j])), -1) end
+        leaving[from_f[j]] = true
+      end
+      hdel(KEYS[3], from_f)
+    end
+    hset(KEYS[1], st)
+    hset(KEYS[3], fl)
+    hset(KEYS[4], own)
+    hset(KEYS[5], row)
+    hset(KEYS[10], kept)
+  end
+  return changed
+end
+local function finish()
+  for reason, ex in pairs(examples) do redis.call('HSET', KEYS[9], reason, ex) end
+  for s, d in pairs(dcount) do if d ~= 0 then redis.call('HINCRBY', KEYS[2], s, d) end end
+  for spool, d in pairs(dspool) do
+    if d ~= 0 and redis.call('HINCRBY', KEYS[6], spool, d) <= 0 then redis.call('HDEL', KEYS[6], spool) end
+  end
+  for reason, d in pairs(dreason) do
+    if d ~= 0 then
+      local left = redis.call('HINCRBY', KEYS[8], reason, d)
+      local ex = d < 0 and redis.call('HGET', KEYS[9], reason)
+      if left <= 0 then
+        redis.call('HDEL', KEYS[8], reason)
+        redis.call('HDEL', KEYS[9], reason)
+      elseif ex and leaving[string.match(ex, '^([^:]*)')] and not examples[reason] then
+        redis.call('HDEL', KEYS[9], reason)  -- its example is no longer failed
+      end
+    end
+  end
+end
+"""
+
+# ARGV: to, allowed, n, ids, infos, rows, keep ('1': a move to f keeps the rows as failed payloads).
+TRANSITION = _MOVE + """
+local n = tonumber(ARGV[3])
+local changed = move(ARGV[1], ARGV[2], n, 3, ARGV[4 + 3 * n] == '1')
+finish()
+return changed
+"""
+
+# Several moves and the run's stats in one call: a worker's job (its spooled and its failed
+# samples, the stats, the engine-latency histogram), a collector's shard (done, the stats).
+# KEYS: the 10 move keys, stats, the current rate bucket, then histogram keys.
+# ARGV: bucket ttl, segments; per segment: to, allowed, keep, count field ('' none), sum field
+# ('' none: sums the moved samples' infos), n, ids, infos, rows; then the number of stat pairs and
+# (field, increment) pairs; then the number of observations and (key index, bucket, value) triples.
+# Returns one list of moved ids per segment.
+SETTLE = _MOVE + """
+local stats = {}
+local p = 2
+local nseg = tonumber(ARGV[p]); p = p + 1
+local out = {}
+for s = 1, nseg do
+  local to, allowed, keep, cnt, sum, n = ARGV[p], ARGV[p + 1], ARGV[p + 2] == '1', ARGV[p + 3], ARGV[p + 4], tonumber(ARGV[p + 5])
+  local changed = move(to, allowed, n, p + 5, keep)
+  if cnt ~= '' and #changed > 0 then bump(stats, cnt, #changed) end
+  if sum ~= '' then
+    local moved = {}
+    for _, id in ipairs(changed) do moved[id] = true end
+    local total = 0
+    for i = 1, n do
+      local id = ARGV[p + 5 + i]
+      if moved[id] then total = total + (tonumber(ARGV[p + 5 + n + i]) or 0); moved[id] = nil end
+    end
+    if total > 0 then bump(stats, sum, total) end
+  end
+  out[s] = changed
+  p = p + 6 + 3 * n
+end
+local npairs = tonumber(ARGV[p]); p = p + 1
+for i = 1, npairs do
+  local v = tonumber(ARGV[p + 1])
+  if v ~= 0 then bump(stats, ARGV[p], v) end
+  p = p + 2
+end
+finish()
+local any = false
+for f, v in pairs(stats) do
+  redis.call('HINCRBY', KEYS[11], f, v)
+  redis.call('HINCRBY', KEYS[12], f, v)
+  any = true
+end
+if any then redis.call('EXPIRE', KEYS[12], tonumber(ARGV[1])) end
+local nobs = tonumber(ARGV[p]); p = p + 1
+for i = 1, nobs do
+  local key = KEYS[tonumber(ARGV[p])]
+  redis.call('HINCRBY', key, ARGV[p + 1], 1)
+  redis.call('HINCRBY', key, 'count', 1)
+  redis.call('HINCRBYFLOAT', key, 'sum', ARGV[p + 2])
+  p = p + 3
+end
+return out
+"""
+
+# The run's stats alone. KEYS: stats, rate bucket. ARGV: bucket ttl, (field, increment) pairs.
+ADD_STATS = """
+for i = 2, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+  redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1])
+end
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[1]))
+return 1
+"""
+
+# A job's samples still queued, each with a new attempt number (a fresh rid): what a worker's
+# job reads before its engine call. KEYS: state, attempts. ARGV: ids. Returns, per id, its state
+# ('' absent) and, for queued ones, the attempt number (0 otherwise).
+TAKE = """
+local cur = redis.call('HMGET', KEYS[1], unpack(ARGV))
+local out = {}
+for i = 1, #ARGV do
+  local s = cur[i] or ''
+  out[#out + 1] = s
+  out[#out + 1] = s == 'q' and redis.call('HINCRBY', KEYS[2], ARGV[i], 1) or 0
+end
+return out
+"""
+
+# States and spool owners of a collector's spool files, in one call. KEYS: state, spool_owner.
+VIEW = """
+return {redis.call('HMGET', KEYS[1], unpack(ARGV)), redis.call('HMGET', KEYS[2], unpack(ARGV))}
+"""
