@@ -33,10 +33,11 @@ def _dump_dir(dump_dir: str | None, run: str | None) -> str:
 
 @click.command("sglang-args")
 @launch_options
-@click.option("--tp", "tp_size", default=1, show_default=True, type=click.IntRange(1))
-@click.option("--port", default=EngineSettings.port, show_default=True, type=int)
+@click.option("--tp", "tp_size", default=1, show_default=True, type=click.IntRange(1),
+              help="Tensor-parallel size (GPUs per server).")
+@click.option("--port", default=EngineSettings.port, show_default=True, type=int, help="Port the server listens on.")
 @click.option("--chunked-prefill-size", default=EngineSettings.sglang_chunked_prefill_size, show_default=True,
-              type=click.IntRange(1))
+              type=click.IntRange(1), help="Tokens per prefill chunk (SGLang's --chunked-prefill-size).")
 @click.option("--sglang-version", default="0.5.23", show_default=True, help="Flag spellings differ between versions.")
 @click.option("--device", default="cuda", show_default=True, type=click.Choice(["cuda", "cpu"]),
               help="cpu: SGLang's CPU engine from HARVEST_SGLANG_VENV (scripts/sglang_venv.sh), as CI runs it.")
@@ -61,7 +62,8 @@ def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, tp
 
 @click.command("vllm-args")
 @launch_options
-@click.option("--port", default=EngineSettings.vllm_port, show_default=True, type=int)
+@click.option("--port", default=EngineSettings.vllm_port, show_default=True, type=int,
+              help="Port the server listens on.")
 @click.option("--dtype", default="auto", show_default=True, help="vLLM --dtype (float32 for exact CPU comparisons).")
 @click.option("--kvcache-gib", default=1, show_default=True, type=click.IntRange(1), help="VLLM_CPU_KVCACHE_SPACE.")
 @click.option("--python", "python", default=None, help="The vLLM venv's python (default: HARVEST_VLLM_VENV's, else 'python').")

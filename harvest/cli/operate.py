@@ -102,7 +102,8 @@ def _reconcile(conn, run: str, out_url: str | None, dedupe: bool, verify: bool, 
 
 @click.command("export")
 @click.option("--run-url", required=True, help="The run's output folder: <out>/<run> (local path or fsspec URL).")
-@click.option("--format", "fmt", required=True, type=click.Choice(list(EXPORT_FORMATS)))
+@click.option("--format", "fmt", required=True, type=click.Choice(list(EXPORT_FORMATS)),
+              help="The trainer whose on-disk layout to write.")
 @click.argument("dest", type=click.Path())
 @read_dtype_option
 @click.option("--model", "model", default=None, type=click.Path(),
@@ -294,7 +295,7 @@ def janitor_cmd(run, redis_url, dump_dir, interval) -> None:
 
 @click.command("metrics")
 @redis_option
-@click.option("--port", default=9108, show_default=True, type=int)
+@click.option("--port", default=9108, show_default=True, type=int, help="Port of the Prometheus exporter.")
 @click.option("--host", "--addr", "host", default="127.0.0.1", show_default=True,
               help="Address to listen on; 0.0.0.0 exposes the metrics to other hosts (docker compose passes it).")
 @click.option("--run", "runs", multiple=True, help="Export these runs (default: every run in Redis).")

@@ -138,8 +138,10 @@ def _run_here(dataset: str, settings: RunnerSettings, produce_kw: dict, **config
 
 
 @click.command("demo")
-@click.option("--out", "out_dir", default="harvest-demo", show_default=True, type=click.Path())
-@click.option("--workers", default=RunnerSettings.workers, show_default=True, type=click.IntRange(1, 64))
+@click.option("--out", "out_dir", default="harvest-demo", show_default=True, type=click.Path(),
+              help="Folder the demo writes its run (shards and index) and its export into.")
+@click.option("--workers", default=RunnerSettings.workers, show_default=True, type=click.IntRange(1, 64),
+              help="Worker processes against the demo's engine.")
 @click.option("--prepare", "prepare_dir", default=None, type=click.Path(file_okay=False),
               help="Only write the tiny model to DIR/models/tiny and the dataset to DIR/data/demo.jsonl (what the "
                    "docker compose quickstart mounts), then exit.")
@@ -217,9 +219,12 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
 @click.command("worker")
 @run_option
 @redis_option
-@click.option("--engine-url", default=f"http://127.0.0.1:{EngineSettings.port}", show_default=True)
-@click.option("--dump-dir", required=True, type=click.Path())
-@click.option("--spool-dir", required=True, type=click.Path())
+@click.option("--engine-url", default=f"http://127.0.0.1:{EngineSettings.port}", show_default=True,
+              help="This node's engine (SGLang, vLLM or the reference engine): where /generate is sent.")
+@click.option("--dump-dir", required=True, type=click.Path(),
+              help="Where the engine writes its hidden-state dumps (the same folder the engine was given).")
+@click.option("--spool-dir", required=True, type=click.Path(),
+              help="This node's spool: verified samples wait here for its collector (the collector's --spool-dir).")
 @click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
 @click.option("--dump-timeout", default=WorkerSettings.dump_timeout_s, show_default=True,
               help="Seconds to wait for a request's dump files.")
@@ -254,7 +259,8 @@ def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_time
 @click.command("collect")
 @run_option
 @redis_option
-@click.option("--spool-dir", required=True, type=click.Path())
+@click.option("--spool-dir", required=True, type=click.Path(),
+              help="This node's spool, the folder its workers write verified samples into.")
 @click.option("--max-wait", default=CollectorSettings.max_wait_s, show_default=True,
               help="Commit a partial shard once its oldest sample is this old (s).")
 @click.option("--shard-mb", default=None, type=click.IntRange(1), help="Target shard size in MiB (default: the run's).")
@@ -297,10 +303,11 @@ def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, pack_wor
 
 
 @click.command("engine")
-@click.option("--model", required=True, type=click.Path(exists=True))
-@click.option("--dump-dir", required=True, type=click.Path())
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=EngineSettings.port, show_default=True, type=int)
+@click.option("--model", required=True, type=click.Path(exists=True),
+              help="Local folder of the transformers model to serve.")
+@click.option("--dump-dir", required=True, type=click.Path(), help="Where to write each request's hidden-state dumps.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=EngineSettings.port, show_default=True, type=int, help="Port to listen on.")
 @layers_option
 @chunked_prefill_option
 @click.option("--threads", default=0, show_default=True, type=click.IntRange(0),
