@@ -84,11 +84,10 @@ def _reconcile(conn, run: str, out_url: str | None, dedupe: bool, verify: bool, 
 
         click.echo(dedupe_run(loc).line())
     if verify:
-        from tqdm import tqdm
-
         from harvest.ops.verify import verify_run
+        from harvest.progress import progress as progress_display
 
-        with tqdm(desc="verify", unit=" samples", disable=no_progress) as bar:
+        with progress_display("verify", unit=" samples", enabled=not no_progress) as bar:
             def progress(done: int, total: int) -> None:
                 bar.total = total
                 bar.update(done - bar.n)

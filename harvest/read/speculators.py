@@ -46,9 +46,9 @@ from collections.abc import Callable
 
 import torch
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from harvest.errors import ConfigurationError
+from harvest.progress import progress as progress_display
 from harvest.read.final_norm import FinalNorm
 from harvest.read.reader import RunReader
 from harvest.read.shard_reader import CorruptSample, UnreadableShard
@@ -94,7 +94,7 @@ def export_speculators(
     corrupt: list[tuple[str, CorruptSample | UnreadableShard]] = []
     ids_col, mask_col = [], []
     freq: Counter[int] = Counter()
-    with tqdm(total=len(rows), desc="export speculators", unit=" samples", disable=not progress) as bar:
+    with progress_display("export speculators", unit=" samples", total=len(rows), enabled=progress) as bar:
         for row, sid in enumerate(rows):
             bar.update(1)
             path = hs_file(dest, row)
