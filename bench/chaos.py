@@ -61,6 +61,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2, help="workers per node")
     ap.add_argument("--nodes", type=int, default=1, help="nodes per trial; 2 or more adds node faults")
     ap.add_argument("--s3-every", type=int, default=3, help="every Nth trial writes to S3 with engine faults on (0: never)")
+    ap.add_argument("--s3-phase", type=int, default=0,
+                    help="the first trial counts as trial K of a longer soak (rerun a slice of it with the same backends)")
     ap.add_argument("--keep", action="store_true", help="keep the folders of failed trials")
     ap.add_argument("--deadline", type=float, default=240.0,
                     help="seconds a trial may take before it counts as stalled (more on a loaded machine; +60 per extra node)")
@@ -74,7 +76,7 @@ def main() -> int:
     try:
         for i in range(args.trials):
             seed = args.first_seed + i
-            s3 = bool(args.s3_every) and i % args.s3_every == args.s3_every - 1
+            s3 = bool(args.s3_every) and (i + args.s3_phase) % args.s3_every == args.s3_every - 1
             root = tempfile.mkdtemp(prefix=f"chaos-{seed}-")
             r = Trial(root, model, seed, samples=args.samples, kills=args.kills, workers=args.workers,
                       out_url=bucket if s3 else None, env={"HARVEST_ENGINE_FAULTS": FAULTS} if s3 else None,
