@@ -122,7 +122,7 @@ def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: i
     run = f"fleet{nodes}t{tokens}"
     cfg = new_run(conn, root, run, tokens, job, job_tokens)
     todo = make_samples(samples, tokens, rng)
-    fleet = Fleet(os.path.join(root, run), url, run, nodes)
+    fleet = Fleet(os.path.join(root, run), url, run, nodes, base_port=20000 + os.getpid() % 400 * 100)
     try:
         fleet.start_all()
         wait_ready(conn, fleet)
