@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,8 @@ sys.path.insert(0, REPO)
 import redis  # noqa: E402
 
 from collector.packers import Packers  # noqa: E402
-from harvest.cli.redisproc import RedisServer, free_port  # noqa: E402
+from harvest.cli.redisproc import RedisServer  # noqa: E402
+from tests.support.moto import moto_server  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
 from harvest.formats.dump import Chunk, write_chunk  # noqa: E402
 from harvest.ids import rid_for  # noqa: E402
@@ -134,19 +134,6 @@ class Trial:
         c.drain()
         assert self.ledger.counts()["done"] == self.args.samples
         return c.shards_committed
-
-
-def moto_server() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return p, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("moto's server did not start")
 
 
 def main() -> None:

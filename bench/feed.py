@@ -33,9 +33,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,26 +49,14 @@ import redis  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from collector.collector import Collector  # noqa: E402
-from harvest.cli.redisproc import RedisServer, free_port  # noqa: E402
+from harvest.cli.redisproc import RedisServer  # noqa: E402
+from tests.support.moto import moto_server  # noqa: E402
 from harvest.read.export import export_run  # noqa: E402
 from harvest.read.reader import RunReader  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
 from harvest.storage import Location  # noqa: E402
 from tests.support.synth import make_config, spool_samples  # noqa: E402
-
-
-def moto_server() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return p, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("moto's server did not start")
 
 
 def fake_checkpoint(where: str, hidden: int) -> str:
