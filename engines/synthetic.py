@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import threading
 import time
@@ -36,7 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from engines import faults as fx
-from engines.reference import BadRequest, serve
+from engines.reference import ReferenceEngine, serve
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import RID_PREFIX
 from harvest.node.paths import private_dir
@@ -78,26 +77,8 @@ class SyntheticEngine:
         return {**self.info(), "busy_seconds": self.busy_seconds, "prefill_tokens": self.prefill_tokens,
                 "requests": self.requests, "threads": 1}
 
-    def parse(self, body: object) -> tuple[list[str], list[list[int]], bool]:
-        """Validate a /generate body as the reference engine does; returns (rids, prompts, batched)."""
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        ids = body.get("input_ids")
-        if ids is None:
-            raise BadRequest("this engine takes token ids: 'input_ids' is required ('text' is not supported)")
-        batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        prompts = ids if batched else [ids]
-        for i, p in enumerate(prompts):
-            if not isinstance(p, list) or not p or not all(isinstance(t, int) and 0 <= t < VOCAB for t in p):
-                raise BadRequest(f"input_ids[{i}] must be a non-empty list of token ids")
-        rid = body.get("rid")
-        rids = [f"req-{os.urandom(8).hex()}" for _ in prompts] if rid is None else (rid if isinstance(rid, list) else [rid])
-        if len(rids) != len(prompts) or not all(isinstance(r, str) for r in rids):
-            raise BadRequest(f"'rid' must be one string per prompt ({len(prompts)} prompts)")
-        sp = body.get("sampling_params") or {}
-        if not isinstance(sp, dict) or int(sp.get("max_new_tokens", 1)) > 1:
-            raise BadRequest("this engine generates at most 1 new token (sampling_params.max_new_tokens <= 1)")
-        return rids, prompts, batched
+    # The same request rules as the reference engine (they read only `vocab_size`).
+    parse = ReferenceEngine.parse
 
     def _rows(self, n: int) -> torch.Tensor:
         """`n` finite rows [n, K, H], from one zero buffer grown as needed (never written to)."""
