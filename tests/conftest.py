@@ -9,6 +9,7 @@ import fcntl
 import os
 import pathlib
 import subprocess
+import warnings
 
 import pytest
 import redis
@@ -77,8 +78,26 @@ def redis_server(tmp_path_factory):
     server.stop()
 
 
+def _revive(server: RedisServer) -> None:
+    """The session's redis-server started again (same port, same data) if it has exited, with a
+    warning that says how it ended and what its log said last: CI once saw it gone near the end of
+    a 45-minute run, and a dead shared server would otherwise fail every later test on its worker
+    without a word on why."""
+    if server.proc is None or server.proc.poll() is None:
+        return
+    try:
+        with open(os.path.join(server.data_dir, "redis.log"), errors="replace") as f:
+            tail = "".join(f.readlines()[-15:])
+    except OSError as e:
+        tail = f"(no log: {e})"
+    warnings.warn(f"the session's redis-server (port {server.port}) had exited with {server.proc.returncode}; "
+                  f"started again. Its log ended:\n{tail}", stacklevel=2)
+    server.start()
+
+
 @pytest.fixture
 def conn(redis_server) -> redis.Redis:
+    _revive(redis_server)
     c = redis.Redis.from_url(redis_server.url)
     c.flushall()
     return c
