@@ -17,6 +17,20 @@ token ids, coverage and capture points are verified exactly as for SGLang.
 The interface is `workers.clients.base.Engine`'s (`generate(rids, prompts)`, `health`,
 `close`, `url`), with its error semantics: timeouts, connection errors and 5xx are retried with
 backoff and then raise `EngineUnavailable`; a 4xx rejects that sample only.
+
+`complete` (regeneration) posts one `/v1/completions` request with an `hg-` rid and writes no
+dump (engines/vllm_connector.py saves nothing for `cmpl-hg-` requests). What vLLM 0.32.0 does,
+read in its source:
+- The request (vllm/entrypoints/openai/completion/protocol.py `CompletionRequest`): `prompt` as
+  token ids, `max_tokens`, `temperature` (0: greedy), `top_p`, `seed`, `stop_token_ids`,
+  `skip_special_tokens` (default True), `request_id`; `return_token_ids: true` puts the generated
+  ids in `choices[0].token_ids` (completion/serving.py `request_output_to_completion_response`).
+- The scheduler appends each sampled token, then `check_stop` (vllm/v1/core/sched/utils.py) stops
+  on the EOS id (stop_reason None) or a stop_token_id (stop_reason = that id) and trims only what
+  FOLLOWS it, so `token_ids` INCLUDES the stop token; the detokenizer (vllm/v1/engine/
+  detokenizer.py `update`) leaves it out of `text` unless include_stop_str_in_output.
+- `finish_reason`: "stop", "length" (max_tokens or max_model_len), "abort", "repetition";
+  "error" is turned into HTTP 500 by the server. A prompt past max_model_len is HTTP 400.
 """
 
 from __future__ import annotations
@@ -40,7 +54,16 @@ from harvest.formats.dump import Chunk, write_chunk
 from harvest.health import healthy
 from harvest.node.dumpdir import vllm_dir
 from harvest.read.final_norm import FinalNorm
-from workers.clients.base import EngineUnavailable, Generated, Rejected, error_message, post_with_retries
+from workers.clients.base import (
+    Completion,
+    EngineUnavailable,
+    Generated,
+    GenParams,
+    Rejected,
+    error_message,
+    finished,
+    post_with_retries,
+)
 
 log = logging.getLogger("harvest.worker")
 
@@ -227,6 +250,33 @@ class VllmClient:
                     os.unlink(p)
                 except FileNotFoundError:
                     pass
+
+    def complete(self, rid: str, prompt: list[int], params: GenParams) -> Completion | Rejected:
+        """One generation request, in the calling thread (see the module docstring for what vLLM
+        answers). Thread-safe: it shares only the httpx client, which is; no dump, no sweep."""
+        body = {
+            "prompt": list(prompt),
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "seed": params.seed,
+            "stop_token_ids": list(params.stop_token_ids),
+            "skip_special_tokens": True,
+            "return_token_ids": True,
+            "request_id": rid,
+        }
+        what = f"vLLM {self.url}"
+        status, out = post_with_retries(self.http, f"{self.url}/v1/completions", body, self.retries, self.backoff, what)
+        if status >= 400:
+            return Rejected(rid, f"engine rejected the request (HTTP {status}): {error_message(out)}")
+        choices = out.get("choices") if isinstance(out, dict) else None
+        if not choices or not isinstance(choices[0], dict) or not isinstance(choices[0].get("token_ids"), list):
+            raise EngineUnavailable(f"vLLM answered {str(out)[:200]!r} for {rid} (no choices[0].token_ids: "
+                                    f"a vLLM without return_token_ids?)")
+        choice, usage = choices[0], out.get("usage") or {}
+        return finished(rid, [int(t) for t in choice["token_ids"]], choice.get("text") or "",
+                        choice.get("finish_reason"), choice.get("stop_reason"), int(usage.get("prompt_tokens", -1)),
+                        what)
 
     def _post(self, rid: str, prompt: list[int]) -> tuple[int, object]:
         body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "request_id": rid}
