@@ -5,6 +5,14 @@ SGLang, same dump contract, written by the same `harvest.formats.dump` code the 
 With `chunked_prefill_size` it schedules like SGLang's chunked prefill: each forward step
 takes up to that many prompt tokens across the waiting requests, continuing each request
 from its KV cache, and dumps one chunk per request per step.
+
+It also generates, as SGLang does, for regeneration (harvest's `hg-` rids) and any request with
+`max_new_tokens > 1`: the prefill above (dumps for `hv-` rids only, as ever), then a KV-cached
+decode loop, greedy below temperature 1e-6, else temperature, top-p and `torch.multinomial` with
+a `torch.Generator` seeded by `sampling_seed`, until a stop token (stop_token_ids or the model's
+EOS, unless `ignore_eos`; kept in `output_ids`, cut from `text`, as SGLang does) or
+max_new_tokens (the request rules: engines/generation.py). A request with `max_new_tokens <= 1`
+and no `hg-` rid is an extraction request, answered exactly as before (one greedy token).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 from engines import faults as fx
 from engines.batch import cut_batch
 from engines.dump_writer import DumpWriter
+from engines.generation import Sampling, eos_ids, max_new_tokens, parse_sampling, sample
 from harvest.config import parse_layers
 from harvest.formats.dump import Chunk
 from harvest.ids import RID_PREFIX
@@ -77,6 +86,7 @@ class ReferenceEngine:
         self.busy_seconds = 0.0
         self.prefill_tokens = 0
         self.requests = 0
+        self.generated_tokens = 0  # decode: tokens generated beyond the extraction requests' one
         self.writer = DumpWriter(dump_dir, self.capture_points, self.model_name)
         self.faults = fx.Faults.from_env()
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
@@ -94,7 +104,8 @@ class ReferenceEngine:
 
     def server_info(self) -> dict:
         return {**self.info(), "busy_seconds": self.busy_seconds, "prefill_tokens": self.prefill_tokens,
-                "requests": self.requests, "threads": torch.get_num_threads()}
+                "requests": self.requests, "generated_tokens": self.generated_tokens,
+                "threads": torch.get_num_threads()}
 
     def _forward(self, req: _Request, n: int, wrong_layer: bool = False) -> torch.Tensor:
         from transformers.cache_utils import DynamicCache
@@ -113,7 +124,10 @@ class ReferenceEngine:
         return torch.stack([out.hidden_states[p][0] for p in points], dim=1)  # [n, K, H]
 
     @torch.inference_mode()
-    def generate(self, rids: list[str], prompts: list[list[int]]) -> list[dict]:
+    def generate(self, rids: list[str], prompts: list[list[int]],
+                 sampling: list[Sampling] | None = None) -> list[dict]:
+        """Prefill (and dump the `hv-` rids); then one greedy token each, or with `sampling`
+        (from `parse_sampling`) a generation for each request."""
         reqs = [_Request(r, p) for r, p in zip(rids, prompts)]
         hit: dict[str, set[str]] = {}
         if self.faults:
@@ -152,6 +166,8 @@ class ReferenceEngine:
             self.busy_seconds += time.perf_counter() - t0
             self.prefill_tokens += sum(len(r.ids) for r in reqs)
             self.requests += len(reqs)
+        if sampling is not None:
+            return [self._decode(r, sp) for r, sp in zip(reqs, sampling)]
         out = []
         for r in reqs:
             tok = int(torch.argmax(r.last_logits))
@@ -170,6 +186,53 @@ class ReferenceEngine:
                 }
             )
         return out
+
+    def _decode(self, r: _Request, sp: Sampling) -> dict:
+        """Generate from a prefilled request: sample from its last logits, stop or feed the token
+        back through the model on the request's own KV cache, repeat.
+
+        The forward lock is taken per decode step, not per request: each request owns its cache,
+        so steps of concurrent requests interleave safely (the model is the only shared state,
+        and one forward at a time uses it), and an extraction request or another generation waits
+        one step, not a whole answer. The tokens cannot depend on the interleaving: each step is
+        a batch of one, computed the same way whatever ran before it."""
+        seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        gen = torch.Generator().manual_seed(seed)
+        stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos_ids(self.model, self.tokenizer))
+        ids: list[int] = []
+        logits = r.last_logits
+        while True:
+            tok = sample(logits, sp, gen)
+            ids.append(tok)
+            if tok in stop:  # a stop token wins over the length cap on the same step, as in SGLang
+                reason = {"type": "stop", "matched": tok}
+                break
+            if len(ids) >= sp.max_new_tokens:
+                reason = {"type": "length", "length": sp.max_new_tokens}
+                break
+            with self._lock:
+                t0 = time.perf_counter()
+                step = torch.tensor([[tok]], dtype=torch.long)
+                out = self.model(step, use_cache=True, **{self._cache_kw: r.cache})
+                logits = out.logits[0, -1]
+                self.busy_seconds += time.perf_counter() - t0
+        with self._lock:
+            self.generated_tokens += len(ids)
+        shown = ids[:-1] if reason["type"] == "stop" and not sp.no_stop_trim else ids
+        text = "" if self.tokenizer is None else self.tokenizer.decode(
+            shown, skip_special_tokens=sp.skip_special_tokens)
+        r.cache = None  # free the KV cache now, not when the response is sent
+        return {
+            "text": text,
+            "output_ids": ids,
+            "meta_info": {
+                "id": r.rid,
+                "prompt_tokens": len(r.ids),
+                "completion_tokens": len(ids),
+                "cached_tokens": 0,
+                "finish_reason": reason,
+            },
+        }
 
     def _inject(self, chunks: list[Chunk], hit: dict[str, set[str]], lengths: dict[str, int]) -> list[Chunk]:
         """Test-only faults (engines/faults.py) applied to the chunks about to be written."""
@@ -227,9 +290,28 @@ class ReferenceEngine:
         if len(rids) != len(prompts) or not all(isinstance(r, str) for r in rids):
             raise BadRequest(f"'rid' must be one string per prompt ({len(prompts)} prompts)")
         sp = body.get("sampling_params") or {}
-        if not isinstance(sp, dict) or int(sp.get("max_new_tokens", 1)) > 1:
+        sps = sp if isinstance(sp, list) else [sp]
+        if not all(isinstance(x, dict) for x in sps):
+            raise BadRequest("'sampling_params' must be an object (or one per prompt)")
+        # `parse` is shared with engines.synthetic, which cannot generate (it has no parse_sampling).
+        generates = getattr(self, "parse_sampling", None) is not None
+        try:
+            longest = max(max_new_tokens(x) for x in sps)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        if not generates and longest > 1:
             raise BadRequest("this engine generates at most 1 new token (sampling_params.max_new_tokens <= 1)")
         return rids, prompts, batched
+
+    def parse_sampling(self, body: dict, rids: list[str], prompts: list[list[int]]) -> list[Sampling] | None:
+        """Each request's `Sampling` when the body asks for generation (an `hg-` rid, or
+        max_new_tokens > 1), else None (extraction). Called after `parse`; raises BadRequest where
+        SGLang answers 400 (engines/generation.py)."""
+        context = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        try:
+            return parse_sampling(body, rids, prompts, self.vocab_size, context)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
 
 
 def _handler(engine: ReferenceEngine):
@@ -268,6 +350,8 @@ def _handler(engine: ReferenceEngine):
                 length = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(length) or b"null")
                 rids, prompts, batched = engine.parse(body)
+                gen = getattr(engine, "parse_sampling", None)  # the synthetic engine has none
+                sampling = gen(body, rids, prompts) if gen is not None else None
             except (BadRequest, ValueError) as e:
                 self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": str(e)}})
                 return
@@ -277,7 +361,7 @@ def _handler(engine: ReferenceEngine):
             if engine.faults.take(fx.HANG):
                 time.sleep(engine.faults.hang_s)
             try:
-                out = engine.generate(rids, prompts)
+                out = engine.generate(rids, prompts, *([sampling] if sampling is not None else []))
             except Exception as e:  # an engine fault is the server's, not the client's
                 log.exception("generate failed")
                 self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": f"{type(e).__name__}: {e}"}})

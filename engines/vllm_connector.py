@@ -11,7 +11,9 @@ host memory; on vLLM's CPU build `pin_memory=True` raises and takes the engine d
 synchronously (the copy has finished when the forward loop continues, so the buffer's blocks
 can be freed safely) and hands the writer thread a completed stand-in event; everything else
 (lock file protocol, file names, finished-request accounting) is vLLM's own code. On a GPU
-buffer it defers to the stock implementation. Loaded by vLLM with
+buffer it defers to the stock implementation. Harvest's generation requests (rids `hg-`, vLLM
+request ids `cmpl-hg-...`: regeneration) get no file and no lock: the stock connector saves every
+finished request, and nothing would ever read or delete those. Loaded by vLLM with
 `"kv_connector": "HarvestHiddenStatesConnector", "kv_connector_module_path": "engines.vllm_connector"`
 (see engines/vllm_launch.py), so this module must import with nothing but vLLM installed:
 it imports nothing from harvest.
@@ -34,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 CONNECTOR_NAME = "HarvestHiddenStatesConnector"
 FORMAT = "harvest-vllm-1"
+GENERATION_PREFIX = "cmpl-hg-"  # vLLM's id of a harvest generation request (harvest's `hg-` rids)
 
 
 class CompletedEvent:
@@ -54,6 +57,15 @@ class HarvestHiddenStatesConnector(ExampleHiddenStatesConnector):
     def _layer_ids(self) -> list[int]:
         hf = self._vllm_config.speculative_config.draft_model_config.hf_config
         return sorted(int(i) for i in getattr(hf, "eagle_aux_hidden_state_layer_ids", []))
+
+    def build_connector_meta(self, scheduler_output):
+        """The stock metadata, less generation requests: with no file name recorded, the worker
+        creates no lock and `request_finished` saves nothing (its never-scheduled path)."""
+        meta = super().build_connector_meta(scheduler_output)
+        for req_id in [r for r in meta.new_req_filenames if r.startswith(GENERATION_PREFIX)]:
+            del meta.new_req_filenames[req_id]
+            self._request_filenames.pop(req_id, None)
+        return meta
 
     def _write_tensors(self, tensors: dict[str, torch.Tensor], event, filename: str, lock_fd: int | None) -> None:
         """The stock writer plus metadata (the stock one is a staticmethod; this bound method
