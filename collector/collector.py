@@ -34,8 +34,10 @@ from collector.faults import CrashHook
 from collector.pack import Packed, pack_local, pack_upload, staging_dir
 from collector.records import Voided, give_up_shard, recorded_anywhere, tend_revoked, write_decided_index
 from collector.sweep import sweep_orphans
+from harvest.atomic import unlink_quiet
 from harvest.config import RunConfig
 from harvest.formats.claims import STALE_S, Claimer
+from harvest.formats.generated import generated_file, store_generated
 from harvest.formats.index import committed_samples, index_file, parse_index
 from harvest.formats.runfile import run_location
 from harvest.formats.shard import ShardPlan, plan_shard, shard_file
@@ -121,7 +123,7 @@ class Collector:
         if self.stage is None:
             return
         for p in glob.glob(os.path.join(glob.escape(self.stage), f"{TEMP_PREFIX}{self.node}-*.safetensors")):
-            _unlink(p)
+            unlink_quiet(p)
 
     def resume(self) -> None:
         """Finish the shard a previous incarnation of this collector was committing (or give it
@@ -188,7 +190,7 @@ class Collector:
             if st in (DONE, FAILED) or (st == SPOOLED and owner not in (None, "", self.spool_id)):
                 # committed already, given up on, or accepted from another node's spool (a retry
                 # of a job whose worker died between writing this file and marking it): not ours
-                _unlink(path)
+                unlink_quiet(path)
             elif st == QUEUED or st is None:
                 # written by a worker that died before marking it (its job will run again), or
                 # unknown to a ledger that lost its keys: never packed before the ledger says s
@@ -283,7 +285,7 @@ class Collector:
         if got.committed:
             self.ledger.mark_done(list(got.committed))
             for sid in got.committed:
-                _unlink(spool_path(self.spool_dir, sid))
+                unlink_quiet(spool_path(self.spool_dir, sid))
             log.warning("%d samples of shard %s are committed already (e.g. %s in shard %s): marked done from "
                         "storage, not packed again", len(got.committed), plan.shard_id, *next(iter(got.committed.items())))
         until = time.monotonic() + BUSY_S
@@ -343,14 +345,18 @@ class Collector:
                 self._retry(lambda: self.out.put_file(packed.tmp, name, progress=lambda _: self._crash("uploading")),
                             f"renaming {packed.tmp} to {self.out.path(name)}")
             finally:
-                _unlink(packed.tmp)
+                unlink_quiet(packed.tmp)
         self._crash("uploaded")
         spool = self._recorded_spool
         if self._claimed is None or self._claimed[0] != plan.shard_id:
             raise RuntimeError(f"shard {plan.shard_id} is published before its samples are claimed (Collector.claim)")
         if time.monotonic() - self._claimed[1] > STALE_S / 2:  # another ledger may take claims this old over
             raise Voided(f"shard {plan.shard_id} took over {STALE_S / 2:.0f} s from its claims to its commit")
-        rec = PackingRecord(plan.shard_id, plan.sample_ids, spool, index=plan.index(packed.sums))
+        index = plan.index(packed.sums)
+        if gen := [e.generation for e in plan.entries if e.generation is not None]:  # a --regenerate run's turns
+            index["generated"] = self._retry(lambda: store_generated(self.out, plan.shard_id, gen), "writing the "
+                                             f"generated file {self.out.path(generated_file(plan.shard_id))}")
+        rec = PackingRecord(plan.shard_id, plan.sample_ids, spool, index=index)
         if not self.ledger.fence_commit(spool, plan.sample_ids, self.packing_key, rec.to_json(), self._record_json):
             raise Voided(f"the commit fence refused shard {plan.shard_id}: spool {spool} no longer owns all of its "
                          "samples (reclaimed while this node was silent?), or its packing record is gone (a Redis "
@@ -386,14 +392,7 @@ class Collector:
         changed = set(self.ledger.mark_done(sample_ids, tokens=tokens, stats=stats))
         self._crash("marked")
         for p in paths:
-            _unlink(p)
+            unlink_quiet(p)
             self._crash("unlinking")
         self.records.clear(self.packing_key)
         return [s in changed for s in sample_ids]
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except (FileNotFoundError, NotADirectoryError):
-        pass

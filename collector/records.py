@@ -21,6 +21,7 @@ from collections.abc import Callable
 import redis
 
 from harvest.formats.claims import Claimer
+from harvest.formats.generated import generated_file
 from harvest.formats.index import encode_index, index_file
 from harvest.formats.shard import shard_file
 from harvest.state.ledger import Ledger
@@ -49,8 +50,9 @@ def remove_shard(out: Location, shard_id: str, retry: Retry) -> None:
     retry(lambda: out.abort_uploads(name), f"aborting unfinished uploads of {out.path(name)}")
     if retry(lambda: out.exists(index_file(shard_id)), f"checking {out.path(index_file(shard_id))}"):
         return
-    if retry(lambda: out.exists(name), f"checking {out.path(name)}"):
-        retry(lambda: out.delete(name), f"deleting {out.path(name)}")
+    for name in (name, generated_file(shard_id)):  # a --regenerate run's conversations go with their shard
+        if retry(lambda: out.exists(name), f"checking {out.path(name)}"):
+            retry(lambda: out.delete(name), f"deleting {out.path(name)}")
 
 
 def give_up_shard(out: Location, claimer: Claimer, shard_id: str, sample_ids: list[str], retry: Retry) -> None:

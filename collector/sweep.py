@@ -23,6 +23,7 @@ import redis
 
 from harvest.config import RunConfig
 from harvest.formats.claims import store_now
+from harvest.formats.generated import GENERATED
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
 from harvest.ops.reconcile import reconcile, shard_sample_ids
@@ -38,18 +39,27 @@ def sweep_orphans(out: Location, conn: redis.Redis, cfg: RunConfig, min_age: flo
     Shards are listed before records and indexes are read: a shard committed meanwhile has
     its record until its index exists, so it is never taken for an orphan."""
     shards = out.list(SHARDS, ".safetensors")
+    generated = out.list(GENERATED, ".parquet")  # a --regenerate run's, given up with their shard
     busy = PackingRecords(conn, cfg.run).shard_ids()
     indexed = {n.removesuffix(".json") for n in out.list(INDEX, ".json")}
     candidates = [n for n in shards if n.removesuffix(".safetensors") not in indexed | busy]
-    if not candidates:
+    stray = [n for n in generated if n.removesuffix(".parquet") not in indexed | busy]
+    if not candidates and not stray:
         return []
     now = store_now(out) or time.time()
+    removed = []
+    for name in stray:  # no reader reads a generated file its shard's index does not name
+        m = out.modified(f"{GENERATED}/{name}")
+        if m is not None and now - m >= min_age:
+            out.delete(f"{GENERATED}/{name}")
+            removed.append(name)
+            log.warning("removed orphan generated file %s (no index file, %.0f s old)", out.path(GENERATED, name),
+                        now - m)
     old = [(n, m) for n in candidates if (m := out.modified(f"{SHARDS}/{n}")) is not None and now - m >= min_age]
     ledger = Ledger(conn, cfg.run)
     if any(DONE in ledger.states(shard_sample_ids(out, f"{SHARDS}/{n}")) for n, _ in old):
         log.warning("orphan shards hold samples the ledger has done: an index file was lost; reconciling first")
         reconcile(conn, cfg)
-    removed = []
     for name, mtime in old:
         out.delete(f"{SHARDS}/{name}")
         removed.append(name)

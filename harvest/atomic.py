@@ -68,11 +68,11 @@ def write_atomic(
             except FileExistsError:
                 return False
             finally:
-                _unlink_quiet(tmp)
+                unlink_quiet(tmp)
         else:
             os.replace(tmp, path)
     except BaseException:
-        _unlink_quiet(tmp)
+        unlink_quiet(tmp)
         raise
     if fsync_dir:
         fsync_directory(folder)
@@ -99,7 +99,7 @@ def atomic_path(path: str, *, prefix: str, fsync: bool = True, fsync_dir: bool =
                 os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        _unlink_quiet(tmp)
+        unlink_quiet(tmp)
         raise
     if fsync_dir:
         fsync_directory(folder)
@@ -114,6 +114,7 @@ def fsync_directory(folder: str) -> None:
         os.close(fd)
 
 
-def _unlink_quiet(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
+def unlink_quiet(path: str) -> None:
+    """`path` removed if it is there (a file some other step may have removed already)."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         os.unlink(path)

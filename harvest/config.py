@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from harvest.errors import ConfigurationError
 from harvest.formats.dtypes import STORAGE_DTYPES, storage_torch_dtype
 from harvest.ids import check_id
+from harvest.regeneration import Regeneration
 from harvest.settings import RunTunables
 
 if TYPE_CHECKING:
@@ -139,9 +140,14 @@ class RunIdentity:
     tokenizer: str | None = None
     allow_nonfinite: bool = False
     final_state: str = FINAL_POST_NORM  # what capture point L holds (FINAL_POST_NORM)
+    # A --regenerate run: the target model writes the chat rows' assistant turns before they are
+    # extracted (harvest.regeneration.Regeneration's fields; None: the rows' own answers).
+    regenerate: dict | None = None
 
     def __post_init__(self) -> None:
         check_id(self.run, "run name")
+        if self.regenerate is not None:
+            Regeneration.from_dict(self.regenerate)
         if self.storage_dtype not in STORAGE_DTYPES:
             raise ConfigError(f"storage dtype {self.storage_dtype!r}: choose one of {', '.join(STORAGE_DTYPES)}")
         if self.engine not in ENGINE_KINDS:
@@ -164,6 +170,10 @@ class RunConfig(RunTunables, RunIdentity):
         RunIdentity.__post_init__(self)
         if not self.spool_grace_s > 0:
             raise ConfigError(f"spool grace {self.spool_grace_s!r}: must be a positive number of seconds")
+
+    @property
+    def regeneration(self) -> Regeneration | None:
+        return None if self.regenerate is None else Regeneration.from_dict(self.regenerate)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -257,6 +267,40 @@ def model_config_json(model: str) -> dict:
         raw = json.load(f)
     text = raw.get("text_config") if isinstance(raw, dict) else None
     return text if isinstance(text, dict) and "num_hidden_layers" in text else raw
+
+
+# The keys a model config states its context length by, in the order SGLang reads them
+# (sglang.srt.configs.model_config.get_context_length): the first one present is the limit.
+CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
+
+
+def model_context(model_dir: str) -> tuple[int, str] | None:
+    """(context length, where it was read) of the local model in `model_dir`, from its config.json
+    as SGLang derives it: the first of CONTEXT_KEYS it states, times its `rope_scaling` factor
+    unless that scaling already states its original length (or is llama3's, whose length is stated
+    whole). None: no config.json there, or no such key. Past this length an engine refuses a prompt
+    (SGLang, vLLM), or computes positions the model never saw (the reference engine)."""
+    try:
+        c = model_config_json(model_dir)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(c, dict):
+        return None
+    key = next((k for k in CONTEXT_KEYS if _positive_int(c.get(k))), None)
+    if key is None:
+        return None
+    n, why = c[key], key
+    rs = c.get("rope_scaling")
+    if isinstance(rs, dict) and "original_max_position_embeddings" not in rs \
+            and (rs.get("rope_type") or rs.get("type")) != "llama3":
+        factor = rs.get("factor")
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+            n, why = int(n * factor), f"{key} {n} x rope_scaling factor {factor:g}"
+    return n, why
+
+
+def _positive_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 def model_layers(model_dir: str) -> int:

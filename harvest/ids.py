@@ -43,11 +43,15 @@ def node_name() -> str:
     return safe_id(socket.gethostname(), "node")
 
 
-def sample_id(input_ids: np.ndarray, loss_mask: np.ndarray) -> str:
-    """blake2b-128 of the int32 LE token ids followed by the loss-mask bytes."""
+def sample_id(input_ids: np.ndarray, loss_mask: np.ndarray, extra: bytes = b"") -> str:
+    """blake2b-128 of the int32 LE token ids followed by the loss-mask bytes (and, for a conversation
+    to regenerate, its structure: harvest.state.conversation.Conversation.digest)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(np.ascontiguousarray(input_ids, dtype="<i4").tobytes())
     h.update(np.ascontiguousarray(loss_mask, dtype=np.uint8).tobytes())
+    if extra:
+        h.update(b"\x00conversation\x00")
+        h.update(extra)
     return h.hexdigest()
 
 

@@ -28,7 +28,7 @@ from typing import TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from harvest.atomic import write_atomic
+from harvest.atomic import unlink_quiet, write_atomic
 from harvest.errors import InputError, StorageError  # StorageError: what every failure here is raised as
 
 log = logging.getLogger("harvest.storage")
@@ -263,7 +263,7 @@ class Location:
                 os.link(taken, path)  # put back, unless a new one was created meanwhile
             except FileExistsError:
                 pass
-        _unlink_quiet(taken)
+        unlink_quiet(taken)
         return same
 
     def local_staging_dir(self, folder: str) -> str | None:
@@ -343,10 +343,3 @@ def atomic_write_local(path: str, data: bytes | memoryview | Sequence[bytes | me
     (copy) them first."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_atomic(path, data, prefix=TEMP_PREFIX)
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -119,6 +119,7 @@ def produce_pass(
     on_bad: Callable[[BadRow], None] | None = None,
     processes: int = 1,
     on_wait: Callable[[int], None] | None = None,
+    regenerate: bool | None = None,
 ) -> ProduceSummary:
     """One pass over DATASET: tokenize it and enqueue its samples for the run (or only count
     them, with dry_run).
@@ -127,6 +128,8 @@ def produce_pass(
     nor `cfg` when `tokenizer` is given. `on_wait(queued)` is called while the queue is full (the
     producer is waiting on the workers). `processes` > 1 tokenizes in that many worker processes
     (see producer.parallel for when that pays); otherwise one thread tokenizes ahead of the enqueue.
+    `regenerate`: chat rows become conversations whose answers the workers write (default: as the
+    run says, harvest.config.RunIdentity.regenerate; a dry run without a run says it here).
     """
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer or cfg.model)
     # The model's context bounds every sample too; a dry run given only a tokenizer reads the
@@ -143,7 +146,9 @@ def produce_pass(
                 on_wait(q)
 
         enq = Enqueuer(conn, cfg, max_queued=max_queued, on_wait=waiting)
-    kw = dict(fields=fields, chat_template=chat_template, length=length)
+    if regenerate is None:
+        regenerate = cfg is not None and cfg.regenerate is not None
+    kw = dict(fields=fields, chat_template=chat_template, length=length, regenerate=regenerate)
     if processes > 1:
         to_samples = ProcessTokenizer(tokenizer, processes, **kw)
         tokenized = to_samples.map(_batches(rows, BATCH_ROWS))

@@ -15,18 +15,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 from tokenizers import Tokenizer
 
-from harvest.config import ConfigError, model_config_json
+from harvest.config import ConfigError, model_context
+from harvest.state.conversation import Conversation, ConversationError
 from harvest.state.payload import PayloadError, Sample
 from producer.rowkinds import Chat, FieldMap, Pretokenized, PromptCompletion, RowError, Text, classify
 from producer.rows import OVERLONG_POLICIES, BadRow, Row, exception_reason
 from producer.templates import ChatRenderer, TemplateError, mask_from_spans
 
-ROW_ERRORS = (RowError, TemplateError, PayloadError)  # harvest's own verdicts on a row, told as they are
-# The keys a model config states its context length by, in the order SGLang reads them
-# (sglang.srt.configs.model_config.get_context_length): the first one present is the limit.
-CONTEXT_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length", "max_position_embeddings")
-
-
+ROW_ERRORS = (RowError, TemplateError, PayloadError, ConversationError)  # harvest's own verdicts on a row, told as they are
 @dataclass(frozen=True)
 class LengthPolicy:
     """The longest sample: `max_len` (--max-len) and the model's `context` (`model_context`), the
@@ -59,33 +55,7 @@ class LengthPolicy:
         return replace(self, context=found[0], context_from=found[1]) if found else self
 
 
-def model_context(model_dir: str) -> tuple[int, str] | None:
-    """(context length, where it was read) of the local model in `model_dir`, from its config.json
-    as SGLang derives it: the first of CONTEXT_KEYS it states, times its `rope_scaling` factor
-    unless that scaling already states its original length (or is llama3's, whose length is stated
-    whole). None: no config.json there, or no such key. Past this length an engine refuses a prompt
-    (SGLang, vLLM), or computes positions the model never saw (the reference engine)."""
-    try:
-        c = model_config_json(model_dir)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(c, dict):
-        return None
-    key = next((k for k in CONTEXT_KEYS if _positive_int(c.get(k))), None)
-    if key is None:
-        return None
-    n, why = c[key], key
-    rs = c.get("rope_scaling")
-    if isinstance(rs, dict) and "original_max_position_embeddings" not in rs \
-            and (rs.get("rope_type") or rs.get("type")) != "llama3":
-        factor = rs.get("factor")
-        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
-            n, why = int(n * factor), f"{key} {n} x rope_scaling factor {factor:g}"
-    return n, why
-
-
-def _positive_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+_PLACEHOLDER = "answer"  # an assistant turn's content while the pieces around it are cut out
 
 
 class _Texts:
@@ -139,6 +109,7 @@ class RowTokenizer:
         fields: FieldMap = FieldMap(),
         chat_template: str | None = None,
         length: LengthPolicy = LengthPolicy(),
+        regenerate: bool = False,
     ) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError("harvest needs a fast (Rust `tokenizers`) tokenizer: one with a tokenizer.json")
@@ -158,6 +129,10 @@ class RowTokenizer:
         self.fields, self.length = fields, length
         self.chat = ChatRenderer(tokenizer, chat_template)
         self.truncated = 0
+        # --regenerate: chat rows become conversations whose assistant turns the target model writes
+        # (harvest.state.conversation); rows of other kinds have no turns to write and are refused.
+        self.regenerate = regenerate
+        self.special_ids = set(tokenizer.all_special_ids)
 
     def one(self, row: Row | BadRow) -> Sample | BadRow:
         return self([row])[0]
@@ -172,7 +147,9 @@ class RowTokenizer:
                 continue
             try:
                 kind = classify(row.data, self.fields)
-                if isinstance(kind, Pretokenized):
+                if self.regenerate:
+                    plans[i] = self._conversation_plan(kind, plain)
+                elif isinstance(kind, Pretokenized):
                     out[i] = self._finish(row, *self._pretokenized(kind))
                 elif isinstance(kind, Text):
                     plans[i] = ("text", [(special, special.add(kind.text))], None)
@@ -199,10 +176,59 @@ class RowTokenizer:
                 if self.eos_id is not None and (not c or c[-1] != self.eos_id):
                     c = [*c, self.eos_id]  # the model must learn to stop after the completion
                 ids, mask = p + c, [0] * len(p) + [1] * len(c)
+            elif what == "conv":
+                try:
+                    out[i] = self._conversation(rows[i], encs, spans)
+                except ROW_ERRORS as e:
+                    out[i] = BadRow(rows[i].where, str(e))
+                continue
             else:
                 ids, mask = encs[0].ids, mask_from_spans(encs[0], spans)
             out[i] = self._finish(rows[i], ids, mask)
         return out  # type: ignore[return-value]
+
+    def _conversation_plan(self, kind, plain: _Texts) -> tuple:
+        """A chat row of a --regenerate run, cut for its turns to be written (harvest.state.conversation):
+        its texts between the assistant turns, and each turn's placeholder text (whose last token is the
+        template's end-of-turn token), queued for the batch's tokenizer call. A chat that ends on another
+        role gets one more assistant turn: the answer to its last message."""
+        if not isinstance(kind, Chat):
+            raise RowError(f"--regenerate writes the assistant turns of chat rows ('{self.fields['messages']}' or "
+                           f"'{self.fields['conversations']}'); this row is {type(kind).__name__.lower()}, with none")
+        messages = [dict(m) for m in kind.messages]
+        if not messages or messages[-1].get("role") != "assistant":
+            messages.append({"role": "assistant", "content": ""})
+        # Every answer rendered as one placeholder: the pieces (and so the sample id) do not depend on
+        # the answers the row brought, which are written again.
+        placeholder = [{**m, "content": _PLACEHOLDER} if m.get("role") == "assistant" else m for m in messages]
+        text, spans = self.chat.render(placeholder)
+        turns = sum(1 for m in messages if m.get("role") == "assistant")
+        if len(spans) != turns:
+            raise TemplateError(f"the chat template rendered {len(spans)} assistant turns of {turns}: "
+                                "it cannot be regenerated turn by turn")
+        edges = [0, *[x for span in spans for x in span], len(text)]
+        pieces = [text[edges[2 * k]: edges[2 * k + 1]] for k in range(turns + 1)]
+        refs = [(plain, plain.add(p)) for p in pieces] + [(plain, plain.add(text[a:b])) for a, b in spans]
+        stored = [{**m, "content": None} if m.get("role") == "assistant" else m for m in messages]
+        return ("conv", refs, stored)
+
+    def _conversation(self, row: Row, encs: list, messages: list[dict]) -> Sample | BadRow:
+        turns = len(encs) // 2
+        pieces, answers = [e.ids for e in encs[: turns + 1]], [e.ids for e in encs[turns + 1:]]
+        stop = {a[-1] for a in answers if a and a[-1] in self.special_ids}
+        if self.eos_id is not None:
+            stop.add(self.eos_id)
+        if not stop:
+            raise TemplateError("the chat template ends an assistant turn with no special token and the tokenizer "
+                                "has no EOS: nothing tells where a generated turn ends")
+        skeleton = [t for p in pieces for t in p]
+        conv = Conversation(tuple(len(p) for p in pieces), tuple(sorted(stop)), tuple(messages))
+        limit, what, source = self.length.limit()
+        if limit is not None and len(skeleton) > limit:
+            why = f"{source}; " if source else ""
+            return BadRow(row.where, f"{len(skeleton)} tokens before any answer is written, over {what} ({why}"
+                          "a conversation to regenerate is never truncated)", "overlong")
+        return Sample.build(skeleton, [0] * len(skeleton), conv)
 
     def _pretokenized(self, kind: Pretokenized) -> tuple[np.ndarray, np.ndarray | None]:
         """The row's ids (and mask) checked in Python before numpy sees them: numpy would take

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from harvest.atomic import unlink_quiet
 from harvest.formats.dump import DumpError, parse_chunk_name, read_chunk
 from harvest.formats.fp8 import to_storage
 from harvest.formats.spool import SpooledSample
@@ -188,3 +189,9 @@ def assemble(
         scale,
         hidden_from=tuple((c.path, *c.hidden_span) for c in chunks) if same else (),
     )
+
+
+def clear_claims(claim_dir: str) -> None:
+    """Every file of a worker's claim dir removed: claims of a job whose engine call failed."""
+    for name in os.listdir(claim_dir):
+        unlink_quiet(os.path.join(claim_dir, name))

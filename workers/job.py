@@ -59,9 +59,11 @@ from harvest.state.failures import (
 )
 from harvest.state.ledger import QUEUED
 from harvest.state.payload import Sample, decode_batch, payload_row, payload_rows
-from workers.claim import Claimed, assemble
+from workers.claim import Claimed, assemble, clear_claims
 from workers.claim import claim as claim_dumps
 from workers.clients.base import EngineUnavailable, Rejected
+from workers.regenerate import Regenerated
+from workers.regenerate import regenerate as regenerate_turns
 from workers.context import DEFAULT_RETRIES, WorkerContext, backoff_intervals, current, install
 
 __all__ = ["DEFAULT_RETRIES", "BatchJob", "JobResult", "WorkerContext", "backoff_intervals", "install", "process_batch"]
@@ -122,12 +124,14 @@ class BatchJob:
             raise ValueError(f"job of run {run!r} reached a worker of run {ctx.cfg.run!r}")
         self.ctx, self.payload, self.job = ctx, payload, job
         self.name = job.id if job else "?"
-        self.todo: list[Sample] = []
+        self.todo: list[Sample] = []  # the job's samples still queued, as the payload holds them
+        self.extract: list[Sample] = []  # what the engine prefills: `todo`, its conversations regenerated
         self.by_rid: dict[str, Sample] = {}
         self.failures: dict[str, tuple[str, str]] = {}  # sample -> (reason, message), failed at `mark`
         self.owner = ""  # the spool id the samples are marked with
         self.attempts: dict[str, int] = {}  # sample -> this execution's attempt number (its rid), from `choose`
         self.engine_seconds: float | None = None  # the engine call's latency, recorded with the marks
+        self.generated: Regenerated | None = None  # the job's regeneration step, for its stats
 
     def run(self) -> JobResult | Retry:
         held = self.reconcile()
@@ -206,23 +210,35 @@ class BatchJob:
         rows = dict(zip((s.id for s in self.samples), payload_rows(self.payload)))  # kept while spooled
         outages = self.ctx.outages()
         _wait_for_spool_room(self.ctx)
+        self.regenerate()
         claimed = self.claim(self.generate())
         spooled = self.spool(claimed)
         marked = self.mark(spooled, rows, outages)
         return self.finish(spooled, marked)
 
+    def regenerate(self) -> None:
+        """A --regenerate run's conversations written first (workers.regenerate); each is then
+        extracted as the sample it has become. One that fails is noted in `failures`."""
+        self.extract = [s for s in self.todo if s.conv is None]
+        if convs := [s for s in self.todo if s.conv is not None]:
+            self.generated = out = regenerate_turns(self.ctx.engine, convs, self.attempts, self.ctx.cfg, self.name)
+            self.failures.update(out.failures)
+            self.extract += [w.sample for w in out.written.values()]
+
     def generate(self) -> dict[str, int]:
         """Every queued sample through the engine under a new rid. Returns the rids whose dumps to
         claim (their token counts); refusals and mismatches are noted in `failures`."""
         ctx = self.ctx
-        self.by_rid = by_rid = {rid_for(s.id, self.attempts[s.id]): s for s in self.todo}
+        self.by_rid = by_rid = {rid_for(s.id, self.attempts[s.id]): s for s in self.extract}
+        if not by_rid:
+            return {}
         t0 = time.monotonic()
         try:
-            results = ctx.engine.generate(list(by_rid), [s.input_ids.tolist() for s in self.todo])
+            results = ctx.engine.generate(list(by_rid), [s.input_ids.tolist() for s in self.extract])
         except EngineUnavailable as e:
             # Whatever the engine managed to dump for these rids is never claimed: clear it now.
             claim_dumps(ctx.dump_dir, ctx.claim_dir, {r: s.num_tokens for r, s in by_rid.items()}, timeout=0)
-            _clear(ctx.claim_dir)
+            clear_claims(ctx.claim_dir)
             raise SampleFailure(ENGINE_UNAVAILABLE, str(e), transient=True) from None
         self.engine_seconds = time.monotonic() - t0  # recorded with the marks (`mark`)
         wanted: dict[str, int] = {}
@@ -268,7 +284,10 @@ class BatchJob:
         try:
             out.dump_bytes += sum(os.path.getsize(p) for p in c.paths)
             if s.id not in self.failures and out.error is None:
-                out.nbytes += batch.add(assemble(c, s, cfg.capture_points, cfg.torch_dtype, cfg.allow_nonfinite))
+                spooled = assemble(c, s, cfg.capture_points, cfg.torch_dtype, cfg.allow_nonfinite)
+                if self.generated and s.id in self.generated.written:  # the turns go with their states to the shard
+                    spooled.generation = self.generated.written[s.id].entry()
+                out.nbytes += batch.add(spooled)
                 out.ids.append(s.id)
                 out.tokens += s.num_tokens
         except SampleFailure as e:
@@ -312,7 +331,8 @@ class BatchJob:
         marked, failed = ctx.ledger.settle_job(
             spooled.ids, self.owner, rows, self.failures,
             stats={"samples_spooled": len(spooled.ids), "tokens_spooled": spooled.tokens,
-                   "bytes_spooled": spooled.nbytes, "dump_bytes": spooled.dump_bytes},
+                   "bytes_spooled": spooled.nbytes, "dump_bytes": spooled.dump_bytes,
+                   **(self.generated.stats() if self.generated else {})},
             observe=observed)
         self.engine_seconds = None
         for sid in failed:
@@ -373,11 +393,3 @@ class BatchJob:
 def _where(e: BaseException) -> str:
     tb = traceback.extract_tb(e.__traceback__)
     return f"{tb[-1].filename}:{tb[-1].lineno}" if tb else "?"
-
-
-def _clear(claim_dir: str) -> None:
-    for name in os.listdir(claim_dir):
-        try:
-            os.unlink(os.path.join(claim_dir, name))
-        except FileNotFoundError:
-            pass

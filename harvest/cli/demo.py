@@ -17,6 +17,9 @@ import tempfile
 
 DEMO_VERSION = "2"  # 2: random non-unit norm weights
 DEMO_CHUNKED_PREFILL = 64  # the reference engine's chunk in `harvest demo`: demo_rows' lengths straddle it
+# `harvest demo --regenerate`: the tiny model's turns, cut at this many tokens (a random model rarely
+# ends a turn by itself, so the demo keeps cut turns: --on-length keep)
+DEMO_MAX_NEW_TOKENS = 32
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for m in messages %}"
@@ -107,6 +110,11 @@ def _randomize_norms(model, seed: int) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(torch.empty(param.shape).uniform_(0.3, 2.0, generator=gen))
+
+
+def demo_chats(n: int = 12, seed: int = 1) -> list[dict]:
+    """The chats of `demo_rows` (`harvest demo --regenerate`: only chats have answers to write)."""
+    return [r for r in demo_rows(4 * n, seed) if "messages" in r][:n]
 
 
 def demo_rows(n: int = 40, seed: int = 1, vocab_size: int = 512) -> list[dict]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from collections.abc import Iterator
 
@@ -140,6 +141,36 @@ def export_cmd(run_url, fmt, dest, dtype, model, in_place, no_progress, s3_endpo
         click.echo(f"harvest: error: {n} corrupt sample{'s' * (n != 1)} not exported; "
                    f"{verify_fix(Location.from_url(run_url), plural=n != 1)}, then export again", err=True)
         sys.exit(1)
+
+
+@click.command("generated")
+@click.option("--run-url", required=True, help="A --regenerate run's output folder: <out>/<run> (local path or URL).")
+@click.argument("dest", type=click.Path(dir_okay=False, allow_dash=True))
+@s3_options
+def generated_cmd(run_url, dest, s3_endpoint, s3_region) -> None:
+    """Write a --regenerate run's committed conversations to DEST as JSON lines (`-`: stdout): one
+    {"id", "messages", "turns"} per sample, the messages as the target model answered them."""
+    import json
+    import sys
+
+    from harvest.read.generated import iter_generated
+
+    apply_s3_env(s3_endpoint, s3_region)
+    n = 0
+    out = sys.stdout if dest == "-" else open(dest + ".tmp", "w", encoding="utf-8")  # noqa: SIM115 - renamed below
+    try:
+        for row in iter_generated(run_url):
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+            n += 1
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if out is not sys.stdout:
+        os.replace(dest + ".tmp", dest)  # whole or not at all
+    if n == 0:
+        click.echo(f"harvest: {run_url} holds no regenerated conversation (not a --regenerate run, or nothing "
+                   "committed yet)", err=True)
+    click.echo(f"wrote {n} conversations to {dest}", err=dest == "-")
 
 
 @click.command("status")
@@ -338,4 +369,4 @@ def _runs(conn, as_json: bool) -> None:
         click.echo(render_runs(rows))
 
 
-COMMANDS = (status_cmd, runs_cmd, requeue_cmd, janitor_cmd, metrics_cmd, reconcile_cmd, export_cmd)
+COMMANDS = (generated_cmd, status_cmd, runs_cmd, requeue_cmd, janitor_cmd, metrics_cmd, reconcile_cmd, export_cmd)

@@ -14,6 +14,7 @@ from harvest.config import ENGINE_KINDS
 from harvest.formats.dtypes import READ_DTYPES, STORAGE_DTYPES
 from harvest.node.dumpdir import default_dump_dir
 from harvest.progress import PLAIN_INTERVAL_S
+from harvest.regeneration import ON_LENGTH, Regeneration
 from harvest.settings import EngineSettings, ProducerSettings, RunTunables
 from producer.rows import OVERLONG_POLICIES
 
@@ -107,6 +108,43 @@ strict_option = click.option("--strict", is_flag=True, help="Stop at the first b
 processes_option = click.option("--processes", default=ProducerSettings.processes, show_default=True,
                                 type=click.IntRange(1, 256),
                                 help="Tokenizer processes; pays only with cores beyond those the tokenizer's threads fill.")
+
+
+regenerate_flag = click.option(
+    "--regenerate", is_flag=True,
+    help="Have the target model write the chat rows' assistant turns, turn by turn, before their hidden states are "
+         "extracted (on-policy data); the conversations are kept in the run's output (generated/).")
+max_new_tokens_option = click.option("--max-new-tokens", default=Regeneration.max_new_tokens, show_default=True,
+                                     type=click.IntRange(1), help="With --regenerate: the longest turn, in tokens.")
+temperature_option = click.option("--temperature", default=Regeneration.temperature, show_default=True,
+                                  type=click.FloatRange(0, 100),
+                                  help="With --regenerate: sampling temperature (0: greedy); each turn's seed derives "
+                                       "from the sample id, so a rerun samples the same tokens.")
+top_p_option = click.option("--top-p", default=Regeneration.top_p, show_default=True,
+                            type=click.FloatRange(0, 1, min_open=True), help="With --regenerate: nucleus sampling's p.")
+on_length_option = click.option("--on-length", type=click.Choice(list(ON_LENGTH)), default=Regeneration.on_length,
+                                show_default=True,
+                                help="With --regenerate: a turn that reaches --max-new-tokens without ending fails "
+                                     "its sample (reason generation-length), or is kept cut short.")
+
+
+def regenerate_options(f):
+    """The regeneration stage's options (`harvest run`, `harvest produce`)."""
+    for opt in reversed((regenerate_flag, max_new_tokens_option, temperature_option, top_p_option, on_length_option)):
+        f = opt(f)
+    return f
+
+
+def regenerate_settings(regenerate: bool, max_new_tokens: int, temperature: float, top_p: float, on_length: str,
+                        model: str | None) -> dict | None:
+    """The run's `regenerate` field (harvest.config.RunIdentity), with the model's context when its
+    config states it; None without --regenerate."""
+    if not regenerate:
+        return None
+    from harvest.config import model_context
+
+    found = model_context(model) if model else None
+    return Regeneration(max_new_tokens, temperature, top_p, on_length, found[0] if found else None).to_dict()
 
 
 def producer_options(f):

@@ -24,6 +24,8 @@ from harvest.cli.options import (
     producer_kwargs,
     producer_options,
     redis_option,
+    regenerate_options,
+    regenerate_settings,
     run_engine_option,
     run_option,
     s3_endpoint_option,
@@ -71,6 +73,7 @@ def _default_run_name(dataset: str) -> str:
 @click.option("--max-wait", default=RunnerSettings.max_wait_s, show_default=True, type=click.FloatRange(0),
               help="Commit a partial shard once its oldest sample is this old (s).")
 @producer_options
+@regenerate_options
 @no_progress_option
 @spool_grace_option
 @s3_endpoint_option
@@ -83,7 +86,7 @@ def _default_run_name(dataset: str) -> str:
 def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
             work_dir, dump_dir, max_queued, shard_mb, no_progress, spool_grace, s3_endpoint, s3_region, engine,
             max_wait, batch_samples, batch_tokens, fields, chat_template, max_len, overlong, strict, processes,
-            redis_wait, min_free_mb) -> None:
+            regenerate, max_new_tokens, temperature, top_p, on_length, redis_wait, min_free_mb) -> None:
     """Extract hidden states for DATASET end to end on this machine.
 
     Redis going away is waited out, up to --redis-wait (its private redis-server is restarted on
@@ -105,7 +108,8 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
                               min_free_bytes=min_free_mb << 20)
     _run_here(dataset, settings, produce_kw, run=run or _default_run_name(dataset), model=model, out_url=out_url,
               layers=layers, storage_dtype=storage_dtype, engine=engine, shard_bytes=shard_mb << 20,
-              spool_grace_s=spool_grace, **sizes)
+              spool_grace_s=spool_grace,
+              regenerate=regenerate_settings(regenerate, max_new_tokens, temperature, top_p, on_length, model), **sizes)
 
 
 def _run_here(dataset: str, settings: RunnerSettings, produce_kw: dict, **config) -> None:
@@ -142,12 +146,16 @@ def _run_here(dataset: str, settings: RunnerSettings, produce_kw: dict, **config
               help="Folder the demo writes its run (shards and index) and its export into.")
 @click.option("--workers", default=RunnerSettings.workers, show_default=True, type=click.IntRange(1, 64),
               help="Worker processes against the demo's engine.")
+@click.option("--regenerate", is_flag=True,
+              help="Have the tiny model write the demo chats' answers first (the regeneration stage, greedy, at most "
+                   "32 tokens a turn), then extract them; the conversations land in OUT/output/demo-regenerate/generated/.")
 @click.option("--prepare", "prepare_dir", default=None, type=click.Path(file_okay=False),
               help="Only write the tiny model to DIR/models/tiny and the dataset to DIR/data/demo.jsonl (what the "
                    "docker compose quickstart mounts), then exit.")
-def demo_cmd(out_dir: str, workers: int, prepare_dir: str | None) -> None:
+def demo_cmd(out_dir: str, workers: int, regenerate: bool, prepare_dir: str | None) -> None:
     """Build a tiny model offline and run the whole pipeline on a bundled dataset."""
-    from harvest.cli.demo import DEMO_CHUNKED_PREFILL, build_tiny_model, demo_rows, write_jsonl
+    from harvest.cli.demo import (DEMO_CHUNKED_PREFILL, DEMO_MAX_NEW_TOKENS, build_tiny_model, demo_chats, demo_rows,
+                                   write_jsonl)
 
     if prepare_dir:
         model = build_tiny_model(os.path.join(prepare_dir, "models", "tiny"))
@@ -156,7 +164,8 @@ def demo_cmd(out_dir: str, workers: int, prepare_dir: str | None) -> None:
         return
     click.echo("building the tiny demo model (cached after the first time)...")
     model = build_tiny_model()
-    dataset = write_jsonl(os.path.join(out_dir, "demo.jsonl"), demo_rows())
+    dataset = write_jsonl(os.path.join(out_dir, "demo-chats.jsonl" if regenerate else "demo.jsonl"),
+                          demo_chats() if regenerate else demo_rows())
     out_url = os.path.join(out_dir, "output")
     check_dataset(dataset)
     check_model(model)
@@ -164,7 +173,9 @@ def demo_cmd(out_dir: str, workers: int, prepare_dir: str | None) -> None:
     settings = RunnerSettings(workers=workers, chunked_prefill_size=DEMO_CHUNKED_PREFILL,
                               work_dir=os.path.join(out_dir, "work"))
     produce_kw = producer_kwargs((), None, None, "skip", False, ProducerSettings.processes)
-    _run_here(dataset, settings, produce_kw, run="demo", model=model, out_url=out_url)
+    regen = regenerate_settings(regenerate, DEMO_MAX_NEW_TOKENS, 0.0, 1.0, "keep", model)
+    _run_here(dataset, settings, produce_kw, run="demo-regenerate" if regenerate else "demo", model=model,
+              out_url=out_url, regenerate=regen)
 
 
 @click.command("produce")
@@ -177,6 +188,7 @@ def demo_cmd(out_dir: str, workers: int, prepare_dir: str | None) -> None:
 @dtype_option
 @max_queued_option
 @producer_options
+@regenerate_options
 @click.option("--dry-run", is_flag=True, help="Tokenize and count; enqueue nothing (with --model, no Redis needed).")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
 @produce_engine_option
@@ -184,8 +196,8 @@ def demo_cmd(out_dir: str, workers: int, prepare_dir: str | None) -> None:
 @s3_options
 @redis_wait_option
 def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, batch_samples, batch_tokens,
-                fields, chat_template, max_len, overlong, dry_run, strict, progress, processes,
-                engine, spool_grace, s3_endpoint, s3_region, redis_wait) -> None:
+                fields, chat_template, max_len, overlong, regenerate, max_new_tokens, temperature, top_p, on_length,
+                dry_run, strict, progress, processes, engine, spool_grace, s3_endpoint, s3_region, redis_wait) -> None:
     """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded).
 
     Exit status: 0, 1 when some rows were bad (each is reported with its file and line), 2 on errors,
@@ -205,12 +217,16 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
 
     kw.update(dry_run=dry_run, on_bad=lambda r: tqdm.write(f"{r.kind} row {r}", file=sys.stderr))  # above the bar
     progress = sys.stderr.isatty() if progress is None else progress
+    regen = regenerate_settings(regenerate, max_new_tokens, temperature, top_p, on_length, model)
     if conn is None:
-        s = produce(None, None, dataset, tokenizer=load_tokenizer(model), progress=progress, **kw)
+        s = produce(None, None, dataset, tokenizer=load_tokenizer(model), progress=progress, regenerate=regenerate, **kw)
     else:
         cfg = open_run(conn, run, model=model, out_url=out_url, layers=layers, storage_dtype=storage_dtype,
                        engine=engine, dry_run=dry_run, batch_samples=batch_samples, batch_tokens=batch_tokens,
-                       spool_grace_s=spool_grace)
+                       spool_grace_s=spool_grace, regenerate=regen)
+        if regenerate and cfg.regenerate is None:
+            raise click.UsageError(f"run {run} exists without --regenerate: a run's samples are regenerated from its "
+                                   "start or not at all; name a new --run")
         s = produce(conn, cfg, dataset, max_queued=max_queued, progress=progress, **kw)
     click.echo(s.text())
     sys.exit(1 if s.bad else 0)

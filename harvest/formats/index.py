@@ -56,6 +56,9 @@ class ShardIndex(TypedDict):
     # {sample id: reason}: samples whose bytes are in the shard but which this index no longer commits
     # (a duplicate copy kept elsewhere, or a corrupt copy dropped for re-extraction).
     excluded: NotRequired[dict[str, str]]
+    # A --regenerate run's shard: the file of its samples' generated conversations, committed with it
+    # (harvest.formats.generated): {"file": name under the run's folder, "sha256": ..., "rows": n}.
+    generated: NotRequired[dict]
 
 
 _FIELDS: dict[str, type] = {"format": str, "shard_id": str, "shard": str, "samples": list, "tokens": list,
@@ -104,6 +107,10 @@ def parse_index(doc: object, where: str) -> ShardIndex:
     excluded = doc.get("excluded", {})
     if not isinstance(excluded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in excluded.items()):
         raise ShardError(f"{where}: index field 'excluded' is not an object of sample id to reason")
+    gen = doc.get("generated")
+    if gen is not None and not (isinstance(gen, dict) and isinstance(gen.get("file"), str)
+                                and isinstance(gen.get("sha256"), str) and isinstance(gen.get("rows"), int)):
+        raise ShardError(f"{where}: index field 'generated' is not an object of file, sha256 and rows")
     stray = sorted(set(excluded) - set(doc["samples"]))
     if stray:
         raise ShardError(f"{where}: excludes {len(stray)} samples it does not hold (first {stray[0]})")

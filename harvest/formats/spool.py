@@ -44,6 +44,9 @@ class SpooledSample:
     # them from there by the kernel (cloned where the filesystem shares blocks) instead of from the
     # tensor; empty, or elsewhere: from the tensor.
     hidden_from: tuple[tuple[str, int, int], ...] = ()
+    # A regenerated conversation's generated-dataset entry (JSON, harvest.formats.generated), kept in
+    # the file's metadata: the collector commits it with the sample's hidden states, in one index.
+    generation: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +61,7 @@ class SpoolEntry:
     path: str
     num_tokens: int
     spans: dict[str, TensorSpan]
+    generation: str | None = None  # SpooledSample.generation
 
 
 def encode_sample(s: SpooledSample, run: str) -> list[tuple[str, bytes | memoryview]]:
@@ -74,7 +78,10 @@ def encode_sample(s: SpooledSample, run: str) -> list[tuple[str, bytes | memoryv
     if s.hidden_scale is not None:
         tensors[SCALE] = s.hidden_scale.to(torch.float32).contiguous()
     # data on a block: the collector's kernel copy into a shard can then clone it (harvest.formats.filecopy)
-    return list(zip(["", *sorted(tensors)], encode_parts(tensors, {"sample_id": s.id, "run": run}, BLOCK)))
+    meta = {"sample_id": s.id, "run": run}
+    if s.generation is not None:
+        meta["generation"] = s.generation
+    return list(zip(["", *sorted(tensors)], encode_parts(tensors, meta, BLOCK)))
 
 
 def write_encoded(fd: int, parts: list[tuple[str, bytes | memoryview]],
@@ -116,6 +123,7 @@ def read_sample(path: str) -> SpooledSample:
             f.get_tensor("loss_mask"),
             f.get_tensor("hidden_states"),
             f.get_tensor(SCALE) if SCALE in f.keys() else None,
+            generation=meta.get("generation"),
         )
 
 
@@ -149,4 +157,7 @@ def inspect_sample(path: str, sid: str, num_points: int, hidden_size: int, dtype
         got = spans[name]
         if got.dtype != dt or got.shape != shape:
             raise SpoolError(f"{path}: {name} is {got.dtype} {list(got.shape)}, the run stores {dt} {list(shape)}")
-    return SpoolEntry(sid, path, t, spans)
+    generation = meta.get("generation")
+    if generation is not None and not isinstance(generation, str):
+        raise SpoolError(f"{path}: its generation metadata is not text")
+    return SpoolEntry(sid, path, t, spans, generation)

@@ -20,12 +20,14 @@ from harvest.state.runstore import load_run, publish_run
 
 def open_run(conn: redis.Redis, run: str, *, model: str | None, out_url: str | None, layers: str,
              storage_dtype: str, engine: str, dry_run: bool = False, batch_samples: int | None = None,
-             batch_tokens: int | None = None, spool_grace_s: float = RunTunables.spool_grace_s) -> RunConfig:
+             batch_tokens: int | None = None, spool_grace_s: float = RunTunables.spool_grace_s,
+             regenerate: dict | None = None) -> RunConfig:
     """The run `run`: published from these settings when `model` and `out_url` are given (a
-    dry run publishes nothing), else the stored one; with this producer's job sizes."""
+    dry run publishes nothing), else the stored one; with this producer's job sizes.
+    `regenerate`: a --regenerate run's settings (harvest.regeneration.Regeneration's fields)."""
     if model and out_url and not dry_run:
         cfg = publish_run(conn, build_config(run, model, out_url, layers, storage_dtype, engine=engine,
-                                             spool_grace_s=spool_grace_s))
+                                             spool_grace_s=spool_grace_s, regenerate=regenerate))
         reconcile(conn, cfg)
     else:
         cfg = load_run(conn, run)

@@ -95,6 +95,9 @@ class RunStatus:
     spools_reclaimed: int = 0
     samples_reclaimed: int = 0
     audit: dict | None = None  # the last `harvest audit`'s summary (harvest.ops.audit_record), None: never
+    # A --regenerate run's stage (None otherwise): conversations written, tokens generated, their rate
+    # over the window, and the backlogs: to generate (queued, in flight) and written, not yet committed.
+    regeneration: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,11 +110,11 @@ def _f(h: dict, k: str, default: float = 0.0) -> float:
         return default
 
 
-def _grace(conn: redis.Redis, run: str) -> float:
+def _run_or_none(conn: redis.Redis, run: str) -> RunConfig | None:
     try:
-        return load_run(conn, run).spool_grace_s
+        return load_run(conn, run)
     except ConfigError:
-        return RunConfig.__dataclass_fields__["spool_grace_s"].default
+        return None
 
 
 def _spools(conn: redis.Redis, run: str, grace: float) -> list[SpoolStatus]:
@@ -156,7 +159,8 @@ def eta(remaining: int, done_per_s: float, spooled_per_s: float) -> tuple[float 
 def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: int = 10) -> RunStatus:
     now = time.time() if now is None else now
     seen_now = redis_time(conn)  # heartbeats are stamped with Redis's clock (harvest.state.heartbeat)
-    grace = _grace(conn, run)
+    cfg = _run_or_none(conn, run)
+    grace = cfg.spool_grace_s if cfg is not None else RunConfig.__dataclass_fields__["spool_grace_s"].default
     led = Ledger(conn, run)
     counts, stats = led.counts(), led.stats()
     rates, window = led.rates(RATE_WINDOW_S, now)
@@ -199,7 +203,21 @@ def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: i
         spools_reclaimed=stats.get("spools_reclaimed", 0), samples_reclaimed=stats.get("samples_reclaimed", 0),
         failures=[Failure(r, n, examples.get(r, "")) for r, n in reasons.most_common(top)],
         audit=last_audit(conn, run),
+        regeneration=_regeneration(cfg.regenerate if cfg is not None else None, stats, rates, window, counts),
     )
+
+
+def _regeneration(regenerate: dict | None, stats: dict[str, int], rates: dict[str, int], window: float,
+                  counts: dict[str, int]) -> dict | None:
+    """The regeneration stage's figures, for a --regenerate run."""
+    if not regenerate:
+        return None
+    ms = stats.get("generation_ms", 0)
+    return {"conversations_written": stats.get("conversations_written", 0),
+            "tokens_generated": stats.get("tokens_generated", 0),
+            "tokens_per_s": rates.get("tokens_generated", 0) / window,
+            "generation_seconds": ms / 1000,
+            "to_generate": counts["queued"], "to_commit": counts["spooled"], "settings": regenerate}
 
 
 def _size(n: float) -> str:
@@ -237,6 +255,11 @@ def render(st: RunStatus, width: int = 100) -> str:
         f"  jobs     queued {st.jobs['queued']}   running {st.jobs['started']}   waiting to retry {st.jobs['scheduled']}   "
         f"failed in RQ {st.jobs['failed']}",
     ]
+    if st.regeneration is not None:
+        g = st.regeneration
+        lines.append(f"  generate {g['conversations_written']} conversations written, {g['tokens_generated']} tokens "
+                     f"({g['tokens_per_s']:.0f} tokens/s in the last {st.window_seconds:.0f}s)   backlog: "
+                     f"{g['to_generate']} to generate and extract, {g['to_commit']} written and spooled, to commit")
     lines.append(status_line(st.audit, st.run))
     n_alive = sum(len(ws) for ws in st.workers.values())
     lines.append(f"  workers  {n_alive} alive" + (f", {len(st.dead_workers)} dead (janitor will take back their jobs)"

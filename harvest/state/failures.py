@@ -24,6 +24,10 @@ JOB_TIMEOUT = "job-timeout"  # transient: RQ's time limit for the job
 WORKER_STOPPED = "worker-stopped"  # transient: a second stop signal during the job
 WORKER_ERROR = "worker-error"  # an unexpected exception in the job
 STORAGE_ERROR = "storage-error"  # transient: writing the node's spool failed
+# Generating a conversation's turns (workers.regenerate), in a --regenerate run
+GENERATION_EMPTY = "generation-empty"  # the model ended a turn before writing anything
+GENERATION_LENGTH = "generation-length"  # a turn hit --max-new-tokens (failed only with --on-length fail)
+CONTEXT_LENGTH = "context-length"  # a turn's prompt with --max-new-tokens, or the whole, past the model's context
 # Claiming and verifying dumps (workers.claim)
 INCOMPLETE_DUMP = "incomplete-dump"
 BAD_CHUNKS = "bad-chunks"
@@ -40,7 +44,8 @@ JOB_LOST = "job-lost"  # queued, in no job for the janitor's grace, and its toke
 
 REASONS = (ENGINE_UNAVAILABLE, ENGINE_REJECTED, PROMPT_LENGTH, PREFIX_CACHED, JOB_TIMEOUT, WORKER_STOPPED,
            WORKER_ERROR, STORAGE_ERROR, INCOMPLETE_DUMP, BAD_CHUNKS, BAD_DUMP, CAPTURE_MISMATCH, TOKEN_MISMATCH,
-           NONFINITE, WORKER_DIED, BAD_SPOOL, SPOOL_LOST, SPOOL_REVOKED, JOB_LOST)
+           NONFINITE, WORKER_DIED, BAD_SPOOL, SPOOL_LOST, SPOOL_REVOKED, JOB_LOST, GENERATION_EMPTY, GENERATION_LENGTH,
+           CONTEXT_LENGTH)
 
 
 class SampleFailure(Exception):

@@ -29,9 +29,13 @@ RESULT_TTL = 0  # results are in the ledger; RQ keeps none
 MAX_RETRY_INTERVAL_S = 300  # the longest backoff between a job's retries (workers.job.backoff_intervals)
 
 
-def job_timeout(num_tokens: int) -> int:
-    """Generous: a job is an engine call plus file moves; RQ kills it past this."""
-    return 600 + num_tokens // 50
+TURN_TIMEOUT_S = 600  # a --regenerate job's allowance per turn: its conversations' turns are written at once
+
+
+def job_timeout(num_tokens: int, turns: int = 0) -> int:
+    """Generous: a job is an engine call plus file moves; RQ kills it past this. A --regenerate job
+    first writes its conversations' `turns` (the most any of them has), one after another."""
+    return 600 + num_tokens // 50 + TURN_TIMEOUT_S * turns
 
 
 DATA_ZLIB_LEVEL = 1
@@ -70,7 +74,7 @@ def enqueue_samples(queue: Queue, run: str, samples: list[Sample], job_id: str,
         args=(encode_batch(run, samples),),
         description=f"{JOB_FUNCTION}: {len(samples)} samples of run {run}",
         job_id=job_id,
-        timeout=job_timeout(sum(s.num_tokens for s in samples)),
+        timeout=job_timeout(sum(s.num_tokens for s in samples), max(s.conv.turns if s.conv else 0 for s in samples)),
         result_ttl=RESULT_TTL,
         failure_ttl=JOB_FAILURE_TTL,
         pipeline=pipe,

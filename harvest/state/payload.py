@@ -11,6 +11,11 @@ Version 1 rows (int32 ids, the mask as bytes) are still read: jobs and rows enqu
 upgrade. Older workers refuse version 2 jobs (they fail in RQ, their samples stay queued), so a
 fleet upgrades its workers before its producers. Decoding re-derives every sample id from its content, so a payload tampered with in
 Redis cannot point a worker at another sample's files.
+
+A row of a `--regenerate` run carries `conv` (harvest.state.conversation): its tokens are the
+conversation's skeleton and its id hashes the conversation too, so a worker that predates
+regeneration finds the id does not match the tokens and refuses the job instead of extracting a
+skeleton as if it were a sample.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 
 from harvest.errors import InputError
 from harvest.ids import check_id, sample_id
+from harvest.state.conversation import Conversation, ConversationError
 
 PAYLOAD_VERSION = 2
 READ_VERSIONS = (1, 2)
@@ -37,9 +43,13 @@ class Sample:
     id: str
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T]
+    # A conversation to regenerate (harvest.state.conversation): `input_ids` is then its skeleton,
+    # the tokens around the assistant turns, and `loss_mask` all zeros, until a worker generates
+    # the turns; the regenerated sample keeps this id.
+    conv: Conversation | None = None
 
     @classmethod
-    def build(cls, input_ids, loss_mask=None) -> Sample:
+    def build(cls, input_ids, loss_mask=None, conv: Conversation | None = None) -> Sample:
         ids = np.asarray(input_ids, dtype=np.int64)
         if ids.ndim != 1:
             raise PayloadError(f"input_ids must be a flat list, got shape {ids.shape}")
@@ -51,11 +61,25 @@ class Sample:
             raise PayloadError(f"loss_mask has {mask.size} entries for {ids.size} tokens")
         if mask.size and mask.max() > 1:
             raise PayloadError("loss_mask must hold only 0 and 1")
-        return cls(sample_id(ids, mask), ids, mask)
+        if conv is not None:
+            try:
+                conv.pieces(ids)
+            except ConversationError as e:
+                raise PayloadError(str(e)) from None
+            if mask.any():
+                raise PayloadError("a conversation to regenerate has no loss mask yet: its turns are not written")
+        return cls(sample_id(ids, mask, conv.digest() if conv is not None else b""), ids, mask, conv)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.size)
+
+    def regenerated(self, input_ids: np.ndarray, loss_mask: np.ndarray) -> Sample:
+        """The sample a worker extracts once this conversation's turns are generated: its tokens,
+        under this conversation's id (the ledger's, the seeds')."""
+        if self.conv is None:
+            raise PayloadError(f"sample {self.id} is no conversation to regenerate")
+        return Sample(self.id, np.asarray(input_ids, np.int32), np.asarray(loss_mask, np.uint8))
 
 
 def split_jobs(samples: list[Sample], max_samples: int, max_tokens: int) -> list[list[Sample]]:
@@ -105,7 +129,10 @@ def _decode_ids(width: object, text: str) -> np.ndarray:
 
 def _encode_row(s: Sample) -> dict:
     width, ids = _encode_ids(s.input_ids)
-    return {"id": s.id, "w": width, "ids": ids, "bits": _b64(np.packbits(s.loss_mask, bitorder="little").tobytes())}
+    row = {"id": s.id, "w": width, "ids": ids, "bits": _b64(np.packbits(s.loss_mask, bitorder="little").tobytes())}
+    if s.conv is not None:
+        row["conv"] = s.conv.to_json()
+    return row
 
 
 def _decode_row(row: dict) -> tuple[str, np.ndarray, np.ndarray]:
@@ -136,9 +163,10 @@ def decode_batch(payload: object) -> tuple[str, list[Sample]]:
     for row in rows:
         try:
             sid, ids, mask = _decode_row(row)
+            conv = Conversation.from_json(row["conv"]) if "conv" in row else None
         except (KeyError, TypeError, ValueError) as e:
             raise PayloadError(f"malformed sample in payload: {e}") from None
-        s = Sample.build(ids, mask)
+        s = Sample.build(ids, mask, conv)
         if s.id != sid:
             raise PayloadError(f"sample {sid} does not match its content (hash {s.id})")
         out.append(s)
@@ -157,4 +185,4 @@ def payload_rows(payload: dict) -> list[str]:
     return [json.dumps({k: r[k] for k in _ROW_KEYS if k in r}) for r in payload["samples"]]
 
 
-_ROW_KEYS = ("id", "w", "ids", "bits", "mask")
+_ROW_KEYS = ("id", "w", "ids", "bits", "mask", "conv")

@@ -1,0 +1,30 @@
+"""Reading a `--regenerate` run's generated dataset: the conversations its target model wrote.
+
+Only what an index commits (harvest.formats.generated): each committed shard's generated file,
+checked against the sha256 its index recorded, less the samples the index excludes, and each
+sample once (the copy `kept_copies` chooses, as every reader of the run does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from harvest.formats.generated import decode_generated
+from harvest.formats.index import INDEX, kept_copies, read_index
+from harvest.storage import Location
+
+
+def iter_generated(run_url: str) -> Iterator[dict]:
+    """Every committed regenerated conversation of the run at `run_url` (`<out>/<run>`), shard by
+    shard in shard id order, each in storage order: {"id", "messages", "turns"} (the Parquet row)."""
+    loc = Location.from_url(run_url)
+    docs = [read_index(loc, name) for name in loc.list(INDEX, ".json")]
+    kept = kept_copies(docs).kept
+    for doc in sorted(docs, key=lambda d: d["shard_id"]):
+        gen = doc.get("generated")
+        if gen is None:
+            continue
+        rows = decode_generated(loc.read_bytes(gen["file"]), loc.describe(gen["file"]), gen["sha256"])
+        for row in rows:
+            if kept.get(row["id"]) == doc["shard_id"]:
+                yield row

@@ -1,0 +1,162 @@
+"""Writing a conversation's assistant turns with the target model: the regeneration stage.
+
+A worker of a `--regenerate` run does this first for each conversation of its job that is still
+queued, then extracts the regenerated samples like any other, in the same job: the conversation's
+turns and its hidden states are spooled together and committed together, in one shard and its
+index (harvest.formats.generated), so a conversation is committed once or not at all. A worker or
+node lost before the commit loses only work: the sample is still queued (or is reclaimed), and
+generating it again gives the same tokens (temperature 0, or the same per-turn seed).
+
+Turns are written in order, each from the tokens before it (harvest.state.conversation.splice);
+the conversations of a job are written at once, `MAX_IN_FLIGHT` requests at a time, because the
+engine's continuous batching needs many requests in flight to keep a GPU busy (decode is
+memory-bound: one request at a time would leave it idle).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+from harvest.config import RunConfig
+from harvest.regeneration import Regeneration
+from harvest.state.conversation import gen_rid, splice, turn_seed
+from harvest.state.failures import (
+    CONTEXT_LENGTH,
+    ENGINE_REJECTED,
+    ENGINE_UNAVAILABLE,
+    GENERATION_EMPTY,
+    GENERATION_LENGTH,
+    PROMPT_LENGTH,
+    SampleFailure,
+)
+from harvest.state.payload import Sample
+from workers.clients.base import EngineUnavailable, GenParams, Rejected
+
+log = logging.getLogger("harvest.worker")
+
+MAX_IN_FLIGHT = 64  # generation requests a worker keeps at its engine
+
+
+@dataclass
+class Written:
+    """A conversation whose turns are written: the sample to extract, and its generated-dataset entry."""
+
+    sample: Sample
+    record: dict
+    tokens: int  # tokens the model generated, over all turns
+
+    def entry(self) -> str:
+        """The record as the spool file's metadata carries it to the collector (harvest.formats.generated)."""
+        return json.dumps(self.record, separators=(",", ":"), ensure_ascii=False)
+
+
+@dataclass
+class Regenerated:
+    written: dict[str, Written] = field(default_factory=dict)
+    failures: dict[str, tuple[str, str]] = field(default_factory=dict)  # sample -> (reason, message)
+    seconds: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return sum(w.tokens for w in self.written.values())
+
+    def stats(self) -> dict[str, int]:
+        """The stage's counters for the status and the metrics (added with the job's marks)."""
+        return {"conversations_written": len(self.written), "tokens_generated": self.tokens,
+                "generation_ms": int(self.seconds * 1000)}
+
+
+def regenerate(engine, samples: list[Sample], attempts: dict[str, int], cfg: RunConfig, job: str = "?",
+               in_flight: int = MAX_IN_FLIGHT) -> Regenerated:
+    """Every conversation of `samples` (of job `job`) written, at most `in_flight` at once, with the
+    run's settings. A sample-level failure (see `write_turns`) is returned; an unreachable engine
+    raises SampleFailure(engine-unavailable, transient) once the requests in flight have ended,
+    for the job to retry: nothing written by this call is kept."""
+    reg = cfg.regeneration
+    if reg is None:
+        raise ValueError(f"run {cfg.run} has conversations to regenerate but no regenerate settings in its run.json")
+    try:
+        out = _regenerate(engine, samples, attempts, reg, in_flight)
+    except EngineUnavailable as e:
+        raise SampleFailure(ENGINE_UNAVAILABLE, str(e), transient=True) from None
+    log.info("job %s: %d conversations written, %d tokens in %.2fs%s", job, len(out.written), out.tokens,
+             out.seconds, f", {len(out.failures)} failed" if out.failures else "")
+    return out
+
+
+def _regenerate(engine, samples: list[Sample], attempts: dict[str, int], reg: Regeneration,
+                in_flight: int) -> Regenerated:
+    out = Regenerated()
+    t0 = time.monotonic()
+    if not samples:
+        return out
+    pool = ThreadPoolExecutor(max_workers=min(in_flight, len(samples)), thread_name_prefix="regenerate")
+    try:
+        futures = {pool.submit(write_turns, engine, s, attempts[s.id], reg): s for s in samples}
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:  # the first unexpected error (EngineUnavailable, a bug) stops the rest
+            if f in done and f.exception() is not None and not isinstance(f.exception(), SampleFailure):
+                for other in futures:
+                    other.cancel()
+                raise f.exception()
+        for f, s in futures.items():
+            e = f.exception()
+            if isinstance(e, SampleFailure):
+                out.failures[s.id] = (e.reason, e.message)
+            elif e is not None:
+                raise e
+            else:
+                out.written[s.id] = f.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+def write_turns(engine, s: Sample, attempt: int, reg: Regeneration) -> Written:
+    """Conversation `s`'s turns, in order, each generated from the regenerated ones before it.
+    Raises SampleFailure (generation-empty, generation-length, context-length, engine-rejected,
+    prompt-length) for a turn that cannot stand."""
+    conv = s.conv
+    assert conv is not None, "only conversations are regenerated"
+    pieces = conv.pieces(s.input_ids)
+    generated: list[list[int]] = []
+    turns: list[dict] = []
+    texts: list[str] = []
+    n = conv.turns
+    for k in range(n):
+        prompt, _ = splice(pieces, generated)
+        where = f"turn {k + 1} of {n}"
+        if reg.context is not None and prompt.size + reg.max_new_tokens > reg.context:
+            raise SampleFailure(CONTEXT_LENGTH, f"{where}: its prompt of {prompt.size} tokens and --max-new-tokens "
+                                f"{reg.max_new_tokens} exceed the model's context of {reg.context}")
+        seed = turn_seed(s.id, k)
+        params = GenParams(reg.max_new_tokens, reg.temperature, reg.top_p, seed, conv.stop)
+        r = engine.complete(gen_rid(s.id, attempt, k), prompt.tolist(), params)
+        if isinstance(r, Rejected):
+            raise SampleFailure(ENGINE_REJECTED, f"{where}: {r.message}")
+        if r.prompt_tokens not in (-1, prompt.size):
+            raise SampleFailure(PROMPT_LENGTH, f"{where}: engine saw {r.prompt_tokens} prompt tokens, sent {prompt.size}")
+        content = r.tokens[:-1] if r.finish_reason == "stop" else r.tokens
+        if not content:
+            raise SampleFailure(GENERATION_EMPTY, f"{where}: the model ended the turn before writing anything")
+        if r.finish_reason == "length" and reg.on_length == "fail":
+            raise SampleFailure(GENERATION_LENGTH, f"{where} reached --max-new-tokens {reg.max_new_tokens} without "
+                                "ending (--on-length keep keeps such turns)")
+        generated.append(list(r.tokens))
+        texts.append(r.text)
+        turns.append({"tokens": list(r.tokens), "finish_reason": r.finish_reason, "seed": seed,
+                      "prompt_tokens": int(prompt.size)})
+    ids, mask = splice(pieces, generated)
+    if reg.context is not None and ids.size > reg.context:
+        raise SampleFailure(CONTEXT_LENGTH, f"the regenerated conversation has {ids.size} tokens, over the model's "
+                            f"context of {reg.context}")
+    answers = iter(texts)
+    messages = [{"role": m["role"], "content": next(answers) if m["role"] == "assistant" else m.get("content")}
+                for m in conv.messages]
+    record = {"id": s.id, "messages": messages, "turns": turns}
+    return Written(s.regenerated(ids, mask), record, sum(len(g) for g in generated))
