@@ -81,6 +81,7 @@ class RunSummary:
     produced: str = ""  # the producer's own summary line (rows, overlong, truncated...)
     where: str = ""  # how the operator's commands reach the run: `--work-dir DIR` or `--redis URL`
     started: bool = True  # False: nothing was queued or spooled, no engine or worker was started
+    generated: tuple[int, int] | None = None  # a --regenerate run's conversations written, tokens generated
 
     @property
     def exit_status(self) -> int:
@@ -99,6 +100,8 @@ class RunSummary:
         ]
         if self.produced:
             out.append(f"  produced: {self.produced}")
+        if self.generated is not None:
+            out.append(f"  generated: {self.generated[0]} conversations written, {self.generated[1]} tokens")
         if not self.started:
             out.append("  nothing to extract: no engine or worker was started")
         for reason, n in sorted(self.failure_reasons.items(), key=lambda kv: -kv[1]):
@@ -330,16 +333,15 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
         c = ledger.counts()
         if c["queued"] == 0 and c["spooled"] == 0:  # every index is written: followers of the run may end
             settle(out, cfg.run, c["done"], c["failed"])
-        totals = committed_totals(cfg)
-        if totals is None:  # the output unreadable just now: the counters the collectors kept
-            stats = ledger.stats()
-            totals = stats.get("tokens_done", 0), stats.get("bytes_done", 0)
+        stats = ledger.stats()  # the output unreadable just now: the counters the collectors kept
+        totals = committed_totals(cfg) or (stats.get("tokens_done", 0), stats.get("bytes_done", 0))
         reasons = Counter(f["reason"] for f in ledger.failures().values())
         return RunSummary(
             run=cfg.run, out=cfg.out_url, enqueued=summary.enqueued, skipped=summary.skipped, bad_rows=summary.bad,
             done=c["done"], failed=c["failed"], tokens=totals[0], bytes=totals[1], seconds=time.monotonic() - t0,
             failure_reasons=dict(reasons), restarts=children.restarts(), produced=summary.text(),
-            where=_where(work, settings.redis_url), started=launch.started)
+            where=_where(work, settings.redis_url), started=launch.started,
+            generated=(stats.get("conversations_written", 0), stats.get("tokens_generated", 0)) if cfg.regenerate else None)
     except RedisLost as e:
         if keeper is not None and keeper.last_error:
             e.hint = f"its private redis-server did not start again: {keeper.last_error}"

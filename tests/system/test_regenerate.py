@@ -17,6 +17,7 @@ from harvest.config import eagle3_layers
 from harvest.read.generated import iter_generated
 from harvest.read.reader import RunReader, hidden_at
 from tests.support.cli import harvest_cli
+from tests.support.expected import expected_regenerated
 
 MAX_NEW = 6
 CHATS = [
@@ -28,37 +29,6 @@ CHATS = [
     [{"role": "user", "content": "three"}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "b"},
      {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}, {"role": "assistant", "content": "e"}],
 ]
-
-
-def _expected(tokenizer, model, messages: list[dict]) -> tuple[list[int], list[int], list[list[int]]]:
-    """The regenerated conversation by transformers alone: each turn's prompt is the template's
-    rendering of the conversation so far with its generation prompt, where the earlier answers are
-    the model's own tokens; the text between turns is the template's, tokenized on its own."""
-    if messages[-1]["role"] != "assistant":
-        messages = [*messages, {"role": "assistant", "content": "x"}]
-    slots = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    render = lambda msgs, gen=False: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    stop = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
-    ids: list[int] = []
-    mask: list[int] = []
-    turns: list[list[int]] = []
-    done_text = ""  # the template's rendering of the turns before, as far as they are written
-    for i in slots:
-        head = render(messages[:i], gen=True)
-        piece = encode(head[len(done_text):])
-        ids += piece
-        mask += [0] * len(piece)
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=stop, pad_token_id=0)
-        g = out[0, len(ids):].tolist()
-        turns.append(g)
-        ids += g
-        mask += [1] * len(g)
-        done_text = render(messages[: i + 1])  # whatever the answer, the template goes on after its <|im_end|>
-    tail = encode(render(messages)[len(done_text):])
-    return ids + tail, mask + [0] * len(tail), turns
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +47,8 @@ def test_regenerated_turns_equal_hf_generate_and_their_states_an_hf_forward(tmp_
     res = harvest_cli(*args, "--work-dir", str(tmp_path / "work"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"samples: {len(CHATS)} done, 0 failed" in res.stdout
+    turns = sum(max(1, sum(m["role"] == "assistant" for m in c)) for c in CHATS)
+    assert f"  generated: {len(CHATS)} conversations written, {turns * MAX_NEW} tokens\n" in res.stdout, res.stdout
 
     reader = RunReader(f"file://{out}/regen")
     assert reader.config.regenerate == {"max_new_tokens": MAX_NEW, "temperature": 0.0, "top_p": 1.0,
@@ -88,7 +60,7 @@ def test_regenerated_turns_equal_hf_generate_and_their_states_an_hf_forward(tmp_
                      for g in generated.values()}
     worst = 0.0
     for messages in CHATS:
-        ids, mask, turns = _expected(tokenizer, hf_model, messages)
+        ids, mask, turns = expected_regenerated(tokenizer, hf_model, messages, MAX_NEW)
         first_user = next(m["content"] for m in messages if m["role"] == "user")
         g = by_first_user[first_user]
         got = reader.get(g["id"])

@@ -355,3 +355,38 @@ def test_audit_of_a_run_passes_against_the_sglang_server_and_transformers(tmp_pa
             assert lines[-2] == "verdict: pass: 6 of 6 samples within the bound", res.stdout
             print("\n" + res.stdout)
     assert [n for n in os.listdir(server.dumps) if n.startswith("hv-")] == []  # the audit's dumps claimed and gone
+
+
+def test_regenerated_turns_equal_hf_generate_and_are_extracted_exactly(tmp_path, model, server, reference, tokenizer):
+    """`harvest run --regenerate` against the live server: SGLang writes every chat's turns (native
+    /generate, greedy, fp32), each equal to HF `generate` turn by turn on transformers' own template
+    rendering; the regenerated conversations are then extracted by the same server, exact to the
+    fp32 bound, and committed with their generated dataset. No server of its own: the module's."""
+    from harvest.read.generated import iter_generated
+    from tests.support.expected import expected_regenerated
+
+    chats = [[{"role": "user", "content": "the first question"}, {"role": "assistant", "content": "old"}],
+             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "two turns"},
+              {"role": "assistant", "content": "old"}, {"role": "user", "content": "and the second"}]]
+    dataset = write_jsonl(str(tmp_path / "chats.jsonl"), [{"messages": m} for m in chats])
+    out, work = tmp_path / "out", tmp_path / "work"
+    res = harvest_cli("run", dataset, "--model", model, "--out", f"file://{out}", "--run", "regen", "--dtype", "fp32",
+                      "--layers", ",".join(map(str, POINTS)), "--engine", "sglang", "--engine-url", server.url,
+                      "--workers", "1", "--no-progress", "--dump-dir", server.dumps, "--work-dir", str(work),
+                      "--regenerate", "--max-new-tokens", "8", "--on-length", "keep", timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"samples: {len(chats)} done, 0 failed" in res.stdout, res.stdout
+    generated = list(iter_generated(f"file://{out}/regen"))
+    reader = RunReader(f"file://{out}/regen")
+    assert sorted(g["id"] for g in generated) == sorted(reader.sample_ids)
+    by_user = {next(m["content"] for m in g["messages"] if m["role"] == "user"): g for g in generated}
+    for messages in chats:
+        ids, mask, turns = expected_regenerated(tokenizer, reference.model, messages, 8)
+        g = by_user[next(m["content"] for m in messages if m["role"] == "user")]
+        assert [t["tokens"] for t in g["turns"]] == turns
+        got = reader.get(g["id"])
+        assert got["input_ids"].tolist() == ids
+        assert got["loss_mask"].tolist() == mask
+        reference.check(got["hidden_states"], ids, POINTS)
+    assert reference.worst_abs <= ABS_BOUND, reference.worst_abs
+    assert [n for n in os.listdir(server.dumps) if n.startswith(("hv-", "hg-"))] == []
