@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-GEN_RID_PREFIX = "hg-"  # harvest's generation requests (harvest.state.conversation); never dumped
+from harvest.state.conversation import GEN_RID_PREFIX  # harvest's generation requests: never dumped
+
 GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: a lower temperature samples greedily
 
 
