@@ -2,10 +2,12 @@
 
 A synthetic run (N samples of `[T, 4, H]` bf16, committed by the real collector into shards of
 `--shard-mb`) is read, in one process, from a local output and from moto's S3 server (in its own
-process), four ways:
+process), five ways:
 
 - plain: every shard file read whole, one after the other (`fsspec cat_file`): the floor of any
   reader of those bytes, with no checks and no tensors;
+- harvest's feed: `HiddenStateIterable` (one rank, read-ahead on), in storage order and shuffled
+  (seed 0: samples mixed within windows of 4 shards, so fewer of them lie adjacent);
 - speculators in place: row after row through the `harvest` hidden-states backend
   (`HarvestTransfer.get_cached`: ranged reads, crc32 checks, the pre-norm last slot), as
   speculators' dataset calls it; also with `--workers` threads, as its DataLoader workers would;
@@ -102,6 +104,21 @@ def plain(url: str) -> Callable[[], int]:
     return read
 
 
+def harvest_feed(url: str, seed: int | None) -> Callable[[], int]:
+    """harvest's own training feed (`HiddenStateIterable`, one rank, read-ahead on), in storage
+    order or shuffled; each item's hidden states copied once, as a collator's stack would."""
+    from harvest.read.dataset import HiddenStateIterable
+
+    def feed() -> int:
+        n = 0
+        for item in HiddenStateIterable(url, seed=seed):
+            for key in ("hidden_state", "aux_hidden_state"):
+                t = item[key].clone()
+                n += t.numel() * t.element_size()
+        return n
+    return feed
+
+
 def speculators_feed(dest: str, run_url: str, rows: int, workers: int) -> Callable[[], int]:
     from harvest.read.speculators_backend import open_transfer
 
@@ -193,6 +210,8 @@ def main() -> None:
         cases: list[tuple[str, str, Callable[[], int]]] = []
         for where, url in (("local", local), ("s3", s3.url())):
             cases += [(where, "plain read of the shards (cat_file)", plain(url)),
+                      (where, "harvest feed (HiddenStateIterable)", harvest_feed(url, None)),
+                      (where, "harvest feed, shuffled (seed 0)", harvest_feed(url, 0)),
                       (where, "speculators in place (harvest backend)", speculators_feed(
                           dests["speculators", where], url, rows, 1)),
                       (where, f"speculators in place, {args.workers} threads", speculators_feed(

@@ -5,7 +5,8 @@ post-norm hidden state, the drafter's target-side input) and `aux_hidden_state` 
 (the other capture points concatenated in ascending layer order: `[T, 3H]` for the EAGLE-3
 preset). The map-style dataset gives random access by index; the iterable one is the training
 feed: equal spans of a seeded, shard-local order for every rank and DataLoader worker, read
-ahead on a thread, resumable mid-epoch, optionally following a live run (its rules:
+ahead on a thread (a window of the order at a time, each shard's adjacent samples in one ranged
+read: harvest.read.coalesce), resumable mid-epoch, optionally following a live run (its rules:
 harvest.read.partition, harvest.read.follow, harvest.read.readahead). Both open their storage
 lazily in each process, so they survive pickling into DataLoader workers.
 
@@ -29,6 +30,7 @@ from harvest.config import RunConfig
 from harvest.errors import ConfigurationError
 from harvest.formats.index import ShardError
 from harvest.formats.runfile import read_run_json
+from harvest.read.coalesce import cap_for, windows
 from harvest.read.follow import Shards, list_shards, tail
 from harvest.read.partition import Stage, batch_count, delivered, digest, replay, sample_order, span_sizes, spans
 from harvest.read.readahead import ReadAhead
@@ -59,13 +61,16 @@ def eagle3_item(sample: dict, cfg: RunConfig) -> dict[str, torch.Tensor]:
     """Split a reader sample (`hidden_states` [T, K, H]) into the EAGLE-3 training item."""
     hs = sample["hidden_states"]
     k = final_slot(cfg)
-    others = [i for i in range(hs.shape[1]) if i != k]
-    t = hs.shape[0]
+    t, n = hs.shape[0], hs.shape[1]
+    if k in (0, n - 1):  # the final state first or last: the others are one slice, copied without a gather
+        aux = hs[:, 1:] if k == 0 else hs[:, : n - 1]
+    else:
+        aux = hs[:, [i for i in range(n) if i != k]]
     return {
         "input_ids": sample["input_ids"].to(torch.int64),
         "loss_mask": sample["loss_mask"].to(torch.int64),
         "hidden_state": hs[:, k].contiguous(),
-        "aux_hidden_state": hs[:, others].reshape(t, -1).contiguous(),
+        "aux_hidden_state": aux.reshape(t, -1).contiguous(),
     }
 
 
@@ -121,6 +126,10 @@ def _nbytes(item: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in item.values())
 
 
+def _window_bytes(items: list[dict[str, torch.Tensor] | Exception]) -> int:
+    return sum(_nbytes(i) for i in items if isinstance(i, dict))
+
+
 class HiddenStateIterable(IterableDataset):
     """The training feed: every committed sample once per epoch, dealt in equal contiguous spans of
     a seeded order to `world_size` ranks x DataLoader workers, read ahead on a thread, resumable
@@ -135,6 +144,11 @@ class HiddenStateIterable(IterableDataset):
       know what the loop was handed; a DataLoader with another worker count is refused.
     - `drop_remainder`: every span exactly n // parts (equal step counts), else within one.
     - `readahead_bytes`: how far the read-ahead thread may run ahead (0: read in line).
+    - `coalesce_bytes`: the order is fetched in windows of this many bytes, each shard's samples
+      in a window read with one ranged read per run of them adjacent in storage, a shard mostly
+      wanted read whole; 0: one read a sample; None: 64 MiB on object stores, 0 in a local folder
+      (harvest.read.coalesce). A shuffled order has shorter runs: windows of about `window`
+      shards' bytes read most shards whole. Memory: `readahead_bytes` plus about two windows.
     - `follow`: after its part of the view, wait for the shards committed later, until the run
       is settled (`wait_s` without a new index file: FeedStalled).
 
@@ -145,7 +159,8 @@ class HiddenStateIterable(IterableDataset):
     def __init__(self, url: str, dtype: torch.dtype | None = None, seed: int | None = None, rank: int = 0,
                  world_size: int = 1, *, batch_size: int = 1, num_workers: int | None = None,
                  window: int = FeedSettings.shuffle_window, drop_remainder: bool = False,
-                 readahead_bytes: int = FeedSettings.readahead_bytes, follow: bool = False,
+                 readahead_bytes: int = FeedSettings.readahead_bytes, coalesce_bytes: int | None = None,
+                 follow: bool = False,
                  wait_s: float = FeedSettings.follow_wait_s, poll_s: float = FeedSettings.follow_poll_s) -> None:
         if not 0 <= rank < world_size:
             raise ConfigurationError(f"rank {rank} of world size {world_size}: a rank is in [0, world size)")
@@ -156,6 +171,7 @@ class HiddenStateIterable(IterableDataset):
         self.batch_size, self.num_workers, self.window = batch_size, num_workers, window
         self.drop_remainder = drop_remainder
         self.readahead_bytes, self.follow, self.wait_s, self.poll_s = readahead_bytes, follow, wait_s, poll_s
+        self.coalesce_bytes = coalesce_bytes
         self.epoch = 0
         self._shards: Shards | None = None
         self._pid = -1
@@ -262,24 +278,59 @@ class HiddenStateIterable(IterableDataset):
             self._stages, self._resume_epoch, self._digest = [], None, None  # this process resumed it
 
     def _read(self, keys: list[tuple[str, str]]) -> Iterator[dict[str, torch.Tensor]]:
+        """The samples `keys` in order: fetched a window at a time (`coalesce_bytes` of the order,
+        each shard's samples in it read together, harvest.read.coalesce), windows read ahead."""
         store = self._store
-        ahead = ReadAhead(keys, self._fetch, _nbytes, self.readahead_bytes)
-        for (shard, sid), got in ahead:
-            self._consumed += 1
-            if isinstance(got, CorruptSample):
-                self._log(sid, "skipping sample %s of shard %s: %s", sid, shard, got)
-            elif isinstance(got, UnreadableShard):  # none of the shard reads
-                n = len(store.doc(shard)["samples"])
-                self._log(shard, "skipping shard %s (%d samples): %s", shard, n, got)
-            elif isinstance(got, Exception):
-                raise got
-            else:
-                yield got
+        groups = windows(keys, self._size, cap_for(store.loc.is_local, self.coalesce_bytes), lambda key: key[0])
+        ahead = ReadAhead(groups, self._fetch, _window_bytes, self.readahead_bytes)
+        for group, fetched in ahead:
+            results = fetched if isinstance(fetched, list) else [fetched]  # a whole window failed: its first raises
+            results.reverse()  # popped as handed out: the window's memory goes with its items
+            for shard, sid in group[: len(results)]:
+                got = results.pop()
+                self._consumed += 1
+                if isinstance(got, CorruptSample):
+                    self._log(sid, "skipping sample %s of shard %s: %s", sid, shard, got)
+                elif isinstance(got, UnreadableShard):  # none of the shard reads
+                    n = len(store.doc(shard)["samples"])
+                    self._log(shard, "skipping shard %s (%d samples): %s", shard, n, got)
+                elif isinstance(got, Exception):
+                    raise got
+                else:
+                    yield got
 
-    def _fetch(self, key: tuple[str, str]) -> dict[str, torch.Tensor]:
+    def _size(self, key: tuple[str, str]) -> int:
+        """A sample's hidden-state bytes as stored, from its index (before its shard is opened)."""
         shard, sid = key
         store = self._store
-        return eagle3_item(store.reader(shard).sample(store.position(shard, sid), self.dtype), store.cfg)
+        offsets, i = store.doc(shard)["offsets"], store.position(shard, sid)
+        cfg = store.cfg
+        return (offsets[i + 1] - offsets[i]) * len(cfg.capture_points) * cfg.hidden_size * cfg.torch_dtype.itemsize
+
+    def _fetch(self, group: list[tuple[str, str]]) -> list[dict[str, torch.Tensor] | Exception]:
+        """One window of the order: each shard's samples in it read together (ShardReader.samples),
+        each result (the item, or the exception reading it raised) in the window's order."""
+        store = self._store
+        cap = cap_for(store.loc.is_local, self.coalesce_bytes)
+        wanted: dict[str, list[int]] = {}
+        for shard, sid in group:
+            wanted.setdefault(shard, []).append(store.position(shard, sid))
+        got: dict[tuple[str, int], dict[str, torch.Tensor] | Exception] = {}
+        for shard, positions in wanted.items():
+            try:
+                reader = store.reader(shard, positions, cap)
+            except UnreadableShard as e:
+                got.update(((shard, p), e) for p in positions)
+                continue
+            for p, sample in reader.samples(positions, self.dtype, cap=cap):
+                got[shard, p] = sample if isinstance(sample, Exception) else self._item(sample)
+        return [got[shard, store.position(shard, sid)] for shard, sid in group]
+
+    def _item(self, sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | Exception:
+        try:
+            return eagle3_item(sample, self._store.cfg)
+        except Exception as e:  # noqa: BLE001 - in the sample's place, as a failed read
+            return e
 
     # -- mid-epoch resume --------------------------------------------------------------------------
 

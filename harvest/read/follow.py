@@ -82,12 +82,13 @@ class Shards:
             self._positions[shard_id] = {s: i for i, s in enumerate(self.doc(shard_id)["samples"])}
         return self._positions[shard_id][sample_id]
 
-    def reader(self, shard_id: str) -> ShardReader:
-        """The open shard; one that cannot be opened fails every later call the same way."""
+    def reader(self, shard_id: str, want: Iterable[int] = (), cap: int | None = None) -> ShardReader:
+        """The open shard (`want`, `cap`: ShardReader's, when this opens it); one that cannot be
+        opened fails every later call the same way."""
         got = self._open.get(shard_id)
         if got is None:
             try:
-                got = ShardReader(self.loc, self.doc(shard_id))
+                got = ShardReader(self.loc, self.doc(shard_id), want, cap)
             except UnreadableShard as e:
                 got = e
             self._open[shard_id] = got

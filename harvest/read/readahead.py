@@ -10,6 +10,11 @@ consumer. Results come out in the keys' order. A fetch that raises (a corrupt sa
 unreadable shard) is handed to the consumer in its place, as the exception, so the consumer
 decides exactly as it would have reading in line. One thread: the readers it calls
 (harvest.read.shard_reader) are used by that thread alone, never concurrently.
+
+The training feed's keys are windows of its order, not single samples: each window's fetch reads
+its samples with one ranged read per run of them adjacent in a shard (harvest.read.coalesce) and
+returns them all, so the cap counts whole windows, and memory stays under the cap plus the window
+being fetched (and the one being handed out).
 """
 
 from __future__ import annotations

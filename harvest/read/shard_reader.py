@@ -1,9 +1,13 @@
 """Reading one committed shard by byte ranges, from any fsspec store, every sample checked.
 
-Opening a shard costs one ranged read (the safetensors header; a second one only if the
-header is longer than the first guess); the token ids, loss mask, offsets and fp8 scales are
-small (a few bytes a token) and fetched whole once; each sample's hidden states are then one
-ranged read of exactly its rows. A trainer on S3 never downloads a shard it only samples from.
+Opening a shard costs two ranged reads: the safetensors header (a third only if the header is
+longer than the first guess), and the token ids, loss mask and offsets, which lie together at the
+file's end and are small (a few bytes a token); fp8 scales are fetched whole once, when first
+needed. Each sample's hidden states are one ranged read of exactly its rows, or, where the caller
+says which samples it reads next (`samples`, `sample(ahead=...)`), one ranged read for each run
+of them adjacent in storage (harvest.read.coalesce), sliced apart; a shard whose samples wanted
+hold most of it is read whole, in the one read that opens it. A trainer on S3 never downloads a
+shard it only samples from.
 
 Every range handed out is checked against the per-sample crc32s its index records (written at
 pack time, harvest.formats.shard): a byte that rotted in storage, or was cut short, fails that
@@ -16,8 +20,10 @@ from __future__ import annotations
 
 import json
 import posixpath
+import threading
 import zlib
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -26,6 +32,7 @@ from harvest.formats.index import ShardError, ShardIndex
 from harvest.formats.shard import shard_file
 from harvest.formats.spool import SCALE
 from harvest.formats.stformat import BLOCK, FormatError, TensorSpan, header_length, parse_header, tensor_from_bytes
+from harvest.read.coalesce import GAP_BYTES, cap_for, read_whole, runs
 from harvest.storage import Location
 
 _SMALL = ("input_ids", "loss_mask", "offsets")
@@ -65,12 +72,54 @@ class UnreadableShard(ShardError):
         super().__init__(f"shard {shard_id} cannot be read ({why}); its {samples} samples: {fix}")
 
 
-class ShardReader:
-    """Random access into one committed shard (`index`: its parsed index, harvest.formats.index)."""
+_Held = tuple[memoryview, int]  # bytes of a shard file and the file offset they start at
 
-    def __init__(self, loc: Location, index: ShardIndex) -> None:
+
+class _Block:
+    """Bytes [begin, end) of a shard file, read once, by the first sample that needs them (the
+    others wait for that read), for the samples registered on it in their reader."""
+
+    def __init__(self, begin: int, end: int, raw: bytes | None = None) -> None:
+        self.begin, self.end = begin, end
+        self._raw = None if raw is None else memoryview(raw)
+        self._state = "new" if raw is None else "done"
+        self._cond = threading.Condition()
+
+    def get(self, read: Callable[[int, int], bytes | bytearray]) -> _Held | None:
+        """The bytes (reading them unless another thread did or does); None where that read failed:
+        each sample then reads its own range, and fails there exactly as it would have alone."""
+        with self._cond:
+            if self._state == "new":
+                self._state = "reading"
+            else:
+                while self._state == "reading":
+                    self._cond.wait()
+                return None if self._raw is None else (self._raw, self.begin)
+        raw = None
         try:
-            self._open(loc, index)
+            raw = memoryview(read(self.begin, self.end))
+        except Exception:  # noqa: BLE001, S110 - each sample's own read raises it (see above)
+            pass
+        finally:
+            with self._cond:
+                self._raw, self._state = raw, "done"
+                self._cond.notify_all()
+        return None if raw is None else (raw, self.begin)
+
+
+class ShardReader:
+    """Random access into one committed shard (`index`: its parsed index, harvest.formats.index).
+    `want`: the samples (rows of the index) the opener is about to read: where they hold most of
+    a shard of at most `cap` bytes (default: harvest.read.coalesce.cap_for the store), the file is
+    read whole as it is opened (read_whole) and those samples come from that read. Safe to share
+    between threads."""
+
+    def __init__(self, loc: Location, index: ShardIndex, want: Iterable[int] = (), cap: int | None = None) -> None:
+        self.cap = cap_for(loc.is_local, cap)
+        self._lock = threading.Lock()
+        self._blocks: dict[int, _Block] = {}  # sample -> the bytes read (or being read) ahead for it
+        try:
+            self._open(loc, index, set(want), self.cap)
         # what damaged header bytes raise as they are parsed (a flipped byte can break the JSON, a key
         # or a number); a missing file; ShardError for a header that parses but disagrees with the index
         except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
@@ -80,7 +129,7 @@ class ShardReader:
                 why = str(e) if isinstance(e, ShardError) else f"its header is damaged: {type(e).__name__}: {e}"
             raise UnreadableShard(index["shard_id"], why, len(index["samples"]), verify_fix(loc, plural=True)) from None
 
-    def _open(self, loc: Location, index: ShardIndex) -> None:
+    def _open(self, loc: Location, index: ShardIndex, want: set[int], cap: int) -> None:
         self.loc, self.index = loc, index
         self.name: str = shard_file(index["shard_id"])  # from the checked id, never a path read from storage
         if index.get("shard", self.name) != self.name:
@@ -89,7 +138,9 @@ class ShardReader:
         # The header is ~0.5 KiB plus the sample ids (35 bytes each), padded so the data starts on a
         # block (stformat.BLOCK): guess that, rounded up to a block, so one read usually does.
         guess = 1024 + 40 * len(index["samples"])
-        head = loc.read_range(self.name, 0, -(-guess // BLOCK) * BLOCK)
+        tokens = index["offsets"]
+        whole = read_whole(sum(tokens[p + 1] - tokens[p] for p in want), tokens[-1], index.get("bytes"), cap)
+        head = loc.read_range(self.name, 0, max(-(-guess // BLOCK) * BLOCK, index["bytes"] if whole else 0))
         try:
             n = header_length(head, self.name)
             raw = head[8 : 8 + n] if len(head) >= 8 + n else loc.read_range(self.name, 8, 8 + n)
@@ -107,19 +158,59 @@ class ShardReader:
         self._slot = {name: j for j, name in enumerate(names)}
         self.dtype: torch.dtype = self.tensors["hidden_states"].dtype
         self._small: dict[str, bytes] = {}
+        self._read_small(head)
         offsets = self._whole("offsets")  # the last tensor: a shard cut short anywhere lacks (some of) it
         if len(offsets) != self.tensors["offsets"].end - self.tensors["offsets"].begin:
             raise ShardError(f"{self.url}: the file ends before its offsets (cut short)")
         if list(tensor_from_bytes(offsets, torch.int64, (-1,)).tolist()) != list(index["offsets"]):
             raise ShardError(f"{self.name}: offsets differ from its index file")
+        if whole:
+            block, span = _Block(0, len(head), head), self.tensors["hidden_states"]
+            for p in want:
+                if span.begin + tokens[p + 1] * span.row_bytes <= len(head):
+                    self._blocks[p] = block
+
+    def _read_small(self, head: bytes) -> None:
+        """The token ids, loss mask and offsets: from `head` (the opening read) where it holds them,
+        else in one read where they lie together (as harvest packs them: last, in name order)."""
+        spans = [self.tensors[name] for name in _SMALL]
+        lo, hi = min(s.begin for s in spans), max(s.end for s in spans)
+        if hi <= len(head):
+            raw, at = memoryview(head), 0
+        elif hi - lo <= sum(s.end - s.begin for s in spans) + BLOCK:
+            raw, at = memoryview(self.loc.read_range(self.name, lo, hi)), lo
+        else:
+            return  # not together: each read whole on first use (`_whole`)
+        for name, s in zip(_SMALL, spans):
+            self._small[name] = bytes(raw[s.begin - at : s.end - at])  # shorter where the file ends first
+        scale = self.tensors.get(SCALE)
+        if scale is not None and scale.end <= len(head):  # fp8, read whole: its scales came too
+            self._small[SCALE] = bytes(head[scale.begin : scale.end])
 
     def __len__(self) -> int:
         return len(self.index["samples"])
 
-    def _bytes(self, span: TensorSpan, start: int, end: int) -> bytes:
+    def _bytes(self, span: TensorSpan, start: int, end: int) -> bytes | bytearray:
         """Rows [start, end) of a tensor as stored; shorter where the shard file ends first."""
         rb = span.row_bytes
-        return self.loc.read_range(self.name, span.begin + start * rb, span.begin + end * rb)
+        return self._read(span.begin + start * rb, span.begin + end * rb)
+
+    def _read(self, begin: int, end: int) -> bytes | bytearray:
+        """Bytes [begin, end) of the shard file (shorter where it ends first): one ranged GET of an
+        object store; from a local file, read straight into a buffer the sample's tensor then
+        owns (no second copy: harvest.read.coalesce)."""
+        if not self.loc.is_local or end <= begin:
+            return self.loc.read_range(self.name, begin, end)
+        buf = bytearray(end - begin)
+        view, got = memoryview(buf), 0
+        with self.loc.naming(self.name), self.loc.fs.open(self.loc.path(self.name), "rb") as f:
+            f.seek(begin)
+            while got < len(buf):
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        return buf if got == len(buf) else buf[:got]
 
     def _whole(self, name: str) -> bytes:
         if name not in self._small:
@@ -148,6 +239,11 @@ class ShardReader:
         """Rows [start, end) of one tensor, as stored, each sample they touch checked against its
         crc32 (a range that cuts a sample reads its rows whole to check them): CorruptSample names
         the first that fails."""
+        return self._rows(tensor, start, end, None)
+
+    def _rows(self, tensor: str, start: int, end: int, held: _Held | None) -> torch.Tensor:
+        """`rows`, the hidden states' taken from `held` (bytes already read that hold those rows)
+        when given."""
         offsets, span = self.index["offsets"], self.tensors[tensor]
         if tensor == "offsets":
             raise ShardError(f"{self.name}: offsets are not rows of tokens; the index holds them")
@@ -157,22 +253,98 @@ class ShardReader:
             return torch.empty((0, *span.shape[1:]), dtype=span.dtype)
         first, last = bisect_right(offsets, start) - 1, bisect_left(offsets, end)  # samples [first, last) hold them
         lo, hi = offsets[first], offsets[last]
-        if tensor in _SMALL or tensor == SCALE:
+        cached = tensor in _SMALL or tensor == SCALE
+        if cached:
             raw, at = memoryview(self._whole(tensor)), span.begin
+        elif held is not None and tensor == "hidden_states":
+            raw, at = held
         else:
             raw, at = memoryview(self._bytes(span, lo, hi)), span.begin + lo * span.row_bytes
         for i in range(first, last):
             self._check(tensor, i, raw, at)
         rb = span.row_bytes
         cut = raw[span.begin + start * rb - at : span.begin + end * rb - at]
-        return tensor_from_bytes(bytearray(cut), span.dtype, (end - start, *span.shape[1:]))
+        shape = (end - start, *span.shape[1:])
+        if not cached and not cut.readonly and len(cut) == len(raw) and len(cut):  # read for these rows alone: the tensor's own
+            return torch.frombuffer(cut, dtype=torch.uint8).view(span.dtype).reshape(shape)
+        return tensor_from_bytes(bytearray(cut), span.dtype, shape)
 
-    def sample(self, i: int, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def sample(self, i: int, dtype: torch.dtype | None = None, ahead: Sequence[int] = ()) -> dict[str, torch.Tensor]:
         """`input_ids` [T] int32, `loss_mask` [T] uint8 and `hidden_states` [T, K, H]: as stored
         when `dtype` is None (fp8 shards then add `hidden_scale` [T, K]), else converted to
-        `dtype` (fp8 dequantized with its per-token scales). Every tensor checked (CorruptSample)."""
+        `dtype` (fp8 dequantized with its per-token scales). Every tensor checked (CorruptSample).
+        `ahead`: the samples the caller expects to ask for next: those adjacent to i in storage
+        (within GAP_BYTES, the reader's `cap` in all) are read with it, in one ranged read, and
+        held for their own `sample` calls, as are the other runs of them, read when first asked
+        for (`held_bytes`, `drop_held`)."""
+        return self._decode(i, dtype, self._held(i, ahead))
+
+    def samples(self, positions: Iterable[int], dtype: torch.dtype | None = None, cap: int | None = None,
+                gap: int = GAP_BYTES) -> Iterator[tuple[int, dict[str, torch.Tensor] | Exception]]:
+        """`sample(p, dtype)` for each of `positions` (repeats once), read with one ranged read per
+        run of them adjacent in storage (harvest.read.coalesce.runs: `gap`, `cap`, default the
+        reader's), or from what the opening read held: (p, the sample, or the exception reading it raised: a CorruptSample fails
+        its sample alone), those held first, then a run at a time, each in storage order."""
+        held: dict[int, _Block] = {}
+        rest: list[int] = []
+        with self._lock:
+            for p in dict.fromkeys(positions):
+                block = self._blocks.pop(p, None)
+                if block is None:
+                    rest.append(p)
+                else:
+                    held[p] = block
+        for p, block in sorted(held.items()):
+            yield p, self._attempt(p, dtype, block.get(self._read))
+        span, offsets = self.tensors["hidden_states"], self.index["offsets"]
+        for run in runs(rest, offsets, span.row_bytes, self.cap if cap is None else cap, gap):
+            begin, end = span.begin + offsets[run[0]] * span.row_bytes, span.begin + offsets[run[-1] + 1] * span.row_bytes
+            try:
+                got: _Held | None = (memoryview(self._read(begin, end)), begin)
+            except Exception:  # noqa: BLE001 - each sample of the run reads alone, and fails as it would have
+                got = None
+            for p in run:
+                yield p, self._attempt(p, dtype, got)
+
+    def _attempt(self, i: int, dtype: torch.dtype | None, held: _Held | None) -> dict[str, torch.Tensor] | Exception:
+        try:
+            return self._decode(i, dtype, held)
+        except Exception as e:  # noqa: BLE001 - handed to the caller in the sample's place
+            return e
+
+    def _held(self, i: int, ahead: Sequence[int]) -> _Held | None:
+        """Sample i's hidden-state bytes if read ahead, else read now, with the samples of `ahead`
+        adjacent to it; the other runs of `ahead` are held to be read when first asked for."""
+        with self._lock:
+            block = self._blocks.pop(i, None)
+            if block is None and ahead:
+                span, offsets = self.tensors["hidden_states"], self.index["offsets"]
+                rb = span.row_bytes
+                fresh = [p for p in ahead if p != i and p not in self._blocks]
+                for run in runs([i, *fresh], offsets, rb, self.cap):
+                    if len(run) == 1 and run[0] != i:
+                        continue  # one sample alone: read when asked for, as it would be
+                    b = _Block(span.begin + offsets[run[0]] * rb, span.begin + offsets[run[-1] + 1] * rb)
+                    for p in run:
+                        if p == i:
+                            block = b
+                        else:
+                            self._blocks[p] = b
+        return None if block is None else block.get(self._read)
+
+    def held_bytes(self) -> int:
+        """Bytes read (or being read) ahead for samples not asked for yet."""
+        with self._lock:
+            return sum(b.end - b.begin for b in {id(b): b for b in self._blocks.values()}.values())
+
+    def drop_held(self) -> None:
+        """Forget what was read ahead (its samples are read again if asked for)."""
+        with self._lock:
+            self._blocks.clear()
+
+    def _decode(self, i: int, dtype: torch.dtype | None, held: _Held | None) -> dict[str, torch.Tensor]:
         a, b = self.index["offsets"][i], self.index["offsets"][i + 1]
-        out = {name: self.rows(name, a, b) for name in ("input_ids", "loss_mask", "hidden_states")}
+        out = {name: self._rows(name, a, b, held) for name in ("input_ids", "loss_mask", "hidden_states")}
         if is_fp8(self.dtype):
             scale = self.rows(SCALE, a, b)
             if dtype is None or is_fp8(dtype):
