@@ -186,9 +186,16 @@ class AuditReport:
         return out
 
 
-def _stored(reader, i: int, dtype) -> tuple[Sample, torch.Tensor]:
+def _stored(reader, i: int, dtype, regenerated_id: str | None = None) -> tuple[Sample, torch.Tensor]:
+    """The stored sample `i` and its states. Its id is the hash of its tokens, which the caller
+    compares with the index; a --regenerate run's sample keeps its conversation's id
+    (`regenerated_id`), which no hash of the regenerated tokens gives (its bytes are checked by
+    their crc32 all the same)."""
     got = reader.sample(i, dtype)
-    return Sample.build(got["input_ids"].numpy(), got["loss_mask"].numpy()), got["hidden_states"]
+    ids, mask = got["input_ids"].numpy(), got["loss_mask"].numpy()
+    if regenerated_id is not None:
+        return Sample(regenerated_id, ids.astype("int32"), mask.astype("uint8")), got["hidden_states"]
+    return Sample.build(ids, mask), got["hidden_states"]
 
 
 def audit_run(loc: Location, cfg: RunConfig, route: Route, n: int, seed: int, tolerance: float,
@@ -223,7 +230,7 @@ def audit_run(loc: Location, cfg: RunConfig, route: Route, n: int, seed: int, to
             res.detail = (f"tensor {e.tensor}, bytes [{e.begin}, {e.end}) of the shard {e.problem}: corruption at "
                           "rest, not drift")
         else:
-            sample, stored = _stored(reader, p.position, torch.float32)
+            sample, stored = _stored(reader, p.position, torch.float32, p.sample_id if cfg.regenerate else None)
             if sample.id != p.sample_id:  # sound bytes, other tokens: packed under the wrong id
                 res.outcome, res.detail = CORRUPT, f"its stored tokens hash to {sample.id}, not to its id"
             else:

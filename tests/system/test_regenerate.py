@@ -85,6 +85,16 @@ def test_regenerated_turns_equal_hf_generate_and_their_states_an_hf_forward(tmp_
     assert f"samples: {len(CHATS)} done, 0 failed (0 enqueued now, {len(CHATS)} already known)" in res.stdout
     assert {p: os.path.getmtime(os.path.join(d, p)) for d, _, ps in os.walk(out) for p in ps} == files
 
+    # `harvest audit`: a regenerated sample keeps its conversation's id, which no hash of its tokens gives;
+    # the audit checks its bytes and states all the same.
+    from harvest.cli.redisproc import RedisServer
+
+    with RedisServer(str(tmp_path / "work" / "redis")) as server:
+        res = harvest_cli("audit", "--run", "regen", "--redis", server.url, "--samples", str(len(CHATS)), "--seed", "1",
+                          "--against", "hf", "--no-progress")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.splitlines()[-2] == f"verdict: pass: {len(CHATS)} of {len(CHATS)} samples within the bound", res.stdout
+
     dest = tmp_path / "generated.jsonl"
     res = harvest_cli("generated", "--run-url", f"file://{out}/regen", str(dest))
     assert res.returncode == 0 and f"wrote {len(CHATS)} conversations to {dest}" in res.stdout, res.stdout + res.stderr
