@@ -146,9 +146,9 @@ class HiddenStateIterable(IterableDataset):
     - `readahead_bytes`: how far the read-ahead thread may run ahead (0: read in line).
     - `coalesce_bytes`: the order is fetched in windows of this many bytes, each shard's samples
       in a window read with one ranged read per run of them adjacent in storage, a shard mostly
-      wanted read whole; 0: one read a sample; None: 64 MiB on object stores, 0 in a local folder
-      (harvest.read.coalesce). A shuffled order has shorter runs: windows of about `window`
-      shards' bytes read most shards whole. Memory: `readahead_bytes` plus about two windows.
+      wanted read whole; 0: one read a sample; None: 64 MiB on object stores (256 MiB for a
+      shuffled order, whose runs are shorter), 0 in a local folder (harvest.read.coalesce).
+      Memory: `readahead_bytes` plus about two windows.
     - `follow`: after its part of the view, wait for the shards committed later, until the run
       is settled (`wait_s` without a new index file: FeedStalled).
 
@@ -281,7 +281,7 @@ class HiddenStateIterable(IterableDataset):
         """The samples `keys` in order: fetched a window at a time (`coalesce_bytes` of the order,
         each shard's samples in it read together, harvest.read.coalesce), windows read ahead."""
         store = self._store
-        groups = windows(keys, self._size, cap_for(store.loc.is_local, self.coalesce_bytes), lambda key: key[0])
+        groups = windows(keys, self._size, cap_for(store.loc.is_local, self.coalesce_bytes, self.seed is not None), lambda key: key[0])
         ahead = ReadAhead(groups, self._fetch, _window_bytes, self.readahead_bytes)
         for group, fetched in ahead:
             results = fetched if isinstance(fetched, list) else [fetched]  # a whole window failed: its first raises
@@ -311,7 +311,7 @@ class HiddenStateIterable(IterableDataset):
         """One window of the order: each shard's samples in it read together (ShardReader.samples),
         each result (the item, or the exception reading it raised) in the window's order."""
         store = self._store
-        cap = cap_for(store.loc.is_local, self.coalesce_bytes)
+        cap = cap_for(store.loc.is_local, self.coalesce_bytes, self.seed is not None)
         wanted: dict[str, list[int]] = {}
         for shard, sid in group:
             wanted.setdefault(shard, []).append(store.position(shard, sid))
