@@ -24,7 +24,8 @@ SYSTEM = pathlib.Path(__file__).parent / "system"
 # go first, so the run lasts about as long as its longest chain instead of ending on a slow file
 # started last.
 SLOW_FIRST = [
-    "system/test_sglang_live.py",  # 6-11 min: five SGLang server starts (one worker: a module-scoped server)
+    "system/test_sglang_live.py",  # ~5 min: the module's SGLang server, started twice (one worker)
+    "system/test_sglang_servers.py",  # ~6 min: two servers of their own (radix cache, TP 2), on the other worker
     "system/test_vllm.py",
     "system/test_exactly_once.py",
     "system/test_audit.py",  # 2-4 min: two extractions and five audits of one run, one after another
@@ -47,7 +48,8 @@ SLOW_FIRST = [
 # Files whose tests must stay on one xdist worker (--dist loadgroup): they share module-scoped
 # fixtures that are costly or not safe to run twice at once (an SGLang server, a `harvest run`,
 # wheels downloaded into one cache folder).
-ONE_WORKER = ["system/test_sglang_live.py", "system/test_trainers.py", "system/test_sglang_contract.py"]
+ONE_WORKER = ["system/test_sglang_live.py", "system/test_sglang_servers.py", "system/test_trainers.py",
+              "system/test_sglang_contract.py"]
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,5 +1,6 @@
-"""A real SGLang CPU server for the live tests (tests/system/test_sglang_live.py), from the venv
-scripts/sglang_venv.sh builds, and the fp32 test model it serves.
+"""A real SGLang CPU server for the live tests (tests/system/test_sglang_live.py and
+test_sglang_servers.py), from the venv scripts/sglang_venv.sh builds, the fp32 test model it
+serves, and the checks both files make of what it dumps and what a run stores.
 
 The model is the house's tiny Llama (harvest.cli.demo.build_tiny_model) with its norm weights
 set to random non-unit values, so a capture point read before or after the wrong norm differs.
@@ -12,11 +13,21 @@ import subprocess
 import time
 
 import httpx
+from safetensors import safe_open
 
 from engines.sglang_launch import launch_spec
 from harvest.cli.demo import build_tiny_model
 from harvest.cli.redisproc import free_port
 from harvest.health import wait_healthy
+from harvest.read.reader import RunReader
+from tests.support.wait import wait_for
+
+L = 8
+POINTS = [0, 2, 4, 7, 8]
+CHUNK = 64  # SGLang's --chunked-prefill-size in the live tests: long samples arrive in several forwards
+# Measured on this machine kind (SGLang torch_native fp32 vs transformers fp32, 2026-12-01): max abs
+# difference 2.1e-6 (at L, after the final norm), 5e-8 at the other points; max relative 4.5e-7.
+ABS_BOUND = 1e-5
 
 
 def build_model(path: str, seed: int = 7) -> str:
@@ -158,3 +169,43 @@ class StripExtraKey:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def check_run(out_url: str, expected: dict, reference: Reference) -> None:
+    """Every expected sample exactly once (the reader refuses duplicates), ids, mask and states right."""
+    reader = RunReader(out_url)
+    assert sorted(reader.sample_ids) == sorted(expected)
+    assert reader.capture_points == POINTS
+    for sid, (ids, mask) in expected.items():
+        got = reader.get(sid)
+        assert got["input_ids"].tolist() == ids
+        assert got["loss_mask"].tolist() == mask
+        reference.check(got["hidden_states"], ids, POINTS)
+
+
+def dump_files(dumps: str) -> dict[str, list[tuple[int, int, object]]]:
+    """rid -> [(start, end, hidden_states)] of the plugin's files, in order."""
+    out: dict[str, list] = {}
+    for name in sorted(os.listdir(dumps)):
+        if not name.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(dumps, name), "pt") as f:
+            meta = f.metadata()
+            assert meta["capture_points"] == str(POINTS)
+            out.setdefault(meta["rid"], []).append((int(meta["start"]), int(meta["end"]), f.get_tensor("hidden_states")))
+    return {rid: sorted(v, key=lambda t: t[0]) for rid, v in out.items()}
+
+
+def wait_dumped(dumps: str, prompts: dict[str, list[int]], timeout: float = 60) -> None:
+    """Until the plugin's files reach the end of every prompt (each file appears whole, by rename)."""
+
+    def done() -> bool:
+        ends = {}
+        for name in os.listdir(dumps):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(dumps, name), "pt") as f:
+                    meta = f.metadata()
+                ends[meta["rid"]] = max(ends.get(meta["rid"], 0), int(meta["end"]))
+        return all(ends.get(rid) == len(ids) for rid, ids in prompts.items())
+
+    wait_for(done, timeout, f"the plugin's dump files reaching the end of all {len(prompts)} prompts in {dumps}")

@@ -9,8 +9,9 @@ kernels (tests/support/sgl_kernel_standin: one op in torch), and CPU torch 2.13.
 The model (the house's tiny Llama, norm weights random and non-unit) is served in fp32 and
 every sample is compared with transformers' fp32 forward at capture points 0 (embeddings),
 2, 4, L-1 and L (post-norm). Server starts, to keep CI short: `harvest run --engine sglang`
-starts one, the module's shared server one (plus one restart after it is killed), the
-radix-cache test one, the TP 2 test one.
+starts one, the module's shared server one (plus one restart after it is killed); the tests that
+need a server of their own (radix cache on, TP 2) are in test_sglang_servers.py, which runs on
+the other pytest-xdist worker meanwhile.
 
 Skipped, with the command that fixes it, where the SGLang venv is not built.
 """
@@ -28,7 +29,6 @@ import time
 import httpx
 import numpy as np
 import pytest
-from safetensors import safe_open
 
 from engines.sglang_launch import default_venv, venv_python
 from harvest.cli.demo import demo_rows, write_jsonl
@@ -36,20 +36,24 @@ from harvest.ids import rid_for, sample_id
 from harvest.read.reader import RunReader
 from tests.support.cli import REPO, harvest_cli, kill_group
 from tests.support.expected import expected_tokens
-from tests.support.sglang_server import Reference, SGLangServer, StripExtraKey, build_model
-from tests.support.wait import wait_for
+from tests.support.sglang_server import (
+    ABS_BOUND,
+    CHUNK,
+    POINTS,
+    L,
+    Reference,
+    SGLangServer,
+    build_model,
+    check_run,
+    dump_files,
+    wait_dumped,
+)
 
 try:
     SGLANG_PYTHON = venv_python()
 except FileNotFoundError as e:
     pytest.skip(f"SGLang live test skipped: {e}", allow_module_level=True)
 
-L = 8
-POINTS = [0, 2, 4, 7, 8]
-CHUNK = 64  # SGLang's --chunked-prefill-size here: long samples arrive in several forwards
-# Measured on this machine kind (SGLang torch_native fp32 vs transformers fp32, 2026-12-01): max abs
-# difference 2.1e-6 (at L, after the final norm), 5e-8 at the other points; max relative 4.5e-7.
-ABS_BOUND = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -82,46 +86,6 @@ def _expected(tokenizer, rows: list[dict]) -> dict[str, tuple[list[int], list[in
         ids, mask = expected_tokens(tokenizer, r)
         out[sample_id(np.array(ids), np.array(mask))] = (ids, mask)
     return out
-
-
-def _check_run(out_url: str, expected: dict, reference: Reference) -> None:
-    """Every expected sample exactly once (the reader refuses duplicates), ids, mask and states right."""
-    reader = RunReader(out_url)
-    assert sorted(reader.sample_ids) == sorted(expected)
-    assert reader.capture_points == POINTS
-    for sid, (ids, mask) in expected.items():
-        got = reader.get(sid)
-        assert got["input_ids"].tolist() == ids
-        assert got["loss_mask"].tolist() == mask
-        reference.check(got["hidden_states"], ids, POINTS)
-
-
-def _dump_files(dumps: str) -> dict[str, list[tuple[int, int, object]]]:
-    """rid -> [(start, end, hidden_states)] of the plugin's files, in order."""
-    out: dict[str, list] = {}
-    for name in sorted(os.listdir(dumps)):
-        if not name.endswith(".safetensors"):
-            continue
-        with safe_open(os.path.join(dumps, name), "pt") as f:
-            meta = f.metadata()
-            assert meta["capture_points"] == str(POINTS)
-            out.setdefault(meta["rid"], []).append((int(meta["start"]), int(meta["end"]), f.get_tensor("hidden_states")))
-    return {rid: sorted(v, key=lambda t: t[0]) for rid, v in out.items()}
-
-
-def _wait_dumped(dumps: str, prompts: dict[str, list[int]], timeout: float = 60) -> None:
-    """Until the plugin's files reach the end of every prompt (each file appears whole, by rename)."""
-
-    def done() -> bool:
-        ends = {}
-        for name in os.listdir(dumps):
-            if name.endswith(".safetensors"):
-                with safe_open(os.path.join(dumps, name), "pt") as f:
-                    meta = f.metadata()
-                ends[meta["rid"]] = max(ends.get(meta["rid"], 0), int(meta["end"]))
-        return all(ends.get(rid) == len(ids) for rid, ids in prompts.items())
-
-    wait_for(done, timeout, f"the plugin's dump files reaching the end of all {len(prompts)} prompts in {dumps}")
 
 
 def _log_since(path: str, offset: int) -> str:
@@ -175,7 +139,7 @@ def test_run_engine_sglang_mixed_dataset_matches_fp32_forward(tmp_path, model, r
     assert re.search(rf"Prefill batch, #new-seq: \d+, #new-token: {CHUNK},", engine_log)  # chunked prefill happened
     assert "harvest: capturing layers [0, 2, 4, 7] (+ final: True)" in engine_log
     assert "prefill CUDA graphs are on" not in engine_log
-    _check_run(f"file://{out}/mixed", expected, reference)
+    check_run(f"file://{out}/mixed", expected, reference)
     assert reference.worst_abs <= ABS_BOUND, (reference.worst_abs, reference.worst_rel)
     print(f"fp32 SGLang vs transformers: max abs {reference.worst_abs:.2e}, max rel {reference.worst_rel:.2e}")
     assert os.listdir(dumps) == []  # every chunk claimed and deleted
@@ -204,8 +168,8 @@ def test_concurrent_requests_batch_and_plain_requests_leave_no_files(server, ref
     for t in threads:
         t.join()
     assert all(r.status_code == 200 for r in answers.values()), {k: r.text[:200] for k, r in answers.items()}
-    _wait_dumped(server.dumps, prompts)  # the plugin's writer is asynchronous
-    files = _dump_files(server.dumps)
+    wait_dumped(server.dumps, prompts)  # the plugin's writer is asynchronous
+    files = dump_files(server.dumps)
     assert sorted(files) == sorted(prompts)  # nothing for the plain requests
     for rid, parts in files.items():
         ids = prompts[rid]
@@ -249,82 +213,9 @@ def test_engine_killed_mid_run_every_sample_exactly_once(tmp_path, model, server
     assert f"samples: {len(expected)} done, 0 failed" in stdout, stdout
     worker_logs = "".join((work / "logs" / n).read_text(errors="replace") for n in os.listdir(work / "logs") if n.startswith("worker"))
     assert re.search(r"job hv-crash-\w+: engine-unavailable .*; retry 1 of 5", worker_logs), worker_logs[-2000:]
-    _check_run(f"file://{out}/crash", expected, reference)
+    check_run(f"file://{out}/crash", expected, reference)
     assert reference.worst_abs <= ABS_BOUND, reference.worst_abs
     assert [n for n in os.listdir(server.dumps) if n.startswith("hv-")] == []
-
-
-def test_radix_cache_on_is_guarded(tmp_path, model, reference):
-    """A server with the radix cache on. The cache is real (a repeated plain prompt is served from
-    it), harvest's unique extra_key per request keeps every sample out of it (all stored, exact),
-    and where an engine drops extra_key the samples it serves from the cache fail as
-    prefix-cached while the others are stored."""
-    dumps = tmp_path / "dumps"
-    dumps.mkdir(mode=0o700)
-    s = SGLangServer(SGLANG_PYTHON, model, POINTS, L, str(dumps), str(tmp_path / "server.log"),
-                     chunked_prefill_size=CHUNK, radix_cache=True).start()
-    proxy = None
-    try:
-        warmed = [{"input_ids": [10 + i, *[5 + (i * 11 + j * 3) % 500 for j in range(40)]]} for i in range(3)]
-        fresh = [{"input_ids": [20 + i, *[5 + (i * 17 + j * 5) % 500 for j in range(50)]]} for i in range(3)]
-        for r in warmed:  # plain requests fill the cache (no extra_key)
-            httpx.post(f"{s.url}/generate", json={**r, "sampling_params": {"max_new_tokens": 1}}, timeout=60).raise_for_status()
-        again = httpx.post(f"{s.url}/generate", json={**warmed[0], "sampling_params": {"max_new_tokens": 1}}, timeout=60)
-        assert again.json()["meta_info"]["cached_tokens"] >= 40, again.text
-        assert [n for n in os.listdir(dumps)] == []
-        dataset = write_jsonl(str(tmp_path / "radix.jsonl"), [*warmed, *fresh])
-        common = ["--model", model, "--dtype", "fp32", "--layers", ",".join(map(str, POINTS)), "--workers", "1",
-                  "--no-progress", "--dump-dir", str(dumps)]
-        res = harvest_cli("run", dataset, "--out", f"file://{tmp_path}/out", "--run", "isolated", "--engine-url", s.url,
-                          "--work-dir", str(tmp_path / "w1"), *common, timeout=600)
-        assert res.returncode == 0 and "samples: 6 done, 0 failed" in res.stdout, res.stdout + res.stderr
-        expected = {sample_id(np.array(r["input_ids"]), np.ones(len(r["input_ids"]))): (r["input_ids"], [1] * len(r["input_ids"]))
-                    for r in [*warmed, *fresh]}
-        _check_run(f"file://{tmp_path}/out/isolated", expected, reference)
-
-        proxy = StripExtraKey(s.url)
-        res = harvest_cli("run", dataset, "--out", f"file://{tmp_path}/out", "--run", "stripped", "--engine-url", proxy.url,
-                          "--work-dir", str(tmp_path / "w2"), *common, timeout=600)
-        assert res.returncode == 1, res.stdout + res.stderr
-        assert "samples: 3 done, 3 failed" in res.stdout and "failed because prefix-cached: 3" in res.stdout, res.stdout
-        reader = RunReader(f"file://{tmp_path}/out/stripped")
-        assert sorted(reader.sample_ids) == sorted(sample_id(np.array(r["input_ids"]), np.ones(len(r["input_ids"])))
-                                                   for r in fresh)
-        assert [n for n in os.listdir(dumps) if n.startswith("hv-")] == []  # the cached samples' partial dumps cleared
-    finally:
-        if proxy is not None:
-            proxy.close()
-        s.stop()
-
-
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP 2 on SGLang's CPU engine needs a core per rank")
-def test_tensor_parallel_2_only_rank_0_writes(tmp_path, model, reference):
-    """TP 2 on SGLang's CPU engine (one core per rank: SGLANG_CPU_OMP_THREADS_BIND, as SGLang asks
-    on a one-NUMA-node machine): both ranks run the plugin, only rank 0 writes, states right."""
-    dumps = tmp_path / "dumps"
-    dumps.mkdir(mode=0o700)
-    s = SGLangServer(SGLANG_PYTHON, model, POINTS, L, str(dumps), str(tmp_path / "server.log"), chunked_prefill_size=CHUNK,
-                     tp_size=2, extra_env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}).start()
-    try:
-        prompts = {rid_for(f"{i + 100:032x}", 1): [5 + (i * 29 + j * 3) % 500 for j in range(30 + 60 * i)] for i in range(3)}
-        r = httpx.post(f"{s.url}/generate", json={"rid": list(prompts), "input_ids": list(prompts.values()),
-                                                  "extra_key": list(prompts), "sampling_params": {"max_new_tokens": 1}},
-                       timeout=300)
-        assert r.status_code == 200, r.text
-        _wait_dumped(str(dumps), prompts)  # the plugin's writer is asynchronous
-        files = _dump_files(str(dumps))
-        assert sorted(files) == sorted(prompts)
-        for rid, parts in files.items():
-            assert parts[0][0] == 0 and parts[-1][1] == len(prompts[rid])
-            for a, e, hs in parts:
-                reference.check(hs, prompts[rid], POINTS, a, e)
-        assert reference.worst_abs <= ABS_BOUND, reference.worst_abs
-        log = s.log_tail(10**7)
-        assert re.search(r"TP0\] harvest: this rank writes the dumps", log), log[-3000:]
-        assert re.search(r"TP1\] harvest: not TP rank 0: this rank writes no dumps", log), log[-3000:]
-        assert "TP1] harvest: this rank writes" not in log
-    finally:
-        s.stop()
 
 
 def test_audit_of_a_run_passes_against_the_sglang_server_and_transformers(tmp_path, model, server, tokenizer):
