@@ -159,10 +159,9 @@ class Trial:
         raise ValueError(name)
 
     def _start(self, name: str) -> None:
-        log = open(os.path.join(self.logs, f"{name}.log"), "ab")
-        self.procs[name] = subprocess.Popen(self._cmd(name), cwd=REPO, env=self.env, stdout=log, stderr=log,
-                                            stdin=subprocess.DEVNULL)
-        log.close()
+        with open(os.path.join(self.logs, f"{name}.log"), "ab") as log:
+            self.procs[name] = subprocess.Popen(self._cmd(name), cwd=REPO, env=self.env, stdout=log, stderr=log,
+                                                stdin=subprocess.DEVNULL)
 
     def _kill(self, name: str) -> None:
         p = self.procs.get(name)
@@ -212,12 +211,12 @@ class Trial:
         except Exception:  # noqa: BLE001 - a store mid-restart: no news
             return 0
 
-    def _lose_node(self, now: float) -> None:
-        """Every process of one node at once, its disk withheld; the last node up is never lost."""
+    def _lose_node(self, now: float, n: int | None = None) -> None:
+        """Every process of node `n` (or a random one) at once, its disk withheld; the last node up is never lost."""
         up = self._up()
-        if len(up) < 2:
+        if len(up) < 2 or (n is not None and n not in up):
             return
-        n = self.rng.choice(up)
+        n = self.rng.choice(up) if n is None else n
         back = self.returns.pop(0) if self.returns else self.rng.choice(RETURNS)
         self.result.node_returns[back] += 1
         for name in self._node_procs(n):
@@ -262,18 +261,20 @@ class Trial:
         return c["queued"] == 0 and c["spooled"] == 0 and c["done"] + c["failed"] == len(self.expected)
 
     # -- the trial ------------------------------------------------------------------------
+    def _write_dataset(self, vocab: int) -> dict:
+        """The dataset written to `self.data`; returns sample id -> its tokens (what `_account` compares)."""
+        rows = make_rows(self.n, vocab, self.rng)
+        rows += rows[: max(1, self.n // 10)]  # duplicate rows: the same sample, to be stored once
+        with open(self.data, "w") as f:
+            f.writelines(json.dumps({"input_ids": r}) + "\n" for r in rows)
+        return {sample_id(np.array(r, np.int32), np.ones(len(r), np.uint8)): r for r in rows}
+
     def execute(self) -> TrialResult:
         t0 = time.monotonic()
         from transformers import AutoConfig
 
-        vocab = AutoConfig.from_pretrained(self.model).vocab_size
-        rows = make_rows(self.n, vocab, self.rng)
-        rows += rows[: max(1, self.n // 10)]  # duplicate rows: the same sample, to be stored once
-        self.expected = {sample_id(np.array(r, np.int32), np.ones(len(r), np.uint8)): r for r in rows}
         self.data = os.path.join(self.root, "data.jsonl")
-        with open(self.data, "w") as f:
-            for r in rows:
-                f.write(json.dumps({"input_ids": r}) + "\n")
+        self.expected = self._write_dataset(AutoConfig.from_pretrained(self.model).vocab_size)
         self.producer_done = False
         self.redis.start()
         conn = redis.Redis.from_url(self.redis.url)
