@@ -30,6 +30,7 @@ SLOW_FIRST = [
     "system/test_exactly_once.py",
     "system/test_audit.py",  # 2-4 min: two extractions and five audits of one run, one after another
     "system/test_chaos.py",
+    "system/test_regenerate_chaos.py",  # 2-3 min: a worker killed mid-generation, a node lost, seeds
     "system/test_clock_skew.py",
     "system/test_trainers.py",
     "system/test_trainers_in_place.py",

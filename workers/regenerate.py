@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 from harvest.config import RunConfig
@@ -88,39 +89,57 @@ def regenerate(engine, samples: list[Sample], attempts: dict[str, int], cfg: Run
     return out
 
 
+class _Stopped(Exception):
+    """A conversation left before its next turn: the job's generation step is over (an engine down,
+    a bug, RQ's job timeout), and whatever it wrote would be thrown away."""
+
+
 def _regenerate(engine, samples: list[Sample], attempts: dict[str, int], reg: Regeneration,
                 in_flight: int) -> Regenerated:
+    """The first error that is not a sample's own (EngineUnavailable, a bug, RQ's timeout in this
+    thread) stops the step: conversations not started are cancelled, those in flight stop before
+    their next turn, and it is raised once they have (each holds one request at most)."""
     out = Regenerated()
     t0 = time.monotonic()
     if not samples:
         return out
+    stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=min(in_flight, len(samples)), thread_name_prefix="regenerate")
     try:
-        futures = {pool.submit(write_turns, engine, s, attempts[s.id], reg): s for s in samples}
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in futures:  # the first unexpected error (EngineUnavailable, a bug) stops the rest
-            if f in done and f.exception() is not None and not isinstance(f.exception(), SampleFailure):
-                for other in futures:
-                    other.cancel()
-                raise f.exception()
-        for f, s in futures.items():
+        futures = {pool.submit(_stopping, stop, write_turns, engine, s, attempts[s.id], reg, stop): s for s in samples}
+        for f in as_completed(futures):
             e = f.exception()
+            if isinstance(e, _Stopped):  # stopped by the error that will come out of its own future
+                continue
             if isinstance(e, SampleFailure):
-                out.failures[s.id] = (e.reason, e.message)
+                out.failures[futures[f].id] = (e.reason, e.message)
             elif e is not None:
                 raise e
             else:
-                out.written[s.id] = f.result()
+                out.written[futures[f].id] = f.result()
     finally:
+        stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
     out.seconds = time.monotonic() - t0
     return out
 
 
-def write_turns(engine, s: Sample, attempt: int, reg: Regeneration) -> Written:
+def _stopping(stop: threading.Event, fn, *args):
+    """`fn(*args)`, setting `stop` at once if it raises what is not a sample's own failure: the
+    other conversations then stop before their next request, not when this one is noticed."""
+    try:
+        return fn(*args)
+    except SampleFailure:
+        raise
+    except BaseException:
+        stop.set()
+        raise
+
+
+def write_turns(engine, s: Sample, attempt: int, reg: Regeneration, stop: threading.Event | None = None) -> Written:
     """Conversation `s`'s turns, in order, each generated from the regenerated ones before it.
     Raises SampleFailure (generation-empty, generation-length, context-length, engine-rejected,
-    prompt-length) for a turn that cannot stand."""
+    prompt-length) for a turn that cannot stand; `_Stopped` before a turn once `stop` is set."""
     conv = s.conv
     assert conv is not None, "only conversations are regenerated"
     pieces = conv.pieces(s.input_ids)
@@ -129,6 +148,8 @@ def write_turns(engine, s: Sample, attempt: int, reg: Regeneration) -> Written:
     texts: list[str] = []
     n = conv.turns
     for k in range(n):
+        if stop is not None and stop.is_set():
+            raise _Stopped(s.id)
         prompt, _ = splice(pieces, generated)
         where = f"turn {k + 1} of {n}"
         if reg.context is not None and prompt.size + reg.max_new_tokens > reg.context:

@@ -101,7 +101,8 @@ class RunSummary:
         if self.produced:
             out.append(f"  produced: {self.produced}")
         if self.generated is not None:
-            out.append(f"  generated: {self.generated[0]} conversations written, {self.generated[1]} tokens")
+            out.append(f"  generated: {self.generated[0]} conversations written, {self.generated[1]} tokens (the "
+                       "engine's work: a conversation failed after its turns and requeued is written again)")
         if not self.started:
             out.append("  nothing to extract: no engine or worker was started")
         for reason, n in sorted(self.failure_reasons.items(), key=lambda kv: -kv[1]):
