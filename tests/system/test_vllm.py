@@ -7,6 +7,8 @@ two workers and the collector, and every stored sample is compared with an indep
 transformers forward in fp32 at every capture point, including 0 (embeddings), L-1 and L
 (post-norm, which vLLM does not deliver and the worker computes). A row longer than the
 model's context never reaches vLLM: the producer skips it before it is enqueued, naming its line.
+A second run regenerates chats' answers with vLLM (`--regenerate`) and checks them against HF
+`generate`, turn by turn.
 
 Skipped, with the command that fixes it, where the vLLM venv is not built.
 """
@@ -85,3 +87,45 @@ def test_vllm_run_matches_hf_forward(tmp_path, tiny_model, tokenizer):
     # Every vLLM file was converted and removed, every harvest chunk claimed and deleted.
     assert sorted(os.listdir(dumps)) == [".vllm"]
     assert os.listdir(dumps / ".vllm") == []
+
+
+def test_vllm_regenerates_turns_equal_to_hf_generate_and_extracts_them(tmp_path, tiny_model, tokenizer):
+    """`harvest run --engine vllm --regenerate`: vLLM writes every chat's turns (completions with
+    token ids, greedy, fp32), each equal to HF `generate` turn by turn on transformers' own template
+    rendering; the same server then extracts them, exact to the fp32 bound; vLLM saves no file
+    for a generation request (its dump dir ends empty)."""
+    from transformers import AutoModelForCausalLM
+
+    from harvest.read.generated import iter_generated
+    from tests.support.expected import expected_regenerated
+
+    chats = [[{"role": "user", "content": "the first question"}, {"role": "assistant", "content": "old"}],
+             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "two turns"},
+              {"role": "assistant", "content": "old"}, {"role": "user", "content": "and the second"}]]
+    dataset = write_jsonl(str(tmp_path / "chats.jsonl"), [{"messages": m} for m in chats])
+    out, dumps = tmp_path / "out", tmp_path / "dumps"
+    res = harvest_cli(
+        "run", dataset, "--model", tiny_model, "--out", f"file://{out}", "--run", "regen", "--dtype", "fp32",
+        "--layers", ",".join(map(str, POINTS)), "--engine", "vllm", "--workers", "1", "--no-progress",
+        "--dump-dir", str(dumps), "--work-dir", str(tmp_path / "work"), "--regenerate", "--max-new-tokens", "8",
+        "--on-length", "keep", timeout=1200, env={"HARVEST_VLLM_VENV": default_venv()},
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"samples: {len(chats)} done, 0 failed" in res.stdout, res.stdout
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    reader = RunReader(f"file://{out}/regen")
+    generated = list(iter_generated(f"file://{out}/regen"))
+    assert sorted(g["id"] for g in generated) == sorted(reader.sample_ids)
+    by_user = {next(m["content"] for m in g["messages"] if m["role"] == "user"): g for g in generated}
+    worst = 0.0
+    for messages in chats:
+        ids, mask, turns = expected_regenerated(tokenizer, model, messages, 8)
+        g = by_user[next(m["content"] for m in messages if m["role"] == "user")]
+        assert [t["tokens"] for t in g["turns"]] == turns
+        got = reader.get(g["id"])
+        assert got["input_ids"].tolist() == ids and got["loss_mask"].tolist() == mask
+        with torch.no_grad():
+            ref = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        worst = max(worst, *((hidden_at(got, p) - ref[p][0]).abs().max().item() for p in POINTS))
+    assert worst <= 1e-5, worst
+    assert sorted(os.listdir(dumps)) == [".vllm"] and os.listdir(dumps / ".vllm") == []
