@@ -44,6 +44,7 @@ sys.path.insert(0, REPO)
 from harvest.cli.demo import build_tiny_model  # noqa: E402
 from harvest.formats.dump import parse_chunk_name  # noqa: E402
 from harvest.health import wait_healthy  # noqa: E402
+from tests.support.benchengine import start_pinned_engine  # noqa: E402
 from harvest.ids import rid_for, sample_id  # noqa: E402
 from harvest.state.payload import Sample, split_jobs  # noqa: E402
 
@@ -251,15 +252,9 @@ def main() -> None:
     os.makedirs(dump_dir, mode=0o700)
     port = 31000 + os.getpid() % 1000
     url = f"http://127.0.0.1:{port}"
-    cores = sorted(os.sched_getaffinity(0))
-    engine_cores, rest = set(cores[: args.engine_cores]), set(cores[args.engine_cores :]) or set(cores)
-    pin = (lambda: os.sched_setaffinity(0, engine_cores)) if not args.no_pin else None
-    engine = subprocess.Popen([sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dump_dir,
-                               "--port", str(port), "--threads", str(len(engine_cores))], cwd=REPO,
-                              stderr=subprocess.DEVNULL, preexec_fn=pin)
+    engine, engine_cores, rest = start_pinned_engine(model, dump_dir, port, args.engine_cores, pin=not args.no_pin)
     if not args.no_pin:
-        os.sched_setaffinity(0, rest)  # this process and every child it starts from now on
-        print(f"engine pinned to cores {sorted(engine_cores)}, direct client and pipeline to {sorted(rest)}", flush=True)
+        print(f"engine pinned to cores {engine_cores}, direct client and pipeline to {rest}", flush=True)
     try:
         wait_engine(url, engine)
         results = []

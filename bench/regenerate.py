@@ -69,6 +69,7 @@ import redis  # noqa: E402
 from harvest.cli.demo import build_tiny_model  # noqa: E402
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.health import wait_healthy  # noqa: E402
+from tests.support.benchengine import start_pinned_engine  # noqa: E402
 from harvest.state.conversation import splice, turn_seed  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.payload import Sample, split_jobs  # noqa: E402
@@ -280,15 +281,9 @@ def main() -> None:
     os.makedirs(dump_dir, mode=0o700)
     port = 32000 + os.getpid() % 1000
     url = f"http://127.0.0.1:{port}"
-    cores = sorted(os.sched_getaffinity(0))
-    engine_cores, rest = set(cores[: args.engine_cores]), set(cores[args.engine_cores:]) or set(cores)
-    pin = (lambda: os.sched_setaffinity(0, engine_cores)) if not args.no_pin else None
-    engine = subprocess.Popen([sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dump_dir,
-                               "--port", str(port), "--threads", str(len(engine_cores))], cwd=REPO,
-                              stderr=subprocess.DEVNULL, preexec_fn=pin)
+    engine, engine_cores, rest = start_pinned_engine(model, dump_dir, port, args.engine_cores, pin=not args.no_pin)
     if not args.no_pin:
-        os.sched_setaffinity(0, rest)  # this process and every child it starts from now on: Redis, harvest run
-        print(f"engine pinned to cores {sorted(engine_cores)}, the rest to {sorted(rest)}", flush=True)
+        print(f"engine pinned to cores {engine_cores}, the rest to {rest}", flush=True)
     server = RedisServer(os.path.join(base, "redis"), appendonly=False).start()
     try:
         def running() -> None:

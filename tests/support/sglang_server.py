@@ -13,9 +13,10 @@ import subprocess
 import time
 
 import httpx
+import pytest
 from safetensors import safe_open
 
-from engines.sglang_launch import launch_spec
+from engines.sglang_launch import launch_spec, venv_python
 from harvest.cli.demo import build_tiny_model
 from harvest.cli.redisproc import free_port
 from harvest.health import wait_healthy
@@ -209,3 +210,22 @@ def wait_dumped(dumps: str, prompts: dict[str, list[int]], timeout: float = 60) 
         return all(ends.get(rid) == len(ids) for rid, ids in prompts.items())
 
     wait_for(done, timeout, f"the plugin's dump files reaching the end of all {len(prompts)} prompts in {dumps}")
+
+
+def sglang_python_or_skip() -> str:
+    """The SGLang venv's python; else the calling test module is skipped, saying how to build it."""
+    try:
+        return venv_python()
+    except FileNotFoundError as e:
+        pytest.skip(f"SGLang live test skipped: {e}", allow_module_level=True)
+
+
+# The live files' module fixtures (imported into each: pytest finds them there).
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return build_model(str(tmp_path_factory.mktemp("sglang-model") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> Reference:
+    return Reference(model)

@@ -14,7 +14,6 @@ import httpx
 import numpy as np
 import pytest
 
-from engines.sglang_launch import venv_python
 from harvest.cli.demo import write_jsonl
 from harvest.ids import rid_for, sample_id
 from harvest.read.reader import RunReader
@@ -24,29 +23,17 @@ from tests.support.sglang_server import (
     CHUNK,
     POINTS,
     L,
-    Reference,
     SGLangServer,
     StripExtraKey,
-    build_model,
     check_run,
     dump_files,
+    model,  # noqa: F401 - a module fixture
+    reference,  # noqa: F401 - a module fixture
+    sglang_python_or_skip,
     wait_dumped,
 )
 
-try:
-    SGLANG_PYTHON = venv_python()
-except FileNotFoundError as e:
-    pytest.skip(f"SGLang live test skipped: {e}", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return build_model(str(tmp_path_factory.mktemp("sglang-model") / "tiny"))
-
-
-@pytest.fixture(scope="module")
-def reference(model) -> Reference:
-    return Reference(model)
+SGLANG_PYTHON = sglang_python_or_skip()
 
 
 def test_radix_cache_on_is_guarded(tmp_path, model, reference):
