@@ -301,6 +301,7 @@ def main() -> int:
     ap.add_argument("--soak-samples", type=int, default=50_000)
     ap.add_argument("--soak-kills", type=int, default=12)
     args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # each table shows as it is printed, also into a log
     install_counter("bench", "other")
     rng = np.random.default_rng(args.seed)
     root = tempfile.mkdtemp(prefix="harvest-fleet-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -331,19 +332,18 @@ def main() -> int:
                              RunConfig.__dataclass_fields__["max_batch_tokens"].default, args.idle, base_us_s, rng)
         print(f"  fleet of {big}, {args.long_tokens}-token samples: {long['samples']} in {long['seconds']:.1f}s", flush=True)
         conn.flushall()
-        rq = [rq_cost(conn, root, new_run(conn, root, f"rq{j}", 64, j, j * 64), 100, base_us_s,
-                      lambda n: make_samples(n, 64, rng)) for j in (8, 32, 128)]
-        conn.flushall()
-        rows = ledger_cost(conn, [int(x) for x in args.ledger.split(",")])
-        print_fleets(res + [long], mem_q)
-        print_ledger(rows)
-        print("\none worker's jobs (64-token samples; in this process): Redis CPU per job and per sample")
-        for q in rq:
+        print_fleets(res + [long], mem_q)  # each stage's table as soon as it is measured
+        project(res[-1], long)
+        print("\none worker's jobs (64-token samples; in this process): Redis CPU per job and per sample", flush=True)
+        for j in (8, 32, 128):
+            q = rq_cost(conn, root, new_run(conn, root, f"rq{j}", 64, j, j * 64), 100, base_us_s,
+                        lambda n: make_samples(n, 64, rng))
             print(f"  jobs of {q['job']:>3}: {q['cpu_us']:7.0f} µs a job ({q['cpu_us'] / q['job']:5.1f} a sample), of "
                   f"which harvest's scripts {q['scripts_us']:6.0f} ({q['scripts_us'] / q['job']:4.1f} a sample) and the "
                   f"rest, RQ's, {q['rq_us']:6.0f} ({q['rq_us'] / q['job']:4.1f} a sample); {q['commands']:.0f} commands "
-                  f"executed and {q['trips']:.0f} round trips a job")
-        project(res[-1], long)
+                  f"executed and {q['trips']:.0f} round trips a job", flush=True)
+        conn.flushall()
+        print_ledger(ledger_cost(conn, [int(x) for x in args.ledger.split(",")]))
         print(f"\n{time.monotonic() - t0:.0f}s in all")
     finally:
         server.stop()
