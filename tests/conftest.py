@@ -9,7 +9,6 @@ import fcntl
 import os
 import pathlib
 import subprocess
-import warnings
 
 import pytest
 import redis
@@ -81,26 +80,25 @@ def redis_server(tmp_path_factory):
     server.stop()
 
 
-def _revive(server: RedisServer) -> None:
-    """The session's redis-server started again (same port, same data) if it has exited, with a
-    warning that says how it ended and what its log said last: CI once saw it gone near the end of
-    a 45-minute run, and a dead shared server would otherwise fail every later test on its worker
-    without a word on why."""
-    if server.proc is None or server.proc.poll() is None:
-        return
-    try:
-        with open(os.path.join(server.data_dir, "redis.log"), errors="replace") as f:
-            tail = "".join(f.readlines()[-15:])
-    except OSError as e:
-        tail = f"(no log: {e})"
-    warnings.warn(f"the session's redis-server (port {server.port}) had exited with {server.proc.returncode}; "
-                  f"started again. Its log ended:\n{tail}", stacklevel=2)
-    server.start()
+@pytest.fixture(autouse=True)
+def _no_heartbeat_left_behind():
+    """A test that starts a worker heartbeat in this process and leaves it started fails here:
+    `harvest.state.heartbeat.keep_alive` beats every started heartbeat of the process, so a later
+    test's janitor sweep would beat it into a Redis that is gone (stop 33's CI failure of
+    test_stranded.py: a heartbeat test_control_plane.py had left, pointing at its module's Redis,
+    now stopped: "Connection refused" in the sweep)."""
+    from harvest.state import heartbeat
+
+    before = set(heartbeat._LIVE)
+    yield
+    left = set(heartbeat._LIVE) - before
+    for name in left:
+        heartbeat._LIVE.pop(name, None)
+    assert not left, f"heartbeats started and never stopped: {sorted(left)} (call WorkerBeat.stop())"
 
 
 @pytest.fixture
 def conn(redis_server) -> redis.Redis:
-    _revive(redis_server)
     c = redis.Redis.from_url(redis_server.url)
     c.flushall()
     return c

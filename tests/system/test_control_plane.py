@@ -102,6 +102,7 @@ def fleet_node(r, tmp_path):
     install(ctx)
     yield cfg, ctx, beat, Collector(r, cfg, spool, node="node-a", max_wait=3600)
     install(None)  # type: ignore[arg-type]  # no context left behind for another test of this process
+    beat.stop()  # nor a started heartbeat: keep_alive() in a later test would beat it into this module's Redis, gone
     ctx.engine.close()
     httpd.shutdown()
     httpd.server_close()

@@ -200,7 +200,10 @@ def test_janitor_cleans_only_dead_workers_claim_dirs_and_stale_dumps(tmp_path, c
     very_old = time.time() - STALE_DUMP_S - 5
     os.utime(stale, (very_old, very_old))
     os.utime(dump / "not-ours.bin", (very_old, very_old))
-    dirs, files = clean_dump_dir(conn, str(dump))
+    try:
+        dirs, files = clean_dump_dir(conn, str(dump))
+    finally:
+        live.stop()
     assert (dirs, files) == ([".claimed-dead-1"], 1)
     assert sorted(os.listdir(dump)) == sorted([".claimed-dead-young", ".claimed-live-1", fresh.name, "not-ours.bin"])
 

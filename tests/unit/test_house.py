@@ -146,6 +146,8 @@ OUTSIDE = {
     "workers/safejob.py:RefusedJob": "raised inside RQ's job execution; RQ fails that job, the worker goes on",
     "harvest/formats/filecopy.py:ShortFile": "a kernel copy met the end of its source: the shard writer falls back",
     "engines/reference.py:BadRequest": "answered as HTTP 400 by the reference engine's handler",
+    "workers/regenerate.py:_Stopped": "a conversation left between turns once its job's generation step failed: "
+                                      "dropped there, the step's own error is what is raised",
 }
 
 
