@@ -202,7 +202,8 @@ class ReferenceEngine:
         ids: list[int] = []
         logits = r.last_logits
         while True:
-            tok = sample(logits, sp, gen)
+            with self._lock:  # sampling too: one thread at a time in torch (many short-lived handler threads
+                tok = sample(logits, sp, gen)  # running torch ops at once is what its OpenMP pool copes with least)
             ids.append(tok)
             if tok in stop:  # a stop token wins over the length cap on the same step, as in SGLang
                 reason = {"type": "stop", "matched": tok}
