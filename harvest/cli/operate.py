@@ -157,19 +157,23 @@ def generated_cmd(run_url, dest, s3_endpoint, s3_region) -> None:
 
     apply_s3_env(s3_endpoint, s3_region)
     n = 0
+    rows = iter_generated(run_url)  # a folder with no run, or a run without --regenerate: refused here, by name
     out = sys.stdout if dest == "-" else open(dest + ".tmp", "w", encoding="utf-8")  # noqa: SIM115 - renamed below
     try:
-        for row in iter_generated(run_url):
+        for row in rows:
             out.write(json.dumps(row, ensure_ascii=False) + "\n")
             n += 1
+        out.flush()
+    except BrokenPipeError:  # a reader that stopped early (`| head`): its choice, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
     finally:
         if out is not sys.stdout:
             out.close()
     if out is not sys.stdout:
         os.replace(dest + ".tmp", dest)  # whole or not at all
     if n == 0:
-        click.echo(f"harvest: {run_url} holds no regenerated conversation (not a --regenerate run, or nothing "
-                   "committed yet)", err=True)
+        click.echo(f"harvest: {run_url} commits no regenerated conversation yet", err=True)
     click.echo(f"wrote {n} conversations to {dest}", err=dest == "-")
 
 

@@ -9,16 +9,32 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from harvest.config import ConfigError
 from harvest.formats.generated import decode_generated
 from harvest.formats.index import INDEX, kept_copies, read_index
+from harvest.formats.runfile import read_run_json
 from harvest.storage import Location
+
+
+class NotRegenerated(ConfigError):
+    """A run that regenerates nothing: its run.json has no regenerate settings."""
 
 
 def iter_generated(run_url: str) -> Iterator[dict]:
     """Every committed regenerated conversation of the run at `run_url` (`<out>/<run>`), shard by
-    shard in shard id order, each in storage order: {"id", "messages", "turns"} (the Parquet row)."""
+    shard in shard id order, each in storage order: {"id", "messages", "turns"} (the Parquet row).
+    A folder that holds no run (ConfigError) or a run without --regenerate (NotRegenerated) is
+    refused by name before anything is read."""
     loc = Location.from_url(run_url)
+    cfg = read_run_json(loc)
+    if cfg.regenerate is None:
+        raise NotRegenerated(f"run {cfg.run} in {loc.url()} was not started with --regenerate: the target model "
+                             "wrote none of its answers, so it has no generated conversations")
     docs = [read_index(loc, name) for name in loc.list(INDEX, ".json")]
+    return _rows(loc, docs)
+
+
+def _rows(loc: Location, docs: list) -> Iterator[dict]:
     kept = kept_copies(docs).kept
     for doc in sorted(docs, key=lambda d: d["shard_id"]):
         gen = doc.get("generated")

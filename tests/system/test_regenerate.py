@@ -99,6 +99,9 @@ def test_regenerated_turns_equal_hf_generate_and_their_states_an_hf_forward(tmp_
     res = harvest_cli("generated", "--run-url", f"file://{out}/regen", str(dest))
     assert res.returncode == 0 and f"wrote {len(CHATS)} conversations to {dest}" in res.stdout, res.stdout + res.stderr
     assert sorted(json.loads(line)["id"] for line in dest.read_text().splitlines()) == sorted(generated)
+    res = harvest_cli("generated", "--run-url", str(tmp_path / "nowhere"), str(tmp_path / "none.jsonl"))
+    assert res.returncode == 2 and res.stderr == f"harvest: error: {tmp_path}/nowhere/run.json not found: not a harvest run output\n"
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("none.jsonl")]  # nothing written
 
 
 def test_failed_turns_are_failed_samples_with_their_reason(tmp_path, tiny_model):

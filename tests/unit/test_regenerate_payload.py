@@ -99,3 +99,16 @@ def test_the_generated_file_round_trips_and_is_checked_against_its_index():
     with pytest.raises(ShardError, match="not a readable Parquet file"):
         decode_generated(b"not parquet", "generated/x.parquet")
     assert np.array_equal(np.frombuffer(data[:4], np.uint8), np.frombuffer(b"PAR1", np.uint8))
+
+
+def test_reading_the_generated_dataset_of_a_run_without_it_is_refused_by_name(tmp_path):
+    from harvest.formats.runfile import publish_run_json
+    from harvest.read.generated import NotRegenerated, iter_generated
+    from tests.support.synth import make_config
+
+    cfg = make_config(f"file://{tmp_path}/out", run="plain")
+    publish_run_json(cfg)
+    with pytest.raises(NotRegenerated) as e:
+        iter_generated(f"file://{tmp_path}/out/plain")  # refused at the call, before any row is asked for
+    assert str(e.value) == (f"run plain in file://{tmp_path}/out/plain was not started with --regenerate: the target "
+                            "model wrote none of its answers, so it has no generated conversations")
