@@ -32,7 +32,7 @@ import torch
 from engines import faults as fx
 from engines.batch import cut_batch
 from engines.dump_writer import DumpWriter
-from engines.generation import Sampling, eos_ids, max_new_tokens, parse_sampling, sample
+from engines.generation import Sampling, eos_ids, parse_sampling, sample
 from harvest.config import parse_layers
 from harvest.formats.dump import Chunk
 from harvest.ids import RID_PREFIX
@@ -291,17 +291,8 @@ class ReferenceEngine:
         if len(rids) != len(prompts) or not all(isinstance(r, str) for r in rids):
             raise BadRequest(f"'rid' must be one string per prompt ({len(prompts)} prompts)")
         sp = body.get("sampling_params") or {}
-        sps = sp if isinstance(sp, list) else [sp]
-        if not all(isinstance(x, dict) for x in sps):
+        if not all(isinstance(x, dict) for x in (sp if isinstance(sp, list) else [sp])):
             raise BadRequest("'sampling_params' must be an object (or one per prompt)")
-        # `parse` is shared with engines.synthetic, which cannot generate (it has no parse_sampling).
-        generates = getattr(self, "parse_sampling", None) is not None
-        try:
-            longest = max(max_new_tokens(x) for x in sps)
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
-        if not generates and longest > 1:
-            raise BadRequest("this engine generates at most 1 new token (sampling_params.max_new_tokens <= 1)")
         return rids, prompts, batched
 
     def parse_sampling(self, body: dict, rids: list[str], prompts: list[list[int]]) -> list[Sampling] | None:
@@ -351,8 +342,7 @@ def _handler(engine: ReferenceEngine):
                 length = int(self.headers.get("Content-Length", "0"))
                 body = json.loads(self.rfile.read(length) or b"null")
                 rids, prompts, batched = engine.parse(body)
-                gen = getattr(engine, "parse_sampling", None)  # the synthetic engine has none
-                sampling = gen(body, rids, prompts) if gen is not None else None
+                sampling = engine.parse_sampling(body, rids, prompts)
             except (BadRequest, ValueError) as e:
                 self._send(HTTPStatus.BAD_REQUEST, {"error": {"message": str(e)}})
                 return
@@ -362,7 +352,7 @@ def _handler(engine: ReferenceEngine):
             if engine.faults.take(fx.HANG):
                 time.sleep(engine.faults.hang_s)
             try:
-                out = engine.generate(rids, prompts, *([sampling] if sampling is not None else []))
+                out = engine.generate(rids, prompts, sampling)
             except Exception as e:  # an engine fault is the server's, not the client's
                 log.exception("generate failed")
                 self._send(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": f"{type(e).__name__}: {e}"}})

@@ -35,7 +35,8 @@ from collections.abc import Sequence
 import torch
 
 from engines import faults as fx
-from engines.reference import ReferenceEngine, serve
+from engines.generation import max_new_tokens
+from engines.reference import BadRequest, ReferenceEngine, serve
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import RID_PREFIX
 from harvest.node.paths import private_dir
@@ -46,7 +47,7 @@ VOCAB = 1 << 31  # any non-negative int32 token id is accepted: the engine reads
 
 
 class SyntheticEngine:
-    """The reference engine's interface (`parse`, `generate`, `info`, `server_info`, `faults`)
+    """The reference engine's interface (`parse`, `parse_sampling`, `generate`, `info`, `server_info`, `faults`)
     with no model: every request is answered as soon as its chunk files are on disk."""
 
     def __init__(self, dump_dir: str, capture_points: Sequence[int], hidden_size: int,
@@ -77,8 +78,22 @@ class SyntheticEngine:
         return {**self.info(), "busy_seconds": self.busy_seconds, "prefill_tokens": self.prefill_tokens,
                 "requests": self.requests, "threads": 1}
 
-    # The same request rules as the reference engine (they read only `vocab_size`).
-    parse = ReferenceEngine.parse
+    def parse(self, body: object) -> tuple[list[str], list[list[int]], bool]:
+        """The reference engine's request rules (they read only `vocab_size`), and no generation."""
+        rids, prompts, batched = ReferenceEngine.parse(self, body)
+        self.parse_sampling(body, rids, prompts)
+        return rids, prompts, batched
+
+    def parse_sampling(self, body: dict, rids: list[str], prompts: list[list[int]]) -> None:
+        """This engine extracts only: a request for more than one new token is refused (HTTP 400)."""
+        sp = body.get("sampling_params") or {}
+        try:
+            longest = max(max_new_tokens(x) for x in (sp if isinstance(sp, list) else [sp]))
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        if longest > 1:
+            raise BadRequest("this engine generates at most 1 new token (sampling_params.max_new_tokens <= 1)")
+        return None
 
     def _rows(self, n: int) -> torch.Tensor:
         """`n` finite rows [n, K, H], from one zero buffer grown as needed (never written to)."""
@@ -88,7 +103,7 @@ class SyntheticEngine:
                                           self.hidden_size, dtype=self.dtype)
             return self._zeros[:n]
 
-    def generate(self, rids: list[str], prompts: list[list[int]]) -> list[dict]:
+    def generate(self, rids: list[str], prompts: list[list[int]], sampling: None = None) -> list[dict]:
         t0 = time.perf_counter()
         out = []
         for rid, ids in zip(rids, prompts):
