@@ -248,13 +248,10 @@ def main() -> None:
     del torch
     print(f"model: Llama {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, {params / 1e6:.1f}M params; "
           f"{args.samples} samples of ~{args.tokens} tokens", flush=True)
-    dump_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tmp, f"harvest-bench-{os.getpid()}")
-    os.makedirs(dump_dir, mode=0o700)
-    port = 31000 + os.getpid() % 1000
-    url = f"http://127.0.0.1:{port}"
-    engine, engine_cores, rest = start_pinned_engine(model, dump_dir, port, args.engine_cores, pin=not args.no_pin)
+    bench_engine = start_pinned_engine(model, tmp, "pipeline", args.engine_cores, pin=not args.no_pin)
+    engine, url, dump_dir = bench_engine.proc, bench_engine.url, bench_engine.dump_dir
     if not args.no_pin:
-        print(f"engine pinned to cores {engine_cores}, direct client and pipeline to {rest}", flush=True)
+        print(f"engine pinned to cores {bench_engine.cores}, direct client and pipeline to {bench_engine.rest}", flush=True)
     try:
         wait_engine(url, engine)
         results = []

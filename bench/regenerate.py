@@ -277,13 +277,10 @@ def main() -> None:
           f"<= {args.max_new_tokens} new tokens a turn; harvest: {args.workers} workers, jobs of {args.batch_samples}; "
           f"direct: {threads} threads", flush=True)
 
-    dump_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else base, f"harvest-bench-regen-{os.getpid()}")
-    os.makedirs(dump_dir, mode=0o700)
-    port = 32000 + os.getpid() % 1000
-    url = f"http://127.0.0.1:{port}"
-    engine, engine_cores, rest = start_pinned_engine(model, dump_dir, port, args.engine_cores, pin=not args.no_pin)
+    bench_engine = start_pinned_engine(model, base, "regen", args.engine_cores, pin=not args.no_pin)
+    engine, url, dump_dir = bench_engine.proc, bench_engine.url, bench_engine.dump_dir
     if not args.no_pin:
-        print(f"engine pinned to cores {engine_cores}, the rest to {rest}", flush=True)
+        print(f"engine pinned to cores {bench_engine.cores}, the rest to {bench_engine.rest}", flush=True)
     server = RedisServer(os.path.join(base, "redis"), appendonly=False).start()
     try:
         def running() -> None:
