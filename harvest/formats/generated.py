@@ -82,7 +82,15 @@ def entry(name: str, data: bytes, rows: int) -> dict:
 def store_generated(loc: Location, shard_id: str, records: list[str]) -> dict:
     """Shard `shard_id`'s generated file written whole into the run folder `loc` from its samples'
     entries (JSON, as the spool files carry them, in storage order); returns its index entry. The
-    same entries give the same bytes, so a retried commit rewrites the same file."""
+    same entries give the same bytes, so a retried commit rewrites the same file.
+
+    Who may write it, and what fences a late one: the collector holding the shard's claims in
+    storage (harvest.formats.claims), between the shard's upload and the commit fence, as for the
+    shard object itself. A node that comes back late holds no claim on a sample another shard
+    committed (it voids its own shard, and `remove_shard` deletes this file with it), and nothing
+    reads the file until the index the fence decided names it, with its sha256. Redis forgetting
+    its last second changes nothing here: the file, like the shard, is named by content and ledger
+    id, and the claims and the index, both in storage, decide what is committed."""
     name = generated_file(shard_id)
     data = encode_generated([json.loads(r) for r in records])
     loc.write_atomic(name, data)
