@@ -32,8 +32,11 @@ What redis-py (8.x) does, read in its source, and what this relies on:
   `fail` callback raises WatchError instead (the watch died with the connection) and the
   caller's WATCH loop reads again, as it does when another client wrote.
 - Scripts (`register_script`) run EVALSHA and, on NOSCRIPT (a restarted Redis has no script
-  cache), SCRIPT LOAD then EVALSHA. In a pipeline they are loaded once before its retries, so a
-  restart between the load and EXEC surfaces as NoScriptError to the caller.
+  cache), SCRIPT LOAD then EVALSHA. In a pipeline they are loaded once, before its retries: a
+  restart between the load and EXEC would fail the EXEC with NoScriptError, and Redis would
+  still run the transaction's other commands. So no EVALSHA is queued in a harvest transaction:
+  a script there goes as EVAL with its text (harvest.state.ledger's moves in a caller's
+  MULTI/EXEC), or plain commands (harvest.state.heartbeat), and runs on any server.
 - A command whose connection dropped after it was sent may have run: sent again, it runs twice.
   Harvest's writes are made for that (ledger moves are scripts that move a sample only from its
   allowed states; enqueues are WATCHed); statistics counters may count twice.

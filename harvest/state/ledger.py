@@ -96,6 +96,16 @@ return gone
 """
 
 
+def _in_transaction(pipe, script: str, keys: list[str], args: list) -> None:
+    """Queue `script` in a caller's MULTI/EXEC as EVAL, with its text. An EVALSHA there runs only
+    on a server that still has the script: redis-py loads a pipeline's scripts once, before the
+    retries in which harvest's client (harvest.state.connection) sends the batch again to a Redis
+    restarted meanwhile, so the EXEC would fail with NoScriptError, and the other commands of the
+    transaction (the jobs enqueued with the move) would run without the move. Its text costs a
+    few KB on paths that carry job payloads."""
+    pipe.eval(script, len(keys), *keys, *args)
+
+
 class Ledger:
     def __init__(self, conn: redis.Redis, run: str) -> None:
         self.conn = conn
@@ -121,9 +131,10 @@ class Ledger:
         infos = infos or [""] * len(ids)
         rows = rows or [""] * len(ids)
         args = [to, allowed, len(ids), *ids, *infos, *rows, "1" if keep else "0"]
-        res = self._script(keys=self._state_keys(), args=args, client=pipe if pipe is not None else self.conn)
         if pipe is not None:
+            _in_transaction(pipe, TRANSITION, self._state_keys(), args)
             return []
+        res = self._script(keys=self._state_keys(), args=args, client=self.conn)
         return [r.decode() if isinstance(r, bytes) else r for r in res]
 
     def states(self, ids: list[str]) -> list[str | None]:
@@ -215,9 +226,11 @@ class Ledger:
         """s -> q for those of `ids` that `spool` still owns (the janitor, after revoking it)."""
         if not ids:
             return []
-        res = self._reclaim(keys=self._state_keys(), args=[spool, len(ids), *ids],
-                            client=pipe if pipe is not None else self.conn)
-        return [] if pipe is not None else [r.decode() if isinstance(r, bytes) else r for r in res]
+        if pipe is not None:
+            _in_transaction(pipe, _RECLAIM, self._state_keys(), [spool, len(ids), *ids])
+            return []
+        res = self._reclaim(keys=self._state_keys(), args=[spool, len(ids), *ids], client=self.conn)
+        return [r.decode() if isinstance(r, bytes) else r for r in res]
 
     def fence_commit(self, spool: str, ids: list[str], record_key: str, record: str, before: str) -> bool:
         """Write a shard's packing `record` (holding its index document) only if `spool` is not
