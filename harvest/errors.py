@@ -63,6 +63,30 @@ class StorageError(HarvestError):
     """A storage operation that failed for good; the message names the object and the cause."""
 
 
+class OutputRefused(StorageError):
+    """The output refuses writes (read-only, permission denied, access denied): no retry or restart
+    helps until someone fixes the storage. Its own exit status tells a supervisor (harvest run)
+    to stop the run at once, in order, instead of restarting the collector into the same wall."""
+
+    exit_status = 77  # EX_NOPERM (sysexits.h)
+
+
+REFUSING_ERRNOS = frozenset({1, 13, 30})  # EPERM, EACCES, EROFS
+
+
+def refuses_writes(exc: BaseException) -> bool:
+    """Whether `exc`, or an error it was raised from, says the storage refuses writes for good
+    (s3fs turns an object store's AccessDenied into PermissionError)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, PermissionError) or (isinstance(e, OSError) and e.errno in REFUSING_ERRNOS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 class ServiceError(HarvestError):
     """A service harvest depends on (Redis, S3, the engine, a child process) is unreachable or gone."""
 

@@ -294,14 +294,15 @@ def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, pack_wor
                 s3_region, redis_wait) -> None:
     """Pack this node's spool into shards and commit them to the run's output.
 
-    Exit status: 0, 2 on errors, 75 when Redis stayed away past --redis-wait; after either the
+    Exit status: 0, 2 on errors, 77 when the output refuses writes (read-only, permission or access
+    denied: restarting will not help), 75 when Redis stayed away past --redis-wait; after any, the
     spool and the shard in progress are kept, and a restart finishes it.
     """
     service_logging()
     apply_s3_env(s3_endpoint, s3_region)
     conn = connect_service(redis_url, redis_wait)
     from collector.service import run_collector
-    from harvest.errors import StorageError
+    from harvest.errors import OutputRefused, StorageError, refuses_writes
     from harvest.state.runstore import load_run
 
     cfg = load_run(conn, run)
@@ -314,8 +315,10 @@ def collect_cmd(run, redis_url, spool_dir, max_wait, shard_mb, part_mb, pack_wor
     try:
         run_collector(conn, cfg, spool_dir, settings, lambda: stop["now"])
     except StorageError as e:
-        fail(f"collector stopped: {e}. The spool in {spool_dir} is intact and the shard in progress is recorded "
-             "in Redis; fix the storage and restart `harvest collect` to finish it.")
+        kind = OutputRefused if refuses_writes(e) else StorageError  # 77 for a wall no restart gets past
+        raise kind(f"collector stopped: {e}. The spool in {spool_dir} is intact and the shard in progress is "
+                   "recorded in Redis; fix the storage and start the collector again (`harvest collect`, or the "
+                   "same `harvest run`) to finish it.") from e
 
 
 @click.command("engine")

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from harvest.errors import ServiceError
+from harvest.errors import OutputRefused, ServiceError
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 SECOND_SIGNAL_AFTER_S = 1.0  # a hurried stop's second SIGTERM comes at least this long after the first
@@ -70,6 +70,11 @@ def kill_group(pid: int) -> None:
 
 class ChildKeepsDying(ServiceError, RuntimeError):
     """A child died `max_deaths` times within `window_s`: restarting it again would not help."""
+
+
+class ChildRefused(OutputRefused):
+    """A child exited with `OutputRefused.exit_status`: the output refuses writes, so a restart
+    meets the same wall. The run stops at once (in order) with the child's own line."""
 
 
 @dataclass
@@ -117,6 +122,9 @@ class Supervisor:
             if child.stopped or child.held:
                 continue
             if child.restart_at is None and child.proc is not None and child.proc.poll() is not None:
+                if child.proc.returncode == OutputRefused.exit_status:
+                    said = self.last_error(child.name).removeprefix(f"{child.name} stopped: ")
+                    raise ChildRefused(f"the run stopped because its {child.name} stopped: {said}")
                 child.deaths = [t for t in child.deaths if now - t < self.window_s] + [now]
                 if self.tolerant:
                     child.deaths = child.deaths[-(self.max_deaths - 1):]
@@ -173,6 +181,12 @@ class Supervisor:
                 return "".join(f.readlines()[-n:])
         except OSError:
             return ""
+
+    def last_error(self, name: str) -> str:
+        """The child's own `harvest: error:` line (the CLI's one line for its failure), else its last line."""
+        lines = [x.strip() for x in self.tail(name, 50).splitlines() if x.strip()]
+        errors = [x.removeprefix("harvest: error: ") for x in lines if x.startswith("harvest: error: ")]
+        return (errors or lines or [f"exit status {OutputRefused.exit_status}, no output"])[-1]
 
     def note(self, line: str) -> None:
         """One timestamped line in supervisor.log (the run's Redis keeper writes there too)."""
