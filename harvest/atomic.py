@@ -5,6 +5,9 @@ name in the file's own directory (so the rename cannot cross filesystems), are f
 temporary file is renamed over the final name (or, for a writer that must not replace what is
 there, hard-linked to it); the directory is fsynced too where the rename itself must survive a
 power cut. A reader that lists the directory sees the old file or the new one, never a part.
+Writers that make a whole folder (a model's `save_pretrained`, a dataset's `save_to_disk`) build it
+under a temporary name beside it and rename it into place, or move its files into an existing
+folder one rename each (`atomic_folder`).
 
 Temporary names stay each folder's contract, not this module's: a writer passes the prefix its
 folder's owner declares (`harvest.storage.TEMP_PREFIX` for output folders) or the exact temporary
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 
@@ -103,6 +107,31 @@ def atomic_path(path: str, *, prefix: str, fsync: bool = True, fsync_dir: bool =
         raise
     if fsync_dir:
         fsync_directory(folder)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str, *, prefix: str, into: bool = False, last: Iterable[str] = ()) -> Iterator[str]:
+    """For writers that make a folder of files: yields a temporary folder, `prefix` + random,
+    beside `path` (or inside it, `into`). When the block ends normally it is renamed to `path`,
+    which must not exist or be empty (else OSError: another builder's folder is there); or,
+    `into`, each of its entries is renamed into the existing folder `path`, the names in `last`
+    (the file that names the others) after the rest, so each file appears whole and a reader that
+    goes by `last` sees the old set or the new one. Nothing is fsynced (what is built this way can
+    be built again). The temporary folder never outlives the block."""
+    last = set(last)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=path if into else os.path.dirname(os.path.abspath(path)))
+    moved = False
+    try:
+        yield tmp
+        if into:
+            for name in sorted(os.listdir(tmp), key=lambda n: n in last):
+                os.replace(os.path.join(tmp, name), os.path.join(path, name))
+        else:
+            os.replace(tmp, path)
+            moved = True
+    finally:
+        if not moved:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def fsync_directory(folder: str) -> None:

@@ -31,6 +31,7 @@ import time
 import redis
 import torch
 
+from harvest.health import wait_healthy
 from harvest.ids import check_id, node_name
 from harvest.node.dumpdir import claim_dir as claim_dir_of
 from harvest.node.paths import private_dir
@@ -109,14 +110,14 @@ def _quiet_thread_exit(args: threading.ExceptHookArgs, default=threading.excepth
 
 def _wait_for_engine(engine: Engine, beat: WorkerBeat, seconds: float) -> None:
     """Take no job before the engine answers /health (an SGLang server loads for minutes): a job
-    taken earlier would only spend its retry budget. After `seconds`, start anyway."""
+    taken earlier would only spend its retry budget. After `seconds`, start anyway. A SIGTERM
+    meanwhile ends the wait by its handler's SystemExit (run_worker's `_stop_before_work`)."""
     deadline = time.monotonic() + seconds
     if seconds <= 0 or engine.health():
         return
     beat.set_state("waiting for engine")
     log.warning("engine %s not healthy yet: waiting up to %.0fs before taking jobs", engine.url, seconds)
-    while time.monotonic() < deadline and not engine.health():
-        time.sleep(0.5)
+    wait_healthy(engine.url, deadline - time.monotonic(), interval=0.5, probe_timeout=5.0)
     beat.set_state("idle")
 
 

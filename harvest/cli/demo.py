@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
-import tempfile
+
+from harvest.atomic import atomic_folder
 
 DEMO_VERSION = "2"  # 2: random non-unit norm weights
 DEMO_CHUNKED_PREFILL = 64  # the reference engine's chunk in `harvest demo`: demo_rows' lengths straddle it
@@ -89,13 +89,11 @@ def build_tiny_model(path: str | None = None, *, layers: int = 8, hidden: int = 
     model = LlamaForCausalLM(cfg).to(torch.float32)
     _randomize_norms(model, seed)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".build-", dir=os.path.dirname(os.path.abspath(path)))
     try:
-        model.save_pretrained(tmp)
-        fast.save_pretrained(tmp)
-        os.replace(tmp, path)
+        with atomic_folder(path, prefix=".build-") as tmp:
+            model.save_pretrained(tmp)
+            fast.save_pretrained(tmp)
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.exists(os.path.join(path, "config.json")):  # lost a race to another builder: fine
             raise
     return path

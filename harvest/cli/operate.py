@@ -153,25 +153,29 @@ def generated_cmd(run_url, dest, s3_endpoint, s3_region) -> None:
     import json
     import sys
 
+    from harvest.atomic import write_atomic
     from harvest.read.generated import iter_generated
 
     apply_s3_env(s3_endpoint, s3_region)
     n = 0
     rows = iter_generated(run_url)  # a folder with no run, or a run without --regenerate: refused here, by name
-    out = sys.stdout if dest == "-" else open(dest + ".tmp", "w", encoding="utf-8")  # noqa: SIM115 - renamed below
-    try:
+
+    def lines() -> Iterator[str]:
+        nonlocal n
         for row in rows:
-            out.write(json.dumps(row, ensure_ascii=False) + "\n")
             n += 1
-        out.flush()
-    except BrokenPipeError:  # a reader that stopped early (`| head`): its choice, not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
-    finally:
-        if out is not sys.stdout:
-            out.close()
-    if out is not sys.stdout:
-        os.replace(dest + ".tmp", dest)  # whole or not at all
+            yield json.dumps(row, ensure_ascii=False) + "\n"
+
+    if dest == "-":
+        try:
+            for line in lines():
+                sys.stdout.write(line)
+            sys.stdout.flush()
+        except BrokenPipeError:  # a reader that stopped early (`| head`): its choice, not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
+    else:  # whole or not at all, through DEST.tmp (not fsynced: the run still holds every row)
+        write_atomic(dest, (line.encode() for line in lines()), temp=dest + ".tmp", fsync=False)
     if n == 0:
         click.echo(f"harvest: {run_url} commits no regenerated conversation yet", err=True)
     click.echo(f"wrote {n} conversations to {dest}", err=dest == "-")

@@ -11,7 +11,6 @@ directory holds is `harvest.node.dumpdir`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -19,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from harvest.atomic import write_atomic
 from harvest.errors import InputError
 from harvest.ids import parse_rid
 from harvest.node.dumpdir import temp_chunk_path
@@ -85,20 +85,14 @@ def encode_chunk(chunk: Chunk, capture_points: Sequence[int], model: str) -> byt
 
 
 def write_chunk(dump_dir: str, chunk: Chunk, capture_points: Sequence[int], model: str) -> str:
-    """Write one chunk file atomically (temporary dot-name, then rename), so a worker that
-    lists the directory sees either nothing or the whole file."""
+    """Write one chunk file atomically (temporary dot-name, then rename: harvest.atomic), so a
+    worker that lists the directory sees either nothing or the whole file. No fsync: the dump
+    dir is tmpfs by default and a file lives only until a worker claims it; a full disk keeps no
+    partial file."""
     name = chunk_name(chunk.rid, chunk.start, chunk.end)
     path = os.path.join(dump_dir, name)
-    tmp = temp_chunk_path(dump_dir, name)
     data = encode_chunk(chunk, capture_points, model)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)  # a full disk must not also keep the partial file
-        raise
+    write_atomic(path, data, temp=temp_chunk_path(dump_dir, name), fsync=False)
     return path
 
 

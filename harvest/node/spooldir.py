@@ -27,6 +27,7 @@ import os
 import re
 import time
 
+from harvest.atomic import write_atomic
 from harvest.formats.filecopy import start_writeback
 from harvest.formats.spool import SpooledSample, encode_sample, write_encoded
 from harvest.ids import check_id
@@ -52,16 +53,12 @@ def spool_identity(spool_dir: str) -> str:
             return sid
         except FileNotFoundError:
             pass
-        tmp = os.path.join(spool_dir, f"{_ID_FILE}.{os.getpid()}.{os.urandom(4).hex()}")
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(os.urandom(16).hex())
+        # published by a hard link: the first one wins; the others read the winner's id
         try:
-            os.link(tmp, path)  # the first one wins; the others read the winner's id
-        except (FileExistsError, FileNotFoundError):
-            pass
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            write_atomic(path, os.urandom(16).hex().encode(), temp=_id_temp(spool_dir), fsync=False, exclusive=True)
+        except FileNotFoundError:  # our temp file, removed by a process that cannot see our pid
+            if not os.path.isdir(spool_dir):
+                raise
 
 
 def rotate_spool_identity(spool_dir: str, revoked: str) -> str:
@@ -76,16 +73,16 @@ def rotate_spool_identity(spool_dir: str, revoked: str) -> str:
         current = spool_identity(spool_dir)
         if current != revoked:
             return current
-        tmp = os.path.join(spool_dir, f"{_ID_FILE}.{os.getpid()}.{os.urandom(4).hex()}")
         new = os.urandom(16).hex()
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(new)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, new.encode(), temp=_id_temp(spool_dir))
         return new
     finally:
         os.close(fd)
+
+
+def _id_temp(spool_dir: str) -> str:
+    """The id file in flight: `clear_dead_temps` removes it once its writer's pid is gone."""
+    return os.path.join(spool_dir, f"{_ID_FILE}.{os.getpid()}.{os.urandom(4).hex()}")
 
 
 TEMP_MAX_AGE_S = 3600.0  # far longer than a job takes to write and commit its spool files
@@ -197,7 +194,9 @@ class SpoolBatch:
 
     def commit(self) -> None:
         """Durable, then in place: flush every file, rename each, fsync the dir. On an error
-        the files not yet renamed are removed (the caller keeps their samples queued)."""
+        the files not yet renamed are removed (the caller keeps their samples queued). Not
+        `harvest.atomic.write_atomic`, which makes each file durable by itself: a batch takes one
+        syncfs for all its files and one fsync of the dir for all its renames."""
         if not self._temps:
             return
         try:

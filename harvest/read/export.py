@@ -23,7 +23,6 @@ re-extracted them writes just those.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ import torch
 
 import harvest.read.specforge as specforge
 import harvest.read.specforge_feed as specforge_feed
+from harvest.atomic import atomic_path
 from harvest.config import RunConfig
 from harvest.errors import ConfigurationError, HarvestError, StorageError
 from harvest.progress import progress as progress_display
@@ -150,15 +150,7 @@ def _export(run_url: str, fmt: str, dest: str, dtype: torch.dtype | None, progre
 
 
 def _atomic(path: str, write: Callable[[str], None]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=os.path.dirname(path))
-    os.close(fd)
-    try:
+    """How the trainers' layouts write each file: `write(tmp)` to a temporary name, renamed to
+    `path` (harvest.atomic). Not fsynced: a killed export leaves no partial file, a power cut may."""
+    with atomic_path(path, prefix=TEMP_PREFIX, fsync=False) as tmp:
         write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

@@ -39,14 +39,13 @@ import glob
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Callable
 
 import torch
 from safetensors.torch import save_file
 
+from harvest.atomic import atomic_folder
 from harvest.errors import ConfigurationError
 from harvest.progress import progress as progress_display
 from harvest.read.final_norm import FinalNorm
@@ -176,7 +175,7 @@ def _plan_rows(reader: RunReader, dest: str, dtype: torch.dtype | None, in_place
 
 def _save_dataset(dest: str, ids: list[list[int]], mask: list[list[int]]) -> None:
     """The Arrow dataset at `dest`, saved beside the other files: built in a temp dir, then moved in
-    (state.json, which names the data files, last), stale data files removed."""
+    (state.json, which names the data files, last: harvest.atomic), stale data files removed."""
     from datasets import Dataset, Features, Sequence, Value
     from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
 
@@ -184,19 +183,16 @@ def _save_dataset(dest: str, ids: list[list[int]], mask: list[list[int]]) -> Non
                          "seq_len": Value("int64")})
     ds = Dataset.from_dict({"input_ids": ids, "loss_mask": mask, "seq_len": [len(x) for x in ids]}, features=features)
     ds.set_format(type="torch")
-    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=dest)
     bars = is_progress_bar_enabled()
     disable_progress_bar()  # the export's own bar counts the samples
     try:
-        ds.save_to_disk(tmp)
-        names = sorted(os.listdir(tmp), key=lambda n: n == "state.json")
-        for old in glob.glob(os.path.join(dest, "data-*.arrow")):
-            if os.path.basename(old) not in names:
-                os.unlink(old)
-        for name in names:
-            os.replace(os.path.join(tmp, name), os.path.join(dest, name))
+        with atomic_folder(dest, prefix=TEMP_PREFIX, into=True, last=["state.json"]) as tmp:
+            ds.save_to_disk(tmp)
+            names = os.listdir(tmp)
+            for old in glob.glob(os.path.join(dest, "data-*.arrow")):
+                if os.path.basename(old) not in names:
+                    os.unlink(old)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
         if bars:
             enable_progress_bar()
 

@@ -136,6 +136,54 @@ def test_dump_dir_names_live_in_the_dump_dir_module():
     assert holders(lambda s: s.startswith(".tmp-")) == {dumpdir, os.path.join("harvest", "storage.py")}
 
 
+# -- one atomic local write -----------------------------------------------------------------------
+
+ATOMIC = os.path.join("harvest", "atomic.py")
+
+# os.replace / os.rename outside harvest.atomic, "path:function" -> why it is not a hand-written
+# temp-and-rename writer.
+RENAMES = {
+    "harvest/node/spooldir.py:SpoolBatch.commit": "a job's spool files made durable together (one syncfs), then "
+                                                 "renamed in with one fsync of the dir, not one fsync each",
+    "harvest/storage.py:Location.delete_if": "the rename takes the file to compare it: the local delete's protocol",
+    "harvest/storage.py:Location.put_file": "commits a shard file its writer completed in the folder: consumed, "
+                                            "not written",
+    "workers/claim.py:claim": "the rename is the claim: the worker that moves a dump file first owns it",
+    "collector/collector.py:Collector._reject": "moves an existing bad spool file aside for a person",
+}
+
+
+def _renames(path: str) -> list[str]:
+    """"path:function" of each os.replace / os.rename call in `path` (or of the module, at its top),
+    and of each `from os import` of them."""
+    out = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, f"{where}.{child.name}" if where else child.name)
+                continue
+            f = getattr(child, "func", None)
+            if isinstance(child, ast.Call) and isinstance(f, ast.Attribute) and getattr(f.value, "id", None) == "os" \
+                    and f.attr in ("replace", "rename", "renames"):
+                out.append(f"{path}:{where or '<module>'}")
+            if isinstance(child, ast.ImportFrom) and child.module == "os" and \
+                    {a.name for a in child.names} & {"replace", "rename", "renames"}:
+                out.append(f"{path}:{where or '<module>'}")
+            visit(child, where)
+
+    visit(ast.parse(read(path), path), "")
+    return out
+
+
+def test_local_files_are_written_through_harvest_atomic():
+    found = {r for f in source_files() if f != ATOMIC for r in _renames(f)}
+    unexplained = sorted(found - set(RENAMES))
+    assert not unexplained, (f"{unexplained}: write the file with harvest.atomic (write_atomic, atomic_path, "
+                             "atomic_folder), or list the rename in RENAMES with why it is not a writer's")
+    assert sorted(set(RENAMES) - found) == [], "gone: remove them from RENAMES"
+
+
 # -- one error root ------------------------------------------------------------------------------
 
 # Exception classes outside the root, "path:Class" -> why.
