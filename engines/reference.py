@@ -37,6 +37,7 @@ from harvest.config import parse_layers
 from harvest.formats.dump import Chunk
 from harvest.ids import RID_PREFIX
 from harvest.node.paths import private_dir
+from harvest.settings import EngineSettings, IdentityDefaults
 
 log = logging.getLogger("harvest.engine")
 
@@ -61,8 +62,8 @@ class ReferenceEngine:
         self,
         model_dir: str,
         dump_dir: str,
-        layers: str = "eagle3",
-        chunked_prefill_size: int = 0,
+        layers: str = IdentityDefaults.layers,
+        chunked_prefill_size: int = EngineSettings.chunked_prefill_size,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -362,7 +363,7 @@ def _handler(engine: ReferenceEngine):
     return Handler
 
 
-def serve(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = 30000) -> ThreadingHTTPServer:
+def serve(engine: ReferenceEngine, host: str = "127.0.0.1", port: int = EngineSettings.port) -> ThreadingHTTPServer:
     """Start serving in the calling thread's process; returns the server (call serve_forever)."""
     server = ThreadingHTTPServer((host, port), _handler(engine))
     server.daemon_threads = True

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from engines.sglang_plugin import ENV_CAPTURE, ENV_DUMP_DIR, ENV_MODEL
 from engines.venvs import EngineVenv
 from harvest.config import ConfigError
+from harvest.settings import EngineSettings
 
 SUPPORTED = ("0.5.11", "0.5.23")  # the oldest with the plugin framework, the newest checked live
 ENV_VENV = "HARVEST_SGLANG_VENV"
@@ -50,15 +51,15 @@ def launch_spec(
     capture_points: Sequence[int],
     num_layers: int,
     dump_dir: str,
-    tp_size: int = 1,
-    port: int = 30000,
+    tp_size: int = EngineSettings.tp_size,
+    port: int = EngineSettings.port,
     host: str = "127.0.0.1",
-    chunked_prefill_size: int = 8192,
-    sglang_version: str = "0.5.23",
+    chunked_prefill_size: int = EngineSettings.sglang_chunked_prefill_size,
+    sglang_version: str = EngineSettings.sglang_version,
     skip_warmup: bool = True,
-    device: str = "cuda",
+    device: str = EngineSettings.device,
     python: str = "python",
-    dtype: str = "auto",
+    dtype: str = EngineSettings.dtype,
     max_total_tokens: int | None = None,
     extra_args: Sequence[str] = (),
 ) -> tuple[dict[str, str], list[str]]:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from engines.venvs import EngineVenv
 from harvest.config import ConfigError
 from harvest.node.dumpdir import vllm_dir
+from harvest.settings import EngineSettings
 
 VLLM_VERSION = "0.32.0"
 # engines/vllm_connector.py imports vLLM, so its name is repeated here rather than imported.
@@ -66,11 +67,11 @@ def launch_spec(
     capture_points: Sequence[int],
     num_layers: int,
     dump_dir: str,
-    port: int = 8000,
+    port: int = EngineSettings.vllm_port,
     host: str = "127.0.0.1",
     python: str = "python",
-    dtype: str = "auto",
-    kvcache_gib: int = 1,
+    dtype: str = EngineSettings.dtype,
+    kvcache_gib: int = EngineSettings.vllm_kvcache_gib,
     max_num_seqs: int | None = None,
     enforce_eager: bool = False,
     extra_args: Sequence[str] = (),

@@ -16,7 +16,7 @@ from harvest.errors import ConfigurationError
 from harvest.formats.dtypes import STORAGE_DTYPES, storage_torch_dtype
 from harvest.ids import check_id
 from harvest.regeneration import Regeneration
-from harvest.settings import RunTunables
+from harvest.settings import IdentityDefaults, RunTunables
 
 if TYPE_CHECKING:
     import torch
@@ -135,8 +135,8 @@ class RunIdentity:
     capture_points: list[int]
     hidden_size: int
     out_url: str
-    storage_dtype: str = "bf16"
-    engine: str = "reference"
+    storage_dtype: str = IdentityDefaults.storage_dtype
+    engine: str = IdentityDefaults.engine
     tokenizer: str | None = None
     allow_nonfinite: bool = False
     final_state: str = FINAL_POST_NORM  # what capture point L holds (FINAL_POST_NORM)
@@ -219,9 +219,9 @@ def build_config(
     run: str,
     model: str,
     out_url: str,
-    layers: str = "eagle3",
-    storage_dtype: str = "bf16",
-    engine: str = "reference",
+    layers: str = IdentityDefaults.layers,
+    storage_dtype: str = IdentityDefaults.storage_dtype,
+    engine: str = IdentityDefaults.engine,
     tokenizer: str | None = None,
     **extra,
 ) -> RunConfig:

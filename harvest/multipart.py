@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from harvest.settings import CollectorSettings
+from harvest.settings import CollectorSettings, StorageSettings
 from harvest.storage import Location, retry
 
 MIN_PART_BYTES = 5 << 20  # S3's minimum for every part but the last
@@ -33,8 +33,8 @@ class Upload:
     name: str
     upload_id: str
     parts: list[dict] = field(default_factory=list)  # [{"PartNumber", "ETag"}] in order
-    attempts: int = 5
-    retry_delay: float = 0.5
+    attempts: int = StorageSettings.attempts
+    retry_delay: float = StorageSettings.retry_delay_s
 
     def _call(self, method: str, **kw):
         bucket, key, _ = self.loc.fs.split_path(self.loc.path(self.name))
@@ -61,7 +61,8 @@ class MultipartWriter:
     order: part 1, the one holding the header, may not be the first stored)."""
 
     def __init__(self, loc: Location, name: str, what: str, part_bytes: int | None = None,
-                 on_part: Callable[[int], None] | None = None, attempts: int = 5, retry_delay: float = 0.5) -> None:
+                 on_part: Callable[[int], None] | None = None, attempts: int = StorageSettings.attempts,
+                 retry_delay: float = StorageSettings.retry_delay_s) -> None:
         self.part_bytes = max(MIN_PART_BYTES, part_bytes or DEFAULT_PART_BYTES)
         self.what, self.on_part = what, on_part
         self.attempts, self.retry_delay = attempts, retry_delay

@@ -1,13 +1,15 @@
-"""Every tunable's default, once: frozen settings, one class per process that takes them.
+"""Every tunable's default, once: frozen settings, one class per process that takes them (and one
+for what every process shares: storage calls, the Redis client).
 
 A default is written here and nowhere else: the CLI's options read theirs from these classes
 (`default=WorkerSettings.dump_timeout_s`), the entries take an instance (`run_worker`,
 `collector.service.run_collector`, `harvest.cli.runner.run_all`), and a module-level constant
-elsewhere imports its value. tests/unit/test_house_defaults.py holds the literals to this module.
+elsewhere imports its value. tests/unit/test_house.py holds the literals to this module.
 
 What a run must agree on across nodes is not here: that is the run's identity,
-`harvest.config.RunIdentity`. `RunTunables` are the run's own settings, recorded in run.json
-beside its identity but never compared (`RunConfig.identity()`).
+`harvest.config.RunIdentity`; only the values a new run's identity takes unless told are
+(`IdentityDefaults`). `RunTunables` are the run's own settings, recorded in run.json beside its
+identity but never compared (`RunConfig.identity()`).
 
 Imports nothing of harvest: every module may read it, `harvest.config` included.
 """
@@ -17,6 +19,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class IdentityDefaults:
+    """What a new run's identity is unless told (`--layers`, `--dtype`, `--engine`): the defaults of
+    `harvest.config.RunIdentity` and `build_config`, and of the reference engine's capture points."""
+
+    layers: str = "eagle3"  # the EAGLE-3 preset (harvest.config.parse_layers)
+    storage_dtype: str = "bf16"
+    engine: str = "reference"
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,7 @@ class ProducerSettings:
 
     max_queued: int = 20000  # samples queued or in flight at most; the producer waits beyond
     processes: int = 1  # tokenizer processes
+    overlong: str = "skip"  # a sample over its limit: skipped (producer.rows.OVERLONG_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,24 @@ class WorkerSettings:
 
 
 @dataclass(frozen=True)
+class StorageSettings:
+    """Every storage call that may meet a transient failure (harvest.storage.retry)."""
+
+    attempts: int = 5  # attempts of a storage call before a StorageError
+    retry_delay_s: float = 0.5  # first delay between those attempts; doubled each time
+    max_retry_delay_s: float = 20.0  # ... up to this
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Every process's Redis client (harvest.state.connection)."""
+
+    # A Redis that went away is waited for this long (else HARVEST_REDIS_OUTAGE_S, or `--redis-wait`):
+    # a Redis restart with a large AOF, or a failover, fits well within it.
+    outage_s: float = 300.0
+
+
+@dataclass(frozen=True)
 class CollectorSettings:
     """`harvest collect` (collector.service.run_collector) and each of its packers."""
 
@@ -65,8 +96,8 @@ class CollectorSettings:
     pack_workers: int | None = None  # None: the cores, up to MAX_PACK_WORKERS
     node: str | None = None
     burst: bool = False  # commit what is spooled now, then exit
-    storage_retries: int = 5  # attempts of a storage call before a StorageError
-    retry_delay_s: float = 0.5  # first delay between those attempts
+    storage_retries: int = StorageSettings.attempts  # attempts of a storage call before a StorageError
+    retry_delay_s: float = StorageSettings.retry_delay_s  # first delay between those attempts
     orphan_age_s: float = 6 * 3600.0  # a shard file no record names is removed once this old
 
     def packers(self) -> int:
@@ -81,6 +112,11 @@ class EngineSettings:
     vllm_port: int = 8000
     chunked_prefill_size: int = 0  # the reference engine's prefill chunk (0: whole prompts)
     sglang_chunked_prefill_size: int = 8192
+    tp_size: int = 1  # SGLang's tensor-parallel size (GPUs per server)
+    sglang_version: str = "0.5.23"  # flag spellings follow it (engines.sglang_launch)
+    device: str = "cuda"  # SGLang's (cpu: its CPU engine, as CI runs it)
+    dtype: str = "auto"  # SGLang's and vLLM's --dtype (auto: the model's own)
+    vllm_kvcache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE
 
 
 @dataclass(frozen=True)
@@ -112,6 +148,13 @@ class RunnerSettings:
     outage_s: float | None = None  # how long Redis may be away (None: harvest.state.connection's)
     # Workers pause while the work dir's filesystem (spool, Redis's append-only file) has less free (0: never)
     min_free_bytes: int = 256 << 20
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    """`harvest metrics` (harvest.ops.metrics)."""
+
+    port: int = 9108  # the Prometheus exporter's
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from harvest.atomic import unlink_quiet, write_atomic
 from harvest.errors import InputError, StorageError  # StorageError: what every failure here is raised as
+from harvest.settings import StorageSettings
 
 log = logging.getLogger("harvest.storage")
 T = TypeVar("T")
@@ -103,7 +104,8 @@ def is_transient(e: BaseException) -> bool:
     return any(k in name for k in ("Connection", "Timeout", "EndpointConnection", "ClientPayload", "ServerDisconnected"))
 
 
-def retry(fn: Callable[[], T], what: str, attempts: int = 5, base_delay: float = 0.5, max_delay: float = 20.0) -> T:
+def retry(fn: Callable[[], T], what: str, attempts: int = StorageSettings.attempts,
+          base_delay: float = StorageSettings.retry_delay_s, max_delay: float = StorageSettings.max_retry_delay_s) -> T:
     """`fn()` with transient failures retried (exponential backoff); a persistent storage
     failure (OSError), or the last transient one, raised as a StorageError naming `what`."""
     for i in range(1, attempts + 1):

@@ -18,6 +18,7 @@ import redis
 from harvest.config import ConfigError, RunConfig
 from harvest.errors import InputError
 from harvest.progress import progress as progress_display
+from harvest.settings import ProducerSettings
 from harvest.state.payload import Sample
 from producer.enqueue import DEFAULT_MAX_QUEUED, Enqueuer
 from producer.parallel import ProcessTokenizer
@@ -117,7 +118,7 @@ def produce_pass(
     length: LengthPolicy = LengthPolicy(),
     dry_run: bool = False,
     on_bad: Callable[[BadRow], None] | None = None,
-    processes: int = 1,
+    processes: int = ProducerSettings.processes,
     on_wait: Callable[[int], None] | None = None,
     regenerate: bool | None = None,
 ) -> ProduceSummary:

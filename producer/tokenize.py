@@ -16,6 +16,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from harvest.config import ConfigError, model_context
+from harvest.settings import ProducerSettings
 from harvest.state.conversation import Conversation, ConversationError
 from harvest.state.payload import PayloadError, Sample
 from producer.rowkinds import Chat, FieldMap, Pretokenized, PromptCompletion, RowError, Text, classify
@@ -29,7 +30,8 @@ class LengthPolicy:
     smaller of the two; `overlong` says what a longer one becomes (producer.rows.OVERLONG_POLICIES)."""
 
     max_len: int | None = None
-    overlong: str = "skip"  # skip: report and drop; truncate: keep the first tokens; fail: stop the producer
+    # skip: report and drop; truncate: keep the first tokens; fail: stop the producer
+    overlong: str = ProducerSettings.overlong
     context: int | None = None  # the model's context length, when known
     context_from: str = ""  # where `context` was read, for the message
 

@@ -13,10 +13,11 @@ Redis connections of the CLI go through `connect` (one-shot commands) or `connec
 (the long-running ones: worker, collector, producer, `harvest run`, the janitor and metrics
 loops), both `harvest.state.connection.redis_client`: first contact is checked at once, so a
 Redis never reached fails fast with its fix; a Redis lost later is waited for (5 s for one-shot
-commands, `--redis-wait` / HARVEST_REDIS_OUTAGE_S / 300 s for services) and, past that, told as
-lost with how long it was waited for, exit status 75 (`REDIS_LOST_EXIT`): run the command again
-once Redis is back, everything resumes. Both record the URL they tried (without its password),
-so the message names it however deep the failure happened.
+commands; `--redis-wait`, else HARVEST_REDIS_OUTAGE_S, else harvest.settings.RedisSettings.outage_s
+for services) and, past that, told as lost with how long it was waited for, exit status 75
+(`REDIS_LOST_EXIT`): run the command again once Redis is back, everything resumes. Both record
+the URL they tried (without its password), so the message names it however deep the failure
+happened.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import click
 
 from harvest.errors import ConfigurationError, HarvestError, InputError, ServiceError, StorageError
+from harvest.settings import RedisSettings
 
 # harvest.state.connection imports redis (~70 ms): imported where used, so `harvest --help` and the
 # commands without Redis (export, engine) do not pay for it. tests/unit/test_connection.py holds
@@ -44,7 +46,7 @@ S3_CREDENTIALS_FIX = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_P
 redis_wait_option = click.option(
     "--redis-wait", "redis_wait", default=None, type=click.FloatRange(0),
     help="Seconds to wait for a Redis that went away (after it answered once) before stopping with exit status 75 "
-         "[default: HARVEST_REDIS_OUTAGE_S, else 300].")
+         f"[default: HARVEST_REDIS_OUTAGE_S, else {RedisSettings.outage_s:.0f}].")
 
 
 def redact(url: str) -> str:
@@ -98,8 +100,9 @@ def connect(url: str, ping: bool = True, outage_s: float | None = None):
 
 def connect_service(url: str, outage_s: float | None = None):
     """The client of a long-running process for `url`: reached now (or the command fails at once,
-    naming the fix), then every outage up to `outage_s` (None: HARVEST_REDIS_OUTAGE_S, else 300 s)
-    waited out; past it RedisLost, and the client is latched (the process stops, exit 75)."""
+    naming the fix), then every outage up to `outage_s` (None: HARVEST_REDIS_OUTAGE_S, else
+    RedisSettings.outage_s) waited out; past it RedisLost, and the client is latched (the process
+    stops, exit 75)."""
     from harvest.state.connection import outage_limit, redis_client
 
     _tried["redis"] = url

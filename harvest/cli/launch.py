@@ -33,15 +33,17 @@ def _dump_dir(dump_dir: str | None, run: str | None) -> str:
 
 @click.command("sglang-args")
 @launch_options
-@click.option("--tp", "tp_size", default=1, show_default=True, type=click.IntRange(1),
+@click.option("--tp", "tp_size", default=EngineSettings.tp_size, show_default=True, type=click.IntRange(1),
               help="Tensor-parallel size (GPUs per server).")
 @click.option("--port", default=EngineSettings.port, show_default=True, type=int, help="Port the server listens on.")
 @click.option("--chunked-prefill-size", default=EngineSettings.sglang_chunked_prefill_size, show_default=True,
               type=click.IntRange(1), help="Tokens per prefill chunk (SGLang's --chunked-prefill-size).")
-@click.option("--sglang-version", default="0.5.23", show_default=True, help="Flag spellings differ between versions.")
-@click.option("--device", default="cuda", show_default=True, type=click.Choice(["cuda", "cpu"]),
+@click.option("--sglang-version", default=EngineSettings.sglang_version, show_default=True,
+              help="Flag spellings differ between versions.")
+@click.option("--device", default=EngineSettings.device, show_default=True, type=click.Choice(["cuda", "cpu"]),
               help="cpu: SGLang's CPU engine from HARVEST_SGLANG_VENV (scripts/sglang_venv.sh), as CI runs it.")
-@click.option("--dtype", default="auto", show_default=True, help="SGLang --dtype (float32 for exact CPU comparisons).")
+@click.option("--dtype", default=EngineSettings.dtype, show_default=True,
+              help="SGLang --dtype (float32 for exact CPU comparisons).")
 def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, tp_size, port, chunked_prefill_size,
                     sglang_version, device, dtype) -> None:
     """Print the SGLang launch command (with the plugin's environment) for a run."""
@@ -64,8 +66,9 @@ def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, tp
 @launch_options
 @click.option("--port", default=EngineSettings.vllm_port, show_default=True, type=int,
               help="Port the server listens on.")
-@click.option("--dtype", default="auto", show_default=True, help="vLLM --dtype (float32 for exact CPU comparisons).")
-@click.option("--kvcache-gib", default=1, show_default=True, type=click.IntRange(1), help="VLLM_CPU_KVCACHE_SPACE.")
+@click.option("--dtype", default=EngineSettings.dtype, show_default=True,
+              help="vLLM --dtype (float32 for exact CPU comparisons).")
+@click.option("--kvcache-gib", default=EngineSettings.vllm_kvcache_gib, show_default=True, type=click.IntRange(1), help="VLLM_CPU_KVCACHE_SPACE.")
 @click.option("--python", "python", default=None, help="The vLLM venv's python (default: HARVEST_VLLM_VENV's, else 'python').")
 @click.option("--enforce-eager", is_flag=True, help="Skip torch.compile (faster start; what `harvest run --engine vllm` uses).")
 def vllm_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, port, dtype, kvcache_gib, python,

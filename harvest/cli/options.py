@@ -15,7 +15,7 @@ from harvest.formats.dtypes import READ_DTYPES, STORAGE_DTYPES
 from harvest.node.dumpdir import default_dump_dir
 from harvest.progress import PLAIN_INTERVAL_S
 from harvest.regeneration import ON_LENGTH, Regeneration
-from harvest.settings import EngineSettings, ProducerSettings, RunTunables
+from harvest.settings import EngineSettings, IdentityDefaults, ProducerSettings, RunTunables
 from producer.rows import OVERLONG_POLICIES
 
 # --redis: the flag, else HARVEST_REDIS_URL (read by click when the command runs, and never shown
@@ -56,10 +56,10 @@ def apply_s3_env(endpoint: str | None, region: str | None) -> None:
 redis_option = click.option("--redis", "redis_url", default=LOCAL_REDIS, envvar=REDIS_ENV, show_envvar=True,
                             show_default=True, help="Redis URL (password and user go in the URL).")
 run_option = click.option("--run", "run", required=True, help="Run name ([A-Za-z0-9_-]+).")
-layers_option = click.option("--layers", default="eagle3", show_default=True,
+layers_option = click.option("--layers", default=IdentityDefaults.layers, show_default=True,
                              help="'eagle3', HF hidden_states indices (e.g. 2,4,7), or a draft model's config.json "
                                   "(SpecForge's or speculators': its three aux layers and the final state).")
-dtype_option = click.option("--dtype", "storage_dtype", default="bf16", show_default=True,
+dtype_option = click.option("--dtype", "storage_dtype", default=IdentityDefaults.storage_dtype, show_default=True,
                             type=click.Choice(list(STORAGE_DTYPES)),
                             help="How the hidden states are stored (a new run's setting): fp8_e4m3 keeps a float32 "
                                  "scale per token and capture point; export converts on request.")
@@ -100,8 +100,8 @@ chat_template_option = click.option("--chat-template", type=click.Path(exists=Tr
 max_len_option = click.option("--max-len", type=click.IntRange(1), default=None,
                                help="Longest sample in tokens (default and upper bound: the model's context, "
                                     "max_position_embeddings in its config.json).")
-overlong_option = click.option("--overlong", type=click.Choice(list(OVERLONG_POLICIES)), default="skip",
-                               show_default=True,
+overlong_option = click.option("--overlong", type=click.Choice(list(OVERLONG_POLICIES)),
+                               default=ProducerSettings.overlong, show_default=True,
                                help="A sample over its limit (--max-len or the model's context): skip it (reported "
                                     "with its file and line), truncate it to the limit, or fail (stop, exit 2).")
 strict_option = click.option("--strict", is_flag=True, help="Stop at the first bad row.")
@@ -168,8 +168,8 @@ def producer_kwargs(fields, chat_template, max_len, overlong, strict, processes)
 
 
 def engine_option(kinds: tuple[str, ...], help: str):
-    return click.option("--engine", "engine", default="reference", show_default=True, type=click.Choice(list(kinds)),
-                        help=help)
+    return click.option("--engine", "engine", default=IdentityDefaults.engine, show_default=True,
+                        type=click.Choice(list(kinds)), help=help)
 
 
 run_engine_option = engine_option(

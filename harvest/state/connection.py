@@ -4,12 +4,12 @@ Why. A Redis restarted (a crash, a deploy, `harvest run` restarting its own), or
 that drops for a minute, is a transient condition for the whole fleet. Each worker, collector,
 producer and `harvest run` holds work that a restart of the process would only redo, so each
 waits, reconnects with backoff and goes on; only a Redis that stays away past a documented
-limit stops them. The limit is `DEFAULT_OUTAGE_S` (300 s), or `HARVEST_REDIS_OUTAGE_S`, or a
-command's `--redis-wait`. Past it the process raises `RedisLost`, sends nothing more to Redis
-(the client is latched), and the CLI stops it with one line naming the URL and the limit and
-exit status `REDIS_LOST_EXIT` (75, EX_TEMPFAIL: try again later). Its spool, packing record,
-claim dir and the jobs it held stay as they are: a restarted worker's job is put back by the
-janitor's dead-worker reaping, a restarted collector finishes its record.
+limit stops them. The limit is a command's `--redis-wait`, else `HARVEST_REDIS_OUTAGE_S`, else
+`DEFAULT_OUTAGE_S` (harvest.settings.RedisSettings). Past it the process raises `RedisLost`,
+sends nothing more to Redis (the client is latched), and the CLI stops it with one line naming
+the URL and the limit and exit status `REDIS_LOST_EXIT` (75, EX_TEMPFAIL: try again later). Its
+spool, packing record, claim dir and the jobs it held stay as they are: a restarted worker's job
+is put back by the janitor's dead-worker reaping, a restarted collector finishes its record.
 
 A client that never reached Redis fails at once (a wrong URL, a Redis not started: the CLI
 says how to fix it). One-shot commands use the same client with a short limit
@@ -61,13 +61,14 @@ from redis.connection import Connection, parse_url
 from redis.retry import Retry
 
 from harvest.errors import ServiceError
+from harvest.settings import RedisSettings
 
 log = logging.getLogger("harvest.redis")
 
 T = TypeVar("T")
 
 OUTAGE_ENV = "HARVEST_REDIS_OUTAGE_S"
-DEFAULT_OUTAGE_S = 300.0  # a Redis restart with a large AOF, or a failover, fits well within it
+DEFAULT_OUTAGE_S = RedisSettings.outage_s
 ONE_SHOT_OUTAGE_S = 5.0  # `status`, `requeue`, ...: a dropped connection is reconnected, an outage told
 REDIS_LOST_EXIT = 75  # EX_TEMPFAIL (sysexits.h): the condition is temporary, run the command again
 BACKOFF_BASE_S, BACKOFF_CAP_S = 0.05, 2.0  # 0.1, 0.2, 0.4 ... 2 s between attempts

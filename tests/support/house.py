@@ -1,5 +1,5 @@
 """Reading the source tree with ast, for tests/unit/test_house.py: the files, the first-party
-imports, the string literals, the numeric defaults bound to names, and the class tree."""
+imports, the string literals, the numeric and string defaults bound to names, and the class tree."""
 
 from __future__ import annotations
 
@@ -90,18 +90,27 @@ def number(node: ast.AST) -> float | None:
     return None
 
 
+def constant(node: ast.AST) -> float | str | None:
+    """A numeric constant expression's value (`number`), or a string constant's, else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    return number(node)
+
+
 def flag_name(call: ast.Call) -> str:
     flags = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
     return " ".join(f.lstrip("-").replace("-", "_") for f in flags)
 
 
-def bindings(path: str) -> list[tuple[str, float, int]]:
-    """(name, value, line) of every numeric constant bound to a name in `path`."""
+def bindings(path: str) -> list[tuple[str, float | str, int]]:
+    """(name, value, line) of every numeric or string constant bound to a name in `path`: a
+    parameter's default, an assignment or a class field, a call's keyword (click's `default=` by
+    the option's flags)."""
     tree = ast.parse(read(path), path)
     out = []
 
     def bind(name: str | None, value: ast.AST | None) -> None:
-        v = None if value is None else number(value)
+        v = None if value is None else constant(value)
         if name and v is not None:
             out.append((name.lower(), v, value.lineno))
 

@@ -16,7 +16,18 @@ import pytest
 
 import harvest.read
 from harvest.errors import KINDS
-from harvest.settings import CollectorSettings, ProducerSettings, RunnerSettings, RunTunables, WorkerSettings
+from harvest.settings import (
+    CollectorSettings,
+    EngineSettings,
+    IdentityDefaults,
+    MetricsSettings,
+    ProducerSettings,
+    RedisSettings,
+    RunnerSettings,
+    RunTunables,
+    StorageSettings,
+    WorkerSettings,
+)
 from harvest.state.failures import REASONS
 from tests.support import house
 from tests.support.house import (
@@ -229,6 +240,7 @@ def test_every_error_has_one_of_the_kinds(class_tree):
 SETTINGS = os.path.join("harvest", "settings.py")
 
 # label -> (fragments of the names it goes by, the values it is written as: bytes and MiB alike)
+# A default is a parameter's, a field's, a click option's `default=`, or a value a name is given.
 DEFAULTS = {
     "spool grace": (("spool_grace",), {RunTunables.spool_grace_s}),
     "max queued": (("max_queued",), {ProducerSettings.max_queued}),
@@ -242,6 +254,31 @@ DEFAULTS = {
     "part size": (("part_bytes", "part_mb"), {CollectorSettings.part_bytes, CollectorSettings.part_bytes >> 20}),
     "retry backoff": (("retry_backoff",), {WorkerSettings.retry_backoff_s}),
     "orphan age": (("orphan_age",), {CollectorSettings.orphan_age_s}),
+    "layers": (("layers",), {IdentityDefaults.layers}),
+    "storage dtype": (("dtype",), {IdentityDefaults.storage_dtype}),
+    "engine kind": (("engine",), {IdentityDefaults.engine}),
+    "overlong": (("overlong",), {ProducerSettings.overlong}),
+    "tokenizer processes": (("processes",), {ProducerSettings.processes}),
+    "engine port": (("port",), {EngineSettings.port}),
+    "vllm port": (("port",), {EngineSettings.vllm_port}),
+    "reference chunk": (("chunked_prefill",), {EngineSettings.chunked_prefill_size}),
+    "sglang chunk": (("chunked_prefill",), {EngineSettings.sglang_chunked_prefill_size}),
+    "tensor parallel": (("tp_size",), {EngineSettings.tp_size}),
+    "sglang version": (("version",), {EngineSettings.sglang_version}),
+    "sglang device": (("device",), {EngineSettings.device}),
+    "engine dtype": (("dtype",), {EngineSettings.dtype}),
+    "vllm kv cache": (("kvcache",), {EngineSettings.vllm_kvcache_gib}),
+    "storage attempts": (("attempts", "storage_retries"), {StorageSettings.attempts}),
+    "storage retry delay": (("retry_delay", "base_delay"), {StorageSettings.retry_delay_s}),
+    "storage max delay": (("max_delay", "max_retry_delay"), {StorageSettings.max_retry_delay_s}),
+    "redis outage": (("outage",), {RedisSettings.outage_s}),
+    "metrics port": (("port",), {MetricsSettings.port}),
+}
+# "path:label" -> why a file still writes its own copy of a default (until its owner's edit lands).
+PENDING = {
+    "harvest/cli/operate.py:metrics port": "pending: `harvest metrics --port` reads MetricsSettings.port",
+    "engines/synthetic.py:reference chunk": "pending: SyntheticEngine and its --chunked-prefill-size read "
+                                            "EngineSettings.chunked_prefill_size",
 }
 
 
@@ -258,8 +295,11 @@ def _default_holders() -> dict[str, list[tuple[str, int, str]]]:
 
 def test_each_default_is_written_once_in_the_settings_module():
     found = _default_holders()
-    elsewhere = {label: sorted(f"{f}:{line}" for f, line, _ in where if f != SETTINGS) for label, where in found.items()}
+    elsewhere = {label: sorted(f"{f}:{line}" for f, line, _ in where if f != SETTINGS and f"{f}:{label}" not in PENDING)
+                 for label, where in found.items()}
     assert {label: w for label, w in elsewhere.items() if w} == {}
+    landed = [k for k in PENDING if k not in {f"{f}:{label}" for label, where in found.items() for f, _, _ in where}]
+    assert not landed, f"{landed}: read from harvest.settings now; remove them from PENDING"
     in_settings = {label: sum(f == SETTINGS for f, _, _ in found.get(label, [])) for label in DEFAULTS}
     assert in_settings == {label: 1 for label in DEFAULTS}
 
@@ -275,11 +315,15 @@ def test_the_scan_sees_the_usual_spellings(tmp_path, monkeypatch):
         "opt = click.option('--max-spool-mb', default=64 << 10)\n"
         "g(dump_timeout=60.0)\n"
         "class C:\n    shard_bytes: int = 1 << 30\n"
+        "layers_option = click.option('--layers', default='eagle3', show_default=True)\n"
+        "def h(engine: str = 'reference'): ...\n"
+        "class D:\n    storage_dtype: str = 'bf16'\n"
     )
     monkeypatch.setattr(house, "REPO", str(tmp_path))
     got = {(name, v) for name, v, _ in bindings(os.path.join("harvest", "copy.py"))}
     assert got >= {("default_max_queued", 20000), ("spool_grace_s", 120.0), ("max_spool_bytes", 64 << 30),
-                   ("max_spool_mb", 64 << 10), ("dump_timeout", 60.0), ("shard_bytes", 1 << 30)}
+                   ("max_spool_mb", 64 << 10), ("dump_timeout", 60.0), ("shard_bytes", 1 << 30),
+                   ("layers", "eagle3"), ("engine", "reference"), ("storage_dtype", "bf16")}
 
 
 # -- reading a run needs no Redis ------------------------------------------------------------------
