@@ -1,6 +1,7 @@
 """Stopping `harvest run` as a user does: Ctrl-C typed into a real terminal (a pseudo-terminal
 whose foreground process group is the runner, so the line discipline sends SIGINT to that group
-exactly as a terminal would), a second Ctrl-C, and the runner SIGKILLed.
+exactly as a terminal would), SIGTERM to the runner alone (kill, systemd, docker stop), a second
+Ctrl-C, and the runner SIGKILLed.
 
 The README's promise: Ctrl-C or SIGTERM stops the workers (each finishes its job), then the
 collector (it commits what is spooled), then the engine, the private Redis last; the same
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import redis
 
 from harvest.cli.demo import demo_rows, write_jsonl
@@ -127,13 +129,18 @@ def _check(work: str) -> subprocess.CompletedProcess:
     return harvest_cli("status", "--run", "stop", "--work-dir", work, "--check")
 
 
-def test_ctrl_c_in_a_terminal_stops_in_order_and_leaves_nothing_uncommitted(tmp_path, tiny_model):
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_ctrl_c_in_a_terminal_stops_in_order_and_leaves_nothing_uncommitted(tmp_path, tiny_model, how):
+    # "sigterm": the runner's PID alone gets SIGTERM, as `kill`, systemd or `docker stop` send it
     args, work = _run_args(tmp_path)
     args[args.index("MODEL")] = tiny_model
     term = Terminal(args, {"HARVEST_ENGINE_FAULTS": "hang", "HARVEST_ENGINE_HANG_S": HANG_S})
     try:
         wait_for(lambda: _busy_worker(_private_redis(work)), 180, "a worker busy with a job")
-        term.ctrl_c()
+        if how == "ctrl-c":
+            term.ctrl_c()
+        else:
+            os.kill(term.pid, signal.SIGTERM)
         status = term.wait(240)
     finally:
         term.kill()
