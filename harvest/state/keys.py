@@ -114,8 +114,14 @@ class Keys:
         return f"{self.prefix}:failed-payload"
 
     def rate(self, bucket: int) -> str:
-        """Hash of the stats counters added during one RATE_BUCKET_S-second bucket (expires): throughput."""
-        return f"{self.prefix}:rate:{int(bucket)}"
+        """Hash of the stats counters added during one RATE_BUCKET_S-second bucket (expires): throughput.
+        The bucket is Redis's TIME // RATE_BUCKET_S, taken by the script that writes it."""
+        return f"{self.rate_prefix}{int(bucket)}"
+
+    @property
+    def rate_prefix(self) -> str:
+        """`rate(bucket)` less the bucket: the ledger's scripts append the server's bucket."""
+        return f"{self.prefix}:rate:"
 
     def histogram(self, name: str) -> str:
         """Hash bucket upper bound -> count, plus `sum` and `count`: a Prometheus histogram kept by workers."""

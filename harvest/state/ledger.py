@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterable, Mapping
 
 import redis
@@ -187,8 +186,8 @@ class Ledger:
 
     def _settle(self, segments: list[tuple], stats: dict[str, int],
                 hist: list[tuple[str, str, float]] = ()) -> list[list[str]]:
-        keys = [*self._state_keys(), self.keys.stats, self.keys.rate(int(time.time()) // RATE_BUCKET_S)]
-        args: list = [RATE_TTL_S, len(segments)]
+        keys = [*self._state_keys(), self.keys.stats]
+        args: list = [RATE_TTL_S, self.keys.rate_prefix, RATE_BUCKET_S, len(segments)]
         for to, allowed, keep, count, total, ids, infos, rows in segments:
             args += [to, allowed, "1" if keep else "0", count, total, len(ids), *ids, *infos, *rows]
         args += [len(stats), *(x for kv in stats.items() for x in (kv[0], int(kv[1])))]
@@ -350,16 +349,22 @@ class Ledger:
         return [int(x) for x in pipe.execute()]
 
     def add_stats(self, **incr: int) -> None:
-        """Add to the run's totals and to the current RATE_BUCKET_S bucket (throughput over the last minute)."""
+        """Add to the run's totals and to the current RATE_BUCKET_S bucket (throughput over the
+        last minute). The bucket is Redis's (its TIME, read by the script, as `_settle`'s): a node
+        whose clock is off would write its throughput where `rates` never reads, or into the
+        minute status reads later, and every rate and ETA would be wrong."""
         if incr:
-            bucket = self.keys.rate(int(time.time()) // RATE_BUCKET_S)
-            self._stats(keys=[self.keys.stats, bucket],
-                        args=[RATE_TTL_S, *(x for k, v in incr.items() for x in (k, int(v)))], client=self.conn)
+            self._stats(keys=[self.keys.stats], args=[RATE_TTL_S, self.keys.rate_prefix, RATE_BUCKET_S,
+                                                      *(x for k, v in incr.items() for x in (k, int(v)))],
+                        client=self.conn)
 
     def rates(self, window_s: int = 60, now: float | None = None) -> tuple[dict[str, int], float]:
         """Sums of the stats added in the buckets overlapping the last `window_s` seconds, and the
-        seconds those buckets cover up to now (so sums / seconds is a rate that counts every event once)."""
-        now = time.time() if now is None else now
+        seconds those buckets cover up to now (so sums / seconds is a rate that counts every event
+        once). `now`: Redis's TIME, which stamps the buckets (read here if not given)."""
+        if now is None:
+            sec, usec = self.conn.time()
+            now = sec + usec / 1e6
         cur = int(now) // RATE_BUCKET_S
         n = max(1, window_s // RATE_BUCKET_S)
         first = cur - n + 1

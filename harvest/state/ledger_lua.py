@@ -131,16 +131,26 @@ finish()
 return changed
 """
 
+# The rate bucket the stats of this call go to: by the server's TIME, so every node's stats land
+# in the buckets `Ledger.rates` reads, whatever the node's clock says. Redis 7 replicates a
+# script's effects, so a script may read TIME before it writes. prefix: Keys.rate_prefix.
+_RATE_KEY = """
+local function rate_key(prefix, bucket_s)
+  local t = redis.call('TIME')
+  return prefix .. math.floor(tonumber(t[1]) / bucket_s)
+end
+"""
+
 # Several moves and the run's stats in one call: a worker's job (its spooled and its failed
 # samples, the stats, the engine-latency histogram), a collector's shard (done, the stats).
-# KEYS: the 10 move keys, stats, the current rate bucket, then histogram keys.
-# ARGV: bucket ttl, segments; per segment: to, allowed, keep, count field ('' none), sum field
-# ('' none: sums the moved samples' infos), n, ids, infos, rows; then the number of stat pairs and
-# (field, increment) pairs; then the number of observations and (key index, bucket, value) triples.
-# Returns one list of moved ids per segment.
-SETTLE = _MOVE + """
+# KEYS: the 10 move keys, stats, then histogram keys.
+# ARGV: bucket ttl, rate key prefix, bucket seconds, segments; per segment: to, allowed, keep, count
+# field ('' none), sum field ('' none: sums the moved samples' infos), n, ids, infos, rows; then the
+# number of stat pairs and (field, increment) pairs; then the number of observations and (key
+# index, bucket, value) triples. Returns one list of moved ids per segment.
+SETTLE = _MOVE + _RATE_KEY + """
 local stats = {}
-local p = 2
+local p = 4
 local nseg = tonumber(ARGV[p]); p = p + 1
 local out = {}
 for s = 1, nseg do
@@ -167,13 +177,12 @@ for i = 1, npairs do
   p = p + 2
 end
 finish()
-local any = false
+local rate = next(stats) ~= nil and rate_key(ARGV[2], tonumber(ARGV[3]))
 for f, v in pairs(stats) do
   redis.call('HINCRBY', KEYS[11], f, v)
-  redis.call('HINCRBY', KEYS[12], f, v)
-  any = true
+  redis.call('HINCRBY', rate, f, v)
 end
-if any then redis.call('EXPIRE', KEYS[12], tonumber(ARGV[1])) end
+if rate then redis.call('EXPIRE', rate, tonumber(ARGV[1])) end
 local nobs = tonumber(ARGV[p]); p = p + 1
 for i = 1, nobs do
   local key = KEYS[tonumber(ARGV[p])]
@@ -185,13 +194,15 @@ end
 return out
 """
 
-# The run's stats alone. KEYS: stats, rate bucket. ARGV: bucket ttl, (field, increment) pairs.
-ADD_STATS = """
-for i = 2, #ARGV, 2 do
+# The run's stats alone. KEYS: stats. ARGV: bucket ttl, rate key prefix, bucket seconds,
+# (field, increment) pairs.
+ADD_STATS = _RATE_KEY + """
+local rate = rate_key(ARGV[2], tonumber(ARGV[3]))
+for i = 4, #ARGV, 2 do
   redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
-  redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1])
+  redis.call('HINCRBY', rate, ARGV[i], ARGV[i + 1])
 end
-redis.call('EXPIRE', KEYS[2], tonumber(ARGV[1]))
+redis.call('EXPIRE', rate, tonumber(ARGV[1]))
 return 1
 """
 
