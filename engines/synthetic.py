@@ -40,6 +40,7 @@ from engines.reference import BadRequest, ReferenceEngine, serve
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import RID_PREFIX
 from harvest.node.paths import private_dir
+from harvest.settings import EngineSettings
 
 log = logging.getLogger("harvest.engine")
 
@@ -51,7 +52,7 @@ class SyntheticEngine:
     with no model: every request is answered as soon as its chunk files are on disk."""
 
     def __init__(self, dump_dir: str, capture_points: Sequence[int], hidden_size: int,
-                 model_name: str = "synthetic", chunked_prefill_size: int = 0,
+                 model_name: str = "synthetic", chunked_prefill_size: int = EngineSettings.chunked_prefill_size,
                  dtype: torch.dtype = torch.float32) -> None:
         if hidden_size < 1 or not capture_points:
             raise ValueError("a synthetic engine needs a hidden size >= 1 and at least one capture point")
@@ -136,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="one simulated node: its port and its dump dir (repeat for more nodes)")
     ap.add_argument("--capture", default="2,4,5,8", help="capture points, as the run's (comma-separated)")
     ap.add_argument("--hidden", type=int, default=8, help="hidden size, as the run's")
-    ap.add_argument("--chunked-prefill-size", type=int, default=0, help="rows per dump chunk (0: one chunk a request)")
+    ap.add_argument("--chunked-prefill-size", type=int, default=EngineSettings.chunked_prefill_size, help="rows per dump chunk (0: one chunk a request)")
     ap.add_argument("--model-name", default="synthetic")
     ap.add_argument("--host", default="127.0.0.1")
     args = ap.parse_args(argv)

@@ -23,6 +23,7 @@ from harvest.cli.options import (
     service_logging,
 )
 from harvest.read.trainers import EXPORT_FORMATS
+from harvest.settings import MetricsSettings
 
 work_dir_option = click.option(
     "--work-dir", "work_dir", default=None, type=click.Path(file_okay=False),
@@ -333,7 +334,7 @@ def janitor_cmd(run, redis_url, dump_dir, interval) -> None:
 
 @click.command("metrics")
 @redis_option
-@click.option("--port", default=9108, show_default=True, type=int, help="Port of the Prometheus exporter.")
+@click.option("--port", default=MetricsSettings.port, show_default=True, type=int, help="Port of the Prometheus exporter.")
 @click.option("--host", "--addr", "host", default="127.0.0.1", show_default=True,
               help="Address to listen on; 0.0.0.0 exposes the metrics to other hosts (docker compose passes it).")
 @click.option("--run", "runs", multiple=True, help="Export these runs (default: every run in Redis).")

@@ -172,7 +172,7 @@ def demo_cmd(out_dir: str, workers: int, regenerate: bool, prepare_dir: str | No
     check_output(out_url)
     settings = RunnerSettings(workers=workers, chunked_prefill_size=DEMO_CHUNKED_PREFILL,
                               work_dir=os.path.join(out_dir, "work"))
-    produce_kw = producer_kwargs((), None, None, "skip", False, ProducerSettings.processes)
+    produce_kw = producer_kwargs((), None, None, ProducerSettings.overlong, False, ProducerSettings.processes)
     regen = regenerate_settings(regenerate, DEMO_MAX_NEW_TOKENS, 0.0, 1.0, "keep", model)
     _run_here(dataset, settings, produce_kw, run="demo-regenerate" if regenerate else "demo", model=model,
               out_url=out_url, regenerate=regen)
