@@ -21,7 +21,9 @@ no job (harvest.ops.stranded).
 Clocks: every decision of the run-wide part is taken by Redis's clock (one `TIME` per pass) or
 by key TTLs, never by this node's clock, so a node whose clock is off cannot fail or strand
 another node's job (workers.rqworker turns off RQ's own node-clock cleanups). The node-local
-part compares file times with this node's clock: both are the node's own.
+part compares file times with this node's clock: both are the node's own. A Redis new to the run
+(restarted, rolled back, failed over) holds its live workers without heartbeats until they beat
+again: until `Keys.reap_after` (harvest.ops.liveness) no pass takes a worker for dead by that.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from harvest.config import ConfigError, RunConfig
 from harvest.formats.dump import parse_chunk_name
 from harvest.ids import ID_PATTERN, RID_PREFIX, parse_rid
 from harvest.node.dumpdir import claim_dir_owner, is_temp
-from harvest.ops.liveness import MAX_REAPS, tend_liveness
+from harvest.ops.liveness import MAX_REAPS, reaping_held_now, tend_liveness
 from harvest.ops.reclaim import ReclaimReport, reclaim_lost_spools
 from harvest.ops.stranded import StrandedReport, tend_stranded
 from harvest.state.heartbeat import HEARTBEAT_TTL_S
@@ -177,13 +179,14 @@ def forget_dead_workers(conn: redis.Redis, run: str) -> list[str]:
 
 def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE_DUMP_S,
                    now: float | None = None, run: str | None = None,
-                   proven_stale_s: float = PROVEN_STALE_S) -> tuple[list[str], int]:
+                   proven_stale_s: float = PROVEN_STALE_S, keep_claim_dirs: bool = False) -> tuple[list[str], int]:
     """Node-local: remove the claim dirs of workers with no heartbeat (any run: the dump dir may be
     shared) and unclaimed dump files older than `stale_dump_s` (a request that timed out, or a
     worker that died before claiming). With `run`, files that run's ledger proves nobody will
     claim (their sample is done or failed, or a newer attempt exists: the engine finished a
     request after its worker died or gave up) go after only `proven_stale_s`.
-    Returns (claim dirs removed, dump files removed)."""
+    `keep_claim_dirs`: a new Redis holds reaping (harvest.ops.liveness), so a missing heartbeat
+    proves nothing yet. Returns (claim dirs removed, dump files removed)."""
     now = time.time() if now is None else now
     dirs, files = [], 0
     try:
@@ -199,8 +202,10 @@ def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE
         name = claim_dir_owner(e.name)
         if name is not None and e.is_dir(follow_symlinks=False):
             # A worker announces itself before it creates its claim dir; the age check covers a
-            # Redis that lost its keys (restart without AOF) while the worker lives on.
-            if ID_PATTERN.fullmatch(name) and age > HEARTBEAT_TTL_S and not conn.exists(worker_key(name)):
+            # Redis that lost its keys (restart without AOF) while the worker lives on, and
+            # `keep_claim_dirs` such a Redis until its workers have beaten again.
+            if (not keep_claim_dirs and ID_PATTERN.fullmatch(name) and age > HEARTBEAT_TTL_S
+                    and not conn.exists(worker_key(name))):
                 shutil.rmtree(e.path, ignore_errors=True)
                 dirs.append(e.name)
         elif e.is_file(follow_symlinks=False) and (e.name.startswith(RID_PREFIX) or is_temp(e.name)):
@@ -252,13 +257,16 @@ def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_r
     rep = JanitorReport()
     keys = Keys(run)
     token = _acquire(conn, keys.janitor_lock, 30_000)
+    held = None  # whether a new Redis holds reaping (harvest.ops.liveness); None: not read yet
     if token:
         try:
             now = redis_time(conn)  # the one clock of every run-wide decision
             live = tend_liveness(conn, run, now, max_reaps)
             rep.reaped, rep.gave_up, rep.suspects, rep.dequeued = live.reaped, live.gave_up, live.suspects, live.dequeued
+            held = live.reap_held
             rep.promoted = promote_due_retries(conn, run, now)
-            rep.forgotten_workers = forget_dead_workers(conn, run)
+            if not held:  # a live worker not yet beaten again on a new Redis stays in the run's set
+                rep.forgotten_workers = forget_dead_workers(conn, run)
             cfg = _stored_run(conn, run)
             if cfg is not None:
                 rep.reclaimed = reclaim_lost_spools(conn, cfg)
@@ -268,5 +276,8 @@ def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_r
         finally:
             conn.eval(_RELEASE, 1, keys.janitor_lock, token, int(hold_s * 1000))
     if dump_dir:
-        rep.claim_dirs_removed, rep.stale_dumps_removed = clean_dump_dir(conn, dump_dir, stale_dump_s, run=run)
+        if held is None:
+            held = reaping_held_now(conn, run)
+        rep.claim_dirs_removed, rep.stale_dumps_removed = clean_dump_dir(conn, dump_dir, stale_dump_s, run=run,
+                                                                         keep_claim_dirs=held)
     return rep

@@ -25,6 +25,20 @@ writes:
 
 An execution whose job has another execution that its worker's heartbeat names (the stale one of
 a rollback) is removed without enqueueing the job again. Only this module takes executions back.
+
+A missing heartbeat proves a death only on a Redis that has kept the latest beats. A restarted
+one (its AOF cut at the last second, or empty), a rolled-back or a failed-over one holds live
+workers without heartbeats until each beats again, and a pass in between would reap their jobs
+while they run them. So `Keys.reap_after` holds a Redis time before which no execution is taken
+for dead (nor a worker forgotten, nor its claim dir removed, harvest.ops.janitor): the process
+that reconciles the ledger for a new server (harvest.ops.recovery, under its lock) owns it and
+sets it to that server's TIME + one heartbeat TTL (`hold_reaping`) before its reconcile, and
+again after it, since every process of the run waited for it without beating. It is not set on
+a run's first server, so a fresh run reaps at once. A worker that has not beaten by then is dead
+and its job is taken back; if it returns late anyway, what fences any reaped worker fences it:
+its samples' new attempts have new rids, the ledger moves a sample only from its allowed states
+and makes only its first spool the owner, and the commit fence and the claims in storage commit
+each once.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ from rq.utils import parse_composite_key
 
 from harvest.ids import InvalidId
 from harvest.state.failures import WORKER_DIED, record_failures
+from harvest.state.heartbeat import HEARTBEAT_TTL_S
 from harvest.state.jobs import fetch_job, run_queue
 from harvest.state.keys import Keys, rq_execution_key, worker_key
 from harvest.state.ledger import QUEUED, Ledger
@@ -54,6 +69,42 @@ SUSPECT_GRACE_S = 30.0  # > a beat interval (a rolled-back heartbeat is rewritte
 DEQUEUED = "dequeued"  # the execution part of a suspect field: dequeued, no execution yet
 
 HEALTHY, DEAD, SUSPECT, ORPHAN = "healthy", "dead", "suspect", "orphan"
+
+# Hold reaping for ARGV[1] s from the server's TIME, never shortening a hold. KEYS: reap_after.
+_HOLD = """
+local t = redis.call('TIME')
+local until_ = tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[1])
+local old = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+if old > until_ then until_ = old end
+local stamp = string.format('%.6f', until_)
+redis.call('SET', KEYS[1], stamp, 'EX', math.ceil(until_ - tonumber(t[1])) + 1)
+return stamp
+"""
+
+
+def hold_reaping(conn: redis.Redis, run: str, seconds: float = HEARTBEAT_TTL_S) -> float:
+    """Take no worker for dead by a missing heartbeat for `seconds` from now by Redis's TIME
+    (see the module docstring: harvest.ops.recovery calls it for a new server). Returns the Redis
+    time until which reaping is held. The key expires with the hold."""
+    return float(conn.eval(_HOLD, 1, Keys(run).reap_after, float(seconds)))
+
+
+def reaping_held(stamp: bytes | str | None, now: float) -> bool:
+    """Whether `Keys.reap_after`'s value `stamp` still holds reaping at Redis time `now`."""
+    try:
+        return stamp is not None and now < float(stamp)
+    except ValueError:  # not written by hold_reaping: no hold
+        return False
+
+
+def reaping_held_now(conn: redis.Redis, run: str) -> bool:
+    """`reaping_held` by Redis's TIME now (one round trip): for a pass that read neither."""
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.time()
+        pipe.get(Keys(run).reap_after)
+        (sec, usec), stamp = pipe.execute()
+    return reaping_held(stamp, sec + usec / 1e6)
+
 
 # Move a job dequeued into RQ's intermediate list back to its queue, unless it is queued already.
 # KEYS: intermediate list, queue list, job hash. ARGV: job id.
@@ -86,6 +137,8 @@ class LivenessReport:
     suspects: list[str] = field(default_factory=list)  # `job:execution` of live workers running other work: taken back
     dequeued: list[str] = field(default_factory=list)  # jobs moved back to the queue from RQ's intermediate list
     dropped: list[str] = field(default_factory=list)  # entries removed, nothing enqueued (no job left, or it runs elsewhere)
+    held: list[str] = field(default_factory=list)  # `job:execution` of workers without a heartbeat, left to a new Redis's hold
+    reap_held: bool = False  # Keys.reap_after held reaping in this pass
 
 
 def _text(v: bytes | None) -> str | None:
@@ -206,13 +259,18 @@ def tend_liveness(conn: redis.Redis, run: str, now: float, max_reaps: int = MAX_
         pipe.zrange(queue.started_job_registry.key, 0, -1)
         pipe.lrange(queue.intermediate_queue_key, 0, -1)
         pipe.hgetall(keys.suspect_executions)
-        entries, dequeued_raw, stamps_raw = pipe.execute()
+        pipe.get(keys.reap_after)
+        entries, dequeued_raw, stamps_raw, reap_after = pipe.execute()
+    rep.reap_held = reaping_held(reap_after, now)
     started = read_started(conn, entries)
     stamps = {k.decode(): float(v) for k, v in stamps_raw.items()}
     runs_elsewhere = {s.job_id for s in started if s.verdict == HEALTHY}
     pending: dict[str, float] = {}  # suspect fields still suspect after this pass -> their stamp
     for s in started:
         if s.verdict == HEALTHY:
+            continue
+        if s.verdict == DEAD and rep.reap_held:
+            rep.held.append(s.entry)  # its worker may be alive on a new Redis, not yet beaten again
             continue
         if s.verdict == SUSPECT:
             first = stamps.get(s.entry)
@@ -258,4 +316,7 @@ def tend_liveness(conn: redis.Redis, run: str, now: float, max_reaps: int = MAX_
         if gone:
             pipe.hdel(keys.suspect_executions, *gone)
         pipe.execute()
+    if rep.held:
+        log.info("%d executions of workers without a heartbeat left until Redis time %s: Redis is new, its workers "
+                 "may not have beaten again yet", len(rep.held), reap_after.decode())
     return rep

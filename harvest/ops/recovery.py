@@ -15,6 +15,14 @@ reconciles the ledger both ways (harvest.ops.reconcile), and records the run_id;
 for that before they go on, so no worker extracts, and no collector packs, from a ledger that
 has not been reconciled. The claims in storage (harvest.formats.claims) keep a commit from being
 doubled even in the seconds before a process notices; this makes the run finish by itself.
+
+The same process, still under the lock, holds reaping (harvest.ops.liveness.hold_reaping) when
+the server is not the run's first: a Redis that came back without the latest heartbeats, after
+a reconcile during which the run's processes waited without beating, would otherwise show live
+workers as dead. It does so before the reconcile (a janitor of a process that has not noticed
+yet) and again after it (one heartbeat TTL for the waiters to beat), before it records the run_id
+that lets them go on. A run's first server (no run_id recorded, the run still in Redis, and this
+process never saw another) holds nothing: a fresh run reaps at once.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import uuid
 import redis
 
 from harvest.config import RunConfig
+from harvest.ops.liveness import hold_reaping
 from harvest.ops.reconcile import reconcile
 from harvest.state.keys import Keys
 from harvest.state.runstore import publish_run
@@ -86,14 +95,20 @@ class Recovery:
 
     def _reconcile(self, sid: str, token: str) -> None:
         first = self.conn.get(self.keys.ledger_epoch) is None  # this ledger's first server (or a wiped one)
-        if not self.conn.exists(self.keys.config):  # a Redis that lost the run gets it back (refused if it differs)
+        lost_run = not self.conn.exists(self.keys.config)
+        new_server = not first or lost_run or self._seen is not None  # not the run's first server
+        if new_server:
+            hold_reaping(self.conn, self.cfg.run)
+        if lost_run:  # a Redis that lost the run gets it back (refused if it differs)
             retry(lambda: publish_run(self.conn, self.cfg), f"publishing run {self.cfg.run} again")
         t0 = time.monotonic()
         rep = reconcile(self.conn, self.cfg,
                         keepalive=lambda: self.conn.eval(_RENEW, 1, self.keys.reconcile_lock, token, LOCK_MS))
+        if new_server:
+            hold_reaping(self.conn, self.cfg.run)
         self.conn.set(self.keys.ledger_epoch, sid)
         changed = rep.marked_done or rep.requeued or rep.forgotten
-        log.log(logging.WARNING if changed or not first else logging.INFO,
+        log.log(logging.WARNING if changed or new_server else logging.INFO,
                 "Redis server %s is new to run %s%s: ledger reconciled from storage in %.1fs: %s", sid[:12],
-                self.cfg.run, "" if first else " (a restart, a rollback or a failover)", time.monotonic() - t0,
+                self.cfg.run, " (a restart, a rollback or a failover)" if new_server else "", time.monotonic() - t0,
                 rep.line())

@@ -183,6 +183,14 @@ class Keys:
         return f"{self.prefix}:ledger-epoch"
 
     @property
+    def reap_after(self) -> str:
+        """Redis time (s) before which no janitor takes a worker for dead because its heartbeat is
+        missing (harvest.ops.liveness): a Redis that came back without the latest beats (a restart,
+        a rollback, a failover) holds live workers without heartbeats until they beat again.
+        Written by the process that reconciles the ledger for a new server (harvest.ops.recovery)."""
+        return f"{self.prefix}:reap-after"
+
+    @property
     def reconcile_lock(self) -> str:
         """Lock held by the one process reconciling the ledger from storage (harvest.ops.recovery)."""
         return f"{self.prefix}:reconcile-lock"

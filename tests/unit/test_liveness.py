@@ -8,6 +8,8 @@ ahead (a node whose clock runs ahead wrote it) is due at once."""
 from __future__ import annotations
 
 import math
+import os
+import time
 from datetime import timedelta
 
 import pytest
@@ -17,7 +19,7 @@ from rq.queue import Queue
 
 from harvest.ops.janitor import MAX_RETRY_INTERVAL_S, promote_due_retries
 from harvest.ops.liveness import SUSPECT_GRACE_S, tend_liveness
-from harvest.state.heartbeat import WorkerBeat
+from harvest.state.heartbeat import HEARTBEAT_TTL_S, WorkerBeat
 from harvest.state.jobs import SERIALIZER, run_queue
 from harvest.state.keys import Keys, rq_execution_key, worker_key
 from harvest.state.ledger import Ledger
@@ -250,3 +252,33 @@ def test_a_held_janitor_lock_makes_the_run_wide_part_once_per_hold_for_the_fleet
     assert janitor_pass(conn, RUN, hold_s=5).reaped == []  # another worker's pass within the hold
     conn.delete(lock)  # as its TTL does, by Redis's clock
     assert janitor_pass(conn, RUN).reaped == [jobs[0]] and not conn.exists(lock)
+
+
+def test_a_new_redis_holds_reaping_by_a_missing_heartbeat_until_its_stamp_by_redis_time(conn, run, tmp_path):
+    from harvest.ops.janitor import janitor_pass
+    from harvest.ops.liveness import hold_reaping
+
+    _, jobs = run
+    keys = Keys(RUN)
+    w = SimpleWorker([run_queue(conn, RUN)], connection=conn, serializer=SERIALIZER, name="gone-4")
+    conn.sadd(keys.workers, "gone-4")
+    _job, execution = _start_next(w)  # its heartbeat is missing: alive on a new Redis, or dead
+    claim_dir = tmp_path / "dumps" / ".claimed-gone-4"
+    claim_dir.mkdir(parents=True)
+    old = time.time() - 60
+    os.utime(claim_dir, (old, old))
+    t = redis_time(conn)
+    until = hold_reaping(conn, RUN)  # as harvest.ops.recovery does for a new server
+    assert t + HEARTBEAT_TTL_S <= until <= redis_time(conn) + HEARTBEAT_TTL_S
+    assert hold_reaping(conn, RUN, 1) == until  # a hold is never shortened
+    rep = tend_liveness(conn, RUN, t)
+    assert (rep.reaped, rep.held, rep.reap_held) == ([], [f"{jobs[0]}:{execution.id}"], True)
+    rep = janitor_pass(conn, RUN, str(tmp_path / "dumps"))
+    assert (rep.reaped, rep.forgotten_workers, rep.claim_dirs_removed) == ([], [], [])
+    assert _started(conn) == [(jobs[0], execution.id)] and claim_dir.exists()
+    assert tend_liveness(conn, RUN, until - 0.01).reaped == []
+    rep = tend_liveness(conn, RUN, until)  # by Redis's clock, whatever the node's
+    assert (rep.reaped, rep.held, rep.reap_held) == ([jobs[0]], [], False)
+    conn.set(keys.reap_after, repr(redis_time(conn) - 1))  # the hold over: the rest of the janitor too
+    rep = janitor_pass(conn, RUN, str(tmp_path / "dumps"))
+    assert rep.forgotten_workers == ["gone-4"] and rep.claim_dirs_removed == [".claimed-gone-4"]
