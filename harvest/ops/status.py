@@ -157,13 +157,14 @@ def eta(remaining: int, done_per_s: float, spooled_per_s: float) -> tuple[float 
 
 
 def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: int = 10) -> RunStatus:
+    seen_now = redis_time(conn)  # heartbeats and rate buckets are stamped with Redis's clock
+    bucket_now = seen_now if now is None else now  # a skewed node reads the buckets the server wrote
     now = time.time() if now is None else now
-    seen_now = redis_time(conn)  # heartbeats are stamped with Redis's clock (harvest.state.heartbeat)
     cfg = _run_or_none(conn, run)
     grace = cfg.spool_grace_s if cfg is not None else RunConfig.__dataclass_fields__["spool_grace_s"].default
     led = Ledger(conn, run)
     counts, stats = led.counts(), led.stats()
-    rates, window = led.rates(RATE_WINDOW_S, now)
+    rates, window = led.rates(RATE_WINDOW_S, bucket_now)
     alive, dead = read_workers(conn, run)
     workers: dict[str, list[WorkerView]] = defaultdict(list)
     in_flight = 0

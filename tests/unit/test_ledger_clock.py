@@ -45,6 +45,7 @@ def test_a_skewed_nodes_stats_land_in_the_servers_bucket_and_status_reads_them(c
                        observe={"engine_seconds": ("0.5", 0.25)})
         assert led.mark_done(ids[:3], tokens=[10, 20, 30], stats={"bytes_done": 1000}) == ids[:3]
         skewed = led.rates()  # a skewed reader too: the buckets are found by Redis's TIME
+        skewed_status = compute_status(conn, run)  # `harvest status` on the skewed node
     after = int(redis_time(conn)) // RATE_BUCKET_S
     buckets = _buckets(conn)
     assert set(buckets) <= {before, after}, f"buckets {sorted(buckets)} not the server's {before}..{after}"
@@ -56,6 +57,7 @@ def test_a_skewed_nodes_stats_land_in_the_servers_bucket_and_status_reads_them(c
                      "bytes_done": 1000}
     assert skewed[0] == total
     assert conn.hgetall(Keys(RUN).histogram("engine_seconds")) == {b"0.5": b"1", b"count": b"1", b"sum": b"0.25"}
+    assert skewed_status.window_counts == total
     st = compute_status(conn, run)
     assert st.window_counts == total
     assert st.samples_per_s == pytest.approx(3 / st.window_seconds)
