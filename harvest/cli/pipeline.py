@@ -15,7 +15,6 @@ from harvest.cli.options import (
     apply_s3_env,
     chunked_prefill_option,
     dtype_option,
-    fail,
     layers_option,
     max_queued_option,
     no_progress_option,
