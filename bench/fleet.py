@@ -56,6 +56,7 @@ from harvest.state.payload import Sample  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
 from producer.enqueue import Enqueuer  # noqa: E402
 from tests.support.fleet import TRIPS, Fleet, RedisStats, counts, install_counter, rq_cost, tagged  # noqa: E402
+from tests.support.ports import reserve_ports  # noqa: E402
 from tests.support.wait import wait_for  # noqa: E402
 
 POINTS, HIDDEN = [2, 4, 5, 8], 4  # the simulated run: 4 capture points, hidden size 4, fp32 (= the engine's dtype)
@@ -122,7 +123,8 @@ def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: i
     run = f"fleet{nodes}t{tokens}"
     cfg = new_run(conn, root, run, tokens, job, job_tokens)
     todo = make_samples(samples, tokens, rng)
-    fleet = Fleet(os.path.join(root, run), url, run, nodes, base_port=20000 + os.getpid() % 400 * 100)
+    ports = reserve_ports(nodes)  # below the ephemeral range, held from other benches and tests
+    fleet = Fleet(os.path.join(root, run), url, run, nodes, base_port=ports.first)
     try:
         fleet.start_all()
         wait_ready(conn, fleet)
@@ -149,6 +151,7 @@ def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: i
             stats, failed = led.stats(), led.counts()["failed"]
     finally:
         fleet.stop()
+        ports.close()
     run_r, idle_r = r1.since(r0), r2.since(r1)
     sent = (s1 - s0) + Counter({k: v for k, v in (b1 - b0).items() if not k[0].startswith("bench")})
     idle_sent = (s2 - s1) + Counter({k: v for k, v in (b2 - b1).items() if not k[0].startswith("bench")})

@@ -35,12 +35,14 @@ import numpy as np
 import redis
 
 from harvest.cli.redisproc import RedisServer
-from harvest.ids import sample_id
+from harvest.formats.dump import parse_chunk_name
+from harvest.ids import parse_rid, sample_id
 from harvest.state.heartbeat import HEARTBEAT_TTL_S
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from tests.support.aof import AofHistory
 from tests.support.cli import REPO
+from tests.support.ports import reserve_ports
 
 KINDS = ("worker", "engine", "collector", "producer", "redis", "rollback")
 ROLLBACK_LAGS = (1.0, 2.0)  # what `appendfsync everysec` may lose on a kill or a power cut: its last second(s)
@@ -66,6 +68,7 @@ class TrialResult:
     shards_without_index: list[str] = field(default_factory=list)
     unreadable: str = ""  # why a reader could not read the committed run (it must always can)
     leftovers: list[str] = field(default_factory=list)
+    janitor_lines: list[str] = field(default_factory=list)  # the final passes' reports: why files were kept
     timeline: list[str] = field(default_factory=list)
     seconds: float = 0.0
     error: str = ""
@@ -83,7 +86,8 @@ class TrialResult:
                    if self.node_returns else "") +
                 f"lost {len(self.lost)}, doubled {len(self.doubled)}, wrong {len(self.wrong_tokens)}, "
                 f"unexplained failures {len(self.failed_without_reason)}, shards without index "
-                f"{len(self.shards_without_index)}, leftovers {self.leftovers[:5]}, unreadable {self.unreadable or 0}, "
+                f"{len(self.shards_without_index)}, leftovers {len(self.leftovers)} {self.leftovers[:5]}"
+                + (f" after final janitor passes {self.janitor_lines}" if self.leftovers else "") + f", unreadable {self.unreadable or 0}, "
                 f"{self.seconds:.0f}s"
                 + (f"; error: {self.error}" if self.error else ""))
 
@@ -119,9 +123,12 @@ class Trial:
         self.logs = os.path.join(root, "logs")
         os.makedirs(self.logs, exist_ok=True)
 
-        self.redis = RedisServer(os.path.join(root, "redis"))
+        # Engines and Redis come back at the same address after a kill: reserved ports
+        # (tests.support.ports), engine n at `self.port + n`, Redis after them.
+        self.ports = reserve_ports(nodes + 1)
+        self.port = self.ports.first
+        self.redis = RedisServer(os.path.join(root, "redis"), port=self.port + nodes)
         self.aof = AofHistory(self.redis)
-        self.port = 32000 + (os.getpid() * 7 + seed) % 2000
         self.result = TrialResult(seed, samples)
         self.last_worker_kill = 0.0
         self.on_commit, self.rollback_lags = on_commit, rollback_lags
@@ -337,7 +344,7 @@ class Trial:
                 for n in back:
                     if self.n_nodes > 1:  # a node that came back deletes its copies of samples others committed
                         self._harvest("collect", "--spool-dir", self.spool(n), "--node", f"node{n}", "--burst")
-                    self._harvest("janitor", "--dump-dir", self.dump(n))
+                    self._janitor(n)
                     # A worker killed just before the end leaves a claim dir that a janitor may remove only
                     # once its heartbeat has expired: a few more passes, as the live workers would run.
                     for _ in range(HEARTBEAT_TTL_S // 3):
@@ -345,7 +352,7 @@ class Trial:
                                 x.startswith(".claimed-") for x in os.listdir(self.dump(n))):
                             break
                         time.sleep(3)
-                        self._harvest("janitor", "--dump-dir", self.dump(n))
+                        self._janitor(n)
                 self.result.spools_reclaimed = Ledger(conn, self.run).stats().get("spools_reclaimed", 0)
                 self.result.spools_revoked = conn.scard(Keys(self.run).revoked_spools)
                 self._account(conn)
@@ -353,11 +360,16 @@ class Trial:
             self.result.error = f"{type(e).__name__}: {e}"
         finally:
             self.redis.stop()
+            self.ports.close()
             self.result.seconds = time.monotonic() - t0
         return self.result
 
-    def _harvest(self, *args: str) -> None:
-        subprocess.run([sys.executable, "-m", "harvest.cli", args[0], "--run", self.run, "--redis", self.redis.url,
+    def _janitor(self, n: int) -> None:
+        out = self._harvest("janitor", "--dump-dir", self.dump(n)).stdout.decode().strip()
+        self.result.janitor_lines.append(f"{time.monotonic():.1f} node{n}: {out}")
+
+    def _harvest(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "harvest.cli", args[0], "--run", self.run, "--redis", self.redis.url,
                         *args[1:]], cwd=REPO, env=self.env, capture_output=True, timeout=120, check=True)
 
     def _account(self, conn: redis.Redis) -> None:
@@ -395,5 +407,21 @@ class Trial:
         for d in [f(n) for n in range(self.n_nodes) if n not in self.never for f in (self.spool, self.dump)]:
             if os.path.isdir(d):
                 for dirpath, dirnames, files in os.walk(d):
-                    res.leftovers += [os.path.join(dirpath, x) for x in files + [n for n in dirnames if n.startswith(".claimed")]
+                    res.leftovers += [self._leftover(conn, os.path.join(dirpath, x))
+                                      for x in files + [n for n in dirnames if n.startswith(".claimed")]
                                       if x not in (".spool-id", ".spool-id.lock")]
+
+    def _leftover(self, conn: redis.Redis, path: str) -> str:
+        """A file left behind, with what tells why the janitor kept it: its age, and for a dump
+        file its sample's state and attempt number in the ledger."""
+        try:
+            age = f"{time.time() - os.stat(path).st_mtime:.1f}s old"
+        except FileNotFoundError:
+            age = "gone since"
+        chunk = parse_chunk_name(os.path.basename(path))
+        if chunk is None:
+            return f"{path} ({age})"
+        sid, attempt = parse_rid(chunk[0])
+        ledger = Ledger(conn, self.run)
+        state, current = ledger.states([sid])[0], conn.hget(ledger.keys.attempts, sid)
+        return f"{path} ({age}, attempt {attempt}; ledger: state {state}, attempt {current and int(current)})"

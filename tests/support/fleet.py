@@ -219,10 +219,10 @@ class Fleet:
     redis_url: str
     run: str
     nodes: int
+    base_port: int  # node n's engine port is base_port + n: tests.support.ports.reserve_ports
     workers: int = 1
     hidden: int = 4
     capture: str = "2,4,5,8"
-    base_port: int = 31000
     collector_args: tuple[str, ...] = ("--max-wait", "1", "--pack-workers", "1")
     worker_args: tuple[str, ...] = ()
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)

@@ -34,6 +34,7 @@ from producer.enqueue import Enqueuer
 from tests.support.chaos import RETURNS, Trial, TrialResult
 from tests.support.cli import REPO
 from tests.support.fleet import Fleet
+from tests.support.ports import reserve_ports
 
 KINDS = ("worker", "collector", "node")
 GRACE_S = 15.0
@@ -51,7 +52,8 @@ def soak(conn: redis.Redis, server, root: str, nodes: int, samples: int, kills: 
     rows = [nrng.integers(5, 128_000, int(nrng.integers(16, 200))).tolist() for _ in range(samples)]
     rows += rows[: samples // 100]  # repeated rows: the same sample, to be stored once
     expected = {sample_id(np.array(r, np.int32), np.ones(len(r), np.uint8)): r for r in rows}
-    fleet = Fleet(os.path.join(root, run), server.url, run, nodes,
+    ports = reserve_ports(nodes)  # held until this process exits (tests.support.ports)
+    fleet = Fleet(os.path.join(root, run), server.url, run, nodes, base_port=ports.first,
                   collector_args=("--max-wait", "1", "--pack-workers", "1"))
     res = TrialResult(seed, len(expected))
     down: dict[int, float | None] = {}

@@ -191,7 +191,7 @@ def test_collect_cli_stops_on_missing_bucket_then_finishes_the_recorded_shard(co
     ), res.stderr
     assert res.stderr.rstrip().endswith(
         f"The spool in {spool} is intact and the shard in progress is recorded in Redis; "
-        "fix the storage and restart `harvest collect` to finish it."
+        "fix the storage and start the collector again (`harvest collect`, or the same `harvest run`) to finish it."
     )
     assert len(list_spooled(spool)) == 3 and Ledger(conn, "r").counts()["spooled"] == 3
     assert json.loads(conn.get(Ledger(conn, "r").keys.packing("n1"))) == {"shard_id": sid, "sample_ids": ids,
