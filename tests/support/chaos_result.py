@@ -1,0 +1,50 @@
+"""What one chaos trial (tests.support.chaos) found: every input sample accounted for, and
+what was left behind."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrialResult:
+    seed: int
+    samples: int
+    kills: Counter = field(default_factory=Counter)
+    restarts_on_exit: Counter = field(default_factory=Counter)
+    node_returns: Counter = field(default_factory=Counter)  # within / after the grace, never
+    spools_reclaimed: int = 0  # spools revoked with samples to put back
+    spools_revoked: int = 0  # every spool given up for lost, empty ones too
+    done: int = 0
+    failed: int = 0
+    lost: list[str] = field(default_factory=list)
+    doubled: list[str] = field(default_factory=list)
+    wrong_tokens: list[str] = field(default_factory=list)
+    failed_without_reason: list[str] = field(default_factory=list)
+    failure_reasons: Counter = field(default_factory=Counter)
+    shards_without_index: list[str] = field(default_factory=list)
+    unreadable: str = ""  # why a reader could not read the committed run (it must always can)
+    leftovers: list[str] = field(default_factory=list)
+    janitor_lines: list[str] = field(default_factory=list)  # the final passes' reports: why files were kept
+    timeline: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not (self.error or self.lost or self.doubled or self.wrong_tokens or self.failed_without_reason
+                    or self.shards_without_index or self.leftovers or self.unreadable)
+
+    def summary(self) -> str:
+        return (f"seed {self.seed}: {'OK' if self.ok else 'FAIL'} {self.samples} samples, done {self.done}, failed "
+                f"{self.failed} {dict(self.failure_reasons)}, kills {dict(self.kills)}, exits {dict(self.restarts_on_exit)}, "
+                + (f"nodes back {dict(self.node_returns)}, spools revoked {self.spools_revoked} "
+                   f"({self.spools_reclaimed} with samples), "
+                   if self.node_returns else "") +
+                f"lost {len(self.lost)}, doubled {len(self.doubled)}, wrong {len(self.wrong_tokens)}, "
+                f"unexplained failures {len(self.failed_without_reason)}, shards without index "
+                f"{len(self.shards_without_index)}, leftovers {len(self.leftovers)} {self.leftovers[:5]}"
+                + (f" after final janitor passes {self.janitor_lines}" if self.leftovers else "") + f", unreadable {self.unreadable or 0}, "
+                f"{self.seconds:.0f}s"
+                + (f"; error: {self.error}" if self.error else ""))
