@@ -326,8 +326,8 @@ class Trial:
         self.result.janitor_lines.append(f"{time.monotonic():.1f} node{n}: {out}")
 
     def _harvest(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "harvest.cli", args[0], "--run", self.run, "--redis", self.redis.url,
-                        *args[1:]], cwd=REPO, env=self.env, capture_output=True, timeout=120, check=True)
+        return subprocess.run([sys.executable, "-m", "harvest.cli", args[0], "--run", self.run, "--redis",
+                               self.redis.url, *args[1:]], cwd=REPO, env=self.env, capture_output=True, timeout=120, check=True)
 
     def _account(self, conn: redis.Redis) -> None:
         from harvest.read.reader import RunReader

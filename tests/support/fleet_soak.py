@@ -31,7 +31,8 @@ from harvest.state.ledger import Ledger
 from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
 from producer.enqueue import Enqueuer
-from tests.support.chaos import RETURNS, Trial, TrialResult
+from tests.support.chaos import RETURNS, Trial
+from tests.support.chaos_result import TrialResult
 from tests.support.cli import REPO
 from tests.support.fleet import Fleet
 from tests.support.ports import reserve_ports
@@ -52,7 +53,7 @@ def soak(conn: redis.Redis, server, root: str, nodes: int, samples: int, kills: 
     rows = [nrng.integers(5, 128_000, int(nrng.integers(16, 200))).tolist() for _ in range(samples)]
     rows += rows[: samples // 100]  # repeated rows: the same sample, to be stored once
     expected = {sample_id(np.array(r, np.int32), np.ones(len(r), np.uint8)): r for r in rows}
-    ports = reserve_ports(nodes)  # held until this process exits (tests.support.ports)
+    ports = reserve_ports(nodes)  # tests.support.ports: held until the fleet stops
     fleet = Fleet(os.path.join(root, run), server.url, run, nodes, base_port=ports.first,
                   collector_args=("--max-wait", "1", "--pack-workers", "1"))
     res = TrialResult(seed, len(expected))
@@ -126,6 +127,7 @@ def soak(conn: redis.Redis, server, root: str, nodes: int, samples: int, kills: 
             time.sleep(0.5)
     finally:
         fleet.stop()
+        ports.close()
     seconds = time.monotonic() - t0
     if not res.error:
         wait = max(2.5, last_kill + HEARTBEAT_TTL_S + 1 - time.monotonic())

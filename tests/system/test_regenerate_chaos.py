@@ -41,7 +41,8 @@ from harvest.state.conversation import splice, turn_seed
 from harvest.state.keys import Keys, worker_key
 from harvest.state.ledger import SPOOLED, Ledger
 from harvest.storage import Location
-from tests.support.chaos import Trial, TrialResult
+from tests.support.chaos import Trial
+from tests.support.chaos_result import TrialResult
 from tests.support.cli import harvest_cli
 from tests.support.ops import Procs
 from tests.support.wait import wait_for
