@@ -299,7 +299,6 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
         recovery = Recovery(conn, cfg)
         ledger = Ledger(conn, cfg.run)
         launch = _Launcher(children, cfg, settings, server.url if server else redis_url, dumps, spool, names)
-        disk = DiskWatch(work, spool, server.data_dir if server else None, settings.min_free_bytes)
         before = ledger.counts()
         if before["queued"] or before["spooled"]:
             unsettle(out)
@@ -308,12 +307,12 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
             # the producer. A rerun of a run with nothing pending produces first instead, and
             # starts them only if the dataset brings something new.
             launch.start_workers()
-            _tend(children, disk, names)  # a disk full already: the workers stop before their first job
         from harvest.ops.reconcile import reconcile
 
         reconcile(conn, cfg)
         if launch.started or ledger.counts()["queued"]:
             launch.ensure()
+        disk = DiskWatch(work, spool, server.data_dir if server else None, settings.min_free_bytes)
 
         def on_wait(_: int) -> None:  # the queue is full: its consumers must run
             launch.ensure()
@@ -377,8 +376,6 @@ def _tend(children: Supervisor, disk: DiskWatch, names: list[str]) -> None:
         children.tolerant = False
         children.note(disk.resume_line())
         tqdm.write(disk.resume_line(), file=sys.stderr)
-    if disk.paused:  # workers started since the pause (the launcher's later start) are held too
-        children.hold(names)
     children.poll()
 
 
