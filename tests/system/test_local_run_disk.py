@@ -32,7 +32,11 @@ def _args(tmp_path, fs: str) -> tuple[list[str], str]:
     dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(10, seed=4))
     work = os.path.join(fs, "work")
     return (["run", dataset, "--model", "MODEL", "--out", str(tmp_path / "out"), "--run", "full", "--work-dir", work,
-             "--dump-dir", str(tmp_path / "dumps"), "--min-free-mb", "8", "--no-progress"], work)
+             "--dump-dir", str(tmp_path / "dumps"), "--min-free-mb", "8", "--no-progress",
+             # 5 jobs: the run starts its workers before its first disk check, and a worker
+             # finishes the job it took (harvest.cli.runner); one job of all 10 could end the run
+             # while paused
+             "--batch-samples", "2"], work)
 
 
 def _start(args: list[str]) -> tuple[subprocess.Popen, OutputReader, OutputReader]:
