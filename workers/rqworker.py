@@ -30,6 +30,25 @@ RQ's comparisons of a stored time with the local clock, and what happens to each
 | `RQScheduler` (`with_scheduler`) | scheduled jobs due by the local clock | never started; the janitor promotes by Redis TIME |
 | `Job._handle_retry_result` (a job returning `Retry`) | the retry's due time, `now() + interval`: 2 h late from a node 2 h ahead | re-stamped by Redis TIME right after (`handle_job_retry`); the janitor also treats an absurdly distant due time as due |
 
+RQ's round trips, and the ones cut here. RQ 3.0's SimpleWorker made about 31 round trips a job
+(bench/fleet.py), the largest part of the control plane's Redis CPU per sample: one Redis runs the
+whole fleet's commands on one thread, and on a VM a round trip costs it 5-30 µs. Cut here, none
+of them read by harvest's liveness (which is its own heartbeat, harvest.state.heartbeat):
+- RQ's worker heartbeat (`last_heartbeat` and the TTLs of the worker's keys, three separate
+  commands each time, sent 3-4 times a job) goes at most every `worker_ttl / 6` s, in one
+  pipeline; a heartbeat riding in one of RQ's own transactions is kept;
+- `rq suspend`'s flag is read at most every SUSPENSION_CHECK_S, not before every job;
+- the worker's state is written when it changes, not again when it is the same;
+- the job's `last_heartbeat` at its end is kept in this process (the job is deleted or moved
+  right after, in the transaction that records its outcome);
+- a finished job's transaction: RQ's `handle_job_success` watches the dependents set, reads
+  the job's status and reads every execution of the job (six reads) to delete what one
+  MULTI/EXEC deletes here. Harvest's jobs have no dependents, no repeats, no rate limit, no
+  group and keep no result (harvest.state.jobs: result_ttl 0); a job that has any of them goes
+  RQ's own way.
+What is left a job: the dequeue (LMOVE, the job's hash), RQ's two execution transactions, the
+outcome's transaction.
+
 Safe because: every disabled cleanup either removed records that the janitor now removes by
 Redis's clock, or decided liveness, which only harvest's heartbeats (TTL) decide. What remains
 on the local clock compares this process with itself (the maintenance cadence, the double
@@ -40,9 +59,11 @@ signal within 1 s, the job's own timeout by SIGALRM) or is only recorded (`start
 from __future__ import annotations
 
 import math
+import time
 
 import redis
 from rq import Retry, SimpleWorker, worker_registration
+from rq.results import Result
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
@@ -54,12 +75,67 @@ from harvest.state.heartbeat import WorkerBeat, live_beat
 from harvest.state.spools import redis_time
 
 
+# How often RQ's suspension flag (`rq suspend`) is read: a suspend takes effect within this.
+SUSPENSION_CHECK_S = 5.0
+
+
 class HarvestWorker(SimpleWorker):
     def __init__(self, *args, beat: WorkerBeat | None = None, **kwargs) -> None:
         """`beat`: this worker's harvest heartbeat; by default the one this process started under
         the worker's name (harvest.state.heartbeat.live_beat)."""
         super().__init__(*args, **kwargs)
         self._beat = beat
+        self._rq_beat_at = -math.inf  # monotonic time of RQ's last stand-alone worker heartbeat
+        self._suspension_at = -math.inf
+
+    # -- RQ's bookkeeping, without the round trips nobody reads (see the module docstring) ------
+    def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:
+        if pipeline is not None:  # rides in one of RQ's transactions: free
+            super().heartbeat(timeout, pipeline=pipeline)
+            return
+        t = time.monotonic()
+        if t - self._rq_beat_at < self.worker_ttl / 6:
+            return  # the worker key's TTL (worker_ttl + 60 s) is far from running out
+        with self.connection.pipeline(transaction=False) as pipe:
+            super().heartbeat(timeout, pipeline=pipe)
+            pipe.execute()
+        self._rq_beat_at = t
+
+    def check_for_suspension(self, burst: bool) -> None:
+        t = time.monotonic()
+        if t - self._suspension_at >= SUSPENSION_CHECK_S:
+            super().check_for_suspension(burst)
+            self._suspension_at = time.monotonic()
+
+    def set_state(self, state: str, pipeline=None) -> None:
+        if pipeline is None and state == self._state:
+            return
+        super().set_state(state, pipeline=pipeline)
+
+    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
+        """RQ's, less the write of the job's `last_heartbeat`: the outcome's transaction follows."""
+        job.ended_at = now()
+        job.last_heartbeat = job.ended_at
+
+    def handle_job_success(self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry,
+                           execution: Execution) -> None:
+        """A harvest job's success in one MULTI/EXEC: the worker's counters, the execution gone
+        (and the heartbeat no longer naming it), the job and its records deleted. What RQ's own
+        would write for such a job, without its reads (module docstring)."""
+        if (job.get_result_ttl(self.default_result_ttl) != 0 or job.repeats_left or job.has_rate_limit
+                or job.group_id or job._dependency_ids):
+            super().handle_job_success(job, queue, started_job_registry, execution)
+            return
+        with self.connection.pipeline() as pipe:
+            self.increment_successful_job_count(pipeline=pipe)
+            self.increment_total_working_time(job.ended_at - job.started_at, pipe)
+            self.cleanup_execution(job, pipeline=pipe, execution=execution)
+            pipe.delete(job.key, job.dependents_key, job.dependencies_key, Result.get_key(job.id),
+                        job.execution_registry.key)
+            pipe.execute()
+        job._status = JobStatus.FINISHED
+        self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
+                      self.name)
 
     @property
     def beat(self) -> WorkerBeat | None:

@@ -137,6 +137,41 @@ def test_one_job_and_its_shard_cost_the_same_commands_whatever_the_ledger_holds(
     assert small_shard["evalsha"] <= 6 and small_job["evalsha"] <= 5
 
 
+class _CountingConnection(redis.Connection):
+    """Counts round trips (a pipeline is one send) on the client the worker is given."""
+
+    sends = 0
+
+    def send_packed_command(self, command, check_health=True):
+        type(self).sends += 1
+        return super().send_packed_command(command, check_health)
+
+
+def test_rqs_own_round_trips_a_job_are_a_few_whatever_the_jobs(server, r, fleet_node):
+    """RQ's bookkeeping a job (workers.rqworker): the dequeue (LMOVE, the job's hash), its two
+    execution transactions, the outcome's, the worker's state: about 6 round trips, where RQ's
+    own SimpleWorker made about 23 (its worker heartbeat, three commands one by one, 3-4 times a
+    job; the suspension flag; the reads of its success). Harvest's calls go on the context's
+    client, not counted here. Counted as the difference between bursts of 2 and 6 jobs, so the
+    worker's start and end cancel out."""
+    cfg, ctx, beat, collector = fleet_node
+    rng = np.random.default_rng(3)
+    rq_conn = redis.Redis.from_url(server.url, connection_class=_CountingConnection)
+
+    def burst(jobs: int) -> int:
+        for _ in range(jobs):
+            enqueue(r, cfg, [Sample.build(rng.integers(0, 128_000, 16)) for _ in range(4)])
+        _CountingConnection.sends = 0
+        HarvestWorker([run_queue(rq_conn, cfg.run, job_class=HarvestJob)], connection=rq_conn, serializer=SERIALIZER,
+                      name=beat.name, job_class=HarvestJob, beat=beat).work(burst=True, logging_level="WARNING")
+        return _CountingConnection.sends
+
+    burst(1)
+    per_job = (burst(6) - burst(2)) / 4
+    assert Ledger(r, cfg.run).counts()["spooled"] == 4 * 9
+    assert per_job <= 7, per_job  # 6, and a suspension check if 5 s passed (SUSPENSION_CHECK_S)
+
+
 def test_status_and_metrics_cost_the_same_on_a_ledger_of_100k(r):
     publish_run(r, RunConfig(run="big", model="synthetic", capture_points=POINTS, hidden_size=HIDDEN,
                              out_url="/nonexistent", num_layers=8))

@@ -41,3 +41,16 @@ def test_a_sample_the_ledger_forgot_is_taken_up_by_the_worker_that_holds_it(conn
     assert led.mark_failed({c: ("bad-dump", "x")}, forgotten=True) == [c]
     assert led.mark_spooled([b, c]) == []  # failed is not absent: requeue first
     assert led.counts() == {"queued": 0, "spooled": 1, "done": 0, "failed": 2, "total": 3}
+
+
+def test_take_gives_each_queued_sample_its_next_attempt_and_the_others_none(conn):
+    # A job's start (Ledger.take): per id its state, and for the queued ones the next attempt
+    # number (a fresh rid for the engine); the attempts written once, in one call.
+    led = Ledger(conn, "r4")
+    a, b, c, d = "a" * 32, "b" * 32, "c" * 32, "d" * 32
+    led.add_queued([a, b, c])
+    led.mark_spooled([c], owner="spool1")
+    assert led.take([a, b, c, d]) == (["q", "q", "s", None], [1, 1, 0, 0])
+    assert led.take([b]) == (["q"], [2])
+    assert led.take([a, b]) == (["q", "q"], [2, 3])
+    assert conn.hgetall(led.keys.attempts) == {a.encode(): b"2", b.encode(): b"3"}
