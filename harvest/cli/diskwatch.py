@@ -55,6 +55,10 @@ class DiskWatch:
         st = os.statvfs(self.work)
         return st.f_bavail * st.f_frsize
 
+    def full(self) -> bool:
+        """Below the floor now (no state change: `check` still reports the pause)."""
+        return bool(self.min_free) and self.free() < self.min_free
+
     def check(self) -> str | None:
         """'pause' or 'resume' when the run should change state now; None otherwise."""
         now = time.monotonic()

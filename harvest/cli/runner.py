@@ -172,9 +172,9 @@ class _Launcher:
     """Starts the run's engine, workers and collector, once, when there is work for them."""
 
     def __init__(self, children: Supervisor, cfg: RunConfig, settings: RunnerSettings, redis_url: str,
-                 dumps: str, spool: str, names: list[str]) -> None:
+                 dumps: str, spool: str, names: list[str], disk: DiskWatch) -> None:
         self.children, self.cfg, self.settings, self.redis_url = children, cfg, settings, redis_url
-        self.dumps, self.spool, self.names = dumps, spool, names
+        self.dumps, self.spool, self.names, self.disk = dumps, spool, names, disk
         self.engine_url = settings.engine_url
         self.workers = self.collector = False
         self._health: str | None = None  # the reference engine's URL until it answered /health once
@@ -190,7 +190,9 @@ class _Launcher:
         return common
 
     def start_workers(self) -> None:
-        """The engine (unless given one) and the workers, which wait for its /health themselves."""
+        """The engine (unless given one) and the workers, which wait for its /health themselves.
+        On a disk already full the workers are held, not started: a worker's first job would fill
+        it further, and the first `_tend` pauses the run (its line) and releases them later."""
         if self.workers:
             return
         cfg, children = self.cfg, self.children
@@ -204,9 +206,10 @@ class _Launcher:
             children.start("engine", ["engine", "--model", cfg.model, "--dump-dir", self.dumps, "--port", str(port),
                                       "--layers", ",".join(map(str, cfg.capture_points)),
                                       "--chunked-prefill-size", str(self.settings.chunked_prefill_size)])
+        held = self.disk.full()
         for name in self.names:
             children.start(name, ["worker", *self._common(), "--engine-url", self.engine_url, "--dump-dir", self.dumps,
-                                  "--spool-dir", self.spool, "--engine-wait", f"{self.settings.worker_engine_wait_s:g}"])
+                                  "--spool-dir", self.spool, "--engine-wait", f"{self.settings.worker_engine_wait_s:g}"], held=held)
         self.workers = True
 
     def start_collector(self) -> None:
@@ -298,7 +301,8 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
             locks.update(run=cfg.run, redis=server.url)  # `harvest status --work-dir` talks to it meanwhile
         recovery = Recovery(conn, cfg)
         ledger = Ledger(conn, cfg.run)
-        launch = _Launcher(children, cfg, settings, server.url if server else redis_url, dumps, spool, names)
+        disk = DiskWatch(work, spool, server.data_dir if server else None, settings.min_free_bytes)
+        launch = _Launcher(children, cfg, settings, server.url if server else redis_url, dumps, spool, names, disk)
         before = ledger.counts()
         if before["queued"] or before["spooled"]:
             unsettle(out)
@@ -312,7 +316,6 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
         reconcile(conn, cfg)
         if launch.started or ledger.counts()["queued"]:
             launch.ensure()
-        disk = DiskWatch(work, spool, server.data_dir if server else None, settings.min_free_bytes)
 
         def on_wait(_: int) -> None:  # the queue is full: its consumers must run
             launch.ensure()

@@ -100,11 +100,12 @@ class Supervisor:
         self.tolerant = False  # while the run is paused, a child that keeps dying does not end it
 
     def start(self, name: str, args: list[str], cmd: list[str] | None = None,
-              env: dict[str, str] | None = None) -> subprocess.Popen:
-        """`harvest <args>` as a child; or `cmd` (a whole argv, e.g. the vLLM server) with `env` added."""
-        child = Child(name, cmd or [sys.executable, "-m", "harvest.cli", *args], env)
+              env: dict[str, str] | None = None, held: bool = False) -> subprocess.Popen | None:
+        """`harvest <args>` as a child; or `cmd` (a whole argv, e.g. the vLLM server) with `env` added.
+        `held`: known but not started until `release` (a work dir whose disk is full at the start)."""
+        child = Child(name, cmd or [sys.executable, "-m", "harvest.cli", *args], env, held=held)
         self.children[name] = child
-        return self._spawn(child)
+        return None if held else self._spawn(child)
 
     def _spawn(self, child: Child) -> subprocess.Popen:
         log = open(os.path.join(self.log_dir, f"{child.name}.log"), "ab")

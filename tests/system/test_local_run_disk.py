@@ -33,9 +33,8 @@ def _args(tmp_path, fs: str) -> tuple[list[str], str]:
     work = os.path.join(fs, "work")
     return (["run", dataset, "--model", "MODEL", "--out", str(tmp_path / "out"), "--run", "full", "--work-dir", work,
              "--dump-dir", str(tmp_path / "dumps"), "--min-free-mb", "8", "--no-progress",
-             # 5 jobs: the run starts its workers before its first disk check, and a worker
-             # finishes the job it took (harvest.cli.runner); one job of all 10 could end the run
-             # while paused
+             # 5 jobs: a worker started before a pause finishes the job it took; the run's first
+             # jobs must not be all of it
              "--batch-samples", "2"], work)
 
 
@@ -63,6 +62,8 @@ def test_a_full_work_dir_pauses_the_run_and_it_goes_on_when_space_returns(tmp_pa
         assert line.endswith("The workers are stopped; free space there and the run goes on by itself (at 12.0 MiB "
                              "free), or Ctrl-C stops it cleanly")
         assert p.poll() is None  # paused, not ended
+        # full from the start: the workers were never started (a first job would have filled it more)
+        assert not os.path.exists(os.path.join(work, "logs", "worker-1.log"))
         os.unlink(filler)
         p.wait(timeout=400)
     finally:
