@@ -170,6 +170,21 @@ def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: i
     }
 
 
+def ping_cost(conn: redis.Redis, n: int = 3000) -> float:
+    """Redis main-thread CPU of one PING round trip, less an idle server's own: what a round trip
+    costs the server on this machine (its system calls), the unit a fleet's cost is compared to."""
+    r0 = RedisStats.read(conn)
+    t0 = time.monotonic()
+    with tagged("bench.ping"):
+        for _ in range(n):
+            conn.ping()
+    r = RedisStats.read(conn).since(r0)
+    return max(0.0, r.cpu_s * 1e6 - BASE_US_S[0] * (time.monotonic() - t0)) / n
+
+
+BASE_US_S = [0.0]  # an idle server's own CPU µs/s, measured first in main
+
+
 def memory_per_queued(conn: redis.Redis, root: str, tokens: int, job: int, n: int, rng) -> float:
     cfg = new_run(conn, root, "memq", tokens, job, job * tokens)
     todo = make_samples(n, tokens, rng)
@@ -219,21 +234,22 @@ def ledger_cost(conn: redis.Redis, sizes: list[int]) -> list[dict]:
 ROLES = ("producer", "worker.job", "worker.rq", "worker.beat", "worker.janitor", "collector.commit", "collector.loop")
 
 
-def print_fleets(res: list[dict], mem_q: float) -> None:
+def print_fleets(res: list[dict], mem_q: float, ping_us: float) -> None:
     base = res[0]
     print(f"\n{'fleet':>18} {'samples':>8} {'s/s':>7} {'x':>5} {'exec/s':>7} {'sent/s':>7} {'trips/s':>7} {'cpu µs/s':>9} "
-          f"{'busy µs/s':>9} {'KB/done':>8} {'worker ms/s':>11} {'coll ms/s':>9}   idle/node: trips/s  µs/s")
+          f"{'busy µs/s':>9} {'PINGs/s':>7} {'KB/done':>8} {'worker ms/s':>11} {'coll ms/s':>9}   idle/node: trips/s  µs/s")
     for r in res:
         n = r["samples"]
         sps = n / r["seconds"]
         print(f"{r['nodes']:>4} nodes {r['tokens']:>5} tok {n:>8} {sps:>7.0f} {sps / (base['samples'] / base['seconds']):>5.2f} "
               f"{sum(r['executed'].values()) / n:>7.2f} {commands(r['sent']) / n:>7.2f} {trips(r['sent']) / n:>7.2f} "
-              f"{r['cpu_us'] / n:>9.1f} {r['busy_cpu_us'] / n:>9.1f} {r['mem_done'] / n / 1e3:>8.2f} "
+              f"{r['cpu_us'] / n:>9.1f} {r['busy_cpu_us'] / n:>9.1f} {r['busy_cpu_us'] / n / max(ping_us, 1e-9):>7.1f} "
+              f"{r['mem_done'] / n / 1e3:>8.2f} "
               f"{r['cpu'].get('worker', 0) * 1e3 / n:>11.2f} {r['cpu'].get('collector', 0) * 1e3 / n:>9.2f}   "
               f"{r['idle_trips'] / r['nodes']:>14.1f} {r['idle_cpu_us_s'] / r['nodes']:>5.0f}")
     print(f"  (s/s: samples/s end to end; x: against {base['nodes']} node(s); exec/s, sent/s: Redis commands per sample "
           f"executed (Lua's inner ones included) and sent by clients; trips/s: round trips (a pipeline is one); cpu: Redis "
-          f"main-thread µs per sample, busy: less the idle fleet's; KB/done: Redis memory left per done sample; "
+          f"main-thread µs per sample, busy: less the idle fleet's; PINGs/s: busy in PING round trips measured in this run; KB/done: Redis memory left per done sample; "
           f"worker/coll ms/s: their own CPU per sample)")
     print(f"  Redis memory per queued sample ({base['tokens']}-token samples, jobs of 32): {mem_q / 1e3:.1f} KB")
     for r in res:
@@ -321,7 +337,11 @@ def main() -> int:
         r0 = RedisStats.read(conn)
         time.sleep(args.idle)
         base_us_s = RedisStats.read(conn).since(r0).cpu_s * 1e6 / args.idle  # serverCron and the rest, no client
+        BASE_US_S[0] = base_us_s
         print(f"  an idle redis-server's own CPU: {base_us_s:.0f} µs/s (taken out of the fleets' idle figures)", flush=True)
+        ping_us = ping_cost(conn)
+        print(f"  the baseline, one PING round trip from one client: {ping_us:.1f} µs of Redis CPU (this machine's cost "
+              f"of a round trip; the fleets' µs per sample are also given in PINGs)", flush=True)
         mem_q = memory_per_queued(conn, root, args.tokens, 32, 3000, rng)
         conn.flushall()
         res = []
@@ -335,7 +355,7 @@ def main() -> int:
                              RunConfig.__dataclass_fields__["max_batch_tokens"].default, args.idle, base_us_s, rng)
         print(f"  fleet of {big}, {args.long_tokens}-token samples: {long['samples']} in {long['seconds']:.1f}s", flush=True)
         conn.flushall()
-        print_fleets(res + [long], mem_q)  # each stage's table as soon as it is measured
+        print_fleets(res + [long], mem_q, ping_us)  # each stage's table as soon as it is measured
         project(res[-1], long)
         print("\none worker's jobs (64-token samples; in this process): Redis CPU per job and per sample", flush=True)
         for j in (8, 32, 128):

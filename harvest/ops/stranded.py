@@ -240,6 +240,12 @@ def tend_stranded(conn: redis.Redis, cfg: RunConfig, now: float, grace: float = 
     if swept_at is not None and now - swept_at < sweep_interval:
         return rep
     due = bool(stamps) and now - min(stamps.values()) >= grace
+    if not due and rep.excess > len(stamps):
+        # A job that ended between the snapshot and the read of its size counted 0 while its
+        # samples were still counted queued: look again (it is out of the new snapshot, and the
+        # sizes read once are cached), so a busy fleet does not sweep O(samples) for nothing.
+        q, job_ids, _ = _covering(conn, cfg.run, with_stamps=False)
+        rep.excess = min(rep.excess, q - job_sizes(conn, job_ids) if q else 0)
     if due or rep.excess > len(stamps):  # a stamp is due, or more samples are stranded than are stamped
         out = sweep(conn, cfg, now, stamps, grace)
         out.checked, out.excess = True, rep.excess

@@ -122,6 +122,29 @@ def test_no_sweep_while_every_queued_sample_is_queued_dequeued_started_or_schedu
     assert (rep.checked, rep.excess, rep.swept) == (True, 0, False) and _stamps(conn) == {}
 
 
+def test_a_job_that_ends_during_the_check_starts_no_sweep(conn, cfg, monkeypatch):
+    # The race a busy fleet hits: the check's snapshot counts the job's samples queued, and the
+    # job ends (its samples spooled, its hash deleted) before the check reads the job's size.
+    import harvest.ops.stranded as stranded
+
+    samples = [Sample.build([80, 81]), Sample.build([82])]
+    job = enqueue(conn, cfg, samples)
+    real, looked = stranded.job_sizes, []
+
+    def ending_meanwhile(c, ids):
+        if not looked:
+            Ledger(conn, RUN).mark_spooled([s.id for s in samples], owner="spool-1")
+            run_queue(conn, RUN).remove(job)
+            Job.fetch(job, connection=conn, serializer=SERIALIZER).delete()
+        looked.append(list(ids))
+        return real(c, ids)
+
+    monkeypatch.setattr(stranded, "job_sizes", ending_meanwhile)
+    rep = tend_stranded(conn, cfg, redis_time(conn))
+    assert (rep.checked, rep.excess, rep.swept) == (True, 0, False) and _stamps(conn) == {}
+    assert looked == [[job]]  # the second look found nothing queued: no size to read
+
+
 def test_between_checks_a_pass_costs_one_command(conn, cfg):
     enqueue(conn, cfg, [Sample.build([70, 71])])
     t = redis_time(conn)
