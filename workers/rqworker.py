@@ -121,7 +121,10 @@ class HarvestWorker(SimpleWorker):
                            execution: Execution) -> None:
         """A harvest job's success in one MULTI/EXEC: the worker's counters, the execution gone
         (and the heartbeat no longer naming it), the job and its records deleted. What RQ's own
-        would write for such a job, without its reads (module docstring)."""
+        would write for such a job, without its reads (module docstring). RQ also deleted any other
+        execution of the job (a suspect worker's, whose job was taken back and ran again here): that
+        one stays until its worker ends it, or the janitor drops it, its job being gone
+        (harvest.ops.liveness `_take_back`)."""
         if (job.get_result_ttl(self.default_result_ttl) != 0 or job.repeats_left or job.has_rate_limit
                 or job.group_id or job._dependency_ids):
             super().handle_job_success(job, queue, started_job_registry, execution)
