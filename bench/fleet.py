@@ -170,7 +170,7 @@ def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: i
     }
 
 
-def ping_cost(conn: redis.Redis, n: int = 3000) -> float:
+def ping_cost(conn: redis.Redis, base_us_s: float, n: int = 3000) -> float:
     """Redis main-thread CPU of one PING round trip, less an idle server's own: what a round trip
     costs the server on this machine (its system calls), the unit a fleet's cost is compared to."""
     r0 = RedisStats.read(conn)
@@ -179,10 +179,7 @@ def ping_cost(conn: redis.Redis, n: int = 3000) -> float:
         for _ in range(n):
             conn.ping()
     r = RedisStats.read(conn).since(r0)
-    return max(0.0, r.cpu_s * 1e6 - BASE_US_S[0] * (time.monotonic() - t0)) / n
-
-
-BASE_US_S = [0.0]  # an idle server's own CPU µs/s, measured first in main
+    return max(0.0, r.cpu_s * 1e6 - base_us_s * (time.monotonic() - t0)) / n
 
 
 def memory_per_queued(conn: redis.Redis, root: str, tokens: int, job: int, n: int, rng) -> float:
@@ -249,7 +246,8 @@ def print_fleets(res: list[dict], mem_q: float, ping_us: float) -> None:
               f"{r['idle_trips'] / r['nodes']:>14.1f} {r['idle_cpu_us_s'] / r['nodes']:>5.0f}")
     print(f"  (s/s: samples/s end to end; x: against {base['nodes']} node(s); exec/s, sent/s: Redis commands per sample "
           f"executed (Lua's inner ones included) and sent by clients; trips/s: round trips (a pipeline is one); cpu: Redis "
-          f"main-thread µs per sample, busy: less the idle fleet's; PINGs/s: busy in PING round trips measured in this run; KB/done: Redis memory left per done sample; "
+          f"main-thread µs per sample, busy: less the idle fleet's; PINGs/s: busy in PING round trips measured in "
+          f"this run; KB/done: Redis memory left per done sample; "
           f"worker/coll ms/s: their own CPU per sample)")
     print(f"  Redis memory per queued sample ({base['tokens']}-token samples, jobs of 32): {mem_q / 1e3:.1f} KB")
     for r in res:
@@ -337,9 +335,8 @@ def main() -> int:
         r0 = RedisStats.read(conn)
         time.sleep(args.idle)
         base_us_s = RedisStats.read(conn).since(r0).cpu_s * 1e6 / args.idle  # serverCron and the rest, no client
-        BASE_US_S[0] = base_us_s
         print(f"  an idle redis-server's own CPU: {base_us_s:.0f} µs/s (taken out of the fleets' idle figures)", flush=True)
-        ping_us = ping_cost(conn)
+        ping_us = ping_cost(conn, base_us_s)
         print(f"  the baseline, one PING round trip from one client: {ping_us:.1f} µs of Redis CPU (this machine's cost "
               f"of a round trip; the fleets' µs per sample are also given in PINGs)", flush=True)
         mem_q = memory_per_queued(conn, root, args.tokens, 32, 3000, rng)

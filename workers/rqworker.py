@@ -30,8 +30,8 @@ RQ's comparisons of a stored time with the local clock, and what happens to each
 | `RQScheduler` (`with_scheduler`) | scheduled jobs due by the local clock | never started; the janitor promotes by Redis TIME |
 | `Job._handle_retry_result` (a job returning `Retry`) | the retry's due time, `now() + interval`: 2 h late from a node 2 h ahead | re-stamped by Redis TIME right after (`handle_job_retry`); the janitor also treats an absurdly distant due time as due |
 
-RQ's round trips, and the ones cut here. RQ 3.0's SimpleWorker made about 31 round trips a job
-(bench/fleet.py), the largest part of the control plane's Redis CPU per sample: one Redis runs the
+RQ's round trips, and the ones cut here. RQ 3.0's SimpleWorker made 27 round trips of its own a
+job (bench/fleet.py, tests/system/test_control_plane.py), the largest part of the control plane's Redis CPU per sample: one Redis runs the
 whole fleet's commands on one thread, and on a VM a round trip costs it 5-30 µs. Cut here, none
 of them read by harvest's liveness (which is its own heartbeat, harvest.state.heartbeat):
 - RQ's worker heartbeat (`last_heartbeat` and the TTLs of the worker's keys, three separate
@@ -43,9 +43,10 @@ of them read by harvest's liveness (which is its own heartbeat, harvest.state.he
   right after, in the transaction that records its outcome);
 - a finished job's transaction: RQ's `handle_job_success` watches the dependents set, reads
   the job's status and reads every execution of the job (six reads) to delete what one
-  MULTI/EXEC deletes here. Harvest's jobs have no dependents, no repeats, no rate limit, no
-  group and keep no result (harvest.state.jobs: result_ttl 0); a job that has any of them goes
-  RQ's own way.
+  MULTI/EXEC deletes here. Harvest's jobs keep no result (harvest.state.jobs: result_ttl 0)
+  and have no repeats, rate limit or group; a job that has any of them goes RQ's own way.
+  Dependents are not checked (that is the WATCH and read saved): harvest enqueues no job with
+  `depends_on`, so no job of its queue has any.
 What is left a job: the dequeue (LMOVE, the job's hash), RQ's two execution transactions, the
 outcome's transaction.
 
@@ -63,17 +64,16 @@ import time
 
 import redis
 from rq import Retry, SimpleWorker, worker_registration
-from rq.results import Result
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
+from rq.results import Result
 from rq.utils import now
 from rq.worker import WorkerStatus
 
 from harvest.state.heartbeat import WorkerBeat, live_beat
 from harvest.state.spools import redis_time
-
 
 # How often RQ's suspension flag (`rq suspend`) is read: a suspend takes effect within this.
 SUSPENSION_CHECK_S = 5.0
@@ -126,7 +126,7 @@ class HarvestWorker(SimpleWorker):
         one stays until its worker ends it, or the janitor drops it, its job being gone
         (harvest.ops.liveness `_take_back`)."""
         if (job.get_result_ttl(self.default_result_ttl) != 0 or job.repeats_left or job.has_rate_limit
-                or job.group_id or job._dependency_ids):
+                or job.group_id):
             super().handle_job_success(job, queue, started_job_registry, execution)
             return
         with self.connection.pipeline() as pipe:

@@ -125,7 +125,7 @@ def test_no_sweep_while_every_queued_sample_is_queued_dequeued_started_or_schedu
 def test_a_job_that_ends_during_the_check_starts_no_sweep(conn, cfg, monkeypatch):
     # The race a busy fleet hits: the check's snapshot counts the job's samples queued, and the
     # job ends (its samples spooled, its hash deleted) before the check reads the job's size.
-    import harvest.ops.stranded as stranded
+    from harvest.ops import stranded
 
     samples = [Sample.build([80, 81]), Sample.build([82])]
     job = enqueue(conn, cfg, samples)
