@@ -92,6 +92,19 @@ class HarvestWorker(SimpleWorker):
         self._beat = beat
         self._rq_beat_at = -math.inf  # monotonic time of RQ's last stand-alone worker heartbeat
         self._suspension_at = -math.inf
+        self._cold_stop = False  # a cold stop (SystemExit) was raised: later signals change nothing
+
+    def request_force_stop(self, signum, frame) -> None:
+        """RQ's cold stop, honoured once. `harvest run` repeats a hurried stop's SIGTERM until the
+        worker exits (RQ ignores one within 1 s of handling the first, and the runner cannot tell
+        when that ran); a repeat must not interrupt the job's hand-back (workers.job)."""
+        if self._cold_stop:
+            return
+        try:
+            super().request_force_stop(signum, frame)  # returns when within 1 s of the first signal
+        except SystemExit:
+            self._cold_stop = True
+            raise
 
     # -- RQ's bookkeeping, without the round trips nobody reads (see the module docstring) ------
     def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:

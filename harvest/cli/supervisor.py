@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from harvest.errors import OutputRefused, ServiceError
 
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-SECOND_SIGNAL_AFTER_S = 1.0  # a hurried stop's second SIGTERM comes at least this long after the first
+SECOND_SIGNAL_AFTER_S = 1.0  # a hurried stop's SIGTERMs come at least this long after the first, and repeat so
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
@@ -216,16 +216,22 @@ class Supervisor:
                 self.children[n].proc.send_signal(signal.SIGTERM)
             sent = time.monotonic()
             deadline = sent + timeout
-            hurried = self.hurried
+            hurried, again_at = self.hurried, None
             while time.monotonic() < deadline and any(self.children[n].proc.poll() is None for n in live):
                 # Not within a second of the first: two SIGTERMs that arrive before the child's
                 # handler ran are one (signals do not queue), and the job would not be handed back.
-                if self.hurried and not hurried and time.monotonic() - sent >= SECOND_SIGNAL_AFTER_S:
-                    hurried = True
+                # Repeated until the group exits: RQ ignores a second signal within 1 s of the
+                # moment its handler ran the first, which a loaded machine delays past our send
+                # (a worker honours one cold stop only: workers.rqworker).
+                t = time.monotonic()
+                due = t - sent >= SECOND_SIGNAL_AFTER_S and (again_at is None or t >= again_at)
+                if self.hurried and not hurried and due:
                     running = [n for n in live if self.children[n].proc.poll() is None]
-                    self.note(f"stopping {', '.join(running)} at once (a second interrupt)")
+                    if again_at is None:
+                        self.note(f"stopping {', '.join(running)} at once (a second interrupt)")
                     for n in running:
                         self.children[n].proc.send_signal(signal.SIGTERM)
+                    again_at = t + SECOND_SIGNAL_AFTER_S
                 time.sleep(0.05)
             for n in live:
                 p = self.children[n].proc
