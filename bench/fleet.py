@@ -1,6 +1,6 @@
 """The control plane of a fleet, measured by simulation: what one Redis carries per sample.
 
-    python bench/fleet.py [--nodes 1,4,16] [--per-node 300] [--tokens 1024] [--ledger 10000,100000,1000000]
+    python bench/fleet.py [--nodes 1,4,16] [--per-node 300] [--tokens 1024] [--ledger 10000,100000,1000000] [--by-script]
     python bench/fleet.py --soak [--soak-nodes 16] [--soak-samples 50000] [--seed 1]
 
 One private redis-server (AOF on, as harvest runs it) and, per fleet size, N simulated nodes of
@@ -16,7 +16,9 @@ jobs and shards amortize as in a real fleet. Per fleet it prints:
   included) and sent by clients (counted in each process's redis-py, by role and activity:
   producer, worker job / RQ / heartbeat / janitor, collector commit / loop; tests.support.fleet),
   with the bench's own polling taken out;
-- Redis main-thread CPU µs per sample (INFO cpu), and per node and second when idle;
+- Redis main-thread CPU µs per sample (INFO cpu), and per node and second when idle; how much
+  of it the kernel's (client reads and writes, AOF writes, page faults) and the bytes a sample
+  sends to and takes from Redis;
 - Redis memory per queued and per done sample;
 - the worker's and the collector's own CPU ms per sample (/proc/<pid>/stat);
 - then the cost of one `harvest status` and one metrics scrape with 10k, 100k, 1M samples in a
@@ -27,7 +29,8 @@ jobs and shards amortize as in a real fleet. Per fleet it prints:
 
 Ratios are against the smallest fleet of the same run. `--soak` runs the fleet soak instead:
 16 nodes, 50k samples, random SIGKILLs of workers, collectors and whole nodes, every sample
-accounted for exactly once (tests.support.chaos's accounting).
+accounted for exactly once (tests.support.chaos's accounting). `--by-script` ends with the
+largest fleet run again with every command logged, and its Redis µs per sample by harvest script.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from harvest.state.runstore import publish_run  # noqa: E402
 from producer.enqueue import Enqueuer  # noqa: E402
 from tests.support.fleet import TRIPS, Fleet, RedisStats, counts, install_counter, rq_cost, tagged  # noqa: E402
 from tests.support.ports import reserve_ports  # noqa: E402
+from tests.support.scriptcost import ScriptLog  # noqa: E402
 from tests.support.wait import wait_for  # noqa: E402
 
 POINTS, HIDDEN = [2, 4, 5, 8], 4  # the simulated run: 4 capture points, hidden size 4, fp32 (= the engine's dtype)
@@ -165,7 +169,8 @@ def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: i
         "idle_sent": commands(idle_sent) / idle_s, "idle_trips": trips(idle_sent) / idle_s, "idle_cpu_us_s": idle_cpu_us_s,
         # what the run cost beyond the fleet's idle background over the same seconds
         "cpu_us": run_r.cpu_s * 1e6, "busy_cpu_us": run_r.cpu_s * 1e6 - (idle_cpu_us_s + base_us_s) * (t1 - t0),
-        "usec": run_r.usec, "mem_done": RedisStats.read(conn).memory - r0.memory,
+        "usec": run_r.usec, "mem_done": RedisStats.read(conn).memory - r0.memory, "sys_us": run_r.sys_s * 1e6,
+        "net_in": run_r.net_in, "net_out": run_r.net_out,
         "cpu": {k: c1[k] - c0.get(k, 0) for k in c1},
     }
 
@@ -273,6 +278,9 @@ def print_fleets(res: list[dict], mem_q: float, ping_us: float) -> None:
         cpu = sorted(r["usec"].items(), key=lambda kv: -kv[1])[:6]
         print("    Redis µs per sample by command (commandstats; a script's include its inner calls): "
               + ", ".join(f"{k} {v / n:.1f}" for k, v in cpu if v > 0))
+        print(f"    of the Redis CPU, in the kernel (client reads and writes, AOF writes, page faults): "
+              f"{r['sys_us'] / n:.1f} µs per sample of {r['cpu_us'] / n:.1f}; bytes per sample from clients "
+              f"{r['net_in'] / n / 1e3:.2f} KB, to them {r['net_out'] / n / 1e3:.2f} KB")
 
 
 def print_ledger(rows: list[dict]) -> None:
@@ -313,6 +321,8 @@ def main() -> int:
     ap.add_argument("--ledger", default="10000,100000,1000000")
     ap.add_argument("--idle", type=float, default=6.0, help="seconds of idle fleet measured after each run")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--by-script", action="store_true", help="then the largest fleet again with its Redis µs by harvest "
+                    "script (SLOWLOG; tests.support.scriptcost)")
     ap.add_argument("--soak", action="store_true", help="the fleet soak instead (see the module docstring)")
     ap.add_argument("--soak-nodes", type=int, default=16)
     ap.add_argument("--soak-samples", type=int, default=50_000)
@@ -364,6 +374,16 @@ def main() -> int:
                   f"executed and {q['trips']:.0f} round trips a job", flush=True)
         conn.flushall()
         print_ledger(ledger_cost(conn, [int(x) for x in args.ledger.split(",")]))
+        if args.by_script:
+            conn.flushall()
+            with ScriptLog(conn) as log:
+                r = measure_fleet(conn, server.url, root, big, big * args.per_node, args.tokens, 32, 32 * args.tokens,
+                                  args.idle, base_us_s, rng)
+                usec, calls, entries = log.read()
+            print(f"\n{big} nodes again, every command logged ({entries} entries; the log slows the server): Redis µs "
+                  f"per sample by script [calls per sample, µs a call]")
+            for name, v in usec.most_common(12):
+                print(f"  {name:<38} {v / r['samples']:6.1f}  [{calls[name] / r['samples']:.3f}, {v / calls[name]:6.1f}]")
         print(f"\n{time.monotonic() - t0:.0f}s in all")
     finally:
         server.stop()

@@ -176,12 +176,16 @@ def child_main(argv: list[str]) -> None:
 @dataclass
 class RedisStats:
     """What the server says of itself at one moment: commands by name (Lua's inner ones
-    included), the main thread's CPU, memory."""
+    included), the main thread's CPU (and of it the kernel's: system calls, page faults), memory,
+    bytes read from and written to clients."""
 
     calls: dict[str, int]
     usec: dict[str, int]
     cpu_s: float
     memory: int
+    sys_s: float = 0.0
+    net_in: int = 0
+    net_out: int = 0
 
     @classmethod
     def read(cls, conn: redis.Redis) -> RedisStats:
@@ -189,12 +193,14 @@ class RedisStats:
         info = conn.info("all")
         cs = {k.removeprefix("cmdstat_"): v for k, v in info.items() if k.startswith("cmdstat_")}
         return cls({k: v["calls"] for k, v in cs.items()}, {k: v["usec"] for k, v in cs.items()},
-                   info["used_cpu_user_main_thread"] + info["used_cpu_sys_main_thread"], info["used_memory"])
+                   info["used_cpu_user_main_thread"] + info["used_cpu_sys_main_thread"], info["used_memory"],
+                   info["used_cpu_sys_main_thread"], info["total_net_input_bytes"], info["total_net_output_bytes"])
 
     def since(self, before: RedisStats) -> RedisStats:
         calls = {k: v - before.calls.get(k, 0) for k, v in self.calls.items()}
         return RedisStats({k: v for k, v in calls.items() if v}, {k: v - before.usec.get(k, 0) for k, v in self.usec.items()},
-                          self.cpu_s - before.cpu_s, self.memory - before.memory)
+                          self.cpu_s - before.cpu_s, self.memory - before.memory, self.sys_s - before.sys_s,
+                          self.net_in - before.net_in, self.net_out - before.net_out)
 
     @property
     def total(self) -> int:
