@@ -216,22 +216,21 @@ class Supervisor:
                 self.children[n].proc.send_signal(signal.SIGTERM)
             sent = time.monotonic()
             deadline = sent + timeout
-            hurried, again_at = self.hurried, None
+            hurried_before = self.hurried  # hurried before this group's first SIGTERM: that one alone
+            next_at, repeated = sent + SECOND_SIGNAL_AFTER_S, False
             while time.monotonic() < deadline and any(self.children[n].proc.poll() is None for n in live):
                 # Not within a second of the first: two SIGTERMs that arrive before the child's
                 # handler ran are one (signals do not queue), and the job would not be handed back.
                 # Repeated until the group exits: RQ ignores a second signal within 1 s of the
                 # moment its handler ran the first, which a loaded machine delays past our send
                 # (a worker honours one cold stop only: workers.rqworker).
-                t = time.monotonic()
-                due = t - sent >= SECOND_SIGNAL_AFTER_S and (again_at is None or t >= again_at)
-                if self.hurried and not hurried and due:
+                if self.hurried and not hurried_before and time.monotonic() >= next_at:
                     running = [n for n in live if self.children[n].proc.poll() is None]
-                    if again_at is None:
+                    if not repeated:
                         self.note(f"stopping {', '.join(running)} at once (a second interrupt)")
                     for n in running:
                         self.children[n].proc.send_signal(signal.SIGTERM)
-                    again_at = t + SECOND_SIGNAL_AFTER_S
+                    next_at, repeated = time.monotonic() + SECOND_SIGNAL_AFTER_S, True
                 time.sleep(0.05)
             for n in live:
                 p = self.children[n].proc
