@@ -175,6 +175,17 @@ class Trial:
         except Exception:  # noqa: BLE001 - a store mid-restart: no news
             return 0
 
+    def _wait_nodes_up(self, conn: redis.Redis, timeout: float = 120.0) -> None:
+        """Until every node holds a spool lease (its worker or collector is up, which takes a loaded
+        machine 20 s of imports): a node lost before it took one has nothing to reclaim, and the
+        faults are meant for a running pipeline. Bounded: a node that never comes up is the
+        trial's to report."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and self.procs["producer"].poll() in (None, 0):
+            if len({v.decode() for v in conn.hvals(Keys(self.run).spool_nodes)}) >= self.n_nodes:
+                return
+            time.sleep(0.2)
+
     def _lose_node(self, now: float, n: int | None = None) -> None:
         """Every process of node `n` (or a random one) at once, its disk withheld; the last node up is never lost."""
         up = self._up()
@@ -251,6 +262,7 @@ class Trial:
             for n in range(self.n_nodes):
                 for name in self._node_procs(n)[1:]:
                     self._start(name)
+            self._wait_nodes_up(conn)
             t_start = time.monotonic() - t0  # kill while the pipeline runs, not while it starts
             kill_at = sorted(t_start + self.rng.uniform(1.0, 15.0) for _ in range(self.n_kills))
             commits = 0
