@@ -44,6 +44,7 @@ from rq.timeouts import JobTimeoutException
 from harvest.ids import rid_for
 from harvest.node.spooldir import SpoolBatch, list_spooled
 from harvest.ops.metrics import bucket_of, observe
+from harvest.state import jobcopy
 from harvest.state.connection import give_up, is_connection_error
 from harvest.state.failures import (
     ENGINE_REJECTED,
@@ -207,7 +208,7 @@ class BatchJob:
                     observe(ctx.conn, ctx.cfg.run, "job_seconds", took)
 
     def work(self) -> JobResult:
-        rows = dict(zip((s.id for s in self.samples), payload_rows(self.payload)))  # kept while spooled
+        rows = dict(zip((s.id for s in self.samples), payload_rows(self.payload)))  # kept if failed, or no job to copy
         outages = self.ctx.outages()
         _wait_for_spool_room(self.ctx)
         self.regenerate()
@@ -328,8 +329,11 @@ class BatchJob:
             observed["engine_seconds"] = (bucket_of(self.engine_seconds), self.engine_seconds)
         # Failed samples not in this job's payload keep no row (none to keep); a sample spooled
         # meanwhile by a duplicate of this job is not failed (the script moves only q or absent).
+        # A spooled one keeps a ref to its first row in this job's copy (harvest.state.jobcopy).
+        refs = {s.id: jobcopy.ref(self.job.id, i) for i, s in reversed(list(enumerate(self.samples)))
+                } if self.job else {}
         marked, failed = ctx.ledger.settle_job(
-            spooled.ids, self.owner, rows, self.failures,
+            spooled.ids, self.owner, rows, self.failures, refs=refs,
             stats={"samples_spooled": len(spooled.ids), "tokens_spooled": spooled.tokens,
                    "bytes_spooled": spooled.nbytes, "dump_bytes": spooled.dump_bytes,
                    **(self.generated.stats() if self.generated else {})},

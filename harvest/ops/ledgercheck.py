@@ -22,11 +22,12 @@ import redis
 from harvest.state.failures import WORKER_ERROR
 from harvest.state.keys import Keys
 from harvest.state.ledger import STATE_NAMES
+from harvest.state.ledger_lua import DROP_REF
 
 # KEYS: state, counts, failed, spool_owner, spooled_payload, spool_counts. ARGV: repair (0/1), the
 # failure JSON given to a failed sample without one. Returns a JSON document of what disagrees
 # (each list holds up to 5 examples) and, with repair, fixes it from the state hash.
-_CHECK = """
+_CHECK = DROP_REF + """
 local repair = ARGV[1] == '1'
 local recount, owned = {}, {}
 local out = {counts = {}, failed_without_state = {}, failed_without_reason = {}, owner_without_spooled = {},
@@ -63,7 +64,10 @@ local function strays(key, list, nkey)
     local want = (nkey == 'fws') and 'f' or 's'
     if state[id] ~= want then
       note(list, nkey, id)
-      if repair then redis.call('HDEL', key, id) end
+      if repair then
+        if key == KEYS[5] then drop_ref(key, redis.call('HGET', key, id)) end
+        redis.call('HDEL', key, id)
+      end
     end
   end
 end

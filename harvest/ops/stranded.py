@@ -11,8 +11,9 @@ registry entry, or lets a failed job expire. Whatever RQ's registries say, a sam
 `STRANDED_GRACE_S` by Redis's clock (first seen: `Keys.stranded`) is enqueued again as a new job,
 built as harvest.ops.reclaim builds them, from its payload row wherever one is kept: the job data
 in RQ's failed, canceled, finished or deferred registries, the run's failed-payload and
-spooled-payload rows, or any other job hash of the run's queue. A sample whose tokens are kept
-nowhere fails as `job-lost`, with one warning.
+spooled-payload rows (a ref read through its job's copy, harvest.state.jobcopy), or any other
+job hash of the run's queue. A sample whose tokens are kept nowhere fails as `job-lost`, with
+one warning.
 
 Cost. Finding stranded samples reads every sample's state: O(samples). So that runs only when a
 cheap check says some sample must be stranded. The check runs at most every `CHECK_INTERVAL_S`
@@ -47,6 +48,7 @@ from harvest.config import RunConfig
 from harvest.ids import job_id_for
 from harvest.state.failures import JOB_LOST
 from harvest.state.heartbeat import keep_alive
+from harvest.state.jobcopy import resolve
 from harvest.state.jobs import SERIALIZER, enqueue_samples, run_queue
 from harvest.state.keys import Keys
 from harvest.state.ledger import QUEUED, Ledger
@@ -133,7 +135,8 @@ def _find_rows(conn: redis.Redis, run: str, want: set[str]) -> dict[str, str]:
     for h in (keys.failed_payload, keys.spooled_payload):
         rest = sorted(want - rows.keys())
         if rest:
-            rows.update((sid, v.decode()) for sid, v in zip(rest, conn.hmget(h, rest)) if v is not None)
+            kept = {sid: v.decode() for sid, v in zip(rest, conn.hmget(h, rest)) if v is not None}
+            rows.update((sid, r) for sid, r in resolve(conn, keys, kept).items() if r is not None)
     if want - rows.keys():  # any other job hash of this queue: O(keys), and only for what is still missing
         prefix = Job.redis_job_namespace_prefix
         others = []

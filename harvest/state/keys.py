@@ -83,6 +83,11 @@ class Keys:
         """Hash sample_id -> payload row of a sample in state s, so a lost spool's samples can be enqueued again."""
         return f"{self.prefix}:spooled-payload"
 
+    def job_copy(self, job_id: str) -> str:
+        """Hash: a copy of RQ's hash of job `job_id`, for the refs to it in `spooled_payload`
+        (harvest.state.jobcopy; the ledger's Lua builds the same name)."""
+        return f"{self.spooled_payload}:{check_id(job_id, 'job id')}"
+
     @property
     def spool_counts(self) -> str:
         """Hash spool id -> samples in state s that spool owns (kept by the ledger's transition script)."""
@@ -243,3 +248,16 @@ def rq_worker_key(name: str) -> str:
     from rq.worker import Worker
 
     return Worker.redis_worker_namespace_prefix + name
+
+
+# RQ's prefix of a job's hash, as the ledger's Lua writes it out (harvest.state.jobcopy copies
+# the hash of the job a worker runs): checked against RQ's own when harvest is imported.
+RQ_JOB_PREFIX = "rq:job:"
+
+
+def check_rq_job_prefix() -> None:
+    from rq.job import Job
+
+    if Job.redis_job_namespace_prefix != RQ_JOB_PREFIX:
+        raise ImportError(f"RQ names job hashes {Job.redis_job_namespace_prefix!r}, not {RQ_JOB_PREFIX!r}: "
+                          "harvest's ledger scripts (harvest.state.ledger_lua) need updating")

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import redis
 
 from harvest.state.keys import Keys
-from harvest.state.ledger_lua import ADD_STATS, SETTLE, TAKE, TRANSITION, VIEW
+from harvest.state import jobcopy
+from harvest.state.ledger_lua import ADD_STATS, FENCE, FORGET, RECLAIM, SETTLE, TAKE, TRANSITION, VIEW
 
 QUEUED, SPOOLED, DONE, FAILED = "q", "s", "d", "f"
 ABSENT = "_"
@@ -31,69 +32,6 @@ RATE_BUCKET_S = 10  # throughput buckets: small enough for a one-minute rate, fe
 RATE_TTL_S = 300
 
 SCRIPT_ARGS = 4000  # ids a script takes at once (Lua's unpack is bounded near 8000 values)
-
-# Reclaim: s -> q for the samples a (revoked) spool still owns. KEYS as the moves'; ARGV: spool, n, ids.
-_RECLAIM = """
-local spool, n = ARGV[1], tonumber(ARGV[2])
-local moved = {}
-for i = 1, n do
-  local id = ARGV[2 + i]
-  if redis.call('HGET', KEYS[1], id) == 's' and redis.call('HGET', KEYS[4], id) == spool then
-    redis.call('HSET', KEYS[1], id, 'q')
-    redis.call('HINCRBY', KEYS[2], 's', -1)
-    redis.call('HINCRBY', KEYS[2], 'q', 1)
-    redis.call('HDEL', KEYS[4], id)
-    redis.call('HDEL', KEYS[5], id)
-    if redis.call('HINCRBY', KEYS[6], spool, -1) <= 0 then redis.call('HDEL', KEYS[6], spool) end
-    moved[#moved + 1] = id
-  end
-end
-return moved
-"""
-
-# The commit fence. KEYS: state, spool_owner, revoked_spools, the packing record. ARGV: spool,
-# record JSON (with the shard's index document; '' for a dry run that writes nothing), the record
-# as the collector wrote it before packing ('' for a dry run), n, ids. Writes the record only when
-# the spool is not revoked, every sample is in state s, owned by it (or by no spool: spooled
-# without an owner, which no reclaim can take), and the record is still the one the collector
-# wrote: a Redis that forgot the record (a rollback, a failover) forgot who is packing the shard,
-# and a claim in storage naming it may then be taken over (harvest.formats.claims), so the shard
-# must not be committed.
-_FENCE = """
-local spool, record, before, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
--- already fenced with this very record: a retry whose first reply was lost (harvest.state.connection)
-if record ~= '' and redis.call('GET', KEYS[4]) == record then return 1 end
-if redis.call('SISMEMBER', KEYS[3], spool) == 1 then return 0 end
-for lo = 1, n, 400 do
-  local ids = {}
-  for i = lo, math.min(n, lo + 399) do ids[#ids + 1] = ARGV[4 + i] end
-  local st, ow = redis.call('HMGET', KEYS[1], unpack(ids)), redis.call('HMGET', KEYS[2], unpack(ids))
-  for j = 1, #ids do
-    if st[j] ~= 's' or (ow[j] and ow[j] ~= '' and ow[j] ~= spool) then return 0 end
-  end
-end
-if record == '' then return 1 end
-if redis.call('GET', KEYS[4]) ~= before then return 0 end
-redis.call('SET', KEYS[4], record)
-return 1
-"""
-
-# Forget samples the ledger says are done but no index in storage names (an index file lost):
-# d -> absent, so the producer enqueues them again. KEYS: state, counts. ARGV: n, ids.
-_FORGET = """
-local n = tonumber(ARGV[1])
-local gone = {}
-for i = 1, n do
-  local id = ARGV[1 + i]
-  if redis.call('HGET', KEYS[1], id) == 'd' then
-    redis.call('HDEL', KEYS[1], id)
-    redis.call('HINCRBY', KEYS[2], 'd', -1)
-    gone[#gone + 1] = id
-  end
-end
-return gone
-"""
-
 
 def _in_transaction(pipe, script: str, keys: list[str], args: list) -> None:
     """Queue `script` in a caller's MULTI/EXEC as EVAL, with its text. An EVALSHA there runs only
@@ -114,9 +52,9 @@ class Ledger:
         self._stats = conn.register_script(ADD_STATS)
         self._take = conn.register_script(TAKE)
         self._view = conn.register_script(VIEW)
-        self._reclaim = conn.register_script(_RECLAIM)
-        self._fence = conn.register_script(_FENCE)
-        self._forget = conn.register_script(_FORGET)
+        self._reclaim = conn.register_script(RECLAIM)
+        self._fence = conn.register_script(FENCE)
+        self._forget = conn.register_script(FORGET)
 
     def _state_keys(self) -> list[str]:
         k = self.keys
@@ -167,21 +105,34 @@ class Ledger:
 
     def settle_job(self, spooled: list[str], owner: str, rows: Mapping[str, str],
                    failures: Mapping[str, tuple[str, str]], stats: Mapping[str, int] | None = None,
-                   observe: Mapping[str, tuple[str, float]] | None = None) -> tuple[list[str], list[str]]:
+                   observe: Mapping[str, tuple[str, float]] | None = None,
+                   refs: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:
         """A worker's job, written in one call: `spooled` q or absent -> s, owned by `owner` with
         their payload rows kept (as `mark_spooled`); `failures` (id -> (reason, message)) q or
         absent -> f with their rows kept as failed payloads (as `record_failures`, for samples this
         job holds: a rollback may have forgotten its enqueue); `stats` and the count of samples
         failed added to the run's stats; `observe` (histogram name -> (its bucket, seconds), as
-        harvest.ops.metrics buckets them) recorded. Returns (ids marked spooled, ids marked failed)."""
+        harvest.ops.metrics buckets them) recorded. Returns (ids marked spooled, ids marked failed).
+
+        `refs` (id -> `jobcopy.ref`, for the job being run): a spooled sample keeps its ref, and the
+        job's hash is copied once, instead of its row (harvest.state.jobcopy). Where Redis no longer
+        has the job (a rollback forgot its enqueue), the call is made again with the rows."""
         fail_ids = list(failures)
         infos = [json.dumps({"reason": r, "message": m}) for r, m in failures.values()]
-        segments = [("s", QUEUED + ABSENT, False, "", "", list(spooled), [owner] * len(spooled),
-                     [rows.get(i, "") for i in spooled]),
+        hist = [(self.keys.histogram(name), bound, v) for name, (bound, v) in (observe or {}).items()]
+
+        def segments(kept: Mapping[str, str]) -> list[tuple]:
+            return [("s", QUEUED + ABSENT, False, "", "", list(spooled), [owner] * len(spooled),
+                     [kept.get(i) or rows.get(i, "") for i in spooled]),
                     ("f", QUEUED + ABSENT, True, "samples_failed", "", fail_ids, infos,
                      [rows.get(i, "") for i in fail_ids])]
-        hist = [(self.keys.histogram(name), bound, v) for name, (bound, v) in (observe or {}).items()]
-        out = self._settle(segments, dict(stats or {}), hist)
+
+        try:
+            out = self._settle(segments(refs or {}), dict(stats or {}), hist)
+        except redis.ResponseError as e:
+            if not refs or not str(e).startswith(jobcopy.NO_JOB):
+                raise
+            out = self._settle(segments({}), dict(stats or {}), hist)
         return out[0], out[1]
 
     def _settle(self, segments: list[tuple], stats: dict[str, int],
@@ -226,7 +177,7 @@ class Ledger:
         if not ids:
             return []
         if pipe is not None:
-            _in_transaction(pipe, _RECLAIM, self._state_keys(), [spool, len(ids), *ids])
+            _in_transaction(pipe, RECLAIM, self._state_keys(), [spool, len(ids), *ids])
             return []
         res = self._reclaim(keys=self._state_keys(), args=[spool, len(ids), *ids], client=self.conn)
         return [r.decode() if isinstance(r, bytes) else r for r in res]
@@ -273,9 +224,14 @@ class Ledger:
         return [r.decode() if isinstance(r, bytes) else r for r in res]
 
     def spooled_payloads(self, ids: list[str]) -> list[str | None]:
+        """The payload rows kept for spooled `ids`, refs resolved (harvest.state.jobcopy); None
+        where no row is kept or its ref leads nowhere."""
         if not ids:
             return []
-        return [v.decode() if v is not None else None for v in self.conn.hmget(self.keys.spooled_payload, ids)]
+        kept = {i: v.decode() if v is not None else None
+                for i, v in zip(ids, self.conn.hmget(self.keys.spooled_payload, ids))}
+        rows = jobcopy.resolve(self.conn, self.keys, kept)
+        return [rows[i] for i in ids]
 
     def spool_owners(self, ids: list[str]) -> list[str | None]:
         if not ids:
@@ -341,12 +297,6 @@ class Ledger:
             counts[r] = counts.get(r, 0) + 1
             examples.setdefault(r, f"{sid.decode()}: {info.get('message', '')}")
         return counts, examples
-
-    def next_attempts(self, ids: Iterable[str]) -> list[int]:
-        pipe = self.conn.pipeline(transaction=False)
-        for i in ids:
-            pipe.hincrby(self.keys.attempts, i, 1)
-        return [int(x) for x in pipe.execute()]
 
     def add_stats(self, **incr: int) -> None:
         """Add to the run's totals and to the current RATE_BUCKET_S bucket (throughput over the

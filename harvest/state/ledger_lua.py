@@ -11,11 +11,32 @@ unchanged: the same allowed sources, the same fences, the same side tables.
 
 Keys of every script built on `_MOVE` (in this order): state, counts, failed, spool_owner,
 spooled_payload, spool_counts, revoked_spools, failed_reasons, failed_examples, failed_payload.
+
+A spooled sample's row may be a ref to a copy of its job (harvest.state.jobcopy): every script
+that writes or drops such a row keeps the copy's counter of refs, and the last ref deletes it.
 """
 
 from __future__ import annotations
 
 N_MOVE_KEYS = 10
+
+# drop_ref(payload_key, row): a row leaving the spooled-payload hash `payload_key` gives back its
+# ref, if it is one (`@<job id>#<index>`, harvest.state.jobcopy); the copy goes with its last ref.
+DROP_REF = """
+local function ref_job(row) return row and string.match(row, '^@([^#]+)#') end
+local function add_refs(payload_key, job, d)
+  local copy = payload_key .. ':' .. job
+  if d > 0 and redis.call('EXISTS', copy) == 0 then
+    redis.call('COPY', 'rq:job:' .. job, copy)
+    redis.call('PERSIST', copy)
+  end
+  if redis.call('HINCRBY', copy, 'harvest_refs', d) <= 0 then redis.call('DEL', copy) end
+end
+local function drop_ref(payload_key, row)
+  local job = ref_job(row)
+  if job then add_refs(payload_key, job, -1) end
+end
+"""
 
 # move(to, allowed, n, base, keep): the samples ARGV[base+1..base+n] (infos at ARGV[base+n+i],
 # rows at ARGV[base+2n+i]) move to `to` from any state letter in `allowed` ('_' = absent), except
@@ -23,9 +44,9 @@ N_MOVE_KEYS = 10
 # moving to s, a number (tokens) summed by `settle`'s segments otherwise. row: the payload row kept
 # while spooled (to s), or kept as the failed payload (to f, when `keep`). Returns the moved ids in
 # order; `finish()` writes the counters. An id listed twice moves once.
-_MOVE = """
+_MOVE = DROP_REF + """
 local B = 400
-local dcount, dspool, dreason, leaving, examples = {}, {}, {}, {}, {}
+local dcount, dspool, dreason, leaving, examples, drefs = {}, {}, {}, {}, {}, {}
 local revoked_cache, now = {}, {}
 local function bump(t, k, v) t[k] = (t[k] or 0) + v end
 local function revoked(spool)
@@ -45,6 +66,13 @@ local function failure(info)
 end
 local function hset(key, pairs) if #pairs > 0 then redis.call('HSET', key, unpack(pairs)) end end
 local function hdel(key, ids) if #ids > 0 then redis.call('HDEL', key, unpack(ids)) end end
+local function unref(ids)  -- the rows kept for `ids` are about to go: their refs with them
+  if #ids == 0 then return end
+  for _, r in ipairs(redis.call('HMGET', KEYS[5], unpack(ids))) do
+    local job = ref_job(r)
+    if job then bump(drefs, job, -1) end
+  end
+end
 local function move(to, allowed, n, base, keep)
   local changed = {}
   for lo = 1, n, B do
@@ -52,7 +80,7 @@ local function move(to, allowed, n, base, keep)
     local ids = {}
     for i = lo, hi do ids[#ids + 1] = ARGV[base + i] end
     local cur = redis.call('HMGET', KEYS[1], unpack(ids))
-    local st, fl, own, row, kept, from_s, from_f = {}, {}, {}, {}, {}, {}, {}
+    local st, fl, own, row, kept, from_s, from_f, stale = {}, {}, {}, {}, {}, {}, {}, {}
     for j = 1, #ids do
       local i = lo + j - 1
       local id, info, r = ids[j], ARGV[base + n + i], ARGV[base + 2 * n + i]
@@ -73,7 +101,11 @@ local function move(to, allowed, n, base, keep)
         elseif to == 's' then
           own[#own + 1] = id; own[#own + 1] = info
           if info ~= '' then bump(dspool, info, 1) end
-          if r ~= '' then row[#row + 1] = id; row[#row + 1] = r end
+          if r ~= '' then
+            row[#row + 1] = id; row[#row + 1] = r; stale[#stale + 1] = id
+            local job = ref_job(r)
+            if job then bump(drefs, job, 1) end
+          end
         end
         changed[#changed + 1] = id
       end
@@ -84,6 +116,7 @@ local function move(to, allowed, n, base, keep)
         if owners[j] and owners[j] ~= '' then bump(dspool, owners[j], -1) end
       end
       hdel(KEYS[4], from_s)
+      unref(from_s)
       hdel(KEYS[5], from_s)
     end
     if #from_f > 0 and to ~= 'f' then
@@ -97,12 +130,14 @@ local function move(to, allowed, n, base, keep)
     hset(KEYS[1], st)
     hset(KEYS[3], fl)
     hset(KEYS[4], own)
+    unref(stale)  -- a row left behind for a sample that was not spooled (repaired by harvest.ops.ledgercheck)
     hset(KEYS[5], row)
     hset(KEYS[10], kept)
   end
   return changed
 end
 local function finish()
+  for job, d in pairs(drefs) do if d ~= 0 then add_refs(KEYS[5], job, d) end end
   for reason, ex in pairs(examples) do redis.call('HSET', KEYS[9], reason, ex) end
   for s, d in pairs(dcount) do if d ~= 0 then redis.call('HINCRBY', KEYS[2], s, d) end end
   for spool, d in pairs(dspool) do
@@ -152,6 +187,23 @@ SETTLE = _MOVE + _RATE_KEY + """
 local stats = {}
 local p = 4
 local nseg = tonumber(ARGV[p]); p = p + 1
+-- Every job a row to spool refers to is still there to copy (or copied), before anything moves.
+local q, seen = p, {}
+for s = 1, nseg do
+  local n = tonumber(ARGV[q + 5])
+  if ARGV[q] == 's' then
+    for i = 1, n do
+      local job = ref_job(ARGV[q + 5 + 2 * n + i])
+      if job and not seen[job] then
+        seen[job] = true
+        if redis.call('EXISTS', KEYS[5] .. ':' .. job) == 0 and redis.call('EXISTS', 'rq:job:' .. job) == 0 then
+          return redis.error_reply('HARVEST_NO_JOB ' .. job)
+        end
+      end
+    end
+  end
+  q = q + 6 + 3 * n
+end
 local out = {}
 for s = 1, nseg do
   local to, allowed, keep, cnt, sum, n = ARGV[p], ARGV[p + 1], ARGV[p + 2] == '1', ARGV[p + 3], ARGV[p + 4], tonumber(ARGV[p + 5])
@@ -238,4 +290,67 @@ return out
 # States and spool owners of a collector's spool files, in one call. KEYS: state, spool_owner.
 VIEW = """
 return {redis.call('HMGET', KEYS[1], unpack(ARGV)), redis.call('HMGET', KEYS[2], unpack(ARGV))}
+"""
+
+# Reclaim: s -> q for the samples a (revoked) spool still owns. KEYS as the moves'; ARGV: spool, n, ids.
+RECLAIM = DROP_REF + """
+local spool, n = ARGV[1], tonumber(ARGV[2])
+local moved = {}
+for i = 1, n do
+  local id = ARGV[2 + i]
+  if redis.call('HGET', KEYS[1], id) == 's' and redis.call('HGET', KEYS[4], id) == spool then
+    redis.call('HSET', KEYS[1], id, 'q')
+    redis.call('HINCRBY', KEYS[2], 's', -1)
+    redis.call('HINCRBY', KEYS[2], 'q', 1)
+    redis.call('HDEL', KEYS[4], id)
+    drop_ref(KEYS[5], redis.call('HGET', KEYS[5], id))
+    redis.call('HDEL', KEYS[5], id)
+    if redis.call('HINCRBY', KEYS[6], spool, -1) <= 0 then redis.call('HDEL', KEYS[6], spool) end
+    moved[#moved + 1] = id
+  end
+end
+return moved
+"""
+
+# The commit fence. KEYS: state, spool_owner, revoked_spools, the packing record. ARGV: spool,
+# record JSON (with the shard's index document; '' for a dry run that writes nothing), the record
+# as the collector wrote it before packing ('' for a dry run), n, ids. Writes the record only when
+# the spool is not revoked, every sample is in state s, owned by it (or by no spool: spooled
+# without an owner, which no reclaim can take), and the record is still the one the collector
+# wrote: a Redis that forgot the record (a rollback, a failover) forgot who is packing the shard,
+# and a claim in storage naming it may then be taken over (harvest.formats.claims), so the shard
+# must not be committed.
+FENCE = """
+local spool, record, before, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+-- already fenced with this very record: a retry whose first reply was lost (harvest.state.connection)
+if record ~= '' and redis.call('GET', KEYS[4]) == record then return 1 end
+if redis.call('SISMEMBER', KEYS[3], spool) == 1 then return 0 end
+for lo = 1, n, 400 do
+  local ids = {}
+  for i = lo, math.min(n, lo + 399) do ids[#ids + 1] = ARGV[4 + i] end
+  local st, ow = redis.call('HMGET', KEYS[1], unpack(ids)), redis.call('HMGET', KEYS[2], unpack(ids))
+  for j = 1, #ids do
+    if st[j] ~= 's' or (ow[j] and ow[j] ~= '' and ow[j] ~= spool) then return 0 end
+  end
+end
+if record == '' then return 1 end
+if redis.call('GET', KEYS[4]) ~= before then return 0 end
+redis.call('SET', KEYS[4], record)
+return 1
+"""
+
+# Forget samples the ledger says are done but no index in storage names (an index file lost):
+# d -> absent, so the producer enqueues them again. KEYS: state, counts. ARGV: n, ids.
+FORGET = """
+local n = tonumber(ARGV[1])
+local gone = {}
+for i = 1, n do
+  local id = ARGV[1 + i]
+  if redis.call('HGET', KEYS[1], id) == 'd' then
+    redis.call('HDEL', KEYS[1], id)
+    redis.call('HINCRBY', KEYS[2], 'd', -1)
+    gone[#gone + 1] = id
+  end
+end
+return gone
 """

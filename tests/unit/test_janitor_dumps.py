@@ -24,8 +24,7 @@ def test_done_failed_and_superseded_dumps_go_current_ones_stay(conn, tmp_path):
     ledger.mark_done([done])
     ledger.mark_failed({failed: ("nonfinite", "x")})
     for sid, n in ((done, 1), (failed, 1), (retried, 2), (current, 1)):
-        for _ in range(n):
-            ledger.next_attempts([sid])
+        conn.hset(ledger.keys.attempts, sid, n)  # as the jobs that took them left it
     names = {k: _file(tmp_path, sid, 1) for k, sid in
              (("done", done), ("failed", failed), ("retried", retried), ("current", current), ("unknown", unknown))}
     later = time.time() + 5  # past the 2 s grace, far from the 15 min limit
