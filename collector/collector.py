@@ -95,6 +95,7 @@ class Collector:
         self.shards_committed = 0
         self._recorded_spool: str | None = None  # the spool the record of the shard in flight names
         self._record_json = ""  # that record as written, which the fence requires to be unchanged
+        self._may_commit = False  # whether, as the record was written, its spool owned all of its samples
         self._claimed: tuple[str, float] | None = None  # (shard in flight, time.monotonic()) once claimed in storage
         self._busy: dict[str, float] = {}  # sample -> monotonic time until which another collector has it
         self.claimer = Claimer(self.out, self.ledger.identity(), lambda shard: recorded_anywhere(conn, cfg.run, shard),
@@ -256,7 +257,7 @@ class Collector:
             raise RuntimeError(f"re-packed shard id {plan.shard_id} differs from the recorded {resumed_shard}")
         self.record(plan)
         if not self._retry(lambda: self.out.exists(index_file(plan.shard_id)), f"checking {index_file(plan.shard_id)}"):
-            if not self.ledger.may_commit(self._recorded_spool, plan.sample_ids):
+            if not self._may_commit:  # asked with the record's write
                 self.void(plan, f"spool {self._recorded_spool} does not own all of its samples (reclaimed, or a "
                                 "Redis that lost its keys): nothing packed")
                 return 0
@@ -324,8 +325,8 @@ class Collector:
         # The spool this record names is the one the fence checks: packer 0 may renew the lease (and
         # rotate the id of a revoked spool) for every packer while this one is mid-commit.
         self._recorded_spool = self.spool_id
-        self._record_json = self.records.put(self.packing_key,
-                                             PackingRecord(plan.shard_id, plan.sample_ids, self._recorded_spool))
+        self._record_json, self._may_commit = self.records.put_owned(
+            self.packing_key, PackingRecord(plan.shard_id, plan.sample_ids, self._recorded_spool))
         self._crash("recorded")
 
     def pack(self, plan: ShardPlan) -> Packed:
@@ -387,12 +388,13 @@ class Collector:
 
     def _finish_samples(self, sample_ids: list[str], paths: list[str], tokens: list[int] | None = None,
                         stats: dict[str, int] | None = None) -> list[bool]:
-        """After the index exists: ledger done (with the shard's stats and `tokens`, in one call),
-        spool files gone, record cleared. Returns, per sample, whether this call moved it to done."""
-        changed = set(self.ledger.mark_done(sample_ids, tokens=tokens, stats=stats))
+        """After the index exists: ledger done (with the shard's stats and `tokens`) and the record
+        cleared, in one call, then the spool files gone (a restart's step removes those of done
+        samples). Returns, per sample, whether this call moved it to done."""
+        changed = set(self.ledger.mark_done(sample_ids, tokens=tokens, stats=stats,
+                                            clear=self.records.ended(self.packing_key)))
         self._crash("marked")
         for p in paths:
             unlink_quiet(p)
             self._crash("unlinking")
-        self.records.clear(self.packing_key)
         return [s in changed for s in sample_ids]

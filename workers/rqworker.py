@@ -47,7 +47,9 @@ of them read by harvest's liveness (which is its own heartbeat, harvest.state.he
   and have no repeats, rate limit or group; a job that has any of them goes RQ's own way.
   Dependents are not checked (that is the WATCH and read saved): harvest enqueues no job with
   `depends_on`, so no job of its queue has any.
-What is left a job: the dequeue (LMOVE, the job's hash), RQ's two execution transactions, the
+- RQ's two transactions starting an execution are sent as one (`prepare_execution`), and the
+  worker's idle state rides in the success's transaction.
+What is left a job: the dequeue (LMOVE, the job's hash), the execution's transaction, the
 outcome's transaction. A worker that returns late (its execution taken back by the janitor, the
 job queued again) deletes the job's hash as RQ's own success did; no sample depends on it: the
 ledger moves only queued samples (`Ledger.settle_job`), so the later run of the job skips what
@@ -93,6 +95,7 @@ class HarvestWorker(SimpleWorker):
         self._rq_beat_at = -math.inf  # monotonic time of RQ's last stand-alone worker heartbeat
         self._suspension_at = -math.inf
         self._cold_stop = False  # a cold stop (SystemExit) was raised: later signals change nothing
+        self._starting: redis.client.Pipeline | None = None  # `prepare_execution`'s, sent by `prepare_job_execution`
 
     def request_force_stop(self, signum, frame) -> None:
         """RQ's cold stop, honoured once. `harvest run` repeats a hurried stop's SIGTERM until the
@@ -148,6 +151,7 @@ class HarvestWorker(SimpleWorker):
             super().handle_job_success(job, queue, started_job_registry, execution)
             return
         with self.connection.pipeline() as pipe:
+            self.set_state(WorkerStatus.IDLE, pipeline=pipe)  # RQ's own write of it after the job is then skipped
             self.increment_successful_job_count(pipeline=pipe)
             self.increment_total_working_time(job.ended_at - job.started_at, pipe)
             self.cleanup_execution(job, pipeline=pipe, execution=execution)
@@ -185,17 +189,36 @@ class HarvestWorker(SimpleWorker):
     # -- executions named in the heartbeat, in RQ's own transactions ----------------------------
     def prepare_execution(self, job: Job) -> Execution:
         """RQ's `prepare_execution` (the execution, the started registry entry, the worker's busy
-        state, one MULTI/EXEC), with the harvest heartbeat naming the execution in the same
-        transaction: no pass of the janitor can see it started and unnamed."""
-        with self.connection.pipeline() as pipeline:
-            execution = Execution.create(job, self.get_heartbeat_ttl(job), pipeline=pipeline, worker_name=self.name)
-            self.executions[execution.id] = execution
-            self.set_state(WorkerStatus.BUSY, pipeline=pipeline)
-            beat = self.beat
-            if beat is not None:
-                beat.name_execution(job.id, execution.id, pipeline)
-            pipeline.execute()
+        state), with the harvest heartbeat naming the execution, queued in the transaction that
+        `prepare_job_execution` sends right after with RQ's second one (the job started, out of the
+        intermediate list): one MULTI/EXEC where RQ sends two, so no pass of the janitor can see
+        the execution started and unnamed, nor started with its job still in the intermediate list."""
+        pipeline = self.connection.pipeline()
+        execution = Execution.create(job, self.get_heartbeat_ttl(job), pipeline=pipeline, worker_name=self.name)
+        self.executions[execution.id] = execution
+        self.set_state(WorkerStatus.BUSY, pipeline=pipeline)
+        beat = self.beat
+        if beat is not None:
+            beat.name_execution(job.id, execution.id, pipeline)
+        self._starting = pipeline
         return execution
+
+    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
+        """RQ's, in the transaction `prepare_execution` began (RQ's own when there is none)."""
+        pipeline, self._starting = self._starting, None
+        if pipeline is None:
+            super().prepare_job_execution(job, remove_from_intermediate_queue)
+            return
+        with pipeline:
+            ttl = self.get_heartbeat_ttl(job)
+            self.heartbeat(ttl, pipeline=pipeline)
+            job.heartbeat(now(), ttl, pipeline=pipeline)
+            job.prepare_for_execution(self.name, pipeline=pipeline)
+            pipeline.persist(job.key)
+            if remove_from_intermediate_queue:
+                queue = next(q for q in self.queues if q.name == job.origin)  # RQ asks this of one queue only
+                pipeline.lrem(queue.intermediate_queue_key, 1, job.id)
+            pipeline.execute()
 
     def cleanup_execution(self, job: Job, pipeline, execution: Execution | None = None) -> None:
         """RQ removes the execution in `pipeline` (its success, failure or retry transaction); the

@@ -135,8 +135,8 @@ class Ledger:
             out = self._settle(segments({}), dict(stats or {}), hist)
         return out[0], out[1]
 
-    def _settle(self, segments: list[tuple], stats: dict[str, int],
-                hist: list[tuple[str, str, float]] = ()) -> list[list[str]]:
+    def _settle(self, segments: list[tuple], stats: dict[str, int], hist: list[tuple[str, str, float]] = (),
+                clear: tuple[str, str] | None = None) -> list[list[str]]:
         keys = [*self._state_keys(), self.keys.stats]
         args: list = [RATE_TTL_S, self.keys.rate_prefix, RATE_BUCKET_S, len(segments)]
         for to, allowed, keep, count, total, ids, infos, rows in segments:
@@ -146,6 +146,9 @@ class Ledger:
         for i, (key, bound, value) in enumerate(hist):
             keys.append(key)
             args += [len(keys), bound, repr(float(value))]
+        if clear is not None:
+            keys += clear
+            args += [len(keys) - 1, len(keys)]
         res = self._settle_script(keys=keys, args=args, client=self.conn)
         return [[r.decode() if isinstance(r, bytes) else r for r in seg] for seg in res]
 
@@ -189,13 +192,6 @@ class Ledger:
         decided and anyone holding the record may finish it."""
         keys = [self.keys.state, self.keys.spool_owner, self.keys.revoked_spools, record_key]
         return bool(self._fence(keys=keys, args=[spool, record, before, len(ids), *ids], client=self.conn))
-
-    def may_commit(self, spool: str, ids: list[str]) -> bool:
-        """The fence's ownership test alone, writing nothing: asked before a shard is claimed and
-        packed, so a spool the ledger disowned (revoked, or a Redis that lost its keys) uploads
-        nothing only to void it."""
-        keys = [self.keys.state, self.keys.spool_owner, self.keys.revoked_spools, self.keys.prefix]
-        return bool(self._fence(keys=keys, args=[spool, "", "", len(ids), *ids], client=self.conn))
 
     def identity(self, known: str | None = None) -> str:
         """This ledger's random id (`Keys.ledger_id`), taken on first use. `known`: the id the caller
@@ -250,11 +246,13 @@ class Ledger:
                           rows=[(rows or {}).get(i, "") for i in ids] if rows else None, keep=bool(rows))
 
     def mark_done(self, ids: list[str], pipe=None, tokens: list[int] | None = None,
-                  stats: Mapping[str, int] | None = None) -> list[str]:
+                  stats: Mapping[str, int] | None = None, clear: tuple[str, str] | None = None) -> list[str]:
         """Only the collector (after its index file is written) and reconcile call this.
         Samples that changed state are counted in the `samples_done` stat (throughput), and with
         `tokens` (per id) their tokens in `tokens_done`; `stats` are added in the same call (a
-        shard's bytes). In `pipe` (a caller's transaction): the move alone, no stats."""
+        shard's bytes). In `pipe` (a caller's transaction): the move alone, no stats. `clear`:
+        (a key, a set) the key is deleted and removed from in the same call (the packing record of
+        the shard this commit ends, harvest.state.packing.PackingRecords.ended)."""
         if pipe is not None:
             return self._move(ids, DONE, ABSENT + QUEUED + SPOOLED + FAILED, pipe=pipe)
         if not ids and not stats:
@@ -262,7 +260,7 @@ class Ledger:
         infos = [str(int(t)) for t in tokens] if tokens is not None else [""] * len(ids)
         seg = (DONE, ABSENT + QUEUED + SPOOLED + FAILED, False, "samples_done", "tokens_done" if tokens is not None else "",
                list(ids), infos, [""] * len(ids))
-        return self._settle([seg], dict(stats or {}))[0]
+        return self._settle([seg], dict(stats or {}), clear=clear)[0]
 
     def counts(self) -> dict[str, int]:
         raw = self.conn.hgetall(self.keys.counts)

@@ -182,7 +182,8 @@ end
 # ARGV: bucket ttl, rate key prefix, bucket seconds, segments; per segment: to, allowed, keep, count
 # field ('' none), sum field ('' none: sums the moved samples' infos), n, ids, infos, rows; then the
 # number of stat pairs and (field, increment) pairs; then the number of observations and (key
-# index, bucket, value) triples. Returns one list of moved ids per segment.
+# index, bucket, value) triples; then, optionally, the key indexes of a record to delete and of
+# the set to remove it from. Returns one list of moved ids per segment.
 SETTLE = _MOVE + _RATE_KEY + """
 local stats = {}
 local p = 4
@@ -242,6 +243,11 @@ for i = 1, nobs do
   redis.call('HINCRBY', key, 'count', 1)
   redis.call('HINCRBYFLOAT', key, 'sum', ARGV[p + 2])
   p = p + 3
+end
+if ARGV[p] then  -- a record ended with these moves (a collector's packing record) and the set indexing it
+  local rec, idx = KEYS[tonumber(ARGV[p])], KEYS[tonumber(ARGV[p + 1])]
+  redis.call('SREM', idx, rec)
+  redis.call('DEL', rec)
 end
 return out
 """
@@ -312,6 +318,24 @@ end
 return moved
 """
 
+# owns(spool, base, n): whether `spool` is not revoked and owns every one of ARGV[base+1..base+n]
+# in state s (or they have no owner: spooled without one, which no reclaim can take). KEYS: state,
+# spool_owner, revoked_spools, as the commit fence's.
+OWNS = """
+local function owns(spool, base, n)
+  if redis.call('SISMEMBER', KEYS[3], spool) == 1 then return false end
+  for lo = 1, n, 400 do
+    local ids = {}
+    for i = lo, math.min(n, lo + 399) do ids[#ids + 1] = ARGV[base + i] end
+    local st, ow = redis.call('HMGET', KEYS[1], unpack(ids)), redis.call('HMGET', KEYS[2], unpack(ids))
+    for j = 1, #ids do
+      if st[j] ~= 's' or (ow[j] and ow[j] ~= '' and ow[j] ~= spool) then return false end
+    end
+  end
+  return true
+end
+"""
+
 # The commit fence. KEYS: state, spool_owner, revoked_spools, the packing record. ARGV: spool,
 # record JSON (with the shard's index document; '' for a dry run that writes nothing), the record
 # as the collector wrote it before packing ('' for a dry run), n, ids. Writes the record only when
@@ -320,19 +344,11 @@ return moved
 # wrote: a Redis that forgot the record (a rollback, a failover) forgot who is packing the shard,
 # and a claim in storage naming it may then be taken over (harvest.formats.claims), so the shard
 # must not be committed.
-FENCE = """
+FENCE = OWNS + """
 local spool, record, before, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 -- already fenced with this very record: a retry whose first reply was lost (harvest.state.connection)
 if record ~= '' and redis.call('GET', KEYS[4]) == record then return 1 end
-if redis.call('SISMEMBER', KEYS[3], spool) == 1 then return 0 end
-for lo = 1, n, 400 do
-  local ids = {}
-  for i = lo, math.min(n, lo + 399) do ids[#ids + 1] = ARGV[4 + i] end
-  local st, ow = redis.call('HMGET', KEYS[1], unpack(ids)), redis.call('HMGET', KEYS[2], unpack(ids))
-  for j = 1, #ids do
-    if st[j] ~= 's' or (ow[j] and ow[j] ~= '' and ow[j] ~= spool) then return 0 end
-  end
-end
+if not owns(spool, 4, n) then return 0 end
 if record == '' then return 1 end
 if redis.call('GET', KEYS[4]) ~= before then return 0 end
 redis.call('SET', KEYS[4], record)

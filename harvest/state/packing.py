@@ -5,7 +5,8 @@ Collectors write and finish it (collector.collector; collector.records says who 
 fences a late one); the janitor's reclaim reads it to leave decided commits alone, and the orphan
 sweep and the claims to tell a shard in flight from an abandoned one. The commit fence, which
 writes the record with the shard's index document only while the spool still owns every sample,
-is the ledger's move (harvest.state.ledger.Ledger.fence_commit).
+is the ledger's move (harvest.state.ledger.Ledger.fence_commit), and so is its removal when the
+commit ends (`ended`, in the call that marks the shard's samples done).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import redis
 from harvest.formats.index import ShardIndex
 from harvest.ids import check_id
 from harvest.state.keys import Keys
+from harvest.state.ledger_lua import OWNS
 
 # KEYS: the record, the run's index of record keys (`Keys.packing_index`). The index lets the
 # periodic reader (every collector's `tend_revoked`, every 10 s) list the records in O(records),
@@ -28,6 +30,14 @@ from harvest.state.keys import Keys
 # they are rare (a conflict, a lost node, a start), and a record written by an older collector
 # during a rolling upgrade is in no index.
 _PUT = "redis.call('SET', KEYS[1], ARGV[1]) redis.call('SADD', KEYS[2], KEYS[1]) return 1"
+# The record written as `_PUT` does, and the commit fence's ownership test in the same call (one
+# round trip a shard less; harvest.state.ledger_lua.OWNS). KEYS: state, spool_owner,
+# revoked_spools, the record, the index. ARGV: the record, spool, n, ids.
+_PUT_OWNED = OWNS + """
+redis.call('SET', KEYS[4], ARGV[1])
+redis.call('SADD', KEYS[5], KEYS[4])
+return owns(ARGV[2], 3, tonumber(ARGV[3])) and 1 or 0
+"""
 _CLEAR = "redis.call('SREM', KEYS[2], KEYS[1]) return redis.call('DEL', KEYS[1])"
 _FORGET_IF_GONE = "if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('SREM', KEYS[2], KEYS[1]) end return 0"
 _DELETE_IF_SAME = """
@@ -64,6 +74,7 @@ class PackingRecords:
     def __init__(self, conn: redis.Redis, run: str) -> None:
         self.conn, self.keys = conn, Keys(run)
         self._put = conn.register_script(_PUT)
+        self._put_owned = conn.register_script(_PUT_OWNED)
         self._clear = conn.register_script(_CLEAR)
         self._delete_if_same = conn.register_script(_DELETE_IF_SAME)
         self._forget_if_gone = conn.register_script(_FORGET_IF_GONE)
@@ -81,6 +92,20 @@ class PackingRecords:
         raw = rec.to_json()
         self._put(keys=[key, self.keys.packing_index], args=[raw])
         return raw
+
+    def put_owned(self, key: str, rec: PackingRecord) -> tuple[str, bool]:
+        """`put`, and in the same call whether the record's spool may commit its samples (not
+        revoked, owning each in state s, as the commit fence asks). Returns (the JSON written, that)."""
+        raw, k = rec.to_json(), self.keys
+        ok = self._put_owned(keys=[k.state, k.spool_owner, k.revoked_spools, key, k.packing_index],
+                             args=[raw, rec.spool or "", len(rec.sample_ids), *rec.sample_ids])
+        return raw, bool(ok)
+
+    def ended(self, key: str) -> tuple[str, str]:
+        """What `Ledger.mark_done` deletes with a shard's samples (`clear=`): the record at `key`,
+        and its entry in the index. Its shard's commit is over then: what is left of it (the spool
+        files of done samples) the collector's next step removes, record or not."""
+        return key, self.keys.packing_index
 
     def clear(self, key: str) -> None:
         self._clear(keys=[key, self.keys.packing_index])

@@ -2,6 +2,7 @@
 exactly once, and a spool that comes back after that commits none of them."""
 
 import dataclasses
+import json
 import os
 import time
 
@@ -15,7 +16,7 @@ from harvest.node.spooldir import list_spooled, rotate_spool_identity, spool_ide
 from harvest.ops.reclaim import reclaim_lost_spools, reclaim_spool
 from harvest.state.jobs import run_queue
 from harvest.state.ledger import Ledger
-from harvest.state.packing import PackingRecord
+from harvest.state.packing import PackingRecord, PackingRecords
 from harvest.state.payload import Sample, decode_batch, payload_row
 from harvest.state.runstore import publish_run
 from harvest.state.spools import SpoolLeases
@@ -95,7 +96,8 @@ def test_a_revoked_spool_owns_nothing_again(conn, tmp_path):
     reclaim_spool(conn, cfg, a)
     assert not leases.renew(a, "node-a")
     assert not ledger.fence_commit(a, a_ids[:2], key, "{}", "") and conn.get(key) is None
-    assert not ledger.may_commit(a, a_ids[:2])
+    raw, owned = PackingRecords(conn, cfg.run).put_owned(key, PackingRecord("s1", a_ids[:2], a))
+    assert not owned and json.loads(conn.get(key)) == json.loads(raw)  # written, and refused in the same call
     assert ledger.mark_spooled(a_ids, owner=a) == []  # still queued: the retried job spools them anew
     assert ledger.states(a_ids) == ["q"] * 5
 
