@@ -40,7 +40,7 @@ from harvest.state.heartbeat import HEARTBEAT_TTL_S
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from tests.support.aof import AofHistory
-from tests.support.chaos_result import TrialResult
+from tests.support.chaos_result import TrialResult, killed_writers_temp
 from tests.support.cli import REPO
 from tests.support.ports import reserve_ports
 
@@ -376,9 +376,10 @@ class Trial:
         for d in [f(n) for n in range(self.n_nodes) if n not in self.never for f in (self.spool, self.dump)]:
             if os.path.isdir(d):
                 for dirpath, dirnames, files in os.walk(d):
-                    res.leftovers += [self._leftover(conn, os.path.join(dirpath, x))
-                                      for x in files + [n for n in dirnames if n.startswith(".claimed")]
-                                      if x not in (".spool-id", ".spool-id.lock")]
+                    left = [os.path.join(dirpath, x) for x in files + [n for n in dirnames if n.startswith(".claimed")]
+                            if x not in (".spool-id", ".spool-id.lock")]
+                    res.killed_temps += sum(map(killed_writers_temp, left))
+                    res.leftovers += [self._leftover(conn, p) for p in left if not killed_writers_temp(p)]
 
     def _leftover(self, conn: redis.Redis, path: str) -> str:
         """A file left behind, with what tells why the janitor kept it: its age, and for a dump

@@ -153,7 +153,8 @@ def soak(conn: redis.Redis, server, root: str, nodes: int, samples: int, kills: 
           f"{res.spools_revoked} ({res.spools_reclaimed} with samples); done {res.done}, failed {res.failed} "
           f"{dict(res.failure_reasons)}; lost {len(res.lost)}, doubled {len(res.doubled)}, wrong tokens "
           f"{len(res.wrong_tokens)}, shards without index {len(res.shards_without_index)}, leftovers "
-          f"{len(res.leftovers)}: {'OK' if res.ok else 'FAIL'}")
+          f"{len(res.leftovers)} (and {res.killed_temps} spool files in flight of killed workers, removed after "
+          f"an hour): {'OK' if res.ok else 'FAIL'}")
     for line in res.timeline:
         print("  " + line)
     return 0 if res.ok else 1
