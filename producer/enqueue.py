@@ -126,8 +126,9 @@ class Enqueuer:
                     return False
                 pipe.multi()
                 pipe.incr(self.counter)
+                self._move(pipe, [s.id for job in sending for s in job])
                 for job in sending:
-                    self._enqueue(pipe, job)
+                    enqueue_samples(self.queue, self.cfg.run, job, job_id_for(self.cfg.run, [s.id for s in job]), pipe)
                 pipe.execute()
             except redis.WatchError:
                 return True  # another producer enqueued meanwhile: read the ledger again
@@ -139,9 +140,10 @@ class Enqueuer:
             self.stats.tokens += sum(s.num_tokens for s in job)
         return True
 
-    def _enqueue(self, pipe: redis.client.Pipeline, job: list[Sample]) -> None:
-        ids = [s.id for s in job]
+    def _move(self, pipe: redis.client.Pipeline, ids: list[str]) -> None:
+        """The ledger's moves of a transaction's samples, one script call for all its jobs (a
+        call's cost is mostly the call: one a job had been the producer's largest part of Redis's
+        CPU, bench/fleet.py --by-script)."""
         self.ledger.add_queued(ids, pipe=pipe)
         if revive := [i for i in ids if i in self._revive]:
             self.ledger.requeue(revive, pipe=pipe)
-        enqueue_samples(self.queue, self.cfg.run, job, job_id_for(self.cfg.run, ids), pipe)

@@ -148,6 +148,7 @@ def test_a_stale_execution_beside_the_one_its_worker_runs_is_dropped_without_a_s
         beat.clear_execution(stale.id, pipe)
         pipe.execute()
     current = w.prepare_execution(job)
+    w.prepare_job_execution(job)  # sends the transaction prepare_execution began (workers.rqworker)
     assert _named(conn, "w-1") == [jobs[0], current.id]
     t = redis_time(conn)
     tend_liveness(conn, RUN, t)
