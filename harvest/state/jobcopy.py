@@ -2,12 +2,12 @@
 
 Why. While a sample is spooled, Redis keeps its payload row, so a lost node's samples can be
 enqueued again (harvest.ops.reclaim). Sent as rows, a job's tokens crossed Redis a second time in
-full (into the worker's settle call, its Lua arguments, the hash and the AOF) and a third time
-out (the hash's delete): about a fifth of Redis's CPU a sample (bench/fleet.py). The job's
+full (into the worker's settle call, its Lua arguments, the hash and the AOF): about a fifth of
+Redis's CPU a sample, and half the bytes clients sent it (bench/fleet.py). The job's
 tokens are already in Redis, in the RQ job hash the worker is running, zlib-compressed. So the
 worker's settle call (harvest.state.ledger_lua.SETTLE) copies that hash server-side (COPY: no
-bytes over the network, a few in the AOF) to `Keys.job_copy` and keeps, for each spooled sample, the
-ref `@<job id>#<index in the payload>` instead of its row.
+bytes over the network, a few in the AOF) to `Keys.job_copy` and keeps, for each spooled sample,
+the ref `@<job id>#<index in the payload>` instead of its row.
 
 Who owns the copy, and for how long. The ledger's scripts: the copy holds a counter
 (`REFS_FIELD`) of the refs to it in the spooled-payload hash. A move to `s` adds the refs it
