@@ -34,6 +34,7 @@ from collector.faults import CrashHook
 from collector.pack import Packed, pack_local, pack_upload, staging_dir
 from collector.records import Voided, give_up_shard, recorded_anywhere, tend_revoked, write_decided_index
 from collector.sweep import sweep_orphans
+from collector.unknown import take_up
 from harvest.atomic import unlink_quiet
 from harvest.config import RunConfig
 from harvest.formats.claims import STALE_S, Claimer
@@ -186,18 +187,17 @@ class Collector:
         if not (force or self._may_be_due(files)):
             return []
         ids = [sid for sid, _, _ in files]
-        ready = []
+        ready, unknown = [], []
         for (sid, path, size), st, owner in zip(files, *self.ledger.states_and_owners(ids)):
             if st in (DONE, FAILED) or (st == SPOOLED and owner not in (None, "", self.spool_id)):
                 # committed already, given up on, or accepted from another node's spool (a retry
                 # of a job whose worker died between writing this file and marking it): not ours
                 unlink_quiet(path)
-            elif st == QUEUED or st is None:
-                # written by a worker that died before marking it (its job will run again), or
-                # unknown to a ledger that lost its keys: never packed before the ledger says s
-                continue
-            else:
+            elif st is None:  # unknown to a ledger that forgot it: taken up (collector.unknown), packed later
+                unknown.append((sid, path))
+            elif st != QUEUED:  # queued: its worker died before marking it, and its job will run again
                 ready.append((sid, path, size))
+        take_up(self.ledger, self.cfg.run, self.spool_id, unknown)
         if not ready:
             return []
         # Due or not is decided from sizes, ages and the queue alone; spool headers are read

@@ -206,3 +206,23 @@ def test_a_shard_whose_samples_a_repair_excluded_is_packed_again_under_a_new_nam
         assert torch.equal(reader.get(s.id)["hidden_states"], s.hidden_states)
     assert ledger.counts() == {"queued": 0, "spooled": 0, "done": 2, "failed": 0, "total": 2}
     assert {json.loads(loc.read_bytes(f"claims/{s}.json"))["shard"] for s in ids} == {new_id}
+
+
+def test_spool_files_of_samples_the_ledger_forgot_are_taken_up_and_committed(conn, tmp_path):
+    # A rollback forgot a job's enqueue and its worker's settle: the files are on the spool, the
+    # ledger knows nothing of them (collector.unknown). One queued file stays its worker's.
+    cfg = publish_run(conn, make_config(f"file://{tmp_path / 'out'}"))
+    spool = str(tmp_path / "spool")
+    samples = spool_samples(spool, cfg, [12, 7, 30])
+    ledger = Ledger(conn, cfg.run)
+    ledger.add_queued([samples[2].id])  # its worker has yet to settle it
+    c = Collector(conn, cfg, spool, node="n1")
+    assert c.step(force=True) == 0  # this poll takes them up; the next packs them
+    assert ledger.states([s.id for s in samples]) == ["s", "s", "q"]
+    assert ledger.spool_owners([samples[0].id]) == [c.spool_id]
+    kept = [json.loads(r) for r in ledger.spooled_payloads([s.id for s in samples[:2]])]
+    assert [r["id"] for r in kept] == [s.id for s in samples[:2]]  # rows from the files, for a reclaim
+    assert c.step(force=True) == 2
+    assert ledger.counts() == {"queued": 1, "spooled": 0, "done": 2, "failed": 0, "total": 3}
+    assert sorted(RunReader(f"file://{tmp_path / 'out'}/{cfg.run}").sample_ids) == sorted(s.id for s in samples[:2])
+    assert [sid for sid, _, _ in list_spooled(spool)] == [samples[2].id]
