@@ -46,7 +46,8 @@ def test_kill_with_two_packers_mid_commit_then_restart_with_two_or_one(conn, red
     assert t.run(crash=point, pack_workers=2) == -signal.SIGKILL
     t.check_invariants()
     recs = _records(t)
-    assert 1 <= len(recs) <= 2 and set(recs) <= {t.ledger.keys.packing(NODE, 0), t.ledger.keys.packing(NODE, 1)}
+    least = 0 if point == "marked" else 1  # the killed packer's record went with its samples' done move
+    assert least <= len(recs) <= 2 and set(recs) <= {t.ledger.keys.packing(NODE, 0), t.ledger.keys.packing(NODE, 1)}
     recorded = Counter(s for r in recs.values() for s in r["sample_ids"])
     assert all(n == 1 for n in recorded.values())  # no sample in two packers' records
     for key, rec in recs.items():  # a packer records only samples of its own slice

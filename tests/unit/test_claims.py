@@ -152,18 +152,16 @@ def test_recovery_reconciles_once_per_redis_server(conn, tmp_path):
     assert ledger.states(ids) == ["d"] * len(ids) and ledger.counts()["done"] == len(ids)
 
 
-def test_after_a_redis_wipe_a_collector_packs_nothing_until_the_ledger_knows_its_samples(conn, tmp_path):
+def test_after_a_redis_wipe_a_collector_takes_its_spool_files_up_and_commits_each_once(conn, tmp_path):
     cfg, spool, ids, ledger, c = _node(conn, tmp_path, "a")
     conn.flushdb()  # a Redis without persistence restarted: the ledger knows none of the spooled samples
-    for _ in range(3):
-        assert c.step(force=True) == 0
-    out = c.out
-    assert out.list(SHARDS) == [] and out.list(INDEX) == [] and out.list("claims") == []  # nothing written, nothing voided
-    assert len(list_spooled(spool)) == len(ids)  # kept for the samples' next attempt
-    publish_run(conn, cfg)
-    ledger.add_queued(ids)  # the producer runs again; the workers' retried jobs spool them anew
-    ledger.mark_spooled(ids, owner=c.spool_id)
+    assert c.step(force=True) == 0  # taken up (collector.unknown): spooled by this spool, rows from the files
+    assert ledger.states(ids) == ["s"] * len(ids) and ledger.spool_owners(ids) == [c.spool_id] * len(ids)
     assert c.step(force=True) == len(ids)
+    assert sorted(s for v in _indexed(c.out).values() for s in v) == sorted(ids)  # each committed once
+    assert list_spooled(spool) == []
+    publish_run(conn, cfg)
+    assert ledger.add_queued(ids) == []  # the producer's next run finds them done: nothing extracted twice
 
 
 def test_the_orphan_sweep_puts_a_lost_index_samples_back_before_it_removes_their_shard(conn, tmp_path):
