@@ -12,6 +12,12 @@ regenerated conversation, whose row was the conversation), and packs them like a
 whose sample has any state is not touched here: queued (its worker has yet to settle), spooled,
 done or failed all have an owner already. A sample that another node committed meanwhile is
 kept from a second commit by the claims in storage (harvest.formats.claims), as every sample is.
+
+What fences a late return. A node back after its spool was revoked takes nothing up: the ledger
+refuses a revoked spool as an owner, and the collector rotates to a new id at its next lease
+renewal; the files of samples reclaimed meanwhile are then spooled or committed by others and go.
+A Redis that forgets this move (its last second lost again) leaves the samples unknown, and the
+next poll takes them up again: the move is idempotent.
 """
 
 from __future__ import annotations

@@ -337,8 +337,8 @@ end
 """
 
 # The commit fence. KEYS: state, spool_owner, revoked_spools, the packing record. ARGV: spool,
-# record JSON (with the shard's index document; '' for a dry run that writes nothing), the record
-# as the collector wrote it before packing ('' for a dry run), n, ids. Writes the record only when
+# record JSON (with the shard's index document), the record as the collector wrote it before
+# packing, n, ids. Writes the record only when
 # the spool is not revoked, every sample is in state s, owned by it (or by no spool: spooled
 # without an owner, which no reclaim can take), and the record is still the one the collector
 # wrote: a Redis that forgot the record (a rollback, a failover) forgot who is packing the shard,
@@ -349,7 +349,6 @@ local spool, record, before, n = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 -- already fenced with this very record: a retry whose first reply was lost (harvest.state.connection)
 if record ~= '' and redis.call('GET', KEYS[4]) == record then return 1 end
 if not owns(spool, 4, n) then return 0 end
-if record == '' then return 1 end
 if redis.call('GET', KEYS[4]) ~= before then return 0 end
 redis.call('SET', KEYS[4], record)
 return 1

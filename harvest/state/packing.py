@@ -22,16 +22,16 @@ from harvest.ids import check_id
 from harvest.state.keys import Keys
 from harvest.state.ledger_lua import OWNS
 
-# KEYS: the record, the run's index of record keys (`Keys.packing_index`). The index lets the
-# periodic reader (every collector's `tend_revoked`, every 10 s) list the records in O(records),
+# KEYS (not `_PUT_OWNED`'s): the record, the run's index of record keys (`Keys.packing_index`). The
+# index lets the periodic reader (every collector's `tend_revoked`, every 10 s) list the records in O(records),
 # where a SCAN of the keyspace costs O(keys): RQ's job hashes and every worker's keys, so
 # O(nodes^2) for the fleet. The readers whose answer fences a commit (a claim taken over when no
 # record names its shard, a reclaim leaving decided shards alone) still SCAN as well (`complete`):
 # they are rare (a conflict, a lost node, a start), and a record written by an older collector
 # during a rolling upgrade is in no index.
-_PUT = "redis.call('SET', KEYS[1], ARGV[1]) redis.call('SADD', KEYS[2], KEYS[1]) return 1"
-# The record written as `_PUT` does, and the commit fence's ownership test in the same call (one
-# round trip a shard less; harvest.state.ledger_lua.OWNS). KEYS: state, spool_owner,
+#
+# `_PUT_OWNED`: the record written and indexed, and the commit fence's ownership test in the same
+# call (one round trip a shard less; harvest.state.ledger_lua.OWNS). KEYS: state, spool_owner,
 # revoked_spools, the record, the index. ARGV: the record, spool, n, ids.
 _PUT_OWNED = OWNS + """
 redis.call('SET', KEYS[4], ARGV[1])
@@ -73,7 +73,6 @@ class PackingRecords:
 
     def __init__(self, conn: redis.Redis, run: str) -> None:
         self.conn, self.keys = conn, Keys(run)
-        self._put = conn.register_script(_PUT)
         self._put_owned = conn.register_script(_PUT_OWNED)
         self._clear = conn.register_script(_CLEAR)
         self._delete_if_same = conn.register_script(_DELETE_IF_SAME)
@@ -87,14 +86,8 @@ class PackingRecords:
         raw = self.conn.get(key)
         return None if raw is None else PackingRecord.from_json(raw)
 
-    def put(self, key: str, rec: PackingRecord) -> str:
-        """Write `rec` at `key`; returns the JSON written (the commit fence requires it unchanged)."""
-        raw = rec.to_json()
-        self._put(keys=[key, self.keys.packing_index], args=[raw])
-        return raw
-
     def put_owned(self, key: str, rec: PackingRecord) -> tuple[str, bool]:
-        """`put`, and in the same call whether the record's spool may commit its samples (not
+        """Write `rec` at `key`, and in the same call ask whether its spool may commit its samples (not
         revoked, owning each in state s, as the commit fence asks). Returns (the JSON written, that)."""
         raw, k = rec.to_json(), self.keys
         ok = self._put_owned(keys=[k.state, k.spool_owner, k.revoked_spools, key, k.packing_index],
