@@ -13,6 +13,12 @@ before they read the ledger, so when two race on the same samples one transactio
 its producer reads the ledger again. Workers and collectors never touch that counter, so their
 ledger moves do not abort producers.
 
+The samples' tokens do not go into Redis: before the transaction, the rows of the samples it is
+about to enqueue (all those pending, so the next transactions of this group find theirs written)
+go to storage as one object (harvest.formats.jobrows), and each job names its rows there. A
+transaction that aborts leaves an object no job names: harmless, and written again by the same
+bytes under the same name if the same samples are sent.
+
 The producer waits while `queued + next job > max_queued`, so the samples held in Redis (the
 queue and in flight) never exceed the bound, whatever the dataset size.
 """
@@ -27,13 +33,15 @@ from dataclasses import dataclass
 import redis
 
 from harvest.config import RunConfig
+from harvest.formats import jobrows
+from harvest.formats.runfile import run_location
 from harvest.ids import job_id_for
 from harvest.settings import ProducerSettings
-from harvest.state.jobs import enqueue_samples, run_queue
 from harvest.state.failures import JOB_LOST, SPOOL_LOST
+from harvest.state.jobs import enqueue_samples, run_queue
 from harvest.state.keys import Keys
 from harvest.state.ledger import QUEUED, Ledger
-from harvest.state.payload import Sample, split_jobs
+from harvest.state.payload import Sample, payload_row, split_jobs
 
 DEFAULT_MAX_QUEUED = ProducerSettings.max_queued
 TOKENS_LOST = (JOB_LOST, SPOOL_LOST)  # failures the producer undoes: it holds the tokens again
@@ -72,6 +80,8 @@ class Enqueuer:
         self.stats = EnqueueStats()
         self._pending: dict[str, Sample] = {}  # insertion-ordered; a repeat within the group is one sample
         self._revive: set[str] = set()  # failed samples whose tokens were lost: enqueued again (f -> q)
+        self._run_loc = run_location(cfg.out_url, cfg.run)
+        self._rows: dict[str, jobrows.RowsObject] = {}  # pending sample -> the object its row was written to
 
     def add(self, sample: Sample) -> None:
         if sample.id in self._pending:
@@ -124,21 +134,33 @@ class Enqueuer:
                     if self.on_wait:
                         self.on_wait(queued)
                     return False
+                refs = self._refs(sending)
                 pipe.multi()
                 pipe.incr(self.counter)
                 self._move(pipe, [s.id for job in sending for s in job])
-                for job in sending:
-                    enqueue_samples(self.queue, self.cfg.run, job, job_id_for(self.cfg.run, [s.id for s in job]), pipe)
+                for job, ref in zip(sending, refs):
+                    enqueue_samples(self.queue, self.cfg.run, job, job_id_for(self.cfg.run, [s.id for s in job]), pipe,
+                                    rows=ref)
                 pipe.execute()
             except redis.WatchError:
                 return True  # another producer enqueued meanwhile: read the ledger again
         for job in sending:
             for s in job:
                 del self._pending[s.id]
+                self._rows.pop(s.id, None)
             self.stats.enqueued += len(job)
             self.stats.jobs += 1
             self.stats.tokens += sum(s.num_tokens for s in job)
         return True
+
+    def _refs(self, jobs: list[list[Sample]]) -> list[dict]:
+        """Where each job's rows are in storage: one object of every pending sample is written when
+        any of these jobs has a sample not yet written (so a group's later transactions, and a
+        transaction read again after a race, reuse it), and a job names one object only."""
+        if any(self._rows.get(s.id) is None for job in jobs for s in job):
+            written = jobrows.write(self._run_loc, ((s.id, payload_row(self.cfg.run, s)) for s in self._pending.values()))
+            self._rows = dict.fromkeys(self._pending, written)
+        return [self._rows[job[0].id].ref([s.id for s in job]) for job in jobs]  # a write maps all pending at once
 
     def _move(self, pipe: redis.client.Pipeline, ids: list[str]) -> None:
         """The ledger's moves of a transaction's samples, one script call for all its jobs (a

@@ -35,12 +35,12 @@ import os
 import time
 import traceback
 from collections import Counter
-from dataclasses import dataclass, field
 
 import redis
 from rq import Retry, get_current_job
 from rq.timeouts import JobTimeoutException
 
+from harvest.errors import StorageError
 from harvest.ids import rid_for
 from harvest.node.spooldir import SpoolBatch, list_spooled
 from harvest.ops.metrics import bucket_of, observe
@@ -59,13 +59,14 @@ from harvest.state.failures import (
     SampleFailure,
 )
 from harvest.state.ledger import QUEUED
-from harvest.state.payload import Sample, decode_batch, payload_row, payload_rows
+from harvest.state.payload import Sample, decode_batch, inline, payload_row, payload_rows
 from workers.claim import Claimed, assemble, clear_claims
 from workers.claim import claim as claim_dumps
 from workers.clients.base import EngineUnavailable, Rejected
+from workers.context import DEFAULT_RETRIES, WorkerContext, backoff_intervals, current, install
 from workers.regenerate import Regenerated
 from workers.regenerate import regenerate as regenerate_turns
-from workers.context import DEFAULT_RETRIES, WorkerContext, backoff_intervals, current, install
+from workers.results import JobResult, Spooled
 
 __all__ = ["DEFAULT_RETRIES", "BatchJob", "JobResult", "WorkerContext", "backoff_intervals", "install", "process_batch"]
 
@@ -82,31 +83,6 @@ def _wait_for_spool_room(ctx: WorkerContext) -> None:
         time.sleep(0.5)
 
 
-@dataclass
-class JobResult:
-    """What one execution of a job did with its samples (the ledger holds the truth)."""
-
-    spooled: int = 0
-    failed: int = 0
-    skipped: int = 0  # samples already past queued when the job started
-    reasons: dict[str, int] = field(default_factory=dict)  # failure reason -> samples failed with it
-
-    def to_rq(self) -> dict:
-        """RQ's return value: JSON only (harvest.state.jobs.SERIALIZER), the three counts."""
-        return {"spooled": self.spooled, "failed": self.failed, "skipped": self.skipped}
-
-
-@dataclass
-class Spooled:
-    """The `spool` step's outcome: samples durable and in place, or the storage error that stopped it."""
-
-    ids: list[str] = field(default_factory=list)
-    tokens: int = 0
-    nbytes: int = 0
-    dump_bytes: int = 0
-    error: str | None = None
-
-
 def process_batch(payload: dict) -> dict | Retry:
     """The RQ job function (harvest.state.jobs.JOB_FUNCTION): `JobResult.to_rq()`, or `rq.Retry`."""
     out = BatchJob(current(), payload, get_current_job()).run()
@@ -120,11 +96,9 @@ class BatchJob:
     durable, in place), `mark` (the ledger), `finish` (the result, or the transient failure)."""
 
     def __init__(self, ctx: WorkerContext, payload: dict, job) -> None:
-        run, self.samples = decode_batch(payload)
-        if run != ctx.cfg.run:
-            raise ValueError(f"job of run {run!r} reached a worker of run {ctx.cfg.run!r}")
         self.ctx, self.payload, self.job = ctx, payload, job
         self.name = job.id if job else "?"
+        self.samples: list[Sample] = []  # the payload's, from `load`
         self.todo: list[Sample] = []  # the job's samples still queued, as the payload holds them
         self.extract: list[Sample] = []  # what the engine prefills: `todo`, its conversations regenerated
         self.by_rid: dict[str, Sample] = {}
@@ -135,13 +109,27 @@ class BatchJob:
         self.generated: Regenerated | None = None  # the job's regeneration step, for its stats
 
     def run(self) -> JobResult | Retry:
-        held = self.reconcile()
+        held = self.load() or self.reconcile()
         if held is not None:
             return held
         if not self.choose():
             log.info("job %s: nothing to do, its %d samples are past queued", self.name, len(self.samples))
             return JobResult(skipped=len(self.samples))
         return self.attempt()
+
+    def load(self) -> Retry | None:
+        """The job's samples, their rows read from storage where the producer wrote them
+        (harvest.formats.jobrows). A store that fails hands the job back; rows gone or changed
+        (PayloadError) fail the job in RQ, and its queued samples, in no job that can run them,
+        go to the stranded sweep (harvest.ops.stranded)."""
+        try:
+            self.payload = inline(self.payload)
+        except StorageError as e:
+            return self.hand_back(f"reading the job's rows: {e}")
+        run, self.samples = decode_batch(self.payload)
+        if run != self.ctx.cfg.run:
+            raise ValueError(f"job of run {run!r} reached a worker of run {self.ctx.cfg.run!r}")
+        return None
 
     def reconcile(self) -> Retry | None:
         """Before the ledger's states are read: a restarted Redis is reconciled first. A connection
@@ -151,7 +139,7 @@ class BatchJob:
         except Exception as e:
             if is_connection_error(e):
                 raise give_up(self.ctx.conn, e) from e
-            return self.hand_back(f"reconciling the ledger before the job: {type(e).__name__}: {e}")
+            return self.hand_back(f"Redis: reconciling the ledger before the job: {type(e).__name__}: {e}")
         return None
 
     def choose(self) -> list[Sample]:
@@ -186,7 +174,7 @@ class BatchJob:
                           self.name, e)
                 raise give_up(ctx.conn, e) from e
             log.exception("job %s: Redis answered with an error", self.name)
-            return self.hand_back(f"{type(e).__name__}: {e}")
+            return self.hand_back(f"Redis: {type(e).__name__}: {e}")
         except Exception as e:
             log.exception("job failed unexpectedly")
             self.fail({s.id: (WORKER_ERROR, f"{type(e).__name__}: {e} | {_where(e)}") for s in todo})
@@ -372,7 +360,7 @@ class BatchJob:
         ctx, job = self.ctx, self.job
         done = (job.number_of_retries or 0) if job is not None else 0
         wait = ctx.retry_intervals[min(done, len(ctx.retry_intervals) - 1)]
-        log.warning("job %s: Redis: %s; handing it back, retry %d of %d in %ds", self.name, message,
+        log.warning("job %s: %s; handing it back, retry %d of %d in %ds", self.name, message,
                     done + 1, ctx.retries, wait)
         return Retry(max=ctx.retries, interval=[wait])
 

@@ -253,15 +253,20 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
 @click.option("--engine-wait", default=WorkerSettings.engine_wait_s, show_default=True, type=click.FloatRange(0),
               help="Take no job until the engine is healthy, up to this many seconds (SGLang loads for minutes).")
 @node_option
+@s3_options
 @redis_wait_option
 def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_timeout, retries, retry_backoff, max_jobs,
-               max_spool_mb, engine_wait, node, redis_wait) -> None:
+               max_spool_mb, engine_wait, node, s3_endpoint, s3_region, redis_wait) -> None:
     """Take jobs of RUN: engine call, claim dumps, verify, spool.
+
+    A job's rows are read from the run's output (`<out>/<run>/jobs/`), where the producer wrote
+    them: a worker needs read access to the output, as its node's collector needs write access.
 
     Exit status: 0, 2 on errors, 75 when Redis stayed away past --redis-wait (its job goes back to
     the queue through the janitor; start the worker again).
     """
     service_logging()
+    apply_s3_env(s3_endpoint, s3_region)
     conn = connect_service(redis_url, redis_wait)
     from workers.worker import run_worker
 

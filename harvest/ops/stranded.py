@@ -52,7 +52,7 @@ from harvest.state.jobcopy import resolve
 from harvest.state.jobs import SERIALIZER, enqueue_samples, run_queue
 from harvest.state.keys import Keys
 from harvest.state.ledger import QUEUED, Ledger
-from harvest.state.payload import PAYLOAD_VERSION, PayloadError, Sample, decode_batch, split_jobs
+from harvest.state.payload import PAYLOAD_VERSION, PayloadError, Sample, decode_batch, inline, split_jobs
 
 log = logging.getLogger("harvest.janitor")
 
@@ -118,7 +118,7 @@ def _jobs_rows(conn: redis.Redis, job_ids: Iterable[str]) -> Iterable[tuple[str,
         keep_alive()
         for job in Job.fetch_many(ids[i : i + FETCH], connection=conn, serializer=SERIALIZER):
             try:
-                rows = job.args[0]["samples"] if job is not None else []
+                rows = inline(job.args[0])["samples"] if job is not None else []  # a producer's: read from storage
                 yield from ((r["id"], json.dumps(r)) for r in rows)
             except Exception as e:  # noqa: BLE001 - a job we cannot read covers nothing and offers no row
                 log.debug("job %s unreadable here: %s", job.id if job is not None else "?", e)

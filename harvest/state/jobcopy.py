@@ -7,7 +7,9 @@ Redis's CPU a sample, and half the bytes clients sent it (bench/fleet.py). The j
 tokens are already in Redis, in the RQ job hash the worker is running, zlib-compressed. So the
 worker's settle call (harvest.state.ledger_lua.SETTLE) copies that hash server-side (COPY: no
 bytes over the network, a few in the AOF) to `Keys.job_copy` and keeps, for each spooled sample,
-the ref `@<job id>#<index in the payload>` instead of its row.
+the ref `@<job id>#<index in the payload>` instead of its row. A producer's job holds no tokens,
+only where its rows are in storage (harvest.formats.jobrows): its copy is a few hundred bytes, and
+a ref is read through it from there.
 
 Who owns the copy, and for how long. The ledger's scripts: the copy holds a counter
 (`REFS_FIELD`) of the refs to it in the spooled-payload hash. A move to `s` adds the refs it
@@ -32,6 +34,7 @@ import redis
 from harvest.ids import check_id
 from harvest.state.jobs import SERIALIZER
 from harvest.state.keys import Keys, check_rq_job_prefix
+from harvest.state.payload import inline
 
 REFS_FIELD = "harvest_refs"
 NO_JOB = "HARVEST_NO_JOB"  # the error a settle call answers when the job to copy is gone
@@ -83,7 +86,8 @@ def resolve(conn: redis.Redis, keys: Keys, rows: Mapping[str, str | None]) -> di
 
 def _payload_rows(data: bytes | None) -> list | None:
     """The payload rows in an RQ job hash's `data` (harvest.state.jobs: zlib of the JSON of
-    (function, instance, args, kwargs), the payload the first arg), None if unreadable."""
+    (function, instance, args, kwargs), the payload the first arg; a producer's job names its rows
+    in storage, harvest.formats.jobrows), None if unreadable. StorageError: the store failed."""
     if data is None:
         return None
     try:
@@ -92,7 +96,7 @@ def _payload_rows(data: bytes | None) -> list | None:
         pass
     try:
         _, _, args, _ = SERIALIZER.loads(data)
-        rows = args[0]["samples"]
-    except (ValueError, TypeError, KeyError, IndexError):
+        rows = inline(args[0])["samples"]  # a producer's job names its rows in storage; a store that fails raises
+    except (ValueError, TypeError, KeyError, IndexError):  # PayloadError too: rows gone or changed
         return None
     return rows if isinstance(rows, list) else None

@@ -18,7 +18,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from harvest.state.keys import Keys
-from harvest.state.payload import Sample, encode_batch
+from harvest.state.payload import Sample, encode_batch, encode_ref
 
 JOB_FUNCTION = "workers.job.process_batch"
 SERIALIZER = JSONSerializer
@@ -66,12 +66,14 @@ def run_queue(conn: redis.Redis, run: str, job_class: type[Job] = PayloadJob) ->
 
 
 def enqueue_samples(queue: Queue, run: str, samples: list[Sample], job_id: str,
-                    pipe: redis.client.Pipeline) -> None:
+                    pipe: redis.client.Pipeline, rows: dict | None = None) -> None:
     """Add one job for `samples` to `pipe` (the caller's MULTI/EXEC, with its ledger moves).
-    The description is given: RQ's default is the repr of the call, the whole payload again."""
+    `rows`: where the samples' rows are in storage (the producer's jobs, harvest.formats.jobrows),
+    named instead of carried. The description is given: RQ's default is the repr of the call, the
+    whole payload again."""
     queue.enqueue_call(
         JOB_FUNCTION,
-        args=(encode_batch(run, samples),),
+        args=(encode_batch(run, samples) if rows is None else encode_ref(run, rows),),
         description=f"{JOB_FUNCTION}: {len(samples)} samples of run {run}",
         job_id=job_id,
         timeout=job_timeout(sum(s.num_tokens for s in samples), max(s.conv.turns if s.conv else 0 for s in samples)),

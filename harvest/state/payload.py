@@ -12,6 +12,11 @@ upgrade. Older workers refuse version 2 jobs (they fail in RQ, their samples sta
 fleet upgrades its workers before its producers. Decoding re-derives every sample id from its content, so a payload tampered with in
 Redis cannot point a worker at another sample's files.
 
+A producer's job carries no rows: it names them in storage (`rows`, harvest.formats.jobrows), and
+`inline` reads them back; jobs built by harvest itself from kept rows (requeue, reclaim, the
+stranded sweep) carry theirs (`samples`). Workers from before that change refuse a job without
+`samples` (it fails in RQ, its samples stay queued): upgrade the workers first, as above.
+
 A row of a `--regenerate` run carries `conv` (harvest.state.conversation): its tokens are the
 conversation's skeleton and its id hashes the conversation too, so a worker that predates
 regeneration finds the id does not match the tokens and refuses the job instead of extracting a
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from harvest.errors import InputError
+from harvest.formats import jobrows
 from harvest.ids import check_id, sample_id
 from harvest.state.conversation import Conversation, ConversationError
 
@@ -152,9 +158,29 @@ def encode_batch(run: str, samples: list[Sample]) -> dict:
     return {"v": PAYLOAD_VERSION, "run": run, "samples": [_encode_row(s) for s in samples]}
 
 
+def encode_ref(run: str, ref: dict) -> dict:
+    """A job whose rows are in storage (`ref`: harvest.formats.jobrows.RowsObject.ref)."""
+    return {"v": PAYLOAD_VERSION, "run": run, "rows": ref}
+
+
+def inline(payload: object) -> object:
+    """`payload` with its rows in it (`samples`), read from storage where the job names them; any
+    other payload as it is. PayloadError: the rows are gone or changed; StorageError: the store
+    failed (a job that meets it is handed back, not failed)."""
+    if isinstance(payload, dict) and "rows" in payload and "samples" not in payload:
+        try:
+            rows = jobrows.read(payload["rows"])
+        except jobrows.JobRowsError as e:
+            raise PayloadError(str(e)) from None
+        return {**{k: v for k, v in payload.items() if k != "rows"}, "samples": rows}
+    return payload
+
+
 def decode_batch(payload: object) -> tuple[str, list[Sample]]:
+    """A payload's run and samples, its rows read from storage if the job names them there (`inline`)."""
     if not isinstance(payload, dict) or payload.get("v") not in READ_VERSIONS:
         raise PayloadError(f"not a harvest v{PAYLOAD_VERSION} job payload")
+    payload = inline(payload)
     run = check_id(payload.get("run", ""), "run name")
     rows = payload.get("samples")
     if not isinstance(rows, list) or not rows:
@@ -180,7 +206,7 @@ def payload_row(run: str, sample: Sample) -> str:
 
 
 def payload_rows(payload: dict) -> list[str]:
-    """The rows of a payload that `decode_batch` accepted, in its order, as `payload_row` writes
+    """The rows of an inline payload that `decode_batch` accepted, in its order, as `payload_row` writes
     them: the job's own base64 strings (of either version), not encoded again."""
     return [json.dumps({k: r[k] for k in _ROW_KEYS if k in r}) for r in payload["samples"]]
 
