@@ -242,9 +242,12 @@ def _status(conn, run: str, as_json: bool, watch: float | None, check: bool) -> 
               help="Reclaim this node spool now: its spooled samples back on the queue (see `harvest status`).")
 @click.option("--node", "nodes", multiple=True, help="Reclaim the spools of this node now (a node known to be gone).")
 @work_dir_option
-def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run, spools, nodes, work_dir) -> None:
+@s3_options
+def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run, spools, nodes, work_dir, s3_endpoint, s3_region) -> None:
     """Put failed samples of RUN back on the queue, exactly once; or reclaim a lost node's spool.
-    A finished local run's requeued samples are extracted by running its `harvest run` again."""
+    A finished local run's requeued samples are extracted by running its `harvest run` again.
+    RQ's failed jobs and a lost spool's samples are rebuilt from the job rows in the run's output."""
+    apply_s3_env(s3_endpoint, s3_region)
     if not (reasons or samples or all_ or spools or nodes):
         fail("say what to requeue: --reason REASON, --sample ID or --all (see `harvest status` for the reasons), "
              "or --spool ID / --node NAME for a lost node")
@@ -309,8 +312,11 @@ def _reclaim(conn, run: str, spools: tuple[str, ...], nodes: tuple[str, ...], dr
 @redis_option
 @click.option("--dump-dir", default=None, type=click.Path(), help="Also clean this node's dump dir.")
 @click.option("--interval", default=None, type=click.FloatRange(1), help="Repeat every N seconds (default: once).")
-def janitor_cmd(run, redis_url, dump_dir, interval) -> None:
-    """Take back dead workers' jobs, release due retries, clean dead claim dirs (workers do this too)."""
+@s3_options
+def janitor_cmd(run, redis_url, dump_dir, interval, s3_endpoint, s3_region) -> None:
+    """Take back dead workers' jobs, release due retries, clean dead claim dirs (workers do this too).
+    Reclaim and the stranded sweep read job rows from the run's output: give it the S3 endpoint."""
+    apply_s3_env(s3_endpoint, s3_region)
     import logging
     import time
 
