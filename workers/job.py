@@ -90,10 +90,11 @@ def process_batch(payload: dict) -> dict | Retry:
 
 
 class BatchJob:
-    """One execution of a job, in named steps: `reconcile` (a restarted Redis first), `choose` (the
-    samples still queued), then under `attempt` (every failure mapped to a retry, a hand-back or
-    failed samples): `generate` (the engine call), `claim` (the dumps), `spool` (assembled,
-    durable, in place), `mark` (the ledger), `finish` (the result, or the transient failure)."""
+    """One execution of a job, in named steps: `load` (its samples, their rows read from storage),
+    `reconcile` (a restarted Redis first), `choose` (the samples still queued), then under
+    `attempt` (every failure mapped to a retry, a hand-back or failed samples): `generate` (the
+    engine call), `claim` (the dumps), `spool` (assembled, durable, in place), `mark` (the
+    ledger), `finish` (the result, or the transient failure)."""
 
     def __init__(self, ctx: WorkerContext, payload: dict, job) -> None:
         self.ctx, self.payload, self.job = ctx, payload, job
