@@ -54,6 +54,7 @@ from rq.queue import Queue
 from rq.registry import FailedJobRegistry
 from rq.utils import parse_composite_key
 
+from harvest.errors import StorageError
 from harvest.ids import InvalidId
 from harvest.state.failures import WORKER_DIED, record_failures
 from harvest.state.heartbeat import HEARTBEAT_TTL_S
@@ -240,7 +241,7 @@ def _take_back(conn: redis.Redis, run: str, queue: Queue, s: Started, requeue: b
 def _fail_samples_of(conn: redis.Redis, run: str, job: Job, message: str) -> None:
     try:
         _, samples = decode_batch(job.args[0])
-    except (PayloadError, IndexError, TypeError) as e:
+    except (PayloadError, StorageError, IndexError, TypeError) as e:  # its samples: the stranded sweep's
         log.error("job %s holds no valid payload (%s); its samples cannot be failed by id", job.id, e)
         return
     ledger = Ledger(conn, run)

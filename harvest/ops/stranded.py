@@ -45,6 +45,7 @@ import redis
 from rq.job import Job
 
 from harvest.config import RunConfig
+from harvest.errors import StorageError
 from harvest.ids import job_id_for
 from harvest.state.failures import JOB_LOST
 from harvest.state.heartbeat import keep_alive
@@ -52,7 +53,7 @@ from harvest.state.jobcopy import resolve
 from harvest.state.jobs import SERIALIZER, enqueue_samples, run_queue
 from harvest.state.keys import Keys
 from harvest.state.ledger import QUEUED, Ledger
-from harvest.state.payload import PAYLOAD_VERSION, PayloadError, Sample, decode_batch, inline, split_jobs
+from harvest.state.payload import PAYLOAD_VERSION, PayloadError, Sample, batch_ids, decode_batch, inline, split_jobs
 
 log = logging.getLogger("harvest.janitor")
 
@@ -111,17 +112,40 @@ def job_sizes(conn: redis.Redis, job_ids: list[str]) -> int:
     return sum(_sizes.get(j, 0) for j in job_ids)
 
 
-def _jobs_rows(conn: redis.Redis, job_ids: Iterable[str]) -> Iterable[tuple[str, str]]:
-    """(sample id, payload row JSON) of every row of the jobs' payloads (unreadable jobs: none)."""
+def _jobs(conn: redis.Redis, job_ids: Iterable[str]) -> Iterable[Job]:
     ids = list(job_ids)
     for i in range(0, len(ids), FETCH):
         keep_alive()
-        for job in Job.fetch_many(ids[i : i + FETCH], connection=conn, serializer=SERIALIZER):
-            try:
-                rows = inline(job.args[0])["samples"] if job is not None else []  # a producer's: read from storage
-                yield from ((r["id"], json.dumps(r)) for r in rows)
-            except Exception as e:  # noqa: BLE001 - a job we cannot read covers nothing and offers no row
-                log.debug("job %s unreadable here: %s", job.id if job is not None else "?", e)
+        yield from (j for j in Job.fetch_many(ids[i : i + FETCH], connection=conn, serializer=SERIALIZER) if j)
+
+
+def _jobs_ids(conn: redis.Redis, job_ids: Iterable[str]) -> set[str]:
+    """The samples the jobs hold, from Redis alone (a producer's job names its ids beside its rows
+    in storage: a store that is down covers nothing less). Unreadable jobs: none."""
+    out: set[str] = set()
+    for job in _jobs(conn, job_ids):
+        try:
+            out.update(batch_ids(job.args[0]))
+        except Exception as e:  # noqa: BLE001 - a job we cannot read covers nothing
+            log.debug("job %s unreadable here: %s", job.id, e)
+    return out
+
+
+def _jobs_rows(conn: redis.Redis, job_ids: Iterable[str]) -> Iterable[tuple[str, str]]:
+    """(sample id, payload row JSON) of every row of the jobs' payloads (a producer's job: read from
+    storage). A job whose payload is unreadable or whose rows are gone offers no row; a store that
+    fails raises (StorageError), so the sweep stops with its stamps and fails nothing as lost."""
+    for job in _jobs(conn, job_ids):
+        keep_alive()  # a storage read a job, on the worker's heartbeat thread
+        try:
+            rows = inline(job.args[0])["samples"]
+            pairs = [(r["id"], json.dumps(r)) for r in rows]
+        except StorageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a job we cannot read offers no row
+            log.debug("job %s unreadable here: %s", job.id, e)
+            continue
+        yield from pairs
 
 
 def _find_rows(conn: redis.Redis, run: str, want: set[str]) -> dict[str, str]:
@@ -208,7 +232,7 @@ def sweep(conn: redis.Redis, cfg: RunConfig, now: float, stamps: dict[str, float
     # Jobs read after the states: a job that held a sample queued at the scan still holds it now, or
     # the sample moved on (it is read again below).
     _, job_ids, _ = _covering(conn, cfg.run, with_stamps=False)
-    covered = {sid for sid, _ in _jobs_rows(conn, job_ids)}
+    covered = _jobs_ids(conn, job_ids)
     candidates = [s for s in queued if s not in covered]
     states = Ledger(conn, cfg.run).states(candidates)
     rep.stranded = [s for s, st in zip(candidates, states) if st == QUEUED]

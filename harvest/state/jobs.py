@@ -73,7 +73,7 @@ def enqueue_samples(queue: Queue, run: str, samples: list[Sample], job_id: str,
     whole payload again."""
     queue.enqueue_call(
         JOB_FUNCTION,
-        args=(encode_batch(run, samples) if rows is None else encode_ref(run, rows),),
+        args=(encode_batch(run, samples) if rows is None else encode_ref(run, rows, [s.id for s in samples]),),
         description=f"{JOB_FUNCTION}: {len(samples)} samples of run {run}",
         job_id=job_id,
         timeout=job_timeout(sum(s.num_tokens for s in samples), max(s.conv.turns if s.conv else 0 for s in samples)),

@@ -158,9 +158,20 @@ def encode_batch(run: str, samples: list[Sample]) -> dict:
     return {"v": PAYLOAD_VERSION, "run": run, "samples": [_encode_row(s) for s in samples]}
 
 
-def encode_ref(run: str, ref: dict) -> dict:
-    """A job whose rows are in storage (`ref`: harvest.formats.jobrows.RowsObject.ref)."""
-    return {"v": PAYLOAD_VERSION, "run": run, "rows": ref}
+def encode_ref(run: str, ref: dict, ids: list[str]) -> dict:
+    """A job whose rows are in storage (`ref`: harvest.formats.jobrows.RowsObject.ref), with its
+    sample ids in order: what covers which sample is known from Redis alone (`batch_ids`)."""
+    return {"v": PAYLOAD_VERSION, "run": run, "ids": list(ids), "rows": ref}
+
+
+def batch_ids(payload: object) -> list[str]:
+    """A payload's sample ids without reading storage (PayloadError: not a payload that has them)."""
+    try:
+        if "samples" in payload:
+            return [str(r["id"]) for r in payload["samples"]]
+        return [str(i) for i in payload["ids"]]
+    except (KeyError, TypeError) as e:
+        raise PayloadError(f"payload names no sample ids: {e!r}") from None
 
 
 def inline(payload: object) -> object:
@@ -172,6 +183,8 @@ def inline(payload: object) -> object:
             rows = jobrows.read(payload["rows"])
         except jobrows.JobRowsError as e:
             raise PayloadError(str(e)) from None
+        if "ids" in payload and [r.get("id") if isinstance(r, dict) else None for r in rows] != payload["ids"]:
+            raise PayloadError(f"job rows {payload['rows'].get('url')} hold other samples than the job names")
         return {**{k: v for k, v in payload.items() if k != "rows"}, "samples": rows}
     return payload
 

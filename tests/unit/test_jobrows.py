@@ -14,15 +14,16 @@ import pytest
 from rq import Retry
 
 from harvest.config import RunConfig
+from harvest.errors import StorageError
 from harvest.formats import jobrows
 from harvest.formats.runfile import run_location
 from harvest.ops.reclaim import reclaim_spool
-from harvest.ops.stranded import STRANDED_GRACE_S, tend_stranded
+from harvest.ops.stranded import STRANDED_GRACE_S, sweep, tend_stranded
 from harvest.state import jobcopy
 from harvest.state.failures import JOB_LOST
 from harvest.state.jobs import fetch_job, run_queue
 from harvest.state.ledger import Ledger
-from harvest.state.payload import PayloadError, Sample, decode_batch, inline, payload_row
+from harvest.state.payload import PayloadError, Sample, batch_ids, decode_batch, inline, payload_row
 from harvest.state.runstore import publish_run
 from harvest.state.spools import SpoolLeases, redis_time
 from producer.enqueue import Enqueuer
@@ -65,6 +66,7 @@ def test_a_producers_job_names_its_rows_in_one_object_and_decodes_to_the_exact_s
         sorted((s.id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in samples)
     payload = jobs[0].args[0]
     assert "samples" not in payload and payload["rows"]["url"] == str(folder / name)
+    assert batch_ids(payload) == [s.id for s in decode_batch(payload)[1]]  # who it covers, from Redis alone
     # the job in Redis holds none of its tokens: 4 samples of 700 tokens, a few hundred bytes
     assert len(zlib.decompress(conn.hget(jobs[0].key, "data"))) < 600
     assert inline(inline(payload)) == inline(payload) and "samples" in inline(payload)
@@ -160,3 +162,27 @@ def test_samples_of_a_failed_job_whose_rows_are_gone_fail_as_job_lost_and_a_reru
     assert {f["reason"] for f in ledger.failures().values()} == {JOB_LOST}
     _produce(conn, tmp_path, "jr5", samples)  # the producer holds the tokens again: f -> q, in a new object
     assert ledger.counts()["queued"] == 3 and len(os.listdir(tmp_path / "out" / "jr5" / "jobs")) == 1
+
+
+def test_a_store_that_is_down_strands_nothing_and_fails_nothing_as_lost(conn, tmp_path):
+    samples = _samples(3, 40, seed=6)
+    cfg = publish_run(conn, _produce(conn, tmp_path, "jr6", samples))
+    (job,) = _jobs(conn, "jr6")
+    path = job.args[0]["rows"]["url"]
+    os.rename(path, path + ".away")
+    os.mkdir(path)  # the store fails on every read (EISDIR)
+    t = redis_time(conn)
+    assert sweep(conn, cfg, t, {}).stranded == []  # the queued job covers its samples by the ids it names
+    q = run_queue(conn, "jr6")
+    with conn.pipeline() as pipe:  # RQ failed the job (its worker's retries spent on the store)
+        q.remove(job, pipeline=pipe)
+        q.failed_job_registry.add(job, ttl=600, pipeline=pipe)
+        pipe.execute()
+    stamps = {s.id: t for s in samples}
+    with pytest.raises(StorageError, match="reading the job rows"):
+        sweep(conn, cfg, t + STRANDED_GRACE_S, stamps)  # due, but its rows unreadable: nothing failed
+    assert Ledger(conn, "jr6").counts()["queued"] == 3
+    os.rmdir(path)
+    os.rename(path + ".away", path)
+    rep = sweep(conn, cfg, t + STRANDED_GRACE_S, stamps)
+    assert sorted(rep.requeued) == sorted(s.id for s in samples) and rep.lost == []
