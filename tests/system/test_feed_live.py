@@ -1,13 +1,14 @@
 """The training feed following a live run, as real processes: two reader processes (ranks 0 and 1
 of 2, each with 2 DataLoader workers) start when about a fifth of a `harvest run` is committed;
-a second node's worker then dies with samples on its spool (SIGKILL; its samples reclaimed after
-the run's grace and extracted again by the runner's node); the readers end when the runner writes settled.json, and
-together they have read every sample of the run exactly once."""
+a second node then dies with samples on its spool (SIGKILL; its samples reclaimed after the run's
+grace and extracted again by the runner's node); the readers end when the runner writes settled.json,
+and together they have read every sample of the run exactly once."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -59,16 +60,25 @@ def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(t
     data = write_jsonl(str(tmp_path / "data.jsonl"), demo_rows(ROWS, seed=5))
     ledger = Ledger(conn, run)
 
-    # one engine serves both nodes (its dump dir shared, as workers of one host share it); node a is a
-    # worker with a spool of its own and no collector: what it spools waits there until the node is
-    # lost and its samples are reclaimed
+    # one engine serves both nodes (its dump dir shared, as workers of one host share it)
     dumps, a_spool, port = str(tmp_path / "dumps"), str(tmp_path / "spool-a"), free_port()
     engine = procs.start("engine", "engine", "--model", tiny_model, "--dump-dir", dumps, "--port", str(port),
                          "--layers", "eagle3", env=PACE)
     engine_url = f"http://127.0.0.1:{port}"
     wait_for(lambda: engine.poll() is None and healthy(engine_url, 1), 120, "the engine healthy")
+    # Node a: a worker that takes 2 jobs and exits, and its keeper, a worker on the same spool that
+    # waits for an engine that never answers (a port bound here, never listened on), so it takes no
+    # job and keeps the spool's lease alive until node a is lost. Node a's samples then wait on its
+    # spool (no collector), so the run cannot finish before the readers start. An unbounded worker-a,
+    # started before the runner, could take every job while a loaded machine still starts the
+    # runner's worker, and nothing would ever commit (CI saw that).
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
     procs.start("worker-a", "worker", "--run", run, "--redis", redis_server.url, "--engine-url", engine_url,
-                "--dump-dir", dumps, "--spool-dir", a_spool, "--node", "a")
+                "--dump-dir", dumps, "--spool-dir", a_spool, "--node", "a", "--max-jobs", "2")
+    procs.start("keeper-a", "worker", "--run", run, "--redis", redis_server.url, "--engine-url",
+                f"http://127.0.0.1:{mute.getsockname()[1]}", "--engine-wait", "3600", "--dump-dir", dumps,
+                "--spool-dir", a_spool, "--node", "a")
 
     result: dict = {}
 
@@ -86,7 +96,7 @@ def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(t
         loc = Location.from_url(url)
         return len(RunReader(url)) if loc.exists("run.json") and loc.list("index", ".json") else 0
 
-    wait_for(lambda: committed() >= ROWS // 5, 180, "a fifth of the run committed")
+    wait_for(lambda: committed() >= ROWS // 5, 300, "a fifth of the run committed")
     readers = [subprocess.Popen([sys.executable, "-c", READER, url, str(rank)], cwd=REPO, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
                for rank in range(2)]
@@ -96,10 +106,11 @@ def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(t
         for i, (o, p) in enumerate(zip(outs, readers)):
             o.wait_for(lambda t: t.startswith("view "), 120, f"reader {i} open", proc=p)
             views.append(int(o.text.split()[1]))
-        wait_for(lambda: _spooled_on(conn, ledger, a_spool), 120, "node a spooled samples")
-        procs.procs["worker-a"].send_signal(signal.SIGKILL)  # node a lost: its spool is left as it was
-        procs.procs["worker-a"].wait()
+        assert procs.procs["worker-a"].wait(120) == 0, procs.log("worker-a")[-3000:]  # its 2 jobs spooled
         stranded = _spooled_on(conn, ledger, a_spool)
+        assert stranded > 0
+        procs.procs["keeper-a"].send_signal(signal.SIGKILL)  # node a lost: its spool is left as it was
+        procs.procs["keeper-a"].wait()
 
         main.join(300)
         res = result["res"]
@@ -109,6 +120,7 @@ def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(t
             assert p.wait(120) == 0, p.stderr.read()[-3000:]
             got += json.loads(o.close().strip().splitlines()[-1])
     finally:
+        mute.close()
         for p in readers:
             if p.poll() is None:
                 kill_group(p)
