@@ -1,6 +1,7 @@
 """The control plane of a fleet, measured by simulation: what one Redis carries per sample.
 
     python bench/fleet.py [--nodes 1,4,16] [--per-node 300] [--tokens 1024] [--ledger 10000,100000,1000000] [--by-script]
+                          [--redis-core 0]
     python bench/fleet.py --soak [--soak-nodes 16] [--soak-samples 50000] [--seed 1]
 
 One private redis-server (AOF on, as harvest runs it) and, per fleet size, N simulated nodes of
@@ -31,6 +32,8 @@ Ratios are against the smallest fleet of the same run. `--soak` runs the fleet s
 16 nodes, 50k samples, random SIGKILLs of workers, collectors and whole nodes, every sample
 accounted for exactly once (tests.support.chaos's accounting). `--by-script` ends with the
 largest fleet run again with every command logged, and its Redis µs per sample by harvest script.
+`--redis-core N` pins redis-server to core N and the fleet to the other cores, as a fleet's Redis
+has a machine of its own: sharing 2 cores with 35 processes inflates what a command costs it.
 """
 
 from __future__ import annotations
@@ -252,14 +255,11 @@ def print_fleets(res: list[dict], mem_q: float, ping_us: float) -> None:
     print(f"  (s/s: samples/s end to end; x: against {base['nodes']} node(s); exec/s, sent/s: Redis commands per sample "
           f"executed (Lua's inner ones included) and sent by clients; trips/s: round trips (a pipeline is one); cpu: Redis "
           f"main-thread µs per sample, busy: less the idle fleet's; PINGs/s: busy in PING round trips measured in "
-          f"this run; KB/done: Redis memory left per done sample; "
-          f"worker/coll ms/s: their own CPU per sample)")
+          f"this run; KB/done: Redis memory left per done sample; worker/coll ms/s: their own CPU per sample)")
     print(f"  Redis memory per queued sample ({base['tokens']}-token samples, jobs of 32): {mem_q / 1e3:.1f} KB")
     for r in res:
         n, jobs, shards = r["samples"], r["jobs"], max(1, r["shards"])
-        by_role = Counter()
-        by_cmd: dict[str, Counter] = {}
-        by_trips = Counter()
+        by_role, by_trips, by_cmd = Counter(), Counter(), {}
         for (act, cmd), v in r["sent"].items():
             if cmd == TRIPS:
                 by_trips[act] += v
@@ -327,12 +327,16 @@ def main() -> int:
     ap.add_argument("--soak-nodes", type=int, default=16)
     ap.add_argument("--soak-samples", type=int, default=50_000)
     ap.add_argument("--soak-kills", type=int, default=12)
+    ap.add_argument("--redis-core", type=int, help="pin redis-server to this core, the fleet to the others")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # each table shows as it is printed, also into a log
     install_counter("bench", "other")
     rng = np.random.default_rng(args.seed)
     root = tempfile.mkdtemp(prefix="harvest-fleet-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     server = RedisServer(os.path.join(root, "redis")).start()
+    if args.redis_core is not None:  # the fleet's processes inherit this process's cores
+        os.sched_setaffinity(server.proc.pid, {args.redis_core})
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {args.redis_core})
     conn = redis.Redis.from_url(server.url)
     t0 = time.monotonic()
     try:
@@ -340,7 +344,8 @@ def main() -> int:
             from tests.support.fleet_soak import soak
 
             return soak(conn, server, root, args.soak_nodes, args.soak_samples, args.soak_kills, args.seed)
-        print(f"redis-server {conn.info('server')['redis_version']} (AOF everysec), {os.cpu_count()} cores; "
+        print(f"redis-server {conn.info('server')['redis_version']} (AOF everysec), {os.cpu_count()} cores"
+              f"{'' if args.redis_core is None else f' (Redis alone on core {args.redis_core})'}; "
               f"simulated samples: {len(POINTS)} x {HIDDEN} fp32 per token", flush=True)
         r0 = RedisStats.read(conn)
         time.sleep(args.idle)
