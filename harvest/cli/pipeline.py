@@ -260,7 +260,8 @@ def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_time
     """Take jobs of RUN: engine call, claim dumps, verify, spool.
 
     A job's rows are read from the run's output (`<out>/<run>/jobs/`), where the producer wrote
-    them: a worker needs read access to the output, as its node's collector needs write access.
+    them: a worker needs read access to the output, as its node's collector needs write access (one
+    without S3 credentials for an s3:// output stops at once, naming them).
 
     Exit status: 0, 2 on errors, 75 when Redis stayed away past --redis-wait (its job goes back to
     the queue through the janitor; start the worker again).
@@ -268,7 +269,11 @@ def worker_cmd(run, redis_url, engine_url, dump_dir, spool_dir, burst, dump_time
     service_logging()
     apply_s3_env(s3_endpoint, s3_region)
     conn = connect_service(redis_url, redis_wait)
+    from harvest.state.runstore import load_run
     from workers.worker import run_worker
+
+    # its jobs' rows are in the output: without credentials every job would only be handed back
+    check_output(load_run(conn, run).out_url, reach=False)
 
     settings = WorkerSettings(dump_timeout_s=dump_timeout, max_spool_bytes=max_spool_mb << 20, retries=retries,
                               retry_backoff_s=retry_backoff, engine_wait_s=engine_wait, max_jobs=max_jobs, burst=burst,

@@ -123,17 +123,20 @@ def test_an_output_that_is_neither_local_nor_s3_is_refused_before_anything(tmp_p
     assert conn.keys("*") == []
 
 
-def test_collect_of_an_s3_run_without_credentials(tmp_path, conn, redis_server, tiny_model):
+@pytest.mark.parametrize("cmd", [["collect"], ["worker", "--dump-dir", "{tmp}/dumps"]], ids=["collect", "worker"])
+def test_collect_and_worker_of_an_s3_run_without_credentials(cmd, tmp_path, conn, redis_server, tiny_model):
     from tests.support.ops import new_run
 
     new_run(conn, "r1", tiny_model, str(tmp_path / "out"))
-    # The run's output moved to S3 by hand: the collector must say what it lacks before packing.
+    # The run's output moved to S3 by hand: the collector (which writes it) and the worker (which
+    # reads its jobs' rows there) must say what they lack before packing or taking a job.
     raw = conn.get("harvest:r1:config").decode().replace(str(tmp_path / "out"), "s3://bucket/out")
     conn.set("harvest:r1:config", raw)
-    rc, out, secs = _harvest("collect", "--run", "r1", "--redis", redis_server.url, "--spool-dir",
-                             str(tmp_path / "spool"))
+    rc, out, secs = _harvest(*(a.format(tmp=tmp_path) for a in cmd), "--run", "r1", "--redis", redis_server.url,
+                             "--spool-dir", str(tmp_path / "spool"))
     _assert_clear(rc, out, secs, "AWS_ACCESS_KEY_ID", "HARVEST_S3_ENDPOINT")
-    assert not (tmp_path / "spool").exists()
+    assert not (tmp_path / "spool").exists() and not (tmp_path / "dumps").exists()
+    assert conn.keys("*work*") == [] and conn.keys("*coll*") == []  # no heartbeat was ever written
 
 
 def test_engine_layers_out_of_range_is_one_line(tmp_path, tiny_model):
