@@ -4,14 +4,16 @@ once before the worker takes jobs and read by every job (workers.job)."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import redis
 
 from harvest.config import RunConfig
-from harvest.node.spooldir import spool_identity
+from harvest.node.spooldir import list_spooled, spool_identity
 from harvest.ops.recovery import Recovery
 from harvest.settings import WorkerSettings
 from harvest.state.connection import outage_of
@@ -22,6 +24,8 @@ from harvest.state.spools import SpoolLeases
 from workers.clients.base import Engine
 
 DEFAULT_RETRIES = WorkerSettings.retries
+
+log = logging.getLogger("harvest.worker")
 
 
 def backoff_intervals(base: float, retries: int, cap: float = MAX_RETRY_INTERVAL_S) -> list[int]:
@@ -69,6 +73,15 @@ class WorkerContext:
         """True once this process gave Redis up (harvest.state.connection): touch it no more."""
         outage = outage_of(self.conn)
         return outage is not None and outage.lost is not None
+
+    def wait_for_spool_room(self) -> None:
+        """Backpressure: a collector that falls behind makes workers wait, not fill the disk."""
+        warned = False
+        while sum(size for _, _, size in list_spooled(self.spool_dir)) > self.max_spool_bytes:
+            if not warned:
+                log.warning("spool %s above %d bytes: waiting for the collector", self.spool_dir, self.max_spool_bytes)
+                warned = True
+            time.sleep(0.5)
 
     @cached_property
     def leases(self) -> SpoolLeases:

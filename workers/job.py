@@ -42,7 +42,7 @@ from rq.timeouts import JobTimeoutException
 
 from harvest.errors import StorageError
 from harvest.ids import rid_for
-from harvest.node.spooldir import SpoolBatch, list_spooled
+from harvest.node.spooldir import SpoolBatch
 from harvest.ops.metrics import bucket_of, observe
 from harvest.state import jobcopy
 from harvest.state.connection import give_up, is_connection_error
@@ -73,16 +73,6 @@ __all__ = ["DEFAULT_RETRIES", "BatchJob", "JobResult", "WorkerContext", "backoff
 log = logging.getLogger("harvest.worker")
 
 
-def _wait_for_spool_room(ctx: WorkerContext) -> None:
-    """Backpressure: a collector that falls behind makes workers wait, not fill the disk."""
-    warned = False
-    while sum(size for _, _, size in list_spooled(ctx.spool_dir)) > ctx.max_spool_bytes:
-        if not warned:
-            log.warning("spool %s above %d bytes: waiting for the collector", ctx.spool_dir, ctx.max_spool_bytes)
-            warned = True
-        time.sleep(0.5)
-
-
 def process_batch(payload: dict) -> dict | Retry:
     """The RQ job function (harvest.state.jobs.JOB_FUNCTION): `JobResult.to_rq()`, or `rq.Retry`."""
     out = BatchJob(current(), payload, get_current_job()).run()
@@ -108,15 +98,39 @@ class BatchJob:
         self.attempts: dict[str, int] = {}  # sample -> this execution's attempt number (its rid), from `choose`
         self.engine_seconds: float | None = None  # the engine call's latency, recorded with the marks
         self.generated: Regenerated | None = None  # the job's regeneration step, for its stats
+        self.t0 = 0.0  # monotonic time the job was taken (`choose`)
+        self.ended = False  # the heartbeat's end of job went (with the marks, `mark`)
 
     def run(self) -> JobResult | Retry:
         held = self.load() or self.reconcile()
         if held is not None:
             return held
-        if not self.choose():
-            log.info("job %s: nothing to do, its %d samples are past queued", self.name, len(self.samples))
-            return JobResult(skipped=len(self.samples))
-        return self.attempt()
+        self.t0, todo = time.monotonic(), None
+        try:
+            todo = self.choose()
+            if not todo:
+                log.info("job %s: nothing to do, its %d samples are past queued", self.name, len(self.samples))
+                return JobResult(skipped=len(self.samples))
+            return self.attempt()
+        finally:
+            self.end(timed=bool(todo))
+
+    def end(self, timed: bool) -> None:
+        """The heartbeat's end of job, with the job's duration (`timed`: the job had samples to
+        do), unless it went with the marks; the engine's latency if the job stopped before its
+        marks recorded it. Nothing once Redis is lost (the client is latched)."""
+        ctx = self.ctx
+        if ctx.redis_lost():
+            return
+        if self.engine_seconds is not None:
+            observe(ctx.conn, ctx.cfg.run, "engine_seconds", self.engine_seconds)
+        if self.ended:
+            return
+        took = time.monotonic() - self.t0
+        if ctx.beat:
+            ctx.beat.job_ended(observe=("job_seconds", bucket_of(took), took) if timed else None)
+        elif timed:
+            observe(ctx.conn, ctx.cfg.run, "job_seconds", took)
 
     def load(self) -> Retry | None:
         """The job's samples, their rows read from storage where the producer wrote them
@@ -146,18 +160,18 @@ class BatchJob:
     def choose(self) -> list[Sample]:
         """The job's samples still queued, each with a new attempt number (a fresh rid), in one
         ledger call (a connection error here: nothing to undo; an attempt number taken by a job
-        that stops before its engine call is only skipped)."""
-        states, attempts = self.ctx.ledger.take([s.id for s in self.samples])
+        that stops before its engine call is only skipped), with the heartbeat's job line in
+        the same round trip (harvest.state.roundtrip)."""
+        ctx = self.ctx
+        also = [ctx.beat.starting(self.job.id if self.job else "", len(self.samples))] if ctx.beat else []
+        states, attempts = ctx.ledger.take([s.id for s in self.samples], also=also)
         self.todo = [s for s, st in zip(self.samples, states) if st == QUEUED]
         self.attempts = {s.id: a for s, st, a in zip(self.samples, states, attempts) if st == QUEUED}
         return self.todo
 
     def attempt(self) -> JobResult | Retry:
         """The steps from the engine call on; what stops them decides the job's outcome."""
-        ctx, todo = self.ctx, self.todo
-        t0 = time.monotonic()
-        if ctx.beat:
-            ctx.beat.job_started(self.job.id if self.job else "", len(todo))
+        ctx, todo, t0 = self.ctx, self.todo, self.t0
         try:
             out = self.work()
         except SampleFailure as e:  # only transient failures leave `work`: per-sample ones are recorded there
@@ -186,20 +200,11 @@ class BatchJob:
                      sum(s.num_tokens for s in todo), time.monotonic() - t0, out.spooled, out.failed,
                      "".join(f", {r} {n}" for r, n in sorted(out.reasons.items())))
             return out
-        finally:
-            if not ctx.redis_lost():
-                if self.engine_seconds is not None:  # the job stopped before its marks recorded it
-                    observe(ctx.conn, ctx.cfg.run, "engine_seconds", self.engine_seconds)
-                took = time.monotonic() - t0
-                if ctx.beat:  # the job's duration with the heartbeat's end of job: one call
-                    ctx.beat.job_ended(observe=("job_seconds", bucket_of(took), took))
-                else:
-                    observe(ctx.conn, ctx.cfg.run, "job_seconds", took)
 
     def work(self) -> JobResult:
         rows = dict(zip((s.id for s in self.samples), payload_rows(self.payload)))  # kept if failed, or no job to copy
         outages = self.ctx.outages()
-        _wait_for_spool_room(self.ctx)
+        self.ctx.wait_for_spool_room()
         self.regenerate()
         claimed = self.claim(self.generate())
         spooled = self.spool(claimed)
@@ -321,12 +326,19 @@ class BatchJob:
         # A spooled one keeps a ref to its first row in this job's copy (harvest.state.jobcopy).
         refs = {s.id: jobcopy.ref(self.job.id, i) for i, s in reversed(list(enumerate(self.samples)))
                 } if self.job else {}
-        marked, failed = ctx.ledger.settle_job(
-            spooled.ids, self.owner, rows, self.failures, refs=refs,
-            stats={"samples_spooled": len(spooled.ids), "tokens_spooled": spooled.tokens,
-                   "bytes_spooled": spooled.nbytes, "dump_bytes": spooled.dump_bytes,
-                   **(self.generated.stats() if self.generated else {})},
-            observe=observed)
+        took = time.monotonic() - self.t0  # the heartbeat's end of job with its duration, in the same round trip
+        also = [ctx.beat.ending(observe=("job_seconds", bucket_of(took), took))] if ctx.beat else []
+        try:
+            marked, failed = ctx.ledger.settle_job(
+                spooled.ids, self.owner, rows, self.failures, refs=refs,
+                stats={"samples_spooled": len(spooled.ids), "tokens_spooled": spooled.tokens,
+                       "bytes_spooled": spooled.nbytes, "dump_bytes": spooled.dump_bytes,
+                       **(self.generated.stats() if self.generated else {})},
+                observe=observed, also=also)
+        except redis.ResponseError:  # Redis answered: the end of job ran beside it
+            self.ended = bool(also)
+            raise
+        self.ended = bool(also)
         self.engine_seconds = None
         for sid in failed:
             log.warning("sample %s failed: %s: %s", sid, *self.failures[sid])

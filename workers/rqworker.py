@@ -80,6 +80,7 @@ from rq.utils import now
 from rq.worker import WorkerStatus
 
 from harvest.state.heartbeat import WorkerBeat, live_beat
+from harvest.state.jobs import RunQueue
 from harvest.state.spools import redis_time
 
 # How often RQ's suspension flag (`rq suspend`) is read: a suspend takes effect within this.
@@ -87,6 +88,8 @@ SUSPENSION_CHECK_S = 5.0
 
 
 class HarvestWorker(SimpleWorker):
+    queue_class = RunQueue  # its dequeue in one round trip
+
     def __init__(self, *args, beat: WorkerBeat | None = None, **kwargs) -> None:
         """`beat`: this worker's harvest heartbeat; by default the one this process started under
         the worker's name (harvest.state.heartbeat.live_beat)."""

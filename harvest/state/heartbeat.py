@@ -33,6 +33,7 @@ import redis
 
 from harvest.node.spooldir import list_spooled
 from harvest.state.keys import Keys, worker_key
+from harvest.state.roundtrip import ScriptCall, send_together
 
 HEARTBEAT_INTERVAL_S = 5.0
 HEARTBEAT_TTL_S = 15  # three missed beats: dead
@@ -142,17 +143,27 @@ class WorkerBeat:
             pipe.expire(self.key, self.ttl)
 
     def job_started(self, job_id: str, samples: int) -> None:
+        send_together(self.conn, [self.starting(job_id, samples)])
+
+    def starting(self, job_id: str, samples: int) -> ScriptCall:
+        """`job_started`'s call, to be sent with the ledger's take of the job (one round trip,
+        harvest.state.roundtrip); this process's own view of the job changes at once."""
         with self._lock:
             if self.doing["job"] != job_id:
                 self.doing["execution"] = ""  # started outside HarvestWorker: the job alone names it
             self.doing.update(state=BUSY, job=job_id, job_samples=str(samples))
-            self._send("job_started")
+            fields = {**self.identity, **self.doing}
+            return ScriptCall(self._write, [self.key], [self.ttl, "job_started", self.name, *_pairs(fields)])
 
     def job_ended(self, observe: tuple[str, str, float] | None = None) -> None:
         """The job function returned. An execution HarvestWorker named stays named until RQ removes
         it (`clear_execution`, in the same transaction): RQ's started registry never holds it
         while the heartbeat says otherwise. `observe`: (histogram name, bucket, seconds), recorded
         in the same call (the job's duration, harvest.ops.metrics)."""
+        send_together(self.conn, [self.ending(observe)])
+
+    def ending(self, observe: tuple[str, str, float] | None = None) -> ScriptCall:
+        """`job_ended`'s call, to be sent with the ledger's settle of the job (one round trip)."""
         with self._lock:
             self.doing.update(state=IDLE, job_samples="0")
             if not self.doing["execution"]:
@@ -161,7 +172,8 @@ class WorkerBeat:
             if observe is not None:
                 keys.append(self.keys.histogram(observe[0]))
                 hist = [observe[1], repr(float(observe[2]))]
-            self._ended(keys=keys, args=[self.ttl, *hist, *_pairs({**self.identity, **self.doing, "job_started": ""})])
+            return ScriptCall(self._ended, keys,
+                              [self.ttl, *hist, *_pairs({**self.identity, **self.doing, "job_started": ""})])
 
     def stop(self) -> None:
         """A clean exit: gone at once, nothing for the janitor to take back."""

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import redis
 
 from harvest.state.keys import Keys
 from harvest.state import jobcopy
 from harvest.state.ledger_lua import ADD_STATS, FENCE, FORGET, RECLAIM, SETTLE, TAKE, TRANSITION, VIEW
+from harvest.state.roundtrip import ScriptCall, send_together
 
 QUEUED, SPOOLED, DONE, FAILED = "q", "s", "d", "f"
 ABSENT = "_"
@@ -80,14 +81,17 @@ class Ledger:
         vals = self.conn.hmget(self.keys.state, ids)
         return [v.decode() if v is not None else None for v in vals]
 
-    def take(self, ids: list[str]) -> tuple[list[str | None], list[int]]:
+    def take(self, ids: list[str], also: Sequence[ScriptCall] = ()) -> tuple[list[str | None], list[int]]:
         """A job's samples as the worker starts it: each one's state, and for the queued ones a new
         attempt number (so each attempt gets a fresh rid), in one call: (states, attempts; 0 where
-        not queued)."""
+        not queued). `also`: calls sent in the same round trip (harvest.state.roundtrip)."""
         states: list[str | None] = []
         attempts: list[int] = []
+        if not ids and also:
+            send_together(self.conn, list(also))
         for i in range(0, len(ids), SCRIPT_ARGS):
-            res = self._take(keys=[self.keys.state, self.keys.attempts], args=ids[i : i + SCRIPT_ARGS])
+            call = ScriptCall(self._take, [self.keys.state, self.keys.attempts], ids[i : i + SCRIPT_ARGS])
+            res = send_together(self.conn, [call, *(also if i == 0 else ())])[0]
             for st, a in zip(res[0::2], res[1::2]):
                 states.append(st.decode() or None if isinstance(st, bytes) else (st or None))
                 attempts.append(int(a))
@@ -106,7 +110,7 @@ class Ledger:
     def settle_job(self, spooled: list[str], owner: str, rows: Mapping[str, str],
                    failures: Mapping[str, tuple[str, str]], stats: Mapping[str, int] | None = None,
                    observe: Mapping[str, tuple[str, float]] | None = None,
-                   refs: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:
+                   refs: Mapping[str, str] | None = None, also: Sequence[ScriptCall] = ()) -> tuple[list[str], list[str]]:
         """A worker's job, written in one call: `spooled` q or absent -> s, owned by `owner` with
         their payload rows kept (as `mark_spooled`); `failures` (id -> (reason, message)) q or
         absent -> f with their rows kept as failed payloads (as `record_failures`, for samples this
@@ -116,7 +120,10 @@ class Ledger:
 
         `refs` (id -> `jobcopy.ref`, for the job being run): a spooled sample keeps its ref, and the
         job's hash is copied once, instead of its row (harvest.state.jobcopy). Where Redis no longer
-        has the job (a rollback forgot its enqueue), the call is made again with the rows."""
+        has the job (a rollback forgot its enqueue), the call is made again with the rows.
+
+        `also`: calls sent in the same round trip (harvest.state.roundtrip); they ran when this
+        returns or raises a Redis error reply (not a connection error)."""
         fail_ids = list(failures)
         infos = [json.dumps({"reason": r, "message": m}) for r, m in failures.values()]
         hist = [(self.keys.histogram(name), bound, v) for name, (bound, v) in (observe or {}).items()]
@@ -128,7 +135,7 @@ class Ledger:
                      [rows.get(i, "") for i in fail_ids])]
 
         try:
-            out = self._settle(segments(refs or {}), dict(stats or {}), hist)
+            out = self._settle(segments(refs or {}), dict(stats or {}), hist, also=also)
         except redis.ResponseError as e:
             if not refs or not str(e).startswith(jobcopy.NO_JOB):
                 raise
@@ -136,7 +143,7 @@ class Ledger:
         return out[0], out[1]
 
     def _settle(self, segments: list[tuple], stats: dict[str, int], hist: list[tuple[str, str, float]] = (),
-                clear: tuple[str, str] | None = None) -> list[list[str]]:
+                clear: tuple[str, str] | None = None, also: Sequence[ScriptCall] = ()) -> list[list[str]]:
         keys = [*self._state_keys(), self.keys.stats]
         args: list = [RATE_TTL_S, self.keys.rate_prefix, RATE_BUCKET_S, len(segments)]
         for to, allowed, keep, count, total, ids, infos, rows in segments:
@@ -149,7 +156,7 @@ class Ledger:
         if clear is not None:
             keys += clear
             args += [len(keys) - 1, len(keys)]
-        res = self._settle_script(keys=keys, args=args, client=self.conn)
+        res = send_together(self.conn, [ScriptCall(self._settle_script, keys, args), *also])[0]
         return [[r.decode() if isinstance(r, bytes) else r for r in seg] for seg in res]
 
     def add_queued(self, ids: list[str], pipe=None) -> list[str]:

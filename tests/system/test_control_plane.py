@@ -14,6 +14,7 @@ bench/fleet.py measures the same costs on a simulated fleet; these tests pin the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections import Counter
@@ -132,9 +133,10 @@ def test_one_job_and_its_shard_cost_the_same_commands_whatever_the_ledger_holds(
     assert big_job == small_job  # one for one: nothing of the job reads the ledger's size
     assert big_shard == small_shard
     # a shard: the spool's states, the record with the fence's ownership test, the fence, done with
-    # its stats and the record cleared; a job: take, job started, settle (marks, failures, stats,
-    # the engine histogram), job ended with the job histogram. One call each, whatever N.
-    assert small_shard["evalsha"] == 4 and small_job["evalsha"] == 4
+    # its stats and the record cleared; a job: RQ's dequeue (harvest.state.jobs.RunQueue: the job,
+    # then the burst's empty queue), take with the job started, settle (marks, failures, stats, the
+    # engine histogram) with the job ended and its histogram. One call each, whatever N.
+    assert small_shard["evalsha"] == 4 and small_job["evalsha"] == 6
 
 
 class _CountingConnection(redis.Connection):
@@ -148,8 +150,9 @@ class _CountingConnection(redis.Connection):
 
 
 def test_rqs_own_round_trips_a_job_are_a_few_whatever_the_jobs(server, r, fleet_node):
-    """RQ's bookkeeping a job (workers.rqworker): the dequeue (LMOVE, the job's hash), the
-    execution's transaction, the outcome's (the worker's state in it): 4 round trips, where RQ's
+    """RQ's bookkeeping a job (workers.rqworker): the dequeue (LMOVE and the job's hash in one
+    script, harvest.state.jobs.RunQueue), the execution's transaction, the outcome's (the worker's
+    state in it): 3 round trips, where RQ's
     own SimpleWorker made 27 (its worker heartbeat, three commands one by one, 3-4 times a
     job; the suspension flag; the reads of its success). Harvest's calls go on the context's
     client, not counted here. Counted as the difference between bursts of 2 and 6 jobs, so the
@@ -169,7 +172,42 @@ def test_rqs_own_round_trips_a_job_are_a_few_whatever_the_jobs(server, r, fleet_
     burst(1)
     per_job = (burst(6) - burst(2)) / 4
     assert Ledger(r, cfg.run).counts()["spooled"] == 4 * 9
-    assert per_job <= 5, per_job  # 4, and a suspension check if 5 s passed (SUSPENSION_CHECK_S)
+    assert per_job <= 4, per_job  # 3, and a suspension check if 5 s passed (SUSPENSION_CHECK_S)
+
+
+def test_a_jobs_own_calls_are_two_round_trips_whatever_the_jobs(server, r, fleet_node):
+    """Harvest's calls a job (workers.job), on the worker context's client: the ledger's take
+    with the heartbeat's job line, then the settle with the heartbeat's end of job, each pair in
+    one round trip (harvest.state.roundtrip). RQ's calls go on another client, not counted here;
+    as above, the difference between bursts of 2 and 6 jobs. The heartbeat reads as a finished
+    job's: idle, no job, every job counted, the job's duration observed once a job."""
+    cfg, ctx, beat, _ = fleet_node
+    rng = np.random.default_rng(5)
+    counted = redis.Redis.from_url(server.url, connection_class=_CountingConnection)
+    mine = WorkerBeat(counted, cfg.run, beat.name, "node-a", beat.identity["engine"])
+    install(dataclasses.replace(ctx, conn=counted, beat=mine))
+    try:
+        def burst(jobs: int) -> int:
+            for _ in range(jobs):
+                enqueue(r, cfg, [Sample.build(rng.integers(0, 128_000, 16)) for _ in range(4)])
+            _CountingConnection.sends = 0
+            HarvestWorker([run_queue(r, cfg.run, job_class=HarvestJob)], connection=r, serializer=SERIALIZER,
+                          name=beat.name, job_class=HarvestJob, beat=mine).work(burst=True, logging_level="WARNING")
+            return _CountingConnection.sends
+
+        burst(1)
+        jobs_before = int(r.hget(mine.key, "jobs_done"))
+        hist = Ledger(r, cfg.run).keys.histogram("job_seconds")
+        observed = int(r.hget(hist, "count") or 0)
+        per_job = (burst(6) - burst(2)) / 4
+    finally:
+        install(ctx)
+    assert Ledger(r, cfg.run).counts()["spooled"] == 4 * 9
+    assert per_job == 2, per_job
+    assert int(r.hget(mine.key, "jobs_done")) == jobs_before + 8
+    assert int(r.hget(hist, "count")) == observed + 8
+    assert {k: r.hget(mine.key, k) for k in ("state", "job", "job_samples")} == {
+        "state": b"idle", "job": b"", "job_samples": b"0"}
 
 
 def test_status_and_metrics_cost_the_same_on_a_ledger_of_100k(r):
