@@ -44,7 +44,10 @@ def send_together(conn: redis.Redis, calls: list[ScriptCall]) -> list[Any]:
     out = []
     for c, r in zip(calls, replies):
         if isinstance(r, redis.exceptions.NoScriptError):  # it did not run: loaded, then sent alone
-            r = c.script(keys=c.keys, args=c.args, client=conn)
+            try:
+                r = c.script(keys=c.keys, args=c.args, client=conn)
+            except redis.ResponseError as e:  # its error reply, raised once the others ran
+                r = e
         out.append(r)
     for r in out:
         if isinstance(r, Exception):
