@@ -34,6 +34,8 @@ accounted for exactly once (tests.support.chaos's accounting). `--by-script` end
 largest fleet run again with every command logged, and its Redis µs per sample by harvest script.
 `--redis-core N` pins redis-server to core N and the fleet to the other cores, as a fleet's Redis
 has a machine of its own: sharing 2 cores with 35 processes inflates what a command costs it.
+`--redis-share F` holds redis-server to F of one core, so the fleet waits on it as on a saturated
+Redis, which pays no wake-up a round trip (tests.support.cpushare): the cost the projection is about.
 """
 
 from __future__ import annotations
@@ -54,13 +56,13 @@ import redis  # noqa: E402
 
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
-from harvest.ops.metrics import RedisCollector  # noqa: E402
-from harvest.ops.status import compute_status  # noqa: E402
 from harvest.state.heartbeat import read_collectors, read_workers  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.payload import Sample  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
 from producer.enqueue import Enqueuer  # noqa: E402
+from tests.support.cpushare import CpuShare  # noqa: E402
+from tests.support.ledgercost import ledger_cost, print_ledger  # noqa: E402
 from tests.support.fleet import TRIPS, Fleet, RedisStats, counts, install_counter, rq_cost, tagged  # noqa: E402
 from tests.support.ports import reserve_ports  # noqa: E402
 from tests.support.scriptcost import ScriptLog  # noqa: E402
@@ -162,8 +164,7 @@ def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: i
     run_r, idle_r = r1.since(r0), r2.since(r1)
     sent = (s1 - s0) + Counter({k: v for k, v in (b1 - b0).items() if not k[0].startswith("bench")})
     idle_sent = (s2 - s1) + Counter({k: v for k, v in (b2 - b1).items() if not k[0].startswith("bench")})
-    ex = executed(run_r, b1 - b0)
-    idle_ex = executed(idle_r, b2 - b1)
+    ex, idle_ex = executed(run_r, b1 - b0), executed(idle_r, b2 - b1)
     idle_cpu_us_s = max(0.0, idle_r.cpu_s * 1e6 / idle_s - base_us_s)  # the fleet's, beyond an idle server's own
     return {
         "nodes": nodes, "samples": samples, "tokens": tokens, "failed": failed, "seconds": t1 - t0,
@@ -200,40 +201,6 @@ def memory_per_queued(conn: redis.Redis, root: str, tokens: int, job: int, n: in
             enq.add(s)
         enq.flush()
     return (conn.info("memory")["used_memory"] - m0) / n
-
-
-def ledger_cost(conn: redis.Redis, sizes: list[int]) -> list[dict]:
-    """Cost of one status and one metrics scrape as the ledger grows (synthesized through the
-    ledger's scripts: 10% queued, 2% spooled, 1% failed, the rest done)."""
-    cfg = publish_run(conn, RunConfig(run="big", model="synthetic", capture_points=POINTS, hidden_size=HIDDEN,
-                                      out_url="/nonexistent", num_layers=8))
-    led, have, out = Ledger(conn, cfg.run), 0, []
-    reasons = ["engine-rejected", "token-mismatch", "incomplete-dump", "nonfinite"]
-    for size in sizes:
-        with tagged("bench.fill"):
-            for lo in range(have, size, 10_000):
-                ids = [f"{i:032x}" for i in range(lo, min(size, lo + 10_000))]
-                led.add_queued(ids)
-                k = len(ids)
-                led.mark_failed({i: (reasons[j % 4], f"synthetic failure {j}") for j, i in enumerate(ids[: k // 100])})
-                led.mark_spooled(ids[k // 100: k // 100 + k // 50], owner="spool-x")
-                led.mark_done(ids[k // 100 + k // 50 + k // 10:])
-        have = size
-        row = {"samples": size}
-        info_us = min((lambda a: RedisStats.read(conn).since(a).cpu_s)(RedisStats.read(conn)) for _ in range(5)) * 1e6
-        for what, fn in (("status", lambda: compute_status(conn, "big")),
-                         ("metrics", lambda: list(RedisCollector(conn, ["big"]).collect())),
-                         ("metrics (all runs)", lambda: list(RedisCollector(conn).collect()))):
-            r0 = RedisStats.read(conn)
-            b0, t0 = bench_sent(), time.perf_counter()
-            with tagged(f"bench.{what}"):
-                fn()
-            t, b1 = time.perf_counter() - t0, bench_sent()
-            r = RedisStats.read(conn).since(r0)  # holds r0's own INFO
-            row[what] = {"sent": sum((b1 - b0).values()), "executed": r.total - 1, "cpu_us": r.cpu_s * 1e6 - info_us,
-                         "ms": t * 1e3}
-        out.append(row)
-    return out
 
 
 ROLES = ("producer", "worker.job", "worker.rq", "worker.beat", "worker.janitor", "collector.commit", "collector.loop")
@@ -283,20 +250,6 @@ def print_fleets(res: list[dict], mem_q: float, ping_us: float) -> None:
               f"{r['net_in'] / n / 1e3:.2f} KB, to them {r['net_out'] / n / 1e3:.2f} KB")
 
 
-def print_ledger(rows: list[dict]) -> None:
-    print(f"\n{'ledger samples':>15} | {'status: sent':>12} {'exec':>6} {'Redis µs':>9} {'ms':>7} | {'metrics: sent':>13} "
-          f"{'exec':>6} {'Redis µs':>9} {'ms':>7} | {'metrics (all runs): sent':>24} {'exec':>6}")
-    for r in rows:
-        s, m, a = r["status"], r["metrics"], r["metrics (all runs)"]
-        print(f"{r['samples']:>15} | {s['sent']:>12} {s['executed']:>6} {s['cpu_us']:>9.0f} {s['ms']:>7.1f} | "
-              f"{m['sent']:>13} {m['executed']:>6} {m['cpu_us']:>9.0f} {m['ms']:>7.1f} | {a['sent']:>24} {a['executed']:>6}")
-    f, l_ = rows[0], rows[-1]
-    print(f"  ratio {l_['samples'] // f['samples']}x the samples: status {l_['status']['cpu_us'] / max(1, f['status']['cpu_us']):.1f}x "
-          f"Redis CPU, {l_['status']['executed'] / max(1, f['status']['executed']):.1f}x commands; metrics "
-          f"{l_['metrics']['cpu_us'] / max(1, f['metrics']['cpu_us']):.1f}x Redis CPU, "
-          f"{l_['metrics']['executed'] / max(1, f['metrics']['executed']):.1f}x commands")
-
-
 def project(short: dict, long: dict) -> None:
     """GPUs one Redis core carries: 1e6 µs/s over (samples/s per GPU x µs per sample + idle µs/s per GPU)."""
     print("\nprojection: one Redis core (1e6 µs/s of main-thread CPU) saturates at")
@@ -328,12 +281,15 @@ def main() -> int:
     ap.add_argument("--soak-samples", type=int, default=50_000)
     ap.add_argument("--soak-kills", type=int, default=12)
     ap.add_argument("--redis-core", type=int, help="pin redis-server to this core, the fleet to the others")
+    ap.add_argument("--redis-share", type=float, help="hold redis-server to this share of one core (a CPU cgroup: root), "
+                    "so the fleet waits on it as on a saturated Redis (tests.support.cpushare)")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # each table shows as it is printed, also into a log
     install_counter("bench", "other")
     rng = np.random.default_rng(args.seed)
     root = tempfile.mkdtemp(prefix="harvest-fleet-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     server = RedisServer(os.path.join(root, "redis")).start()
+    share = CpuShare(args.redis_share).attach(server.proc.pid) if args.redis_share else None
     if args.redis_core is not None:  # the fleet's processes inherit this process's cores
         os.sched_setaffinity(server.proc.pid, {args.redis_core})
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {args.redis_core})
@@ -345,7 +301,8 @@ def main() -> int:
 
             return soak(conn, server, root, args.soak_nodes, args.soak_samples, args.soak_kills, args.seed)
         print(f"redis-server {conn.info('server')['redis_version']} (AOF everysec), {os.cpu_count()} cores"
-              f"{'' if args.redis_core is None else f' (Redis alone on core {args.redis_core})'}; "
+              f"{'' if args.redis_core is None else f' (Redis alone on core {args.redis_core})'}"
+              f"{'' if share is None else f', Redis held to {share.share:.1%} of a core'}; "
               f"simulated samples: {len(POINTS)} x {HIDDEN} fp32 per token", flush=True)
         r0 = RedisStats.read(conn)
         time.sleep(args.idle)
@@ -360,7 +317,8 @@ def main() -> int:
         for n in [int(x) for x in args.nodes.split(",")]:
             samples = max(600, n * args.per_node)
             res.append(measure_fleet(conn, server.url, root, n, samples, args.tokens, 32, 32 * args.tokens, args.idle, base_us_s, rng))
-            print(f"  fleet of {n}: {samples} samples in {res[-1]['seconds']:.1f}s", flush=True)
+            print(f"  fleet of {n}: {samples} samples in {res[-1]['seconds']:.1f}s, Redis "
+                  f"{res[-1]['cpu_us'] / res[-1]['seconds'] / 1e4:.1f}% busy", flush=True)
             conn.flushall()
         big = max(int(x) for x in args.nodes.split(","))
         long = measure_fleet(conn, server.url, root, big, big * args.long_per_node, args.long_tokens, 32,
@@ -392,6 +350,8 @@ def main() -> int:
         print(f"\n{time.monotonic() - t0:.0f}s in all")
     finally:
         server.stop()
+        if share is not None:
+            share.close()
         shutil.rmtree(root, ignore_errors=True)
     return 0
 
