@@ -15,6 +15,7 @@ bench/fleet.py measures the same costs on a simulated fleet; these tests pin the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import threading
 from collections import Counter
@@ -149,6 +150,17 @@ class _CountingConnection(redis.Connection):
         return super().send_packed_command(command, check_health)
 
 
+def _burst(r, cfg, rng, beat, rq_conn, jobs: int) -> int:
+    """`jobs` jobs of 4 samples enqueued, then run by a burst worker whose RQ calls go on `rq_conn`:
+    the round trips the counting connections sent meanwhile."""
+    for _ in range(jobs):
+        enqueue(r, cfg, [Sample.build(rng.integers(0, 128_000, 16)) for _ in range(4)])
+    _CountingConnection.sends = 0
+    HarvestWorker([run_queue(rq_conn, cfg.run, job_class=HarvestJob)], connection=rq_conn, serializer=SERIALIZER,
+                  name=beat.name, job_class=HarvestJob, beat=beat).work(burst=True, logging_level="WARNING")
+    return _CountingConnection.sends
+
+
 def test_rqs_own_round_trips_a_job_are_a_few_whatever_the_jobs(server, r, fleet_node):
     """RQ's bookkeeping a job (workers.rqworker): the dequeue (LMOVE and the job's hash in one
     script, harvest.state.jobs.RunQueue), the execution's transaction, the outcome's (the worker's
@@ -158,17 +170,8 @@ def test_rqs_own_round_trips_a_job_are_a_few_whatever_the_jobs(server, r, fleet_
     client, not counted here. Counted as the difference between bursts of 2 and 6 jobs, so the
     worker's start and end cancel out."""
     cfg, _, beat, _ = fleet_node
-    rng = np.random.default_rng(3)
     rq_conn = redis.Redis.from_url(server.url, connection_class=_CountingConnection)
-
-    def burst(jobs: int) -> int:
-        for _ in range(jobs):
-            enqueue(r, cfg, [Sample.build(rng.integers(0, 128_000, 16)) for _ in range(4)])
-        _CountingConnection.sends = 0
-        HarvestWorker([run_queue(rq_conn, cfg.run, job_class=HarvestJob)], connection=rq_conn, serializer=SERIALIZER,
-                      name=beat.name, job_class=HarvestJob, beat=beat).work(burst=True, logging_level="WARNING")
-        return _CountingConnection.sends
-
+    burst = functools.partial(_burst, r, cfg, np.random.default_rng(3), beat, rq_conn)
     burst(1)
     per_job = (burst(6) - burst(2)) / 4
     assert Ledger(r, cfg.run).counts()["spooled"] == 4 * 9
@@ -187,14 +190,7 @@ def test_a_jobs_own_calls_are_two_round_trips_whatever_the_jobs(server, r, fleet
     mine = WorkerBeat(counted, cfg.run, beat.name, "node-a", beat.identity["engine"])
     install(dataclasses.replace(ctx, conn=counted, beat=mine))
     try:
-        def burst(jobs: int) -> int:
-            for _ in range(jobs):
-                enqueue(r, cfg, [Sample.build(rng.integers(0, 128_000, 16)) for _ in range(4)])
-            _CountingConnection.sends = 0
-            HarvestWorker([run_queue(r, cfg.run, job_class=HarvestJob)], connection=r, serializer=SERIALIZER,
-                          name=beat.name, job_class=HarvestJob, beat=mine).work(burst=True, logging_level="WARNING")
-            return _CountingConnection.sends
-
+        burst = functools.partial(_burst, r, cfg, rng, mine, r)
         burst(1)
         jobs_before = int(r.hget(mine.key, "jobs_done"))
         hist = Ledger(r, cfg.run).keys.histogram("job_seconds")
