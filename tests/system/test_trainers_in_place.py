@@ -52,6 +52,16 @@ def disk_written(since: dict[str, int]) -> int:
     return io_counters()["write_bytes"] - since["write_bytes"]
 
 
+# Pages this process dirties besides the feed while it is measured: pytest's capture file of a
+# trainer's log lines, a module's cache imported lazily (CI saw 28 KB, 7 pages). A copy of the hidden
+# states would be all of `fed`: far above this.
+INCIDENTAL_WRITES = 64 << 10
+
+
+def wrote_no_copy(written: int, fed: int) -> bool:
+    return written <= 0.01 * fed + INCIDENTAL_WRITES
+
+
 def hidden_bytes(reader: RunReader, samples: list[str], dtype_size: int = 2) -> int:
     """Bytes of hidden states the samples hold ([T, K, H] each) in a dtype of `dtype_size`."""
     k, h = len(reader.capture_points), reader.config.hidden_size
@@ -132,7 +142,7 @@ def test_speculators_reads_the_run_in_place_from_s3(run, s3_run, hf, tiny_model,
     fed = hidden_bytes(reader, [rows[i] for i in range(loader.dataset.start_file_idx,
                                                        loader.dataset.start_file_idx + len(loader.dataset))])
     print(f"speculators in place: {fed} hidden bytes fed, {seen['written']} bytes written to disk")
-    assert seen["written"] <= 0.01 * fed, (seen["written"], fed)
+    assert wrote_no_copy(seen["written"], fed), (seen["written"], fed)
 
     # The targets speculators' trainer computes from the in-place rows are the model's logits.
     t2d = seen["model"].t2d.bool()
@@ -222,6 +232,6 @@ def test_specforge_reads_the_run_in_place_through_pointer_files(run, s3_run, hf,
     print(f"specforge in place: {samples} samples, {fed} hidden bytes fed, {written} bytes written to disk, worst "
           f"|target - HF logits| / max {worst:.4f}, argmax {agree}/{n}")
     assert samples == len(reader)
-    assert written <= 0.01 * fed, (written, fed)
+    assert wrote_no_copy(written, fed), (written, fed)
     assert worst < 0.02, worst
     assert n > 500 and agree / n >= 0.99, (agree, n)
