@@ -30,6 +30,7 @@ from harvest.config import RunConfig
 from harvest.errors import ConfigurationError
 from harvest.formats.index import ShardError
 from harvest.formats.runfile import read_run_json
+from harvest.formats.settled import read_settled
 from harvest.read.coalesce import cap_for, windows
 from harvest.read.follow import Shards, list_shards, tail
 from harvest.read.partition import Stage, batch_count, delivered, digest, replay, sample_order, span_sizes, spans
@@ -122,12 +123,8 @@ _IN_TAIL = ("a rank is past its part of the epoch's view, in a followed run's ta
             "when each shard appeared: save the state before the tail, or resume at the next epoch")
 
 
-def _nbytes(item: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in item.values())
-
-
 def _window_bytes(items: list[dict[str, torch.Tensor] | Exception]) -> int:
-    return sum(_nbytes(i) for i in items if isinstance(i, dict))
+    return sum(t.numel() * t.element_size() for i in items if isinstance(i, dict) for t in i.values())
 
 
 class HiddenStateIterable(IterableDataset):
@@ -168,11 +165,9 @@ class HiddenStateIterable(IterableDataset):
             raise ConfigurationError(f"batch_size {batch_size}, window {window}, num_workers {num_workers}: "
                                      "batch_size and window are at least 1, num_workers at least 0")
         self.url, self.dtype, self.seed, self.rank, self.world_size = url, dtype, seed, rank, world_size
-        self.batch_size, self.num_workers, self.window = batch_size, num_workers, window
-        self.drop_remainder = drop_remainder
+        self.batch_size, self.num_workers, self.window, self.drop_remainder = batch_size, num_workers, window, drop_remainder
         self.readahead_bytes, self.follow, self.wait_s, self.poll_s = readahead_bytes, follow, wait_s, poll_s
-        self.coalesce_bytes = coalesce_bytes
-        self.epoch = 0
+        self.coalesce_bytes, self.epoch = coalesce_bytes, 0
         self._shards: Shards | None = None
         self._pid = -1
         self._view: list[str] = []  # shard ids of the epoch's view, agreed by every rank
@@ -217,6 +212,9 @@ class HiddenStateIterable(IterableDataset):
             box = [names]
             dist.broadcast_object_list(box, src=0)
             return box[0]
+        if self.world_size > 1 and self.follow and read_settled(self._store.loc) is None:
+            log.warning("rank %d of %d lists the live run %s on its own (no torch.distributed): a shard committed "
+                        "between the ranks' listings is read twice or never", self.rank, self.world_size, self.url)
         return names
 
     # -- epochs and the order ----------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from harvest.errors import ConfigurationError
+from harvest.formats.settled import write_settled
 from harvest.read.dataset import HiddenStateIterable
 from tests.support.feedrun import FeedRun
 
@@ -127,3 +128,23 @@ def test_ranks_that_list_a_live_run_at_different_moments_deal_rank_0s_view(tmp_p
     by = {str(s.input_ids.long().tolist()): s.id for s in run.samples}
     read = [by[t] for g in got for t in g["got"]]
     assert sorted(read) == sorted(run.ids)  # each once, though rank 1's own listing lacked a shard
+
+
+def test_ranks_following_a_live_run_without_torch_distributed_are_warned(tmp_path, caplog):
+    """Without torch.distributed each rank lists the run on its own: on a live run a shard committed
+    between two ranks' listings would be read twice or never (the job above agrees), so the feed
+    says so; a settled run, or one feed not following, lists the same for every rank: no word."""
+    run = FeedRun(tmp_path, 6)
+    run.commit_sizes([3, 3])
+    with caplog.at_level("WARNING", logger="harvest.read"):
+        HiddenStateIterable(run.url, rank=1, world_size=2, follow=True)
+        HiddenStateIterable(run.url, rank=1, world_size=2)
+        HiddenStateIterable(run.url, follow=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"rank 1 of 2 lists the live run {run.url} on its own (no torch.distributed): a shard committed between "
+        "the ranks' listings is read twice or never"]
+    caplog.clear()
+    write_settled(run.loc, run.cfg.run, 6, 0)
+    with caplog.at_level("WARNING", logger="harvest.read"):
+        HiddenStateIterable(run.url, rank=1, world_size=2, follow=True)
+    assert caplog.records == []
