@@ -165,9 +165,9 @@ class HiddenStateIterable(IterableDataset):
             raise ConfigurationError(f"batch_size {batch_size}, window {window}, num_workers {num_workers}: "
                                      "batch_size and window are at least 1, num_workers at least 0")
         self.url, self.dtype, self.seed, self.rank, self.world_size = url, dtype, seed, rank, world_size
-        self.batch_size, self.num_workers, self.window, self.drop_remainder = batch_size, num_workers, window, drop_remainder
+        self.batch_size, self.num_workers, self.window = batch_size, num_workers, window
+        self.drop_remainder, self.coalesce_bytes, self.epoch = drop_remainder, coalesce_bytes, 0
         self.readahead_bytes, self.follow, self.wait_s, self.poll_s = readahead_bytes, follow, wait_s, poll_s
-        self.coalesce_bytes, self.epoch = coalesce_bytes, 0
         self._shards: Shards | None = None
         self._pid = -1
         self._view: list[str] = []  # shard ids of the epoch's view, agreed by every rank

@@ -110,7 +110,8 @@ class Ledger:
     def settle_job(self, spooled: list[str], owner: str, rows: Mapping[str, str],
                    failures: Mapping[str, tuple[str, str]], stats: Mapping[str, int] | None = None,
                    observe: Mapping[str, tuple[str, float]] | None = None,
-                   refs: Mapping[str, str] | None = None, also: Sequence[ScriptCall] = ()) -> tuple[list[str], list[str]]:
+                   refs: Mapping[str, str] | None = None,
+                   also: Sequence[ScriptCall] = ()) -> tuple[list[str], list[str]]:
         """A worker's job, written in one call: `spooled` q or absent -> s, owned by `owner` with
         their payload rows kept (as `mark_spooled`); `failures` (id -> (reason, message)) q or
         absent -> f with their rows kept as failed payloads (as `record_failures`, for samples this
