@@ -52,10 +52,11 @@ of them read by harvest's liveness (which is its own heartbeat, harvest.state.he
 What is left a job: the dequeue (LMOVE and the job's hash in one script,
 harvest.state.jobs.RunQueue), the execution's transaction, the outcome's transaction. A worker
 that returns late (its execution taken back by the janitor, the job queued again) deletes the
-job's hash as RQ's own success did; no sample depends on it: the ledger moves only queued samples (`Ledger.settle_job`), so the later run of the job skips what
-this one spooled, and a sample left queued in a job whose hash is gone is found by the stranded
-check (harvest.ops.stranded). A Redis that loses its last second of these writes brings back a
-job record or an execution that the janitor reaps, as before: nothing here decides a sample.
+job's hash as RQ's own success did; no sample depends on it: the ledger moves only queued samples
+(`Ledger.settle_job`), so the later run of the job skips what this one spooled, and a sample left
+queued in a job whose hash is gone is found by the stranded check (harvest.ops.stranded). A Redis
+that loses its last second of these writes brings back a job record or an execution that the
+janitor reaps, as before: nothing here decides a sample.
 
 Safe because: every disabled cleanup either removed records that the janitor now removes by
 Redis's clock, or decided liveness, which only harvest's heartbeats (TTL) decide. What remains
