@@ -63,7 +63,7 @@ from harvest.state.runstore import publish_run  # noqa: E402
 from producer.enqueue import Enqueuer  # noqa: E402
 from tests.support.cpushare import CpuShare  # noqa: E402
 from tests.support.ledgercost import ledger_cost, print_ledger  # noqa: E402
-from tests.support.fleet import TRIPS, Fleet, RedisStats, counts, install_counter, rq_cost, tagged  # noqa: E402
+from tests.support.fleet import TRIPS, Fleet, RedisStats, install_counter, rq_cost, sent_counts, tagged  # noqa: E402
 from tests.support.ports import reserve_ports  # noqa: E402
 from tests.support.scriptcost import ScriptLog  # noqa: E402
 from tests.support.wait import wait_for  # noqa: E402
@@ -82,11 +82,6 @@ def sample_bytes(tokens: int) -> int:
 
 def make_samples(n: int, tokens: int, rng: np.random.Generator) -> list[Sample]:
     return [Sample.build(rng.integers(0, VOCAB, tokens)) for _ in range(n)]
-
-
-def bench_sent() -> Counter:
-    """(activity, COMMAND) -> commands this process sent (producer, status, metrics, polling)."""
-    return Counter({(a, c): n for a, cmds in counts().items() for c, n in cmds.items()})
 
 
 def commands(sent: Counter) -> int:
@@ -138,7 +133,7 @@ def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: i
         fleet.start_all()
         wait_ready(conn, fleet)
         time.sleep(1.0)
-        s0, b0, r0, c0, t0 = fleet.sent(), bench_sent(), RedisStats.read(conn), fleet.cpu(), time.monotonic()
+        s0, b0, r0, c0, t0 = fleet.sent(), sent_counts(), RedisStats.read(conn), fleet.cpu(), time.monotonic()
         with tagged("producer"):
             enq = Enqueuer(conn, cfg, max_queued=samples)
             for s in todo:
@@ -153,9 +148,9 @@ def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: i
 
         wait_for(done, 600, f"{samples} samples of {run} done", poll=0.2)
         t1 = time.monotonic()
-        b1, r1, c1, s1 = bench_sent(), RedisStats.read(conn), fleet.cpu(), fleet.sent()
+        b1, r1, c1, s1 = sent_counts(), RedisStats.read(conn), fleet.cpu(), fleet.sent()
         time.sleep(idle_s)
-        b2, r2, s2 = bench_sent(), RedisStats.read(conn), fleet.sent()
+        b2, r2, s2 = sent_counts(), RedisStats.read(conn), fleet.sent()
         with tagged("bench.poll"):
             stats, failed = led.stats(), led.counts()["failed"]
     finally:
@@ -337,7 +332,7 @@ def main() -> int:
             print(f"  jobs of {q['job']:>3}: {q['cpu_us']:7.0f} µs a job ({q['cpu_us'] / q['job']:5.1f} a sample){split}; "
                   f"{q['commands']:.0f} commands executed and {q['trips']:.0f} round trips a job", flush=True)
         conn.flushall()
-        print_ledger(ledger_cost(conn, [int(x) for x in args.ledger.split(",")]))
+        print_ledger(ledger_cost(conn, [int(x) for x in args.ledger.split(",")], POINTS, HIDDEN))
         if args.by_script:
             conn.flushall()
             with ScriptLog(conn) as log:

@@ -125,6 +125,11 @@ def counts() -> dict[str, dict[str, int]]:
     return out
 
 
+def sent_counts() -> Counter:
+    """(activity, COMMAND) -> commands this process sent so far."""
+    return Counter({(a, c): n for a, cmds in counts().items() for c, n in cmds.items()})
+
+
 def _tag_roles(role: str) -> None:
     """Name the activities of a worker or a collector by wrapping their entry points."""
     if role == "worker":

@@ -4,7 +4,6 @@ a ledger synthesized through the ledger's own scripts, each read measured by the
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 import redis
 
@@ -13,19 +12,12 @@ from harvest.ops.metrics import RedisCollector
 from harvest.ops.status import compute_status
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
-from tests.support.fleet import RedisStats, counts, tagged
+from tests.support.fleet import RedisStats, sent_counts, tagged
 
-POINTS, HIDDEN = [2, 4, 5, 8], 4
-
-
-def _sent() -> Counter:
-    """(activity, COMMAND) -> commands this process sent."""
-    return Counter({(a, c): n for a, cmds in counts().items() for c, n in cmds.items()})
-
-def ledger_cost(conn: redis.Redis, sizes: list[int]) -> list[dict]:
+def ledger_cost(conn: redis.Redis, sizes: list[int], points: list[int], hidden: int) -> list[dict]:
     """Cost of one status and one metrics scrape as the ledger grows (synthesized through the
     ledger's scripts: 10% queued, 2% spooled, 1% failed, the rest done)."""
-    cfg = publish_run(conn, RunConfig(run="big", model="synthetic", capture_points=POINTS, hidden_size=HIDDEN,
+    cfg = publish_run(conn, RunConfig(run="big", model="synthetic", capture_points=points, hidden_size=hidden,
                                       out_url="/nonexistent", num_layers=8))
     led, have, out = Ledger(conn, cfg.run), 0, []
     reasons = ["engine-rejected", "token-mismatch", "incomplete-dump", "nonfinite"]
@@ -45,10 +37,10 @@ def ledger_cost(conn: redis.Redis, sizes: list[int]) -> list[dict]:
                          ("metrics", lambda: list(RedisCollector(conn, ["big"]).collect())),
                          ("metrics (all runs)", lambda: list(RedisCollector(conn).collect()))):
             r0 = RedisStats.read(conn)
-            b0, t0 = _sent(), time.perf_counter()
+            b0, t0 = sent_counts(), time.perf_counter()
             with tagged(f"bench.{what}"):
                 fn()
-            t, b1 = time.perf_counter() - t0, _sent()
+            t, b1 = time.perf_counter() - t0, sent_counts()
             r = RedisStats.read(conn).since(r0)  # holds r0's own INFO
             row[what] = {"sent": sum((b1 - b0).values()), "executed": r.total - 1, "cpu_us": r.cpu_s * 1e6 - info_us,
                          "ms": t * 1e3}
