@@ -56,6 +56,7 @@ import redis  # noqa: E402
 
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
+from harvest.errors import ConfigurationError  # noqa: E402
 from harvest.state.heartbeat import read_collectors, read_workers  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.payload import Sample  # noqa: E402
@@ -279,12 +280,17 @@ def main() -> int:
     ap.add_argument("--redis-share", type=float, help="hold redis-server to this share of one core (a CPU cgroup: root), "
                     "so the fleet waits on it as on a saturated Redis (tests.support.cpushare)")
     args = ap.parse_args()
+    try:  # a bad share or no cgroup to write: one line, before anything is started
+        share = CpuShare(args.redis_share) if args.redis_share is not None else None
+    except ConfigurationError as e:
+        ap.exit(2, f"fleet.py: {e}\n")
     sys.stdout.reconfigure(line_buffering=True)  # each table shows as it is printed, also into a log
     install_counter("bench", "other")
     rng = np.random.default_rng(args.seed)
     root = tempfile.mkdtemp(prefix="harvest-fleet-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     server = RedisServer(os.path.join(root, "redis")).start()
-    share = CpuShare(args.redis_share).attach(server.proc.pid) if args.redis_share else None
+    if share is not None:
+        share.attach(server.proc.pid)
     if args.redis_core is not None:  # the fleet's processes inherit this process's cores
         os.sched_setaffinity(server.proc.pid, {args.redis_core})
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {args.redis_core})
