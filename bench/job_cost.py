@@ -43,11 +43,13 @@ import redis  # noqa: E402
 
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
+from harvest.state import jobcopy  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.packing import PackingRecord, PackingRecords  # noqa: E402
 from harvest.state.payload import Sample  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
 from tests.support.fleet import RedisStats, install_counter, rq_cost  # noqa: E402
+from tests.support.ops import enqueue  # noqa: E402
 
 STEPS = ("producer: to queued", "worker: take", "worker: settle", "collector: view", "collector: record",
          "collector: fence", "collector: done")
@@ -121,14 +123,23 @@ def idle_us_s(conn: redis.Redis, seconds: float = 1.0, _memo: dict = {}) -> floa
     return _memo["v"]
 
 
-def life(conn: redis.Redis, led: Ledger, records: PackingRecords, job: int, jobs: int) -> StepCost:
-    cost = StepCost(conn)
+def life(conn: redis.Redis, cfg: RunConfig, records: PackingRecords, job: int, jobs: int) -> StepCost:
+    """`jobs` jobs of `job` samples each through every step, as a fleet makes them: the worker's settle
+    keeps a ref into its job's copy for each sample (harvest.state.jobcopy) and sends its stats and
+    engine latency. The producer's step is timed on its own samples: the samples the others take are
+    enqueued with their RQ job (untimed), which the settle copies."""
+    led, cost = Ledger(conn, cfg.run), StepCost(conn)
+    stats = {"samples_spooled": job, "tokens_spooled": job * 1024, "bytes_spooled": job << 20, "dump_bytes": job << 20}
     for j in range(jobs):
-        ids = [os.urandom(16).hex() for _ in range(job)]
-        cost.measure(STEPS[0], lambda: led.add_queued(ids))
+        fresh = [os.urandom(16).hex() for _ in range(job)]
+        cost.measure(STEPS[0], lambda: led.add_queued(fresh))
+        samples = [Sample.build(np.random.randint(0, 1000, 64)) for _ in range(job)]
+        ids = [s.id for s in samples]
+        job_id = enqueue(conn, cfg, samples)
         cost.measure(STEPS[1], lambda: led.take(ids))
-        cost.measure(STEPS[2], lambda: led.settle_job(ids, "spool-a", {i: "r" * 200 for i in ids}, {},
-                                                      stats={"samples_spooled": job, "tokens_spooled": job * 1024}))
+        refs = {sid: jobcopy.ref(job_id, i) for i, sid in enumerate(ids)}
+        cost.measure(STEPS[2], lambda: led.settle_job(ids, "spool-a", {}, {}, stats=stats, refs=refs,
+                                                      observe={"engine_seconds": ("0.5", 0.3)}))
         cost.measure(STEPS[3], lambda: led.states_and_owners(ids))
         key = f"{led.keys.prefix}:packing:bench-{j}"
         raw, ok = cost.measure(STEPS[4], lambda: records.put_owned(key, PackingRecord(f"shard-{j}", ids, "spool-a")))
@@ -169,8 +180,8 @@ def main() -> int:
         print("baselines (µs of Redis CPU a call):")
         for name, us in base.items():
             print(f"  {name:42s} {us:8.1f}")
-        life(conn, led, records, args.job, 3)  # scripts loaded
-        cost = life(conn, led, records, args.job, args.jobs)
+        life(conn, cfg, records, args.job, 3)  # scripts loaded
+        cost = life(conn, cfg, records, args.job, args.jobs)
         print(f"\n{'step (one call a job)':24s} {'script µs':>10} {'its commands':>13} {'the rest':>9}  "
               f"{'µs a sample':>11}")
         for step in STEPS:
