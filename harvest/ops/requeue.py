@@ -26,11 +26,11 @@ import redis
 from rq.exceptions import NoSuchJobError
 
 from harvest.config import RunConfig
-from harvest.ids import check_id, job_id_for
+from harvest.ids import InvalidId, check_id, job_id_for
 from harvest.state.jobs import enqueue_samples, fetch_job, run_queue
 from harvest.state.keys import Keys
 from harvest.state.ledger import FAILED, QUEUED, Ledger
-from harvest.state.payload import PAYLOAD_VERSION, PayloadError, decode_batch, split_jobs
+from harvest.state.payload import PAYLOAD_VERSION, READ_VERSIONS, PayloadError, batch_ids, decode_batch, split_jobs
 
 CHUNK = 1000  # samples per transaction
 
@@ -97,6 +97,22 @@ def _requeue_chunk(conn: redis.Redis, cfg: RunConfig, ids: list[str], res: Reque
     res.no_payload += missing
 
 
+def _job_sample_ids(payload: object) -> list[str]:
+    """A harvest job's sample ids, from Redis alone: a producer's job names its rows in storage
+    (harvest.formats.jobrows) with its ids beside them, and requeue puts the job back as it is, so
+    it reads no rows. A store that is down then stops nothing (the worker reads the rows when the
+    job runs, and hands the job back while the store fails)."""
+    if not isinstance(payload, dict) or payload.get("v") not in READ_VERSIONS:
+        raise PayloadError(f"not a harvest v{PAYLOAD_VERSION} job payload")
+    ids = batch_ids(payload)
+    if not ids:
+        raise PayloadError("payload has no samples")
+    try:
+        return [check_id(i, "sample id") for i in ids]
+    except InvalidId as e:
+        raise PayloadError(str(e)) from None
+
+
 def _rq_failed_jobs(conn: redis.Redis, run: str, res: RequeueResult) -> None:
     """Requeue (or, with dry_run, list) RQ's failed jobs of the run."""
     queue = run_queue(conn, run)
@@ -105,10 +121,10 @@ def _rq_failed_jobs(conn: redis.Redis, run: str, res: RequeueResult) -> None:
     for job_id in reg.get_job_ids(cleanup=False):
         try:
             job = fetch_job(conn, job_id)
-            _, samples = decode_batch(job.args[0])
+            ids = _job_sample_ids(job.args[0])
         except (NoSuchJobError, PayloadError, IndexError, TypeError):
             continue  # not a harvest job we can reason about: leave it to the operator
-        holds_queued = QUEUED in ledger.states([s.id for s in samples])
+        holds_queued = QUEUED in ledger.states(ids)
         if res.dry_run:
             (res.rq_jobs_requeued if holds_queued else res.rq_jobs_dropped).append(job_id)
             continue

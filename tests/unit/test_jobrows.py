@@ -186,3 +186,29 @@ def test_a_store_that_is_down_strands_nothing_and_fails_nothing_as_lost(conn, tm
     os.rename(path + ".away", path)
     rep = sweep(conn, cfg, t + STRANDED_GRACE_S, stamps)
     assert sorted(rep.requeued) == sorted(s.id for s in samples) and rep.lost == []
+
+
+def test_requeue_all_puts_rq_failed_jobs_back_without_reading_their_rows_so_a_store_that_is_down_stops_nothing(
+        conn, tmp_path):
+    """`requeue --all` puts RQ's failed jobs back as they are (their sample ids are in Redis) and then the
+    ledger's failed samples: a store that is down must not stop either part (it used to raise StorageError
+    from the first failed job whose rows it read, before any failed sample went back)."""
+    from harvest.ops.requeue import requeue
+
+    samples = _samples(5, 40, seed=7)
+    cfg = publish_run(conn, _produce(conn, tmp_path, "jr7", samples, per_job=4))
+    ledger, last = Ledger(conn, "jr7"), samples[4]
+    (job,) = [j for j in _jobs(conn, "jr7") if last.id not in batch_ids(j.args[0])]  # the first 4 samples' job
+    q = run_queue(conn, "jr7")
+    with conn.pipeline() as pipe:  # RQ failed the job (its worker's retries spent on the store)
+        q.remove(job, pipeline=pipe)
+        q.failed_job_registry.add(job, ttl=600, pipeline=pipe)
+        pipe.execute()
+    ledger.settle_job([], "", {last.id: payload_row("jr7", last)}, {last.id: ("engine-rejected", "simulated")})
+    path = job.args[0]["rows"]["url"]
+    os.rename(path, path + ".away")
+    os.mkdir(path)  # the store fails on every read (EISDIR)
+    res = requeue(conn, cfg, all_=True)
+    assert (res.rq_jobs_requeued, res.rq_jobs_dropped, res.samples) == ([job.id], [], [last.id])
+    assert q.failed_job_registry.get_job_ids(cleanup=False) == [] and job.id in q.job_ids
+    assert ledger.counts()["queued"] == 5 and ledger.counts()["failed"] == 0
