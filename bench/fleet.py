@@ -8,7 +8,7 @@ One private redis-server (AOF on, as harvest runs it) and, per fleet size, N sim
 real `harvest worker` and `harvest collect` processes against the zero-cost engine
 (engines/synthetic.py: dump chunks written at once, hidden size 4), so the control plane, not
 the bytes, is what costs. Everything lives in /dev/shm. The producer is this process (harvest's
-Enqueuer). A job holds 32 samples (1k-token samples) and a shard as many samples as a 1 GiB
+Enqueuer). A job holds 32 samples (1k-token samples; `--job`) and a shard as many samples as a 1 GiB
 shard of an 8B model (4 capture points x 4096 x bf16: 32 samples of 1k tokens, 4 of 8k), so
 jobs and shards amortize as in a real fleet. Per fleet it prints:
 
@@ -163,7 +163,7 @@ def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: i
     ex, idle_ex = executed(run_r, b1 - b0), executed(idle_r, b2 - b1)
     idle_cpu_us_s = max(0.0, idle_r.cpu_s * 1e6 / idle_s - base_us_s)  # the fleet's, beyond an idle server's own
     return {
-        "nodes": nodes, "samples": samples, "tokens": tokens, "failed": failed, "seconds": t1 - t0,
+        "nodes": nodes, "samples": samples, "tokens": tokens, "job": job, "failed": failed, "seconds": t1 - t0,
         "jobs": enq.stats.jobs, "shards": stats.get("shards", 0),
         "executed": ex, "sent": sent, "idle_executed": sum(idle_ex.values()) / idle_s,
         "idle_sent": commands(idle_sent) / idle_s, "idle_trips": trips(idle_sent) / idle_s, "idle_cpu_us_s": idle_cpu_us_s,
@@ -219,7 +219,8 @@ def print_fleets(res: list[dict], mem_q: float, ping_us: float) -> None:
           f"executed (Lua's inner ones included) and sent by clients; trips/s: round trips (a pipeline is one); cpu: Redis "
           f"main-thread µs per sample, busy: less the idle fleet's; PINGs/s: busy in PING round trips measured in "
           f"this run; KB/done: Redis memory left per done sample; worker/coll ms/s: their own CPU per sample)")
-    print(f"  Redis memory per queued sample ({base['tokens']}-token samples, jobs of 32): {mem_q / 1e3:.1f} KB")
+    print(f"  Redis memory per queued sample ({base['tokens']}-token samples, jobs of {base['job']}): "
+          f"{mem_q / 1e3:.1f} KB")
     for r in res:
         n, jobs, shards = r["samples"], r["jobs"], max(1, r["shards"])
         by_role, by_trips, by_cmd = Counter(), Counter(), {}
@@ -265,6 +266,8 @@ def main() -> int:
     ap.add_argument("--nodes", default="1,4,16")
     ap.add_argument("--per-node", type=int, default=300, help="samples per node (at least 600 a fleet)")
     ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--job", type=int, default=32, help="samples a job in the fleets of --tokens samples (and the "
+                    "in-process worker's queued-memory measure)")
     ap.add_argument("--long-tokens", type=int, default=8192)
     ap.add_argument("--long-per-node", type=int, default=40)
     ap.add_argument("--ledger", default="10000,100000,1000000")
@@ -312,12 +315,13 @@ def main() -> int:
         ping_us = ping_cost(conn, base_us_s)
         print(f"  the baseline, one PING round trip from one client: {ping_us:.1f} µs of Redis CPU (this machine's cost "
               f"of a round trip; the fleets' µs per sample are also given in PINGs)", flush=True)
-        mem_q = memory_per_queued(conn, root, args.tokens, 32, 3000, rng)
+        mem_q = memory_per_queued(conn, root, args.tokens, args.job, 3000, rng)
         conn.flushall()
         res = []
         for n in [int(x) for x in args.nodes.split(",")]:
             samples = max(600, n * args.per_node)
-            res.append(measure_fleet(conn, server.url, root, n, samples, args.tokens, 32, 32 * args.tokens, args.idle, base_us_s, rng))
+            res.append(measure_fleet(conn, server.url, root, n, samples, args.tokens, args.job, args.job * args.tokens,
+                                     args.idle, base_us_s, rng))
             print(f"  fleet of {n}: {samples} samples in {res[-1]['seconds']:.1f}s, Redis "
                   f"{res[-1]['cpu_us'] / res[-1]['seconds'] / 1e4:.1f}% busy", flush=True)
             conn.flushall()
@@ -342,8 +346,8 @@ def main() -> int:
         if args.by_script:
             conn.flushall()
             with ScriptLog(conn) as log:
-                r = measure_fleet(conn, server.url, root, big, big * args.per_node, args.tokens, 32, 32 * args.tokens,
-                                  args.idle, base_us_s, rng)
+                r = measure_fleet(conn, server.url, root, big, big * args.per_node, args.tokens, args.job,
+                                  args.job * args.tokens, args.idle, base_us_s, rng)
                 usec, calls, entries = log.read()
             print(f"\n{big} nodes again, every command logged ({entries} entries; the log slows the server): Redis µs "
                   f"per sample by script [calls per sample, µs a call]")
