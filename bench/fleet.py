@@ -287,6 +287,10 @@ def main() -> int:
         share = CpuShare(args.redis_share) if args.redis_share is not None else None
     except ConfigurationError as e:
         ap.exit(2, f"fleet.py: {e}\n")
+    cores = os.sched_getaffinity(0)
+    if args.redis_core is not None and (args.redis_core not in cores or len(cores) < 2):
+        ap.exit(2, f"fleet.py: --redis-core {args.redis_core}: give one of this process's cores {sorted(cores)}, "
+                   "with another left for the fleet\n")
     sys.stdout.reconfigure(line_buffering=True)  # each table shows as it is printed, also into a log
     install_counter("bench", "other")
     rng = np.random.default_rng(args.seed)

@@ -164,6 +164,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.job < 1 or args.jobs < 1 or args.ledger < args.job:
         ap.exit(2, "job_cost.py: --job and --jobs must be at least 1, and --ledger at least --job\n")
+    cores = os.sched_getaffinity(0)
+    if args.redis_core is not None and (args.redis_core not in cores or len(cores) < 2):
+        ap.exit(2, f"job_cost.py: --redis-core {args.redis_core}: give one of this process's cores "
+                   f"{sorted(cores)}, with another left for it\n")
     random.seed(1)
     install_counter("bench", "other")
     root = tempfile.mkdtemp(prefix="harvest-jobcost-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
