@@ -86,6 +86,7 @@ from harvest.state.spools import redis_time
 
 # How often RQ's suspension flag (`rq suspend`) is read: a suspend takes effect within this.
 SUSPENSION_CHECK_S = 5.0
+PUBSUB_POLL_S = 1.0  # how long RQ's command thread waits between looks at its stop flag
 
 
 class HarvestWorker(SimpleWorker):
@@ -112,6 +113,18 @@ class HarvestWorker(SimpleWorker):
         except SystemExit:
             self._cold_stop = True
             raise
+
+    def subscribe(self) -> None:
+        """RQ's, with its command thread polling every PUBSUB_POLL_S instead of RQ's 60 s (RQ 3.0;
+        2.x blocks). redis-py 8's `PubSubWorkerThread.stop` waits for the thread, and a thread whose
+        unsubscribe reply it had already read sits in `get_message` for that long: the worker's
+        teardown, a burst worker's end or a stop past docker's 10 s grace, stalled a minute
+        (seen under load: tests/system/test_control_plane.py). The poll sends nothing to Redis."""
+        self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=PUBSUB_POLL_S, daemon=True,
+                                                       exception_handler=self._pubsub_exception_handler)
 
     # -- RQ's bookkeeping, without the round trips nobody reads (see the module docstring) ------
     def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:

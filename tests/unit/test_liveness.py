@@ -28,7 +28,8 @@ from harvest.state.runstore import publish_run
 from harvest.state.spools import redis_time
 from tests.support.ops import enqueue
 from tests.support.synth import make_config
-from workers.rqworker import HarvestWorker
+from tests.support.wait import wait_for
+from workers.rqworker import PUBSUB_POLL_S, HarvestWorker
 from workers.safejob import HarvestJob
 
 RUN = "r"
@@ -283,3 +284,21 @@ def test_a_new_redis_holds_reaping_by_a_missing_heartbeat_until_its_stamp_by_red
     conn.set(keys.reap_after, repr(redis_time(conn) - 1))  # the hold over: the rest of the janitor too
     rep = janitor_pass(conn, RUN, str(tmp_path / "dumps"))
     assert rep.forgotten_workers == ["gone-4"] and rep.claim_dirs_removed == [".claimed-gone-4"]
+
+
+def test_a_workers_command_thread_stops_within_its_poll_even_after_its_unsubscribe_was_read(conn, worker):
+    """RQ's command thread (pubsub) is stopped at every worker's teardown, and redis-py 8's stop waits
+    for it. Once the thread has read the unsubscribe reply it waits in `get_message` to be subscribed
+    again, for RQ's sleep time: 60 s (RQ 3.0), forever (2.x). A burst worker's teardown stalled a
+    minute under load that way. HarvestWorker's thread polls every PUBSUB_POLL_S (1 s): the bound
+    below is generous for a loaded machine, and a third of RQ's."""
+    w, _ = worker("w-pubsub")
+    w.subscribe()
+    wait_for(lambda: w.pubsub.subscribed, timeout=10, what="the command thread subscribed")
+    w.pubsub.unsubscribe()
+    wait_for(lambda: not w.pubsub.subscribed, timeout=10, what="the thread read the unsubscribe reply")
+    t0 = time.monotonic()
+    w.pubsub_thread.stop()
+    took = time.monotonic() - t0
+    w.pubsub.close()
+    assert not w.pubsub_thread.is_alive() and took < 20 * PUBSUB_POLL_S, took
