@@ -117,9 +117,10 @@ class HarvestWorker(SimpleWorker):
     def subscribe(self) -> None:
         """RQ's, with its command thread polling every PUBSUB_POLL_S instead of RQ's 60 s (RQ 3.0;
         2.x blocks). redis-py 8's `PubSubWorkerThread.stop` waits for the thread, and a thread whose
-        unsubscribe reply it had already read sits in `get_message` for that long: the worker's
-        teardown, a burst worker's end or a stop past docker's 10 s grace, stalled a minute
-        (seen under load: tests/system/test_control_plane.py). The poll sends nothing to Redis."""
+        unsubscribe reply it had already read sits in `get_message` for that long: a worker's exit
+        (a burst worker's end, a stopped worker's after its job) stalled a minute, its heartbeat
+        left meanwhile (seen under load: tests/system/test_control_plane.py). The poll sends
+        nothing to Redis."""
         self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
         self.pubsub = self.connection.pubsub()
         self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
