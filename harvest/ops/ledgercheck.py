@@ -22,12 +22,14 @@ import redis
 from harvest.state.failures import WORKER_ERROR
 from harvest.state.keys import Keys
 from harvest.state.ledger import STATE_NAMES
-from harvest.state.ledger_lua import DROP_REF
+from harvest.state.ledger_lua import DROP_REF, STATE_VALUE
 
 # KEYS: state, counts, failed, spool_owner, spooled_payload, spool_counts. ARGV: repair (0/1), the
-# failure JSON given to a failed sample without one. Returns a JSON document of what disagrees
+# failure JSON given to a failed sample without one. A spooled sample's owner is in its state value
+# (`s:<spool>`), or for a bare `s` (an older harvest's) in the spool_owner hash; an owner there for
+# any other sample is a stray. Returns a JSON document of what disagrees
 # (each list holds up to 5 examples) and, with repair, fixes it from the state hash.
-_CHECK = DROP_REF + """
+_CHECK = DROP_REF + STATE_VALUE + """
 local repair = ARGV[1] == '1'
 local recount, owned = {}, {}
 local out = {counts = {}, failed_without_state = {}, failed_without_reason = {}, owner_without_spooled = {},
@@ -38,9 +40,10 @@ local function note(list, key, id)
   if #list < 5 then list[#list + 1] = id end
 end
 local flat = redis.call('HGETALL', KEYS[1])
-local state = {}
+local state, bare = {}, {}
 for i = 1, #flat, 2 do
-  local id, s = flat[i], flat[i + 1]
+  local id, v = flat[i], flat[i + 1]
+  local s = letter(v)
   state[id] = s
   recount[s] = (recount[s] or 0) + 1
   out.total = out.total + 1
@@ -49,20 +52,24 @@ for i = 1, #flat, 2 do
     if repair then redis.call('HSET', KEYS[3], id, ARGV[2]) end
   end
   if s == 's' then
-    local o = redis.call('HGET', KEYS[4], id)
-    if not o then
-      note(out.spooled_without_owner, 'swo', id)
-      if repair then redis.call('HSET', KEYS[4], id, '') end
-    elseif o ~= '' then
-      owned[o] = (owned[o] or 0) + 1
+    local o = owner_in(v)
+    if o == nil then  -- a bare `s`: its owner is in the spool_owner hash
+      bare[id] = true
+      o = redis.call('HGET', KEYS[4], id)
+      if not o then
+        note(out.spooled_without_owner, 'swo', id)
+        if repair then redis.call('HSET', KEYS[1], id, 's:') end
+      end
     end
+    if o and o ~= '' then owned[o] = (owned[o] or 0) + 1 end
   end
 end
 local function strays(key, list, nkey)
   local h = redis.call('HKEYS', key)
   for _, id in ipairs(h) do
-    local want = (nkey == 'fws') and 'f' or 's'
-    if state[id] ~= want then
+    local fits = (nkey == 'fws' and state[id] == 'f') or (nkey == 'ows' and bare[id])
+                 or (nkey == 'pws' and state[id] == 's')
+    if not fits then
       note(list, nkey, id)
       if repair then
         if key == KEYS[5] then drop_ref(key, redis.call('HGET', key, id)) end

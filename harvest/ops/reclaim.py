@@ -29,8 +29,8 @@ import redis
 from harvest.config import RunConfig
 from harvest.ids import job_id_for
 from harvest.state.failures import SPOOL_LOST
+from harvest.state.heartbeat import keep_alive
 from harvest.state.jobs import enqueue_samples, run_queue
-from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from harvest.state.packing import PackingRecords
 from harvest.state.payload import PAYLOAD_VERSION, PayloadError, decode_batch, split_jobs
@@ -53,14 +53,13 @@ class ReclaimReport:
 
 def reclaim_spool(conn: redis.Redis, cfg: RunConfig, spool: str) -> ReclaimReport:
     """Revoke `spool` and put the samples it owns back on the queue (see the module docstring)."""
-    keys, ledger, leases = Keys(cfg.run), Ledger(conn, cfg.run), SpoolLeases(conn, cfg.run)
+    ledger, leases = Ledger(conn, cfg.run), SpoolLeases(conn, cfg.run)
     node = leases.node_of(spool)
     first = leases.revoke(spool)
     rep = ReclaimReport(spool, node)
     rep.decided = sorted(PackingRecords(conn, cfg.run).decided_samples(spool))
     skip = set(rep.decided)
-    owned = [k.decode() for k, v in conn.hscan_iter(keys.spool_owner, count=1000) if v.decode() == spool]
-    owned = [s for s in owned if s not in skip]
+    owned = [s for s in ledger.owned_by(spool, tick=keep_alive) if s not in skip]
     queue = run_queue(conn, cfg.run)
     for i in range(0, len(owned), CHUNK):
         ids = owned[i : i + CHUNK]

@@ -34,7 +34,8 @@ class Keys:
 
     @property
     def state(self) -> str:
-        """Hash sample_id -> one-letter state (see harvest.state.ledger)."""
+        """Hash sample_id -> state: one letter, and for a spooled sample its owner, `s:<spool id>` (see
+        harvest.state.ledger)."""
         return f"{self.prefix}:state"
 
     @property
@@ -65,7 +66,9 @@ class Keys:
 
     @property
     def spool_owner(self) -> str:
-        """Hash sample_id -> id of the spool dir that holds its accepted copy (state s only)."""
+        """Hash sample_id -> id of the spool dir that holds its accepted copy, for a sample whose state
+        is a bare `s` (written by a harvest before owners moved into the state value): read and
+        cleared as such samples move on, never written."""
         return f"{self.prefix}:spool_owner"
 
     @property

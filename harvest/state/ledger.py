@@ -2,7 +2,8 @@
 
 States are one letter: `q` queued (a job holds it), `s` spooled (hidden states on a node's
 spool, not yet in a committed shard), `d` done (in a committed shard), `f` failed (with a
-reason). Every move goes through one Lua script (harvest.state.ledger_lua) that checks the
+reason). A spooled sample's value also names the spool that owns it (`s:<spool>`), so its state
+and owner are one field (`state_letter` reads the letter). Every move goes through one Lua script (harvest.state.ledger_lua) that checks the
 allowed source states and keeps the per-state counters exact, and the per-reason failure
 counters too, so status, metrics and completion checks never scan the hash.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import redis
 
@@ -33,6 +34,20 @@ RATE_BUCKET_S = 10  # throughput buckets: small enough for a one-minute rate, fe
 RATE_TTL_S = 300
 
 SCRIPT_ARGS = 4000  # ids a script takes at once (Lua's unpack is bounded near 8000 values)
+
+
+def state_letter(raw: bytes | str | None) -> str | None:
+    """The state of a value of the state hash: its first letter (a spooled sample's value also
+    names its owner, `s:<spool>`: harvest.state.ledger_lua)."""
+    if raw is None:
+        return None
+    return (raw.decode() if isinstance(raw, bytes) else raw)[:1]
+
+
+def spooled_value(raw: bytes | str | None, spool: str) -> bool:
+    """Whether a value of the state hash says: spooled, owned by `spool` (written by this harvest;
+    an older one wrote a bare `s` and the owner in the spool_owner hash)."""
+    return raw is not None and (raw.decode() if isinstance(raw, bytes) else raw) == f"{SPOOLED}:{spool}"
 
 def _in_transaction(pipe, script: str, keys: list[str], args: list) -> None:
     """Queue `script` in a caller's MULTI/EXEC as EVAL, with its text. An EVALSHA there runs only
@@ -78,8 +93,7 @@ class Ledger:
     def states(self, ids: list[str]) -> list[str | None]:
         if not ids:
             return []
-        vals = self.conn.hmget(self.keys.state, ids)
-        return [v.decode() if v is not None else None for v in vals]
+        return [state_letter(v) for v in self.conn.hmget(self.keys.state, ids)]
 
     def take(self, ids: list[str], also: Sequence[ScriptCall] = ()) -> tuple[list[str | None], list[int]]:
         """A job's samples as the worker starts it: each one's state, and for the queued ones a new
@@ -237,10 +251,24 @@ class Ledger:
         rows = jobcopy.resolve(self.conn, self.keys, kept)
         return [rows[i] for i in ids]
 
+    def owned_by(self, spool: str, tick: Callable[[], None] = lambda: None) -> list[str]:
+        """The samples `spool` owns: O(samples), a pass over the state hash (and the spool_owner hash,
+        for owners an older harvest kept there), for the rare paths that need them all (a reclaim).
+        `tick` is called every 100k samples (a heartbeat kept up, harvest.state.heartbeat)."""
+        owned = []
+        for i, (k, v) in enumerate(self.conn.hscan_iter(self.keys.state, count=10_000)):
+            if spooled_value(v, spool):
+                owned.append(k.decode())
+            if i % 100_000 == 0:
+                tick()
+        bare = [k.decode() for k, v in self.conn.hscan_iter(self.keys.spool_owner, count=1000) if v.decode() == spool]
+        if bare:
+            owned += [sid for sid, st in zip(bare, self.conn.hmget(self.keys.state, bare)) if st == SPOOLED.encode()]
+        return owned
+
     def spool_owners(self, ids: list[str]) -> list[str | None]:
-        if not ids:
-            return []
-        return [v.decode() if v is not None else None for v in self.conn.hmget(self.keys.spool_owner, ids)]
+        """The spool that owns each of `ids` (None where not spooled, or spooled without an owner)."""
+        return self.states_and_owners(ids)[1]
 
     def mark_failed(self, failures: Mapping[str, tuple[str, str]], forgotten: bool = False,
                     rows: Mapping[str, str] | None = None) -> list[str]:

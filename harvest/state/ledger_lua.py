@@ -12,6 +12,12 @@ unchanged: the same allowed sources, the same fences, the same side tables.
 Keys of every script built on `_MOVE` (in this order): state, counts, failed, spool_owner,
 spooled_payload, spool_counts, revoked_spools, failed_reasons, failed_examples, failed_payload.
 
+A state value is its letter, and a spooled sample's also names its owner: `s:<spool>` (`s:` for
+none). The owner is read with the state and goes with it, so moving a sample into or out of s,
+and asking who owns it (the collector's view, the commit fence), touch one hash field a sample,
+not two (bench/job_cost.py). A bare `s` was written by a harvest that kept owners in the
+spool_owner hash; its owner is read there, and leaves it when the sample moves on.
+
 A spooled sample's row may be a ref to a copy of its job (harvest.state.jobcopy): every script
 that writes or drops such a row keeps the copy's counter of refs, and the last ref deletes it.
 """
@@ -19,6 +25,13 @@ that writes or drops such a row keeps the copy's counter of refs, and the last r
 from __future__ import annotations
 
 N_MOVE_KEYS = 10
+
+# letter(v): the state letter of a state value ('_' absent). owner_in(v): the owner a spooled state
+# value names ('' none); nil for a bare `s`, whose owner is in the spool_owner hash.
+STATE_VALUE = """
+local function letter(v) return v and string.sub(v, 1, 1) or '_' end
+local function owner_in(v) if #v > 1 then return string.sub(v, 3) end return nil end
+"""
 
 # drop_ref(payload_key, row): a row leaving the spooled-payload hash `payload_key` gives back its
 # ref, if it is one (`@<job id>#<index>`, harvest.state.jobcopy); the copy goes with its last ref.
@@ -44,7 +57,7 @@ end
 # moving to s, a number (tokens) summed by `settle`'s segments otherwise. row: the payload row kept
 # while spooled (to s), or kept as the failed payload (to f, when `keep`). Returns the moved ids in
 # order; `finish()` writes the counters. An id listed twice moves once.
-_MOVE = DROP_REF + """
+_MOVE = DROP_REF + STATE_VALUE + """
 local B = 400
 local dcount, dspool, dreason, leaving, examples, drefs = {}, {}, {}, {}, {}, {}
 local revoked_cache, now = {}, {}
@@ -80,17 +93,23 @@ local function move(to, allowed, n, base, keep)
     local ids = {}
     for i = lo, hi do ids[#ids + 1] = ARGV[base + i] end
     local cur = redis.call('HMGET', KEYS[1], unpack(ids))
-    local st, fl, own, row, kept, from_s, from_f, stale = {}, {}, {}, {}, {}, {}, {}, {}
+    local st, fl, row, kept, from_s, bare_s, from_f, stale = {}, {}, {}, {}, {}, {}, {}, {}
     for j = 1, #ids do
       local i = lo + j - 1
       local id, info, r = ids[j], ARGV[base + n + i], ARGV[base + 2 * n + i]
-      local c = now[id] or cur[j] or '_'
+      local v = now[id] or cur[j]
+      local c = letter(v)
       if string.find(allowed, c, 1, true) and c ~= to and not (to == 's' and info ~= '' and revoked(info)) then
-        now[id] = to
-        st[#st + 1] = id; st[#st + 1] = to
+        local new = to == 's' and ('s:' .. info) or to
+        now[id] = new
+        st[#st + 1] = id; st[#st + 1] = new
         if c ~= '_' then bump(dcount, c, -1) end
         bump(dcount, to, 1)
-        if c == 's' then from_s[#from_s + 1] = id end
+        if c == 's' then
+          from_s[#from_s + 1] = id
+          local o = owner_in(v)
+          if o == nil then bare_s[#bare_s + 1] = id elseif o ~= '' then bump(dspool, o, -1) end
+        end
         if c == 'f' then from_f[#from_f + 1] = id end
         if to == 'f' then
           fl[#fl + 1] = id; fl[#fl + 1] = info
@@ -99,7 +118,6 @@ local function move(to, allowed, n, base, keep)
           examples[reason] = id .. ': ' .. message  -- the latest failure of its reason
           if keep and r ~= '' then kept[#kept + 1] = id; kept[#kept + 1] = r end
         elseif to == 's' then
-          own[#own + 1] = id; own[#own + 1] = info
           if info ~= '' then bump(dspool, info, 1) end
           if r ~= '' then
             row[#row + 1] = id; row[#row + 1] = r; stale[#stale + 1] = id
@@ -110,12 +128,14 @@ local function move(to, allowed, n, base, keep)
         changed[#changed + 1] = id
       end
     end
-    if #from_s > 0 then
-      local owners = redis.call('HMGET', KEYS[4], unpack(from_s))
-      for j = 1, #from_s do
+    if #bare_s > 0 then  -- owners kept by an older harvest in the spool_owner hash
+      local owners = redis.call('HMGET', KEYS[4], unpack(bare_s))
+      for j = 1, #bare_s do
         if owners[j] and owners[j] ~= '' then bump(dspool, owners[j], -1) end
       end
-      hdel(KEYS[4], from_s)
+      hdel(KEYS[4], bare_s)
+    end
+    if #from_s > 0 then
       unref(from_s)
       hdel(KEYS[5], from_s)
     end
@@ -129,7 +149,6 @@ local function move(to, allowed, n, base, keep)
     end
     hset(KEYS[1], st)
     hset(KEYS[3], fl)
-    hset(KEYS[4], own)
     unref(stale)  -- a row left behind for a sample that was not spooled (repaired by harvest.ops.ledgercheck)
     hset(KEYS[5], row)
     hset(KEYS[10], kept)
@@ -266,7 +285,7 @@ return 1
 
 # A job's samples still queued, each with a new attempt number (a fresh rid): what a worker's
 # job reads before its engine call. KEYS: state, attempts. ARGV: ids. Returns, per id, its state
-# ('' absent) and, for queued ones, the attempt number (0 otherwise). The attempts are read with
+# letter ('' absent) and, for queued ones, the attempt number (0 otherwise). The attempts are read with
 # one HMGET and written with one HSET (not a HINCRBY a sample: a call from Lua costs the server
 # more than the increment); an id listed twice counts once.
 TAKE = """
@@ -276,7 +295,7 @@ for i = 1, #ARGV do if cur[i] == 'q' then queued[#queued + 1] = ARGV[i] end end
 local was = #queued > 0 and redis.call('HMGET', KEYS[2], unpack(queued)) or {}
 local now, set, out, j = {}, {}, {}, 0
 for i = 1, #ARGV do
-  local id, s = ARGV[i], cur[i] or ''
+  local id, s = ARGV[i], cur[i] and string.sub(cur[i], 1, 1) or ''
   out[#out + 1] = s
   if s == 'q' then
     j = j + 1
@@ -293,18 +312,34 @@ if #set > 0 then redis.call('HSET', KEYS[2], unpack(set)) end
 return out
 """
 
-# States and spool owners of a collector's spool files, in one call. KEYS: state, spool_owner.
-VIEW = """
-return {redis.call('HMGET', KEYS[1], unpack(ARGV)), redis.call('HMGET', KEYS[2], unpack(ARGV))}
+# State letters and spool owners of a collector's spool files, in one call. KEYS: state, spool_owner.
+# Returns {letters, owners}, nil where absent (an owner: only for a spooled sample, '' for none).
+VIEW = STATE_VALUE + """
+local cur = redis.call('HMGET', KEYS[1], unpack(ARGV))
+local letters, owners, bare, at = {}, {}, {}, {}
+for i = 1, #ARGV do
+  local v = cur[i]
+  letters[i], owners[i] = v and letter(v), false
+  if letters[i] == 's' then
+    owners[i] = owner_in(v)
+    if owners[i] == nil then owners[i] = false; bare[#bare + 1] = ARGV[i]; at[#at + 1] = i end
+  end
+end
+if #bare > 0 then
+  for j, o in ipairs(redis.call('HMGET', KEYS[2], unpack(bare))) do owners[at[j]] = o end
+end
+return {letters, owners}
 """
 
 # Reclaim: s -> q for the samples a (revoked) spool still owns. KEYS as the moves'; ARGV: spool, n, ids.
-RECLAIM = DROP_REF + """
+RECLAIM = DROP_REF + STATE_VALUE + """
 local spool, n = ARGV[1], tonumber(ARGV[2])
 local moved = {}
 for i = 1, n do
   local id = ARGV[2 + i]
-  if redis.call('HGET', KEYS[1], id) == 's' and redis.call('HGET', KEYS[4], id) == spool then
+  local v = redis.call('HGET', KEYS[1], id)
+  local owner = letter(v) == 's' and (owner_in(v) or redis.call('HGET', KEYS[4], id))
+  if owner == spool then
     redis.call('HSET', KEYS[1], id, 'q')
     redis.call('HINCRBY', KEYS[2], 's', -1)
     redis.call('HINCRBY', KEYS[2], 'q', 1)
@@ -321,15 +356,22 @@ return moved
 # owns(spool, base, n): whether `spool` is not revoked and owns every one of ARGV[base+1..base+n]
 # in state s (or they have no owner: spooled without one, which no reclaim can take). KEYS: state,
 # spool_owner, revoked_spools, as the commit fence's.
-OWNS = """
+OWNS = STATE_VALUE + """
 local function owns(spool, base, n)
   if redis.call('SISMEMBER', KEYS[3], spool) == 1 then return false end
   for lo = 1, n, 400 do
-    local ids = {}
+    local ids, bare = {}, {}
     for i = lo, math.min(n, lo + 399) do ids[#ids + 1] = ARGV[base + i] end
-    local st, ow = redis.call('HMGET', KEYS[1], unpack(ids)), redis.call('HMGET', KEYS[2], unpack(ids))
+    local st = redis.call('HMGET', KEYS[1], unpack(ids))
     for j = 1, #ids do
-      if st[j] ~= 's' or (ow[j] and ow[j] ~= '' and ow[j] ~= spool) then return false end
+      if letter(st[j]) ~= 's' then return false end
+      local o = owner_in(st[j])
+      if o == nil then bare[#bare + 1] = ids[j] elseif o ~= '' and o ~= spool then return false end
+    end
+    if #bare > 0 then
+      for _, o in ipairs(redis.call('HMGET', KEYS[2], unpack(bare))) do
+        if o and o ~= '' and o ~= spool then return false end
+      end
     end
   end
   return true

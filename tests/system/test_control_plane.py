@@ -253,9 +253,11 @@ def test_a_batched_move_is_the_per_sample_move_it_replaced(r):
     assert led.mark_spooled(ids[690:710] + ids[690:700], owner="sp2") == ids[700:710]  # f stays f
     assert led.counts() == {"queued": 290, "spooled": 560, "done": 0, "failed": 150, "total": 1000}
     assert r.hgetall(led.keys.spool_counts) == {b"sp1": b"550", b"sp2": b"10"}
-    assert r.hlen(led.keys.spool_owner) == r.hlen(led.keys.spooled_payload) + 10 == 560  # sp2's came without rows
+    owners = Counter(v for v in r.hvals(led.keys.state) if v.startswith(b"s"))
+    assert owners == {b"s:sp1": 550, b"s:sp2": 10} and r.hlen(led.keys.spooled_payload) == 550  # sp2's had no rows
     done = led.mark_done(ids[::-1], tokens=[3] * 1000, stats={"shards": 1})
     assert sorted(done) == ids and led.counts()["done"] == 1000
-    assert r.hlen(led.keys.spool_counts) == r.hlen(led.keys.spool_owner) == r.hlen(led.keys.failed) == 0
+    assert r.hlen(led.keys.spool_counts) == r.hlen(led.keys.spooled_payload) == r.hlen(led.keys.failed) == 0
+    assert set(r.hvals(led.keys.state)) == {b"d"}
     assert led.stats() == {"samples_done": 1000, "tokens_done": 3000, "shards": 1}
     assert led.failure_counts() == ({}, {})
