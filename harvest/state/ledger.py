@@ -24,7 +24,8 @@ import redis
 
 from harvest.state.keys import Keys
 from harvest.state import jobcopy
-from harvest.state.ledger_lua import ADD_STATS, FENCE, FORGET, RECLAIM, SETTLE, TAKE, TRANSITION, VIEW
+from harvest.state.ledger_lua import ADD_STATS, FORGET, SETTLE, TAKE, TRANSITION
+from harvest.state.ownership_lua import FENCE, RECLAIM, VIEW
 from harvest.state.roundtrip import ScriptCall, send_together
 
 QUEUED, SPOOLED, DONE, FAILED = "q", "s", "d", "f"

@@ -20,7 +20,7 @@ import redis
 from harvest.formats.index import ShardIndex
 from harvest.ids import check_id
 from harvest.state.keys import Keys
-from harvest.state.ledger_lua import OWNS
+from harvest.state.ownership_lua import OWNS
 
 # KEYS (not `_PUT_OWNED`'s): the record, the run's index of record keys (`Keys.packing_index`). The
 # index lets the periodic reader (every collector's `tend_revoked`, every 10 s) list the records in O(records),
@@ -31,7 +31,7 @@ from harvest.state.ledger_lua import OWNS
 # during a rolling upgrade is in no index.
 #
 # `_PUT_OWNED`: the record written and indexed, and the commit fence's ownership test in the same
-# call (one round trip a shard less; harvest.state.ledger_lua.OWNS). KEYS: state, spool_owner,
+# call (one round trip a shard less; harvest.state.ownership_lua.OWNS). KEYS: state, spool_owner,
 # revoked_spools, the record, the index. ARGV: the record, spool, n, ids.
 _PUT_OWNED = OWNS + """
 redis.call('SET', KEYS[4], ARGV[1])
