@@ -25,26 +25,31 @@ from harvest.state.ledger import STATE_NAMES
 from harvest.state.ledger_lua import DROP_REF, STATE_VALUE
 
 # KEYS: state, counts, failed, spool_owner, spooled_payload, spool_counts. ARGV: repair (0/1), the
-# failure JSON given to a failed sample without one. A spooled sample's owner is in its state value
-# (`s:<spool>`), or for a bare `s` (an older harvest's) in the spool_owner hash; an owner there for
-# any other sample is a stray. Returns a JSON document of what disagrees
-# (each list holds up to 5 examples) and, with repair, fixes it from the state hash.
+# failure JSON given to a failed sample without one, then the job ids of the job copies found
+# (harvest.state.jobcopy). A spooled sample's owner and the ref to its row are in its state value
+# (`s:<spool>@<job>#<i>`), or for a bare `s` (an older harvest's) in the spool_owner and
+# spooled_payload hashes; an entry there for any other sample is a stray, and so is a row in the
+# hash for a sample whose value holds its ref. Each job copy's counter of refs must be the refs
+# held. Returns a JSON document of what disagrees (each list holds up to 5 examples) and, with
+# repair, fixes it from the state hash.
 _CHECK = DROP_REF + STATE_VALUE + """
 local repair = ARGV[1] == '1'
 local recount, owned = {}, {}
 local out = {counts = {}, failed_without_state = {}, failed_without_reason = {}, owner_without_spooled = {},
              spooled_without_owner = {}, payload_without_spooled = {}, spool_counts = {}, total = 0}
-local n = {fws = 0, fwr = 0, ows = 0, swo = 0, pws = 0}
+local n = {fws = 0, fwr = 0, ows = 0, swo = 0, pws = 0, jcr = 0}
 local function note(list, key, id)
   n[key] = n[key] + 1
   if #list < 5 then list[#list + 1] = id end
 end
 local flat = redis.call('HGETALL', KEYS[1])
-local state, bare = {}, {}
+local state, bare, fused, held = {}, {}, {}, {}
+local function hold(job) if job then held[job] = (held[job] or 0) + 1 end end
 for i = 1, #flat, 2 do
   local id, v = flat[i], flat[i + 1]
   local s = letter(v)
   state[id] = s
+  if s == 's' and ref_in(v) then fused[id] = true; hold(ref_job(ref_in(v))) end
   recount[s] = (recount[s] or 0) + 1
   out.total = out.total + 1
   if s == 'f' and redis.call('HEXISTS', KEYS[3], id) == 0 then
@@ -68,7 +73,7 @@ local function strays(key, list, nkey)
   local h = redis.call('HKEYS', key)
   for _, id in ipairs(h) do
     local fits = (nkey == 'fws' and state[id] == 'f') or (nkey == 'ows' and bare[id])
-                 or (nkey == 'pws' and state[id] == 's')
+                 or (nkey == 'pws' and state[id] == 's' and not fused[id])
     if not fits then
       note(list, nkey, id)
       if repair then
@@ -81,6 +86,24 @@ end
 strays(KEYS[3], out.failed_without_state, 'fws')
 strays(KEYS[4], out.owner_without_spooled, 'ows')
 strays(KEYS[5], out.payload_without_spooled, 'pws')
+local rows = redis.call('HVALS', KEYS[5])  -- rows in full, and refs an older harvest kept here
+for _, r in ipairs(rows) do hold(ref_job(r)) end
+out.job_copies = {}
+local copies = {}
+for i = 3, #ARGV do copies[ARGV[i]] = true end
+for job in pairs(held) do copies[job] = true end
+for job in pairs(copies) do
+  local copy = KEYS[5] .. ':' .. job
+  local got = tonumber(redis.call('HGET', copy, 'harvest_refs')) or 0
+  local want = held[job] or 0
+  if want ~= got then
+    out.job_copies[job] = {want, got}
+    n.jcr = n.jcr + 1
+    if repair and redis.call('EXISTS', copy) == 1 then  -- a copy that is gone cannot be made again
+      if want > 0 then redis.call('HSET', copy, 'harvest_refs', want) else redis.call('DEL', copy) end
+    end
+  end
+end
 local counted = redis.call('HGETALL', KEYS[2])
 local have = {}
 for i = 1, #counted, 2 do have[counted[i]] = tonumber(counted[i + 1]) end
@@ -140,8 +163,10 @@ def check_ledger(conn: redis.Redis, run: str, repair: bool = False) -> LedgerChe
     k = Keys(run)
     why = json.dumps({"reason": WORKER_ERROR, "message": "failed without a recorded reason (found by the ledger "
                                                          "check; requeue it)"})
+    prefix = f"{k.spooled_payload}:"
+    copies = [c.decode()[len(prefix):] for c in conn.scan_iter(match=prefix + "*", count=1000)]
     raw = conn.eval(_CHECK, 6, k.state, k.counts, k.failed, k.spool_owner, k.spooled_payload, k.spool_counts,
-                    "1" if repair else "0", why)
+                    "1" if repair else "0", why, *copies)
     doc = json.loads(raw)
     counts = doc["counts"] if isinstance(doc["counts"], dict) else {}
     rep = LedgerCheck(run, int(doc["total"]), {s: int(v[0]) for s, v in counts.items()})
@@ -157,4 +182,7 @@ def check_ledger(conn: redis.Redis, run: str, repair: bool = False) -> LedgerChe
     spool_counts = doc["spool_counts"] if isinstance(doc["spool_counts"], dict) else {}
     for spool, (want, got) in sorted(spool_counts.items()):
         rep.problems.append(f"spool {spool}: its counter says {got} spooled samples, the state hash {want}")
+    copies = doc["job_copies"] if isinstance(doc["job_copies"], dict) else {}
+    for job, (want, got) in sorted(copies.items()):
+        rep.problems.append(f"copy of job {job}: its counter says {got} refs, the ledger holds {want}")
     return rep

@@ -7,12 +7,14 @@ Redis's CPU a sample, and half the bytes clients sent it (bench/fleet.py). The j
 tokens are already in Redis, in the RQ job hash the worker is running, zlib-compressed. So the
 worker's settle call (harvest.state.ledger_lua.SETTLE) copies that hash server-side (COPY: no
 bytes over the network, a few in the AOF) to `Keys.job_copy` and keeps, for each spooled sample,
-the ref `@<job id>#<index in the payload>` instead of its row. A producer's job holds no tokens,
+the ref `@<job id>#<index in the payload>` instead of its row, in the sample's state value
+(harvest.state.ledger_lua). A producer's job holds no tokens,
 only where its rows are in storage (harvest.formats.jobrows): its copy is a few hundred bytes, and
 a ref is read through it from there.
 
 Who owns the copy, and for how long. The ledger's scripts: the copy holds a counter
-(`REFS_FIELD`) of the refs to it in the spooled-payload hash. A move to `s` adds the refs it
+(`REFS_FIELD`) of the refs to it in the state values (and in the spooled-payload hash, where an
+older harvest kept them). A move to `s` adds the refs it
 writes; every move out of `s` (done, failed, reclaimed) and every repair that drops a ref takes
 them away, and the last one deletes the copy. RQ deletes its own job hash when the job ends; the
 copy does not depend on it after the settle call. A Redis that forgets its last second forgets a

@@ -34,8 +34,8 @@ class Keys:
 
     @property
     def state(self) -> str:
-        """Hash sample_id -> state: one letter, and for a spooled sample its owner, `s:<spool id>` (see
-        harvest.state.ledger)."""
+        """Hash sample_id -> state: one letter, and for a spooled sample its owner and the ref to its
+        row, `s:<spool id>[@<job id>#<index>]` (see harvest.state.ledger_lua)."""
         return f"{self.prefix}:state"
 
     @property
@@ -83,11 +83,13 @@ class Keys:
 
     @property
     def spooled_payload(self) -> str:
-        """Hash sample_id -> payload row of a sample in state s, so a lost spool's samples can be enqueued again."""
+        """Hash sample_id -> payload row of a sample in state s, kept in full (its job was gone to copy) or
+        as a ref an older harvest wrote here (a ref is now kept in the state value), so a lost spool's
+        samples can be enqueued again."""
         return f"{self.prefix}:spooled-payload"
 
     def job_copy(self, job_id: str) -> str:
-        """Hash: a copy of RQ's hash of job `job_id`, for the refs to it in `spooled_payload`
+        """Hash: a copy of RQ's hash of job `job_id`, for the refs to it in spooled samples' state values
         (harvest.state.jobcopy; the ledger's Lua builds the same name)."""
         return f"{self.spooled_payload}:{check_id(job_id, 'job id')}"
 

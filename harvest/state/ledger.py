@@ -2,8 +2,9 @@
 
 States are one letter: `q` queued (a job holds it), `s` spooled (hidden states on a node's
 spool, not yet in a committed shard), `d` done (in a committed shard), `f` failed (with a
-reason). A spooled sample's value also names the spool that owns it (`s:<spool>`), so its state
-and owner are one field (`state_letter` reads the letter). Every move goes through one Lua script (harvest.state.ledger_lua) that checks the
+reason). A spooled sample's value also names the spool that owns it and the ref to its row
+(`s:<spool>@<job>#<index>`, harvest.state.ledger_lua), so its state, owner and row are one field
+(`state_letter` reads the letter). Every move goes through one Lua script (harvest.state.ledger_lua) that checks the
 allowed source states and keeps the per-state counters exact, and the per-reason failure
 counters too, so status, metrics and completion checks never scan the hash.
 
@@ -48,7 +49,21 @@ def state_letter(raw: bytes | str | None) -> str | None:
 def spooled_value(raw: bytes | str | None, spool: str) -> bool:
     """Whether a value of the state hash says: spooled, owned by `spool` (written by this harvest;
     an older one wrote a bare `s` and the owner in the spool_owner hash)."""
-    return raw is not None and (raw.decode() if isinstance(raw, bytes) else raw) == f"{SPOOLED}:{spool}"
+    if raw is None:
+        return False
+    v = raw.decode() if isinstance(raw, bytes) else raw
+    return v.partition("@")[0] == f"{SPOOLED}:{spool}"
+
+
+def ref_in_value(raw: bytes | str | None) -> str | None:
+    """The ref to a copy of its job (harvest.state.jobcopy) a spooled sample's state value holds, if any."""
+    if raw is None:
+        return None
+    v = raw.decode() if isinstance(raw, bytes) else raw
+    if not v.startswith(f"{SPOOLED}:"):
+        return None
+    _, at, ref = v.partition("@")
+    return at + ref if at else None
 
 def _in_transaction(pipe, script: str, keys: list[str], args: list) -> None:
     """Queue `script` in a caller's MULTI/EXEC as EVAL, with its text. An EVALSHA there runs only
@@ -243,12 +258,16 @@ class Ledger:
         return [r.decode() if isinstance(r, bytes) else r for r in res]
 
     def spooled_payloads(self, ids: list[str]) -> list[str | None]:
-        """The payload rows kept for spooled `ids`, refs resolved (harvest.state.jobcopy); None
-        where no row is kept or its ref leads nowhere."""
+        """The payload rows kept for spooled `ids` (a ref in the state value, or a row in the
+        spooled_payload hash), refs resolved (harvest.state.jobcopy); None where no row is kept or
+        its ref leads nowhere."""
         if not ids:
             return []
-        kept = {i: v.decode() if v is not None else None
-                for i, v in zip(ids, self.conn.hmget(self.keys.spooled_payload, ids))}
+        with self.conn.pipeline(transaction=True) as pipe:
+            pipe.hmget(self.keys.state, ids)
+            pipe.hmget(self.keys.spooled_payload, ids)
+            values, rows = pipe.execute()
+        kept = {i: ref_in_value(v) or (r.decode() if r is not None else None) for i, v, r in zip(ids, values, rows)}
         rows = jobcopy.resolve(self.conn, self.keys, kept)
         return [rows[i] for i in ids]
 

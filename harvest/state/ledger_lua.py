@@ -12,14 +12,16 @@ unchanged: the same allowed sources, the same fences, the same side tables.
 Keys of every script built on `_MOVE` (in this order): state, counts, failed, spool_owner,
 spooled_payload, spool_counts, revoked_spools, failed_reasons, failed_examples, failed_payload.
 
-A state value is its letter, and a spooled sample's also names its owner: `s:<spool>` (`s:` for
-none). The owner is read with the state and goes with it, so moving a sample into or out of s,
-and asking who owns it (the collector's view, the commit fence), touch one hash field a sample,
-not two (bench/job_cost.py). A bare `s` was written by a harvest that kept owners in the
-spool_owner hash; its owner is read there, and leaves it when the sample moves on.
+A state value is its letter, and a spooled sample's also names its owner and, where its row is
+kept as a ref to a copy of its job (harvest.state.jobcopy), that ref: `s:<spool>` (`s:` for no
+owner), `s:<spool>@<job id>#<index>`. They are read with the state and go with it, so moving a
+sample into or out of s, and asking who owns it (the collector's view, the commit fence), touch
+one hash field a sample, not three (bench/job_cost.py). A row kept in full (no job to copy) is in
+the spooled_payload hash. A bare `s` was written by a harvest that kept owners in the spool_owner
+hash and refs in the spooled_payload hash; they are read there, and leave as the sample moves on.
 
-A spooled sample's row may be a ref to a copy of its job (harvest.state.jobcopy): every script
-that writes or drops such a row keeps the copy's counter of refs, and the last ref deletes it.
+Every script that writes or drops a ref keeps the copy's counter of refs, and the last ref
+deletes the copy.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from __future__ import annotations
 N_MOVE_KEYS = 10
 
 # letter(v): the state letter of a state value ('_' absent). owner_in(v): the owner a spooled state
-# value names ('' none); nil for a bare `s`, whose owner is in the spool_owner hash.
+# value names ('' none); nil for a bare `s`, whose owner is in the spool_owner hash. ref_in(v): the
+# ref a spooled state value holds (spool ids never hold an `@`: harvest.ids), nil if none.
 STATE_VALUE = """
 local function letter(v) return v and string.sub(v, 1, 1) or '_' end
-local function owner_in(v) if #v > 1 then return string.sub(v, 3) end return nil end
+local function owner_in(v) if #v > 1 then return string.match(v, '^s:([^@]*)') end return nil end
+local function ref_in(v) return v and string.match(v, '^s:[^@]*(@.+)$') end
 """
 
 # drop_ref(payload_key, row): a row leaving the spooled-payload hash `payload_key` gives back its
@@ -100,15 +104,16 @@ local function move(to, allowed, n, base, keep)
       local v = now[id] or cur[j]
       local c = letter(v)
       if string.find(allowed, c, 1, true) and c ~= to and not (to == 's' and info ~= '' and revoked(info)) then
-        local new = to == 's' and ('s:' .. info) or to
+        local new = to
+        if to == 's' then new = 's:' .. info .. (ref_job(r) and r or '') end
         now[id] = new
         st[#st + 1] = id; st[#st + 1] = new
         if c ~= '_' then bump(dcount, c, -1) end
         bump(dcount, to, 1)
         if c == 's' then
-          from_s[#from_s + 1] = id
-          local o = owner_in(v)
+          local o, held = owner_in(v), ref_job(ref_in(v))
           if o == nil then bare_s[#bare_s + 1] = id elseif o ~= '' then bump(dspool, o, -1) end
+          if held then bump(drefs, held, -1) else from_s[#from_s + 1] = id end  -- else: a row in KEYS[5], if any
         end
         if c == 'f' then from_f[#from_f + 1] = id end
         if to == 'f' then
@@ -119,10 +124,11 @@ local function move(to, allowed, n, base, keep)
           if keep and r ~= '' then kept[#kept + 1] = id; kept[#kept + 1] = r end
         elseif to == 's' then
           if info ~= '' then bump(dspool, info, 1) end
-          if r ~= '' then
+          local job = ref_job(r)
+          if job then
+            bump(drefs, job, 1)  -- kept in the state value
+          elseif r ~= '' then
             row[#row + 1] = id; row[#row + 1] = r; stale[#stale + 1] = id
-            local job = ref_job(r)
-            if job then bump(drefs, job, 1) end
           end
         end
         changed[#changed + 1] = id

@@ -41,6 +41,8 @@ for i = 1, n do
     redis.call('HINCRBY', KEYS[2], 's', -1)
     redis.call('HINCRBY', KEYS[2], 'q', 1)
     redis.call('HDEL', KEYS[4], id)
+    local held = ref_in(v)
+    if held then drop_ref(KEYS[5], held) end
     drop_ref(KEYS[5], redis.call('HGET', KEYS[5], id))
     redis.call('HDEL', KEYS[5], id)
     if redis.call('HINCRBY', KEYS[6], spool, -1) <= 0 then redis.call('HDEL', KEYS[6], spool) end

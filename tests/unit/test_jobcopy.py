@@ -56,8 +56,9 @@ def test_refs_are_kept_counted_and_the_copy_goes_with_the_last(conn):
     marked, failed = _settle(ledger, run, samples, jid, samples[:4], "spool1",
                              failures={samples[4].id: ("bad-dump", "x")})
     assert marked == [s.id for s in samples[:4]] and failed == [samples[4].id]
-    kept = conn.hmget(ledger.keys.spooled_payload, [s.id for s in samples[:4]])
-    assert [k.decode() for k in kept] == [f"@{jid}#{i}" for i in range(4)]
+    kept = conn.hmget(ledger.keys.state, [s.id for s in samples[:4]])  # the refs are in the state values
+    assert [k.decode() for k in kept] == [f"s:spool1@{jid}#{i}" for i in range(4)]
+    assert conn.exists(ledger.keys.spooled_payload) == 0
     assert _refs(conn, ledger, jid) == 4
     # the failed sample keeps its row in full, for requeue
     assert ledger.failed_payloads([samples[4].id]) == [payload_row(run, samples[4])]
@@ -118,10 +119,10 @@ def test_a_ref_to_a_copy_that_is_gone_or_to_another_sample_resolves_to_nothing(c
     samples = _samples(2, seed=4)
     ledger = _enqueued(conn, run, samples, jid)
     _settle(ledger, run, samples, jid, samples, "spool1")
-    key = ledger.keys.spooled_payload
-    conn.hset(key, samples[0].id, f"@{jid}#1")  # names the other sample's row
+    key = ledger.keys.state
+    conn.hset(key, samples[0].id, f"s:spool1@{jid}#1")  # names the other sample's row
     assert ledger.spooled_payloads([s.id for s in samples]) == [None, payload_row(run, samples[1])]
-    conn.hset(key, samples[1].id, "@hv-jc5-gone#0")
+    conn.hset(key, samples[1].id, "s:spool1@hv-jc5-gone#0")
     assert ledger.spooled_payloads([samples[1].id]) == [None]
     with pytest.raises(ValueError, match="malformed payload ref"):
         jobcopy.parse_ref("@no-index")
@@ -132,10 +133,42 @@ def test_the_ledger_check_drops_a_stray_ref_with_its_count(conn):
     samples = _samples(2, seed=5)
     ledger = _enqueued(conn, run, samples, jid)
     _settle(ledger, run, samples, jid, samples, "spool1")
-    conn.hset(ledger.keys.state, samples[0].id, "d")  # a hand repair that left the ref behind
+    conn.hset(ledger.keys.spooled_payload, samples[1].id, f"@{jid}#1")  # a ref an older harvest kept here too
+    conn.hincrby(ledger.keys.job_copy(jid), jobcopy.REFS_FIELD, 1)
+    conn.hset(ledger.keys.state, samples[0].id, "d")  # a hand repair that forgot the ref's count
     conn.hincrby(ledger.keys.counts, "s", -1)
     conn.hincrby(ledger.keys.counts, "d", 1)
-    conn.hdel(ledger.keys.spool_owner, samples[0].id)
+    conn.hincrby(ledger.keys.spool_counts, "spool1", -1)
+    rep = check_ledger(conn, run)
+    assert rep.problems == [f"payload without spooled: 1 (e.g. {samples[1].id})",
+                            f"copy of job {jid}: its counter says 3 refs, the ledger holds 2"]
     check_ledger(conn, run, repair=True)
-    assert _refs(conn, ledger, jid) == 1
-    assert conn.hkeys(ledger.keys.spooled_payload) == [samples[1].id.encode()]
+    assert _refs(conn, ledger, jid) == 1 and conn.exists(ledger.keys.spooled_payload) == 0
+    assert check_ledger(conn, run).ok
+    conn.hset(ledger.keys.state, samples[1].id, "d")  # the last ref gone by hand: the copy is an orphan
+    conn.hincrby(ledger.keys.counts, "s", -1)
+    conn.hincrby(ledger.keys.counts, "d", 1)
+    conn.hdel(ledger.keys.spool_counts, "spool1")
+    assert check_ledger(conn, run).problems == [f"copy of job {jid}: its counter says 1 refs, the ledger holds 0"]
+    check_ledger(conn, run, repair=True)
+    assert not conn.exists(ledger.keys.job_copy(jid)) and check_ledger(conn, run).ok
+
+
+def test_refs_an_older_harvest_kept_in_the_spooled_payload_hash_are_read_and_dropped_as_before(conn):
+    run, jid = "jc7", "hv-jc7-job"
+    samples = _samples(3, seed=6)
+    ledger = _enqueued(conn, run, samples, jid)
+    _settle(ledger, run, samples, jid, samples, "spool1")
+    k, ids = ledger.keys, [s.id for s in samples]
+    for i, sid in enumerate(ids[:2]):  # as a harvest before fused state values wrote them
+        conn.hset(k.state, sid, "s")
+        conn.hset(k.spool_owner, sid, "spool1")
+        conn.hset(k.spooled_payload, sid, f"@{jid}#{i}")
+    assert check_ledger(conn, run).ok
+    conn.delete(fetch_job(conn, jid).key)
+    assert ledger.spooled_payloads(ids) == [payload_row(run, s) for s in samples]
+    assert ledger.mark_done(ids[:1]) == ids[:1] and _refs(conn, ledger, jid) == 2
+    assert ledger.mark_failed({ids[1]: ("bad-spool", "y")}) == [ids[1]] and _refs(conn, ledger, jid) == 1
+    assert conn.exists(k.spooled_payload) == 0 and conn.exists(k.spool_owner) == 0
+    assert ledger.mark_done(ids[2:]) == ids[2:] and not conn.exists(k.job_copy(jid))
+    assert check_ledger(conn, run).ok
