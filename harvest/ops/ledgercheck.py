@@ -163,8 +163,8 @@ def check_ledger(conn: redis.Redis, run: str, repair: bool = False) -> LedgerChe
     k = Keys(run)
     why = json.dumps({"reason": WORKER_ERROR, "message": "failed without a recorded reason (found by the ledger "
                                                          "check; requeue it)"})
-    prefix = f"{k.spooled_payload}:"
-    copies = [c.decode()[len(prefix):] for c in conn.scan_iter(match=prefix + "*", count=1000)]
+    skip = len(k.job_copies_match) - 1
+    copies = [c.decode()[skip:] for c in conn.scan_iter(match=k.job_copies_match, count=1000)]
     raw = conn.eval(_CHECK, 6, k.state, k.counts, k.failed, k.spool_owner, k.spooled_payload, k.spool_counts,
                     "1" if repair else "0", why, *copies)
     doc = json.loads(raw)

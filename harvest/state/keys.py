@@ -88,6 +88,11 @@ class Keys:
         samples can be enqueued again."""
         return f"{self.prefix}:spooled-payload"
 
+    @property
+    def job_copies_match(self) -> str:
+        """The SCAN pattern of every `job_copy` of the run (the ledger check's, harvest.ops.ledgercheck)."""
+        return f"{self.spooled_payload}:*"
+
     def job_copy(self, job_id: str) -> str:
         """Hash: a copy of RQ's hash of job `job_id`, for the refs to it in spooled samples' state values
         (harvest.state.jobcopy; the ledger's Lua builds the same name)."""

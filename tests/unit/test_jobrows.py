@@ -113,7 +113,7 @@ def test_reclaim_reads_a_producers_rows_through_the_job_copy_after_rq_deleted_th
     refs = {s.id: jobcopy.ref(job.id, i) for i, s in enumerate(order)}
     rows = {s.id: payload_row("jr3", s) for s in order}
     assert ledger.settle_job([s.id for s in order], spool, rows, {}, refs=refs)[0] == [s.id for s in order]
-    assert conn.hget(ledger.keys.spooled_payload, order[0].id).decode() == refs[order[0].id]
+    assert conn.hget(ledger.keys.state, order[0].id).decode() == f"s:{spool}{refs[order[0].id]}"  # its ref
     conn.delete(job.key)  # RQ deletes a finished job's hash: the copy keeps where the rows are
     assert ledger.spooled_payloads([s.id for s in order]) == [rows[s.id] for s in order]
     rep = reclaim_spool(conn, cfg, spool)
