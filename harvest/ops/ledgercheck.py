@@ -49,7 +49,8 @@ for i = 1, #flat, 2 do
   local id, v = flat[i], flat[i + 1]
   local s = letter(v)
   state[id] = s
-  if s == 's' and ref_in(v) then fused[id] = true; hold(ref_job(ref_in(v))) end
+  local ref = s == 's' and ref_in(v)
+  if ref then fused[id] = true; hold(ref_job(ref)) end
   recount[s] = (recount[s] or 0) + 1
   out.total = out.total + 1
   if s == 'f' and redis.call('HEXISTS', KEYS[3], id) == 0 then

@@ -4,9 +4,10 @@ States are one letter: `q` queued (a job holds it), `s` spooled (hidden states o
 spool, not yet in a committed shard), `d` done (in a committed shard), `f` failed (with a
 reason). A spooled sample's value also names the spool that owns it and the ref to its row
 (`s:<spool>@<job>#<index>`, harvest.state.ledger_lua), so its state, owner and row are one field
-(`state_letter` reads the letter). Every move goes through one Lua script (harvest.state.ledger_lua) that checks the
-allowed source states and keeps the per-state counters exact, and the per-reason failure
-counters too, so status, metrics and completion checks never scan the hash.
+(`state_letter` reads the letter, `spooled_parts` the rest). Every move goes through one Lua
+script (harvest.state.ledger_lua) that checks the allowed source states and keeps the per-state
+counters exact, and the per-reason failure counters too, so status, metrics and completion checks
+never scan the hash.
 
 Cost (bench/fleet.py). The control plane's budget is per sample: a worker's job settles all its
 samples in one call (`settle_job`: the spooled ones, the failed ones with their payload rows, the
@@ -46,24 +47,18 @@ def state_letter(raw: bytes | str | None) -> str | None:
     return (raw.decode() if isinstance(raw, bytes) else raw)[:1]
 
 
-def spooled_value(raw: bytes | str | None, spool: str) -> bool:
-    """Whether a value of the state hash says: spooled, owned by `spool` (written by this harvest;
-    an older one wrote a bare `s` and the owner in the spool_owner hash)."""
-    if raw is None:
-        return False
-    v = raw.decode() if isinstance(raw, bytes) else raw
-    return v.partition("@")[0] == f"{SPOOLED}:{spool}"
-
-
-def ref_in_value(raw: bytes | str | None) -> str | None:
-    """The ref to a copy of its job (harvest.state.jobcopy) a spooled sample's state value holds, if any."""
+def spooled_parts(raw: bytes | str | None) -> tuple[str, str | None] | None:
+    """(owner, ref or None) of a spooled sample's state value `s:<spool>[@<job>#<i>]`
+    (harvest.state.ledger_lua); None for any other value, a bare `s` included (an older harvest's:
+    its owner and ref are in the side hashes)."""
     if raw is None:
         return None
     v = raw.decode() if isinstance(raw, bytes) else raw
     if not v.startswith(f"{SPOOLED}:"):
         return None
-    _, at, ref = v.partition("@")
-    return at + ref if at else None
+    owner, at, ref = v[2:].partition("@")
+    return owner, (at + ref if at else None)
+
 
 def _in_transaction(pipe, script: str, keys: list[str], args: list) -> None:
     """Queue `script` in a caller's MULTI/EXEC as EVAL, with its text. An EVALSHA there runs only
@@ -267,7 +262,8 @@ class Ledger:
             pipe.hmget(self.keys.state, ids)
             pipe.hmget(self.keys.spooled_payload, ids)
             values, rows = pipe.execute()
-        kept = {i: ref_in_value(v) or (r.decode() if r is not None else None) for i, v, r in zip(ids, values, rows)}
+        kept = {i: (spooled_parts(v) or ("", None))[1] or (r.decode() if r is not None else None)
+                for i, v, r in zip(ids, values, rows)}
         rows = jobcopy.resolve(self.conn, self.keys, kept)
         return [rows[i] for i in ids]
 
@@ -277,7 +273,8 @@ class Ledger:
         `tick` is called every 100k samples (a heartbeat kept up, harvest.state.heartbeat)."""
         owned = []
         for i, (k, v) in enumerate(self.conn.hscan_iter(self.keys.state, count=10_000)):
-            if spooled_value(v, spool):
+            parts = spooled_parts(v)
+            if parts is not None and parts[0] == spool:
                 owned.append(k.decode())
             if i % 100_000 == 0:
                 tick()

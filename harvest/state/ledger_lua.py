@@ -22,6 +22,16 @@ hash and refs in the spooled_payload hash; they are read there, and leave as the
 
 Every script that writes or drops a ref keeps the copy's counter of refs, and the last ref
 deletes the copy.
+
+Who owns a spooled sample, and what fences a late return: the spool its value names, until the
+sample moves on (done, failed, reclaimed). A worker or collector of a spool the janitor revoked
+(its node was silent past the grace) comes back to the same fences as before: a move to `s` for a
+revoked spool is refused, and the collector's ownership test and commit fence
+(harvest.state.ownership_lua) compare the owner in the value and refuse a revoked spool. A Redis
+that forgets its last second forgets a move whole: the state, its owner and its ref are one field
+written by one script with the counters and the job copy's ref count (one AOF entry), so they
+cannot part; what a worker spooled meanwhile is taken up again by the ledger's absent -> s moves
+and the collector (harvest.state.ledger.Ledger.mark_spooled).
 """
 
 from __future__ import annotations
