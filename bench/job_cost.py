@@ -7,10 +7,11 @@ redis-server (AOF everysec, as harvest runs it) holds a ledger of `--ledger` sam
 spooled, a third done, the rest queued, synthesized through the ledger's own scripts), so a
 sample's fields are found in hashes as large as a run's. Then `--jobs` jobs of `--job` new samples
 each go through every step of a sample's life, through harvest's own calls: the producer's move
-to queued, the worker's take and settle, the collector's view, record (with its ownership test),
-commit fence and done. Per step it prints the script's µs (commandstats: EVALSHA, its inner
+to queued, the worker's take and settle, the collector's view, record (after a view: with its
+spool's revocation test), commit fence and done. Per step it prints the script's µs (commandstats: EVALSHA, its inner
 commands included), how much of it the commands the script ran (the hash reads and writes), and
-the rest (Lua, the conversion of arguments and replies, the AOF copy of each write).
+the rest (Lua, the conversion of arguments and replies, the AOF copy of each write); a step of
+plain commands (the view) is its commands alone.
 
 Baselines from the same run, since this machine's speed varies from hour to hour:
 - an EVALSHA of `return 1`: a script call's floor;
@@ -60,9 +61,10 @@ def commandstats(conn: redis.Redis) -> Counter:
 
 
 class StepCost:
-    """Commandstats µs by step: the step's scripts (EVALSHA) and, of those, the commands they ran.
-    A step is measured over all the jobs at once (one INFO before and after): an INFO between two
-    calls evicts the caches the next call would find warm, 15-20 µs a call on this VM."""
+    """Commandstats µs by step: the step's scripts (EVALSHA) and, of those, the commands they ran;
+    a step made of plain commands (the collector's view) is its commands alone. A step is measured
+    over all the jobs at once (one INFO before and after): an INFO between two calls evicts the
+    caches the next call would find warm, 15-20 µs a call on this VM."""
 
     def __init__(self, conn: redis.Redis) -> None:
         self.conn, self.script, self.inner = conn, Counter(), Counter()
@@ -71,8 +73,9 @@ class StepCost:
         before = commandstats(self.conn)
         out = [fn() for fn in calls]
         d = commandstats(self.conn) - before
-        self.script[step] += d["evalsha"]
-        self.inner[step] += sum(v for k, v in d.items() if k not in ("evalsha", "info"))
+        inner = sum(v for k, v in d.items() if k not in ("evalsha", "info"))
+        self.script[step] += d["evalsha"] or inner
+        self.inner[step] += inner
         return out
 
 
@@ -144,8 +147,8 @@ def life(conn: redis.Redis, cfg: RunConfig, records: PackingRecords, job: int, j
                             for i, r in zip(ids, refs)])
     cost.measure(STEPS[3], [lambda i=i: led.states_and_owners(i) for i in ids])
     keys = [f"{led.keys.prefix}:packing:bench-{n}" for n in range(jobs)]
-    raws = cost.measure(STEPS[4], [lambda i=i, k=k, n=n: records.put_owned(k, PackingRecord(f"shard-{n}", i, "spool-a"))
-                                   for n, (i, k) in enumerate(zip(ids, keys))])
+    raws = cost.measure(STEPS[4], [lambda i=i, k=k, n=n: records.put_owned(
+        k, PackingRecord(f"shard-{n}", i, "spool-a"), "bench", samples=False) for n, (i, k) in enumerate(zip(ids, keys))])
     recs = [PackingRecord(f"shard-{n}", i, "spool-a", index={"shard": "x" * 2000}).to_json() for n, i in enumerate(ids)]
     cost.measure(STEPS[5], [lambda i=i, k=k, rec=rec, raw=raw: led.fence_commit("spool-a", i, k, rec, raw[0])
                             for i, k, rec, raw in zip(ids, keys, recs, raws)])
@@ -191,7 +194,7 @@ def main() -> int:
             print(f"  {name:42s} {us:8.1f}")
         life(conn, cfg, records, args.job, 3)  # scripts loaded
         cost = life(conn, cfg, records, args.job, args.jobs)
-        print(f"\n{'step (one call a job)':24s} {'script µs':>10} {'its commands':>13} {'the rest':>9}  "
+        print(f"\n{'step (one call a job)':24s} {'step µs':>10} {'its commands':>13} {'the rest':>9}  "
               f"{'µs a sample':>11}")
         for step in STEPS:
             s, i, n = cost.script[step] / args.jobs, cost.inner[step] / args.jobs, args.job

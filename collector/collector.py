@@ -59,21 +59,11 @@ BUSY_S = 10.0  # how long samples another collector is committing (claimed in st
 
 
 class Collector:
-    def __init__(
-        self,
-        conn: redis.Redis,
-        cfg: RunConfig,
-        spool_dir: str,
-        node: str | None = None,
-        shard_bytes: int | None = None,
-        max_wait: float = CollectorSettings.max_wait_s,
-        part_bytes: int | None = None,
-        retries: int = CollectorSettings.storage_retries,
-        retry_delay: float = CollectorSettings.retry_delay_s,
-        orphan_age: float = CollectorSettings.orphan_age_s,
-        packer: int = 0,
-        packers: int = 1,
-    ) -> None:
+    def __init__(self, conn: redis.Redis, cfg: RunConfig, spool_dir: str, node: str | None = None,
+                 shard_bytes: int | None = None, max_wait: float = CollectorSettings.max_wait_s,
+                 part_bytes: int | None = None, retries: int = CollectorSettings.storage_retries,
+                 retry_delay: float = CollectorSettings.retry_delay_s, orphan_age: float = CollectorSettings.orphan_age_s,
+                 packer: int = 0, packers: int = 1) -> None:
         self.conn, self.cfg, self.spool_dir = conn, cfg, spool_dir
         self.spool_id = spool_identity(spool_dir)
         self.node = check_id(node or node_name(), "node name")
@@ -83,11 +73,8 @@ class Collector:
         self.packer, self.packers = packer, packers
         self.records = PackingRecords(conn, cfg.run)
         self.packing_key = self.records.key(self.node, packer)
-        self.shard_bytes = shard_bytes or cfg.shard_bytes
-        self.max_wait = max_wait
-        self.part_bytes = part_bytes
-        self.retries, self.retry_delay = retries, retry_delay
-        self.orphan_age = orphan_age
+        self.shard_bytes, self.max_wait, self.part_bytes = shard_bytes or cfg.shard_bytes, max_wait, part_bytes
+        self.retries, self.retry_delay, self.orphan_age = retries, retry_delay, orphan_age
         self.out = run_location(cfg.out_url, cfg.run)
         if not self.out.is_local and not hasattr(self.out.fs, "call_s3"):
             raise StorageError(f"output {self.out.url()}: shards go to a local folder or to S3 (multipart uploads)")
@@ -96,7 +83,8 @@ class Collector:
         self.shards_committed = 0
         self._recorded_spool: str | None = None  # the spool the record of the shard in flight names
         self._record_json = ""  # that record as written, which the fence requires to be unchanged
-        self._may_commit = False  # whether, as the record was written, its spool owned all of its samples
+        self._refused = ""  # why, as the record was written, its shard may not be committed ('' it may)
+        self._viewed_spool: str | None = None  # the spool whose samples `choose` last read
         self._claimed: tuple[str, float] | None = None  # (shard in flight, time.monotonic()) once claimed in storage
         self._busy: dict[str, float] = {}  # sample -> monotonic time until which another collector has it
         self.claimer = Claimer(self.out, self.ledger.identity(), lambda shard: recorded_anywhere(conn, cfg.run, shard),
@@ -188,6 +176,7 @@ class Collector:
             return []
         ids = [sid for sid, _, _ in files]
         ready, unknown = [], []
+        self._viewed_spool = self.spool_id  # the record's ownership test then asks only this spool's revocation
         for (sid, path, size), st, owner in zip(files, *self.ledger.states_and_owners(ids)):
             if st in (DONE, FAILED) or (st == SPOOLED and owner not in (None, "", self.spool_id)):
                 # committed already, given up on, or accepted from another node's spool (a retry
@@ -255,11 +244,10 @@ class Collector:
         plan = self.plan(entries or [self._inspect(s, p) for s, p in zip(sample_ids, paths)])
         if resumed_shard and plan.shard_id != resumed_shard:
             raise RuntimeError(f"re-packed shard id {plan.shard_id} differs from the recorded {resumed_shard}")
-        self.record(plan)
+        self.record(plan, viewed=entries is not None)
         if not self._retry(lambda: self.out.exists(index_file(plan.shard_id)), f"checking {index_file(plan.shard_id)}"):
-            if not self._may_commit:  # asked with the record's write
-                self.void(plan, f"spool {self._recorded_spool} does not own all of its samples (reclaimed, or a "
-                                "Redis that lost its keys): nothing packed")
+            if self._refused:  # asked with the record's write
+                self.void(plan, f"{self._refused}: nothing packed")
                 return 0
             if not self.claim(plan):
                 return 0
@@ -297,7 +285,6 @@ class Collector:
 
     def plan(self, entries: list[SpoolEntry]) -> ShardPlan:
         plan = plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype)
-        self.claimer.ledger_id = self.ledger.identity(known=self.claimer.ledger_id)  # the same across a rollback
         return dataclasses.replace(plan, shard_id=self._fresh_shard_id(plan.sample_ids))
 
     def _fresh_shard_id(self, sample_ids: list[str]) -> str:
@@ -320,13 +307,20 @@ class Collector:
         except FileNotFoundError:
             return None
 
-    def record(self, plan: ShardPlan) -> None:
-        """The one record per node of the shard being committed, which a restart finishes."""
+    def record(self, plan: ShardPlan, viewed: bool = False) -> None:
+        """The one record per node of the shard being committed, which a restart finishes, with the
+        fence's ownership test and the ledger's id (restored if Redis lost it) in one call. `viewed`:
+        chosen by `choose`, whose view found each sample spooled and owned by this spool: the test
+        then asks only whether it was revoked since (the commit fence asks again of each sample)."""
         # The spool this record names is the one the fence checks: packer 0 may renew the lease (and
         # rotate the id of a revoked spool) for every packer while this one is mid-commit.
-        self._recorded_spool = self.spool_id
-        self._record_json, self._may_commit = self.records.put_owned(
-            self.packing_key, PackingRecord(plan.shard_id, plan.sample_ids, self._recorded_spool))
+        self._recorded_spool = spool = self.spool_id
+        self._record_json, owned, held = self.records.put_owned(
+            self.packing_key, PackingRecord(plan.shard_id, plan.sample_ids, spool), self.claimer.ledger_id,
+            samples=not (viewed and self._viewed_spool == spool))
+        self._refused = "" if owned else f"spool {spool} does not own all of its samples (reclaimed, or lost keys)"
+        if held != self.claimer.ledger_id:  # a Redis lost it and another process took a new one
+            self._refused, self.claimer.ledger_id = f"the ledger's id is {held} now, not {self.claimer.ledger_id}", held
         self._crash("recorded")
 
     def pack(self, plan: ShardPlan) -> Packed:

@@ -27,7 +27,7 @@ import redis
 from harvest.state.keys import Keys
 from harvest.state import jobcopy
 from harvest.state.ledger_lua import ADD_STATS, FORGET, SETTLE, TAKE, TRANSITION
-from harvest.state.ownership_lua import FENCE, RECLAIM, VIEW
+from harvest.state.ownership_lua import FENCE, RECLAIM
 from harvest.state.roundtrip import ScriptCall, send_together
 
 QUEUED, SPOOLED, DONE, FAILED = "q", "s", "d", "f"
@@ -78,7 +78,6 @@ class Ledger:
         self._settle_script = conn.register_script(SETTLE)
         self._stats = conn.register_script(ADD_STATS)
         self._take = conn.register_script(TAKE)
-        self._view = conn.register_script(VIEW)
         self._reclaim = conn.register_script(RECLAIM)
         self._fence = conn.register_script(FENCE)
         self._forget = conn.register_script(FORGET)
@@ -123,13 +122,20 @@ class Ledger:
         return states, attempts
 
     def states_and_owners(self, ids: list[str]) -> tuple[list[str | None], list[str | None]]:
-        """The states and spool owners of `ids`, read together (one call per SCRIPT_ARGS ids)."""
-        states: list[str | None] = []
-        owners: list[str | None] = []
-        for i in range(0, len(ids), SCRIPT_ARGS):
-            st, ow = self._view(keys=[self.keys.state, self.keys.spool_owner], args=ids[i : i + SCRIPT_ARGS])
-            states += [v.decode() if v else None for v in st]
-            owners += [v.decode() if v else None for v in ow]
+        """The states and spool owners of `ids` (the collector's view of its spool files). Plain
+        HMGETs: the record's ownership test and the commit fence decide (ownership_lua), not this
+        read, and Lua's handling of each argument and reply cost the server twice the read itself
+        (bench/job_cost.py, "collector: view"). A bare `s` (an older harvest's) has its owner read
+        after: one that left s meanwhile reads as ownerless, and the ownership test refuses it."""
+        with self.conn.pipeline(transaction=False) as pipe:
+            for i in range(0, len(ids), SCRIPT_ARGS):
+                pipe.hmget(self.keys.state, ids[i : i + SCRIPT_ARGS])
+            raw = [v for part in pipe.execute() for v in part]
+        states, owners = [state_letter(v) for v in raw], [None if p is None else p[0] or None
+                                                          for p in map(spooled_parts, raw)]
+        if bare := [i for i, st in enumerate(states) if st == SPOOLED and owners[i] is None and len(raw[i]) == 1]:
+            for i, o in zip(bare, self.conn.hmget(self.keys.spool_owner, [ids[i] for i in bare])):
+                owners[i] = o.decode() if o else None
         return states, owners
 
     def settle_job(self, spooled: list[str], owner: str, rows: Mapping[str, str],
@@ -226,12 +232,12 @@ class Ledger:
         keys = [self.keys.state, self.keys.spool_owner, self.keys.revoked_spools, record_key]
         return bool(self._fence(keys=keys, args=[spool, record, before, len(ids), *ids], client=self.conn))
 
-    def identity(self, known: str | None = None) -> str:
-        """This ledger's random id (`Keys.ledger_id`), taken on first use. `known`: the id the caller
-        has been using: a Redis that lost the key (a rollback past its creation, a wipe) gets it
-        back, so the claims this ledger already holds in storage stay its own. One command (SET NX
-        GET, Redis >= 7.0; two on an older server)."""
-        new = known or os.urandom(8).hex()
+    def identity(self) -> str:
+        """This ledger's random id (`Keys.ledger_id`), taken on first use. A collector's packing
+        record gives it back to a Redis that lost it (a rollback past its creation, a wipe:
+        harvest.state.packing `put_owned`), so the claims it holds in storage stay this ledger's.
+        One command (SET NX GET, Redis >= 7.0; two on an older server)."""
+        new = os.urandom(8).hex()
         try:
             old = self.conn.set(self.keys.ledger_id, new, nx=True, get=True)
         except redis.ResponseError:  # Redis < 7.0: NX and GET together are refused

@@ -1,6 +1,7 @@
-"""The ledger's scripts that ask who owns a spooled sample: the collector's view of its spool
-files, the ownership test of a shard's samples (its packing record and its commit fence), and
-the janitor's reclaim of a revoked spool's samples. The owner is read from the sample's state
+"""The ledger's scripts that ask who owns a spooled sample: the ownership test of a shard's
+samples (its packing record and its commit fence) and the janitor's reclaim of a revoked spool's
+samples. (The collector's view of its spool files decides nothing, and is a plain read:
+harvest.state.ledger.Ledger.states_and_owners.) The owner is read from the sample's state
 value (`s:<spool>`), or for a bare `s` an older harvest wrote, from the spool_owner hash
 (harvest.state.ledger_lua holds the value's format and the moves that write it).
 """
@@ -8,25 +9,6 @@ value (`s:<spool>`), or for a bare `s` an older harvest wrote, from the spool_ow
 from __future__ import annotations
 
 from harvest.state.ledger_lua import DROP_REF, STATE_VALUE
-
-# State letters and spool owners of a collector's spool files, in one call. KEYS: state, spool_owner.
-# Returns {letters, owners}, nil where absent (an owner: only for a spooled sample, '' for none).
-VIEW = STATE_VALUE + """
-local cur = redis.call('HMGET', KEYS[1], unpack(ARGV))
-local letters, owners, bare, at = {}, {}, {}, {}
-for i = 1, #ARGV do
-  local v = cur[i]
-  letters[i], owners[i] = v and letter(v), false
-  if letters[i] == 's' then
-    owners[i] = owner_in(v)
-    if owners[i] == nil then owners[i] = false; bare[#bare + 1] = ARGV[i]; at[#at + 1] = i end
-  end
-end
-if #bare > 0 then
-  for j, o in ipairs(redis.call('HMGET', KEYS[2], unpack(bare))) do owners[at[j]] = o end
-end
-return {letters, owners}
-"""
 
 # Reclaim: s -> q for the samples a (revoked) spool still owns. KEYS as the moves'; ARGV: spool, n, ids.
 RECLAIM = DROP_REF + STATE_VALUE + """

@@ -31,12 +31,17 @@ from harvest.state.ownership_lua import OWNS
 # during a rolling upgrade is in no index.
 #
 # `_PUT_OWNED`: the record written and indexed, and the commit fence's ownership test in the same
-# call (one round trip a shard less; harvest.state.ownership_lua.OWNS). KEYS: state, spool_owner,
-# revoked_spools, the record, the index. ARGV: the record, spool, n, ids.
+# call (one round trip a shard less; harvest.state.ownership_lua.OWNS), over the n ids given (none:
+# the spool's revocation alone); the ledger's id restored where a Redis lost it (`Ledger.identity`).
+# KEYS: state, spool_owner, revoked_spools, the record, the index, the ledger's id. ARGV: the
+# record, spool, n, ids, the ledger's id as the caller knows it. Returns {owned, the id in force}.
 _PUT_OWNED = OWNS + """
 redis.call('SET', KEYS[4], ARGV[1])
 redis.call('SADD', KEYS[5], KEYS[4])
-return owns(ARGV[2], 3, tonumber(ARGV[3])) and 1 or 0
+local n = tonumber(ARGV[3])
+local id = redis.call('GET', KEYS[6])
+if not id then id = ARGV[4 + n]; redis.call('SET', KEYS[6], id) end
+return {owns(ARGV[2], 3, n) and 1 or 0, id}
 """
 _CLEAR = "redis.call('SREM', KEYS[2], KEYS[1]) return redis.call('DEL', KEYS[1])"
 _FORGET_IF_GONE = "if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('SREM', KEYS[2], KEYS[1]) end return 0"
@@ -86,13 +91,17 @@ class PackingRecords:
         raw = self.conn.get(key)
         return None if raw is None else PackingRecord.from_json(raw)
 
-    def put_owned(self, key: str, rec: PackingRecord) -> tuple[str, bool]:
+    def put_owned(self, key: str, rec: PackingRecord, ledger_id: str, samples: bool = True) -> tuple[str, bool, str]:
         """Write `rec` at `key`, and in the same call ask whether its spool may commit its samples (not
-        revoked, owning each in state s, as the commit fence asks). Returns (the JSON written, that)."""
+        revoked, owning each in state s, as the commit fence asks) and restore the ledger's id
+        `ledger_id` if Redis lost it. `samples=False`: the spool's revocation alone, for a caller
+        whose view just found each sample spooled and its own (the fence asks again of each).
+        Returns (the JSON written, whether it may commit, the ledger's id in force)."""
         raw, k = rec.to_json(), self.keys
-        ok = self._put_owned(keys=[k.state, k.spool_owner, k.revoked_spools, key, k.packing_index],
-                             args=[raw, rec.spool or "", len(rec.sample_ids), *rec.sample_ids])
-        return raw, bool(ok)
+        ids = rec.sample_ids if samples else []
+        ok, held = self._put_owned(keys=[k.state, k.spool_owner, k.revoked_spools, key, k.packing_index, k.ledger_id],
+                                   args=[raw, rec.spool or "", len(ids), *ids, ledger_id])
+        return raw, bool(ok), held.decode()
 
     def ended(self, key: str) -> tuple[str, str]:
         """What `Ledger.mark_done` deletes with a shard's samples (`clear=`): the record at `key`,

@@ -91,6 +91,22 @@ def test_a_claim_of_this_ledger_that_no_record_names_is_taken_over(conn, tmp_pat
     assert f"sample {ids[0]}: took over its claim by shard {'0' * 32}" in caplog.text
 
 
+def test_a_ledger_id_redis_lost_comes_back_with_a_record_and_one_taken_meanwhile_voids_the_shard(conn, tmp_path,
+                                                                                                  caplog):
+    _, _, ids, ledger, c = _node(conn, tmp_path, "a")
+    known = c.claimer.ledger_id
+    conn.delete(ledger.keys.ledger_id)  # a Redis that lost it (a rollback past its creation)
+    c.record(c.plan(c.choose(force=True)), viewed=True)
+    assert conn.get(ledger.keys.ledger_id).decode() == known and c._refused == ""  # given back
+    c.records.clear(c.packing_key)
+    conn.set(ledger.keys.ledger_id, "f" * 16)  # lost again, and a new process took a new id first
+    assert c.step(force=True) == 0  # the shard named under the old id is given up before anything is packed
+    assert f"the ledger's id is {'f' * 16} now, not {known}: nothing packed" in caplog.text
+    assert c.claimer.ledger_id == "f" * 16 and c.out.list(SHARDS) == [] and ledger.states(ids) == ["s"] * len(ids)
+    assert c.step(force=True) == len(ids)  # chosen again, named and claimed under the id in force
+    assert {json.loads(c.out.read_bytes(claim_file(s)))["ledger"] for s in ids} == {"f" * 16}
+
+
 def test_a_claim_of_another_ledger_is_busy_until_stale_by_the_store_clock(conn, tmp_path):
     _, spool, ids, ledger, c = _node(conn, tmp_path, "a")
     out = c.out

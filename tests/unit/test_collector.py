@@ -226,3 +226,23 @@ def test_spool_files_of_samples_the_ledger_forgot_are_taken_up_and_committed(con
     assert ledger.counts() == {"queued": 1, "spooled": 0, "done": 2, "failed": 0, "total": 3}
     assert sorted(RunReader(f"file://{tmp_path / 'out'}/{cfg.run}").sample_ids) == sorted(s.id for s in samples[:2])
     assert [sid for sid, _, _ in list_spooled(spool)] == [samples[2].id]
+
+
+def test_a_shard_its_view_chose_is_recorded_asking_only_the_spools_revocation_and_the_fence_asks_each_sample(
+        conn, tmp_path):
+    cfg, spool, samples, ledger = _setup(conn, tmp_path, [5, 6, 7])
+    c = Collector(conn, cfg, spool, node="n1")
+    chosen = c.choose(force=True)
+    ids = [e.id for e in chosen]
+    conn.hset(ledger.keys.state, ids[0], "s:another-spool")  # changed hands after the view (a hand edit)
+    plan = c.plan(chosen)
+    c.record(plan)  # as a restart resumes a record: each sample asked
+    assert c._refused == f"spool {c.spool_id} does not own all of its samples (reclaimed, or lost keys)"
+    c.record(plan, viewed=True)
+    assert c._refused == ""  # its view found each sample its own: only a revocation since is asked
+    assert c._commit(ids, entries=chosen) == 0  # packed, then refused by the commit fence, which asks each
+    assert c.out.list(SHARDS) == [] and c.out.list(INDEX) == [] and len(list_spooled(spool)) == 3
+    assert ledger.states(ids) == ["s"] * 3 and ledger.spool_owners(ids[:1]) == ["another-spool"]
+    conn.sadd(ledger.keys.revoked_spools, c.spool_id)
+    c.record(plan, viewed=True)
+    assert c._refused.startswith(f"spool {c.spool_id} does not own")  # revoked since the view

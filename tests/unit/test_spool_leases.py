@@ -96,7 +96,7 @@ def test_a_revoked_spool_owns_nothing_again(conn, tmp_path):
     reclaim_spool(conn, cfg, a)
     assert not leases.renew(a, "node-a")
     assert not ledger.fence_commit(a, a_ids[:2], key, "{}", "") and conn.get(key) is None
-    raw, owned = PackingRecords(conn, cfg.run).put_owned(key, PackingRecord("s1", a_ids[:2], a))
+    raw, owned, _ = PackingRecords(conn, cfg.run).put_owned(key, PackingRecord("s1", a_ids[:2], a), "lid")
     assert not owned and json.loads(conn.get(key)) == json.loads(raw)  # written, and refused in the same call
     assert ledger.mark_spooled(a_ids, owner=a) == []  # still queued: the retried job spools them anew
     assert ledger.states(a_ids) == ["q"] * 5

@@ -52,8 +52,8 @@ def test_an_older_harvests_bare_s_reads_fences_and_moves_with_its_owner_from_the
     assert check_ledger(conn, "so2").ok
     assert led.states_and_owners([A, C, D]) == (["s", "s", "q"], ["spool1", None, None])
     records = PackingRecords(conn, "so2")
-    assert records.put_owned("rec", PackingRecord("shard1", [A, B], "spool1"))[1] is True
-    assert records.put_owned("rec2", PackingRecord("shard2", [A, B], "spool2"))[1] is False
+    assert records.put_owned("rec", PackingRecord("shard1", [A, B], "spool1"), "lid")[1] is True
+    assert records.put_owned("rec2", PackingRecord("shard2", [A, B], "spool2"), "lid")[1] is False
     assert led.owned_by("spool1") == [A, B]
     assert led.mark_done([A]) == [A]
     assert led.reclaim("spool1", [B]) == [B]
