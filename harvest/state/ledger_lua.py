@@ -41,10 +41,17 @@ N_MOVE_KEYS = 10
 # letter(v): the state letter of a state value ('_' absent). owner_in(v): the owner a spooled state
 # value names ('' none); nil for a bare `s`, whose owner is in the spool_owner hash. ref_in(v): the
 # ref a spooled state value holds (spool ids never hold an `@`: harvest.ids), nil if none.
+# spooled_in(v): owner_in(v) and the job of its ref (nil if none), with one pattern match where the
+# value holds a ref (a match and its captures cost the server about a microsecond a sample).
 STATE_VALUE = """
 local function letter(v) return v and string.sub(v, 1, 1) or '_' end
 local function owner_in(v) if #v > 1 then return string.match(v, '^s:([^@]*)') end return nil end
 local function ref_in(v) return v and string.match(v, '^s:[^@]*(@.+)$') end
+local function spooled_in(v)
+  local o, job = string.match(v, '^s:([^@]*)@([^#]+)#')
+  if o then return o, job end
+  return owner_in(v), nil
+end
 """
 
 # drop_ref(payload_key, row): a row leaving the spooled-payload hash `payload_key` gives back its
@@ -114,14 +121,14 @@ local function move(to, allowed, n, base, keep)
       local v = now[id] or cur[j]
       local c = letter(v)
       if string.find(allowed, c, 1, true) and c ~= to and not (to == 's' and info ~= '' and revoked(info)) then
-        local new = to
-        if to == 's' then new = 's:' .. info .. (ref_job(r) and r or '') end
+        local new, rjob = to, nil
+        if to == 's' then rjob = ref_job(r); new = 's:' .. info .. (rjob and r or '') end
         now[id] = new
         st[#st + 1] = id; st[#st + 1] = new
         if c ~= '_' then bump(dcount, c, -1) end
         bump(dcount, to, 1)
         if c == 's' then
-          local o, held = owner_in(v), ref_job(ref_in(v))
+          local o, held = spooled_in(v)
           if o == nil then bare_s[#bare_s + 1] = id elseif o ~= '' then bump(dspool, o, -1) end
           if held then bump(drefs, held, -1) else from_s[#from_s + 1] = id end  -- else: a row in KEYS[5], if any
         end
@@ -134,9 +141,8 @@ local function move(to, allowed, n, base, keep)
           if keep and r ~= '' then kept[#kept + 1] = id; kept[#kept + 1] = r end
         elseif to == 's' then
           if info ~= '' then bump(dspool, info, 1) end
-          local job = ref_job(r)
-          if job then
-            bump(drefs, job, 1)  -- kept in the state value
+          if rjob then
+            bump(drefs, rjob, 1)  -- kept in the state value
           elseif r ~= '' then
             row[#row + 1] = id; row[#row + 1] = r; stale[#stale + 1] = id
           end
@@ -224,14 +230,15 @@ local stats = {}
 local p = 4
 local nseg = tonumber(ARGV[p]); p = p + 1
 -- Every job a row to spool refers to is still there to copy (or copied), before anything moves.
-local q, seen = p, {}
+local q, seen, last = p, {}, nil  -- last: `@<job>#` of the job checked last (a job's rows come together)
 for s = 1, nseg do
   local n = tonumber(ARGV[q + 5])
   if ARGV[q] == 's' then
     for i = 1, n do
-      local job = ref_job(ARGV[q + 5 + 2 * n + i])
+      local r = ARGV[q + 5 + 2 * n + i]
+      local job = not (last and string.find(r, last, 1, true) == 1) and ref_job(r)
       if job and not seen[job] then
-        seen[job] = true
+        seen[job], last = true, '@' .. job .. '#'
         if redis.call('EXISTS', KEYS[5] .. ':' .. job) == 0 and redis.call('EXISTS', 'rq:job:' .. job) == 0 then
           return redis.error_reply('HARVEST_NO_JOB ' .. job)
         end
