@@ -16,7 +16,8 @@ plain commands (the view) is its commands alone.
 Baselines from the same run, since this machine's speed varies from hour to hour:
 - an EVALSHA of `return 1`: a script call's floor;
 - an HMGET of `--job` fields picked at random in the ledger's state hash (cold: what each step's
-  first read of a sample costs) and of the same fields again (warm);
+  first read of a sample costs), the same read made by a script (what carrying each id into Lua and
+  each value out costs), and an HMGET of the same fields again (warm);
 - a PING round trip's main-thread CPU (what any round trip costs the server besides its command).
 
 Last, one worker (harvest's RQ worker, in this process, burst) runs `--jobs` jobs against the
@@ -97,9 +98,11 @@ def baselines(conn: redis.Redis, led: Ledger, ids: list[str], job: int, n: int =
               rounds: int = 7) -> dict[str, float]:
     """µs a call, the median of `rounds` rounds of `n` calls (a round that met a neighbour's burst is dropped)."""
     one, state = conn.register_script("return 1"), led.keys.state
+    hm = conn.register_script("return #redis.call('HMGET', KEYS[1], unpack(ARGV))")
     out = {}
     for name, fn in (("EVALSHA of `return 1`", lambda: one()),
                      (f"HMGET of {job} random fields, cold", lambda: conn.hmget(state, random.sample(ids, job))),
+                     ("the same HMGET in a script", lambda: hm(keys=[state], args=random.sample(ids, job))),
                      (f"HMGET of {job} fields, warm", lambda: conn.hmget(state, ids[:job]))):
         per_call = []
         for _ in range(rounds):

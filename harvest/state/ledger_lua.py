@@ -42,7 +42,7 @@ N_MOVE_KEYS = 10
 # value names ('' none); nil for a bare `s`, whose owner is in the spool_owner hash. ref_in(v): the
 # ref a spooled state value holds (spool ids never hold an `@`: harvest.ids), nil if none.
 # spooled_in(v): owner_in(v) and the job of its ref (nil if none), with one pattern match where the
-# value holds a ref (a match and its captures cost the server about a microsecond a sample).
+# value holds a ref, not three (each match and its captures are the server's work, a sample each).
 STATE_VALUE = """
 local function letter(v) return v and string.sub(v, 1, 1) or '_' end
 local function owner_in(v) if #v > 1 then return string.match(v, '^s:([^@]*)') end return nil end
