@@ -133,11 +133,14 @@ def test_one_job_and_its_shard_cost_the_same_commands_whatever_the_ledger_holds(
     assert led.counts()["done"] == 100_000 + 3 * N
     assert big_job == small_job  # one for one: nothing of the job reads the ledger's size
     assert big_shard == small_shard
-    # a shard: the spool's states, the record with the fence's ownership test, the fence, done with
-    # its stats and the record cleared; a job: RQ's dequeue (harvest.state.jobs.RunQueue: the job,
-    # then the burst's empty queue), take with the job started, settle (marks, failures, stats, the
-    # engine histogram) with the job ended and its histogram. One call each, whatever N.
-    assert small_shard["evalsha"] == 4 and small_job["evalsha"] == 6
+    # a shard: the spool's states (a plain HMGET), the record with the spool's revocation test and
+    # the ledger's id, the fence, done with its stats and the record cleared; a job: RQ's dequeue
+    # (harvest.state.jobs.RunQueue: the job, then the burst's empty queue), take with the job
+    # started, settle (marks, failures, stats, the engine histogram) with the job ended and its
+    # histogram. One call each, whatever N; a shard reads its samples' states twice (the view's
+    # HMGET, the fence's), and once more to move them (done).
+    assert small_shard["evalsha"] == 3 and small_job["evalsha"] == 6
+    assert small_shard["hmget"] == 3 and small_shard["set"] == 2  # the record, the fence's: no SET of the ledger's id
 
 
 class _CountingConnection(redis.Connection):
