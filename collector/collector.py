@@ -311,7 +311,10 @@ class Collector:
         """The one record per node of the shard being committed, which a restart finishes, with the
         fence's ownership test and the ledger's id (restored if Redis lost it) in one call. `viewed`:
         chosen by `choose`, whose view found each sample spooled and owned by this spool: the test
-        then asks only whether it was revoked since (the commit fence asks again of each sample)."""
+        then asks only whether it was revoked since. A node back late after its spool was revoked
+        fails that test (or its spool took a new id, and asks of each sample); a sample that
+        changed hands since the view, or a Redis that lost its last second (this record, a move),
+        is refused by the commit fence, which asks of each sample and that the record is unchanged."""
         # The spool this record names is the one the fence checks: packer 0 may renew the lease (and
         # rotate the id of a revoked spool) for every packer while this one is mid-commit.
         self._recorded_spool = spool = self.spool_id

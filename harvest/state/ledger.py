@@ -131,9 +131,9 @@ class Ledger:
             for i in range(0, len(ids), SCRIPT_ARGS):
                 pipe.hmget(self.keys.state, ids[i : i + SCRIPT_ARGS])
             raw = [v for part in pipe.execute() for v in part]
-        states, owners = [state_letter(v) for v in raw], [None if p is None else p[0] or None
-                                                          for p in map(spooled_parts, raw)]
-        if bare := [i for i, st in enumerate(states) if st == SPOOLED and owners[i] is None and len(raw[i]) == 1]:
+        states, parts = [state_letter(v) for v in raw], [spooled_parts(v) for v in raw]
+        owners = [p[0] or None if p else None for p in parts]
+        if bare := [i for i, (st, p) in enumerate(zip(states, parts)) if st == SPOOLED and p is None]:
             for i, o in zip(bare, self.conn.hmget(self.keys.spool_owner, [ids[i] for i in bare])):
                 owners[i] = o.decode() if o else None
         return states, owners
