@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 from collections.abc import Iterable
 
 import numpy as np
@@ -81,8 +82,20 @@ def shard_id_for(sample_ids: Iterable[str], ledger: str = "", generation: int = 
     return _digest_of([*ids, *tail])
 
 
+def new_attempt() -> int:
+    """A job execution's attempt number: random (63 bits), drawn by the worker as it takes the
+    job (workers.job). Every rid of the attempt ends with it (`rid_for`), so files of an earlier
+    attempt, timed out or of a worker that died, are never mistaken for this one's. Random, not
+    counted a sample in Redis: a count cost the fleet's Redis a read and a write a sample at every
+    job's start (bench/job_cost.py, "worker: take"), and a Redis that forgot its last second could
+    hand the same number out twice; two draws meet with odds of 2^-63. The heartbeat names the
+    attempt its worker is running (harvest.state.heartbeat), which is how the janitor knows a dump
+    file nobody will claim (harvest.ops.janitor)."""
+    return secrets.randbits(63)
+
+
 def rid_for(sid: str, attempt: int) -> str:
-    """Unique per attempt, so files of a timed-out earlier attempt are never mistaken for this one's."""
+    """Unique per attempt (`new_attempt`), so files of an earlier attempt are never mistaken for this one's."""
     check_id(sid, "sample id")
     return f"{RID_PREFIX}{sid}-{int(attempt)}"
 

@@ -41,7 +41,7 @@ from rq import Retry, get_current_job
 from rq.timeouts import JobTimeoutException
 
 from harvest.errors import StorageError
-from harvest.ids import rid_for
+from harvest.ids import new_attempt, rid_for
 from harvest.node.spooldir import SpoolBatch
 from harvest.ops.metrics import bucket_of, observe
 from harvest.state import jobcopy
@@ -158,15 +158,14 @@ class BatchJob:
         return None
 
     def choose(self) -> list[Sample]:
-        """The job's samples still queued, each with a new attempt number (a fresh rid), in one
-        ledger call (a connection error here: nothing to undo; an attempt number taken by a job
-        that stops before its engine call is only skipped), with the heartbeat's job line in
-        the same round trip (harvest.state.roundtrip)."""
-        ctx = self.ctx
-        also = [ctx.beat.starting(self.job.id if self.job else "", len(self.samples))] if ctx.beat else []
-        states, attempts = ctx.ledger.take([s.id for s in self.samples], also=also)
+        """The job's samples still queued, read with the heartbeat's job line, which names the
+        job's new attempt (a fresh rid a sample: harvest.ids.new_attempt), in one round trip
+        (harvest.state.roundtrip; a connection error here: nothing to undo)."""
+        ctx, attempt = self.ctx, new_attempt()
+        also = [ctx.beat.starting(self.job.id if self.job else "", len(self.samples), attempt)] if ctx.beat else []
+        states = ctx.ledger.take([s.id for s in self.samples], also=also)
         self.todo = [s for s, st in zip(self.samples, states) if st == QUEUED]
-        self.attempts = {s.id: a for s, st, a in zip(self.samples, states, attempts) if st == QUEUED}
+        self.attempts = dict.fromkeys((s.id for s in self.todo), attempt)
         return self.todo
 
     def attempt(self) -> JobResult | Retry:

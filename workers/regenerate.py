@@ -6,12 +6,12 @@ turns and its hidden states are spooled together and committed together, in one 
 index (harvest.formats.generated), so a conversation is committed once or not at all. A worker or
 node lost before the commit loses only work: the sample is still queued (or is reclaimed), and
 generating it again gives the same tokens (temperature 0, or the same per-turn seed). Nothing here
-changes who owns a sample: the job's `take` (attempt numbers) and its spool's lease do, as for any
-job. A worker that comes back late after its job was taken over writes its spool files and meets
-the ledger's refusal of a revoked spool at its marks (workers.job `finish`); its conversations are
-never committed because the collector packs only samples its own spool owns. A Redis that forgets
-its last second may hand an attempt number out twice: two generations then share `hg-` rids,
-which no engine dumps, so they cannot mix; their extraction rids are claimed and verified as ever.
+changes who owns a sample: the ledger's states and its spool's lease do, as for any job. A worker
+that comes back late after its job was taken over writes its spool files and meets the ledger's
+refusal of a revoked spool at its marks (workers.job `finish`); its conversations are never
+committed because the collector packs only samples its own spool owns. Each execution of a job
+draws its own attempt number (harvest.ids.new_attempt), so two generations of a sample never share
+`hg-` rids (which no engine dumps anyway), and its extraction rids are claimed and verified as ever.
 
 Turns are written in order, each from the tokens before it (harvest.state.conversation.splice);
 the conversations of a job are written at once, `MAX_IN_FLIGHT` requests at a time, because the

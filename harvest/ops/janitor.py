@@ -182,18 +182,20 @@ def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE
                    proven_stale_s: float = PROVEN_STALE_S, keep_claim_dirs: bool = False) -> tuple[list[str], int]:
     """Node-local: remove the claim dirs of workers with no heartbeat (any run: the dump dir may be
     shared) and unclaimed dump files older than `stale_dump_s` (a request that timed out, or a
-    worker that died before claiming). With `run`, files that run's ledger proves nobody will
-    claim (their sample is done or failed, or a newer attempt exists: the engine finished a
-    request after its worker died or gave up) go after only `proven_stale_s`.
+    worker that died before claiming). With `run`, files nobody will claim go after only
+    `proven_stale_s`: their sample is done or failed in that run's ledger, or it is in the ledger
+    and no live worker of this node names the file's attempt (the engine finished a request after
+    its worker died, gave up or went on to its next job: `_running_attempts`).
     `keep_claim_dirs`: a new Redis holds reaping (harvest.ops.liveness), so a missing heartbeat
-    proves nothing yet. Returns (claim dirs removed, dump files removed)."""
+    proves nothing yet, neither a dead worker nor an attempt ended. Returns (claim dirs removed,
+    dump files removed)."""
     now = time.time() if now is None else now
     dirs, files = [], 0
     try:
         entries = list(os.scandir(dump_dir))
     except FileNotFoundError:
         return dirs, files
-    proven = _proven_stale(conn, run, [e.name for e in entries]) if run else set()
+    proven = _proven_stale(conn, run, [e.name for e in entries], dump_dir, keep_claim_dirs) if run else set()
     for e in entries:
         try:
             age = now - e.stat(follow_symlinks=False).st_mtime
@@ -218,25 +220,49 @@ def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE
     return dirs, files
 
 
-def _proven_stale(conn: redis.Redis, run: str, names: list[str]) -> set[str]:
+def _proven_stale(conn: redis.Redis, run: str, names: list[str], dump_dir: str, held: bool) -> set[str]:
     parsed = {}
     for n in names:
         p = parse_chunk_name(n)
         if p is not None:
-            sid, attempt = parse_rid(p[0])
-            parsed[n] = (sid, attempt)
+            parsed[n] = parse_rid(p[0])
     if not parsed:
         return set()
     sids = sorted({sid for sid, _ in parsed.values()})
-    ledger = Ledger(conn, run)
-    states = dict(zip(sids, ledger.states(sids)))
-    attempts = dict(zip(sids, conn.hmget(ledger.keys.attempts, sids)))
+    states = dict(zip(sids, Ledger(conn, run).states(sids)))
+    running = None if held else _running_attempts(conn, dump_dir)
     out = set()
     for n, (sid, attempt) in parsed.items():
-        current = int(attempts[sid] or 0)
-        if states[sid] in (DONE, FAILED) or (states[sid] is not None and current > attempt):
+        st = states[sid]
+        if st in (DONE, FAILED) or (st is not None and running is not None and attempt not in running):
             out.add(n)
     return out
+
+
+def _running_attempts(conn: redis.Redis, dump_dir: str) -> set[int] | None:
+    """The attempts the live workers of this dump dir's node name (harvest.state.heartbeat), or
+    None when one of them runs an older harvest, which names none. The node's workers are the
+    owners of the claim dirs here, listed after the dump files: a worker makes its claim dir
+    before it takes a job, and names the job's attempt before the engine gets a request of it, so
+    the worker of any file listed is in this listing, and its heartbeat read after names the
+    attempt while it runs. O(the node's workers), not O(dump files)."""
+    try:
+        owners = sorted({o for n in os.listdir(dump_dir) if (o := claim_dir_owner(n)) and ID_PATTERN.fullmatch(o)})
+    except FileNotFoundError:
+        return set()
+    with conn.pipeline(transaction=False) as pipe:
+        for o in owners:
+            pipe.hmget(worker_key(o), ["name", "attempt"])
+        beats = pipe.execute()
+    running = set()
+    for name, attempt in beats:
+        if name is None:
+            continue  # no heartbeat: a dead worker runs nothing
+        if attempt is None:
+            return None
+        if attempt:
+            running.add(int(attempt))
+    return running
 
 
 def _stored_run(conn: redis.Redis, run: str) -> RunConfig | None:

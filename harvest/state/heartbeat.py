@@ -93,7 +93,7 @@ class WorkerBeat:
         self.key = worker_key(name)
         self.keys = Keys(run)
         self.identity = {"name": name, "run": run, "host": host, "pid": str(os.getpid()), "engine": engine}
-        self.doing = {"state": IDLE, "job": "", "execution": "", "job_samples": "0"}
+        self.doing = {"state": IDLE, "job": "", "execution": "", "job_samples": "0", "attempt": ""}
         self._lock = threading.Lock()
         self._write = conn.register_script(_WRITE)
         self._ended = conn.register_script(_JOB_ENDED)
@@ -142,16 +142,20 @@ class WorkerBeat:
             pipe.hset(self.key, mapping={**self.identity, **self.doing})
             pipe.expire(self.key, self.ttl)
 
-    def job_started(self, job_id: str, samples: int) -> None:
-        send_together(self.conn, [self.starting(job_id, samples)])
+    def job_started(self, job_id: str, samples: int, attempt: int) -> None:
+        send_together(self.conn, [self.starting(job_id, samples, attempt)])
 
-    def starting(self, job_id: str, samples: int) -> ScriptCall:
+    def starting(self, job_id: str, samples: int, attempt: int) -> ScriptCall:
         """`job_started`'s call, to be sent with the ledger's take of the job (one round trip,
-        harvest.state.roundtrip); this process's own view of the job changes at once."""
+        harvest.state.roundtrip); this process's own view of the job changes at once. `attempt`:
+        the job's attempt number, the tail of its rids (harvest.ids.new_attempt), named until the
+        job ends: the janitor removes a dump file whose attempt no live worker of its node names
+        (harvest.ops.janitor). Sent before the engine gets a request of it, so no dump file of the
+        attempt exists before the heartbeat names it."""
         with self._lock:
             if self.doing["job"] != job_id:
                 self.doing["execution"] = ""  # started outside HarvestWorker: the job alone names it
-            self.doing.update(state=BUSY, job=job_id, job_samples=str(samples))
+            self.doing.update(state=BUSY, job=job_id, job_samples=str(samples), attempt=str(int(attempt)))
             fields = {**self.identity, **self.doing}
             return ScriptCall(self._write, [self.key], [self.ttl, "job_started", self.name, *_pairs(fields)])
 
@@ -165,7 +169,7 @@ class WorkerBeat:
     def ending(self, observe: tuple[str, str, float] | None = None) -> ScriptCall:
         """`job_ended`'s call, to be sent with the ledger's settle of the job (one round trip)."""
         with self._lock:
-            self.doing.update(state=IDLE, job_samples="0")
+            self.doing.update(state=IDLE, job_samples="0", attempt="")
             if not self.doing["execution"]:
                 self.doing["job"] = ""
             keys, hist = [self.key], ["", ""]

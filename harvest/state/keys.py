@@ -72,11 +72,6 @@ class Keys:
         return f"{self.prefix}:spool_owner"
 
     @property
-    def attempts(self) -> str:
-        """Hash sample_id -> attempts started, so each attempt gets a fresh rid."""
-        return f"{self.prefix}:attempts"
-
-    @property
     def stats(self) -> str:
         """Hash of throughput counters (tokens_done, bytes_done, shards)."""
         return f"{self.prefix}:stats"

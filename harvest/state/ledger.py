@@ -12,7 +12,7 @@ never scan the hash.
 Cost (bench/fleet.py). The control plane's budget is per sample: a worker's job settles all its
 samples in one call (`settle_job`: the spooled ones, the failed ones with their payload rows, the
 stats and the engine-latency observation), a collector's shard in one (`mark_done` with its
-stats), and a job's samples are taken with their new attempt numbers in one (`take`); inside a
+stats), and a job's samples' states are read with one plain HMGET (`take`); inside a
 call, states are read and written per batch of samples, and counters once per call.
 """
 
@@ -26,9 +26,9 @@ import redis
 
 from harvest.state.keys import Keys
 from harvest.state import jobcopy
-from harvest.state.ledger_lua import ADD_STATS, FORGET, SETTLE, TAKE, TRANSITION
+from harvest.state.ledger_lua import ADD_STATS, FORGET, SETTLE, TRANSITION
 from harvest.state.ownership_lua import FENCE, RECLAIM
-from harvest.state.roundtrip import ScriptCall, send_together
+from harvest.state.roundtrip import Command, ScriptCall, send_together
 
 QUEUED, SPOOLED, DONE, FAILED = "q", "s", "d", "f"
 ABSENT = "_"
@@ -77,7 +77,6 @@ class Ledger:
         self._script = conn.register_script(TRANSITION)
         self._settle_script = conn.register_script(SETTLE)
         self._stats = conn.register_script(ADD_STATS)
-        self._take = conn.register_script(TAKE)
         self._reclaim = conn.register_script(RECLAIM)
         self._fence = conn.register_script(FENCE)
         self._forget = conn.register_script(FORGET)
@@ -105,21 +104,21 @@ class Ledger:
             return []
         return [state_letter(v) for v in self.conn.hmget(self.keys.state, ids)]
 
-    def take(self, ids: list[str], also: Sequence[ScriptCall] = ()) -> tuple[list[str | None], list[int]]:
-        """A job's samples as the worker starts it: each one's state, and for the queued ones a new
-        attempt number (so each attempt gets a fresh rid), in one call: (states, attempts; 0 where
-        not queued). `also`: calls sent in the same round trip (harvest.state.roundtrip)."""
+    def take(self, ids: list[str], also: Sequence[ScriptCall] = ()) -> list[str | None]:
+        """A job's samples' states as the worker starts it, with `also` (the heartbeat's job line,
+        which names the job's attempt: workers.job) in the same round trip (harvest.state.roundtrip).
+        A plain HMGET: the attempt that gives each rid its tail is the worker's own random number,
+        not a counter kept a sample (harvest.ids.new_attempt), so the take decides nothing and
+        writes nothing."""
+        if not ids:
+            if also:
+                send_together(self.conn, list(also))
+            return []
         states: list[str | None] = []
-        attempts: list[int] = []
-        if not ids and also:
-            send_together(self.conn, list(also))
         for i in range(0, len(ids), SCRIPT_ARGS):
-            call = ScriptCall(self._take, [self.keys.state, self.keys.attempts], ids[i : i + SCRIPT_ARGS])
-            res = send_together(self.conn, [call, *(also if i == 0 else ())])[0]
-            for st, a in zip(res[0::2], res[1::2]):
-                states.append(st.decode() or None if isinstance(st, bytes) else (st or None))
-                attempts.append(int(a))
-        return states, attempts
+            read = Command(("HMGET", self.keys.state, *ids[i : i + SCRIPT_ARGS]))
+            states += [state_letter(v) for v in send_together(self.conn, [read, *(also if i == 0 else ())])[0]]
+        return states
 
     def states_and_owners(self, ids: list[str]) -> tuple[list[str | None], list[str | None]]:
         """The states and spool owners of `ids` (the collector's view of its spool files). Plain

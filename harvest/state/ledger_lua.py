@@ -306,35 +306,6 @@ redis.call('EXPIRE', rate, tonumber(ARGV[1]))
 return 1
 """
 
-# A job's samples still queued, each with a new attempt number (a fresh rid): what a worker's
-# job reads before its engine call. KEYS: state, attempts. ARGV: ids. Returns, per id, its state
-# letter ('' absent) and, for queued ones, the attempt number (0 otherwise). The attempts are read with
-# one HMGET and written with one HSET (not a HINCRBY a sample: a call from Lua costs the server
-# more than the increment); an id listed twice counts once.
-TAKE = """
-local cur = redis.call('HMGET', KEYS[1], unpack(ARGV))
-local queued = {}
-for i = 1, #ARGV do if cur[i] == 'q' then queued[#queued + 1] = ARGV[i] end end
-local was = #queued > 0 and redis.call('HMGET', KEYS[2], unpack(queued)) or {}
-local now, set, out, j = {}, {}, {}, 0
-for i = 1, #ARGV do
-  local id, s = ARGV[i], cur[i] and string.sub(cur[i], 1, 1) or ''
-  out[#out + 1] = s
-  if s == 'q' then
-    j = j + 1
-    if now[id] == nil then
-      now[id] = (tonumber(was[j]) or 0) + 1
-      set[#set + 1] = id; set[#set + 1] = now[id]
-    end
-    out[#out + 1] = now[id]
-  else
-    out[#out + 1] = 0
-  end
-end
-if #set > 0 then redis.call('HSET', KEYS[2], unpack(set)) end
-return out
-"""
-
 # Forget samples the ledger says are done but no index in storage names (an index file lost):
 # d -> absent, so the producer enqueues them again. KEYS: state, counts. ARGV: n, ids.
 FORGET = """

@@ -1,11 +1,13 @@
-"""Several harvest scripts sent in one round trip.
+"""Several harvest scripts (and plain commands) sent in one round trip.
 
 Why. On the fleet's one Redis a round trip costs the server more than most scripts' work: a
 read and a write system call, and on a VM the wake-up of the client on another core (a PING
 round trip: 11-80 µs of Redis CPU on this project's VMs, bench/fleet.py). A worker's job made
 two pairs of calls that need no answer from each other: the ledger's `TAKE` and the heartbeat's
 job line, then the ledger's `SETTLE` and the heartbeat's end of job. Each pair goes as one
-pipeline here.
+pipeline here. A plain read (`Command`: the take's HMGET of the job's states) goes with them the
+same way: a read needs no script, and carrying its ids into Lua and its values out cost the
+server more than the read (bench/job_cost.py).
 
 What it keeps. The calls go as EVALSHAs in one non-transactional pipeline: each script is
 atomic by itself, as when sent alone, and one's error does not stop the next (both run, or the
@@ -31,19 +33,29 @@ class ScriptCall:
     args: list[Any] = field(default_factory=list)
 
 
-def send_together(conn: redis.Redis, calls: list[ScriptCall]) -> list[Any]:
+@dataclass(frozen=True)
+class Command:
+    """A plain command (`args[0]` its name), sent as it is."""
+
+    args: tuple[Any, ...]
+
+
+def send_together(conn: redis.Redis, calls: list[ScriptCall | Command]) -> list[Any]:
     """Each call's reply, in order, from one round trip. Raises the first call's error, if
     any, after every call ran."""
-    if len(calls) == 1:
+    if len(calls) == 1 and isinstance(calls[0], ScriptCall):
         c = calls[0]
         return [c.script(keys=c.keys, args=c.args, client=conn)]
     with conn.pipeline(transaction=False) as pipe:
         for c in calls:  # plain EVALSHA: redis-py's Script in a pipeline adds a SCRIPT EXISTS round trip
-            pipe.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
+            if isinstance(c, Command):
+                pipe.execute_command(*c.args)
+            else:
+                pipe.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
         replies = pipe.execute(raise_on_error=False)
     out = []
     for c, r in zip(calls, replies):
-        if isinstance(r, redis.exceptions.NoScriptError):  # it did not run: loaded, then sent alone
+        if isinstance(r, redis.exceptions.NoScriptError) and isinstance(c, ScriptCall):  # not run: loaded, sent alone
             try:
                 r = c.script(keys=c.keys, args=c.args, client=conn)
             except redis.ResponseError as e:  # its error reply, raised once the others ran

@@ -383,7 +383,7 @@ class Trial:
 
     def _leftover(self, conn: redis.Redis, path: str) -> str:
         """A file left behind, with what tells why the janitor kept it: its age, and for a dump
-        file its sample's state and attempt number in the ledger."""
+        file its attempt number and its sample's state in the ledger."""
         try:
             age = f"{time.time() - os.stat(path).st_mtime:.1f}s old"
         except FileNotFoundError:
@@ -393,5 +393,4 @@ class Trial:
             return f"{path} ({age})"
         sid, attempt = parse_rid(chunk[0])
         ledger = Ledger(conn, self.run)
-        state, current = ledger.states([sid])[0], conn.hget(ledger.keys.attempts, sid)
-        return f"{path} ({age}, attempt {attempt}; ledger: state {state}, attempt {current and int(current)})"
+        return f"{path} ({age}, attempt {attempt}; ledger: state {ledger.states([sid])[0]})"

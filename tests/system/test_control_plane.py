@@ -135,11 +135,11 @@ def test_one_job_and_its_shard_cost_the_same_commands_whatever_the_ledger_holds(
     assert big_shard == small_shard
     # a shard: the spool's states (a plain HMGET), the record with the spool's revocation test and
     # the ledger's id, the fence, done with its stats and the record cleared; a job: RQ's dequeue
-    # (harvest.state.jobs.RunQueue: the job, then the burst's empty queue), take with the job
-    # started, settle (marks, failures, stats, the engine histogram) with the job ended and its
-    # histogram. One call each, whatever N; a shard reads its samples' states twice (the view's
-    # HMGET, the fence's), and once more to move them (done).
-    assert small_shard["evalsha"] == 3 and small_job["evalsha"] == 6
+    # (harvest.state.jobs.RunQueue: the job, then the burst's empty queue), the job started (the
+    # take itself is a plain HMGET), settle (marks, failures, stats, the engine histogram) with
+    # the job ended and its histogram. One call each, whatever N; a shard reads its samples' states
+    # twice (the view's HMGET, the fence's), and once more to move them (done).
+    assert small_shard["evalsha"] == 3 and small_job["evalsha"] == 5
     assert small_shard["hmget"] == 3 and small_shard["set"] == 2  # the record, the fence's: no SET of the ledger's id
 
 
@@ -205,8 +205,8 @@ def test_a_jobs_own_calls_are_two_round_trips_whatever_the_jobs(server, r, fleet
     assert per_job == 2, per_job
     assert int(r.hget(mine.key, "jobs_done")) == jobs_before + 8
     assert int(r.hget(hist, "count")) == observed + 8
-    assert {k: r.hget(mine.key, k) for k in ("state", "job", "job_samples")} == {
-        "state": b"idle", "job": b"", "job_samples": b"0"}
+    assert {k: r.hget(mine.key, k) for k in ("state", "job", "job_samples", "attempt")} == {
+        "state": b"idle", "job": b"", "job_samples": b"0", "attempt": b""}
 
 
 def test_status_and_metrics_cost_the_same_on_a_ledger_of_100k(r):

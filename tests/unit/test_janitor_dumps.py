@@ -1,4 +1,4 @@
-"""Dump files the ledger proves nobody will claim are removed at once, not after 15 minutes."""
+"""Dump files nobody will claim (by the ledger and the heartbeats) are removed at once, not after 15 minutes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import torch
 
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import rid_for
+from harvest.node.dumpdir import CLAIM_PREFIX, claim_dir
 from harvest.ops.janitor import clean_dump_dir
+from harvest.state.heartbeat import WorkerBeat
+from harvest.state.keys import worker_key
 from harvest.state.ledger import Ledger
 
 
@@ -17,20 +20,38 @@ def _file(d, sid: str, attempt: int) -> str:
     return os.path.basename(write_chunk(str(d), Chunk(rid_for(sid, attempt), 0, 2, torch.arange(2), torch.zeros(2, 1, 4)), [1], "m"))
 
 
-def test_done_failed_and_superseded_dumps_go_current_ones_stay(conn, tmp_path):
+def test_done_failed_and_ended_attempts_dumps_go_running_ones_stay(conn, tmp_path):
     ledger = Ledger(conn, "r")
-    done, failed, retried, current, unknown = (f"{i:032x}" for i in range(1, 6))
-    ledger.add_queued([done, failed, retried, current])
+    done, failed, ended, dead, running, unknown = (f"{i:032x}" for i in range(1, 7))
+    ledger.add_queued([done, failed, ended, dead, running])
     ledger.mark_done([done])
     ledger.mark_failed({failed: ("nonfinite", "x")})
-    for sid, n in ((done, 1), (failed, 1), (retried, 2), (current, 1)):
-        conn.hset(ledger.keys.attempts, sid, n)  # as the jobs that took them left it
-    names = {k: _file(tmp_path, sid, 1) for k, sid in
-             (("done", done), ("failed", failed), ("retried", retried), ("current", current), ("unknown", unknown))}
+    live = WorkerBeat(conn, "r", "w-live", "node", "http://engine")
+    live.start()
+    os.makedirs(claim_dir(str(tmp_path), "w-live"))
+    os.makedirs(claim_dir(str(tmp_path), "w-dead"))  # a worker whose heartbeat expired
+    live.job_started("job-2", 1, 22)  # running attempt 22; its attempt 21 ended
+    names = {k: _file(tmp_path, sid, n) for k, sid, n in
+             (("done", done, 22), ("failed", failed, 22), ("ended", ended, 21), ("dead", dead, 7),
+              ("running", running, 22), ("unknown", unknown, 9))}
     later = time.time() + 5  # past the 2 s grace, far from the 15 min limit
-    dirs, removed = clean_dump_dir(conn, str(tmp_path), now=later, run="r")
-    assert (dirs, removed) == ([], 3)
-    assert sorted(os.listdir(tmp_path)) == sorted([names["current"], names["unknown"]])
+    # a new Redis holds reaping: a heartbeat missing proves nothing, so only the ledger's d and f count
+    assert clean_dump_dir(conn, str(tmp_path), now=later, run="r", keep_claim_dirs=True) == ([], 2)
+    assert sorted(os.listdir(tmp_path)) == sorted([names[k] for k in ("ended", "dead", "running", "unknown")]
+                                                  + [f"{CLAIM_PREFIX}w-live", f"{CLAIM_PREFIX}w-dead"])
+    # a worker of an older harvest, whose heartbeat names no attempt: its node's attempts are unknown
+    conn.hset(worker_key("w-old"), "name", "w-old")
+    os.makedirs(claim_dir(str(tmp_path), "w-old"))
+    assert clean_dump_dir(conn, str(tmp_path), now=later, run="r") == ([], 0)
+    conn.delete(worker_key("w-old"))
+    os.rmdir(claim_dir(str(tmp_path), "w-old"))
+    assert clean_dump_dir(conn, str(tmp_path), now=later, run="r") == ([], 2)  # (a claim dir goes after 15 s)
+    claim_dirs = [f"{CLAIM_PREFIX}w-live", f"{CLAIM_PREFIX}w-dead"]
+    assert sorted(os.listdir(tmp_path)) == sorted([names["running"], names["unknown"], *claim_dirs])
+    live.job_ended()  # the attempt ends: what the engine writes for it later is nobody's
+    assert clean_dump_dir(conn, str(tmp_path), now=later, run="r") == ([], 1)
+    assert sorted(os.listdir(tmp_path)) == sorted([names["unknown"], *claim_dirs])
+    live.stop()
     # without the run (a node-level pass), only age counts
     _file(tmp_path, done, 1)
     assert clean_dump_dir(conn, str(tmp_path), now=later) == ([], 0)

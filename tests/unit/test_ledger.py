@@ -1,5 +1,7 @@
 import json
 
+from harvest.state.heartbeat import WorkerBeat
+from harvest.state.keys import worker_key
 from harvest.state.ledger import Ledger
 
 
@@ -43,14 +45,23 @@ def test_a_sample_the_ledger_forgot_is_taken_up_by_the_worker_that_holds_it(conn
     assert led.counts() == {"queued": 0, "spooled": 1, "done": 0, "failed": 2, "total": 3}
 
 
-def test_take_gives_each_queued_sample_its_next_attempt_and_the_others_none(conn):
-    # A job's start (Ledger.take): per id its state, and for the queued ones the next attempt
-    # number (a fresh rid for the engine); the attempts written once, in one call.
+def test_take_reads_the_states_with_the_heartbeats_job_line_in_one_round_trip_and_writes_nothing(conn):
+    # A job's start (Ledger.take): its states, a plain HMGET sent with the heartbeat's job line
+    # (which names the job's attempt); no script of the ledger's, and no write a sample.
     led = Ledger(conn, "r4")
     a, b, c, d = "a" * 32, "b" * 32, "c" * 32, "d" * 32
     led.add_queued([a, b, c])
     led.mark_spooled([c], owner="spool1")
-    assert led.take([a, b, c, d]) == (["q", "q", "s", None], [1, 1, 0, 0])
-    assert led.take([b]) == (["q"], [2])
-    assert led.take([a, b]) == (["q", "q"], [2, 3])
-    assert conn.hgetall(led.keys.attempts) == {a.encode(): b"2", b.encode(): b"3"}
+    beat = WorkerBeat(conn, "r4", "w-take", "node", "http://engine")
+    beat.start()
+    states = conn.hgetall(led.keys.state)
+    before = {k: v["calls"] for k, v in conn.info("commandstats").items()}
+    assert led.take([a, b, c, d], also=[beat.starting("job-1", 4, 12345)]) == ["q", "q", "s", None]
+    after = {k: v["calls"] for k, v in conn.info("commandstats").items()}
+    ran = {k.removeprefix("cmdstat_"): n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    assert (ran.pop("hmget"), ran.pop("evalsha")) == (1, 1)
+    assert set(ran) <= {"info", "hset", "expire", "time"}  # the heartbeat's script's, nothing of the ledger's
+    assert conn.hgetall(led.keys.state) == states
+    assert conn.hget(worker_key("w-take"), "attempt") == b"12345"
+    assert led.take([]) == [] and led.take([d]) == [None]
+    beat.stop()

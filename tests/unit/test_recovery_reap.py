@@ -53,7 +53,7 @@ def test_a_restarted_redis_holds_reaping_until_the_live_worker_beats_again(serve
     beat.start()
     try:
         job_id = _started_job(conn, cfg, "w-live")
-        beat.job_started(job_id, 2)
+        beat.job_started(job_id, 2, 1)
         assert tend_liveness(conn, RUN, redis_time(conn)).reaped == []  # healthy: its heartbeat names the job
         before = server_id(conn)
         conn.delete(worker_key("w-live"))  # the beat lost with the server's last second (or all of it)

@@ -22,7 +22,7 @@ def test_a_spooled_samples_owner_is_written_with_its_state_and_leaves_with_it(co
     assert conn.exists(led.keys.spool_owner) == 0
     assert led.states([A, C, D]) == ["s", "s", None]
     assert led.states_and_owners([A, C, D]) == (["s", "s", None], ["spool1", None, None])
-    assert led.take([A, B]) == (["s", "s"], [0, 0])
+    assert led.take([A, B]) == ["s", "s"]
     assert conn.hgetall(led.keys.spool_counts) == {b"spool1": b"2"}
     conn.set("rec", "r0")  # the record the collector wrote before packing
     assert led.fence_commit("spool2", [A], "rec", "r1", before="r0") is False
