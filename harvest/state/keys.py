@@ -72,6 +72,12 @@ class Keys:
         return f"{self.prefix}:spool_owner"
 
     @property
+    def old_attempts(self) -> str:
+        """Hash sample_id -> attempts started, kept by a harvest before a job's attempt was a random
+        number (harvest.ids.new_attempt): read by nobody, and deleted as a worker starts."""
+        return f"{self.prefix}:attempts"
+
+    @property
     def stats(self) -> str:
         """Hash of throughput counters (tokens_done, bytes_done, shards)."""
         return f"{self.prefix}:stats"
