@@ -46,7 +46,7 @@ class WorkerContext:
     retries: int = DEFAULT_RETRIES
     retry_intervals: list[int] = field(
         default_factory=lambda: backoff_intervals(WorkerSettings.retry_backoff_s, DEFAULT_RETRIES))
-    beat: WorkerBeat | None = None
+    beat: WorkerBeat | None = None  # None only where no janitor cleans the dump dir: it names the job's attempt
     node: str = "node"
     recovery: Recovery | None = None  # one per process: the job and the heartbeat thread share it
     spool_id: str = field(init=False)

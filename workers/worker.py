@@ -42,7 +42,6 @@ from harvest.settings import WorkerSettings
 from harvest.state.connection import RedisLost, outage_of, redis_client
 from harvest.state.heartbeat import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, WorkerBeat
 from harvest.state.jobs import SERIALIZER, run_queue
-from harvest.state.keys import Keys
 from harvest.state.runstore import load_run
 from workers.clients import make_engine
 from workers.clients.base import Engine
@@ -147,7 +146,6 @@ def run_worker(
     conn = conn if conn is not None else redis_client(redis_url)
     outage = outage_of(conn)
     cfg = load_run(conn, run)
-    conn.unlink(Keys(run).old_attempts)  # an older harvest's counts: a sample's attempt is random now
     name = f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
     beat = WorkerBeat(conn, run, name, host, engine_url)
     beat.start()  # before the claim dir exists: the janitor removes claim dirs of workers without one

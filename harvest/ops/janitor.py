@@ -45,7 +45,7 @@ from harvest.node.dumpdir import claim_dir_owner, is_temp
 from harvest.ops.liveness import MAX_REAPS, reaping_held_now, tend_liveness
 from harvest.ops.reclaim import ReclaimReport, reclaim_lost_spools
 from harvest.ops.stranded import StrandedReport, tend_stranded
-from harvest.state.heartbeat import HEARTBEAT_TTL_S
+from harvest.state.heartbeat import HEARTBEAT_TTL_S, read_workers
 from harvest.state.jobs import MAX_RETRY_INTERVAL_S, fetch_job, run_queue
 from harvest.state.keys import Keys, rq_worker_key, worker_key
 from harvest.state.ledger import DONE, FAILED, Ledger
@@ -258,11 +258,20 @@ def _running_attempts(conn: redis.Redis, dump_dir: str) -> set[int] | None:
     for name, attempt in beats:
         if name is None:
             continue  # no heartbeat: a dead worker runs nothing
-        if attempt is None:
-            return None
+        if attempt is None or (attempt and not attempt.isdigit()):
+            return None  # an older harvest's worker, or a value no worker wrote: nothing is proven
         if attempt:
             running.add(int(attempt))
     return running
+
+
+def _drop_old_attempts(conn: redis.Redis, keys: Keys) -> None:
+    """An older harvest's attempt counts (`Keys.old_attempts`) go once no live worker of the run is
+    an older harvest's (its heartbeat names no attempt): such a worker still counts its attempts
+    there, and a count deleted under it would hand its samples' rids out again. One EXISTS a pass
+    once they are gone."""
+    if conn.exists(keys.old_attempts) and all("attempt" in w for w in read_workers(conn, keys.run)[0]):
+        conn.unlink(keys.old_attempts)
 
 
 def _stored_run(conn: redis.Redis, run: str) -> RunConfig | None:
@@ -293,6 +302,7 @@ def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_r
             rep.promoted = promote_due_retries(conn, run, now)
             if not held:  # a live worker not yet beaten again on a new Redis stays in the run's set
                 rep.forgotten_workers = forget_dead_workers(conn, run)
+                _drop_old_attempts(conn, keys)
             cfg = _stored_run(conn, run)
             if cfg is not None:
                 rep.reclaimed = reclaim_lost_spools(conn, cfg)

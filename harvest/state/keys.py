@@ -74,7 +74,8 @@ class Keys:
     @property
     def old_attempts(self) -> str:
         """Hash sample_id -> attempts started, kept by a harvest before a job's attempt was a random
-        number (harvest.ids.new_attempt): read by nobody, and deleted as a worker starts."""
+        number (harvest.ids.new_attempt): read by nobody, and deleted by the janitor once no worker of
+        an older harvest is live (harvest.ops.janitor)."""
         return f"{self.prefix}:attempts"
 
     @property

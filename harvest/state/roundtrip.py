@@ -3,14 +3,14 @@
 Why. On the fleet's one Redis a round trip costs the server more than most scripts' work: a
 read and a write system call, and on a VM the wake-up of the client on another core (a PING
 round trip: 11-80 µs of Redis CPU on this project's VMs, bench/fleet.py). A worker's job made
-two pairs of calls that need no answer from each other: the ledger's `TAKE` and the heartbeat's
+two pairs of calls that need no answer from each other: the ledger's take and the heartbeat's
 job line, then the ledger's `SETTLE` and the heartbeat's end of job. Each pair goes as one
 pipeline here. A plain read (`Command`: the take's HMGET of the job's states) goes with them the
 same way: a read needs no script, and carrying its ids into Lua and its values out cost the
 server more than the read (bench/job_cost.py).
 
-What it keeps. The calls go as EVALSHAs in one non-transactional pipeline: each script is
-atomic by itself, as when sent alone, and one's error does not stop the next (both run, or the
+What it keeps. The calls go as EVALSHAs (and plain commands) in one non-transactional pipeline:
+each call is atomic by itself, as when sent alone, and one's error does not stop the next (both run, or the
 pipeline's connection error sends both again, as harvest's client sends any batch again after
 an outage: harvest.state.connection, where a script whose reply was lost may run twice). A
 NOSCRIPT reply (a restarted Redis has no script cache) means that script did not run: it is
