@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pathlib
+import signal
 import subprocess
 
 import pytest
@@ -17,6 +18,13 @@ from harvest.cli.demo import build_tiny_model
 from harvest.cli.redisproc import RedisServer
 
 SYSTEM = pathlib.Path(__file__).parent / "system"
+
+# A suite started in the background of a non-interactive shell (`./.ci/run &`) inherits SIGINT
+# ignored, and so does every process it starts: a `harvest run` would then ignore the Ctrl-C the
+# stop tests send it, as no person's terminal does (seen: three stop tests failed that way). A
+# handler of this process's own is reset to the default in each child it starts.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The files that take minutes, longest first (2-core machine). `python -m pytest` runs the suite
 # on pytest-xdist workers (pyproject.toml's addopts), which take tests in collection order: these

@@ -323,20 +323,15 @@ def janitor_cmd(run, redis_url, dump_dir, interval, s3_endpoint, s3_region) -> N
     service_logging()
     conn = connect(redis_url)
     from harvest.ops.janitor import janitor_pass
-    from harvest.ops.recovery import Recovery
     from harvest.state.runstore import load_run
 
-    # A run not in Redis: say so rather than clean nothing. A new Redis (a restart, a rollback) is
-    # reconciled first, which holds reaping: until the run's workers beat again, their heartbeats
-    # prove nothing, neither a worker dead nor an attempt ended (harvest.ops.janitor).
-    recovery = Recovery(conn, load_run(conn, run))
+    load_run(conn, run)  # a run not in Redis: say so rather than clean nothing
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
     if interval is not None:
         logging.getLogger("harvest.janitor").info("janitor started: run %s, dump dir %s, every %.0fs", run,
                                                   dump_dir or "(none)", interval)
     while not stop["now"]:
-        recovery.check()
         click.echo(janitor_pass(conn, run, dump_dir).line())
         if interval is None:
             return
