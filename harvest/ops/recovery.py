@@ -35,7 +35,6 @@ import redis
 
 from harvest.config import RunConfig
 from harvest.ops.liveness import hold_reaping
-from harvest.ops.reconcile import reconcile
 from harvest.state.keys import Keys
 from harvest.state.runstore import publish_run
 from harvest.storage import retry
@@ -52,6 +51,23 @@ _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPI
 def server_id(conn: redis.Redis) -> str:
     """The run_id of the Redis server answering: new at every start of a redis-server process."""
     return str(conn.info("server")["run_id"])
+
+
+def hold_on_new_server(conn: redis.Redis, run: str) -> str | None:
+    """For a process that keeps no `Recovery` (the operator's `harvest janitor`): when the server
+    answering is not the one the run's ledger was last reconciled on (a restart, a rollback or a
+    failover that no process of the run has noticed yet), hold reaping as `Recovery` does before it
+    reconciles, so a pass made now takes no worker for dead, and proves no dump file stale, by a
+    heartbeat the new server lost or rolled back (harvest.ops.janitor `clean_dump_dir`). It
+    reconciles nothing: that is the run's workers' and collectors' work, and needs storage. Returns
+    the new server's run_id; None when the ledger was reconciled on it, or never reconciled (the
+    run's first server: a fresh run reaps at once). One INFO and one GET."""
+    epoch = conn.get(Keys(run).ledger_epoch)
+    sid = server_id(conn)
+    if epoch is None or epoch.decode() == sid:
+        return None
+    hold_reaping(conn, run)
+    return sid
 
 
 class Recovery:
@@ -101,6 +117,9 @@ class Recovery:
             hold_reaping(self.conn, self.cfg.run)
         if lost_run:  # a Redis that lost the run gets it back (refused if it differs)
             retry(lambda: publish_run(self.conn, self.cfg), f"publishing run {self.cfg.run} again")
+        from harvest.ops.reconcile import reconcile  # here: it reads shards (torch), and the light commands
+        # import this module for `hold_on_new_server`
+
         t0 = time.monotonic()
         rep = reconcile(self.conn, self.cfg,
                         keepalive=lambda: self.conn.eval(_RENEW, 1, self.keys.reconcile_lock, token, LOCK_MS))
