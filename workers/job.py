@@ -95,7 +95,7 @@ class BatchJob:
         self.by_rid: dict[str, Sample] = {}
         self.failures: dict[str, tuple[str, str]] = {}  # sample -> (reason, message), failed at `mark`
         self.owner = ""  # the spool id the samples are marked with
-        self.attempts: dict[str, int] = {}  # sample -> this execution's attempt number (its rid), from `choose`
+        self.attempt_id = 0  # this execution's random attempt number, the tail of its rids, from `choose`
         self.engine_seconds: float | None = None  # the engine call's latency, recorded with the marks
         self.generated: Regenerated | None = None  # the job's regeneration step, for its stats
         self.t0 = 0.0  # monotonic time the job was taken (`choose`)
@@ -165,7 +165,7 @@ class BatchJob:
         also = [ctx.beat.starting(self.job.id if self.job else "", len(self.samples), attempt)] if ctx.beat else []
         states = ctx.ledger.take([s.id for s in self.samples], also=also)
         self.todo = [s for s, st in zip(self.samples, states) if st == QUEUED]
-        self.attempts = dict.fromkeys((s.id for s in self.todo), attempt)
+        self.attempt_id = attempt
         return self.todo
 
     def attempt(self) -> JobResult | Retry:
@@ -215,7 +215,7 @@ class BatchJob:
         extracted as the sample it has become. One that fails is noted in `failures`."""
         self.extract = [s for s in self.todo if s.conv is None]
         if convs := [s for s in self.todo if s.conv is not None]:
-            self.generated = out = regenerate_turns(self.ctx.engine, convs, self.attempts, self.ctx.cfg, self.name)
+            self.generated = out = regenerate_turns(self.ctx.engine, convs, self.attempt_id, self.ctx.cfg, self.name)
             self.failures.update(out.failures)
             self.extract += [w.sample for w in out.written.values()]
 
@@ -223,7 +223,7 @@ class BatchJob:
         """Every queued sample through the engine under a new rid. Returns the rids whose dumps to
         claim (their token counts); refusals and mismatches are noted in `failures`."""
         ctx = self.ctx
-        self.by_rid = by_rid = {rid_for(s.id, self.attempts[s.id]): s for s in self.extract}
+        self.by_rid = by_rid = {rid_for(s.id, self.attempt_id): s for s in self.extract}
         if not by_rid:
             return {}
         t0 = time.monotonic()

@@ -77,17 +77,18 @@ class Regenerated:
                 "generation_ms": int(self.seconds * 1000)}
 
 
-def regenerate(engine, samples: list[Sample], attempts: dict[str, int], cfg: RunConfig, job: str = "?",
+def regenerate(engine, samples: list[Sample], attempt: int, cfg: RunConfig, job: str = "?",
                in_flight: int = MAX_IN_FLIGHT) -> Regenerated:
     """Every conversation of `samples` (of job `job`) written, at most `in_flight` at once, with the
-    run's settings. A sample-level failure (see `write_turns`) is returned; an unreachable engine
-    raises SampleFailure(engine-unavailable, transient) once the requests in flight have ended,
-    for the job to retry: nothing written by this call is kept."""
+    run's settings, under rids of the job's `attempt` (harvest.ids.rid_for). A sample-level failure
+    (see `write_turns`) is returned; an unreachable engine raises SampleFailure(engine-unavailable,
+    transient) once the requests in flight have ended, for the job to retry: nothing written by
+    this call is kept."""
     reg = cfg.regeneration
     if reg is None:
         raise ValueError(f"run {cfg.run} has conversations to regenerate but no regenerate settings in its run.json")
     try:
-        out = _regenerate(engine, samples, attempts, reg, in_flight)
+        out = _regenerate(engine, samples, attempt, reg, in_flight)
     except EngineUnavailable as e:
         raise SampleFailure(ENGINE_UNAVAILABLE, str(e), transient=True) from None
     log.info("job %s: %d conversations written, %d tokens in %.2fs%s", job, len(out.written), out.tokens,
@@ -100,7 +101,7 @@ class _Stopped(Exception):
     a bug, RQ's job timeout), and whatever it wrote would be thrown away."""
 
 
-def _regenerate(engine, samples: list[Sample], attempts: dict[str, int], reg: Regeneration,
+def _regenerate(engine, samples: list[Sample], attempt: int, reg: Regeneration,
                 in_flight: int) -> Regenerated:
     """The first error that is not a sample's own (EngineUnavailable, a bug, RQ's timeout in this
     thread) stops the step: conversations not started are cancelled, those in flight stop before
@@ -112,7 +113,7 @@ def _regenerate(engine, samples: list[Sample], attempts: dict[str, int], reg: Re
     stop = threading.Event()
     pool = ThreadPoolExecutor(max_workers=min(in_flight, len(samples)), thread_name_prefix="regenerate")
     try:
-        futures = {pool.submit(_stopping, stop, write_turns, engine, s, attempts[s.id], reg, stop): s for s in samples}
+        futures = {pool.submit(_stopping, stop, write_turns, engine, s, attempt, reg, stop): s for s in samples}
         for f in as_completed(futures):
             e = f.exception()
             if isinstance(e, _Stopped):  # stopped by the error that will come out of its own future

@@ -52,7 +52,7 @@ def test_an_engine_down_stops_the_step_without_sending_the_rest(tmp_path):
     samples = _conversations(100, turns=3)
     engine = _DownAfter(5)
     with pytest.raises(SampleFailure) as e:
-        regenerate(engine, samples, {s.id: 1 for s in samples}, _cfg(tmp_path), in_flight=4)
+        regenerate(engine, samples, 1, _cfg(tmp_path), in_flight=4)
     assert e.value.reason == ENGINE_UNAVAILABLE and e.value.transient
     # 5 answered, then each of the (at most 4) conversations in flight meets the dead engine once
     assert engine.calls <= 5 + 4, engine.calls
@@ -61,7 +61,7 @@ def test_an_engine_down_stops_the_step_without_sending_the_rest(tmp_path):
 def test_every_conversation_is_written_when_the_engine_answers(tmp_path):
     samples = _conversations(10, turns=2)
     engine = _DownAfter(10 ** 6)
-    out = regenerate(engine, samples, {s.id: 1 for s in samples}, _cfg(tmp_path), in_flight=4)
+    out = regenerate(engine, samples, 1, _cfg(tmp_path), in_flight=4)
     assert engine.calls == 20 and sorted(out.written) == sorted(s.id for s in samples) and out.failures == {}
     w = out.written[samples[0].id]
     assert w.sample.input_ids.tolist() == [10, 7, 2, 10, 7, 2, 10] and w.sample.loss_mask.tolist() == [0, 1, 1, 0, 1, 1, 0]
