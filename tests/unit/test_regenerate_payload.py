@@ -5,6 +5,8 @@ journey through a job payload, the splice of generated turns, and the generated-
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -112,3 +114,23 @@ def test_reading_the_generated_dataset_of_a_run_without_it_is_refused_by_name(tm
         iter_generated(f"file://{tmp_path}/out/plain")  # refused at the call, before any row is asked for
     assert str(e.value) == (f"run plain in file://{tmp_path}/out/plain was not started with --regenerate: the target "
                             "model wrote none of its answers, so it has no generated conversations")
+
+
+def test_reading_a_generated_file_starts_no_native_thread():
+    """Arrow's pool threads alive at interpreter exit aborted `harvest generated` after it had
+    written its output (exit 134, now and then: apache/arrow#34314). A generated file is read on
+    the calling thread: the process's threads (native ones too, /proc/<pid>/task) are as many after
+    the read as before. In a fresh interpreter, so no earlier test's pool is counted."""
+    code = """if True:
+        import os
+        from harvest.formats.generated import decode_generated, encode_generated
+        data = encode_generated([{"id": "a" * 32, "messages": [{"role": "user", "content": "q"}],
+                                  "turns": [{"tokens": [5], "finish_reason": "stop", "seed": 7, "prompt_tokens": 1}]}])
+        before = len(os.listdir("/proc/self/task"))
+        assert decode_generated(data, "generated/x.parquet")[0]["id"] == "a" * 32
+        print(before, len(os.listdir("/proc/self/task")))
+    """
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    before, after = res.stdout.split()
+    assert after == before
