@@ -36,7 +36,7 @@ from harvest.ids import check_id, node_name
 from harvest.node.dumpdir import claim_dir as claim_dir_of
 from harvest.node.paths import private_dir
 from harvest.node.spooldir import clear_dead_temps
-from harvest.ops.janitor import janitor_pass
+from harvest.ops.janitor import UnnamedDumps, janitor_pass
 from harvest.ops.recovery import Recovery
 from harvest.settings import WorkerSettings
 from harvest.state.connection import RedisLost, outage_of, redis_client
@@ -62,6 +62,7 @@ class _Background(threading.Thread):
         super().__init__(name="harvest-heartbeat", daemon=True)
         self.ctx, self.conn, self.run_name, self.beat = ctx, ctx.conn, ctx.cfg.run, beat
         self.dump_dir, self.interval = ctx.dump_dir, interval
+        self.unnamed = UnnamedDumps()  # the dump files its passes found no live worker naming
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -82,7 +83,7 @@ class _Background(threading.Thread):
                 if time.monotonic() < calm_at or (outage is not None and outage.quiet_for() < HEARTBEAT_TTL_S):
                     continue  # heartbeats lapsed while Redis was away: judge no worker dead yet
                 # the run-wide part once per beat interval for the whole fleet, not once per worker's pass
-                rep = janitor_pass(self.conn, self.run_name, self.dump_dir, hold_s=self.interval)
+                rep = janitor_pass(self.conn, self.run_name, self.dump_dir, hold_s=self.interval, unnamed=self.unnamed)
                 if rep.any():
                     log.info("janitor: %s", rep.line())
             except RedisLost:

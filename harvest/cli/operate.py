@@ -322,7 +322,7 @@ def janitor_cmd(run, redis_url, dump_dir, interval, s3_endpoint, s3_region) -> N
 
     service_logging()
     conn = connect(redis_url)
-    from harvest.ops.janitor import janitor_pass
+    from harvest.ops.janitor import UnnamedDumps, janitor_pass
     from harvest.ops.recovery import hold_on_new_server
     from harvest.state.runstore import load_run
 
@@ -330,6 +330,7 @@ def janitor_cmd(run, redis_url, dump_dir, interval, s3_endpoint, s3_region) -> N
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
     log = logging.getLogger("harvest.janitor")
+    unnamed = UnnamedDumps()  # a dump file named by no worker goes at its second pass a beat later (--interval)
     if interval is not None:
         log.info("janitor started: run %s, dump dir %s, every %.0fs", run, dump_dir or "(none)", interval)
     while not stop["now"]:
@@ -337,7 +338,7 @@ def janitor_cmd(run, redis_url, dump_dir, interval, s3_endpoint, s3_region) -> N
             log.warning("Redis server %s is new to run %s and its ledger is not reconciled yet (a restart, a "
                         "rollback or a failover): no worker is taken for dead and no dump file proven stale by a "
                         "heartbeat until the run's workers or collectors reconcile it", sid[:12], run)
-        click.echo(janitor_pass(conn, run, dump_dir).line())
+        click.echo(janitor_pass(conn, run, dump_dir, unnamed=unnamed).line())
         if interval is None:
             return
         time.sleep(interval)

@@ -33,6 +33,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -45,7 +46,7 @@ from harvest.node.dumpdir import claim_dir_owner, is_temp
 from harvest.ops.liveness import MAX_REAPS, reaping_held_now, tend_liveness
 from harvest.ops.reclaim import ReclaimReport, reclaim_lost_spools
 from harvest.ops.stranded import StrandedReport, tend_stranded
-from harvest.state.heartbeat import HEARTBEAT_TTL_S, read_workers
+from harvest.state.heartbeat import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, read_workers
 from harvest.state.jobs import MAX_RETRY_INTERVAL_S, fetch_job, run_queue
 from harvest.state.keys import Keys, rq_worker_key, worker_key
 from harvest.state.ledger import DONE, FAILED, Ledger
@@ -56,6 +57,7 @@ log = logging.getLogger("harvest.janitor")
 
 STALE_DUMP_S = 900.0
 PROVEN_STALE_S = 2.0  # files the ledger proves unclaimable: only give a rename in flight time to land
+CONFIRM_UNNAMED_S = HEARTBEAT_INTERVAL_S + 1.0  # two reads of the heartbeats with a beat of every worker between
 RETRY_SLACK_S = 10  # clocks a few seconds apart are not "absurdly" ahead
 
 
@@ -177,15 +179,38 @@ def forget_dead_workers(conn: redis.Redis, run: str) -> list[str]:
     return gone
 
 
+class UnnamedDumps:
+    """The dump files a caller's passes found named by no live worker, and since when: one per
+    process and dump dir, kept across its passes. A file counts as unnamed only when two reads at
+    least a beat apart (`CONFIRM_UNNAMED_S`) found it so. A heartbeat that Redis rolled back names
+    an earlier attempt until its worker's next beat writes the running one again
+    (harvest.state.heartbeat), and a failover behind a proxy that keeps the connections may go
+    unnoticed by this process for a while: one read could take a running attempt's files for
+    stale, two a beat apart cannot."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._since: dict[str, float] = {}
+
+    def confirm(self, unnamed: set[str]) -> set[str]:
+        """Of `unnamed` (this read's), those unnamed since at least `CONFIRM_UNNAMED_S`; a file
+        named meanwhile starts again."""
+        now = self.clock()
+        self._since = {n: self._since.get(n, now) for n in unnamed}
+        return {n for n, t in self._since.items() if now - t >= CONFIRM_UNNAMED_S}
+
+
 def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE_DUMP_S,
                    now: float | None = None, run: str | None = None,
-                   proven_stale_s: float = PROVEN_STALE_S, keep_claim_dirs: bool = False) -> tuple[list[str], int]:
+                   proven_stale_s: float = PROVEN_STALE_S, keep_claim_dirs: bool = False,
+                   unnamed: UnnamedDumps | None = None) -> tuple[list[str], int]:
     """Node-local: remove the claim dirs of workers with no heartbeat (any run: the dump dir may be
     shared) and unclaimed dump files older than `stale_dump_s` (a request that timed out, or a
     worker that died before claiming). With `run`, files nobody will claim go after only
-    `proven_stale_s`: their sample is done or failed in that run's ledger, or it is in the ledger
-    and no live worker of this node names the file's attempt (the engine finished a request after
-    its worker died, gave up or went on to its next job: `_running_attempts`).
+    `proven_stale_s`: their sample is done or failed in that run's ledger, or, with `unnamed` (the
+    caller's memory of earlier passes), it is in the ledger and no live worker of this node has
+    named the file's attempt in two reads a beat apart (the engine finished a request after its
+    worker died, gave up or went on to its next job: `_running_attempts`).
     `keep_claim_dirs`: a new Redis holds reaping (harvest.ops.liveness), so a missing heartbeat
     proves nothing yet, neither a dead worker nor an attempt ended. Returns (claim dirs removed,
     dump files removed)."""
@@ -195,7 +220,7 @@ def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE
         entries = list(os.scandir(dump_dir))
     except FileNotFoundError:
         return dirs, files
-    proven = _proven_stale(conn, run, [e.name for e in entries], dump_dir, keep_claim_dirs) if run else set()
+    proven = _proven_stale(conn, run, [e.name for e in entries], dump_dir, keep_claim_dirs, unnamed) if run else set()
     for e in entries:
         try:
             age = now - e.stat(follow_symlinks=False).st_mtime
@@ -220,22 +245,24 @@ def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE
     return dirs, files
 
 
-def _proven_stale(conn: redis.Redis, run: str, names: list[str], dump_dir: str, held: bool) -> set[str]:
+def _proven_stale(conn: redis.Redis, run: str, names: list[str], dump_dir: str, held: bool,
+                  unnamed: UnnamedDumps | None) -> set[str]:
     parsed = {}
     for n in names:
         p = parse_chunk_name(n)
         if p is not None:
             parsed[n] = parse_rid(p[0])
+    if held and unnamed is not None:
+        unnamed.confirm(set())  # what reads before a new Redis saw proves nothing after it
     if not parsed:
         return set()
     sids = sorted({sid for sid, _ in parsed.values()})
     states = dict(zip(sids, Ledger(conn, run).states(sids)))
-    running = None if held else _running_attempts(conn, dump_dir)
-    out = set()
-    for n, (sid, attempt) in parsed.items():
-        st = states[sid]
-        if st in (DONE, FAILED) or (st is not None and running is not None and attempt not in running):
-            out.add(n)
+    out = {n for n, (sid, _) in parsed.items() if states[sid] in (DONE, FAILED)}
+    running = None if held or unnamed is None else _running_attempts(conn, dump_dir)
+    if running is not None:
+        out |= unnamed.confirm({n for n, (sid, attempt) in parsed.items()
+                                if states[sid] is not None and attempt not in running})
     return out
 
 
@@ -282,8 +309,10 @@ def _stored_run(conn: redis.Redis, run: str) -> RunConfig | None:
 
 
 def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_reaps: int = MAX_REAPS,
-                 stale_dump_s: float = STALE_DUMP_S, hold_s: float = 0.0) -> JanitorReport:
-    """One pass: the run-wide part if this caller wins the lock, then the node-local part.
+                 stale_dump_s: float = STALE_DUMP_S, hold_s: float = 0.0,
+                 unnamed: UnnamedDumps | None = None) -> JanitorReport:
+    """One pass: the run-wide part if this caller wins the lock, then the node-local part
+    (`unnamed`: the caller's memory for `clean_dump_dir`, kept across its passes).
 
     `hold_s`: keep the lock that long after the pass (by Redis's clock), so the whole fleet does
     the run-wide part once per `hold_s` instead of once per worker's pass: its cost is
@@ -315,5 +344,5 @@ def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_r
         if held is None:
             held = reaping_held_now(conn, run)
         rep.claim_dirs_removed, rep.stale_dumps_removed = clean_dump_dir(conn, dump_dir, stale_dump_s, run=run,
-                                                                         keep_claim_dirs=held)
+                                                                         keep_claim_dirs=held, unnamed=unnamed)
     return rep

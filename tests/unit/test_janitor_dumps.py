@@ -10,7 +10,7 @@ import torch
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import rid_for
 from harvest.node.dumpdir import CLAIM_PREFIX, claim_dir
-from harvest.ops.janitor import clean_dump_dir, janitor_pass
+from harvest.ops.janitor import CONFIRM_UNNAMED_S, UnnamedDumps, clean_dump_dir, janitor_pass
 from harvest.state.heartbeat import WorkerBeat
 from harvest.state.keys import Keys, worker_key
 from harvest.state.ledger import Ledger
@@ -18,6 +18,14 @@ from harvest.state.ledger import Ledger
 
 def _file(d, sid: str, attempt: int) -> str:
     return os.path.basename(write_chunk(str(d), Chunk(rid_for(sid, attempt), 0, 2, torch.arange(2), torch.zeros(2, 1, 4)), [1], "m"))
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
 def test_done_failed_and_ended_attempts_dumps_go_running_ones_stay(conn, tmp_path):
@@ -35,26 +43,53 @@ def test_done_failed_and_ended_attempts_dumps_go_running_ones_stay(conn, tmp_pat
              (("done", done, 22), ("failed", failed, 22), ("ended", ended, 21), ("dead", dead, 7),
               ("running", running, 22), ("unknown", unknown, 9))}
     later = time.time() + 5  # past the 2 s grace, far from the 15 min limit
+    clock = _Clock()
+    unnamed = UnnamedDumps(clock)
+
+    def clean(**kw):
+        return clean_dump_dir(conn, str(tmp_path), now=later, run="r", unnamed=unnamed, **kw)
+
     # a new Redis holds reaping: a heartbeat missing proves nothing, so only the ledger's d and f count
-    assert clean_dump_dir(conn, str(tmp_path), now=later, run="r", keep_claim_dirs=True) == ([], 2)
+    assert clean(keep_claim_dirs=True) == ([], 2)
+    claim_dirs = [f"{CLAIM_PREFIX}w-live", f"{CLAIM_PREFIX}w-dead"]
     assert sorted(os.listdir(tmp_path)) == sorted([names[k] for k in ("ended", "dead", "running", "unknown")]
-                                                  + [f"{CLAIM_PREFIX}w-live", f"{CLAIM_PREFIX}w-dead"])
+                                                  + claim_dirs)
     # a worker of an older harvest, whose heartbeat names no attempt: its node's attempts are unknown
     conn.hset(worker_key("w-old"), "name", "w-old")
     os.makedirs(claim_dir(str(tmp_path), "w-old"))
-    assert clean_dump_dir(conn, str(tmp_path), now=later, run="r") == ([], 0)
+    assert clean() == ([], 0)
+    clock.t += CONFIRM_UNNAMED_S
+    assert clean() == ([], 0)
     conn.delete(worker_key("w-old"))
     os.rmdir(claim_dir(str(tmp_path), "w-old"))
-    assert clean_dump_dir(conn, str(tmp_path), now=later, run="r") == ([], 2)  # (a claim dir goes after 15 s)
-    claim_dirs = [f"{CLAIM_PREFIX}w-live", f"{CLAIM_PREFIX}w-dead"]
+    # unnamed in one read proves nothing (a heartbeat rolled back names an earlier attempt until its next
+    # beat); unnamed in two reads a beat apart does
+    assert clean() == ([], 0)
+    clock.t += CONFIRM_UNNAMED_S - 0.5
+    assert clean() == ([], 0)
+    clock.t += 0.5
+    assert clean() == ([], 2)  # (a claim dir goes after 15 s)
     assert sorted(os.listdir(tmp_path)) == sorted([names["running"], names["unknown"], *claim_dirs])
+    # a rollback takes the running attempt's name back for a while: the next beat names it again in time
+    conn.hset(worker_key("w-live"), "attempt", "21")
+    assert clean() == ([], 0)
+    live.beat()
+    clock.t += CONFIRM_UNNAMED_S
+    assert clean() == ([], 0)
+    clock.t += CONFIRM_UNNAMED_S
+    assert clean() == ([], 0) and names["running"] in os.listdir(tmp_path)
     live.job_ended()  # the attempt ends: what the engine writes for it later is nobody's
-    assert clean_dump_dir(conn, str(tmp_path), now=later, run="r") == ([], 1)
+    assert clean() == ([], 0)
+    clock.t += CONFIRM_UNNAMED_S
+    assert clean() == ([], 1)
     assert sorted(os.listdir(tmp_path)) == sorted([names["unknown"], *claim_dirs])
     live.stop()
-    # without the run (a node-level pass), only age counts
+    # without the run (a node-level pass), only age counts; without a memory, the ledger's d and f alone
     _file(tmp_path, done, 1)
+    _file(tmp_path, ended, 1)
     assert clean_dump_dir(conn, str(tmp_path), now=later) == ([], 0)
+    clock.t += CONFIRM_UNNAMED_S
+    assert clean_dump_dir(conn, str(tmp_path), now=later, run="r") == ([], 1)
 
 
 def test_an_older_harvests_attempt_counts_go_once_none_of_its_workers_is_live(conn):

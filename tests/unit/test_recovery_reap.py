@@ -6,17 +6,10 @@ healthy again. A run's first server holds nothing, so a fresh run reaps at once.
 
 from __future__ import annotations
 
-import os
-import time
-
 import pytest
-import torch
 from rq import SimpleWorker
 
 from harvest.cli.redisproc import RedisServer
-from harvest.formats.dump import Chunk, write_chunk
-from harvest.ids import rid_for
-from harvest.node.dumpdir import claim_dir
 from harvest.ops.janitor import janitor_pass
 from harvest.ops.liveness import tend_liveness
 from harvest.ops.recovery import Recovery, server_id
@@ -24,7 +17,6 @@ from harvest.state.connection import redis_client
 from harvest.state.heartbeat import HEARTBEAT_TTL_S, WorkerBeat
 from harvest.state.jobs import SERIALIZER, run_queue
 from harvest.state.keys import Keys, worker_key
-from harvest.state.ledger import Ledger
 from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
 from harvest.state.spools import redis_time
@@ -111,33 +103,24 @@ def test_a_run_first_reconciled_holds_nothing_and_a_rolled_back_epoch_holds(conn
     assert 0 < conn.ttl(keys.reap_after) <= HEARTBEAT_TTL_S + 2  # gone with the hold
 
 
-def test_the_operators_janitor_right_after_a_rollback_holds_reaping_and_keeps_a_running_attempts_dumps(
-        conn, redis_server, tmp_path):
-    """`harvest janitor` keeps no Recovery: on a server the ledger was not reconciled on, it holds
-    reaping (harvest.ops.recovery.hold_on_new_server) before its pass, so a heartbeat rolled back
-    to an earlier attempt proves nothing; once the run's processes reconciled, the same pass goes."""
+def test_the_operators_janitor_right_after_a_rollback_holds_reaping(conn, redis_server, tmp_path):
+    """`harvest janitor` keeps no Recovery: on a server the run's ledger was not reconciled on, it
+    holds reaping (harvest.ops.recovery.hold_on_new_server) before its pass, so a worker whose
+    heartbeat the rollback took is not taken for dead; once the run's processes reconciled, the
+    same command reaps its job."""
     cfg = publish_run(conn, make_config(f"file://{tmp_path / 'out'}", run=RUN))
-    keys, sid = Keys(RUN), f"{9:032x}"
-    Ledger(conn, RUN).add_queued([sid])
-    dumps = tmp_path / "dumps"
-    os.makedirs(claim_dir(str(dumps), "w-live"))
-    beat = WorkerBeat(conn, RUN, "w-live", "node-a", "http://engine")
-    beat.start()
-    try:
-        beat.job_started("job-1", 1, 22)
-        name = write_chunk(str(dumps), Chunk(rid_for(sid, 22), 0, 2, torch.arange(2), torch.zeros(2, 1, 4)), [1], "m")
-        os.utime(name, (time.time() - 60, time.time() - 60))  # past the 2 s grace
-        conn.hset(worker_key("w-live"), "attempt", "21")  # the beat as a rollback restored it
-        conn.set(keys.ledger_epoch, "an-older-server")  # as a rollback restores it: not this server
-        args = ("janitor", "--run", RUN, "--dump-dir", str(dumps), "--redis", redis_server.url)
-        res = harvest_cli(*args, timeout=120)
-        assert res.returncode == 0, res.stderr[-2000:]
-        assert f"Redis server {server_id(conn)[:12]} is new to run {RUN} and its ledger is not reconciled yet" in res.stderr
-        assert os.path.exists(name) and float(conn.get(keys.reap_after)) > redis_time(conn)
-        Recovery(conn, cfg).check(force=True)  # a worker of the run reconciles
-        conn.delete(keys.reap_after)  # (its hold over)
-        res = harvest_cli(*args, timeout=120)
-        assert res.returncode == 0 and "is new to run" not in res.stderr, res.stderr[-2000:]
-        assert not os.path.exists(name)  # attempt 22 is named by no live worker now: its file goes
-    finally:
-        beat.stop()
+    keys = Keys(RUN)
+    Recovery(conn, cfg).check(force=True)
+    job_id = _started_job(conn, cfg, "w-gone")
+    conn.set(keys.ledger_epoch, "an-older-server")  # as a rollback restores it: not this server
+    args = ("janitor", "--run", RUN, "--redis", redis_server.url)
+    res = harvest_cli(*args, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"Redis server {server_id(conn)[:12]} is new to run {RUN} and its ledger is not reconciled yet" in res.stderr
+    assert res.stdout.startswith("reaped 0 jobs") and float(conn.get(keys.reap_after)) > redis_time(conn)
+    assert job_id in run_queue(conn, RUN).started_job_registry.get_job_ids(cleanup=False)
+    Recovery(conn, cfg).check(force=True)  # a worker of the run reconciles
+    conn.delete(keys.reap_after)  # (its hold over)
+    res = harvest_cli(*args, timeout=120)
+    assert res.returncode == 0 and "is new to run" not in res.stderr, res.stderr[-2000:]
+    assert res.stdout.startswith("reaped 1 jobs"), res.stdout
