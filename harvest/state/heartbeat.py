@@ -21,9 +21,9 @@ back under a running fleet). Because a rollback can also take back the heartbeat
 every beat writes them again from this process's memory: within one beat the hash tells the
 truth again. `attempt` names the attempt of the job the worker runs (harvest.ids.new_attempt;
 empty when idle), set before the engine gets a request of it: the janitor removes a dump file
-whose attempt no live worker of its node names, so a hash rolled back with Redis's last second
-must name it again within a beat (harvest.ops.janitor; while a new Redis holds reaping, nothing is
-removed for that reason).
+whose attempt no live worker of its node named in two reads a beat apart, so a hash rolled back
+with Redis's last second names it again before the second read (harvest.ops.janitor
+`UnnamedDumps`; while a new Redis holds reaping, nothing is removed for that reason).
 """
 
 from __future__ import annotations
