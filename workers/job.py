@@ -95,7 +95,7 @@ class BatchJob:
         self.by_rid: dict[str, Sample] = {}
         self.failures: dict[str, tuple[str, str]] = {}  # sample -> (reason, message), failed at `mark`
         self.owner = ""  # the spool id the samples are marked with
-        self.attempt_id = 0  # this execution's random attempt number, the tail of its rids, from `choose`
+        self.attempt_id: int | None = None  # this execution's random attempt number, the tail of its rids: `choose`
         self.engine_seconds: float | None = None  # the engine call's latency, recorded with the marks
         self.generated: Regenerated | None = None  # the job's regeneration step, for its stats
         self.t0 = 0.0  # monotonic time the job was taken (`choose`)

@@ -81,6 +81,7 @@ class _Background(threading.Thread):
                     calm_at = time.monotonic() + HEARTBEAT_TTL_S
                 clear_dead_temps(self.ctx.spool_dir)  # spool files of jobs killed before their commit
                 if time.monotonic() < calm_at or (outage is not None and outage.quiet_for() < HEARTBEAT_TTL_S):
+                    self.unnamed.confirm(set())  # what its reads saw before proves nothing after
                     continue  # heartbeats lapsed while Redis was away: judge no worker dead yet
                 # the run-wide part once per beat interval for the whole fleet, not once per worker's pass
                 rep = janitor_pass(self.conn, self.run_name, self.dump_dir, hold_s=self.interval, unnamed=self.unnamed)

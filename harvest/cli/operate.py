@@ -76,7 +76,8 @@ def _reconcile(conn, run: str, out_url: str | None, dedupe: bool, verify: bool, 
     if not repaired.ok:
         click.echo(f"repaired the ledger of run {run} from its state hash: " + "; ".join(repaired.problems))
     from harvest.formats.runfile import run_location
-    from harvest.ops.reconcile import reconcile, restore_run
+    from harvest.ops.reconcile import restore_run
+    from harvest.ops.recovery import Recovery
     from harvest.state.runstore import load_run
 
     cfg = restore_run(conn, run, out_url) if out_url else load_run(conn, run)
@@ -98,7 +99,7 @@ def _reconcile(conn, run: str, out_url: str | None, dedupe: bool, verify: bool, 
         click.echo(rep.line())
         for c in rep.corrupt:
             click.echo(f"  {c.line()}")
-    click.echo(reconcile(conn, cfg).line())
+    click.echo(Recovery(conn, cfg).reconcile_now().line())  # recorded as the run's processes record theirs
 
 
 @click.command("export")
@@ -330,14 +331,18 @@ def janitor_cmd(run, redis_url, dump_dir, interval, s3_endpoint, s3_region) -> N
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("now", True))
     log = logging.getLogger("harvest.janitor")
-    unnamed = UnnamedDumps()  # a dump file named by no worker goes at its second pass a beat later (--interval)
+    unnamed = UnnamedDumps()  # a dump file named by no worker goes at a later pass (--interval), not at one
     if interval is not None:
         log.info("janitor started: run %s, dump dir %s, every %.0fs", run, dump_dir or "(none)", interval)
+    seen, warned = None, None
     while not stop["now"]:
-        if sid := hold_on_new_server(conn, run):
-            log.warning("Redis server %s is new to run %s and its ledger is not reconciled yet (a restart, a "
-                        "rollback or a failover): no worker is taken for dead and no dump file proven stale by a "
-                        "heartbeat until the run's workers or collectors reconcile it", sid[:12], run)
+        seen, held = hold_on_new_server(conn, run, seen)
+        if held and warned != seen:
+            warned = seen
+            log.warning("Redis server %s is new to run %s and its ledger is not reconciled on it yet (a restart, a "
+                        "rollback or a failover): no worker is taken for dead and no claim dir or dump file removed "
+                        "by a heartbeat until a worker or collector of the run reconciles it, or `harvest reconcile "
+                        "--run %s` does", seen[:12], run, run)
         click.echo(janitor_pass(conn, run, dump_dir, unnamed=unnamed).line())
         if interval is None:
             return

@@ -73,7 +73,7 @@ def decode_generated(data: bytes, name: str, sha256: str | None = None) -> list[
         # One file read on this thread: `pq.read_table` goes through Arrow's dataset scanner, whose
         # pool threads could still be alive as the interpreter exits, and Arrow then aborted the
         # process after its work was done ("terminate called without an active exception", exit
-        # 134: `harvest generated` in 7 of 90 runs, apache/arrow#34314).
+        # 134: `harvest generated` in 6 of 90 runs, apache/arrow#34314).
         return pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False).to_pylist()
     except Exception as e:  # noqa: BLE001 - pyarrow's many error types for a file that is not Parquet
         raise ShardError(f"generated file {name}: not a readable Parquet file ({type(e).__name__}: {e})") from None

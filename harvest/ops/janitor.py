@@ -46,7 +46,7 @@ from harvest.node.dumpdir import claim_dir_owner, is_temp
 from harvest.ops.liveness import MAX_REAPS, reaping_held_now, tend_liveness
 from harvest.ops.reclaim import ReclaimReport, reclaim_lost_spools
 from harvest.ops.stranded import StrandedReport, tend_stranded
-from harvest.state.heartbeat import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, read_workers
+from harvest.state.heartbeat import HEARTBEAT_TTL_S, read_workers
 from harvest.state.jobs import MAX_RETRY_INTERVAL_S, fetch_job, run_queue
 from harvest.state.keys import Keys, rq_worker_key, worker_key
 from harvest.state.ledger import DONE, FAILED, Ledger
@@ -57,7 +57,9 @@ log = logging.getLogger("harvest.janitor")
 
 STALE_DUMP_S = 900.0
 PROVEN_STALE_S = 2.0  # files the ledger proves unclaimable: only give a rename in flight time to land
-CONFIRM_UNNAMED_S = HEARTBEAT_INTERVAL_S + 1.0  # two reads of the heartbeats with a beat of every worker between
+# Two reads of the heartbeats this far apart: a heartbeat rolled back has been written again by its
+# worker's beat since, or has expired (its worker is dead by the fleet's own rule), however late the beat.
+CONFIRM_UNNAMED_S = HEARTBEAT_TTL_S + 1.0
 RETRY_SLACK_S = 10  # clocks a few seconds apart are not "absurdly" ahead
 
 
@@ -182,11 +184,11 @@ def forget_dead_workers(conn: redis.Redis, run: str) -> list[str]:
 class UnnamedDumps:
     """The dump files a caller's passes found named by no live worker, and since when: one per
     process and dump dir, kept across its passes. A file counts as unnamed only when two reads at
-    least a beat apart (`CONFIRM_UNNAMED_S`) found it so. A heartbeat that Redis rolled back names
-    an earlier attempt until its worker's next beat writes the running one again
-    (harvest.state.heartbeat), and a failover behind a proxy that keeps the connections may go
-    unnoticed by this process for a while: one read could take a running attempt's files for
-    stale, two a beat apart cannot."""
+    least `CONFIRM_UNNAMED_S` apart found it so, with no pass between that read no attempt. A
+    heartbeat that Redis rolled back names an earlier attempt until its worker's next beat writes
+    the running one again (harvest.state.heartbeat), and a failover behind a proxy that keeps the
+    connections may go unnoticed by this process for a while: one read could take a running
+    attempt's files for stale, two a heartbeat TTL apart cannot."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -209,8 +211,8 @@ def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE
     worker that died before claiming). With `run`, files nobody will claim go after only
     `proven_stale_s`: their sample is done or failed in that run's ledger, or, with `unnamed` (the
     caller's memory of earlier passes), it is in the ledger and no live worker of this node has
-    named the file's attempt in two reads a beat apart (the engine finished a request after its
-    worker died, gave up or went on to its next job: `_running_attempts`).
+    named the file's attempt in two reads a heartbeat TTL apart (the engine finished a request
+    after its worker died, gave up or went on to its next job: `_running_attempts`).
     `keep_claim_dirs`: a new Redis holds reaping (harvest.ops.liveness), so a missing heartbeat
     proves nothing yet, neither a dead worker nor an attempt ended. Returns (claim dirs removed,
     dump files removed)."""
@@ -219,6 +221,8 @@ def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE
     try:
         entries = list(os.scandir(dump_dir))
     except FileNotFoundError:
+        if unnamed is not None:
+            unnamed.confirm(set())
         return dirs, files
     proven = _proven_stale(conn, run, [e.name for e in entries], dump_dir, keep_claim_dirs, unnamed) if run else set()
     for e in entries:
@@ -252,17 +256,13 @@ def _proven_stale(conn: redis.Redis, run: str, names: list[str], dump_dir: str, 
         p = parse_chunk_name(n)
         if p is not None:
             parsed[n] = parse_rid(p[0])
-    if held and unnamed is not None:
-        unnamed.confirm(set())  # what reads before a new Redis saw proves nothing after it
-    if not parsed:
-        return set()
     sids = sorted({sid for sid, _ in parsed.values()})
-    states = dict(zip(sids, Ledger(conn, run).states(sids)))
+    states = dict(zip(sids, Ledger(conn, run).states(sids))) if sids else {}
     out = {n for n, (sid, _) in parsed.items() if states[sid] in (DONE, FAILED)}
-    running = None if held or unnamed is None else _running_attempts(conn, dump_dir)
-    if running is not None:
-        out |= unnamed.confirm({n for n, (sid, attempt) in parsed.items()
-                                if states[sid] is not None and attempt not in running})
+    running = None if held or unnamed is None or not parsed else _running_attempts(conn, dump_dir)
+    if unnamed is not None:  # a pass that reads no attempt (reaping held, an older harvest's worker) forgets
+        out |= unnamed.confirm(set() if running is None else {
+            n for n, (sid, attempt) in parsed.items() if states[sid] is not None and attempt not in running})
     return out
 
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import redis
 
@@ -39,7 +41,11 @@ from harvest.state.keys import Keys
 from harvest.state.runstore import publish_run
 from harvest.storage import retry
 
+if TYPE_CHECKING:
+    from harvest.ops.reconcile import ReconcileReport
+
 log = logging.getLogger("harvest.recovery")
+T = TypeVar("T")
 
 LOCK_MS = 60_000  # the reconciling process renews it while it reads the index files
 WAIT_S = 3600.0  # how long a process waits for another to reconcile before it does so itself
@@ -53,21 +59,25 @@ def server_id(conn: redis.Redis) -> str:
     return str(conn.info("server")["run_id"])
 
 
-def hold_on_new_server(conn: redis.Redis, run: str) -> str | None:
+def hold_on_new_server(conn: redis.Redis, run: str, seen: str | None = None) -> tuple[str, bool]:
     """For a process that keeps no `Recovery` (the operator's `harvest janitor`): when the server
-    answering is not the one the run's ledger was last reconciled on (a restart, a rollback or a
-    failover that no process of the run has noticed yet), hold reaping as `Recovery` does before it
-    reconciles, so a pass made now takes no worker for dead, and proves no dump file stale, by a
-    heartbeat the new server lost or rolled back (harvest.ops.janitor `clean_dump_dir`). It
-    reconciles nothing: that is the run's workers' and collectors' work, and needs storage. Returns
-    the new server's run_id; None when the ledger was reconciled on it, or never reconciled (the
-    run's first server: a fresh run reaps at once). One INFO and one GET."""
-    epoch = conn.get(Keys(run).ledger_epoch)
-    sid = server_id(conn)
-    if epoch is None or epoch.decode() == sid:
-        return None
-    hold_reaping(conn, run)
-    return sid
+    answering is new to the run's ledger, hold reaping as `Recovery` does before it reconciles, so
+    a pass made now takes no worker for dead, removes no claim dir, and proves no dump file stale,
+    by a heartbeat the new server lost or rolled back (harvest.ops.janitor). New, as `Recovery`
+    judges it: not the server the ledger was last reconciled on (`Keys.ledger_epoch`), or, with no
+    epoch recorded, a server that lost the run, or another than the one this caller's last pass
+    talked to (`seen`). It reconciles nothing: the run's workers and collectors do as they notice,
+    and `harvest reconcile` by hand (`Recovery.reconcile_now`). Returns (the server's run_id,
+    whether reaping was held). One INFO and one or two reads."""
+    keys = Keys(run)
+    epoch, sid = conn.get(keys.ledger_epoch), server_id(conn)
+    if epoch is not None:
+        new = epoch.decode() != sid
+    else:  # never reconciled: the run's first server, unless it lost the run or replaced another
+        new = not conn.exists(keys.config) or (seen is not None and seen != sid)
+    if new:
+        hold_reaping(conn, run)
+    return sid, new
 
 
 class Recovery:
@@ -91,28 +101,46 @@ class Recovery:
         self._seen = sid
         return did
 
+    def reconcile_now(self) -> ReconcileReport:
+        """The reconcile an operator asks for (`harvest reconcile`): under the lock the run's
+        processes take, holding reaping where the server is new to the ledger as they would, and
+        recording the server as reconciled, so that a janitor which keeps no Recovery stops holding
+        reaping for it (`hold_on_new_server`) even where no worker or collector runs."""
+        sid = server_id(self.conn)
+        rep = self._locked(lambda token: self._reconcile(sid, token))
+        self._seen = sid
+        return rep
+
     def _ensure(self, sid: str) -> bool:
+        def reconciled() -> bool:
+            epoch = self.conn.get(self.keys.ledger_epoch)
+            return epoch is not None and epoch.decode() == sid
+
+        return self._locked(lambda token: self._reconcile(sid, token), skip=reconciled) is not None
+
+    def _locked(self, fn: Callable[[str], T], skip: Callable[[], bool] = lambda: False) -> T | None:
+        """fn(token) under `Keys.reconcile_lock`, waiting while another process holds it; None, and
+        fn not called, once `skip()` says its work is done (another process did it meanwhile)."""
         deadline = time.monotonic() + WAIT_S
         while True:
-            epoch = self.conn.get(self.keys.ledger_epoch)
-            if epoch is not None and epoch.decode() == sid:
-                return False
+            if skip():
+                return None
             token = uuid.uuid4().hex
             if self.conn.set(self.keys.reconcile_lock, token, nx=True, px=LOCK_MS):
                 try:
-                    self._reconcile(sid, token)
+                    return fn(token)
                 finally:
                     self.conn.eval(_RELEASE, 1, self.keys.reconcile_lock, token)
-                return True
             if time.monotonic() > deadline:
                 raise RuntimeError(f"run {self.cfg.run}: the ledger was not reconciled within {WAIT_S:.0f} s "
                                    f"(lock {self.keys.reconcile_lock} held)")
             time.sleep(0.2)  # another process is reconciling: its lock expires if it dies
 
-    def _reconcile(self, sid: str, token: str) -> None:
-        first = self.conn.get(self.keys.ledger_epoch) is None  # this ledger's first server (or a wiped one)
+    def _reconcile(self, sid: str, token: str) -> ReconcileReport:
+        epoch = self.conn.get(self.keys.ledger_epoch)  # None: this ledger's first server (or a wiped one)
         lost_run = not self.conn.exists(self.keys.config)
-        new_server = not first or lost_run or self._seen is not None  # not the run's first server
+        # not the run's first server (a reconcile asked for on the server already reconciled holds nothing)
+        new_server = (epoch is not None and epoch.decode() != sid) or lost_run or self._seen not in (None, sid)
         if new_server:
             hold_reaping(self.conn, self.cfg.run)
         if lost_run:  # a Redis that lost the run gets it back (refused if it differs)
@@ -127,7 +155,9 @@ class Recovery:
             hold_reaping(self.conn, self.cfg.run)
         self.conn.set(self.keys.ledger_epoch, sid)
         changed = rep.marked_done or rep.requeued or rep.forgotten
+        again = epoch is not None and epoch.decode() == sid  # asked for on a server reconciled already
         log.log(logging.WARNING if changed or new_server else logging.INFO,
-                "Redis server %s is new to run %s%s: ledger reconciled from storage in %.1fs: %s", sid[:12],
-                self.cfg.run, " (a restart, a rollback or a failover)" if new_server else "", time.monotonic() - t0,
-                rep.line())
+                "Redis server %s %s run %s%s: ledger reconciled from storage in %.1fs: %s", sid[:12],
+                "of" if again else "is new to", self.cfg.run, " (a restart, a rollback or a failover)" if new_server
+                else "", time.monotonic() - t0, rep.line())
+        return rep

@@ -21,9 +21,10 @@ back under a running fleet). Because a rollback can also take back the heartbeat
 every beat writes them again from this process's memory: within one beat the hash tells the
 truth again. `attempt` names the attempt of the job the worker runs (harvest.ids.new_attempt;
 empty when idle), set before the engine gets a request of it: the janitor removes a dump file
-whose attempt no live worker of its node named in two reads a beat apart, so a hash rolled back
-with Redis's last second names it again before the second read (harvest.ops.janitor
-`UnnamedDumps`; while a new Redis holds reaping, nothing is removed for that reason).
+whose attempt no live worker of its node named in two reads a heartbeat TTL apart, so a hash
+rolled back with Redis's last second names it again (or expires) before the second read
+(harvest.ops.janitor `UnnamedDumps`; while a new Redis holds reaping, nothing is removed for that
+reason).
 """
 
 from __future__ import annotations
@@ -153,8 +154,8 @@ class WorkerBeat:
         """`job_started`'s call, to be sent with the ledger's take of the job (one round trip,
         harvest.state.roundtrip); this process's own view of the job changes at once. `attempt`:
         the job's attempt number, the tail of its rids (harvest.ids.new_attempt), named until the
-        job ends: the janitor removes a dump file whose attempt no live worker of its node names
-        (harvest.ops.janitor). Sent before the engine gets a request of it, so no dump file of the
+        job ends: the janitor removes a dump file whose attempt no live worker of its node named in
+        two reads a heartbeat TTL apart (harvest.ops.janitor). Sent before the engine gets a request of it, so no dump file of the
         attempt exists before the heartbeat names it."""
         with self._lock:
             if self.doing["job"] != job_id:

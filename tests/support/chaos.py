@@ -309,6 +309,7 @@ class Trial:
                              for x in os.listdir(self.dump(n)))
                 if claims and self.last_worker_kill:
                     wait = max(wait, self.last_worker_kill + HEARTBEAT_TTL_S + 1 - time.monotonic())
+                self._reconciled(conn)
                 time.sleep(wait)
                 for n in back:
                     if self.n_nodes > 1:  # a node that came back deletes its copies of samples others committed
@@ -332,6 +333,19 @@ class Trial:
             self.ports.close()
             self.result.seconds = time.monotonic() - t0
         return self.result
+
+    def _reconciled(self, conn: redis.Redis) -> None:
+        """A Redis killed last, after the run had finished, has a ledger no process reconciled on it:
+        the operator's janitor would hold reaping (and keep dead workers' claim dirs) until one does.
+        Reconciled here as a process of the run would; every process is stopped, so the hold that
+        takes protects no live heartbeat and is lifted."""
+        from harvest.ops.recovery import Recovery, server_id
+        from harvest.state.runstore import load_run
+
+        epoch = conn.get(Keys(self.run).ledger_epoch)
+        if epoch is None or epoch.decode() != server_id(conn):
+            Recovery(conn, load_run(conn, self.run)).reconcile_now()
+            conn.delete(Keys(self.run).reap_after)
 
     def _janitor(self, n: int) -> None:
         out = self._harvest("janitor", "--dump-dir", self.dump(n)).stdout.decode().strip()

@@ -80,6 +80,9 @@ def test_done_failed_and_ended_attempts_dumps_go_running_ones_stay(conn, tmp_pat
     assert clean() == ([], 0) and names["running"] in os.listdir(tmp_path)
     live.job_ended()  # the attempt ends: what the engine writes for it later is nobody's
     assert clean() == ([], 0)
+    assert clean(keep_claim_dirs=True) == ([], 0)  # a new Redis holds reaping: what the reads saw is forgotten
+    clock.t += CONFIRM_UNNAMED_S
+    assert clean() == ([], 0)  # unnamed again, but once since the hold
     clock.t += CONFIRM_UNNAMED_S
     assert clean() == ([], 1)
     assert sorted(os.listdir(tmp_path)) == sorted([names["unknown"], *claim_dirs])
@@ -88,7 +91,6 @@ def test_done_failed_and_ended_attempts_dumps_go_running_ones_stay(conn, tmp_pat
     _file(tmp_path, done, 1)
     _file(tmp_path, ended, 1)
     assert clean_dump_dir(conn, str(tmp_path), now=later) == ([], 0)
-    clock.t += CONFIRM_UNNAMED_S
     assert clean_dump_dir(conn, str(tmp_path), now=later, run="r") == ([], 1)
 
 

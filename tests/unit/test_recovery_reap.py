@@ -12,7 +12,7 @@ from rq import SimpleWorker
 from harvest.cli.redisproc import RedisServer
 from harvest.ops.janitor import janitor_pass
 from harvest.ops.liveness import tend_liveness
-from harvest.ops.recovery import Recovery, server_id
+from harvest.ops.recovery import Recovery, hold_on_new_server, server_id
 from harvest.state.connection import redis_client
 from harvest.state.heartbeat import HEARTBEAT_TTL_S, WorkerBeat
 from harvest.state.jobs import SERIALIZER, run_queue
@@ -116,11 +116,36 @@ def test_the_operators_janitor_right_after_a_rollback_holds_reaping(conn, redis_
     args = ("janitor", "--run", RUN, "--redis", redis_server.url)
     res = harvest_cli(*args, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert f"Redis server {server_id(conn)[:12]} is new to run {RUN} and its ledger is not reconciled yet" in res.stderr
-    assert res.stdout.startswith("reaped 0 jobs") and float(conn.get(keys.reap_after)) > redis_time(conn)
+    assert f"Redis server {server_id(conn)[:12]} is new to run {RUN} and its ledger is not reconciled on it yet" in res.stderr
+    assert res.stdout.startswith("reaped 0 jobs") and conn.exists(keys.reap_after)
     assert job_id in run_queue(conn, RUN).started_job_registry.get_job_ids(cleanup=False)
-    Recovery(conn, cfg).check(force=True)  # a worker of the run reconciles
-    conn.delete(keys.reap_after)  # (its hold over)
+    res = harvest_cli("reconcile", "--run", RUN, "--redis", redis_server.url, timeout=120)  # as a worker would
+    assert res.returncode == 0 and conn.get(keys.ledger_epoch).decode() == server_id(conn), res.stderr[-2000:]
+    conn.delete(keys.reap_after)  # (the hold it took on a server new to the ledger, over)
     res = harvest_cli(*args, timeout=120)
     assert res.returncode == 0 and "is new to run" not in res.stderr, res.stderr[-2000:]
     assert res.stdout.startswith("reaped 1 jobs"), res.stdout
+
+
+def test_hold_on_new_server_judges_a_server_new_as_recovery_does(conn, tmp_path):
+    """Held: a recorded epoch of another server; no epoch on a server that lost the run, or that
+    replaced the one the caller's last pass talked to. Not held: the epoch is this server's, or none
+    is recorded yet on the run's first server."""
+    keys = Keys(RUN)
+    publish_run(conn, make_config(f"file://{tmp_path / 'out'}", run=RUN))
+    sid = server_id(conn)
+
+    def held(seen=None) -> bool:
+        conn.delete(keys.reap_after)
+        got_sid, was_held = hold_on_new_server(conn, RUN, seen)
+        assert got_sid == sid and was_held == (conn.get(keys.reap_after) is not None)
+        return was_held
+
+    assert not held() and not held(sid)  # the run's first server, never reconciled
+    assert held("another-server")  # no epoch, but not the server the last pass talked to
+    conn.set(keys.ledger_epoch, "an-older-server")
+    assert held() and held(sid)
+    conn.set(keys.ledger_epoch, sid)
+    assert not held() and not held("another-server")  # reconciled on this one
+    conn.delete(keys.ledger_epoch, keys.config)
+    assert held()  # a server that lost the run

@@ -17,6 +17,7 @@ from harvest.state.conversation import Conversation, splice, turn_seed
 from harvest.state.payload import PayloadError, Sample, decode_batch, encode_batch, payload_rows
 from producer.rows import BadRow, Row
 from producer.tokenize import RowTokenizer
+from tests.support.cli import REPO
 
 CHAT = [{"role": "system", "content": "short"}, {"role": "user", "content": "first question"},
         {"role": "assistant", "content": "first answer"}, {"role": "user", "content": "second"},
@@ -130,7 +131,7 @@ def test_reading_a_generated_file_starts_no_native_thread():
         assert decode_generated(data, "generated/x.parquet")[0]["id"] == "a" * 32
         print(before, len(os.listdir("/proc/self/task")))
     """
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 0, res.stderr
     before, after = res.stdout.split()
     assert after == before
