@@ -43,6 +43,7 @@ from tests.support.aof import AofHistory
 from tests.support.chaos_result import TrialResult, killed_writers_temp
 from tests.support.cli import REPO
 from tests.support.ports import reserve_ports
+from tests.support.ops import reconcile_if_new
 
 KINDS = ("worker", "engine", "collector", "producer", "redis", "rollback")
 ROLLBACK_LAGS = (1.0, 2.0)  # what `appendfsync everysec` may lose on a kill or a power cut: its last second(s)
@@ -309,7 +310,7 @@ class Trial:
                              for x in os.listdir(self.dump(n)))
                 if claims and self.last_worker_kill:
                     wait = max(wait, self.last_worker_kill + HEARTBEAT_TTL_S + 1 - time.monotonic())
-                self._reconciled(conn)
+                reconcile_if_new(conn, self.run)  # a Redis killed last: no process of the run reconciled it
                 time.sleep(wait)
                 for n in back:
                     if self.n_nodes > 1:  # a node that came back deletes its copies of samples others committed
@@ -333,19 +334,6 @@ class Trial:
             self.ports.close()
             self.result.seconds = time.monotonic() - t0
         return self.result
-
-    def _reconciled(self, conn: redis.Redis) -> None:
-        """A Redis killed last, after the run had finished, has a ledger no process reconciled on it:
-        the operator's janitor would hold reaping (and keep dead workers' claim dirs) until one does.
-        Reconciled here as a process of the run would; every process is stopped, so the hold that
-        takes protects no live heartbeat and is lifted."""
-        from harvest.ops.recovery import Recovery, server_id
-        from harvest.state.runstore import load_run
-
-        epoch = conn.get(Keys(self.run).ledger_epoch)
-        if epoch is None or epoch.decode() != server_id(conn):
-            Recovery(conn, load_run(conn, self.run)).reconcile_now()
-            conn.delete(Keys(self.run).reap_after)
 
     def _janitor(self, n: int) -> None:
         out = self._harvest("janitor", "--dump-dir", self.dump(n)).stdout.decode().strip()

@@ -108,3 +108,18 @@ def enqueue(conn: redis.Redis, cfg: RunConfig, samples: list[Sample]) -> str:
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "harvest.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def reconcile_if_new(conn: redis.Redis, run: str) -> None:
+    """The run's ledger reconciled on a server no process of the run reconciled it on, as a process
+    would (the operator's janitor holds reaping, and keeps dead workers' claim dirs, until one does).
+    For a harness whose processes are all stopped: the hold that takes protects no live heartbeat,
+    so it is lifted."""
+    from harvest.ops.recovery import Recovery, server_id
+    from harvest.state.keys import Keys
+    from harvest.state.runstore import load_run
+
+    epoch = conn.get(Keys(run).ledger_epoch)
+    if epoch is None or epoch.decode() != server_id(conn):
+        Recovery(conn, load_run(conn, run)).reconcile_now()
+        conn.delete(Keys(run).reap_after)
