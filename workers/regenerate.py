@@ -80,10 +80,10 @@ class Regenerated:
 def regenerate(engine, samples: list[Sample], attempt: int, cfg: RunConfig, job: str = "?",
                in_flight: int = MAX_IN_FLIGHT) -> Regenerated:
     """Every conversation of `samples` (of job `job`) written, at most `in_flight` at once, with the
-    run's settings, under rids of the job's `attempt` (harvest.state.conversation.gen_rid). A sample-level failure
-    (see `write_turns`) is returned; an unreachable engine raises SampleFailure(engine-unavailable,
-    transient) once the requests in flight have ended, for the job to retry: nothing written by
-    this call is kept."""
+    run's settings, under rids of the job's `attempt` (harvest.state.conversation.gen_rid). A
+    sample-level failure (see `write_turns`) is returned; an unreachable engine raises
+    SampleFailure(engine-unavailable, transient) once the requests in flight have ended, for the
+    job to retry: nothing written by this call is kept."""
     reg = cfg.regeneration
     if reg is None:
         raise ValueError(f"run {cfg.run} has conversations to regenerate but no regenerate settings in its run.json")

@@ -68,16 +68,33 @@ def hold_on_new_server(conn: redis.Redis, run: str, seen: str | None = None) -> 
     epoch recorded, a server that lost the run, or another than the one this caller's last pass
     talked to (`seen`). It reconciles nothing: the run's workers and collectors do as they notice,
     and `harvest reconcile` by hand (`Recovery.reconcile_now`). Returns (the server's run_id,
-    whether reaping was held). One INFO and one or two reads."""
-    keys = Keys(run)
-    epoch, sid = conn.get(keys.ledger_epoch), server_id(conn)
-    if epoch is not None:
-        new = epoch.decode() != sid
-    else:  # never reconciled: the run's first server, unless it lost the run or replaced another
-        new = not conn.exists(keys.config) or (seen is not None and seen != sid)
+    whether reaping was held). One INFO and one round trip of two reads."""
+    keys, sid = Keys(run), server_id(conn)
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.get(keys.ledger_epoch)
+        pipe.exists(keys.config)
+        epoch, has_run = pipe.execute()
+    new = not _reconciled_on(epoch, sid) and _new_server(epoch, sid, not has_run, seen)
     if new:
         hold_reaping(conn, run)
     return sid, new
+
+
+def reconciled_on(conn: redis.Redis, run: str, sid: str) -> bool:
+    """Whether the run's ledger was last reconciled on server `sid` (`Keys.ledger_epoch`)."""
+    return _reconciled_on(conn.get(Keys(run).ledger_epoch), sid)
+
+
+def _reconciled_on(epoch: bytes | None, sid: str) -> bool:
+    return epoch is not None and epoch.decode() == sid
+
+
+def _new_server(epoch: bytes | None, sid: str, lost_run: bool, seen: str | None) -> bool:
+    """Whether server `sid` is new to a ledger whose epoch is `epoch` (None: never reconciled), so
+    its heartbeats prove nothing until the run's processes beat on it again (reaping held): not the
+    server the epoch names; a server that lost the run; another than the one last `seen`. A run's
+    first server, never reconciled and seen by no one before, is not new: a fresh run reaps at once."""
+    return (epoch is not None and epoch.decode() != sid) or lost_run or seen not in (None, sid)
 
 
 class Recovery:
@@ -112,11 +129,8 @@ class Recovery:
         return rep
 
     def _ensure(self, sid: str) -> bool:
-        def reconciled() -> bool:
-            epoch = self.conn.get(self.keys.ledger_epoch)
-            return epoch is not None and epoch.decode() == sid
-
-        return self._locked(lambda token: self._reconcile(sid, token), skip=reconciled) is not None
+        return self._locked(lambda token: self._reconcile(sid, token),
+                            skip=lambda: reconciled_on(self.conn, self.cfg.run, sid)) is not None
 
     def _locked(self, fn: Callable[[str], T], skip: Callable[[], bool] = lambda: False) -> T | None:
         """fn(token) under `Keys.reconcile_lock`, waiting while another process holds it; None, and
@@ -139,8 +153,7 @@ class Recovery:
     def _reconcile(self, sid: str, token: str) -> ReconcileReport:
         epoch = self.conn.get(self.keys.ledger_epoch)  # None: this ledger's first server (or a wiped one)
         lost_run = not self.conn.exists(self.keys.config)
-        # not the run's first server (a reconcile asked for on the server already reconciled holds nothing)
-        new_server = (epoch is not None and epoch.decode() != sid) or lost_run or self._seen not in (None, sid)
+        new_server = _new_server(epoch, sid, lost_run, self._seen)  # (asked for again on this server: not new)
         if new_server:
             hold_reaping(self.conn, self.cfg.run)
         if lost_run:  # a Redis that lost the run gets it back (refused if it differs)
@@ -155,9 +168,8 @@ class Recovery:
             hold_reaping(self.conn, self.cfg.run)
         self.conn.set(self.keys.ledger_epoch, sid)
         changed = rep.marked_done or rep.requeued or rep.forgotten
-        again = epoch is not None and epoch.decode() == sid  # asked for on a server reconciled already
         log.log(logging.WARNING if changed or new_server else logging.INFO,
                 "Redis server %s %s run %s%s: ledger reconciled from storage in %.1fs: %s", sid[:12],
-                "of" if again else "is new to", self.cfg.run, " (a restart, a rollback or a failover)" if new_server
+                "of" if _reconciled_on(epoch, sid) else "is new to", self.cfg.run, " (a restart, a rollback or a failover)" if new_server
                 else "", time.monotonic() - t0, rep.line())
         return rep

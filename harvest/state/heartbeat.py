@@ -155,8 +155,8 @@ class WorkerBeat:
         harvest.state.roundtrip); this process's own view of the job changes at once. `attempt`:
         the job's attempt number, the tail of its rids (harvest.ids.new_attempt), named until the
         job ends: the janitor removes a dump file whose attempt no live worker of its node named in
-        two reads a heartbeat TTL apart (harvest.ops.janitor). Sent before the engine gets a request of it, so no dump file of the
-        attempt exists before the heartbeat names it."""
+        two reads a heartbeat TTL apart (harvest.ops.janitor). Sent before the engine gets a
+        request of it, so no dump file of the attempt exists before the heartbeat names it."""
         with self._lock:
             if self.doing["job"] != job_id:
                 self.doing["execution"] = ""  # started outside HarvestWorker: the job alone names it

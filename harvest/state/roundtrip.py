@@ -13,8 +13,8 @@ What it keeps. The calls go as EVALSHAs (and plain commands) in one non-transact
 each call is atomic by itself, as when sent alone, and one's error does not stop the next (both
 run, or the pipeline's connection error sends both again, as harvest's client sends any batch
 again after an outage: harvest.state.connection, where a script whose reply was lost may run
-twice). A NOSCRIPT reply (a restarted Redis has no script cache) means that script did not run: it is
-loaded and sent again alone. So only calls whose order does not matter go together.
+twice). A NOSCRIPT reply (a restarted Redis has no script cache) means that script did not run:
+it is loaded and sent again alone. So only calls whose order does not matter go together.
 """
 
 from __future__ import annotations

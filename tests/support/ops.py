@@ -115,11 +115,10 @@ def reconcile_if_new(conn: redis.Redis, run: str) -> None:
     would (the operator's janitor holds reaping, and keeps dead workers' claim dirs, until one does).
     For a harness whose processes are all stopped: the hold that takes protects no live heartbeat,
     so it is lifted."""
-    from harvest.ops.recovery import Recovery, server_id
+    from harvest.ops.recovery import Recovery, reconciled_on, server_id
     from harvest.state.keys import Keys
     from harvest.state.runstore import load_run
 
-    epoch = conn.get(Keys(run).ledger_epoch)
-    if epoch is None or epoch.decode() != server_id(conn):
+    if not reconciled_on(conn, run, server_id(conn)):
         Recovery(conn, load_run(conn, run)).reconcile_now()
         conn.delete(Keys(run).reap_after)
