@@ -132,12 +132,11 @@ def idle_us_s(conn: redis.Redis, seconds: float = 1.0, _memo: dict = {}) -> floa
 
 def life(conn: redis.Redis, cfg: RunConfig, records: PackingRecords, job: int, jobs: int) -> StepCost:
     """`jobs` jobs of `job` samples each through every step, as a fleet makes them: the worker's settle
-    keeps a ref into its job's copy for each sample (harvest.state.jobcopy) and sends its stats and
-    engine latency. The producer's step is timed on its own samples: the samples the others take are
+    keeps a ref into its job's copy for each sample (harvest.state.jobcopy); its stats and latencies
+    go at its heartbeat (harvest.state.tally), not here. The producer's step is timed on its own samples: the samples the others take are
     enqueued with their RQ job (untimed), which the settle copies. Each step runs for every job
     before the next step: a call finds its code warm and its samples' fields cold, as in a fleet."""
     led, cost = Ledger(conn, cfg.run), StepCost(conn)
-    stats = {"samples_spooled": job, "tokens_spooled": job * 1024, "bytes_spooled": job << 20, "dump_bytes": job << 20}
     fresh = [[os.urandom(16).hex() for _ in range(job)] for _ in range(jobs)]
     cost.measure(STEPS[0], [lambda f=f: led.add_queued(f) for f in fresh])
     batches = [[Sample.build(np.random.randint(0, 1000, 64)) for _ in range(job)] for _ in range(jobs)]
@@ -145,9 +144,7 @@ def life(conn: redis.Redis, cfg: RunConfig, records: PackingRecords, job: int, j
     ids = [[s.id for s in b] for b in batches]
     cost.measure(STEPS[1], [lambda i=i: led.take(i) for i in ids])
     refs = [{sid: jobcopy.ref(j, n) for n, sid in enumerate(i)} for i, j in zip(ids, job_ids)]
-    cost.measure(STEPS[2], [lambda i=i, r=r: led.settle_job(i, "spool-a", {}, {}, stats=stats, refs=r,
-                                                            observe={"engine_seconds": ("0.5", 0.3)})
-                            for i, r in zip(ids, refs)])
+    cost.measure(STEPS[2], [lambda i=i, r=r: led.settle_job(i, "spool-a", {}, {}, refs=r) for i, r in zip(ids, refs)])
     cost.measure(STEPS[3], [lambda i=i: led.states_and_owners(i) for i in ids])
     keys = [f"{led.keys.prefix}:packing:bench-{n}" for n in range(jobs)]
     raws = cost.measure(STEPS[4], [lambda i=i, k=k, n=n: records.put_owned(

@@ -21,6 +21,7 @@ from harvest.state.heartbeat import WorkerBeat
 from harvest.state.jobs import MAX_RETRY_INTERVAL_S
 from harvest.state.ledger import Ledger
 from harvest.state.spools import SpoolLeases
+from harvest.state.tally import Tally
 from workers.clients.base import Engine
 
 DEFAULT_RETRIES = WorkerSettings.retries
@@ -50,6 +51,10 @@ class WorkerContext:
     node: str = "node"
     recovery: Recovery | None = None  # one per process: the job and the heartbeat thread share it
     spool_id: str = field(init=False)
+    # job id -> (attempt, sample -> state letter, `recovery_generation()` then): a job's start made
+    # in RQ's transaction that starts its execution (workers.rqworker.HarvestWorker.prepare_execution),
+    # taken up by the job (workers.job)
+    started: dict[str, tuple[int, dict[str, str | None], int]] = field(init=False, default_factory=dict)
     _recovery_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -63,6 +68,11 @@ class WorkerContext:
             return False
         with self._recovery_lock:
             return self.recovery.check(force=force)
+
+    def recovery_generation(self) -> int:
+        """Changes once a server new to this process is reconciled (harvest.ops.recovery): a read of
+        the ledger made under another generation may be stale."""
+        return self.recovery.generation if self.recovery is not None else 0
 
     def outages(self) -> int:
         """Outages this process's client rode out so far (harvest.state.connection)."""
@@ -96,6 +106,11 @@ class WorkerContext:
     def ledger(self) -> Ledger:
         return Ledger(self.conn, self.cfg.run)
 
+    @cached_property
+    def tally(self) -> Tally:
+        """The jobs' throughput stats and latencies, written at the heartbeat (harvest.state.tally)."""
+        return Tally(self.conn, self.cfg.run)
+
 
 _context: WorkerContext | None = None
 
@@ -103,6 +118,11 @@ _context: WorkerContext | None = None
 def install(ctx: WorkerContext) -> None:
     global _context
     _context = ctx
+
+
+def installed() -> WorkerContext | None:
+    """The context `harvest worker` installed, if any (RQ's worker runs without one in some benches)."""
+    return _context
 
 
 def current() -> WorkerContext:

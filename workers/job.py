@@ -43,7 +43,6 @@ from rq.timeouts import JobTimeoutException
 from harvest.errors import StorageError
 from harvest.ids import new_attempt, rid_for
 from harvest.node.spooldir import SpoolBatch
-from harvest.ops.metrics import bucket_of, observe
 from harvest.state import jobcopy
 from harvest.state.connection import give_up, is_connection_error
 from harvest.state.failures import (
@@ -96,14 +95,18 @@ class BatchJob:
         self.failures: dict[str, tuple[str, str]] = {}  # sample -> (reason, message), failed at `mark`
         self.owner = ""  # the spool id the samples are marked with
         self.attempt_id: int | None = None  # this execution's random attempt number, the tail of its rids: `choose`
-        self.engine_seconds: float | None = None  # the engine call's latency, recorded with the marks
         self.generated: Regenerated | None = None  # the job's regeneration step, for its stats
         self.t0 = 0.0  # monotonic time the job was taken (`choose`)
         self.ended = False  # the heartbeat's end of job went (with the marks, `mark`)
+        # the job's start made in the transaction that started its execution (workers.rqworker)
+        self.started = ctx.started.pop(job.id, None) if job else None
+        self.timed = False  # the job's duration went to the tally (at the marks)
 
     def run(self) -> JobResult | Retry:
         held = self.load() or self.reconcile()
         if held is not None:
+            if self.started is not None:
+                self.end(timed=False)  # the heartbeat named the job's start: it ends unrun
             return held
         self.t0, todo = time.monotonic(), None
         try:
@@ -116,21 +119,16 @@ class BatchJob:
             self.end(timed=bool(todo))
 
     def end(self, timed: bool) -> None:
-        """The heartbeat's end of job, with the job's duration (`timed`: the job had samples to
-        do), unless it went with the marks; the engine's latency if the job stopped before its
-        marks recorded it. Nothing once Redis is lost (the client is latched)."""
+        """The heartbeat's end of job, unless it went with the marks; the job's duration (`timed`:
+        the job had samples to do), unless the marks took it, added to the worker's tally
+        (harvest.state.tally). Nothing once Redis is lost (the client is latched)."""
         ctx = self.ctx
         if ctx.redis_lost():
             return
-        if self.engine_seconds is not None:
-            observe(ctx.conn, ctx.cfg.run, "engine_seconds", self.engine_seconds)
-        if self.ended:
-            return
-        took = time.monotonic() - self.t0
-        if ctx.beat:
-            ctx.beat.job_ended(observe=("job_seconds", bucket_of(took), took) if timed else None)
-        elif timed:
-            observe(ctx.conn, ctx.cfg.run, "job_seconds", took)
+        if timed and not self.timed:
+            ctx.tally.observe("job_seconds", time.monotonic() - self.t0)
+        if ctx.beat and not self.ended:
+            ctx.beat.job_ended()
 
     def load(self) -> Retry | None:
         """The job's samples, their rows read from storage where the producer wrote them
@@ -159,11 +157,19 @@ class BatchJob:
 
     def choose(self) -> list[Sample]:
         """The job's samples still queued, read with the heartbeat's job line, which names the
-        job's new attempt (a fresh rid a sample: harvest.ids.new_attempt), in one round trip
-        (harvest.state.roundtrip; a connection error here: nothing to undo)."""
-        ctx, attempt = self.ctx, new_attempt()
-        also = [ctx.beat.starting(self.job.id if self.job else "", len(self.samples), attempt)] if ctx.beat else []
-        states = ctx.ledger.take([s.id for s in self.samples], also=also)
+        job's new attempt (a fresh rid a sample: harvest.ids.new_attempt), as sent in the
+        transaction that started the job's execution (HarvestWorker.prepare_execution); sent in a
+        round trip of their own (harvest.state.roundtrip; a connection error: nothing to undo)
+        where the worker sent none, or the ledger was reconciled on a new Redis since (Recovery's
+        generation)."""
+        ctx, start = self.ctx, self.started
+        if (start is not None and start[2] == ctx.recovery_generation()
+                and all(s.id in start[1] for s in self.samples)):
+            attempt, states = start[0], [start[1][s.id] for s in self.samples]
+        else:
+            attempt = new_attempt()
+            also = [ctx.beat.starting(self.job.id if self.job else "", len(self.samples), attempt)] if ctx.beat else []
+            states = ctx.ledger.take([s.id for s in self.samples], also=also)
         self.todo = [s for s, st in zip(self.samples, states) if st == QUEUED]
         self.attempt_id = attempt
         return self.todo
@@ -234,7 +240,7 @@ class BatchJob:
             claim_dumps(ctx.dump_dir, ctx.claim_dir, {r: s.num_tokens for r, s in by_rid.items()}, timeout=0)
             clear_claims(ctx.claim_dir)
             raise SampleFailure(ENGINE_UNAVAILABLE, str(e), transient=True) from None
-        self.engine_seconds = time.monotonic() - t0  # recorded with the marks (`mark`)
+        ctx.tally.observe("engine_seconds", time.monotonic() - t0)
         wanted: dict[str, int] = {}
         for r in results:
             s = by_rid[r.rid]
@@ -305,8 +311,9 @@ class BatchJob:
 
     def mark(self, spooled: Spooled, rows: dict[str, str], outages: int) -> list[str]:
         """The ledger, in one call (Ledger.settle_job): the spooled samples `s` (with their payload
-        rows, harvest.ops.reclaim), the failed ones `f` (with theirs, for requeue), the stats, the
-        engine's latency. Returns the samples this call marked spooled."""
+        rows, harvest.ops.reclaim), the failed ones `f` (with theirs, for requeue); the job's stats
+        and duration go to the worker's tally (harvest.state.tally). Returns the samples this call
+        marked spooled."""
         ctx = self.ctx
         if ctx.outages() != outages:  # Redis came back during the job: the ledger reconciled before the marks
             try:
@@ -317,28 +324,21 @@ class BatchJob:
                 raise SampleFailure(STORAGE_ERROR, f"reconciling the ledger after Redis came back: "
                                     f"{type(e).__name__}: {e}", transient=True) from e
         self.owner = ctx.spool_id
-        observed = {}
-        if self.engine_seconds is not None:
-            observed["engine_seconds"] = (bucket_of(self.engine_seconds), self.engine_seconds)
         # Failed samples not in this job's payload keep no row (none to keep); a sample spooled
         # meanwhile by a duplicate of this job is not failed (the script moves only q or absent).
         # A spooled one keeps a ref to its first row in this job's copy (harvest.state.jobcopy).
         refs = {s.id: jobcopy.ref(self.job.id, i) for i, s in reversed(list(enumerate(self.samples)))
                 } if self.job else {}
-        took = time.monotonic() - self.t0  # the heartbeat's end of job with its duration, in the same round trip
-        also = [ctx.beat.ending(observe=("job_seconds", bucket_of(took), took))] if ctx.beat else []
+        ctx.tally.observe("job_seconds", time.monotonic() - self.t0)
+        self.timed = True
+        also = [ctx.beat.ending()] if ctx.beat else []  # the heartbeat's end of job, in the same round trip
         try:
-            marked, failed = ctx.ledger.settle_job(
-                spooled.ids, self.owner, rows, self.failures, refs=refs,
-                stats={"samples_spooled": len(spooled.ids), "tokens_spooled": spooled.tokens,
-                       "bytes_spooled": spooled.nbytes, "dump_bytes": spooled.dump_bytes,
-                       **(self.generated.stats() if self.generated else {})},
-                observe=observed, also=also)
-        except redis.ResponseError:  # Redis answered: the end of job ran beside it
+            marked, failed = ctx.ledger.settle_job(spooled.ids, self.owner, rows, self.failures, refs=refs, also=also)
+        finally:  # it went, unless the connection failed: then the client is latched, and nothing matters
             self.ended = bool(also)
-            raise
-        self.ended = bool(also)
-        self.engine_seconds = None
+        ctx.tally.add({"samples_spooled": len(spooled.ids), "tokens_spooled": spooled.tokens,
+                       "bytes_spooled": spooled.nbytes, "dump_bytes": spooled.dump_bytes,
+                       **(self.generated.stats() if self.generated else {})})
         for sid in failed:
             log.warning("sample %s failed: %s: %s", sid, *self.failures[sid])
         return marked

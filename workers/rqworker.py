@@ -40,7 +40,8 @@ of them read by harvest's liveness (which is its own heartbeat, harvest.state.he
 - `rq suspend`'s flag is read at most every SUSPENSION_CHECK_S, not before every job;
 - the worker's state is written when it changes, not again when it is the same;
 - the job's `last_heartbeat` at its end is kept in this process (the job is deleted or moved
-  right after, in the transaction that records its outcome);
+  right after, in the transaction that records its outcome), and at its start written once (RQ
+  wrote it twice in one transaction);
 - a finished job's transaction: RQ's `handle_job_success` watches the dependents set, reads
   the job's status and reads every execution of the job (six reads) to delete what one
   MULTI/EXEC deletes here. Harvest's jobs keep no result (harvest.state.jobs: result_ttl 0)
@@ -50,7 +51,10 @@ of them read by harvest's liveness (which is its own heartbeat, harvest.state.he
 - RQ's two transactions starting an execution are sent as one (`prepare_execution`), and the
   worker's idle state rides in the success's transaction.
 What is left a job: the dequeue (LMOVE and the job's hash in one script,
-harvest.state.jobs.RunQueue), the execution's transaction, the outcome's transaction. A worker
+harvest.state.jobs.RunQueue), the execution's transaction, the outcome's transaction. Harvest's
+own start of the job (the heartbeat naming its attempt, the ledger's states of its samples:
+workers.job `BatchJob.choose`) rides in the execution's transaction (`_start_of`), so a job's
+round trips are those three and the settle's. A worker
 that returns late (its execution taken back by the janitor, the job queued again) deletes the
 job's hash as RQ's own success did; no sample depends on it: the ledger moves only queued samples
 (`Ledger.settle_job`), so the later run of the job skips what this one spooled, and a sample left
@@ -80,9 +84,13 @@ from rq.results import Result
 from rq.utils import now
 from rq.worker import WorkerStatus
 
+from harvest.ids import new_attempt
 from harvest.state.heartbeat import WorkerBeat, live_beat
-from harvest.state.jobs import RunQueue
+from harvest.state.jobs import JOB_FUNCTION, RunQueue
+from harvest.state.ledger import state_letter
+from harvest.state.payload import batch_ids
 from harvest.state.spools import redis_time
+from workers.context import WorkerContext, installed
 
 # How often RQ's suspension flag (`rq suspend`) is read: a suspend takes effect within this.
 SUSPENSION_CHECK_S = 5.0
@@ -101,6 +109,9 @@ class HarvestWorker(SimpleWorker):
         self._suspension_at = -math.inf
         self._cold_stop = False  # a cold stop (SystemExit) was raised: later signals change nothing
         self._starting: redis.client.Pipeline | None = None  # `prepare_execution`'s, sent by `prepare_job_execution`
+        # the job's start queued in it: the context, the take's reply's index, the ids, the attempt, the
+        # recovery generation (WorkerContext.started)
+        self._taking: tuple[WorkerContext, int, list[str], int, int] | None = None
 
     def request_force_stop(self, signum, frame) -> None:
         """RQ's cold stop, honoured once. `harvest run` repeats a hurried stop's SIGTERM until the
@@ -210,33 +221,62 @@ class HarvestWorker(SimpleWorker):
         state), with the harvest heartbeat naming the execution, queued in the transaction that
         `prepare_job_execution` sends right after with RQ's second one (the job started, out of the
         intermediate list): one MULTI/EXEC where RQ sends two, so no pass of the janitor can see
-        the execution started and unnamed, nor started with its job still in the intermediate list."""
+        the execution started and unnamed, nor started with its job still in the intermediate list.
+        A harvest job's start goes in it too (`_start_of`): its new attempt named by the heartbeat,
+        before the engine gets any request of it, and its samples' states read, which the job takes
+        up (WorkerContext.started)."""
         pipeline = self.connection.pipeline()
         execution = Execution.create(job, self.get_heartbeat_ttl(job), pipeline=pipeline, worker_name=self.name)
         self.executions[execution.id] = execution
         self.set_state(WorkerStatus.BUSY, pipeline=pipeline)
         beat = self.beat
+        ctx, ids = self._start_of(job, beat)
+        attempt = new_attempt() if ctx is not None else 0
         if beat is not None:
-            beat.name_execution(job.id, execution.id, pipeline)
+            beat.name_execution(job.id, execution.id, pipeline, start=(len(ids), attempt) if ctx is not None else None)
+        if ctx is not None:
+            self._taking = (ctx, len(pipeline.command_stack), ids, attempt, ctx.recovery_generation())
+            pipeline.hmget(ctx.ledger.keys.state, ids)
         self._starting = pipeline
         return execution
+
+    def _start_of(self, job: Job, beat: WorkerBeat | None) -> tuple[WorkerContext | None, list[str]]:
+        """The worker context and the sample ids of a harvest job whose start (its attempt named in
+        the heartbeat, its samples' states read: workers.job `BatchJob.choose`) rides in the
+        transaction that starts its execution: one round trip a job less. (None, []) where the job
+        does it itself: no context, another heartbeat than the context's, or a payload that names
+        no ids (the job fails on it as before)."""
+        ctx = installed()
+        if ctx is None or beat is None or ctx.beat is not beat or job.func_name != JOB_FUNCTION:
+            return None, []
+        try:
+            return ctx, batch_ids(job.args[0])
+        except Exception:
+            return None, []
 
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
         """RQ's, in the transaction `prepare_execution` began (RQ's own when there is none)."""
         pipeline, self._starting = self._starting, None
+        taking, self._taking = self._taking, None
         if pipeline is None:
             super().prepare_job_execution(job, remove_from_intermediate_queue)
             return
         with pipeline:
-            ttl = self.get_heartbeat_ttl(job)
-            self.heartbeat(ttl, pipeline=pipeline)
-            job.heartbeat(now(), ttl, pipeline=pipeline)
-            job.prepare_for_execution(self.name, pipeline=pipeline)
+            self.heartbeat(self.get_heartbeat_ttl(job), pipeline=pipeline)
+            job.prepare_for_execution(self.name, pipeline=pipeline)  # RQ's `job.heartbeat` before it wrote the same field
             pipeline.persist(job.key)
             if remove_from_intermediate_queue:
                 queue = next(q for q in self.queues if q.name == job.origin)  # RQ asks this of one queue only
                 pipeline.lrem(queue.intermediate_queue_key, 1, job.id)
-            pipeline.execute()
+            try:
+                replies = pipeline.execute()
+            except BaseException:
+                if taking is not None and self.beat is not None:
+                    self.beat.drop_start()
+                raise
+        if taking is not None:
+            ctx, at, ids, attempt, gen = taking
+            ctx.started[job.id] = (attempt, dict(zip(ids, map(state_letter, replies[at]))), gen)
 
     def cleanup_execution(self, job: Job, pipeline, execution: Execution | None = None) -> None:
         """RQ removes the execution in `pipeline` (its success, failure or retry transaction); the

@@ -1,9 +1,10 @@
 """`harvest worker`: an RQ worker bound to one run and one engine on this node.
 
-Besides taking jobs, each worker keeps a heartbeat (harvest.state.heartbeat) and runs a janitor pass
-(harvest.ops.janitor) from a background thread every few seconds, so as long as one worker of the
-run is alive, the job of a worker that died is back on the queue within seconds, due retries
-are released, and dead workers' claim dirs in this node's dump dir are removed.
+Besides taking jobs, each worker keeps a heartbeat (harvest.state.heartbeat), writes its jobs'
+stats and latencies (harvest.state.tally) and runs a janitor pass (harvest.ops.janitor) from a
+background thread every few seconds, so as long as one worker of the run is alive, the job of a
+worker that died is back on the queue within seconds, due retries are released, and dead
+workers' claim dirs in this node's dump dir are removed.
 
 SIGTERM (docker stop) is RQ's warm shutdown: the current job finishes, then the worker exits;
 a second SIGTERM/SIGINT hands the current job back (see workers.job) and exits at once.
@@ -72,6 +73,7 @@ class _Background(threading.Thread):
             try:
                 self.beat.beat()  # first: after an outage, the beat that says this worker lives
                 self.ctx.renew_lease()
+                self.ctx.tally.flush()  # the jobs' stats and latencies since the last beat
                 t0 = time.monotonic()
                 self.ctx.check_recovery()
                 if time.monotonic() - t0 > self.interval:
@@ -121,6 +123,15 @@ def _wait_for_engine(engine: Engine, beat: WorkerBeat, seconds: float) -> None:
     log.warning("engine %s not healthy yet: waiting up to %.0fs before taking jobs", engine.url, seconds)
     wait_healthy(engine.url, deadline - time.monotonic(), interval=0.5, probe_timeout=5.0)
     beat.set_state("idle")
+
+
+def _flush_last(ctx: WorkerContext) -> None:
+    """A clean exit writes the tally's last seconds (harvest.state.tally); an error doing so is
+    logged, not raised over the one that may be ending the worker."""
+    try:
+        ctx.tally.flush()
+    except Exception as e:
+        log.warning("the worker's last stats were not written: %s: %s", type(e).__name__, e)
 
 
 def _stop_before_work(*_) -> None:
@@ -195,6 +206,7 @@ def run_worker(
         background.stopped.set()
         background.join(timeout=10)
         if not ctx.redis_lost():
+            _flush_last(ctx)
             beat.stop()
             shutil.rmtree(claim_dir, ignore_errors=True)
         # else: the heartbeat lapses by itself and the janitor removes the claim dir and reaps the job

@@ -4,13 +4,12 @@ Why an exporter reading Redis rather than an endpoint per worker: workers are ma
 `docker compose --scale` (no fixed ports), short-lived and spread over nodes; scraping each
 needs service discovery and loses a worker's counts when it restarts. Everything a scrape needs
 is already in Redis (ledger counters, stats, RQ registries), and the two histograms (job
-duration, engine latency) cost each job one pipelined HINCRBY round trip into a fixed-bucket
-hash, so one scrape target gives exact fleet-wide numbers that survive restarts.
+duration, engine latency) are fixed-bucket hashes each worker adds to at its heartbeat
+(harvest.state.tally), so one scrape target gives fleet-wide numbers that survive restarts.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from collections.abc import Iterable
 
@@ -20,9 +19,8 @@ from harvest.errors import ConfigurationError
 from harvest.ops.audit_record import last_audit
 from harvest.ops.runlist import discover_runs
 from harvest.state.keys import Keys
+from harvest.state.tally import BUCKETS, le
 
-# Upper bounds in seconds: an engine call is ~10 ms on a tiny CPU model, minutes for a long batch.
-BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 HISTOGRAMS = {
     "job_seconds": "Wall time of one RQ job (engine call, claim, verify, spool).",
     "engine_seconds": "Latency of the engine /generate call of one job.",
@@ -51,38 +49,13 @@ STATS = {
 }
 
 
-def _le(v: float) -> str:
-    return "+Inf" if v == float("inf") else repr(float(v))
-
-
-def bucket_of(value: float) -> str:
-    """The field of the histogram bucket `value` falls in (its upper bound)."""
-    i = bisect.bisect_left(BUCKETS, value)
-    return _le(BUCKETS[i]) if i < len(BUCKETS) else "+Inf"
-
-
-# One observation: KEYS[1] the histogram; ARGV: bucket, value. One command a job, not three.
-_OBSERVE = """
-redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
-redis.call('HINCRBY', KEYS[1], 'count', 1)
-redis.call('HINCRBYFLOAT', KEYS[1], 'sum', ARGV[2])
-return 1
-"""
-
-
-def observe(conn: redis.Redis, run: str, name: str, value: float) -> None:
-    """Add one observation to the run's Redis histogram `name` (cumulative buckets are derived on
-    read). A worker's engine latency usually goes with its job's marks instead (Ledger.settle_job)."""
-    conn.register_script(_OBSERVE)(keys=[Keys(run).histogram(name)], args=[bucket_of(value), repr(float(value))])
-
-
 def read_histogram(conn: redis.Redis, run: str, name: str) -> tuple[list[tuple[str, int]], float, int]:
     """(cumulative [(le, count)] ending with +Inf, sum, count)."""
     raw = {k.decode(): v for k, v in conn.hgetall(Keys(run).histogram(name)).items()}
     acc, out = 0, []
     for b in (*BUCKETS, float("inf")):
-        acc += int(raw.get(_le(b), 0))
-        out.append((_le(b), acc))
+        acc += int(raw.get(le(b), 0))
+        out.append((le(b), acc))
     return out, float(raw.get("sum", 0) or 0), int(raw.get("count", 0) or 0)
 
 

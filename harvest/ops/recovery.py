@@ -105,6 +105,9 @@ class Recovery:
         self.keys = Keys(cfg.run)
         self._seen: str | None = None  # the server whose ledger this process knows is reconciled
         self._last = -float("inf")
+        # bumped each time this process finds a server it had not seen reconciled, once the ledger is
+        # reconciled on it (here or by another process): what it read of the ledger before may be stale
+        self.generation = 0
 
     def check(self, force: bool = False) -> bool:
         now = time.monotonic()
@@ -116,6 +119,7 @@ class Recovery:
             return False
         did = self._ensure(sid)
         self._seen = sid
+        self.generation += 1
         return did
 
     def reconcile_now(self) -> ReconcileReport:

@@ -57,19 +57,13 @@ if KEYS[2] then redis.call('SADD', KEYS[2], ARGV[3]) end
 return now
 """
 
-# A job ended: KEYS[1] the heartbeat hash, KEYS[2] (optional) a histogram (harvest.ops.metrics);
-# ARGV: ttl, the histogram's bucket and value ('' '' for none), field/value pairs. The fields, one
-# more job done, the TTL and the job's duration land together, in one command: a job's end costs
-# the fleet's Redis one round trip.
+# A job ended: KEYS[1] the heartbeat hash; ARGV: ttl, field/value pairs. The fields, one more job
+# done and the TTL land together, in one command (the job's duration goes at the heartbeat:
+# harvest.state.tally).
 _JOB_ENDED = """
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 redis.call('HINCRBY', KEYS[1], 'jobs_done', 1)
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
-if KEYS[2] then
-  redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
-  redis.call('HINCRBY', KEYS[2], 'count', 1)
-  redis.call('HINCRBYFLOAT', KEYS[2], 'sum', ARGV[3])
-end
 return 1
 """
 
@@ -127,14 +121,22 @@ class WorkerBeat:
             self.doing["state"] = state
             self._send()
 
-    def name_execution(self, job_id: str, execution_id: str, pipe: redis.client.Pipeline) -> None:
+    def name_execution(self, job_id: str, execution_id: str, pipe: redis.client.Pipeline,
+                       start: tuple[int, int] | None = None) -> None:
         """Name the RQ execution this worker is starting, in `pipe`: the MULTI/EXEC in which RQ
-        creates it (workers.rqworker.HarvestWorker.prepare_execution). Plain commands, no script:
-        a script in a transaction that meets a restarted Redis fails the transaction."""
+        creates it (workers.rqworker.HarvestWorker.prepare_execution). `start`: (samples, attempt)
+        of the job, named as `starting` names them, in the same transaction. No EVALSHA: a script
+        called by its SHA in a transaction that meets a restarted Redis (no scripts loaded) fails
+        the transaction; the job's start is an EVAL of the script's text (a few hundred bytes)."""
         with self._lock:
             self.doing.update(job=job_id, execution=execution_id)
-            pipe.hset(self.key, mapping={**self.identity, **self.doing})
-            pipe.expire(self.key, self.ttl)
+            if start is None:
+                pipe.hset(self.key, mapping={**self.identity, **self.doing})
+                pipe.expire(self.key, self.ttl)
+                return
+            samples, attempt = start
+            self.doing.update(state=BUSY, job_samples=str(samples), attempt=str(int(attempt)))
+            pipe.eval(_WRITE, 1, self.key, self.ttl, "job_started", self.name, *_pairs({**self.identity, **self.doing}))
 
     def clear_execution(self, execution_id: str, pipe: redis.client.Pipeline) -> None:
         """Name no execution any more, in `pipe`: the MULTI/EXEC in which RQ removes `execution_id`
@@ -164,25 +166,26 @@ class WorkerBeat:
             fields = {**self.identity, **self.doing}
             return ScriptCall(self._write, [self.key], [self.ttl, "job_started", self.name, *_pairs(fields)])
 
-    def job_ended(self, observe: tuple[str, str, float] | None = None) -> None:
+    def drop_start(self) -> None:
+        """A job's start named in a transaction that failed (`name_execution`): this process's view
+        is idle again, as the next beat writes."""
+        with self._lock:
+            self.doing.update(state=IDLE, job_samples="0", attempt="")
+
+    def job_ended(self) -> None:
         """The job function returned. An execution HarvestWorker named stays named until RQ removes
         it (`clear_execution`, in the same transaction): RQ's started registry never holds it
-        while the heartbeat says otherwise. `observe`: (histogram name, bucket, seconds), recorded
-        in the same call (the job's duration, harvest.ops.metrics)."""
-        send_together(self.conn, [self.ending(observe)])
+        while the heartbeat says otherwise."""
+        send_together(self.conn, [self.ending()])
 
-    def ending(self, observe: tuple[str, str, float] | None = None) -> ScriptCall:
+    def ending(self) -> ScriptCall:
         """`job_ended`'s call, to be sent with the ledger's settle of the job (one round trip)."""
         with self._lock:
             self.doing.update(state=IDLE, job_samples="0", attempt="")
             if not self.doing["execution"]:
                 self.doing["job"] = ""
-            keys, hist = [self.key], ["", ""]
-            if observe is not None:
-                keys.append(self.keys.histogram(observe[0]))
-                hist = [observe[1], repr(float(observe[2]))]
-            return ScriptCall(self._ended, keys,
-                              [self.ttl, *hist, *_pairs({**self.identity, **self.doing, "job_started": ""})])
+            return ScriptCall(self._ended, [self.key],
+                              [self.ttl, *_pairs({**self.identity, **self.doing, "job_started": ""})])
 
     def stop(self) -> None:
         """A clean exit: gone at once, nothing for the janitor to take back."""

@@ -138,16 +138,15 @@ class Ledger:
         return states, owners
 
     def settle_job(self, spooled: list[str], owner: str, rows: Mapping[str, str],
-                   failures: Mapping[str, tuple[str, str]], stats: Mapping[str, int] | None = None,
-                   observe: Mapping[str, tuple[str, float]] | None = None,
-                   refs: Mapping[str, str] | None = None,
+                   failures: Mapping[str, tuple[str, str]], refs: Mapping[str, str] | None = None,
                    also: Sequence[ScriptCall] = ()) -> tuple[list[str], list[str]]:
         """A worker's job, written in one call: `spooled` q or absent -> s, owned by `owner` with
         their payload rows kept (as `mark_spooled`); `failures` (id -> (reason, message)) q or
         absent -> f with their rows kept as failed payloads (as `record_failures`, for samples this
-        job holds: a rollback may have forgotten its enqueue); `stats` and the count of samples
-        failed added to the run's stats; `observe` (histogram name -> (its bucket, seconds), as
-        harvest.ops.metrics buckets them) recorded. Returns (ids marked spooled, ids marked failed).
+        job holds: a rollback may have forgotten its enqueue), counted in the run's stats as
+        `samples_failed`. Returns (ids marked spooled, ids marked failed). The job's throughput
+        stats and latencies are not written here: the worker adds them up and writes them at its
+        heartbeat (harvest.state.tally).
 
         `refs` (id -> `jobcopy.ref`, for the job being run): a spooled sample keeps its ref, and the
         job's hash is copied once, instead of its row (harvest.state.jobcopy). Where Redis no longer
@@ -157,7 +156,6 @@ class Ledger:
         returns or raises a Redis error reply (not a connection error)."""
         fail_ids = list(failures)
         infos = [json.dumps({"reason": r, "message": m}) for r, m in failures.values()]
-        hist = [(self.keys.histogram(name), bound, v) for name, (bound, v) in (observe or {}).items()]
 
         def segments(kept: Mapping[str, str]) -> list[tuple]:
             return [("s", QUEUED + ABSENT, False, "", "", list(spooled), [owner] * len(spooled),
@@ -166,24 +164,19 @@ class Ledger:
                      [rows.get(i, "") for i in fail_ids])]
 
         try:
-            out = self._settle(segments(refs or {}), dict(stats or {}), hist, also=also)
+            out = self._settle(segments(refs or {}), {}, also=also)
         except redis.ResponseError as e:
             if not refs or not str(e).startswith(jobcopy.NO_JOB):
                 raise
-            out = self._settle(segments({}), dict(stats or {}), hist)
+            out = self._settle(segments({}), {})
         return out[0], out[1]
 
-    def _settle(self, segments: list[tuple], stats: dict[str, int], hist: list[tuple[str, str, float]] = (),
-                clear: tuple[str, str] | None = None, also: Sequence[ScriptCall] = ()) -> list[list[str]]:
+    def _settle(self, segments: list[tuple], stats: dict[str, int], clear: tuple[str, str] | None = None, also: Sequence[ScriptCall] = ()) -> list[list[str]]:
         keys = [*self._state_keys(), self.keys.stats]
         args: list = [RATE_TTL_S, self.keys.rate_prefix, RATE_BUCKET_S, len(segments)]
         for to, allowed, keep, count, total, ids, infos, rows in segments:
             args += [to, allowed, "1" if keep else "0", count, total, len(ids), *ids, *infos, *rows]
         args += [len(stats), *(x for kv in stats.items() for x in (kv[0], int(kv[1])))]
-        args.append(len(hist))
-        for i, (key, bound, value) in enumerate(hist):
-            keys.append(key)
-            args += [len(keys), bound, repr(float(value))]
         if clear is not None:
             keys += clear
             args += [len(keys) - 1, len(keys)]

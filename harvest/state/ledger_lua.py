@@ -210,7 +210,7 @@ return changed
 # The rate bucket the stats of this call go to: by the server's TIME, so every node's stats land
 # in the buckets `Ledger.rates` reads, whatever the node's clock says. Redis 7 replicates a
 # script's effects, so a script may read TIME before it writes. prefix: Keys.rate_prefix.
-_RATE_KEY = """
+RATE_KEY = """
 local function rate_key(prefix, bucket_s)
   local t = redis.call('TIME')
   return prefix .. math.floor(tonumber(t[1]) / bucket_s)
@@ -218,14 +218,14 @@ end
 """
 
 # Several moves and the run's stats in one call: a worker's job (its spooled and its failed
-# samples, the stats, the engine-latency histogram), a collector's shard (done, the stats).
-# KEYS: the 10 move keys, stats, then histogram keys.
-# ARGV: bucket ttl, rate key prefix, bucket seconds, segments; per segment: to, allowed, keep, count
-# field ('' none), sum field ('' none: sums the moved samples' infos), n, ids, infos, rows; then the
-# number of stat pairs and (field, increment) pairs; then the number of observations and (key
-# index, bucket, value) triples; then, optionally, the key indexes of a record to delete and of
-# the set to remove it from. Returns one list of moved ids per segment.
-SETTLE = _MOVE + _RATE_KEY + """
+# samples, the failures counted), a collector's shard (done, the stats). A worker's throughput
+# stats and latencies go at its heartbeat instead (harvest.state.tally). KEYS: the 10 move keys,
+# stats, then the keys a record's end names. ARGV: bucket ttl, rate key prefix, bucket seconds,
+# segments; per segment: to, allowed, keep, count field ('' none), sum field ('' none: sums the
+# moved samples' infos), n, ids, infos, rows; then the number of stat pairs and (field, increment)
+# pairs; then, optionally, the key indexes of a record to delete and of the set to remove it from.
+# Returns one list of moved ids per segment.
+SETTLE = _MOVE + RATE_KEY + """
 local stats = {}
 local p = 4
 local nseg = tonumber(ARGV[p]); p = p + 1
@@ -278,14 +278,6 @@ for f, v in pairs(stats) do
   redis.call('HINCRBY', rate, f, v)
 end
 if rate then redis.call('EXPIRE', rate, tonumber(ARGV[1])) end
-local nobs = tonumber(ARGV[p]); p = p + 1
-for i = 1, nobs do
-  local key = KEYS[tonumber(ARGV[p])]
-  redis.call('HINCRBY', key, ARGV[p + 1], 1)
-  redis.call('HINCRBY', key, 'count', 1)
-  redis.call('HINCRBYFLOAT', key, 'sum', ARGV[p + 2])
-  p = p + 3
-end
 if ARGV[p] then  -- a record ended with these moves (a collector's packing record) and the set indexing it
   local rec, idx = KEYS[tonumber(ARGV[p])], KEYS[tonumber(ARGV[p + 1])]
   redis.call('SREM', idx, rec)
@@ -296,7 +288,7 @@ return out
 
 # The run's stats alone. KEYS: stats. ARGV: bucket ttl, rate key prefix, bucket seconds,
 # (field, increment) pairs.
-ADD_STATS = _RATE_KEY + """
+ADD_STATS = RATE_KEY + """
 local rate = rate_key(ARGV[2], tonumber(ARGV[3]))
 for i = 4, #ARGV, 2 do
   redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])

@@ -135,11 +135,12 @@ def test_one_job_and_its_shard_cost_the_same_commands_whatever_the_ledger_holds(
     assert big_shard == small_shard
     # a shard: the spool's states (a plain HMGET), the record with the spool's revocation test and
     # the ledger's id, the fence, done with its stats and the record cleared; a job: RQ's dequeue
-    # (harvest.state.jobs.RunQueue: the job, then the burst's empty queue), the job started (the
-    # take itself is a plain HMGET), settle (marks, failures, stats, the engine histogram) with
-    # the job ended and its histogram. One call each, whatever N; a shard reads its samples' states
-    # twice (the view's HMGET, the fence's), and once more to move them (done).
-    assert small_shard["evalsha"] == 3 and small_job["evalsha"] == 5
+    # (harvest.state.jobs.RunQueue: the job, then the burst's empty queue), the job started (an
+    # EVAL in RQ's transaction that starts the execution, with the take, a plain HMGET), settle
+    # (marks, failures) with the job ended (its stats and latencies go at the heartbeat:
+    # harvest.state.tally). One call each, whatever N; a shard reads its samples' states twice (the
+    # view's HMGET, the fence's), and once more to move them (done).
+    assert small_shard["evalsha"] == 3 and small_job["evalsha"] == 4 and small_job["eval"] == 1
     assert small_shard["hmget"] == 3 and small_shard["set"] == 2  # the record, the fence's: no SET of the ledger's id
 
 
@@ -181,30 +182,37 @@ def test_rqs_own_round_trips_a_job_are_a_few_whatever_the_jobs(server, r, fleet_
     assert per_job <= 4, per_job  # 3, and a suspension check if 5 s passed (SUSPENSION_CHECK_S)
 
 
-def test_a_jobs_own_calls_are_two_round_trips_whatever_the_jobs(server, r, fleet_node):
-    """Harvest's calls a job (workers.job), on the worker context's client: the ledger's take
-    with the heartbeat's job line, then the settle with the heartbeat's end of job, each pair in
-    one round trip (harvest.state.roundtrip). RQ's calls go on another client, not counted here;
+def test_a_jobs_own_calls_are_one_round_trip_whatever_the_jobs(server, r, fleet_node):
+    """Harvest's calls a job (workers.job), on the worker context's client: the settle with the
+    heartbeat's end of job, in one round trip (harvest.state.roundtrip); the ledger's take and the
+    heartbeat's job line ride in RQ's transaction that starts the execution
+    (workers.rqworker.HarvestWorker.prepare_execution). RQ's calls go on another client, not counted here;
     as above, the difference between bursts of 2 and 6 jobs. The heartbeat reads as a finished
-    job's: idle, no job, every job counted, the job's duration observed once a job."""
+    job's: idle, no job, every job counted. The jobs' stats and durations wait in the worker's
+    tally (harvest.state.tally) and one flush writes them all: each job's duration once."""
     cfg, ctx, beat, _ = fleet_node
     rng = np.random.default_rng(5)
     counted = redis.Redis.from_url(server.url, connection_class=_CountingConnection)
     mine = WorkerBeat(counted, cfg.run, beat.name, "node-a", beat.identity["engine"])
-    install(dataclasses.replace(ctx, conn=counted, beat=mine))
+    counting = dataclasses.replace(ctx, conn=counted, beat=mine)
+    install(counting)
     try:
         burst = functools.partial(_burst, r, cfg, rng, mine, r)
         burst(1)
+        counting.tally.flush()
         jobs_before = int(r.hget(mine.key, "jobs_done"))
         hist = Ledger(r, cfg.run).keys.histogram("job_seconds")
-        observed = int(r.hget(hist, "count") or 0)
+        observed, spooled = int(r.hget(hist, "count") or 0), Ledger(r, cfg.run).stats()["samples_spooled"]
         per_job = (burst(6) - burst(2)) / 4
     finally:
         install(ctx)
     assert Ledger(r, cfg.run).counts()["spooled"] == 4 * 9
-    assert per_job == 2, per_job
+    assert per_job == 1, per_job
     assert int(r.hget(mine.key, "jobs_done")) == jobs_before + 8
+    assert int(r.hget(hist, "count")) == observed  # nothing written by the jobs themselves
+    assert counting.tally.flush() and not counting.tally.flush()
     assert int(r.hget(hist, "count")) == observed + 8
+    assert Ledger(r, cfg.run).stats()["samples_spooled"] == spooled + 8 * 4
     assert {k: r.hget(mine.key, k) for k in ("state", "job", "job_samples", "attempt")} == {
         "state": b"idle", "job": b"", "job_samples": b"0", "attempt": b""}
 

@@ -1,6 +1,6 @@
 """Throughput buckets by Redis's clock: the stats of a node whose clock is 2 h off land in the
-bucket of the server's TIME, through every writer (`add_stats`, a worker's `settle_job`, a
-collector's `mark_done`), and `harvest status` and `Ledger.rates` read them."""
+bucket of the server's TIME, through every writer (`add_stats`, a worker's `settle_job` and its
+tally's flush, a collector's `mark_done`), and `harvest status` and `Ledger.rates` read them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from harvest.state.keys import Keys
 from harvest.state.ledger import RATE_BUCKET_S, Ledger
 from harvest.state.runstore import publish_run
 from harvest.state.spools import redis_time
+from harvest.state.tally import Tally
 
 RUN = "clk"
 SHIFT_S = 7200
@@ -41,8 +42,11 @@ def test_a_skewed_nodes_stats_land_in_the_servers_bucket_and_status_reads_them(c
     with monkeypatch.context() as m:  # this process is the skewed node while it writes
         m.setattr(time, "time", lambda: real() + shift)
         led.add_stats(samples_spooled=2)
-        led.settle_job(ids[:4], "spool-a", {}, {ids[4]: ("engine-error", "boom")}, stats={"samples_spooled": 4},
-                       observe={"engine_seconds": ("0.5", 0.25)})
+        led.settle_job(ids[:4], "spool-a", {}, {ids[4]: ("engine-error", "boom")})
+        tally = Tally(conn, run)
+        tally.add({"samples_spooled": 4})
+        tally.observe("engine_seconds", 0.25)
+        assert tally.flush() and not tally.flush()  # a second flush has nothing to send
         assert led.mark_done(ids[:3], tokens=[10, 20, 30], stats={"bytes_done": 1000}) == ids[:3]
         skewed = led.rates()  # a skewed reader too: the buckets are found by Redis's TIME
         skewed_status = compute_status(conn, run)  # `harvest status` on the skewed node
@@ -56,7 +60,7 @@ def test_a_skewed_nodes_stats_land_in_the_servers_bucket_and_status_reads_them(c
     assert total == {"samples_spooled": 6, "samples_failed": 1, "samples_done": 3, "tokens_done": 60,
                      "bytes_done": 1000}
     assert skewed[0] == total
-    assert conn.hgetall(Keys(RUN).histogram("engine_seconds")) == {b"0.5": b"1", b"count": b"1", b"sum": b"0.25"}
+    assert conn.hgetall(Keys(RUN).histogram("engine_seconds")) == {b"0.25": b"1", b"count": b"1", b"sum": b"0.25"}
     assert skewed_status.window_counts == total
     st = compute_status(conn, run)
     assert st.window_counts == total

@@ -1,0 +1,140 @@
+"""A worker's throughput stats and latency observations, added up in its memory and written to
+Redis in one call at each heartbeat, not with every job.
+
+Why. A worker's job wrote four stats twice (the run's totals and the current rate bucket, with the
+bucket's TIME and EXPIRE) and two latency histograms of three commands each: 16 of the 73
+commands a job of 32 cost the fleet's one Redis, and a tenth of its Redis CPU (bench/job_cost.py,
+bench/fleet.py), all of them counters that decide nothing. Added up here, they cost one call per
+worker and heartbeat (HEARTBEAT_INTERVAL_S): O(workers) a second, not O(jobs).
+
+What that costs. The counters lag by up to one heartbeat, and a worker that dies without a clean
+exit (kill -9, a lost node, Redis given up) takes what it had not flushed along: the throughput
+stats (`samples_spooled`, `tokens_spooled`, `bytes_spooled`, `dump_bytes`, a regenerating run's
+turn stats) and the `job_seconds` and `engine_seconds` histograms undercount by those seconds.
+Nothing exact depends on them. What is exact stays written with the move it counts: the ledger's
+state counts, `samples_failed` (harvest.state.ledger.Ledger.settle_job), the collector's done
+stats (`mark_done`), `job_retries`, the janitor's.
+
+Who owns it: the process that adds to it. The job loop adds, the heartbeat thread flushes
+(workers.worker), and a clean exit flushes last. A flush that raises gives back what it took, so
+the next flush sends it again; one whose reply was lost after the script ran (an outage the client
+rode out: harvest.state.connection) may then count it twice, as any call retried that way.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter
+from collections.abc import Mapping
+
+import redis
+
+from harvest.state.keys import Keys
+from harvest.state.ledger import RATE_BUCKET_S, RATE_TTL_S
+from harvest.state.ledger_lua import RATE_KEY
+
+# A histogram's upper bounds in seconds (harvest.ops.metrics reads them): an engine call is ~10 ms
+# on a tiny CPU model, minutes for a long batch.
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+def le(v: float) -> str:
+    """A bucket's field: its upper bound."""
+    return "+Inf" if v == float("inf") else repr(float(v))
+
+
+def bucket_of(value: float) -> str:
+    """The field of the histogram bucket `value` falls in."""
+    i = bisect.bisect_left(BUCKETS, value)
+    return le(BUCKETS[i]) if i < len(BUCKETS) else "+Inf"
+
+
+# KEYS: the run's stats, then one histogram each. ARGV: bucket ttl, rate key prefix, bucket
+# seconds, the number of stat pairs and (field, increment) pairs; then per histogram, in KEYS'
+# order: the number of its buckets, (bucket, count) pairs, its count and its sum. The rate bucket
+# is the server's (TIME, as every stats writer's: harvest.state.ledger_lua).
+FLUSH = RATE_KEY + """
+local p = 4
+local n = tonumber(ARGV[p]); p = p + 1
+local rate = n > 0 and rate_key(ARGV[2], tonumber(ARGV[3]))
+for i = 1, n do
+  redis.call('HINCRBY', KEYS[1], ARGV[p], ARGV[p + 1])
+  redis.call('HINCRBY', rate, ARGV[p], ARGV[p + 1])
+  p = p + 2
+end
+if rate then redis.call('EXPIRE', rate, tonumber(ARGV[1])) end
+for k = 2, #KEYS do
+  local nb = tonumber(ARGV[p]); p = p + 1
+  for i = 1, nb do
+    redis.call('HINCRBY', KEYS[k], ARGV[p], ARGV[p + 1])
+    p = p + 2
+  end
+  redis.call('HINCRBY', KEYS[k], 'count', ARGV[p])
+  redis.call('HINCRBYFLOAT', KEYS[k], 'sum', ARGV[p + 1])
+  p = p + 2
+end
+return 1
+"""
+
+
+class _Histogram:
+    def __init__(self) -> None:
+        self.buckets: Counter[str] = Counter()
+        self.count = 0
+        self.sum = 0.0
+
+    def merge(self, other: _Histogram) -> None:
+        self.buckets.update(other.buckets)
+        self.count += other.count
+        self.sum += other.sum
+
+
+class Tally:
+    """Thread-safe: a job adds, the heartbeat thread flushes."""
+
+    def __init__(self, conn: redis.Redis, run: str) -> None:
+        self.conn, self.keys = conn, Keys(run)
+        self._script = conn.register_script(FLUSH)
+        self._lock = threading.Lock()
+        self._stats: Counter[str] = Counter()
+        self._hists: dict[str, _Histogram] = {}
+
+    def add(self, stats: Mapping[str, int]) -> None:
+        with self._lock:
+            self._stats.update({k: int(v) for k, v in stats.items() if int(v)})
+
+    def observe(self, name: str, seconds: float) -> None:
+        """One observation of the run's histogram `name` (harvest.ops.metrics.HISTOGRAMS)."""
+        with self._lock:
+            h = self._hists.setdefault(name, _Histogram())
+            h.buckets[bucket_of(seconds)] += 1
+            h.count += 1
+            h.sum += float(seconds)
+
+    def flush(self) -> bool:
+        """Write what was added since the last flush, in one call; False when there was nothing.
+        Raises what the call raised, having given back what it took."""
+        with self._lock:
+            stats, hists = self._stats, self._hists
+            self._stats, self._hists = Counter(), {}
+        if not stats and not hists:
+            return False
+        keys, args = [self.keys.stats], [RATE_TTL_S, self.keys.rate_prefix, RATE_BUCKET_S, len(stats)]
+        for kv in stats.items():
+            args += kv
+        for name, h in hists.items():
+            keys.append(self.keys.histogram(name))
+            args.append(len(h.buckets))
+            for kv in h.buckets.items():
+                args += kv
+            args += [h.count, repr(h.sum)]
+        try:
+            self._script(keys=keys, args=args, client=self.conn)
+        except BaseException:
+            with self._lock:
+                self._stats.update(stats)
+                for name, h in hists.items():
+                    self._hists.setdefault(name, _Histogram()).merge(h)
+            raise
+        return True

@@ -1,0 +1,77 @@
+"""A job's start rides in RQ's transaction that starts its execution
+(workers.rqworker.HarvestWorker.prepare_execution): the heartbeat names the job's attempt and the
+ledger's states of its samples are read there, and the job takes both up without a round trip of
+its own, unless this process found a new Redis since and the ledger was reconciled on it: then it
+reads the states again under a new attempt."""
+
+import numpy as np
+import pytest
+
+from harvest.config import RunConfig
+from harvest.ops.recovery import Recovery
+from harvest.state.heartbeat import WorkerBeat
+from harvest.state.jobs import SERIALIZER, fetch_job, run_queue
+from harvest.state.ledger import Ledger
+from harvest.state.payload import Sample
+from harvest.state.runstore import publish_run
+from tests.support.ops import enqueue
+from workers.context import WorkerContext, install
+from workers.job import BatchJob
+from workers.rqworker import HarvestWorker
+from workers.safejob import HarvestJob
+
+
+@pytest.fixture
+def started(conn, tmp_path):
+    cfg = publish_run(conn, RunConfig(run="js", model="/m", capture_points=[2], hidden_size=4,
+                                      out_url=str(tmp_path / "out")))
+    samples = [Sample.build(np.arange(i + 2)) for i in range(3)]
+    job_id = enqueue(conn, cfg, samples)
+    led = Ledger(conn, cfg.run)
+    beat = WorkerBeat(conn, cfg.run, "n-1-aaaaaa", "n", "http://127.0.0.1:1")
+    beat.start()
+    dirs = [tmp_path / d for d in ("dump", "spool", "claim")]
+    for d in dirs:
+        d.mkdir()
+    ctx = WorkerContext(conn=conn, cfg=cfg, engine=None, dump_dir=str(dirs[0]), spool_dir=str(dirs[1]),
+                        claim_dir=str(dirs[2]), beat=beat, recovery=Recovery(conn, cfg))
+    install(ctx)
+    ctx.check_recovery()  # a running worker's: the ledger known reconciled on this server
+    led.mark_done([samples[0].id])  # committed by an earlier run of the job
+    worker = HarvestWorker([run_queue(conn, cfg.run, job_class=HarvestJob)], connection=conn, serializer=SERIALIZER,
+                           name=beat.name, job_class=HarvestJob, beat=beat)
+    job = fetch_job(conn, job_id)
+    execution = worker.prepare_execution(job)
+    worker.prepare_job_execution(job)
+    yield ctx, job, execution, samples, led
+    install(None)  # type: ignore[arg-type]
+    beat.stop()
+
+
+def test_the_job_takes_up_the_start_made_with_its_execution(conn, started):
+    ctx, job, execution, samples, _ = started
+    attempt, states, gen = ctx.started[job.id]
+    assert states == {samples[0].id: "d", samples[1].id: "q", samples[2].id: "q"} and gen == ctx.recovery_generation()
+    named = {k.decode(): v.decode() for k, v in conn.hgetall(ctx.beat.key).items()}
+    assert {k: named[k] for k in ("state", "job", "execution", "job_samples", "attempt")} == {
+        "state": "busy", "job": job.id, "execution": execution.id, "job_samples": "3", "attempt": str(attempt)}
+    assert float(named["job_started"]) > 0  # stamped by Redis's TIME
+    assert fetch_job(conn, job.id).get_status() == "started"
+
+    batch = BatchJob(ctx, job.args[0], job)
+    assert ctx.started == {}  # taken up by the job, whatever it does next
+    assert batch.load() is None and batch.reconcile() is None
+    calls = conn.info("commandstats")["cmdstat_hmget"]["calls"]
+    assert [s.id for s in batch.choose()] == [s.id for s in samples[1:]] and batch.attempt_id == attempt
+    assert conn.info("commandstats")["cmdstat_hmget"]["calls"] == calls  # no read of its own
+
+
+def test_a_ledger_reconciled_since_the_start_is_read_again_under_a_new_attempt(conn, started):
+    ctx, job, _, samples, led = started
+    attempt = ctx.started[job.id][0]
+    led.settle_job([samples[1].id], "another-spool", {}, {})  # what the start read is stale now
+    ctx.recovery.generation += 1  # this process found a new Redis and the ledger was reconciled on it
+    batch = BatchJob(ctx, job.args[0], job)
+    assert batch.load() is None
+    assert [s.id for s in batch.choose()] == [samples[2].id] and batch.attempt_id != attempt
+    assert conn.hget(ctx.beat.key, "attempt").decode() == str(batch.attempt_id)
