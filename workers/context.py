@@ -55,10 +55,13 @@ class WorkerContext:
     # in RQ's transaction that starts its execution (workers.rqworker.HarvestWorker.prepare_execution),
     # taken up by the job (workers.job)
     started: dict[str, tuple[int, dict[str, str | None], int]] = field(init=False, default_factory=dict)
+    # the jobs' throughput stats and latencies, written at the heartbeat (harvest.state.tally)
+    tally: Tally = field(init=False)
     _recovery_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.spool_id = spool_identity(self.spool_dir)  # once: it lists the spool dir
+        self.tally = Tally(self.conn, self.cfg.run)  # here, not lazily: the job and the heartbeat thread share it
 
     def check_recovery(self, force: bool = False) -> bool:
         """harvest.ops.recovery: a restarted or rolled-back Redis is noticed, and the ledger
@@ -105,11 +108,6 @@ class WorkerContext:
     @cached_property
     def ledger(self) -> Ledger:
         return Ledger(self.conn, self.cfg.run)
-
-    @cached_property
-    def tally(self) -> Tally:
-        """The jobs' throughput stats and latencies, written at the heartbeat (harvest.state.tally)."""
-        return Tally(self.conn, self.cfg.run)
 
 
 _context: WorkerContext | None = None

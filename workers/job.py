@@ -105,9 +105,7 @@ class BatchJob:
     def run(self) -> JobResult | Retry:
         held = self.load() or self.reconcile()
         if held is not None:
-            if self.started is not None:
-                self.end(timed=False)  # the heartbeat named the job's start: it ends unrun
-            return held
+            return held  # the heartbeat, which the job's start named busy, goes idle with RQ's outcome
         self.t0, todo = time.monotonic(), None
         try:
             todo = self.choose()
@@ -334,8 +332,10 @@ class BatchJob:
         also = [ctx.beat.ending()] if ctx.beat else []  # the heartbeat's end of job, in the same round trip
         try:
             marked, failed = ctx.ledger.settle_job(spooled.ids, self.owner, rows, self.failures, refs=refs, also=also)
-        finally:  # it went, unless the connection failed: then the client is latched, and nothing matters
+        except redis.ResponseError:  # Redis answered: the end of job ran beside it
             self.ended = bool(also)
+            raise
+        self.ended = bool(also)
         ctx.tally.add({"samples_spooled": len(spooled.ids), "tokens_spooled": spooled.tokens,
                        "bytes_spooled": spooled.nbytes, "dump_bytes": spooled.dump_bytes,
                        **(self.generated.stats() if self.generated else {})})

@@ -72,7 +72,8 @@ class Regenerated:
         return sum(w.tokens for w in self.written.values())
 
     def stats(self) -> dict[str, int]:
-        """The stage's counters for the status and the metrics (added with the job's marks)."""
+        """The stage's counters for the status and the metrics (added to the worker's tally with the
+        job's marks: harvest.state.tally)."""
         return {"conversations_written": len(self.written), "tokens_generated": self.tokens,
                 "generation_ms": int(self.seconds * 1000)}
 

@@ -244,15 +244,21 @@ class HarvestWorker(SimpleWorker):
         """The worker context and the sample ids of a harvest job whose start (its attempt named in
         the heartbeat, its samples' states read: workers.job `BatchJob.choose`) rides in the
         transaction that starts its execution: one round trip a job less. (None, []) where the job
-        does it itself: no context, another heartbeat than the context's, or a payload that names
-        no ids (the job fails on it as before)."""
+        does it itself: no context, another heartbeat than the context's, no sample, or a job whose
+        data cannot be read or that will be refused (workers.safejob): RQ's own path fails it, as
+        before. A SimpleWorker runs one job at a time: a start left by a job whose function never
+        ran (refused, a stop between) is dropped here."""
         ctx = installed()
-        if ctx is None or beat is None or ctx.beat is not beat or job.func_name != JOB_FUNCTION:
+        if ctx is None or beat is None or ctx.beat is not beat:
             return None, []
+        ctx.started.clear()
         try:
-            return ctx, batch_ids(job.args[0])
-        except Exception:
+            if job.func_name != JOB_FUNCTION or job.instance is not None:
+                return None, []
+            ids = batch_ids(job.args[0])
+        except Exception:  # noqa: BLE001  # undeserializable data, a payload naming no ids: RQ fails the job
             return None, []
+        return (ctx, ids) if ids else (None, [])
 
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
         """RQ's, in the transaction `prepare_execution` began (RQ's own when there is none)."""

@@ -66,6 +66,16 @@ class _Background(threading.Thread):
         self.unnamed = UnnamedDumps()  # the dump files its passes found no live worker naming
         self.stopped = threading.Event()
 
+    def _flush(self) -> None:
+        """The jobs' stats and latencies since the last beat (harvest.state.tally). A flush that
+        fails is logged: it never holds up the recovery check and the janitor pass after it."""
+        try:
+            self.ctx.tally.flush()
+        except RedisLost:
+            raise
+        except Exception:
+            log.exception("writing the worker's stats failed (kept for the next beat, unless Redis ran part of it)")
+
     def run(self) -> None:
         outage = outage_of(self.conn)
         calm_at = 0.0  # monotonic time from which heartbeats can be trusted again
@@ -73,7 +83,7 @@ class _Background(threading.Thread):
             try:
                 self.beat.beat()  # first: after an outage, the beat that says this worker lives
                 self.ctx.renew_lease()
-                self.ctx.tally.flush()  # the jobs' stats and latencies since the last beat
+                self._flush()
                 t0 = time.monotonic()
                 self.ctx.check_recovery()
                 if time.monotonic() - t0 > self.interval:
@@ -195,6 +205,7 @@ def run_worker(
         previous = signal.signal(signal.SIGTERM, _stop_before_work)
         try:
             _wait_for_engine(ctx.engine, beat, settings.engine_wait_s)
+            ctx.check_recovery()  # before the first job: its start is read from a reconciled ledger
         finally:
             signal.signal(signal.SIGTERM, previous)
         if settings.burst:

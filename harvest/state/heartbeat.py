@@ -140,12 +140,14 @@ class WorkerBeat:
 
     def clear_execution(self, execution_id: str, pipe: redis.client.Pipeline) -> None:
         """Name no execution any more, in `pipe`: the MULTI/EXEC in which RQ removes `execution_id`
-        (HarvestWorker.cleanup_execution), written again if RQ retries its transaction. Nothing if
+        (HarvestWorker.cleanup_execution) as it records the job's outcome, written again if RQ
+        retries its transaction; the worker is idle, however the job ended (a job whose function
+        raised before its end of job was named busy by its start: `name_execution`). Nothing if
         the heartbeat names another one."""
         with self._lock:
             if self.doing["execution"] not in (execution_id, ""):
                 return
-            self.doing.update(job="", execution="")
+            self.doing.update(state=IDLE, job="", execution="", job_samples="0", attempt="")
             pipe.hset(self.key, mapping={**self.identity, **self.doing})
             pipe.expire(self.key, self.ttl)
 

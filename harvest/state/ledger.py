@@ -10,10 +10,11 @@ counters exact, and the per-reason failure counters too, so status, metrics and 
 never scan the hash.
 
 Cost (bench/fleet.py). The control plane's budget is per sample: a worker's job settles all its
-samples in one call (`settle_job`: the spooled ones, the failed ones with their payload rows, the
-stats and the engine-latency observation), a collector's shard in one (`mark_done` with its
-stats), and a job's samples' states are read with one plain HMGET (`take`); inside a
-call, states are read and written per batch of samples, and counters once per call.
+samples in one call (`settle_job`: the spooled ones, the failed ones with their payload rows; its
+throughput stats and latencies go at the worker's heartbeat, harvest.state.tally), a collector's
+shard in one (`mark_done` with its stats), and a job's samples' states are read with one plain
+HMGET, sent in RQ's transaction that starts the job (workers.rqworker; `take` where it is not);
+inside a call, states are read and written per batch of samples, and counters once per call.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ stats (`mark_done`), `job_retries`, the janitor's.
 
 Who owns it: the process that adds to it. The job loop adds, the heartbeat thread flushes
 (workers.worker), and a clean exit flushes last. A flush that raises gives back what it took, so
-the next flush sends it again; one whose reply was lost after the script ran (an outage the client
-rode out: harvest.state.connection) may then count it twice, as any call retried that way.
+the next flush sends it again (one whose reply was lost after the script ran, an outage the client
+rode out, harvest.state.connection, may then count it twice, as any call retried that way); one
+Redis answered with an error drops it (logged by the worker), since part of it may have landed.
 """
 
 from __future__ import annotations
@@ -114,7 +115,9 @@ class Tally:
 
     def flush(self) -> bool:
         """Write what was added since the last flush, in one call; False when there was nothing.
-        Raises what the call raised, having given back what it took."""
+        Raises what the call raised: having given back what it took where the script did not
+        run (the connection failed), having dropped it where Redis answered with an error (a
+        script stops at its failing command, its writes before it kept)."""
         with self._lock:
             stats, hists = self._stats, self._hists
             self._stats, self._hists = Counter(), {}
@@ -131,6 +134,8 @@ class Tally:
             args += [h.count, repr(h.sum)]
         try:
             self._script(keys=keys, args=args, client=self.conn)
+        except redis.ResponseError:
+            raise  # the script ran, and may have written part of it: sent again, that part would count twice
         except BaseException:
             with self._lock:
                 self._stats.update(stats)

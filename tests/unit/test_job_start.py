@@ -2,7 +2,8 @@
 (workers.rqworker.HarvestWorker.prepare_execution): the heartbeat names the job's attempt and the
 ledger's states of its samples are read there, and the job takes both up without a round trip of
 its own, unless this process found a new Redis since and the ledger was reconciled on it: then it
-reads the states again under a new attempt."""
+reads the states again under a new attempt. RQ's outcome leaves the heartbeat idle however the job
+ended; a job with no sample, or one RQ refuses, takes no start."""
 
 import numpy as np
 import pytest
@@ -70,8 +71,37 @@ def test_a_ledger_reconciled_since_the_start_is_read_again_under_a_new_attempt(c
     ctx, job, _, samples, led = started
     attempt = ctx.started[job.id][0]
     led.settle_job([samples[1].id], "another-spool", {}, {})  # what the start read is stale now
-    ctx.recovery.generation += 1  # this process found a new Redis and the ledger was reconciled on it
+    # What this process knew reconciled was another server (a failover it had not noticed), and
+    # its rate limit is past: the job's check finds the server new, the ledger reconciled on it.
+    ctx.recovery._seen, ctx.recovery._last = "a-server-before", float("-inf")
     batch = BatchJob(ctx, job.args[0], job)
-    assert batch.load() is None
+    assert batch.load() is None and batch.reconcile() is None
     assert [s.id for s in batch.choose()] == [samples[2].id] and batch.attempt_id != attempt
     assert conn.hget(ctx.beat.key, "attempt").decode() == str(batch.attempt_id)
+
+
+def test_rqs_outcome_leaves_the_heartbeat_idle_however_the_job_ended(conn, started):
+    ctx, job, execution, _, _ = started  # named busy by its start; its function then raised (no end of job)
+    with conn.pipeline() as pipe:
+        ctx.beat.clear_execution(execution.id, pipe)  # in RQ's failure transaction
+        pipe.execute()
+    named = {k.decode(): v.decode() for k, v in conn.hgetall(ctx.beat.key).items()}
+    assert {k: named[k] for k in ("state", "job", "execution", "job_samples", "attempt")} == {
+        "state": "idle", "job": "", "execution": "", "job_samples": "0", "attempt": ""}
+
+
+@pytest.mark.parametrize("case", ["no sample", "another function", "another heartbeat"])
+def test_no_start_where_the_job_makes_its_own_or_rq_fails_it(conn, started, case):
+    ctx, job, _, _, _ = started
+    worker = HarvestWorker([run_queue(conn, ctx.cfg.run, job_class=HarvestJob)], connection=conn,
+                           serializer=SERIALIZER, name=ctx.beat.name, job_class=HarvestJob, beat=ctx.beat)
+    beat = ctx.beat
+    if case == "no sample":
+        job.args = ({**{k: v for k, v in job.args[0].items() if k != "samples"}, "ids": []},)
+    elif case == "another function":
+        job.func_name = "os.system"
+    else:
+        beat = WorkerBeat(conn, ctx.cfg.run, "n-2-bbbbbb", "n", "http://127.0.0.1:1")
+    assert worker._start_of(job, beat) == (None, [])
+    if case != "another heartbeat":  # what a job left (its function never ran) goes with the next start
+        assert ctx.started == {}

@@ -1,10 +1,14 @@
 """A worker's tally (harvest.state.tally): what its jobs add is written by one flush, exactly once,
-into the run's stats, the current rate bucket and the histograms; a flush that fails gives it
-all back, and the next one writes it once."""
+into the run's stats, the current rate bucket and the histograms. A flush whose connection fails
+gives it all back and the next one writes it once; one Redis refuses drops it (its script may have
+written part of it)."""
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
+from harvest.cli.redisproc import free_port
 from harvest.ops.metrics import read_histogram
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
@@ -21,10 +25,10 @@ def test_one_flush_writes_what_the_jobs_added_and_a_failed_one_gives_it_back(con
         tally.observe("job_seconds", took)
     tally.observe("engine_seconds", 0.02)
 
-    conn.set(Keys(RUN).stats, "not a hash")  # the script fails on its first write
-    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+    tally.conn = redis.Redis(port=free_port(), retry=Retry(NoBackoff(), 0))  # no Redis there: nothing ran
+    with pytest.raises(redis.ConnectionError):
         tally.flush()
-    conn.delete(Keys(RUN).stats)
+    tally.conn = conn
     assert tally.flush() and not tally.flush()
 
     assert led.stats() == {"samples_spooled": 128, "tokens_spooled": 4000}  # a zero adds no field
@@ -34,3 +38,14 @@ def test_one_flush_writes_what_the_jobs_added_and_a_failed_one_gives_it_back(con
     assert [n for _, n in buckets] == [1] * 5 + [3] * 10 + [4]  # cumulative: 0.004 | 0.3, 0.3 in 0.5 | 700 past 600
     assert conn.hgetall(Keys(RUN).histogram("engine_seconds")) == {b"0.025": b"1", b"count": b"1", b"sum": b"0.02"}
     assert [bucket_of(v) for v in (0.01, 0.0100001, 600.0, 601.0)] == ["0.01", "0.025", "600.0", "+Inf"]
+
+
+def test_a_flush_redis_refuses_is_dropped_not_sent_again(conn):
+    tally, led = Tally(conn, RUN), Ledger(conn, RUN)
+    tally.add({"samples_spooled": 5})
+    conn.set(Keys(RUN).histogram("job_seconds"), "not a hash")  # the stats land, then the histogram fails
+    tally.observe("job_seconds", 1.0)
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        tally.flush()
+    assert not tally.flush()  # dropped: sent again, the stats would count twice
+    assert led.stats() == {"samples_spooled": 5}
