@@ -40,7 +40,7 @@ from harvest.node.spooldir import clear_dead_temps
 from harvest.ops.janitor import UnnamedDumps, janitor_pass
 from harvest.ops.recovery import Recovery
 from harvest.settings import WorkerSettings
-from harvest.state.connection import RedisLost, outage_of, redis_client
+from harvest.state.connection import RedisLost, is_connection_error, outage_of, redis_client
 from harvest.state.heartbeat import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, WorkerBeat
 from harvest.state.jobs import SERIALIZER, run_queue
 from harvest.state.runstore import load_run
@@ -144,6 +144,18 @@ def _flush_last(ctx: WorkerContext) -> None:
         log.warning("the worker's last stats were not written: %s: %s", type(e).__name__, e)
 
 
+def _first_check(ctx: WorkerContext) -> None:
+    """A new Redis noticed before the first job, whose start is then read from a reconciled ledger
+    (workers.rqworker `_start_of`). A check that fails otherwise than by the connection is the first
+    job's to make again (it hands its job back if it fails too), not a reason to stop the worker."""
+    try:
+        ctx.check_recovery()
+    except Exception as e:
+        if ctx.redis_lost() or is_connection_error(e):
+            raise
+        log.warning("checking Redis for a restart before the first job: %s: %s", type(e).__name__, e)
+
+
 def _stop_before_work(*_) -> None:
     raise SystemExit(0)
 
@@ -205,7 +217,7 @@ def run_worker(
         previous = signal.signal(signal.SIGTERM, _stop_before_work)
         try:
             _wait_for_engine(ctx.engine, beat, settings.engine_wait_s)
-            ctx.check_recovery()  # before the first job: its start is read from a reconciled ledger
+            _first_check(ctx)
         finally:
             signal.signal(signal.SIGTERM, previous)
         if settings.burst:
