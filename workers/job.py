@@ -161,9 +161,9 @@ class BatchJob:
         where the worker sent none, or the ledger was reconciled on a new Redis since (Recovery's
         generation)."""
         ctx, start = self.ctx, self.started
-        if (start is not None and start[2] == ctx.recovery_generation()
-                and all(s.id in start[1] for s in self.samples)):
-            attempt, states = start[0], [start[1][s.id] for s in self.samples]
+        if (start is not None and start.generation == ctx.recovery_generation()
+                and all(s.id in start.states for s in self.samples)):
+            attempt, states = start.attempt, [start.states[s.id] for s in self.samples]
         else:
             attempt = new_attempt()
             also = [ctx.beat.starting(self.job.id if self.job else "", len(self.samples), attempt)] if ctx.beat else []

@@ -90,7 +90,7 @@ from harvest.state.jobs import JOB_FUNCTION, RunQueue
 from harvest.state.ledger import state_letter
 from harvest.state.payload import batch_ids
 from harvest.state.spools import redis_time
-from workers.context import WorkerContext, installed
+from workers.context import JobStart, WorkerContext, installed
 
 # How often RQ's suspension flag (`rq suspend`) is read: a suspend takes effect within this.
 SUSPENSION_CHECK_S = 5.0
@@ -109,9 +109,8 @@ class HarvestWorker(SimpleWorker):
         self._suspension_at = -math.inf
         self._cold_stop = False  # a cold stop (SystemExit) was raised: later signals change nothing
         self._starting: redis.client.Pipeline | None = None  # `prepare_execution`'s, sent by `prepare_job_execution`
-        # the job's start queued in it: the context, the take's reply's index, the ids, the attempt, the
-        # recovery generation (WorkerContext.started)
-        self._taking: tuple[WorkerContext, int, list[str], int, int] | None = None
+        # the job's start queued in it, its states still to read: the context, the ids, their reply's index
+        self._taking: tuple[WorkerContext, JobStart, list[str], int] | None = None
 
     def request_force_stop(self, signum, frame) -> None:
         """RQ's cold stop, honoured once. `harvest run` repeats a hurried stop's SIGTERM until the
@@ -231,11 +230,11 @@ class HarvestWorker(SimpleWorker):
         self.set_state(WorkerStatus.BUSY, pipeline=pipeline)
         beat = self.beat
         ctx, ids = self._start_of(job, beat)
-        attempt = new_attempt() if ctx is not None else 0
+        start = JobStart(new_attempt(), {}, ctx.recovery_generation()) if ctx is not None else None
         if beat is not None:
-            beat.name_execution(job.id, execution.id, pipeline, start=(len(ids), attempt) if ctx is not None else None)
-        if ctx is not None:
-            self._taking = (ctx, len(pipeline.command_stack), ids, attempt, ctx.recovery_generation())
+            beat.name_execution(job.id, execution.id, pipeline, start=(len(ids), start.attempt) if start else None)
+        if start is not None:
+            self._taking = (ctx, start, ids, len(pipeline.command_stack))
             pipeline.hmget(ctx.ledger.keys.state, ids)
         self._starting = pipeline
         return execution
@@ -281,8 +280,8 @@ class HarvestWorker(SimpleWorker):
                     self.beat.drop_start()
                 raise
         if taking is not None:
-            ctx, at, ids, attempt, gen = taking
-            ctx.started[job.id] = (attempt, dict(zip(ids, map(state_letter, replies[at]))), gen)
+            ctx, start, ids, at = taking
+            ctx.started[job.id] = start._replace(states=dict(zip(ids, map(state_letter, replies[at]))))
 
     def cleanup_execution(self, job: Job, pipeline, execution: Execution | None = None) -> None:
         """RQ removes the execution in `pipeline` (its success, failure or retry transaction); the

@@ -69,6 +69,7 @@ return 1
 
 IDLE = "idle"
 BUSY = "busy"
+_NO_JOB = {"state": IDLE, "job_samples": "0", "attempt": ""}  # what a worker between jobs says of its job
 
 _LIVE: dict[str, WorkerBeat] = {}  # this process's started heartbeats, by worker name
 
@@ -134,9 +135,7 @@ class WorkerBeat:
                 pipe.hset(self.key, mapping={**self.identity, **self.doing})
                 pipe.expire(self.key, self.ttl)
                 return
-            samples, attempt = start
-            self.doing.update(state=BUSY, job_samples=str(samples), attempt=str(int(attempt)))
-            pipe.eval(_WRITE, 1, self.key, self.ttl, "job_started", self.name, *_pairs({**self.identity, **self.doing}))
+            pipe.eval(_WRITE, 1, self.key, *self._start_args(*start))
 
     def clear_execution(self, execution_id: str, pipe: redis.client.Pipeline) -> None:
         """Name no execution any more, in `pipe`: the MULTI/EXEC in which RQ removes `execution_id`
@@ -147,7 +146,7 @@ class WorkerBeat:
         with self._lock:
             if self.doing["execution"] not in (execution_id, ""):
                 return
-            self.doing.update(state=IDLE, job="", execution="", job_samples="0", attempt="")
+            self.doing.update(_NO_JOB, job="", execution="")
             pipe.hset(self.key, mapping={**self.identity, **self.doing})
             pipe.expire(self.key, self.ttl)
 
@@ -164,15 +163,20 @@ class WorkerBeat:
         with self._lock:
             if self.doing["job"] != job_id:
                 self.doing["execution"] = ""  # started outside HarvestWorker: the job alone names it
-            self.doing.update(state=BUSY, job=job_id, job_samples=str(samples), attempt=str(int(attempt)))
-            fields = {**self.identity, **self.doing}
-            return ScriptCall(self._write, [self.key], [self.ttl, "job_started", self.name, *_pairs(fields)])
+            self.doing["job"] = job_id
+            return ScriptCall(self._write, [self.key], self._start_args(samples, attempt))
+
+    def _start_args(self, samples: int, attempt: int) -> list:
+        """`_WRITE`'s arguments for a job's start (its samples and attempt, stamped `job_started`),
+        with this process's view of the job changed; under the lock."""
+        self.doing.update(state=BUSY, job_samples=str(samples), attempt=str(int(attempt)))
+        return [self.ttl, "job_started", self.name, *_pairs({**self.identity, **self.doing})]
 
     def drop_start(self) -> None:
         """A job's start named in a transaction that failed (`name_execution`): this process's view
         is idle again, as the next beat writes."""
         with self._lock:
-            self.doing.update(state=IDLE, job_samples="0", attempt="")
+            self.doing.update(_NO_JOB)
 
     def job_ended(self) -> None:
         """The job function returned. An execution HarvestWorker named stays named until RQ removes
@@ -183,7 +187,7 @@ class WorkerBeat:
     def ending(self) -> ScriptCall:
         """`job_ended`'s call, to be sent with the ledger's settle of the job (one round trip)."""
         with self._lock:
-            self.doing.update(state=IDLE, job_samples="0", attempt="")
+            self.doing.update(_NO_JOB)
             if not self.doing["execution"]:
                 self.doing["job"] = ""
             return ScriptCall(self._ended, [self.key],
