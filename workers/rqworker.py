@@ -223,7 +223,10 @@ class HarvestWorker(SimpleWorker):
         the execution started and unnamed, nor started with its job still in the intermediate list.
         A harvest job's start goes in it too (`_start_of`): its new attempt named by the heartbeat,
         before the engine gets any request of it, and its samples' states read, which the job takes
-        up (WorkerContext.started)."""
+        up (WorkerContext.started). A Redis that loses its last second loses this transaction whole
+        (the execution, its naming, the start): the worker's next beat names the attempt again from
+        its memory (harvest.state.heartbeat), and the janitor puts back the job left dequeued with no
+        execution, whose samples the ledger and the claims keep from being committed twice."""
         pipeline = self.connection.pipeline()
         execution = Execution.create(job, self.get_heartbeat_ttl(job), pipeline=pipeline, worker_name=self.name)
         self.executions[execution.id] = execution
