@@ -329,7 +329,7 @@ class BatchJob:
                 } if self.job else {}
         ctx.tally.observe("job_seconds", time.monotonic() - self.t0)
         self.timed = True
-        also = [ctx.beat.ending()] if ctx.beat else []  # the heartbeat's end of job, in the same round trip
+        also = [c for c in [ctx.beat and ctx.beat.ending()] if c]  # the heartbeat's end of job, if the job's
         try:
             marked, failed = ctx.ledger.settle_job(spooled.ids, self.owner, rows, self.failures, refs=refs, also=also)
         except redis.ResponseError:  # Redis answered: the end of job ran beside it

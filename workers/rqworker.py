@@ -39,6 +39,8 @@ of them read by harvest's liveness (which is its own heartbeat, harvest.state.he
   pipeline; a heartbeat riding in one of RQ's own transactions is kept;
 - `rq suspend`'s flag is read at most every SUSPENSION_CHECK_S, not before every job;
 - the worker's state is written when it changes, not again when it is the same;
+- its job counters (successful jobs, working time) are added up and written at most every
+  RQ_COUNTS_S, not with every job (`_count_success`);
 - the job's `last_heartbeat` at its end is kept in this process (the job is deleted or moved
   right after, in the transaction that records its outcome), and at its start written once (RQ
   wrote it twice in one transaction);
@@ -94,6 +96,7 @@ from workers.context import JobStart, WorkerContext, installed
 
 # How often RQ's suspension flag (`rq suspend`) is read: a suspend takes effect within this.
 SUSPENSION_CHECK_S = 5.0
+RQ_COUNTS_S = 10.0  # how often RQ's job counters of a worker (`_count_success`) are written
 PUBSUB_POLL_S = 1.0  # how long RQ's command thread waits between looks at its stop flag
 
 
@@ -108,6 +111,8 @@ class HarvestWorker(SimpleWorker):
         self._rq_beat_at = -math.inf  # monotonic time of RQ's last stand-alone worker heartbeat
         self._suspension_at = -math.inf
         self._cold_stop = False  # a cold stop (SystemExit) was raised: later signals change nothing
+        self._unwritten: tuple[int, float] = (0, 0.0)  # successful jobs, working seconds: `_count_success`
+        self._counts_at = time.monotonic()
         self._starting: redis.client.Pipeline | None = None  # `prepare_execution`'s, sent by `prepare_job_execution`
         # the job's start queued in it, its states still to read: the context, the ids, their reply's index
         self._taking: tuple[WorkerContext, JobStart, list[str], int] | None = None
@@ -180,8 +185,7 @@ class HarvestWorker(SimpleWorker):
             return
         with self.connection.pipeline() as pipe:
             self.set_state(WorkerStatus.IDLE, pipeline=pipe)  # RQ's own write of it after the job is then skipped
-            self.increment_successful_job_count(pipeline=pipe)
-            self.increment_total_working_time(job.ended_at - job.started_at, pipe)
+            self._count_success((job.ended_at - job.started_at).total_seconds(), pipe)
             self.cleanup_execution(job, pipeline=pipe, execution=execution)
             pipe.delete(job.key, job.dependents_key, job.dependencies_key, Result.get_key(job.id),
                         job.execution_registry.key)
@@ -189,6 +193,36 @@ class HarvestWorker(SimpleWorker):
         job._status = JobStatus.FINISHED
         self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
                       self.name)
+
+    def _count_success(self, seconds: float, pipe) -> None:
+        """RQ's counters of a worker's jobs (`successful_job_count`, `total_working_time`: shown by
+        `rq info` and RQ's dashboards, deciding nothing) added up here, and written in a success's
+        transaction at most every RQ_COUNTS_S and at the worker's death (`register_death`): two
+        commands a job fewer, one a float's HINCRBYFLOAT, among RQ's costliest (bench/fleet.py). A
+        worker killed takes its unwritten seconds of them along; its key goes 60 s after its death
+        anyway (RQ's `register_death`)."""
+        n, t = self._unwritten
+        self._unwritten = (n + 1, t + seconds)
+        if time.monotonic() - self._counts_at >= RQ_COUNTS_S:
+            self._write_counts(pipe)
+
+    def _write_counts(self, pipe) -> None:
+        n, t = self._unwritten
+        if n:
+            pipe.hincrby(self.key, "successful_job_count", n)
+            pipe.hincrbyfloat(self.key, "total_working_time", t)
+        self._unwritten, self._counts_at = (0, 0.0), time.monotonic()
+
+    def register_death(self) -> None:
+        """RQ's, after the counters not yet written (`_count_success`)."""
+        if self._unwritten[0]:
+            try:
+                with self.connection.pipeline() as pipe:
+                    self._write_counts(pipe)
+                    pipe.execute()
+            except redis.RedisError as e:  # a Redis given up: RQ's own writes below fail the same way
+                self.log.warning("Worker %s: its job counters were not written (%s)", self.name, e)
+        super().register_death()
 
     @property
     def beat(self) -> WorkerBeat | None:

@@ -132,7 +132,7 @@ class WorkerBeat:
         with self._lock:
             self.doing.update(job=job_id, execution=execution_id)
             if start is None:
-                pipe.hset(self.key, mapping={**self.identity, **self.doing})
+                pipe.hset(self.key, mapping=self._changing())
                 pipe.expire(self.key, self.ttl)
                 return
             pipe.eval(_WRITE, 1, self.key, *self._start_args(*start))
@@ -141,13 +141,15 @@ class WorkerBeat:
         """Name no execution any more, in `pipe`: the MULTI/EXEC in which RQ removes `execution_id`
         (HarvestWorker.cleanup_execution) as it records the job's outcome, written again if RQ
         retries its transaction; the worker is idle, however the job ended (a job whose function
-        raised before its end of job was named busy by its start: `name_execution`). Nothing if
-        the heartbeat names another one."""
+        raised before its end of job was named busy by its start: `name_execution`). This is the
+        job's end of job too (`ending`): one job more done, no job started. Nothing if the heartbeat
+        names another one."""
         with self._lock:
             if self.doing["execution"] not in (execution_id, ""):
                 return
             self.doing.update(_NO_JOB, job="", execution="")
-            pipe.hset(self.key, mapping={**self.identity, **self.doing})
+            pipe.hset(self.key, mapping={**self._changing(), "job_started": ""})
+            pipe.hincrby(self.key, "jobs_done", 1)
             pipe.expire(self.key, self.ttl)
 
     def job_started(self, job_id: str, samples: int, attempt: int) -> None:
@@ -170,7 +172,14 @@ class WorkerBeat:
         """`_WRITE`'s arguments for a job's start (its samples and attempt, stamped `job_started`),
         with this process's view of the job changed; under the lock."""
         self.doing.update(state=BUSY, job_samples=str(samples), attempt=str(int(attempt)))
-        return [self.ttl, "job_started", self.name, *_pairs({**self.identity, **self.doing})]
+        return [self.ttl, "job_started", self.name, *_pairs(self._changing())]
+
+    def _changing(self) -> dict[str, str]:
+        """What a job's start and end write: what this worker is doing, and its name, which the
+        janitor reads with the attempt (harvest.ops.janitor `_running_attempts`). The rest of its
+        identity is written at its start and at every beat: a hash that Redis lost between two beats
+        has it again within one (readers take a missing field for unknown)."""
+        return {"name": self.name, **self.doing}
 
     def drop_start(self) -> None:
         """A job's start named in a transaction that failed (`name_execution`): this process's view
@@ -179,19 +188,23 @@ class WorkerBeat:
             self.doing.update(_NO_JOB)
 
     def job_ended(self) -> None:
-        """The job function returned. An execution HarvestWorker named stays named until RQ removes
-        it (`clear_execution`, in the same transaction): RQ's started registry never holds it
-        while the heartbeat says otherwise."""
-        send_together(self.conn, [self.ending()])
+        """The job function returned. An execution HarvestWorker named stays named, busy with its
+        attempt, until RQ removes it (`clear_execution`, in the same transaction, ends the job):
+        RQ's started registry never holds it while the heartbeat says otherwise."""
+        call = self.ending()
+        if call is not None:
+            send_together(self.conn, [call])
 
-    def ending(self) -> ScriptCall:
-        """`job_ended`'s call, to be sent with the ledger's settle of the job (one round trip)."""
+    def ending(self) -> ScriptCall | None:
+        """`job_ended`'s call, to be sent with the ledger's settle of the job (one round trip);
+        None for a job whose execution HarvestWorker named: RQ's outcome transaction ends it
+        (`clear_execution`), a call a job less."""
         with self._lock:
-            self.doing.update(_NO_JOB)
-            if not self.doing["execution"]:
-                self.doing["job"] = ""
+            if self.doing["execution"]:
+                return None
+            self.doing.update(_NO_JOB, job="")
             return ScriptCall(self._ended, [self.key],
-                              [self.ttl, *_pairs({**self.identity, **self.doing, "job_started": ""})])
+                              [self.ttl, *_pairs({**self._changing(), "job_started": ""})])
 
     def stop(self) -> None:
         """A clean exit: gone at once, nothing for the janitor to take back."""

@@ -61,6 +61,15 @@ def spooled_parts(raw: bytes | str | None) -> tuple[str, str | None] | None:
     return owner, (at + ref if at else None)
 
 
+def _shaped(values: Sequence[str]) -> list[str]:
+    """A move's infos or rows as its script takes them (ledger_lua `move`): none where every one is
+    empty, one where all are the same (a job's owner, a shard's token count), else one a sample:
+    an argument costs the server about what a hash field's read does (bench/job_cost.py)."""
+    if not values or all(v == values[0] for v in values):
+        return [] if not values or values[0] == "" else [values[0]]
+    return list(values)
+
+
 def _in_transaction(pipe, script: str, keys: list[str], args: list) -> None:
     """Queue `script` in a caller's MULTI/EXEC as EVAL, with its text. An EVALSHA there runs only
     on a server that still has the script: redis-py loads a pipeline's scripts once, before the
@@ -91,9 +100,8 @@ class Ledger:
               rows: list[str] | None = None, keep: bool = False) -> list[str]:
         if not ids:
             return []
-        infos = infos or [""] * len(ids)
-        rows = rows or [""] * len(ids)
-        args = [to, allowed, len(ids), *ids, *infos, *rows, "1" if keep else "0"]
+        infos, rows = _shaped(infos or []), _shaped(rows or [])
+        args = [to, allowed, "1" if keep else "0", len(ids), len(infos), len(rows), *ids, *infos, *rows]
         if pipe is not None:
             _in_transaction(pipe, TRANSITION, self._state_keys(), args)
             return []
@@ -176,7 +184,8 @@ class Ledger:
         keys = [*self._state_keys(), self.keys.stats]
         args: list = [RATE_TTL_S, self.keys.rate_prefix, RATE_BUCKET_S, len(segments)]
         for to, allowed, keep, count, total, ids, infos, rows in segments:
-            args += [to, allowed, "1" if keep else "0", count, total, len(ids), *ids, *infos, *rows]
+            infos, rows = _shaped(infos), _shaped(rows)
+            args += [to, allowed, "1" if keep else "0", count, total, len(ids), len(infos), len(rows), *ids, *infos, *rows]
         args += [len(stats), *(x for kv in stats.items() for x in (kv[0], int(kv[1])))]
         if clear is not None:
             keys += clear

@@ -72,12 +72,16 @@ local function drop_ref(payload_key, row)
 end
 """
 
-# move(to, allowed, n, base, keep): the samples ARGV[base+1..base+n] (infos at ARGV[base+n+i],
-# rows at ARGV[base+2n+i]) move to `to` from any state letter in `allowed` ('_' = absent), except
-# to s for a revoked spool. info: the failure JSON when moving to f, the owning spool id when
-# moving to s, a number (tokens) summed by `settle`'s segments otherwise. row: the payload row kept
-# while spooled (to s), or kept as the failed payload (to f, when `keep`). Returns the moved ids in
-# order; `finish()` writes the counters. An id listed twice moves once.
+# move(to, allowed, n, base, keep, ni, nr): the samples ARGV[base+1..base+n] move to `to` from any
+# state letter in `allowed` ('_' = absent), except to s for a revoked spool. Their infos follow the
+# ids, then their rows: `ni` infos and `nr` rows, each 0 (every one ''), 1 (one for all) or n (one a
+# sample), so a value the samples share crosses into Lua once, not once a sample (an argument costs
+# the server about what a hash field's read does: bench/job_cost.py). info: the failure JSON when
+# moving to f, the owning spool id when moving to s, a number (tokens) summed by `settle`'s segments
+# otherwise. row: the payload row kept while spooled (to s), or kept as the failed payload (to f,
+# when `keep`). Returns the moved ids in order; `finish()` writes the counters. An id listed twice
+# moves once. The loop over the samples is the server's work a sample: its counts are kept in
+# locals and summed once a call, not bumped through a function a sample.
 _MOVE = DROP_REF + STATE_VALUE + """
 local B = 400
 local dcount, dspool, dreason, leaving, examples, drefs = {}, {}, {}, {}, {}, {}
@@ -107,8 +111,21 @@ local function unref(ids)  -- the rows kept for `ids` are about to go: their ref
     if job then bump(drefs, job, -1) end
   end
 end
-local function move(to, allowed, n, base, keep)
+local function shared(at, k)  -- the value of a run of `k` values at ARGV[at+1..] that all samples share, or nil
+  if k == 0 then return '' elseif k == 1 then return ARGV[at + 1] end
+  return nil
+end
+local function move(to, allowed, n, base, keep, ni, nr)
   local changed = {}
+  local from_ok = {}
+  for k = 1, #allowed do from_ok[string.sub(allowed, k, k)] = true end
+  from_ok[to] = nil
+  local ib, rb = base + n, base + n + ni
+  local ishared, rshared = shared(ib, ni), shared(rb, nr)
+  local left, arrived = {}, 0  -- samples moved out of each state, and into `to`
+  -- a job's samples come together: the prefix of the last ref (`@<job>#`) and spooled value
+  -- (`s:<owner>@<job>#`) parsed, and what it held, so the next sample's is a plain comparison
+  local rpre, rpjob, vpre, vpo, vpjob
   for lo = 1, n, B do
     local hi = math.min(n, lo + B - 1)
     local ids = {}
@@ -117,20 +134,37 @@ local function move(to, allowed, n, base, keep)
     local st, fl, row, kept, from_s, bare_s, from_f, stale = {}, {}, {}, {}, {}, {}, {}, {}
     for j = 1, #ids do
       local i = lo + j - 1
-      local id, info, r = ids[j], ARGV[base + n + i], ARGV[base + 2 * n + i]
-      local v = now[id] or cur[j]
-      local c = letter(v)
-      if string.find(allowed, c, 1, true) and c ~= to and not (to == 's' and info ~= '' and revoked(info)) then
+      local id = ids[j]
+      local v = now[id]
+      if v == nil then v = cur[j] end
+      local c = v and string.sub(v, 1, 1) or '_'
+      local info = from_ok[c] and (ishared or ARGV[ib + i])
+      if info and not (to == 's' and info ~= '' and revoked(info)) then
+        local r = rshared or ARGV[rb + i]
         local new, rjob = to, nil
-        if to == 's' then rjob = ref_job(r); new = 's:' .. info .. (rjob and r or '') end
+        if to == 's' then
+          if rpre and string.find(r, rpre, 1, true) == 1 then
+            rjob = rpjob
+          else
+            rjob = ref_job(r)
+            if rjob then rpre, rpjob = '@' .. rjob .. '#', rjob end
+          end
+          new = 's:' .. info .. (rjob and r or '')
+        end
         now[id] = new
         st[#st + 1] = id; st[#st + 1] = new
-        if c ~= '_' then bump(dcount, c, -1) end
-        bump(dcount, to, 1)
+        if c ~= '_' then left[c] = (left[c] or 0) + 1 end
+        arrived = arrived + 1
         if c == 's' then
-          local o, held = spooled_in(v)
-          if o == nil then bare_s[#bare_s + 1] = id elseif o ~= '' then bump(dspool, o, -1) end
-          if held then bump(drefs, held, -1) else from_s[#from_s + 1] = id end  -- else: a row in KEYS[5], if any
+          local o, held
+          if vpre and string.find(v, vpre, 1, true) == 1 then
+            o, held = vpo, vpjob
+          else
+            o, held = spooled_in(v)
+            if held then vpre, vpo, vpjob = 's:' .. o .. '@' .. held .. '#', o, held end
+          end
+          if o == nil then bare_s[#bare_s + 1] = id elseif o ~= '' then dspool[o] = (dspool[o] or 0) - 1 end
+          if held then drefs[held] = (drefs[held] or 0) - 1 else from_s[#from_s + 1] = id end  -- else: a row in KEYS[5], if any
         end
         if c == 'f' then from_f[#from_f + 1] = id end
         if to == 'f' then
@@ -140,9 +174,9 @@ local function move(to, allowed, n, base, keep)
           examples[reason] = id .. ': ' .. message  -- the latest failure of its reason
           if keep and r ~= '' then kept[#kept + 1] = id; kept[#kept + 1] = r end
         elseif to == 's' then
-          if info ~= '' then bump(dspool, info, 1) end
+          if info ~= '' then dspool[info] = (dspool[info] or 0) + 1 end
           if rjob then
-            bump(drefs, rjob, 1)  -- kept in the state value
+            drefs[rjob] = (drefs[rjob] or 0) + 1  -- kept in the state value
           elseif r ~= '' then
             row[#row + 1] = id; row[#row + 1] = r; stale[#stale + 1] = id
           end
@@ -175,6 +209,8 @@ local function move(to, allowed, n, base, keep)
     hset(KEYS[5], row)
     hset(KEYS[10], kept)
   end
+  for c, k in pairs(left) do bump(dcount, c, -k) end
+  if arrived > 0 then bump(dcount, to, arrived) end
   return changed
 end
 local function finish()
@@ -199,10 +235,10 @@ local function finish()
 end
 """
 
-# ARGV: to, allowed, n, ids, infos, rows, keep ('1': a move to f keeps the rows as failed payloads).
+# ARGV: to, allowed, keep ('1': a move to f keeps the rows as failed payloads), n, ni, nr, the n
+# ids, the ni infos, the nr rows (`move`).
 TRANSITION = _MOVE + """
-local n = tonumber(ARGV[3])
-local changed = move(ARGV[1], ARGV[2], n, 3, ARGV[4 + 3 * n] == '1')
+local changed = move(ARGV[1], ARGV[2], tonumber(ARGV[4]), 6, ARGV[3] == '1', tonumber(ARGV[5]), tonumber(ARGV[6]))
 finish()
 return changed
 """
@@ -222,9 +258,9 @@ end
 # stats and latencies go at its heartbeat instead (harvest.state.tally). KEYS: the 10 move keys,
 # stats, then the keys a record's end names. ARGV: bucket ttl, rate key prefix, bucket seconds,
 # segments; per segment: to, allowed, keep, count field ('' none), sum field ('' none: sums the
-# moved samples' infos), n, ids, infos, rows; then the number of stat pairs and (field, increment)
-# pairs; then, optionally, the key indexes of a record to delete and of the set to remove it from.
-# Returns one list of moved ids per segment.
+# moved samples' infos), n, ni, nr, the n ids, the ni infos, the nr rows (`move`); then the number
+# of stat pairs and (field, increment) pairs; then, optionally, the key indexes of a record to
+# delete and of the set to remove it from. Returns one list of moved ids per segment.
 SETTLE = _MOVE + RATE_KEY + """
 local stats = {}
 local p = 4
@@ -232,10 +268,10 @@ local nseg = tonumber(ARGV[p]); p = p + 1
 -- Every job a row to spool refers to is still there to copy (or copied), before anything moves.
 local q, seen, last = p, {}, nil  -- last: `@<job>#` of the job checked last (a job's rows come together)
 for s = 1, nseg do
-  local n = tonumber(ARGV[q + 5])
+  local n, ni, nr = tonumber(ARGV[q + 5]), tonumber(ARGV[q + 6]), tonumber(ARGV[q + 7])
   if ARGV[q] == 's' then
-    for i = 1, n do
-      local r = ARGV[q + 5 + 2 * n + i]
+    for i = 1, nr do
+      local r = ARGV[q + 7 + n + ni + i]
       local job = not (last and string.find(r, last, 1, true) == 1) and ref_job(r)
       if job and not seen[job] then
         seen[job], last = true, '@' .. job .. '#'
@@ -245,25 +281,30 @@ for s = 1, nseg do
       end
     end
   end
-  q = q + 6 + 3 * n
+  q = q + 8 + n + ni + nr
 end
 local out = {}
 for s = 1, nseg do
-  local to, allowed, keep, cnt, sum, n = ARGV[p], ARGV[p + 1], ARGV[p + 2] == '1', ARGV[p + 3], ARGV[p + 4], tonumber(ARGV[p + 5])
-  local changed = move(to, allowed, n, p + 5, keep)
+  local to, allowed, keep, cnt, sum = ARGV[p], ARGV[p + 1], ARGV[p + 2] == '1', ARGV[p + 3], ARGV[p + 4]
+  local n, ni, nr = tonumber(ARGV[p + 5]), tonumber(ARGV[p + 6]), tonumber(ARGV[p + 7])
+  local changed = move(to, allowed, n, p + 7, keep, ni, nr)
   if cnt ~= '' and #changed > 0 then bump(stats, cnt, #changed) end
-  if sum ~= '' then
-    local moved = {}
-    for _, id in ipairs(changed) do moved[id] = true end
+  if sum ~= '' and #changed > 0 then
     local total = 0
-    for i = 1, n do
-      local id = ARGV[p + 5 + i]
-      if moved[id] then total = total + (tonumber(ARGV[p + 5 + n + i]) or 0); moved[id] = nil end
+    if ni == n then
+      local moved = {}
+      for _, id in ipairs(changed) do moved[id] = true end
+      for i = 1, n do
+        local id = ARGV[p + 7 + i]
+        if moved[id] then total = total + (tonumber(ARGV[p + 7 + n + i]) or 0); moved[id] = nil end
+      end
+    else
+      total = #changed * (tonumber(shared(p + 7 + n, ni)) or 0)
     end
     if total > 0 then bump(stats, sum, total) end
   end
   out[s] = changed
-  p = p + 6 + 3 * n
+  p = p + 8 + n + ni + nr
 end
 local npairs = tonumber(ARGV[p]); p = p + 1
 for i = 1, npairs do

@@ -137,10 +137,10 @@ def test_one_job_and_its_shard_cost_the_same_commands_whatever_the_ledger_holds(
     # the ledger's id, the fence, done with its stats and the record cleared; a job: RQ's dequeue
     # (harvest.state.jobs.RunQueue: the job, then the burst's empty queue), the job started (an
     # EVAL in RQ's transaction that starts the execution, with the take, a plain HMGET), settle
-    # (marks, failures) with the job ended (its stats and latencies go at the heartbeat:
-    # harvest.state.tally). One call each, whatever N; a shard reads its samples' states twice (the
-    # view's HMGET, the fence's), and once more to move them (done).
-    assert small_shard["evalsha"] == 3 and small_job["evalsha"] == 4 and small_job["eval"] == 1
+    # (marks, failures; the job's end goes in RQ's transaction that records its outcome, its stats
+    # and latencies at the heartbeat: harvest.state.tally). One call each, whatever N; a shard reads
+    # its samples' states twice (the view's HMGET, the fence's), and once more to move them (done).
+    assert small_shard["evalsha"] == 3 and small_job["evalsha"] == 3 and small_job["eval"] == 1
     assert small_shard["hmget"] == 3 and small_shard["set"] == 2  # the record, the fence's: no SET of the ledger's id
 
 
@@ -183,8 +183,8 @@ def test_rqs_own_round_trips_a_job_are_a_few_whatever_the_jobs(server, r, fleet_
 
 
 def test_a_jobs_own_calls_are_one_round_trip_whatever_the_jobs(server, r, fleet_node):
-    """Harvest's calls a job (workers.job), on the worker context's client: the settle with the
-    heartbeat's end of job, in one round trip (harvest.state.roundtrip); the ledger's take and the
+    """Harvest's calls a job (workers.job), on the worker context's client: the settle, in one
+    round trip (the heartbeat's end of job rides in RQ's outcome transaction); the ledger's take and the
     heartbeat's job line ride in RQ's transaction that starts the execution
     (workers.rqworker.HarvestWorker.prepare_execution). RQ's calls go on another client, not counted here;
     as above, the difference between bursts of 2 and 6 jobs. The heartbeat reads as a finished
