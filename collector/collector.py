@@ -30,6 +30,7 @@ import time
 
 import redis
 
+from collector.due import QueuedCheck, may_be_due
 from collector.faults import CrashHook
 from collector.pack import Packed, pack_local, pack_upload, staging_dir
 from collector.records import Voided, give_up_shard, recorded_anywhere, tend_revoked, write_decided_index
@@ -90,6 +91,7 @@ class Collector:
         self.claimer = Claimer(self.out, self.ledger.identity(), lambda shard: recorded_anywhere(conn, cfg.run, shard),
                                self._retry)
         self.leases = SpoolLeases(conn, cfg.run)
+        self._queued = QueuedCheck(conn, self.ledger.keys.counts)  # collector.due
         self._crash = CrashHook.from_env()
 
     def renew_lease(self) -> None:
@@ -172,7 +174,7 @@ class Collector:
         files = [f for f in list_spooled(self.spool_dir) if self._mine(f[0]) and f[0] not in self._busy]
         if not files:
             return []
-        if not (force or self._may_be_due(files)):
+        if not (force or may_be_due(files, self.shard_bytes, self.max_wait, self._queued)):
             return []
         ids = [sid for sid, _, _ in files]
         ready, unknown = [], []
@@ -204,7 +206,7 @@ class Collector:
             oldest_age = time.time() - os.stat(ready[0][1]).st_mtime
         except FileNotFoundError:
             oldest_age = 0.0
-        if not (force or full or oldest_age >= self.max_wait or self.ledger.counts()["queued"] == 0):
+        if not (force or full or oldest_age >= self.max_wait or self._queued.none()):
             return []
         chosen: list[SpoolEntry] = []
         for sid, path in picked:
@@ -213,16 +215,6 @@ class Collector:
             except SpoolError as e:
                 self._reject(sid, path, e)
         return chosen
-
-    def _may_be_due(self, files: list[tuple[str, str, int]]) -> bool:
-        """From the files and one O(1) read (a poll reads no sample's state): they hold every ready
-        sample, so all below a shard, none max_wait old and samples queued rule a due shard out."""
-        try:
-            old = time.time() - os.stat(files[0][1]).st_mtime >= self.max_wait  # oldest first (list_spooled)
-        except FileNotFoundError:
-            return True  # a file went meanwhile: let the full look decide
-        return old or sum(size for _, _, size in files) >= self.shard_bytes or self.conn.hget(
-            self.ledger.keys.counts, QUEUED) in (None, b"0")  # nothing queued
 
     def _mine(self, sid: str) -> bool:
         return self.packers == 1 or int(sid[:8], 16) % self.packers == self.packer

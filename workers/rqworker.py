@@ -88,7 +88,7 @@ from rq.worker import WorkerStatus
 
 from harvest.ids import new_attempt
 from harvest.state.heartbeat import WorkerBeat, live_beat
-from harvest.state.jobs import JOB_FUNCTION, RunQueue
+from harvest.state.jobs import JOB_FUNCTION, POP, RunQueue, popped_job
 from harvest.state.ledger import state_letter
 from harvest.state.payload import batch_ids
 from harvest.state.spools import redis_time
@@ -112,6 +112,7 @@ class HarvestWorker(SimpleWorker):
         self._suspension_at = -math.inf
         self._cold_stop = False  # a cold stop (SystemExit) was raised: later signals change nothing
         self._unwritten: tuple[int, float] = (0, 0.0)  # successful jobs, working seconds: `_count_success`
+        self._outcome: redis.client.Pipeline | None = None  # the last success's transaction, not yet sent
         self._counts_at = time.monotonic()
         self._starting: redis.client.Pipeline | None = None  # `prepare_execution`'s, sent by `prepare_job_execution`
         # the job's start queued in it, its states still to read: the context, the ids, their reply's index
@@ -183,13 +184,13 @@ class HarvestWorker(SimpleWorker):
                 or job.group_id):
             super().handle_job_success(job, queue, started_job_registry, execution)
             return
-        with self.connection.pipeline() as pipe:
-            self.set_state(WorkerStatus.IDLE, pipeline=pipe)  # RQ's own write of it after the job is then skipped
-            self._count_success((job.ended_at - job.started_at).total_seconds(), pipe)
-            self.cleanup_execution(job, pipeline=pipe, execution=execution)
-            pipe.delete(job.key, job.dependents_key, job.dependencies_key, Result.get_key(job.id),
-                        job.execution_registry.key)
-            pipe.execute()
+        self._send_outcome()  # one left by a job before (none: it went with this job's dequeue)
+        pipe = self.connection.pipeline()
+        self.set_state(WorkerStatus.IDLE, pipeline=pipe)  # RQ's own write of it after the job is then skipped
+        self._count_success((job.ended_at - job.started_at).total_seconds(), pipe)
+        self.cleanup_execution(job, pipeline=pipe, execution=execution)
+        pipe.delete(job.key, job.dependents_key, job.dependencies_key, Result.get_key(job.id), job.execution_registry.key)
+        self._outcome = pipe  # sent with the next dequeue (`dequeue_job_and_maintain_ttl`), or at the worker's end
         job._status = JobStatus.FINISHED
         self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
                       self.name)
@@ -213,8 +214,52 @@ class HarvestWorker(SimpleWorker):
             pipe.hincrbyfloat(self.key, "total_working_time", t)
         self._unwritten, self._counts_at = (0, 0.0), time.monotonic()
 
+    # -- a success's transaction sent with the next dequeue ---------------------------------------
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None):
+        """The last job's success (`handle_job_success`) and the next job's dequeue in one
+        MULTI/EXEC, one round trip a job fewer; RQ's own dequeue (a blocking wait where the queue is
+        empty) after it, or where there is no such success to send.
+
+        What the late success costs: until it is sent, a few milliseconds, RQ's records show the
+        job still started; a worker killed meanwhile leaves it so, and the janitor puts the job
+        back when the worker's heartbeat expires, as for a worker killed during the job. Its
+        samples are past queued (the settle moved them with the job's end: workers.job), so the
+        job's next run skips them and deletes it."""
+        if self._outcome is not None and len(self.queues) == 1:
+            queue = self.queues[0]
+            got = self._send_outcome(queue)
+            if got is not None:  # as RQ's own dequeue leaves it (one queue: nothing to reorder)
+                got.redis_server_version = self.get_redis_server_version()
+                self.log.info("Worker %s: %s: %s", self.name, queue.name, got.id)
+                return got, queue
+            if got is None and timeout is None:  # the queue was empty: a burst worker is done
+                return None
+        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+
+    def _send_outcome(self, queue: Queue | None = None) -> Job | None | bool:
+        """Send the success transaction left by the last job, if any, with `queue`'s dequeue
+        (harvest.state.jobs.POP, an EVAL in the transaction: its text is short). Returns the job
+        dequeued; None when the queue was empty; False when nothing was dequeued otherwise (none
+        asked, no success to send, the job's hash gone: RQ skips such a job, its dequeue goes on)."""
+        pipe, self._outcome = self._outcome, None
+        if pipe is None:
+            return False
+        with pipe:
+            if queue is not None:
+                pipe.eval(POP, 2, queue.key, queue.intermediate_queue_key, self.job_class.redis_job_namespace_prefix)
+            got = pipe.execute()[-1]
+        if queue is None:
+            return False
+        if not got:
+            return None
+        return popped_job(queue, self.connection, self.job_class, self.serializer, got) or False
+
     def register_death(self) -> None:
-        """RQ's, after the counters not yet written (`_count_success`)."""
+        """RQ's, after the last job's success and the counters not yet written (`_count_success`)."""
+        try:
+            self._send_outcome()
+        except redis.RedisError as e:  # a Redis given up: RQ's own writes below fail the same way
+            self.log.warning("Worker %s: its last job's success was not recorded (%s)", self.name, e)
         if self._unwritten[0]:
             try:
                 with self.connection.pipeline() as pipe:

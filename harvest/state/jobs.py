@@ -62,7 +62,7 @@ class PayloadJob(Job):
 
 # RQ's dequeue of one queue (LMOVE of the first job id into the queue's intermediate list, then
 # HGETALL of that job), in one call. KEYS: the queue, its intermediate list. ARGV: the job key prefix.
-_POP = """
+POP = """
 local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
 if not id then return false end
 return {id, redis.call('HGETALL', ARGV[1] .. id)}
@@ -88,22 +88,29 @@ class RunQueue(Queue):
 
     @staticmethod
     def _pop(queue: Queue, conn: redis.Redis, job_class: type[Job], serializer) -> tuple[Job, Queue] | None:
-        pop = conn.register_script(_POP)
+        pop = conn.register_script(POP)
         while True:
             got = pop(keys=[queue.key, queue.intermediate_queue_key], args=[job_class.redis_job_namespace_prefix],
                       client=conn)
             if not got:
                 return None
-            job_id, flat = as_text(got[0]), got[1]
-            if not flat:
-                continue  # RQ's NoSuchJobError: skipped
-            job = job_class(job_id, connection=conn, serializer=serializer)
-            try:
-                job.restore(dict(zip(flat[0::2], flat[1::2])))
-            except Exception as e:  # as RQ reports a job it cannot load
-                e.job_id, e.queue = job_id, queue  # type: ignore[attr-defined]
-                raise
-            return job, queue
+            if (job := popped_job(queue, conn, job_class, serializer, got)) is not None:
+                return job, queue  # else RQ's NoSuchJobError: skipped
+
+
+def popped_job(queue: Queue, conn: redis.Redis, job_class: type[Job], serializer, got: list) -> Job | None:
+    """The job `POP`'s reply `got` (not nil) names, or None when its hash is gone (RQ skips such a
+    job). A job RQ cannot load raises, as RQ reports it."""
+    job_id, flat = as_text(got[0]), got[1]
+    if not flat:
+        return None
+    job = job_class(job_id, connection=conn, serializer=serializer)
+    try:
+        job.restore(dict(zip(flat[0::2], flat[1::2])))
+    except Exception as e:
+        e.job_id, e.queue = job_id, queue  # type: ignore[attr-defined]
+        raise
+    return job
 
 
 def run_queue(conn: redis.Redis, run: str, job_class: type[Job] = PayloadJob) -> RunQueue:

@@ -62,9 +62,8 @@ def spooled_parts(raw: bytes | str | None) -> tuple[str, str | None] | None:
 
 
 def _shaped(values: Sequence[str]) -> list[str]:
-    """A move's infos or rows as its script takes them (ledger_lua `move`): none where every one is
-    empty, one where all are the same (a job's owner, a shard's token count), else one a sample:
-    an argument costs the server about what a hash field's read does (bench/job_cost.py)."""
+    """A move's infos or rows as its script takes them (ledger_lua `move`): none if all are empty,
+    one if all are the same (a job's owner), else one a sample: each argument costs the server."""
     if not values or all(v == values[0] for v in values):
         return [] if not values or values[0] == "" else [values[0]]
     return list(values)
