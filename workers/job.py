@@ -117,9 +117,9 @@ class BatchJob:
             self.end(timed=bool(todo))
 
     def end(self, timed: bool) -> None:
-        """The heartbeat's end of job, unless it went with the marks; the job's duration (`timed`:
-        the job had samples to do), unless the marks took it, added to the worker's tally
-        (harvest.state.tally). Nothing once Redis is lost (the client is latched)."""
+        """The heartbeat's end of job, unless it went with the marks or RQ's outcome writes it
+        (WorkerBeat.ending); the job's duration (`timed`: it had samples to do), unless the marks
+        took it, to the worker's tally (harvest.state.tally). Nothing once Redis is lost."""
         ctx = self.ctx
         if ctx.redis_lost():
             return
@@ -329,7 +329,7 @@ class BatchJob:
                 } if self.job else {}
         ctx.tally.observe("job_seconds", time.monotonic() - self.t0)
         self.timed = True
-        also = [c for c in [ctx.beat and ctx.beat.ending()] if c]  # the heartbeat's end of job, if the job's
+        also = [c for c in [ctx.beat and ctx.beat.ending()] if c]  # end of job, unless RQ's outcome writes it
         try:
             marked, failed = ctx.ledger.settle_job(spooled.ids, self.owner, rows, self.failures, refs=refs, also=also)
         except redis.ResponseError:  # Redis answered: the end of job ran beside it

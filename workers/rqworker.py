@@ -1,4 +1,5 @@
-"""The RQ worker class harvest runs: RQ's SimpleWorker, with no liveness decided by this node's clock.
+"""The RQ worker class harvest runs: RQ's SimpleWorker, with no liveness decided by this node's clock
+(and its successes recorded as workers.success does).
 
 Why. RQ 3.0 stamps a started execution with the starting worker's clock (score `now + job.timeout
 + 60` in the queue's StartedJobRegistry) and lets any worker's maintenance compare that score
@@ -40,7 +41,7 @@ of them read by harvest's liveness (which is its own heartbeat, harvest.state.he
 - `rq suspend`'s flag is read at most every SUSPENSION_CHECK_S, not before every job;
 - the worker's state is written when it changes, not again when it is the same;
 - its job counters (successful jobs, working time) are added up and written at most every
-  RQ_COUNTS_S, not with every job (`_count_success`);
+  10 s, not with every job (workers.success);
 - the job's `last_heartbeat` at its end is kept in this process (the job is deleted or moved
   right after, in the transaction that records its outcome), and at its start written once (RQ
   wrote it twice in one transaction);
@@ -51,12 +52,14 @@ of them read by harvest's liveness (which is its own heartbeat, harvest.state.he
   Dependents are not checked (that is the WATCH and read saved): harvest enqueues no job with
   `depends_on`, so no job of its queue has any.
 - RQ's two transactions starting an execution are sent as one (`prepare_execution`), and the
-  worker's idle state rides in the success's transaction.
-What is left a job: the dequeue (LMOVE and the job's hash in one script,
-harvest.state.jobs.RunQueue), the execution's transaction, the outcome's transaction. Harvest's
-own start of the job (the heartbeat naming its attempt, the ledger's states of its samples:
-workers.job `BatchJob.choose`) rides in the execution's transaction (`_start_of`), so a job's
-round trips are those three and the settle's. A worker
+  worker's idle state rides in the success's transaction;
+- a success's transaction is sent with the next dequeue (workers.success).
+What is left a job: the execution's transaction, and the dequeue (LMOVE and the job's hash in one
+script, harvest.state.jobs.POP) in one transaction with the last job's success (a failure or a
+retry goes RQ's own way, in a transaction of its own). Harvest's own start of the job (the
+heartbeat naming its attempt, the ledger's states of its samples: workers.job `BatchJob.choose`)
+rides in the execution's transaction (`_start_of`), so a job's round trips are those two and the
+settle's. A worker
 that returns late (its execution taken back by the janitor, the job queued again) deletes the
 job's hash as RQ's own success did; no sample depends on it: the ledger moves only queued samples
 (`Ledger.settle_job`), so the later run of the job skips what this one spooled, and a sample left
@@ -77,30 +80,29 @@ import math
 import time
 
 import redis
-from rq import Retry, SimpleWorker, worker_registration
+from rq import Retry, worker_registration
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
-from rq.results import Result
 from rq.utils import now
 from rq.worker import WorkerStatus
 
 from harvest.ids import new_attempt
 from harvest.state.heartbeat import WorkerBeat, live_beat
-from harvest.state.jobs import JOB_FUNCTION, POP, RunQueue, popped_job
+from harvest.state.jobs import JOB_FUNCTION, RunQueue
 from harvest.state.ledger import state_letter
 from harvest.state.payload import batch_ids
 from harvest.state.spools import redis_time
 from workers.context import JobStart, WorkerContext, installed
+from workers.success import LateSuccess
 
 # How often RQ's suspension flag (`rq suspend`) is read: a suspend takes effect within this.
 SUSPENSION_CHECK_S = 5.0
-RQ_COUNTS_S = 10.0  # how often RQ's job counters of a worker (`_count_success`) are written
 PUBSUB_POLL_S = 1.0  # how long RQ's command thread waits between looks at its stop flag
 
 
-class HarvestWorker(SimpleWorker):
+class HarvestWorker(LateSuccess):
     queue_class = RunQueue  # its dequeue in one round trip
 
     def __init__(self, *args, beat: WorkerBeat | None = None, **kwargs) -> None:
@@ -111,9 +113,6 @@ class HarvestWorker(SimpleWorker):
         self._rq_beat_at = -math.inf  # monotonic time of RQ's last stand-alone worker heartbeat
         self._suspension_at = -math.inf
         self._cold_stop = False  # a cold stop (SystemExit) was raised: later signals change nothing
-        self._unwritten: tuple[int, float] = (0, 0.0)  # successful jobs, working seconds: `_count_success`
-        self._outcome: redis.client.Pipeline | None = None  # the last success's transaction, not yet sent
-        self._counts_at = time.monotonic()
         self._starting: redis.client.Pipeline | None = None  # `prepare_execution`'s, sent by `prepare_job_execution`
         # the job's start queued in it, its states still to read: the context, the ids, their reply's index
         self._taking: tuple[WorkerContext, JobStart, list[str], int] | None = None
@@ -171,103 +170,6 @@ class HarvestWorker(SimpleWorker):
         """RQ's, less the write of the job's `last_heartbeat`: the outcome's transaction follows."""
         job.ended_at = now()
         job.last_heartbeat = job.ended_at
-
-    def handle_job_success(self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry,
-                           execution: Execution) -> None:
-        """A harvest job's success in one MULTI/EXEC: the worker's counters, the execution gone
-        (and the heartbeat no longer naming it), the job and its records deleted. What RQ's own
-        would write for such a job, without its reads (module docstring). RQ also deleted any other
-        execution of the job (a suspect worker's, whose job was taken back and ran again here): that
-        one stays until its worker ends it, or the janitor drops it, its job being gone
-        (harvest.ops.liveness `_take_back`)."""
-        if (job.get_result_ttl(self.default_result_ttl) != 0 or job.repeats_left or job.has_rate_limit
-                or job.group_id):
-            super().handle_job_success(job, queue, started_job_registry, execution)
-            return
-        self._send_outcome()  # one left by a job before (none: it went with this job's dequeue)
-        pipe = self.connection.pipeline()
-        self.set_state(WorkerStatus.IDLE, pipeline=pipe)  # RQ's own write of it after the job is then skipped
-        self._count_success((job.ended_at - job.started_at).total_seconds(), pipe)
-        self.cleanup_execution(job, pipeline=pipe, execution=execution)
-        pipe.delete(job.key, job.dependents_key, job.dependencies_key, Result.get_key(job.id), job.execution_registry.key)
-        self._outcome = pipe  # sent with the next dequeue (`dequeue_job_and_maintain_ttl`), or at the worker's end
-        job._status = JobStatus.FINISHED
-        self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
-                      self.name)
-
-    def _count_success(self, seconds: float, pipe) -> None:
-        """RQ's counters of a worker's jobs (`successful_job_count`, `total_working_time`: shown by
-        `rq info` and RQ's dashboards, deciding nothing) added up here, and written in a success's
-        transaction at most every RQ_COUNTS_S and at the worker's death (`register_death`): two
-        commands a job fewer, one a float's HINCRBYFLOAT, among RQ's costliest (bench/fleet.py). A
-        worker killed takes its unwritten seconds of them along; its key goes 60 s after its death
-        anyway (RQ's `register_death`)."""
-        n, t = self._unwritten
-        self._unwritten = (n + 1, t + seconds)
-        if time.monotonic() - self._counts_at >= RQ_COUNTS_S:
-            self._write_counts(pipe)
-
-    def _write_counts(self, pipe) -> None:
-        n, t = self._unwritten
-        if n:
-            pipe.hincrby(self.key, "successful_job_count", n)
-            pipe.hincrbyfloat(self.key, "total_working_time", t)
-        self._unwritten, self._counts_at = (0, 0.0), time.monotonic()
-
-    # -- a success's transaction sent with the next dequeue ---------------------------------------
-    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None):
-        """The last job's success (`handle_job_success`) and the next job's dequeue in one
-        MULTI/EXEC, one round trip a job fewer; RQ's own dequeue (a blocking wait where the queue is
-        empty) after it, or where there is no such success to send.
-
-        What the late success costs: until it is sent, a few milliseconds, RQ's records show the
-        job still started; a worker killed meanwhile leaves it so, and the janitor puts the job
-        back when the worker's heartbeat expires, as for a worker killed during the job. Its
-        samples are past queued (the settle moved them with the job's end: workers.job), so the
-        job's next run skips them and deletes it."""
-        if self._outcome is not None and len(self.queues) == 1:
-            queue = self.queues[0]
-            got = self._send_outcome(queue)
-            if got is not None:  # as RQ's own dequeue leaves it (one queue: nothing to reorder)
-                got.redis_server_version = self.get_redis_server_version()
-                self.log.info("Worker %s: %s: %s", self.name, queue.name, got.id)
-                return got, queue
-            if got is None and timeout is None:  # the queue was empty: a burst worker is done
-                return None
-        return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
-
-    def _send_outcome(self, queue: Queue | None = None) -> Job | None | bool:
-        """Send the success transaction left by the last job, if any, with `queue`'s dequeue
-        (harvest.state.jobs.POP, an EVAL in the transaction: its text is short). Returns the job
-        dequeued; None when the queue was empty; False when nothing was dequeued otherwise (none
-        asked, no success to send, the job's hash gone: RQ skips such a job, its dequeue goes on)."""
-        pipe, self._outcome = self._outcome, None
-        if pipe is None:
-            return False
-        with pipe:
-            if queue is not None:
-                pipe.eval(POP, 2, queue.key, queue.intermediate_queue_key, self.job_class.redis_job_namespace_prefix)
-            got = pipe.execute()[-1]
-        if queue is None:
-            return False
-        if not got:
-            return None
-        return popped_job(queue, self.connection, self.job_class, self.serializer, got) or False
-
-    def register_death(self) -> None:
-        """RQ's, after the last job's success and the counters not yet written (`_count_success`)."""
-        try:
-            self._send_outcome()
-        except redis.RedisError as e:  # a Redis given up: RQ's own writes below fail the same way
-            self.log.warning("Worker %s: its last job's success was not recorded (%s)", self.name, e)
-        if self._unwritten[0]:
-            try:
-                with self.connection.pipeline() as pipe:
-                    self._write_counts(pipe)
-                    pipe.execute()
-            except redis.RedisError as e:  # a Redis given up: RQ's own writes below fail the same way
-                self.log.warning("Worker %s: its job counters were not written (%s)", self.name, e)
-        super().register_death()
 
     @property
     def beat(self) -> WorkerBeat | None:

@@ -137,20 +137,35 @@ class WorkerBeat:
                 return
             pipe.eval(_WRITE, 1, self.key, *self._start_args(*start))
 
-    def clear_execution(self, execution_id: str, pipe: redis.client.Pipeline) -> None:
+    def clear_execution(self, execution_id: str, pipe: redis.client.Pipeline, now: bool = True) -> None:
         """Name no execution any more, in `pipe`: the MULTI/EXEC in which RQ removes `execution_id`
         (HarvestWorker.cleanup_execution) as it records the job's outcome, written again if RQ
         retries its transaction; the worker is idle, however the job ended (a job whose function
         raised before its end of job was named busy by its start: `name_execution`). This is the
-        job's end of job too (`ending`): one job more done, no job started. Nothing if the heartbeat
-        names another one."""
+        job's end of job too (`ending`): one job more done (where the execution was named), no job
+        started. Nothing if the heartbeat names another one. `now=False`: `pipe` is sent later
+        (workers.success), and this process's view, which every beat writes again, changes when it
+        is (`execution_cleared`): until then the beats say what RQ's records say, the job running."""
         with self._lock:
-            if self.doing["execution"] not in (execution_id, ""):
+            named = self.doing["execution"]
+            if named not in (execution_id, ""):
                 return
-            self.doing.update(_NO_JOB, job="", execution="")
-            pipe.hset(self.key, mapping={**self._changing(), "job_started": ""})
-            pipe.hincrby(self.key, "jobs_done", 1)
+            idle = {"name": self.name, **self.doing, **_NO_JOB, "job": "", "execution": "", "job_started": ""}
+            pipe.hset(self.key, mapping=idle)
+            if named == execution_id:
+                pipe.hincrby(self.key, "jobs_done", 1)
             pipe.expire(self.key, self.ttl)
+            if now:
+                self._forget(execution_id)
+
+    def execution_cleared(self, execution_id: str) -> None:
+        """The transaction `clear_execution(..., now=False)` went in was sent."""
+        with self._lock:
+            self._forget(execution_id)
+
+    def _forget(self, execution_id: str) -> None:
+        if self.doing["execution"] in (execution_id, ""):
+            self.doing.update(_NO_JOB, job="", execution="")
 
     def job_started(self, job_id: str, samples: int, attempt: int) -> None:
         send_together(self.conn, [self.starting(job_id, samples, attempt)])
@@ -189,8 +204,8 @@ class WorkerBeat:
 
     def job_ended(self) -> None:
         """The job function returned. An execution HarvestWorker named stays named, busy with its
-        attempt, until RQ removes it (`clear_execution`, in the same transaction, ends the job):
-        RQ's started registry never holds it while the heartbeat says otherwise."""
+        attempt, until RQ's transaction that removes it is sent (`clear_execution` ends the job
+        there): RQ's started registry never holds it while the heartbeat says otherwise."""
         call = self.ending()
         if call is not None:
             send_together(self.conn, [call])

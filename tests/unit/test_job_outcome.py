@@ -1,7 +1,7 @@
 """A job's success is recorded in RQ's transaction with the worker's next dequeue
-(workers.rqworker.HarvestWorker.dequeue_job_and_maintain_ttl), one round trip a job fewer, or at
-the worker's end (`register_death`): until then RQ's records show the job started and the
-heartbeat names it, as while it ran, so no pass of the janitor can see them part."""
+(workers.success.LateSuccess), one round trip a job fewer, or first where something else comes
+first (RQ's suspension check, the worker's end): until then RQ's records show the job started and
+the heartbeat, beats included, names it, as while it ran, so no pass of the janitor sees them part."""
 
 import numpy as np
 import pytest
@@ -47,7 +47,8 @@ def _records(conn, queue, beat, job) -> tuple:
 
 def test_a_success_goes_with_the_next_dequeue_in_one_transaction(conn, ran):
     worker, queue, beat, job, second = ran
-    assert _records(conn, queue, beat, job)[:3] == (True, [job.id], job.id)  # as while it ran
+    beat.beat()  # a beat meanwhile says what it said while the job ran
+    assert _records(conn, queue, beat, job)[:3] == (True, [job.id], job.id)
     execs = conn.info("commandstats")["cmdstat_exec"]["calls"]
     got, _ = worker.dequeue_job_and_maintain_ttl(None)
     assert got.id == second and got.func_name == fetch_job(conn, second).func_name
@@ -71,3 +72,17 @@ def test_the_workers_end_records_a_success_left(conn, ran):
     worker.register_death()
     assert _records(conn, queue, beat, job) == (False, [], "", "idle")
     assert conn.hget(worker.key, "successful_job_count") == b"1"  # RQ's counter, written at the end
+
+
+def test_a_job_whose_hash_is_gone_is_skipped_as_rqs_own_dequeue_skips_it(conn, ran):
+    worker, queue, beat, job, second = ran
+    conn.delete(f"rq:job:{second}")  # a late worker's success deleted it, its id queued again
+    assert worker.dequeue_job_and_maintain_ttl(None) is None  # skipped, then the queue is empty
+    assert _records(conn, queue, beat, job) == (False, [], "", "idle")
+
+
+def test_rqs_suspension_check_which_may_sleep_sends_a_success_left_first(conn, ran):
+    worker, queue, beat, job, _ = ran
+    worker.check_for_suspension(burst=True)
+    assert _records(conn, queue, beat, job) == (False, [], "", "idle")
+    assert conn.hget(beat.key, "jobs_done") == b"1"
