@@ -17,7 +17,10 @@ the job back when the worker's heartbeat expires, as for a worker killed during 
 job's next run skips its samples, which its settle moved past queued (workers.job), and deletes
 it. A send that raised (an outage the client gave up on, a stop signal) keeps the success, and the
 worker's end sends it again without a dequeue; one whose EXEC ran before the raise is then written
-twice: the deletes change nothing, `jobs_done` and RQ's counters count that job twice.
+twice: the deletes change nothing, `jobs_done` and RQ's counters count that job twice. A Redis
+that loses its last second loses the transaction whole (the success and the dequeue with it): the
+job's execution comes back and the next job is queued again, which the janitor reaps or puts back
+as any execution or dequeue of a rolled-back Redis; no sample is decided here.
 
 RQ's counters of a worker's jobs (`successful_job_count`, `total_working_time`: shown by `rq info`,
 deciding nothing) are added up and written with a success at most every RQ_COUNTS_S, and at the
@@ -73,8 +76,7 @@ class LateSuccess(SimpleWorker):
         def outcome(pipe: redis.client.Pipeline) -> None:
             self.set_state(WorkerStatus.IDLE, pipeline=pipe)
             if counts is not None:
-                pipe.hincrby(self.key, "successful_job_count", counts[0])
-                pipe.hincrbyfloat(self.key, "total_working_time", counts[1])
+                self._queue_counts(pipe, counts)
             SimpleWorker.cleanup_execution(self, job, pipe, execution)
             if beat is not None:
                 beat.clear_execution(execution.id, pipe, now=False)
@@ -97,6 +99,10 @@ class LateSuccess(SimpleWorker):
             return None
         counts, self._unwritten, self._counts_at = self._unwritten, (0, 0.0), time.monotonic()
         return counts
+
+    def _queue_counts(self, pipe: redis.client.Pipeline, counts: tuple[int, float]) -> None:
+        pipe.hincrby(self.key, "successful_job_count", counts[0])
+        pipe.hincrbyfloat(self.key, "total_working_time", counts[1])
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None):
         """The last job's success and the next job's dequeue in one MULTI/EXEC; RQ's own dequeue (a
@@ -146,12 +152,10 @@ class LateSuccess(SimpleWorker):
                 self._send_outcome()
             except redis.RedisError as e:  # a Redis given up: RQ's own writes below fail the same way
                 self.log.warning("Worker %s: its last job's success was not recorded (%s)", self.name, e)
-            n, t = self._unwritten
-            if n:
+            if self._unwritten[0]:
                 try:
                     with self.connection.pipeline() as pipe:
-                        pipe.hincrby(self.key, "successful_job_count", n)
-                        pipe.hincrbyfloat(self.key, "total_working_time", t)
+                        self._queue_counts(pipe, self._unwritten)
                         pipe.execute()
                 except redis.RedisError as e:
                     self.log.warning("Worker %s: its job counters were not written (%s)", self.name, e)

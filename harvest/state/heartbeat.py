@@ -150,8 +150,7 @@ class WorkerBeat:
             named = self.doing["execution"]
             if named not in (execution_id, ""):
                 return
-            idle = {"name": self.name, **self.doing, **_NO_JOB, "job": "", "execution": "", "job_started": ""}
-            pipe.hset(self.key, mapping=idle)
+            pipe.hset(self.key, mapping={"name": self.name, **_NO_JOB, "job": "", "execution": "", "job_started": ""})
             if named == execution_id:
                 pipe.hincrby(self.key, "jobs_done", 1)
             pipe.expire(self.key, self.ttl)
