@@ -14,6 +14,7 @@ import sys
 import threading
 
 import pytest
+from rq import Worker
 
 from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.cli.redisproc import free_port
@@ -21,6 +22,7 @@ from harvest.formats.settled import read_settled
 from harvest.health import healthy
 from harvest.node.spooldir import spool_identity
 from harvest.read.reader import RunReader
+from harvest.state.jobs import run_queue
 from harvest.state.ledger import Ledger
 from harvest.storage import Location
 from tests.support.cli import REPO, harvest_cli, kill_group
@@ -85,6 +87,10 @@ def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(t
     procs.start("keeper-a", "worker", "--run", run, "--redis", redis_server.url, "--engine-url",
                 f"http://127.0.0.1:{mute.getsockname()[1]}", "--engine-wait", "3600", "--dump-dir", dumps,
                 "--spool-dir", a_spool, "--node", "a")
+    # worker-a waits on the queue before the runner enqueues (the keeper, waiting for its engine, never
+    # registers with RQ): a loaded machine that started worker-a late let the runner's worker take every
+    # job, and node a had none to lose (CI saw that)
+    wait_for(lambda: Worker.count(queue=run_queue(conn, run)) >= 1, 120, "worker a waiting for jobs")
 
     result: dict = {}
 
