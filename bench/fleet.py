@@ -1,7 +1,7 @@
 """The control plane of a fleet, measured by simulation: what one Redis carries per sample.
 
     python bench/fleet.py [--nodes 1,4,16] [--per-node 300] [--tokens 1024] [--ledger 10000,100000,1000000] [--by-script]
-                          [--redis-core 0]
+                          [--job 32] [--shard-samples N] [--redis-core 0] [--redis-share 0.02]
     python bench/fleet.py --soak [--soak-nodes 16] [--soak-samples 50000] [--seed 1]
 
 One private redis-server (AOF on, as harvest runs it) and, per fleet size, N simulated nodes of
@@ -9,7 +9,7 @@ real `harvest worker` and `harvest collect` processes against the zero-cost engi
 (engines/synthetic.py: dump chunks written at once, hidden size 4), so the control plane, not
 the bytes, is what costs. Everything lives in /dev/shm. The producer is this process (harvest's
 Enqueuer). A job holds 32 samples (1k-token samples; `--job`) and a shard as many samples as a 1 GiB
-shard of an 8B model (4 capture points x 4096 x bf16: 32 samples of 1k tokens, 4 of 8k), so
+shard of an 8B model (4 capture points x 4096 x bf16: 32 samples of 1k tokens, 4 of 8k; `--shard-samples`), so
 jobs and shards amortize as in a real fleet. Per fleet it prints:
 
 - samples/s end to end (enqueue to done);
@@ -103,8 +103,9 @@ def executed(r: RedisStats, bench: Counter) -> dict[str, int]:
     return {k: v for k, v in out.items() if v > 0}
 
 
-def new_run(conn: redis.Redis, root: str, run: str, tokens: int, job: int, job_tokens: int) -> RunConfig:
-    per_shard = max(1, REAL_SHARD // (tokens * REAL_ROW))
+def new_run(conn: redis.Redis, root: str, run: str, tokens: int, job: int, job_tokens: int,
+            shard_samples: int | None = None) -> RunConfig:
+    per_shard = shard_samples or max(1, REAL_SHARD // (tokens * REAL_ROW))
     cfg = RunConfig(run=run, model="synthetic", capture_points=POINTS, hidden_size=HIDDEN, out_url=os.path.join(root, "out"),
                     storage_dtype="fp32", max_batch_samples=job, max_batch_tokens=job_tokens,
                     shard_bytes=per_shard * sample_bytes(tokens), num_layers=8)
@@ -124,9 +125,10 @@ def wait_ready(conn: redis.Redis, fleet: Fleet, timeout: float = 900) -> None:
 
 
 def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: int, tokens: int, job: int,
-                  job_tokens: int, idle_s: float, base_us_s: float, rng: np.random.Generator) -> dict:
+                  job_tokens: int, idle_s: float, base_us_s: float, rng: np.random.Generator,
+                  shard_samples: int | None = None) -> dict:
     run = f"fleet{nodes}t{tokens}"
-    cfg = new_run(conn, root, run, tokens, job, job_tokens)
+    cfg = new_run(conn, root, run, tokens, job, job_tokens, shard_samples)
     todo = make_samples(samples, tokens, rng)
     ports = reserve_ports(nodes)  # below the ephemeral range, held from other benches and tests
     fleet = Fleet(os.path.join(root, run), url, run, nodes, base_port=ports.first)
@@ -268,10 +270,14 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--job", type=int, default=32, help="samples a job in the fleets of --tokens samples (and the "
                     "in-process worker's queued-memory measure)")
+    ap.add_argument("--shard-samples", type=int, help="samples a shard holds at most in the fleets of --tokens samples "
+                    "(default: as many as a 1 GiB shard of an 8B model: 32 of 1k tokens), to measure what a shard's "
+                    "calls cost")
     ap.add_argument("--long-tokens", type=int, default=8192)
     ap.add_argument("--long-per-node", type=int, default=40)
     ap.add_argument("--ledger", default="10000,100000,1000000")
-    ap.add_argument("--idle", type=float, default=6.0, help="seconds of idle fleet measured after each run")
+    ap.add_argument("--idle", type=float, default=20.0, help="seconds of idle fleet measured after each run (two of the "
+                    "fleet's longest periods, 10 s: a shorter window catches some periodic calls and misses others)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--by-script", action="store_true", help="then the largest fleet again with its Redis µs by harvest "
                     "script (SLOWLOG; tests.support.scriptcost)")
@@ -287,6 +293,8 @@ def main() -> int:
         share = CpuShare(args.redis_share) if args.redis_share is not None else None
     except ConfigurationError as e:
         ap.exit(2, f"fleet.py: {e}\n")
+    if args.shard_samples is not None and args.shard_samples < 1:
+        ap.exit(2, f"fleet.py: --shard-samples {args.shard_samples}: give at least 1\n")
     cores = os.sched_getaffinity(0)
     if args.redis_core is not None and (args.redis_core not in cores or len(cores) < 2):
         ap.exit(2, f"fleet.py: --redis-core {args.redis_core}: give one of this process's cores {sorted(cores)}, "
@@ -325,7 +333,7 @@ def main() -> int:
         for n in [int(x) for x in args.nodes.split(",")]:
             samples = max(600, n * args.per_node)
             res.append(measure_fleet(conn, server.url, root, n, samples, args.tokens, args.job, args.job * args.tokens,
-                                     args.idle, base_us_s, rng))
+                                     args.idle, base_us_s, rng, args.shard_samples))
             print(f"  fleet of {n}: {samples} samples in {res[-1]['seconds']:.1f}s, Redis "
                   f"{res[-1]['cpu_us'] / res[-1]['seconds'] / 1e4:.1f}% busy", flush=True)
             conn.flushall()
@@ -351,7 +359,7 @@ def main() -> int:
             conn.flushall()
             with ScriptLog(conn) as log:
                 r = measure_fleet(conn, server.url, root, big, big * args.per_node, args.tokens, args.job,
-                                  args.job * args.tokens, args.idle, base_us_s, rng)
+                                  args.job * args.tokens, args.idle, base_us_s, rng, args.shard_samples)
                 usec, calls, entries = log.read()
             print(f"\n{big} nodes again, every command logged ({entries} entries; the log slows the server): Redis µs "
                   f"per sample by script [calls per sample, µs a call]")
