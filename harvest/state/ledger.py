@@ -27,7 +27,7 @@ import redis
 
 from harvest.state.keys import Keys
 from harvest.state import jobcopy
-from harvest.state.ledger_lua import ADD_STATS, FORGET, SETTLE, TRANSITION
+from harvest.state.ledger_lua import ADD_STATS, ENQUEUE, FORGET, SETTLE, TRANSITION
 from harvest.state.ownership_lua import FENCE, RECLAIM
 from harvest.state.roundtrip import Command, ScriptCall, send_together
 
@@ -69,14 +69,15 @@ def _shaped(values: Sequence[str]) -> list[str]:
     return list(values)
 
 
-def _in_transaction(pipe, script: str, keys: list[str], args: list) -> None:
+def _in_transaction(pipe, script: str, keys: list[str], args: list) -> list[str]:
     """Queue `script` in a caller's MULTI/EXEC as EVAL, with its text. An EVALSHA there runs only
     on a server that still has the script: redis-py loads a pipeline's scripts once, before the
     retries in which harvest's client (harvest.state.connection) sends the batch again to a Redis
     restarted meanwhile, so the EXEC would fail with NoScriptError, and the other commands of the
     transaction (the jobs enqueued with the move) would run without the move. Its text costs a
-    few KB on paths that carry job payloads."""
+    few KB on paths that carry job payloads. Returns no ids: what moved is known at the EXEC."""
     pipe.eval(script, len(keys), *keys, *args)
+    return []
 
 
 class Ledger:
@@ -89,6 +90,7 @@ class Ledger:
         self._reclaim = conn.register_script(RECLAIM)
         self._fence = conn.register_script(FENCE)
         self._forget = conn.register_script(FORGET)
+        self._enqueue = conn.register_script(ENQUEUE)
 
     def _state_keys(self) -> list[str]:
         k = self.keys
@@ -102,15 +104,12 @@ class Ledger:
         infos, rows = _shaped(infos or []), _shaped(rows or [])
         args = [to, allowed, "1" if keep else "0", len(ids), len(infos), len(rows), *ids, *infos, *rows]
         if pipe is not None:
-            _in_transaction(pipe, TRANSITION, self._state_keys(), args)
-            return []
+            return _in_transaction(pipe, TRANSITION, self._state_keys(), args)
         res = self._script(keys=self._state_keys(), args=args, client=self.conn)
         return [r.decode() if isinstance(r, bytes) else r for r in res]
 
     def states(self, ids: list[str]) -> list[str | None]:
-        if not ids:
-            return []
-        return [state_letter(v) for v in self.conn.hmget(self.keys.state, ids)]
+        return [state_letter(v) for v in self.conn.hmget(self.keys.state, ids)] if ids else []
 
     def take(self, ids: list[str], also: Sequence[ScriptCall] = ()) -> list[str | None]:
         """A job's samples' states as the worker starts it, with `also` (the heartbeat's job line,
@@ -193,8 +192,13 @@ class Ledger:
         return [[r.decode() if isinstance(r, bytes) else r for r in seg] for seg in res]
 
     def add_queued(self, ids: list[str], pipe=None) -> list[str]:
-        """New samples only: an id with any state is left as it is (idempotent enqueue)."""
-        return self._move(ids, QUEUED, ABSENT, pipe=pipe)
+        """New samples only: an id with any state is left as it is (idempotent enqueue). Its own
+        script (ledger_lua.ENQUEUE), not `_move`. Returns the ids moved, in order (none in `pipe`)."""
+        keys = [self.keys.state, self.keys.counts]
+        if not ids or pipe is not None:
+            return _in_transaction(pipe, ENQUEUE, keys, ids) if ids else []
+        left = {r.decode() if isinstance(r, bytes) else r for r in self._enqueue(keys=keys, args=ids, client=self.conn)}
+        return list(dict.fromkeys(i for i in ids if i not in left))
 
     def requeue(self, ids: list[str], pipe=None) -> list[str]:
         return self._move(ids, QUEUED, FAILED, pipe=pipe)
@@ -202,26 +206,20 @@ class Ledger:
     def mark_spooled(self, ids: list[str], owner: str = "", rows: list[str] | None = None) -> list[str]:
         """q -> s, recording which spool dir (harvest.node.spooldir.spool_identity) holds the copy,
         and keeping each sample's payload row (`rows`) so a lost spool's samples can be enqueued
-        again (harvest.ops.reclaim). Only the first worker to spool a sample becomes its owner,
-        and only the owner's collector packs it: if a worker died after writing its spool file but
-        before this call, the retried job may spool the sample on another node, and two
-        collectors must not both commit it. A revoked spool becomes the owner of nothing.
-
-        An absent sample is spooled too: a Redis that lost its last second (a rollback, a
-        failover) can forget the enqueue of a job a worker had already dequeued. The worker holds
-        the sample's tokens (its row, kept here) and its spool file, so the sample is taken up
-        again rather than left on the spool, unknown to the ledger and never packed. A sample
-        the ledger forgot after it was done is `d` again before this (the worker reconciles
-        first), and the claims in storage keep a second copy from being committed."""
+        again (harvest.ops.reclaim). Only the first worker to spool a sample becomes its owner, and
+        only the owner's collector packs it: a job retried after its worker died between its spool
+        file and this call may spool the sample on another node, and two collectors must not both
+        commit it. A revoked spool becomes the owner of nothing. An absent sample is spooled too:
+        a Redis that lost its last second can forget the enqueue of a job a worker had already
+        dequeued, and the worker holds the sample's row and spool file, so it is taken up again,
+        not left unknown on the spool. A sample forgotten after it was done is `d` again before
+        this (the worker reconciles first), and the claims in storage keep a second copy out."""
         return self._move(ids, SPOOLED, QUEUED + ABSENT, [owner] * len(ids), rows=rows)
 
     def reclaim(self, spool: str, ids: list[str], pipe=None) -> list[str]:
         """s -> q for those of `ids` that `spool` still owns (the janitor, after revoking it)."""
-        if not ids:
-            return []
-        if pipe is not None:
-            _in_transaction(pipe, RECLAIM, self._state_keys(), [spool, len(ids), *ids])
-            return []
+        if not ids or pipe is not None:
+            return _in_transaction(pipe, RECLAIM, self._state_keys(), [spool, len(ids), *ids]) if ids else []
         res = self._reclaim(keys=self._state_keys(), args=[spool, len(ids), *ids], client=self.conn)
         return [r.decode() if isinstance(r, bytes) else r for r in res]
 
@@ -307,17 +305,18 @@ class Ledger:
 
     def mark_done(self, ids: list[str], pipe=None, tokens: list[int] | None = None,
                   stats: Mapping[str, int] | None = None, clear: tuple[str, str] | None = None) -> list[str]:
-        """Only the collector (after its index file is written) and reconcile call this.
-        Samples that changed state are counted in the `samples_done` stat (throughput), and with
-        `tokens` (per id) their tokens in `tokens_done`; `stats` are added in the same call (a
-        shard's bytes). In `pipe` (a caller's transaction): the move alone, no stats. `clear`:
-        (a key, a set) the key is deleted and removed from in the same call (the packing record of
-        the shard this commit ends, harvest.state.packing.PackingRecords.ended)."""
+        """Only the collector (after its index file is written) and reconcile call this. Samples
+        that changed state are counted in the `samples_done` stat (throughput), and with `tokens`
+        (per id, sent as one argument) their tokens in `tokens_done`; `stats` are added in the same
+        call (a shard's bytes). In `pipe` (a caller's transaction): the move alone, no stats.
+        `clear`: (a key, a set) the key is deleted and removed from in the same call (the packing
+        record of the shard this commit ends, harvest.state.packing.PackingRecords.ended)."""
         if pipe is not None:
             return self._move(ids, DONE, ABSENT + QUEUED + SPOOLED + FAILED, pipe=pipe)
         if not ids and not stats:
             return []
-        infos = [str(int(t)) for t in tokens] if tokens is not None else [""] * len(ids)
+        n = [int(t) for t in tokens or []]
+        infos = [f"{sum(n)}/{','.join(map(str, n))}"] if tokens is not None else []
         seg = (DONE, ABSENT + QUEUED + SPOOLED + FAILED, False, "samples_done", "tokens_done" if tokens is not None else "",
                list(ids), infos, [""] * len(ids))
         return self._settle([seg], dict(stats or {}), clear=clear)[0]

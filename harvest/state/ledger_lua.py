@@ -243,6 +243,29 @@ finish()
 return changed
 """
 
+# The producer's enqueue: absent -> q, and nothing else (`Ledger.add_queued`). `move` does it too,
+# but its generality (owners, refs, failures, a value per sample parsed) costs the server about a
+# microsecond a sample more than this loop (bench/job_cost.py, "producer: to queued"), and the text
+# of the script is sent with each call (an EVAL in the producer's transaction: ledger
+# `_in_transaction`), 7 KB where this is a few hundred bytes. KEYS: state, counts. ARGV: the ids.
+# Returns the ids that did not move (known already): an id listed twice moves once.
+ENQUEUE = """
+local n, left, moved = 0, {}, {}
+for lo = 1, #ARGV, 400 do
+  local hi = math.min(#ARGV, lo + 399)
+  local cur, st = redis.call('HMGET', KEYS[1], unpack(ARGV, lo, hi)), {}
+  for j = 1, hi - lo + 1 do
+    local id = ARGV[lo + j - 1]
+    if moved[id] then  -- listed before, and moved then
+    elseif cur[j] then left[#left + 1] = id
+    else moved[id] = true; st[#st + 1] = id; st[#st + 1] = 'q'; n = n + 1 end
+  end
+  if #st > 0 then redis.call('HSET', KEYS[1], unpack(st)) end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[2], 'q', n) end
+return left
+"""
+
 # The rate bucket the stats of this call go to: by the server's TIME, so every node's stats land
 # in the buckets `Ledger.rates` reads, whatever the node's clock says. Redis 7 replicates a
 # script's effects, so a script may read TIME before it writes. prefix: Keys.rate_prefix.
@@ -257,10 +280,11 @@ end
 # samples, the failures counted), a collector's shard (done, the stats). A worker's throughput
 # stats and latencies go at its heartbeat instead (harvest.state.tally). KEYS: the 10 move keys,
 # stats, then the keys a record's end names. ARGV: bucket ttl, rate key prefix, bucket seconds,
-# segments; per segment: to, allowed, keep, count field ('' none), sum field ('' none: sums the
-# moved samples' infos), n, ni, nr, the n ids, the ni infos, the nr rows (`move`); then the number
-# of stat pairs and (field, increment) pairs; then, optionally, the key indexes of a record to
-# delete and of the set to remove it from. Returns one list of moved ids per segment.
+# segments; per segment: to, allowed, keep, count field ('' none), sum field ('' none; else the
+# segment's one info holds the numbers it sums over the moved samples, as below), n, ni, nr, the n
+# ids, the ni infos, the nr rows (`move`); then the number of stat pairs and (field, increment)
+# pairs; then, optionally, the key indexes of a record to delete and of the set to remove it from.
+# Returns one list of moved ids per segment.
 SETTLE = _MOVE + RATE_KEY + """
 local stats = {}
 local p = 4
@@ -290,16 +314,20 @@ for s = 1, nseg do
   local changed = move(to, allowed, n, p + 7, keep, ni, nr)
   if cnt ~= '' and #changed > 0 then bump(stats, cnt, #changed) end
   if sum ~= '' and #changed > 0 then
+    -- one info, `<total>/<n1>,<n2>,...`: the total when every sample listed moved (a shard's
+    -- commit), else the numbers of those that did, in the order of the ids
+    local all, each = string.match(ARGV[p + 8 + n], '^(%d+)/(.*)$')
     local total = 0
-    if ni == n then
-      local moved = {}
+    if #changed == n then
+      total = tonumber(all) or 0
+    elseif each then
+      local moved, i = {}, 0
       for _, id in ipairs(changed) do moved[id] = true end
-      for i = 1, n do
+      for t in string.gmatch(each, '[^,]+') do
+        i = i + 1
         local id = ARGV[p + 7 + i]
-        if moved[id] then total = total + (tonumber(ARGV[p + 7 + n + i]) or 0); moved[id] = nil end
+        if moved[id] then total = total + (tonumber(t) or 0); moved[id] = nil end
       end
-    else
-      total = #changed * (tonumber(shared(p + 7 + n, ni)) or 0)
     end
     if total > 0 then bump(stats, sum, total) end
   end

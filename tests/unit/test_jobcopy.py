@@ -60,6 +60,11 @@ def test_refs_are_kept_counted_and_the_copy_goes_with_the_last(conn):
     assert [k.decode() for k in kept] == [f"s:spool1@{jid}#{i}" for i in range(4)]
     assert conn.exists(ledger.keys.spooled_payload) == 0
     assert _refs(conn, ledger, jid) == 4
+    ids = [s.id for s in samples[:4]]
+    conn.set("rec", "r0")  # the commit fence reads the owner in a value that holds a ref
+    assert not ledger.fence_commit("spool", ids, "rec", "r1", "r0")  # an id that starts spool1's owns none
+    assert not ledger.fence_commit("spool1", [s.id for s in samples], "rec", "r1", "r0")  # one failed
+    assert ledger.fence_commit("spool1", ids, "rec", "r1", "r0") and conn.get("rec") == b"r1"
     # the failed sample keeps its row in full, for requeue
     assert ledger.failed_payloads([samples[4].id]) == [payload_row(run, samples[4])]
     conn.delete(fetch_job(conn, jid).key)  # RQ deletes its job when the job ends: the copy stays

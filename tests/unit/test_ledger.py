@@ -65,3 +65,28 @@ def test_take_reads_the_states_with_the_heartbeats_job_line_in_one_round_trip_an
     assert conn.hget(worker_key("w-take"), "attempt") == b"12345"
     assert led.take([]) == [] and led.take([d]) == [None]
     beat.stop()
+
+
+def test_enqueue_moves_an_id_listed_twice_once_and_only_new_ones(conn):
+    led = Ledger(conn, "r-enq")
+    a, b, c = "a" * 32, "b" * 32, "c" * 32
+    assert led.add_queued([b]) == [b]
+    assert led.add_queued([a, b, a, c, c]) == [a, c]  # b is known; a and c are each counted once
+    assert led.counts()["queued"] == 3 and led.states([a, b, c]) == ["q", "q", "q"]
+    with conn.pipeline(transaction=True) as pipe:  # the producer's transaction: same move, no reply to read
+        assert led.add_queued(["d" * 32, a], pipe=pipe) == []
+        pipe.execute()
+    assert led.counts()["queued"] == 4
+
+
+def test_a_commits_tokens_count_only_the_samples_it_moved(conn):
+    led = Ledger(conn, "r-tok")
+    a, b, c, d = "a" * 32, "b" * 32, "c" * 32, "d" * 32
+    led.add_queued([a, b, c, d])
+    led.mark_spooled([a, b, c, d], owner="sp")
+    assert led.mark_done([a, b], tokens=[10, 20]) == [a, b]  # every sample moved: the sum sent
+    assert led.stats() == {"samples_done": 2, "tokens_done": 30}
+    assert led.mark_done([b, c, a, d], tokens=[20, 300, 10, 4000]) == [c, d]  # a, b were done already
+    assert led.stats() == {"samples_done": 4, "tokens_done": 4330}
+    assert led.mark_done([a, b], tokens=[10, 20]) == []  # a commit resent after a lost reply adds nothing
+    assert led.stats() == {"samples_done": 4, "tokens_done": 4330}

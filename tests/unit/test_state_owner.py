@@ -26,7 +26,10 @@ def test_a_spooled_samples_owner_is_written_with_its_state_and_leaves_with_it(co
     assert conn.hgetall(led.keys.spool_counts) == {b"spool1": b"2"}
     conn.set("rec", "r0")  # the record the collector wrote before packing
     assert led.fence_commit("spool2", [A], "rec", "r1", before="r0") is False
-    assert led.fence_commit("spool1", [A, B], "rec", "r1", before="r0") is True
+    assert led.fence_commit("spool", [A], "rec", "r1", before="r0") is False  # a spool whose id starts another's
+    assert led.fence_commit("spool1", [A, B, D], "rec", "r1", before="r0") is False  # D is not spooled
+    assert led.fence_commit("spool1", [A, B], "rec", "r1", before="r1") is False  # not the record it wrote
+    assert led.fence_commit("spool1", [A, B, C], "rec", "r1", before="r0") is True  # C spooled without an owner
     assert led.mark_done([A]) == [A]
     assert _raw(conn, led, A) == [b"d"] and conn.hgetall(led.keys.spool_counts) == {b"spool1": b"1"}
     assert led.owned_by("spool1") == [B]
