@@ -70,12 +70,11 @@ def _shaped(values: Sequence[str]) -> list[str]:
 
 
 def _in_transaction(pipe, script: str, keys: list[str], args: list) -> list[str]:
-    """Queue `script` in a caller's MULTI/EXEC as EVAL, with its text. An EVALSHA there runs only
-    on a server that still has the script: redis-py loads a pipeline's scripts once, before the
-    retries in which harvest's client (harvest.state.connection) sends the batch again to a Redis
-    restarted meanwhile, so the EXEC would fail with NoScriptError, and the other commands of the
-    transaction (the jobs enqueued with the move) would run without the move. Its text costs a
-    few KB on paths that carry job payloads. Returns no ids: what moved is known at the EXEC."""
+    """Queue `script` in a caller's MULTI/EXEC as EVAL, with its text: an EVALSHA there runs only on
+    a server that still has the script, and harvest's client (harvest.state.connection) sends the
+    batch again to a Redis restarted meanwhile, whose EXEC would fail the move with NoScriptError
+    and run the rest of the transaction (the jobs enqueued with it) without it. Returns no ids:
+    what moved is known at the EXEC."""
     pipe.eval(script, len(keys), *keys, *args)
     return []
 
@@ -195,8 +194,10 @@ class Ledger:
         """New samples only: an id with any state is left as it is (idempotent enqueue). Its own
         script (ledger_lua.ENQUEUE), not `_move`. Returns the ids moved, in order (none in `pipe`)."""
         keys = [self.keys.state, self.keys.counts]
-        if not ids or pipe is not None:
-            return _in_transaction(pipe, ENQUEUE, keys, ids) if ids else []
+        if not ids:
+            return []
+        if pipe is not None:
+            return _in_transaction(pipe, ENQUEUE, keys, ids)
         left = {r.decode() if isinstance(r, bytes) else r for r in self._enqueue(keys=keys, args=ids, client=self.conn)}
         return list(dict.fromkeys(i for i in ids if i not in left))
 
@@ -204,22 +205,22 @@ class Ledger:
         return self._move(ids, QUEUED, FAILED, pipe=pipe)
 
     def mark_spooled(self, ids: list[str], owner: str = "", rows: list[str] | None = None) -> list[str]:
-        """q -> s, recording which spool dir (harvest.node.spooldir.spool_identity) holds the copy,
-        and keeping each sample's payload row (`rows`) so a lost spool's samples can be enqueued
-        again (harvest.ops.reclaim). Only the first worker to spool a sample becomes its owner, and
-        only the owner's collector packs it: a job retried after its worker died between its spool
-        file and this call may spool the sample on another node, and two collectors must not both
-        commit it. A revoked spool becomes the owner of nothing. An absent sample is spooled too:
-        a Redis that lost its last second can forget the enqueue of a job a worker had already
-        dequeued, and the worker holds the sample's row and spool file, so it is taken up again,
-        not left unknown on the spool. A sample forgotten after it was done is `d` again before
-        this (the worker reconciles first), and the claims in storage keep a second copy out."""
+        """q -> s, recording which spool dir (harvest.node.spooldir.spool_identity) holds the copy and
+        keeping each sample's payload row (`rows`), so a lost spool's samples can be enqueued again
+        (harvest.ops.reclaim). Only the first worker to spool a sample owns it, and only its
+        collector packs it: a job retried after its worker died between its spool file and this
+        call may spool the sample on another node. A revoked spool owns nothing. An absent sample is
+        spooled too: a Redis that lost its last second can forget the enqueue of a job a worker had
+        dequeued, and the worker holds its row and spool file. A sample forgotten after it was done
+        is `d` again first (the worker reconciles), and the claims in storage keep a second copy out."""
         return self._move(ids, SPOOLED, QUEUED + ABSENT, [owner] * len(ids), rows=rows)
 
     def reclaim(self, spool: str, ids: list[str], pipe=None) -> list[str]:
         """s -> q for those of `ids` that `spool` still owns (the janitor, after revoking it)."""
-        if not ids or pipe is not None:
-            return _in_transaction(pipe, RECLAIM, self._state_keys(), [spool, len(ids), *ids]) if ids else []
+        if not ids:
+            return []
+        if pipe is not None:
+            return _in_transaction(pipe, RECLAIM, self._state_keys(), [spool, len(ids), *ids])
         res = self._reclaim(keys=self._state_keys(), args=[spool, len(ids), *ids], client=self.conn)
         return [r.decode() if isinstance(r, bytes) else r for r in res]
 
@@ -315,8 +316,8 @@ class Ledger:
             return self._move(ids, DONE, ABSENT + QUEUED + SPOOLED + FAILED, pipe=pipe)
         if not ids and not stats:
             return []
-        n = [int(t) for t in tokens or []]
-        infos = [f"{sum(n)}/{','.join(map(str, n))}"] if tokens is not None else []
+        counts = [int(t) for t in tokens or []]  # one info for all: ledger_lua SETTLE's sum
+        infos = [f"{sum(counts)}/{','.join(map(str, counts))}"] if tokens is not None else []
         seg = (DONE, ABSENT + QUEUED + SPOOLED + FAILED, False, "samples_done", "tokens_done" if tokens is not None else "",
                list(ids), infos, [""] * len(ids))
         return self._settle([seg], dict(stats or {}), clear=clear)[0]

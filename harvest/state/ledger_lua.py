@@ -77,8 +77,8 @@ end
 # ids, then their rows: `ni` infos and `nr` rows, each 0 (every one ''), 1 (one for all) or n (one a
 # sample), so a value the samples share crosses into Lua once, not once a sample (an argument costs
 # the server about what a hash field's read does: bench/job_cost.py). info: the failure JSON when
-# moving to f, the owning spool id when moving to s, a number (tokens) summed by `settle`'s segments
-# otherwise. row: the payload row kept while spooled (to s), or kept as the failed payload (to f,
+# moving to f, the owning spool id when moving to s, otherwise unread but for being set (the
+# numbers a `SETTLE` segment sums are in its one info, read there). row: the payload row kept while spooled (to s), or kept as the failed payload (to f,
 # when `keep`). Returns the moved ids in order; `finish()` writes the counters. An id listed twice
 # moves once. The loop over the samples is the server's work a sample: its counts are kept in
 # locals and summed once a call, not bumped through a function a sample.
