@@ -5,7 +5,7 @@ enqueued again (harvest.ops.reclaim). Sent as rows, a job's tokens crossed Redis
 full (into the worker's settle call, its Lua arguments, the hash and the AOF): about a fifth of
 Redis's CPU a sample, and half the bytes clients sent it (bench/fleet.py). The job's
 tokens are already in Redis, in the RQ job hash the worker is running, zlib-compressed. So the
-worker's settle call (harvest.state.ledger_lua.SETTLE) copies that hash server-side (COPY: no
+worker's settle call (harvest.state.settle_lua.SETTLE) copies that hash server-side (COPY: no
 bytes over the network, a few in the AOF) to `Keys.job_copy` and keeps, for each spooled sample,
 the ref `@<job id>#<index in the payload>` instead of its row, in the sample's state value
 (harvest.state.ledger_lua). A producer's job holds no tokens,
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import redis
 
@@ -56,6 +56,19 @@ def parse_ref(row: str) -> tuple[str, int] | None:
     if not sep or not index.isdigit():
         raise ValueError(f"malformed payload ref {row!r}")
     return check_id(job_id, "job id"), int(index)
+
+
+def one_job(refs: Sequence[str]) -> tuple[str, list[str]] | None:
+    """(job id, the indexes) where every one of `refs` is a ref into one job, as a worker's settle
+    sends them (harvest.state.settle_lua `spool_job`); None otherwise."""
+    if not refs or not refs[0].startswith("@"):
+        return None
+    job = refs[0][1:].partition("#")[0]
+    prefix = f"@{job}#"
+    indexes = [r[len(prefix):] for r in refs if r.startswith(prefix)]
+    if len(indexes) != len(refs) or not all(i.isdigit() for i in indexes):
+        return None
+    return check_id(job, "job id"), indexes
 
 
 def resolve(conn: redis.Redis, keys: Keys, rows: Mapping[str, str | None]) -> dict[str, str | None]:

@@ -10,11 +10,10 @@ counters exact, and the per-reason failure counters too, so status, metrics and 
 never scan the hash.
 
 Cost (bench/fleet.py). The control plane's budget is per sample: a worker's job settles all its
-samples in one call (`settle_job`: the spooled ones, the failed ones with their payload rows; its
-throughput stats and latencies go at the worker's heartbeat, harvest.state.tally), a collector's
-shard in one (`mark_done` with its stats), and a job's samples' states are read with one plain
-HMGET, sent in RQ's transaction that starts the job (workers.rqworker; `take` where it is not);
-inside a call, states are read and written per batch of samples, and counters once per call.
+samples in one call (`settle_job`: the spooled ones, the failed ones with their rows; its stats go
+at the worker's heartbeat, harvest.state.tally), a collector's shard in one (`mark_done` with its
+stats; both harvest.state.settle_lua), and a job's samples' states are read with one plain HMGET,
+sent in RQ's transaction that starts the job (workers.rqworker; `take` where it is not).
 """
 
 from __future__ import annotations
@@ -25,11 +24,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 import redis
 
-from harvest.state.keys import Keys
 from harvest.state import jobcopy
-from harvest.state.ledger_lua import ADD_STATS, ENQUEUE, FORGET, SETTLE, TRANSITION
+from harvest.state.keys import Keys
+from harvest.state.ledger_lua import ENQUEUE, FORGET, TRANSITION
 from harvest.state.ownership_lua import FENCE, RECLAIM
 from harvest.state.roundtrip import Command, ScriptCall, send_together
+from harvest.state.settle_lua import ADD_STATS, SETTLE
 
 QUEUED, SPOOLED, DONE, FAILED = "q", "s", "d", "f"
 ABSENT = "_"
@@ -113,9 +113,8 @@ class Ledger:
     def take(self, ids: list[str], also: Sequence[ScriptCall] = ()) -> list[str | None]:
         """A job's samples' states as the worker starts it, with `also` (the heartbeat's job line,
         which names the job's attempt: workers.job) in the same round trip (harvest.state.roundtrip).
-        A plain HMGET: the attempt that gives each rid its tail is the worker's own random number,
-        not a counter kept a sample (harvest.ids.new_attempt), so the take decides nothing and
-        writes nothing."""
+        A plain HMGET: the attempt (each rid's tail) is the worker's own random number, not a counter
+        kept a sample (harvest.ids.new_attempt), so the take decides nothing and writes nothing."""
         if not ids:
             if also:
                 send_together(self.conn, list(also))
@@ -128,10 +127,10 @@ class Ledger:
 
     def states_and_owners(self, ids: list[str]) -> tuple[list[str | None], list[str | None]]:
         """The states and spool owners of `ids` (the collector's view of its spool files). Plain
-        HMGETs: the record's ownership test and the commit fence decide (ownership_lua), not this
-        read, and Lua's handling of each argument and reply cost the server twice the read itself
-        (bench/job_cost.py, "collector: view"). A bare `s` (an older harvest's) has its owner read
-        after: one that left s meanwhile reads as ownerless, and the ownership test refuses it."""
+        HMGETs: the record's ownership test and the commit fence decide (ownership_lua), and Lua's
+        handling of each argument and reply cost the server twice the read (bench/job_cost.py). A
+        bare `s` (an older harvest's) has its owner read after: one that left s meanwhile reads as
+        ownerless, and the ownership test refuses it."""
         with self.conn.pipeline(transaction=False) as pipe:
             for i in range(0, len(ids), SCRIPT_ARGS):
                 pipe.hmget(self.keys.state, ids[i : i + SCRIPT_ARGS])
@@ -151,12 +150,12 @@ class Ledger:
         absent -> f with their rows kept as failed payloads (as `record_failures`, for samples this
         job holds: a rollback may have forgotten its enqueue), counted in the run's stats as
         `samples_failed`. Returns (ids marked spooled, ids marked failed). The job's throughput
-        stats and latencies are not written here: the worker adds them up and writes them at its
-        heartbeat (harvest.state.tally).
+        stats and latencies go at the worker's heartbeat instead (harvest.state.tally).
 
         `refs` (id -> `jobcopy.ref`, for the job being run): a spooled sample keeps its ref, and the
-        job's hash is copied once, instead of its row (harvest.state.jobcopy). Where Redis no longer
-        has the job (a rollback forgot its enqueue), the call is made again with the rows.
+        job's hash is copied once, instead of its row (harvest.state.jobcopy); refs into one job go
+        as their indexes (settle_lua `spool_job`). Where Redis no longer has the job (a rollback
+        forgot its enqueue), the call is made again with the rows.
 
         `also`: calls sent in the same round trip (harvest.state.roundtrip); they ran when this
         returns or raises a Redis error reply (not a connection error)."""
@@ -164,9 +163,9 @@ class Ledger:
         infos = [json.dumps({"reason": r, "message": m}) for r, m in failures.values()]
 
         def segments(kept: Mapping[str, str]) -> list[tuple]:
-            return [("s", QUEUED + ABSENT, False, "", "", list(spooled), [owner] * len(spooled),
-                     [kept.get(i) or rows.get(i, "") for i in spooled]),
-                    ("f", QUEUED + ABSENT, True, "samples_failed", "", fail_ids, infos,
+            job, spool_rows = jobcopy.one_job(r := [kept.get(i) or rows.get(i, "") for i in spooled]) or ("", r)
+            return [("s", QUEUED + ABSENT, False, "", "", job, list(spooled), [owner] * len(spooled), spool_rows),
+                    ("f", QUEUED + ABSENT, True, "samples_failed", "", "", fail_ids, infos,
                      [rows.get(i, "") for i in fail_ids])]
 
         try:
@@ -177,18 +176,20 @@ class Ledger:
             out = self._settle(segments({}), {})
         return out[0], out[1]
 
-    def _settle(self, segments: list[tuple], stats: dict[str, int], clear: tuple[str, str] | None = None, also: Sequence[ScriptCall] = ()) -> list[list[str]]:
+    def _settle(self, segments: list[tuple], stats: dict[str, int], clear: tuple[str, str] | None = None,
+                also: Sequence[ScriptCall] = ()) -> list[list[str]]:
         keys = [*self._state_keys(), self.keys.stats]
         args: list = [RATE_TTL_S, self.keys.rate_prefix, RATE_BUCKET_S, len(segments)]
-        for to, allowed, keep, count, total, ids, infos, rows in segments:
-            infos, rows = _shaped(infos), _shaped(rows)
-            args += [to, allowed, "1" if keep else "0", count, total, len(ids), len(infos), len(rows), *ids, *infos, *rows]
+        for to, allowed, keep, count, total, job, ids, infos, rows in segments:
+            infos, rows = _shaped(infos), rows if job else _shaped(rows)
+            args += [to, allowed, "1" if keep else "0", count, total, job, len(ids), len(infos), len(rows), *ids, *infos, *rows]
         args += [len(stats), *(x for kv in stats.items() for x in (kv[0], int(kv[1])))]
         if clear is not None:
             keys += clear
             args += [len(keys) - 1, len(keys)]
         res = send_together(self.conn, [ScriptCall(self._settle_script, keys, args), *also])[0]
-        return [[r.decode() if isinstance(r, bytes) else r for r in seg] for seg in res]
+        return [list(seg[6]) if isinstance(got, int) else [r.decode() if isinstance(r, bytes) else r for r in got]
+                for seg, got in zip(segments, res)]  # a count: every id moved
 
     def add_queued(self, ids: list[str], pipe=None) -> list[str]:
         """New samples only: an id with any state is left as it is (idempotent enqueue). Its own
@@ -234,9 +235,8 @@ class Ledger:
 
     def identity(self) -> str:
         """This ledger's random id (`Keys.ledger_id`), taken on first use. A collector's packing
-        record gives it back to a Redis that lost it (a rollback past its creation, a wipe:
-        harvest.state.packing `put_owned`), so the claims it holds in storage stay this ledger's.
-        One command (SET NX GET, Redis >= 7.0; two on an older server)."""
+        record gives it back to a Redis that lost it (a rollback, a wipe: harvest.state.packing
+        `put_owned`), so its claims in storage stay this ledger's. SET NX GET (Redis >= 7.0)."""
         new = os.urandom(8).hex()
         try:
             old = self.conn.set(self.keys.ledger_id, new, nx=True, get=True)
@@ -316,10 +316,10 @@ class Ledger:
             return self._move(ids, DONE, ABSENT + QUEUED + SPOOLED + FAILED, pipe=pipe)
         if not ids and not stats:
             return []
-        counts = [int(t) for t in tokens or []]  # one info for all: ledger_lua SETTLE's sum
+        counts = [int(t) for t in tokens or []]  # one info for all: settle_lua SETTLE's sum
         infos = [f"{sum(counts)}/{','.join(map(str, counts))}"] if tokens is not None else []
         seg = (DONE, ABSENT + QUEUED + SPOOLED + FAILED, False, "samples_done", "tokens_done" if tokens is not None else "",
-               list(ids), infos, [""] * len(ids))
+               "", list(ids), infos, [""] * len(ids))
         return self._settle([seg], dict(stats or {}), clear=clear)[0]
 
     def counts(self) -> dict[str, int]:

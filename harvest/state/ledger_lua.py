@@ -1,5 +1,6 @@
 """The ledger's Lua: every move of sample states, with everything kept beside the states, in one
-script call (harvest.state.ledger holds the contract; this module holds only the scripts).
+script call (harvest.state.ledger holds the contract; this module holds only the scripts, and
+harvest.state.settle_lua the settle, a worker's job end and a shard's commit, built on `MOVE`).
 
 Why the moves are batched inside the script. Redis runs scripts on its one thread, and each
 `redis.call` costs about a microsecond of it. A move written per sample (read the state, write
@@ -9,7 +10,7 @@ up to `B` samples with one HMGET, writes them with one HSET, and the counters (p
 spool, per failure reason) are summed in Lua and written once per call. What the moves do is
 unchanged: the same allowed sources, the same fences, the same side tables.
 
-Keys of every script built on `_MOVE` (in this order): state, counts, failed, spool_owner,
+Keys of every script built on `MOVE` (in this order): state, counts, failed, spool_owner,
 spooled_payload, spool_counts, revoked_spools, failed_reasons, failed_examples, failed_payload.
 
 A state value is its letter, and a spooled sample's also names its owner and, where its row is
@@ -78,11 +79,11 @@ end
 # sample), so a value the samples share crosses into Lua once, not once a sample (an argument costs
 # the server about what a hash field's read does: bench/job_cost.py). info: the failure JSON when
 # moving to f, the owning spool id when moving to s, otherwise unread but for being set (the
-# numbers a `SETTLE` segment sums are in its one info, read there). row: the payload row kept while spooled (to s), or kept as the failed payload (to f,
-# when `keep`). Returns the moved ids in order; `finish()` writes the counters. An id listed twice
+# numbers a settle's segment sums are in its one info, read there: harvest.state.settle_lua). row:
+# the payload row kept while spooled (to s), or kept as the failed payload (to f, when `keep`). Returns the moved ids in order; `finish()` writes the counters. An id listed twice
 # moves once. The loop over the samples is the server's work a sample: its counts are kept in
 # locals and summed once a call, not bumped through a function a sample.
-_MOVE = DROP_REF + STATE_VALUE + """
+MOVE = DROP_REF + STATE_VALUE + """
 local B = 400
 local dcount, dspool, dreason, leaving, examples, drefs = {}, {}, {}, {}, {}, {}
 local revoked_cache, now = {}, {}
@@ -237,7 +238,7 @@ end
 
 # ARGV: to, allowed, keep ('1': a move to f keeps the rows as failed payloads), n, ni, nr, the n
 # ids, the ni infos, the nr rows (`move`).
-TRANSITION = _MOVE + """
+TRANSITION = MOVE + """
 local changed = move(ARGV[1], ARGV[2], tonumber(ARGV[4]), 6, ARGV[3] == '1', tonumber(ARGV[5]), tonumber(ARGV[6]))
 finish()
 return changed
@@ -264,107 +265,6 @@ for lo = 1, #ARGV, 400 do
 end
 if n > 0 then redis.call('HINCRBY', KEYS[2], 'q', n) end
 return left
-"""
-
-# The rate bucket the stats of this call go to: by the server's TIME, so every node's stats land
-# in the buckets `Ledger.rates` reads, whatever the node's clock says. Redis 7 replicates a
-# script's effects, so a script may read TIME before it writes. prefix: Keys.rate_prefix.
-RATE_KEY = """
-local function rate_key(prefix, bucket_s)
-  local t = redis.call('TIME')
-  return prefix .. math.floor(tonumber(t[1]) / bucket_s)
-end
-"""
-
-# Several moves and the run's stats in one call: a worker's job (its spooled and its failed
-# samples, the failures counted), a collector's shard (done, the stats). A worker's throughput
-# stats and latencies go at its heartbeat instead (harvest.state.tally). KEYS: the 10 move keys,
-# stats, then the keys a record's end names. ARGV: bucket ttl, rate key prefix, bucket seconds,
-# segments; per segment: to, allowed, keep, count field ('' none), sum field ('' none; else the
-# segment's one info holds the numbers it sums over the moved samples, as below), n, ni, nr, the n
-# ids, the ni infos, the nr rows (`move`); then the number of stat pairs and (field, increment)
-# pairs; then, optionally, the key indexes of a record to delete and of the set to remove it from.
-# Returns one list of moved ids per segment.
-SETTLE = _MOVE + RATE_KEY + """
-local stats = {}
-local p = 4
-local nseg = tonumber(ARGV[p]); p = p + 1
--- Every job a row to spool refers to is still there to copy (or copied), before anything moves.
-local q, seen, last = p, {}, nil  -- last: `@<job>#` of the job checked last (a job's rows come together)
-for s = 1, nseg do
-  local n, ni, nr = tonumber(ARGV[q + 5]), tonumber(ARGV[q + 6]), tonumber(ARGV[q + 7])
-  if ARGV[q] == 's' then
-    for i = 1, nr do
-      local r = ARGV[q + 7 + n + ni + i]
-      local job = not (last and string.find(r, last, 1, true) == 1) and ref_job(r)
-      if job and not seen[job] then
-        seen[job], last = true, '@' .. job .. '#'
-        if redis.call('EXISTS', KEYS[5] .. ':' .. job) == 0 and redis.call('EXISTS', 'rq:job:' .. job) == 0 then
-          return redis.error_reply('HARVEST_NO_JOB ' .. job)
-        end
-      end
-    end
-  end
-  q = q + 8 + n + ni + nr
-end
-local out = {}
-for s = 1, nseg do
-  local to, allowed, keep, cnt, sum = ARGV[p], ARGV[p + 1], ARGV[p + 2] == '1', ARGV[p + 3], ARGV[p + 4]
-  local n, ni, nr = tonumber(ARGV[p + 5]), tonumber(ARGV[p + 6]), tonumber(ARGV[p + 7])
-  local changed = move(to, allowed, n, p + 7, keep, ni, nr)
-  if cnt ~= '' and #changed > 0 then bump(stats, cnt, #changed) end
-  if sum ~= '' and #changed > 0 then
-    -- one info, `<total>/<n1>,<n2>,...`: the total when every sample listed moved (a shard's
-    -- commit), else the numbers of those that did, in the order of the ids
-    local all, each = string.match(ARGV[p + 8 + n], '^(%d+)/(.*)$')
-    local total = 0
-    if #changed == n then
-      total = tonumber(all) or 0
-    elseif each then
-      local moved, i = {}, 0
-      for _, id in ipairs(changed) do moved[id] = true end
-      for t in string.gmatch(each, '[^,]+') do
-        i = i + 1
-        local id = ARGV[p + 7 + i]
-        if moved[id] then total = total + (tonumber(t) or 0); moved[id] = nil end
-      end
-    end
-    if total > 0 then bump(stats, sum, total) end
-  end
-  out[s] = changed
-  p = p + 8 + n + ni + nr
-end
-local npairs = tonumber(ARGV[p]); p = p + 1
-for i = 1, npairs do
-  local v = tonumber(ARGV[p + 1])
-  if v ~= 0 then bump(stats, ARGV[p], v) end
-  p = p + 2
-end
-finish()
-local rate = next(stats) ~= nil and rate_key(ARGV[2], tonumber(ARGV[3]))
-for f, v in pairs(stats) do
-  redis.call('HINCRBY', KEYS[11], f, v)
-  redis.call('HINCRBY', rate, f, v)
-end
-if rate then redis.call('EXPIRE', rate, tonumber(ARGV[1])) end
-if ARGV[p] then  -- a record ended with these moves (a collector's packing record) and the set indexing it
-  local rec, idx = KEYS[tonumber(ARGV[p])], KEYS[tonumber(ARGV[p + 1])]
-  redis.call('SREM', idx, rec)
-  redis.call('DEL', rec)
-end
-return out
-"""
-
-# The run's stats alone. KEYS: stats. ARGV: bucket ttl, rate key prefix, bucket seconds,
-# (field, increment) pairs.
-ADD_STATS = RATE_KEY + """
-local rate = rate_key(ARGV[2], tonumber(ARGV[3]))
-for i = 4, #ARGV, 2 do
-  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
-  redis.call('HINCRBY', rate, ARGV[i], ARGV[i + 1])
-end
-redis.call('EXPIRE', rate, tonumber(ARGV[1]))
-return 1
 """
 
 # Forget samples the ledger says are done but no index in storage names (an index file lost):

@@ -33,7 +33,7 @@ import redis
 
 from harvest.state.keys import Keys
 from harvest.state.ledger import RATE_BUCKET_S, RATE_TTL_S
-from harvest.state.ledger_lua import RATE_KEY
+from harvest.state.settle_lua import RATE_KEY
 
 # A histogram's upper bounds in seconds (harvest.ops.metrics reads them): an engine call is ~10 ms
 # on a tiny CPU model, minutes for a long batch.
