@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 
 import redis
 
-from harvest.ids import check_id
+from harvest.ids import ID_PATTERN, check_id
 from harvest.state.jobs import SERIALIZER
 from harvest.state.keys import Keys, check_rq_job_prefix
 from harvest.state.payload import inline
@@ -66,9 +66,9 @@ def one_job(refs: Sequence[str]) -> tuple[str, list[str]] | None:
     job = refs[0][1:].partition("#")[0]
     prefix = f"@{job}#"
     indexes = [r[len(prefix):] for r in refs if r.startswith(prefix)]
-    if len(indexes) != len(refs) or not all(i.isdigit() for i in indexes):
-        return None
-    return check_id(job, "job id"), indexes
+    if len(indexes) != len(refs) or not all(i.isdigit() for i in indexes) or not ID_PATTERN.fullmatch(job):
+        return None  # a row kept in full, another job's ref, or no ref a worker makes: the rows go as they are
+    return job, indexes
 
 
 def resolve(conn: redis.Redis, keys: Keys, rows: Mapping[str, str | None]) -> dict[str, str | None]:

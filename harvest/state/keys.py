@@ -272,4 +272,4 @@ def check_rq_job_prefix() -> None:
 
     if Job.redis_job_namespace_prefix != RQ_JOB_PREFIX:
         raise ImportError(f"RQ names job hashes {Job.redis_job_namespace_prefix!r}, not {RQ_JOB_PREFIX!r}: "
-                          "harvest's ledger scripts (harvest.state.ledger_lua) need updating")
+                          "harvest's ledger scripts (harvest.state.ledger_lua, settle_lua) need updating")

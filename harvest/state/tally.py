@@ -54,7 +54,7 @@ def bucket_of(value: float) -> str:
 # KEYS: the run's stats, then one histogram each. ARGV: bucket ttl, rate key prefix, bucket
 # seconds, the number of stat pairs and (field, increment) pairs; then per histogram, in KEYS'
 # order: the number of its buckets, (bucket, count) pairs, its count and its sum. The rate bucket
-# is the server's (TIME, as every stats writer's: harvest.state.ledger_lua).
+# is the server's (TIME, as every stats writer's: harvest.state.settle_lua).
 FLUSH = RATE_KEY + """
 local p = 4
 local n = tonumber(ARGV[p]); p = p + 1
