@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 
 import redis
 
-from harvest.ids import ID_PATTERN, check_id
+from harvest.ids import check_id
 from harvest.state.jobs import SERIALIZER
 from harvest.state.keys import Keys, check_rq_job_prefix
 from harvest.state.payload import inline
@@ -60,15 +60,16 @@ def parse_ref(row: str) -> tuple[str, int] | None:
 
 def one_job(refs: Sequence[str]) -> tuple[str, list[str]] | None:
     """(job id, the indexes) where every one of `refs` is a ref into one job, as a worker's settle
-    sends them (harvest.state.settle_lua `spool_job`); None otherwise."""
-    if not refs or not refs[0].startswith("@"):
+    sends them (harvest.state.settle_lua `spool_job`); None otherwise: rows kept in full, refs into
+    several jobs, or a malformed one go as they are."""
+    try:
+        parsed = [parse_ref(r) for r in refs]
+    except ValueError:  # InvalidId too
         return None
-    job = refs[0][1:].partition("#")[0]
-    prefix = f"@{job}#"
-    indexes = [r[len(prefix):] for r in refs if r.startswith(prefix)]
-    if len(indexes) != len(refs) or not all(i.isdigit() for i in indexes) or not ID_PATTERN.fullmatch(job):
-        return None  # a row kept in full, another job's ref, or no ref a worker makes: the rows go as they are
-    return job, indexes
+    jobs = {p[0] if p else None for p in parsed}
+    if len(jobs) != 1 or None in jobs:
+        return None
+    return jobs.pop(), [str(p[1]) for p in parsed if p]
 
 
 def resolve(conn: redis.Redis, keys: Keys, rows: Mapping[str, str | None]) -> dict[str, str | None]:

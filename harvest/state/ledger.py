@@ -29,7 +29,7 @@ from harvest.state.keys import Keys
 from harvest.state.ledger_lua import ENQUEUE, FORGET, TRANSITION
 from harvest.state.ownership_lua import FENCE, RECLAIM
 from harvest.state.roundtrip import Command, ScriptCall, send_together
-from harvest.state.settle_lua import ADD_STATS, SETTLE
+from harvest.state.settle_lua import ADD_STATS, SETTLE, Segment
 
 QUEUED, SPOOLED, DONE, FAILED = "q", "s", "d", "f"
 ABSENT = "_"
@@ -162,11 +162,11 @@ class Ledger:
         fail_ids = list(failures)
         infos = [json.dumps({"reason": r, "message": m}) for r, m in failures.values()]
 
-        def segments(kept: Mapping[str, str]) -> list[tuple]:
+        def segments(kept: Mapping[str, str]) -> list[Segment]:
             job, spool_rows = jobcopy.one_job(r := [kept.get(i) or rows.get(i, "") for i in spooled]) or ("", r)
-            return [("s", QUEUED + ABSENT, False, "", "", job, list(spooled), [owner] * len(spooled), spool_rows),
-                    ("f", QUEUED + ABSENT, True, "samples_failed", "", "", fail_ids, infos,
-                     [rows.get(i, "") for i in fail_ids])]
+            return [Segment("s", QUEUED + ABSENT, False, "", "", job, list(spooled), [owner] * len(spooled), spool_rows),
+                    Segment("f", QUEUED + ABSENT, True, "samples_failed", "", "", fail_ids, infos,
+                            [rows.get(i, "") for i in fail_ids])]
 
         try:
             out = self._settle(segments(refs or {}), {}, also=also)
@@ -176,7 +176,7 @@ class Ledger:
             out = self._settle(segments({}), {})
         return out[0], out[1]
 
-    def _settle(self, segments: list[tuple], stats: dict[str, int], clear: tuple[str, str] | None = None,
+    def _settle(self, segments: list[Segment], stats: dict[str, int], clear: tuple[str, str] | None = None,
                 also: Sequence[ScriptCall] = ()) -> list[list[str]]:
         keys = [*self._state_keys(), self.keys.stats]
         args: list = [RATE_TTL_S, self.keys.rate_prefix, RATE_BUCKET_S, len(segments)]
@@ -188,7 +188,7 @@ class Ledger:
             keys += clear
             args += [len(keys) - 1, len(keys)]
         res = send_together(self.conn, [ScriptCall(self._settle_script, keys, args), *also])[0]
-        return [list(seg[6]) if isinstance(got, int) else [r.decode() if isinstance(r, bytes) else r for r in got]
+        return [list(seg.ids) if isinstance(got, int) else [r.decode() if isinstance(r, bytes) else r for r in got]
                 for seg, got in zip(segments, res)]  # a count: every id moved
 
     def add_queued(self, ids: list[str], pipe=None) -> list[str]:
@@ -318,8 +318,8 @@ class Ledger:
             return []
         counts = [int(t) for t in tokens or []]  # one info for all: settle_lua SETTLE's sum
         infos = [f"{sum(counts)}/{','.join(map(str, counts))}"] if tokens is not None else []
-        seg = (DONE, ABSENT + QUEUED + SPOOLED + FAILED, False, "samples_done", "tokens_done" if tokens is not None else "",
-               "", list(ids), infos, [""] * len(ids))
+        seg = Segment(DONE, ABSENT + QUEUED + SPOOLED + FAILED, False, "samples_done",
+                      "tokens_done" if tokens is not None else "", "", list(ids), infos, [""] * len(ids))
         return self._settle([seg], dict(stats or {}), clear=clear)[0]
 
     def counts(self) -> dict[str, int]:

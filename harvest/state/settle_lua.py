@@ -11,7 +11,23 @@ revoked spool's move to s is refused, and the writes of one call are one AOF ent
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from harvest.state.ledger_lua import MOVE
+
+
+class Segment(NamedTuple):
+    """One move of a settle call, as `SETTLE` reads it (its ARGV layout is below)."""
+
+    to: str
+    allowed: str
+    keep: bool
+    count: str  # the stats field counting the moved samples ('' none)
+    total: str  # the stats field summing their numbers, given in the one info ('' none)
+    job: str  # a worker job's spool: the rows are indexes into this job ('' none)
+    ids: list[str]
+    infos: list[str]
+    rows: list[str]
 
 # The rate bucket the stats of this call go to: by the server's TIME, so every node's stats land
 # in the buckets `Ledger.rates` reads, whatever the node's clock says. Redis 7 replicates a
