@@ -132,8 +132,8 @@ def idle_us_s(conn: redis.Redis, seconds: float = 1.0, _memo: dict = {}) -> floa
 
 def life(conn: redis.Redis, cfg: RunConfig, records: PackingRecords, job: int, jobs: int) -> StepCost:
     """`jobs` jobs of `job` samples each through every step, as a fleet makes them: the worker's settle
-    keeps a ref into its job's copy for each sample (harvest.state.jobcopy); its stats and latencies
-    go at its heartbeat (harvest.state.tally), not here. The producer's step is timed on its own samples: the samples the others take are
+    keeps a ref into its job's copy for each sample (harvest.state.jobcopy); its stats and latencies,
+    and the collector's commit stats, go at their heartbeats (harvest.state.tally), not here. The producer's step is timed on its own samples: the samples the others take are
     enqueued with their RQ job (untimed), which the settle copies. Each step runs for every job
     before the next step: a call finds its code warm and its samples' fields cold, as in a fleet."""
     led, cost = Ledger(conn, cfg.run), StepCost(conn)
@@ -152,8 +152,7 @@ def life(conn: redis.Redis, cfg: RunConfig, records: PackingRecords, job: int, j
     recs = [PackingRecord(f"shard-{n}", i, "spool-a", index={"shard": "x" * 2000}).to_json() for n, i in enumerate(ids)]
     cost.measure(STEPS[5], [lambda i=i, k=k, rec=rec, raw=raw: led.fence_commit("spool-a", i, k, rec, raw[0])
                             for i, k, rec, raw in zip(ids, keys, recs, raws)])
-    cost.measure(STEPS[6], [lambda i=i, k=k: led.mark_done(i, tokens=[1024] * job, clear=records.ended(k),
-                                                           stats={"bytes_done": 1 << 20, "shards": 1})
+    cost.measure(STEPS[6], [lambda i=i, k=k: led.mark_done(i, clear=records.ended(k), counted=False)
                             for i, k in zip(ids, keys)])
     return cost
 

@@ -51,6 +51,7 @@ from harvest.state.failures import BAD_SPOOL
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
 from harvest.state.packing import PackingRecord, PackingRecords
 from harvest.state.spools import SpoolLeases
+from harvest.state.tally import Tally
 from harvest.storage import TEMP_PREFIX, StorageError, retry
 
 log = logging.getLogger("harvest.collector")
@@ -64,7 +65,7 @@ class Collector:
                  shard_bytes: int | None = None, max_wait: float = CollectorSettings.max_wait_s,
                  part_bytes: int | None = None, retries: int = CollectorSettings.storage_retries,
                  retry_delay: float = CollectorSettings.retry_delay_s, orphan_age: float = CollectorSettings.orphan_age_s,
-                 packer: int = 0, packers: int = 1) -> None:
+                 packer: int = 0, packers: int = 1, tally: Tally | None = None) -> None:
         self.conn, self.cfg, self.spool_dir = conn, cfg, spool_dir
         self.spool_id = spool_identity(spool_dir)
         self.node = check_id(node or node_name(), "node name")
@@ -82,6 +83,8 @@ class Collector:
         # Local output: build the shard in its final folder so committing is a rename.
         self.stage = staging_dir(self.out)  # a read-only or full output: a StorageError, told as one line
         self.shards_committed = 0
+        # The commits' stats, written at the node's beat (collector.packers), not with each commit
+        self.tally = tally or Tally(conn, cfg.run)
         self._recorded_spool: str | None = None  # the spool the record of the shard in flight names
         self._record_json = ""  # that record as written, which the fence requires to be unchanged
         self._refused = ""  # why, as the record was written, its shard may not be committed ('' it may)
@@ -138,7 +141,10 @@ class Collector:
         log.info("resuming shard %s (%d samples)", rec.shard_id, len(rec.sample_ids))
         if rec.index is not None:  # the commit was decided before the restart
             write_decided_index(self.out, rec, self._retry)
-            self._finish_samples(rec.sample_ids, [spool_path(self.spool_dir, s) for s in rec.sample_ids])
+            tokens = dict(zip(rec.index["samples"], rec.index["tokens"]))
+            self._finish_samples(rec.sample_ids, [spool_path(self.spool_dir, s) for s in rec.sample_ids],
+                                 tokens=[tokens.get(s, 0) for s in rec.sample_ids],
+                                 stats={"bytes_done": rec.index["bytes"], "shards": 1})
             return
         if rec.spool not in (None, self.spool_id):  # this spool was revoked and renamed since
             self._void(rec.shard_id, rec.sample_ids, f"spool {rec.spool} was reclaimed while the shard was in flight")
@@ -377,11 +383,14 @@ class Collector:
 
     def _finish_samples(self, sample_ids: list[str], paths: list[str], tokens: list[int] | None = None,
                         stats: dict[str, int] | None = None) -> list[bool]:
-        """After the index exists: ledger done (with the shard's stats and `tokens`) and the record
-        cleared, in one call, then the spool files gone (a restart's step removes those of done
-        samples). Returns, per sample, whether this call moved it to done."""
-        changed = set(self.ledger.mark_done(sample_ids, tokens=tokens, stats=stats,
-                                            clear=self.records.ended(self.packing_key)))
+        """After the index exists: ledger done and the record cleared, in one call, then the spool
+        files gone (a restart's step removes those of done samples). Returns, per sample, whether
+        this call moved it to done. The moved samples, their `tokens` and `stats` go to the tally
+        (harvest.state.tally: written at the node's beat, not with the move), before any spool
+        file goes, so a beat that finds the spool empty writes every commit's."""
+        changed = set(self.ledger.mark_done(sample_ids, clear=self.records.ended(self.packing_key), counted=False))
+        done_tokens = sum(t for s, t in zip(sample_ids, tokens or []) if s in changed)
+        self.tally.add({"samples_done": len(changed), "tokens_done": done_tokens, **(stats or {})})
         self._crash("marked")
         for p in paths:
             unlink_quiet(p)

@@ -36,7 +36,9 @@ import redis
 from collector.collector import TEND_S, Collector
 from harvest.config import RunConfig
 from harvest.ops.recovery import Recovery
+from harvest.state.connection import RedisLost
 from harvest.state.heartbeat import CollectorBeat
+from harvest.state.tally import Tally
 
 log = logging.getLogger("harvest.collector")
 
@@ -45,8 +47,10 @@ class Packers:
     def __init__(self, conn: redis.Redis, cfg: RunConfig, spool_dir: str, pack_workers: int = 1, **kw) -> None:
         if pack_workers < 1:
             raise ValueError("pack_workers must be at least 1")
-        self.conn, self.cfg, self.spool_dir, self.kw = conn, cfg, spool_dir, kw
-        self.packers = [Collector(conn, cfg, spool_dir, packer=i, packers=pack_workers, **kw)
+        # The packers' commit stats, added up here and written at the node's beat (harvest.state.tally)
+        self.tally = Tally(conn, cfg.run)
+        self.conn, self.cfg, self.spool_dir, self.kw = conn, cfg, spool_dir, {**kw, "tally": self.tally}
+        self.packers = [Collector(conn, cfg, spool_dir, packer=i, packers=pack_workers, **self.kw)
                         for i in range(pack_workers)]
         self.first = self.packers[0]
         self.keys = frozenset(p.packing_key for p in self.packers)
@@ -107,7 +111,7 @@ class Packers:
         tended = time.monotonic()
         try:
             while not stop():
-                if beat.maybe_beat(self.shards_committed):
+                if beat.maybe_beat(self.shards_committed, before_write=self.flush_stats):
                     self.first.renew_lease()
                     self._share_lease()
                 if time.monotonic() - tended > TEND_S:
@@ -120,9 +124,31 @@ class Packers:
             failed.append(e)
         for t in threads:
             t.join()
-        if failed:
-            raise failed[0]
-        self.drain()
+        try:
+            if failed:
+                raise failed[0]
+            self.drain()
+        finally:
+            self.flush_last()
+
+    def flush_stats(self) -> None:
+        """The commits' stats since the last beat (harvest.state.tally). One that fails is logged and
+        kept for the next beat (unless Redis ran part of it): it never holds up the beat or a commit."""
+        try:
+            self.tally.flush()
+        except RedisLost:
+            raise
+        except Exception:
+            log.exception("writing the collector's stats failed")
+
+    def flush_last(self) -> None:
+        """The last stats, at a clean stop or after `drain`; an error doing so is logged, not raised
+        over the one that may be ending the collector. A collector killed takes its last seconds of
+        them along (harvest.state.tally)."""
+        try:
+            self.tally.flush()
+        except Exception as e:
+            log.warning("the collector's last stats were not written: %s: %s", type(e).__name__, e)
 
     def drain(self) -> None:
         """Commit everything spooled now, every packer at once (on stop, `--burst`, benches)."""
@@ -140,5 +166,6 @@ class Packers:
             t.start()
         for t in threads:
             t.join()
+        self.flush_last()
         if failed:
             raise failed[0]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -272,8 +273,10 @@ class CollectorBeat:
     _last: float | None = None
     _write: object = field(default=None, init=False, repr=False)
 
-    def maybe_beat(self, shards_committed: int = 0) -> bool:
-        """Beat if COLLECTOR_BEAT_S passed since the last beat; True if it did."""
+    def maybe_beat(self, shards_committed: int = 0, before_write: Callable[[], object] | None = None) -> bool:
+        """Beat if COLLECTOR_BEAT_S passed since the last beat; True if it did. `before_write` runs
+        between the read of the spool and the beat's write (the collector's stats: a beat that shows
+        the spool empty comes after the counts of every commit that emptied it)."""
         now = time.monotonic()
         if self._last is not None and now - self._last < COLLECTOR_BEAT_S:
             return False
@@ -282,6 +285,8 @@ class CollectorBeat:
             self._write = self.conn.register_script(_WRITE)
         files = list_spooled(self.spool_dir)
         keys = Keys(self.run)
+        if before_write is not None:
+            before_write()
         fields = {"node": self.node, "pid": str(os.getpid()), "spool_files": str(len(files)),
                   "spool_bytes": str(sum(size for _, _, size in files)), "shards_committed": str(shards_committed)}
         self._write(keys=[keys.collector(self.node), keys.collectors], args=[self.ttl, "seen", self.node, *_pairs(fields)])

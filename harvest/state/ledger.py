@@ -10,11 +10,10 @@ counters exact, and the per-reason failure counters too, so status, metrics and 
 never scan the hash.
 
 Cost (bench/fleet.py). The control plane's budget is per sample: a worker's job settles all its
-samples in one call (`settle_job`: the spooled ones, the failed ones with their rows; its stats go
-at the worker's heartbeat, harvest.state.tally), a collector's shard in one (`mark_done` with its
-stats; both harvest.state.settle_lua), and a job's samples' states are read with one plain HMGET,
-sent in RQ's transaction that starts the job (workers.rqworker; `take` where it is not).
-"""
+samples in one call (`settle_job`: the spooled ones, the failed ones with their rows), a
+collector's shard in one (`mark_done`; both harvest.state.settle_lua; their stats go at the
+heartbeat, harvest.state.tally), and a job's samples' states are read with one plain HMGET, sent
+in RQ's transaction that starts the job (workers.rqworker; `take` where it is not)."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ SCRIPT_ARGS = 4000  # ids a script takes at once (Lua's unpack is bounded near 8
 
 
 def state_letter(raw: bytes | str | None) -> str | None:
-    """The state of a value of the state hash: its first letter (a spooled sample's value also
-    names its owner, `s:<spool>`: harvest.state.ledger_lua)."""
+    """A state hash value's state: its first letter (the value's format: harvest.state.ledger_lua)."""
     if raw is None:
         return None
     return (raw.decode() if isinstance(raw, bytes) else raw)[:1]
@@ -304,21 +302,23 @@ class Ledger:
         return self._move(ids, FAILED, QUEUED + SPOOLED + (ABSENT if forgotten else ""), infos,
                           rows=[(rows or {}).get(i, "") for i in ids] if rows else None, keep=bool(rows))
 
-    def mark_done(self, ids: list[str], pipe=None, tokens: list[int] | None = None,
-                  stats: Mapping[str, int] | None = None, clear: tuple[str, str] | None = None) -> list[str]:
+    def mark_done(self, ids: list[str], pipe=None, tokens: list[int] | None = None, stats: Mapping[str, int] | None = None,
+                  clear: tuple[str, str] | None = None, counted: bool = True) -> list[str]:
         """Only the collector (after its index file is written) and reconcile call this. Samples
-        that changed state are counted in the `samples_done` stat (throughput), and with `tokens`
-        (per id, sent as one argument) their tokens in `tokens_done`; `stats` are added in the same
-        call (a shard's bytes). In `pipe` (a caller's transaction): the move alone, no stats.
-        `clear`: (a key, a set) the key is deleted and removed from in the same call (the packing
-        record of the shard this commit ends, harvest.state.packing.PackingRecords.ended)."""
+        that changed state count in the `samples_done` stat, with `tokens` (per id, sent as one
+        argument) in `tokens_done`, and `stats` are added, in the same call; not with `counted=False`
+        (the collector's tally counts them) or in `pipe` (a caller's transaction: the move alone).
+        `clear`: (a key, a set) deleted and removed from in the same call (the packing record of
+        the shard this commit ends, harvest.state.packing.PackingRecords.ended)."""
         if pipe is not None:
             return self._move(ids, DONE, ABSENT + QUEUED + SPOOLED + FAILED, pipe=pipe)
         if not ids and not stats:
             return []
+        if not counted and (tokens is not None or stats):
+            raise ValueError("mark_done(counted=False) takes no tokens or stats")
         counts = [int(t) for t in tokens or []]  # one info for all: settle_lua SETTLE's sum
         infos = [f"{sum(counts)}/{','.join(map(str, counts))}"] if tokens is not None else []
-        seg = Segment(DONE, ABSENT + QUEUED + SPOOLED + FAILED, False, "samples_done",
+        seg = Segment(DONE, ABSENT + QUEUED + SPOOLED + FAILED, False, "samples_done" if counted else "",
                       "tokens_done" if tokens is not None else "", "", list(ids), infos, [""] * len(ids))
         return self._settle([seg], dict(stats or {}), clear=clear)[0]
 

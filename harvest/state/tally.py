@@ -1,25 +1,32 @@
-"""A worker's throughput stats and latency observations, added up in its memory and written to
-Redis in one call at each heartbeat, not with every job.
+"""A process's throughput stats and latency observations, added up in its memory and written to
+Redis in one call at each heartbeat, not with every job or shard: a worker's (its jobs'), and a
+collector's (its commits', collector.packers: one tally for the node's packers).
 
 Why. A worker's job wrote four stats twice (the run's totals and the current rate bucket, with the
 bucket's TIME and EXPIRE) and two latency histograms of three commands each: 16 of the 73
 commands a job of 32 cost the fleet's one Redis, and a tenth of its Redis CPU (bench/job_cost.py,
-bench/fleet.py), all of them counters that decide nothing. Added up here, they cost one call per
-worker and heartbeat (HEARTBEAT_INTERVAL_S): O(workers) a second, not O(jobs).
+bench/fleet.py), all of them counters that decide nothing. A collector's commit wrote its four
+(samples, tokens, bytes, shards) the same way: 10 of the commit call's 27 commands. Added up here,
+they cost one call per process and heartbeat (HEARTBEAT_INTERVAL_S, COLLECTOR_BEAT_S): O(nodes)
+a second, not O(jobs).
 
-What that costs. The counters lag by up to one heartbeat, and a worker that dies without a clean
+What that costs. The counters lag by up to one heartbeat, and a process that dies without a clean
 exit (kill -9, a lost node, Redis given up) takes what it had not flushed along: the throughput
 stats (`samples_spooled`, `tokens_spooled`, `bytes_spooled`, `dump_bytes`, a regenerating run's
-turn stats) and the `job_seconds` and `engine_seconds` histograms undercount by those seconds.
-Nothing exact depends on them. What is exact stays written with the move it counts: the ledger's
-state counts, `samples_failed` (harvest.state.ledger.Ledger.settle_job), the collector's done
-stats (`mark_done`), `job_retries`, the janitor's.
+turn stats; `samples_done`, `tokens_done`, `bytes_done`, `shards`) and the `job_seconds` and
+`engine_seconds` histograms undercount by those seconds. Nothing exact depends on them: what is
+committed is the ledger's `d` count and, in the end, the output's indexes (`harvest audit`, and
+`harvest run`'s summary reads them). What is exact stays written with the move it counts: the
+ledger's state counts, `samples_failed` (harvest.state.ledger.Ledger.settle_job), `job_retries`,
+the janitor's, and the commits of a revoked node's shards that another collector finishes
+(collector.records.tend_revoked).
 
 Who owns it: the process that adds to it. The job loop adds, the heartbeat thread flushes
-(workers.worker), and a clean exit flushes last. A flush that raises gives back what it took, so
-the next flush sends it again (one whose reply was lost after the script ran, an outage the client
-rode out, harvest.state.connection, may then count it twice, as any call retried that way); one
-Redis answered with an error drops it (logged by the worker), since part of it may have landed.
+(workers.worker); the packers add, the beat flushes (collector.packers); a clean exit flushes
+last. A flush that raises gives back what it took, so the next flush sends it again (one whose
+reply was lost after the script ran, an outage the client rode out, harvest.state.connection,
+may then count it twice, as any call retried that way); one Redis answered with an error drops it
+(logged), since part of it may have landed.
 """
 
 from __future__ import annotations

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from collector.collector import Collector
+from collector.packers import Packers
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
 from harvest.node.spooldir import list_spooled
 from harvest.read.reader import RunReader
+from harvest.state.heartbeat import CollectorBeat, read_collectors
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 from harvest.storage import StorageError, retry
@@ -57,7 +59,10 @@ def test_packs_by_target_bytes_and_commits_in_order(conn, tmp_path):
     for d in indexes:
         assert d["bytes"] == os.path.getsize(out / d["shard"])
     assert ledger.counts() == {"queued": 0, "spooled": 0, "done": 10, "failed": 0, "total": 10}
-    assert ledger.stats()["shards"] == len(expected_groups) and ledger.stats()["tokens_done"] == sum(lengths)
+    assert ledger.stats() == {}  # counted in the tally, written at the node's beat (collector.packers)
+    assert c.tally.flush()
+    assert ledger.stats() == {"samples_done": 10, "tokens_done": sum(lengths), "shards": len(expected_groups),
+                              "bytes_done": sum(d["bytes"] for d in indexes)}
     assert os.listdir(spool) == [".spool-id"] and conn.get(c.packing_key) is None
     reader = RunReader(f"file://{out}")
     for s in samples:
@@ -246,3 +251,29 @@ def test_a_shard_its_view_chose_is_recorded_asking_only_the_spools_revocation_an
     conn.sadd(ledger.keys.revoked_spools, c.spool_id)
     c.record(plan, viewed=True)
     assert c._refused.startswith(f"spool {c.spool_id} does not own")  # revoked since the view
+
+
+def test_the_commits_stats_are_written_before_the_beat_that_shows_their_spool_empty_and_at_a_clean_stop(
+        conn, tmp_path):
+    """A node's packers count their commits' stats in one tally: a beat writes them between its read
+    of the spool and its own write, so a beat showing the spool empty comes after the counts of the
+    commits that emptied it; a stop writes the last of them (harvest.state.tally)."""
+    cfg, spool, _, ledger = _setup(conn, tmp_path, [5, 7, 9])
+    packers = Packers(conn, cfg, spool, node="n1")
+    packers.resume()
+    assert packers.first.step(force=True) == 3 and ledger.stats() == {}
+    (index,) = [json.loads((tmp_path / "out" / "r" / INDEX / n).read_text())
+                for n in os.listdir(tmp_path / "out" / "r" / INDEX)]
+    exact = {"samples_done": 3, "tokens_done": 21, "shards": 1, "bytes_done": index["bytes"]}
+    seen = []
+    hook = lambda: seen.append(read_collectors(conn, cfg.run)[0]) or packers.flush_stats()  # noqa: E731
+    assert CollectorBeat(conn, cfg.run, "n1", spool).maybe_beat(1, before_write=hook)
+    assert seen == [[]] and ledger.stats() == exact  # the hook ran before the beat's write
+    assert [c["spool_files"] for c in read_collectors(conn, cfg.run)[0]] == ["0"]
+
+    more = spool_samples(spool, cfg, [4, 6], seed0=10)
+    ledger.add_queued([s.id for s in more])
+    ledger.mark_spooled([s.id for s in more])
+    packers.run(lambda: True)  # a stop: what is spooled committed, the last stats written
+    assert ledger.stats()["samples_done"] == 5 and ledger.stats()["tokens_done"] == 31
+    assert ledger.stats()["shards"] == 2 and ledger.counts()["done"] == 5

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from harvest.state.heartbeat import WorkerBeat
 from harvest.state.keys import worker_key
 from harvest.state.ledger import Ledger
@@ -90,3 +92,20 @@ def test_a_commits_tokens_count_only_the_samples_it_moved(conn):
     assert led.stats() == {"samples_done": 4, "tokens_done": 4330}
     assert led.mark_done([a, b], tokens=[10, 20]) == []  # a commit resent after a lost reply adds nothing
     assert led.stats() == {"samples_done": 4, "tokens_done": 4330}
+
+
+def test_a_commit_the_collector_counts_itself_writes_no_stat(conn):
+    """`counted=False` (the collector's commit: its tally counts): the move, its counts and the
+    record cleared, and no stat, no rate bucket."""
+    led = Ledger(conn, "r-unc")
+    ids = [f"{i:032x}" for i in range(5)]
+    led.add_queued(ids)
+    led.mark_spooled(ids, owner="sp")
+    conn.set("rec", "x")
+    conn.sadd("recs", "rec")
+    assert led.mark_done(ids[::-1] + ids[:1], clear=("rec", "recs"), counted=False) == ids[::-1]
+    assert led.counts() == {"queued": 0, "spooled": 0, "done": 5, "failed": 0, "total": 5}
+    assert led.stats() == {} and led.rates(60)[0] == {}
+    assert conn.exists("rec") == 0 and conn.smembers("recs") == set()
+    with pytest.raises(ValueError, match=r"^mark_done\(counted=False\) takes no tokens or stats$"):
+        led.mark_done(ids, tokens=[1] * 5, counted=False)
