@@ -36,8 +36,8 @@ import redis
 from collector.collector import TEND_S, Collector
 from harvest.config import RunConfig
 from harvest.ops.recovery import Recovery
-from harvest.state.connection import RedisLost
 from harvest.state.heartbeat import CollectorBeat
+from harvest.state.roundtrip import ScriptCall
 from harvest.state.tally import Tally
 
 log = logging.getLogger("harvest.collector")
@@ -111,7 +111,7 @@ class Packers:
         tended = time.monotonic()
         try:
             while not stop():
-                if beat.maybe_beat(self.shards_committed, before_write=self.flush_stats):
+                if beat.maybe_beat(self.shards_committed, send=self.beat_with_stats):
                     self.first.renew_lease()
                     self._share_lease()
                 if time.monotonic() - tended > TEND_S:
@@ -131,15 +131,11 @@ class Packers:
         finally:
             self.flush_last()
 
-    def flush_stats(self) -> None:
-        """The commits' stats since the last beat (harvest.state.tally). One that fails is logged and
-        kept for the next beat (unless Redis ran part of it): it never holds up the beat or a commit."""
-        try:
-            self.tally.flush()
-        except RedisLost:
-            raise
-        except Exception:
-            log.exception("writing the collector's stats failed")
+    def beat_with_stats(self, beat: ScriptCall) -> None:
+        """The node's beat and the commits' stats since the last one, in one round trip
+        (harvest.state.tally): no call of their own. Raises as the beat alone did; stats whose
+        call did not run are kept for the next beat."""
+        self.tally.flush(also=[beat])
 
     def flush_last(self) -> None:
         """The last stats, at a clean stop or after `drain`; an error doing so is logged, not raised

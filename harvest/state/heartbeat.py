@@ -273,10 +273,11 @@ class CollectorBeat:
     _last: float | None = None
     _write: object = field(default=None, init=False, repr=False)
 
-    def maybe_beat(self, shards_committed: int = 0, before_write: Callable[[], object] | None = None) -> bool:
-        """Beat if COLLECTOR_BEAT_S passed since the last beat; True if it did. `before_write` runs
-        between the read of the spool and the beat's write (the collector's stats: a beat that shows
-        the spool empty comes after the counts of every commit that emptied it)."""
+    def maybe_beat(self, shards_committed: int = 0, send: Callable[[ScriptCall], object] | None = None) -> bool:
+        """Beat if COLLECTOR_BEAT_S passed since the last beat; True if it did. `send` sends the
+        beat's write, read from the spool before it is called (the collector's: with its commits'
+        stats in the same round trip, harvest.state.tally, so a beat that shows the spool empty
+        comes with the counts of every commit that emptied it)."""
         now = time.monotonic()
         if self._last is not None and now - self._last < COLLECTOR_BEAT_S:
             return False
@@ -285,11 +286,11 @@ class CollectorBeat:
             self._write = self.conn.register_script(_WRITE)
         files = list_spooled(self.spool_dir)
         keys = Keys(self.run)
-        if before_write is not None:
-            before_write()
         fields = {"node": self.node, "pid": str(os.getpid()), "spool_files": str(len(files)),
                   "spool_bytes": str(sum(size for _, _, size in files)), "shards_committed": str(shards_committed)}
-        self._write(keys=[keys.collector(self.node), keys.collectors], args=[self.ttl, "seen", self.node, *_pairs(fields)])
+        call = ScriptCall(self._write, [keys.collector(self.node), keys.collectors],
+                          [self.ttl, "seen", self.node, *_pairs(fields)])
+        (send or (lambda c: send_together(self.conn, [c])))(call)
         return True
 
 

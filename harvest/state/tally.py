@@ -6,9 +6,10 @@ Why. A worker's job wrote four stats twice (the run's totals and the current rat
 bucket's TIME and EXPIRE) and two latency histograms of three commands each: 16 of the 73
 commands a job of 32 cost the fleet's one Redis, and a tenth of its Redis CPU (bench/job_cost.py,
 bench/fleet.py), all of them counters that decide nothing. A collector's commit wrote its four
-(samples, tokens, bytes, shards) the same way: 10 of the commit call's 27 commands. Added up here,
-they cost one call per process and heartbeat (HEARTBEAT_INTERVAL_S, COLLECTOR_BEAT_S): O(nodes)
-a second, not O(jobs).
+(samples, tokens, bytes, shards) the same way: 10 of the 20 commands of its commit call. Added up here,
+they cost one call per worker and heartbeat (HEARTBEAT_INTERVAL_S), and none of its own for a
+collector, whose stats ride in its beat's round trip (COLLECTOR_BEAT_S): O(nodes) a second, not
+O(jobs).
 
 What that costs. The counters lag by up to one heartbeat, and a process that dies without a clean
 exit (kill -9, a lost node, Redis given up) takes what it had not flushed along: the throughput
@@ -22,11 +23,11 @@ the janitor's, and the commits of a revoked node's shards that another collector
 (collector.records.tend_revoked).
 
 Who owns it: the process that adds to it. The job loop adds, the heartbeat thread flushes
-(workers.worker); the packers add, the beat flushes (collector.packers); a clean exit flushes
-last. A flush that raises gives back what it took, so the next flush sends it again (one whose
+(workers.worker); the packers add, the node's beat flushes (collector.packers); a clean exit
+flushes last. A flush that raises gives back what it took, so the next flush sends it again (one whose
 reply was lost after the script ran, an outage the client rode out, harvest.state.connection,
-may then count it twice, as any call retried that way); one Redis answered with an error drops it
-(logged), since part of it may have landed.
+may then count it twice, as any call retried that way); one Redis answered with an error drops it,
+since part of it may have landed (the worker logs it; a collector stops, as on an error of its beat).
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import redis
 
 from harvest.state.keys import Keys
 from harvest.state.ledger import RATE_BUCKET_S, RATE_TTL_S
+from harvest.state.roundtrip import ScriptCall, send_together
 from harvest.state.settle_lua import RATE_KEY
 
 # A histogram's upper bounds in seconds (harvest.ops.metrics reads them): an engine call is ~10 ms
@@ -99,7 +101,7 @@ class _Histogram:
 
 
 class Tally:
-    """Thread-safe: a job adds, the heartbeat thread flushes."""
+    """Thread-safe: a job (or a packer) adds, the heartbeat thread (or the beat) flushes."""
 
     def __init__(self, conn: redis.Redis, run: str) -> None:
         self.conn, self.keys = conn, Keys(run)
@@ -120,15 +122,19 @@ class Tally:
             h.count += 1
             h.sum += float(seconds)
 
-    def flush(self) -> bool:
+    def flush(self, also: Sequence[ScriptCall] = ()) -> bool:
         """Write what was added since the last flush, in one call; False when there was nothing.
-        Raises what the call raised: having given back what it took where the script did not
+        `also`: calls sent before it in the same round trip (harvest.state.roundtrip: the
+        collector's beat), sent alone when there is nothing to write. Raises what the calls raised
+        (the first call's error first): having given back what it took where the script did not
         run (the connection failed), having dropped it where Redis answered with an error (a
         script stops at its failing command, its writes before it kept)."""
         with self._lock:
             stats, hists = self._stats, self._hists
             self._stats, self._hists = Counter(), {}
         if not stats and not hists:
+            if also:
+                send_together(self.conn, list(also))
             return False
         keys, args = [self.keys.stats], [RATE_TTL_S, self.keys.rate_prefix, RATE_BUCKET_S, len(stats)]
         for kv in stats.items():
@@ -140,7 +146,7 @@ class Tally:
                 args += kv
             args += [h.count, repr(h.sum)]
         try:
-            self._script(keys=keys, args=args, client=self.conn)
+            send_together(self.conn, [*also, ScriptCall(self._script, keys, args)])
         except redis.ResponseError:
             raise  # the script ran, and may have written part of it: sent again, that part would count twice
         except BaseException:

@@ -265,11 +265,15 @@ def test_the_commits_stats_are_written_before_the_beat_that_shows_their_spool_em
     (index,) = [json.loads((tmp_path / "out" / "r" / INDEX / n).read_text())
                 for n in os.listdir(tmp_path / "out" / "r" / INDEX)]
     exact = {"samples_done": 3, "tokens_done": 21, "shards": 1, "bytes_done": index["bytes"]}
-    seen = []
-    hook = lambda: seen.append(read_collectors(conn, cfg.run)[0]) or packers.flush_stats()  # noqa: E731
-    assert CollectorBeat(conn, cfg.run, "n1", spool).maybe_beat(1, before_write=hook)
-    assert seen == [[]] and ledger.stats() == exact  # the hook ran before the beat's write
+    sent = []
+    send = lambda call: sent.append(call.args) or packers.beat_with_stats(call)  # noqa: E731
+    assert CollectorBeat(conn, cfg.run, "n1", spool).maybe_beat(1, send=send)
+    assert ledger.stats() == exact and len(sent) == 1  # with the beat, in one round trip
     assert [c["spool_files"] for c in read_collectors(conn, cfg.run)[0]] == ["0"]
+    assert not packers.tally.flush()  # nothing left
+    conn.delete(ledger.keys.collector("n1"))
+    assert CollectorBeat(conn, cfg.run, "n1", spool).maybe_beat(1, send=packers.beat_with_stats)
+    assert read_collectors(conn, cfg.run)[0][0]["spool_files"] == "0"  # with no stats to write, the beat alone
 
     more = spool_samples(spool, cfg, [4, 6], seed0=10)
     ledger.add_queued([s.id for s in more])
