@@ -83,7 +83,8 @@ class Collector:
         # Local output: build the shard in its final folder so committing is a rename.
         self.stage = staging_dir(self.out)  # a read-only or full output: a StorageError, told as one line
         self.shards_committed = 0
-        # The commits' stats, written at the node's beat (collector.packers), not with each commit
+        # The commits' stats, written at the node's beat (collector.packers), not with each commit;
+        # a Collector made without the node's tally keeps them until its owner flushes `tally`
         self.tally = tally or Tally(conn, cfg.run)
         self._recorded_spool: str | None = None  # the spool the record of the shard in flight names
         self._record_json = ""  # that record as written, which the fence requires to be unchanged
@@ -141,10 +142,11 @@ class Collector:
         log.info("resuming shard %s (%d samples)", rec.shard_id, len(rec.sample_ids))
         if rec.index is not None:  # the commit was decided before the restart
             write_decided_index(self.out, rec, self._retry)
-            tokens = dict(zip(rec.index["samples"], rec.index["tokens"]))
+            # Its stats in full: a decided record means its commit's move never ran (it clears the
+            # record), and what may have moved its samples since (reconcile) counts no tokens
             self._finish_samples(rec.sample_ids, [spool_path(self.spool_dir, s) for s in rec.sample_ids],
-                                 tokens=[tokens.get(s, 0) for s in rec.sample_ids],
-                                 stats={"bytes_done": rec.index["bytes"], "shards": 1})
+                                 stats={"bytes_done": rec.index["bytes"], "shards": 1,
+                                        "tokens_done": sum(rec.index["tokens"])})
             return
         if rec.spool not in (None, self.spool_id):  # this spool was revoked and renamed since
             self._void(rec.shard_id, rec.sample_ids, f"spool {rec.spool} was reclaimed while the shard was in flight")
@@ -372,7 +374,7 @@ class Collector:
         self.renew_lease()
 
     def finish(self, plan: ShardPlan) -> int:
-        """After the index: ledger, spool files, record (`_finish_samples`), then the stats."""
+        """After the index: ledger and record, the stats counted, then the spool files (`_finish_samples`)."""
         sample_ids = plan.sample_ids
         self._finish_samples(sample_ids, [e.path for e in plan.entries], tokens=[e.num_tokens for e in plan.entries],
                              stats={"bytes_done": plan.nbytes, "shards": 1})

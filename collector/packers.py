@@ -71,16 +71,23 @@ class Packers:
             p.spool_id = self.first.spool_id
 
     def resume(self) -> None:
-        self.first.resume()
-        self._share_lease()
-        for p in self.packers[1:]:
-            p.resume_record()
-        n = len(self.packers)
-        for index in self.first.records.extra_packers(self.first.node):
-            if index >= n:  # a packer of an earlier run of this node with more packers
-                leftover = Collector(self.conn, self.cfg, self.spool_dir, packer=index, packers=n, **self.kw)
-                leftover.spool_id = self.first.spool_id
-                leftover.resume_record()
+        """Finish every packer's record (and those of packers beyond a smaller N). One that fails
+        raises having written the counts of the records finished before it: their records are
+        gone, and no restart would count them again."""
+        try:
+            self.first.resume()
+            self._share_lease()
+            for p in self.packers[1:]:
+                p.resume_record()
+            n = len(self.packers)
+            for index in self.first.records.extra_packers(self.first.node):
+                if index >= n:  # a packer of an earlier run of this node with more packers
+                    leftover = Collector(self.conn, self.cfg, self.spool_dir, packer=index, packers=n, **self.kw)
+                    leftover.spool_id = self.first.spool_id
+                    leftover.resume_record()
+        except BaseException:
+            self.flush_last()
+            raise
 
     def run(self, should_stop: Callable[[], bool] = lambda: False, poll: float = 0.2) -> None:
         """Resume, then pack until `should_stop`, then commit what is left. An error in any packer
@@ -132,9 +139,10 @@ class Packers:
             self.flush_last()
 
     def beat_with_stats(self, beat: ScriptCall) -> None:
-        """The node's beat and the commits' stats since the last one, in one round trip
+        """The commits' stats since the last beat and the node's beat, in one round trip
         (harvest.state.tally): no call of their own. Raises as the beat alone did; stats whose
-        call did not run are kept for the next beat."""
+        call did not run are kept for the next beat. The beats, and so the stats, wait while the
+        first packer packs a shard (the other packers' stats too)."""
         self.tally.flush(also=[beat])
 
     def flush_last(self) -> None:

@@ -109,8 +109,8 @@ end
 """
 
 # Several moves and the run's stats in one call: a worker's job (its spooled and its failed
-# samples, the failures counted), a collector's shard (done, the stats). A worker's throughput
-# stats and latencies go at its heartbeat instead (harvest.state.tally). KEYS: the 10 move keys,
+# samples, the failures counted), a collector's shard (done; reconcile's with its count). The
+# throughput stats of workers and collectors go at their heartbeats instead (harvest.state.tally). KEYS: the 10 move keys,
 # stats, then the keys a record's end names. ARGV: bucket ttl, rate key prefix, bucket seconds,
 # segments; per segment: to, allowed, keep, count field ('' none), sum field ('' none; else the
 # segment's one info holds the numbers it sums over the moved samples, as below), job ('' none;

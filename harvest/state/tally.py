@@ -11,7 +11,8 @@ they cost one call per worker and heartbeat (HEARTBEAT_INTERVAL_S), and none of 
 collector, whose stats ride in its beat's round trip (COLLECTOR_BEAT_S): O(nodes) a second, not
 O(jobs).
 
-What that costs. The counters lag by up to one heartbeat, and a process that dies without a clean
+What that costs. The counters lag by up to one heartbeat (a collector's beat also waits while
+its first packer packs a shard), and a process that dies without a clean
 exit (kill -9, a lost node, Redis given up) takes what it had not flushed along: the throughput
 stats (`samples_spooled`, `tokens_spooled`, `bytes_spooled`, `dump_bytes`, a regenerating run's
 turn stats; `samples_done`, `tokens_done`, `bytes_done`, `shards`) and the `job_seconds` and
@@ -124,11 +125,12 @@ class Tally:
 
     def flush(self, also: Sequence[ScriptCall] = ()) -> bool:
         """Write what was added since the last flush, in one call; False when there was nothing.
-        `also`: calls sent before it in the same round trip (harvest.state.roundtrip: the
-        collector's beat), sent alone when there is nothing to write. Raises what the calls raised
-        (the first call's error first): having given back what it took where the script did not
-        run (the connection failed), having dropped it where Redis answered with an error (a
-        script stops at its failing command, its writes before it kept)."""
+        `also`: calls sent after it in the same round trip (harvest.state.roundtrip: the
+        collector's beat, which so lands after the counts it reports on, unless Redis lost its
+        scripts and one is sent again alone), sent alone when there is nothing to write. Raises
+        what the calls raised (the flush's error first): having given back what it took where
+        the script did not run (the connection failed), having dropped it where Redis answered
+        with an error (a script stops at its failing command, its writes before it kept)."""
         with self._lock:
             stats, hists = self._stats, self._hists
             self._stats, self._hists = Counter(), {}
@@ -146,7 +148,7 @@ class Tally:
                 args += kv
             args += [h.count, repr(h.sum)]
         try:
-            send_together(self.conn, [*also, ScriptCall(self._script, keys, args)])
+            send_together(self.conn, [ScriptCall(self._script, keys, args), *also])
         except redis.ResponseError:
             raise  # the script ran, and may have written part of it: sent again, that part would count twice
         except BaseException:

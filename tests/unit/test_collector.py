@@ -13,6 +13,7 @@ from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
 from harvest.node.spooldir import list_spooled
 from harvest.read.reader import RunReader
+from harvest.state import tally as tally_module
 from harvest.state.heartbeat import CollectorBeat, read_collectors
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
@@ -253,27 +254,30 @@ def test_a_shard_its_view_chose_is_recorded_asking_only_the_spools_revocation_an
     assert c._refused.startswith(f"spool {c.spool_id} does not own")  # revoked since the view
 
 
-def test_the_commits_stats_are_written_before_the_beat_that_shows_their_spool_empty_and_at_a_clean_stop(
-        conn, tmp_path):
-    """A node's packers count their commits' stats in one tally: a beat writes them between its read
-    of the spool and its own write, so a beat showing the spool empty comes after the counts of the
-    commits that emptied it; a stop writes the last of them (harvest.state.tally)."""
+def test_the_commits_stats_go_in_the_beats_round_trip_before_it_and_at_a_stop(conn, tmp_path, monkeypatch):
+    """A node's packers count their commits' stats in one tally, sent in the round trip of the
+    node's beat and before its write, so a beat showing the spool empty lands after the counts of
+    the commits that emptied it; a stop writes the last of them (harvest.state.tally)."""
     cfg, spool, _, ledger = _setup(conn, tmp_path, [5, 7, 9])
     packers = Packers(conn, cfg, spool, node="n1")
+    trips, real = [], tally_module.send_together
+
+    def send_together(c, calls):  # each round trip the tally sends, and what is in it
+        trips.append(["stats" if call.script is packers.tally._script else "beat" for call in calls])
+        return real(c, calls)
+
+    monkeypatch.setattr(tally_module, "send_together", send_together)
     packers.resume()
     assert packers.first.step(force=True) == 3 and ledger.stats() == {}
     (index,) = [json.loads((tmp_path / "out" / "r" / INDEX / n).read_text())
                 for n in os.listdir(tmp_path / "out" / "r" / INDEX)]
     exact = {"samples_done": 3, "tokens_done": 21, "shards": 1, "bytes_done": index["bytes"]}
-    sent = []
-    send = lambda call: sent.append(call.args) or packers.beat_with_stats(call)  # noqa: E731
-    assert CollectorBeat(conn, cfg.run, "n1", spool).maybe_beat(1, send=send)
-    assert ledger.stats() == exact and len(sent) == 1  # with the beat, in one round trip
+    assert CollectorBeat(conn, cfg.run, "n1", spool).maybe_beat(1, send=packers.beat_with_stats)
+    assert trips == [["stats", "beat"]] and ledger.stats() == exact
     assert [c["spool_files"] for c in read_collectors(conn, cfg.run)[0]] == ["0"]
-    assert not packers.tally.flush()  # nothing left
     conn.delete(ledger.keys.collector("n1"))
     assert CollectorBeat(conn, cfg.run, "n1", spool).maybe_beat(1, send=packers.beat_with_stats)
-    assert read_collectors(conn, cfg.run)[0][0]["spool_files"] == "0"  # with no stats to write, the beat alone
+    assert trips[1:] == [["beat"]] and read_collectors(conn, cfg.run)[0][0]["spool_files"] == "0"  # nothing to add
 
     more = spool_samples(spool, cfg, [4, 6], seed0=10)
     ledger.add_queued([s.id for s in more])
@@ -281,3 +285,26 @@ def test_the_commits_stats_are_written_before_the_beat_that_shows_their_spool_em
     packers.run(lambda: True)  # a stop: what is spooled committed, the last stats written
     assert ledger.stats()["samples_done"] == 5 and ledger.stats()["tokens_done"] == 31
     assert ledger.stats()["shards"] == 2 and ledger.counts()["done"] == 5
+
+
+@pytest.mark.parametrize("where", ["resume", "loop"])
+def test_a_collector_that_fails_writes_the_stats_of_what_it_committed(conn, tmp_path, monkeypatch, where):
+    """A packer that raises after a commit (in the restart's resume, or in the loop) stops the
+    collector having written that commit's stats: its record is gone, no restart counts it again."""
+    cfg, spool, _, ledger = _setup(conn, tmp_path, [5, 7, 9])
+    packers = Packers(conn, cfg, spool, node="n1")
+    step, done = packers.first.step, []
+
+    def commit_once_then_fail(*_, **__):
+        if done:
+            raise RuntimeError("disk on fire")
+        done.append(step(force=True))
+        return done[0]
+
+    if where == "resume":  # the restart finishes a shard, then the next record fails
+        monkeypatch.setattr(packers.first, "resume", lambda: (commit_once_then_fail(), commit_once_then_fail()))
+    else:
+        monkeypatch.setattr(packers.first, "step", commit_once_then_fail)
+    with pytest.raises(RuntimeError, match="^disk on fire$"):
+        packers.run(lambda: False)
+    assert done == [3] and ledger.stats()["samples_done"] == 3 and ledger.stats()["tokens_done"] == 21
