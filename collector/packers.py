@@ -131,12 +131,10 @@ class Packers:
             failed.append(e)
         for t in threads:
             t.join()
-        try:
-            if failed:
-                raise failed[0]
-            self.drain()
-        finally:
+        if failed:
             self.flush_last()
+            raise failed[0]
+        self.drain()  # which writes the last stats
 
     def beat_with_stats(self, beat: ScriptCall) -> None:
         """The commits' stats since the last beat and the node's beat, in one round trip

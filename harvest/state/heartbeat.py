@@ -290,7 +290,10 @@ class CollectorBeat:
                   "spool_bytes": str(sum(size for _, _, size in files)), "shards_committed": str(shards_committed)}
         call = ScriptCall(self._write, [keys.collector(self.node), keys.collectors],
                           [self.ttl, "seen", self.node, *_pairs(fields)])
-        (send or (lambda c: send_together(self.conn, [c])))(call)
+        if send is None:
+            send_together(self.conn, [call])
+        else:
+            send(call)
         return True
 
 
