@@ -93,8 +93,25 @@ def test_a_spool_file_that_does_not_match_the_run_fails_its_sample_and_is_kept_a
     assert c.step(force=True) == 2
     assert ledger.states([s.id for s in samples]) == ["d", "f", "d"]
     fail = ledger.failures()[samples[1].id]
-    assert fail == {"reason": "bad-spool", "message": f"{bad}: holds sample {samples[0].id!r}, its name says {samples[1].id}"}
+    assert fail == {"reason": "bad-spool",
+                    "message": f"{bad}: holds sample {samples[0].id!r}, its name says {samples[1].id}"}
     assert sorted(os.listdir(spool)) == [f".bad-{samples[1].id}.safetensors", ".spool-id"]
+
+
+def test_a_spool_file_without_checksums_fails_its_sample_as_bad_spool(conn, tmp_path):
+    from harvest.formats.stformat import BLOCK, encode
+
+    cfg, spool, samples, ledger = _setup(conn, tmp_path, [4, 6])
+    s = samples[1]
+    bad = os.path.join(spool, f"{s.id}.safetensors")
+    with open(bad, "wb") as f:  # as a worker that records no crc32 writes it
+        f.write(encode({"hidden_states": s.hidden_states, "input_ids": s.input_ids, "loss_mask": s.loss_mask},
+                       {"sample_id": s.id, "run": cfg.run}, BLOCK))
+    assert Collector(conn, cfg, spool, node="n1").step(force=True) == 1
+    assert ledger.states([x.id for x in samples]) == ["d", "f"]
+    assert ledger.failures() == {s.id: {"reason": "bad-spool", "message": f"{bad}: records no crc32 of its tensors "
+                                                                          "(written by a worker without them)"}}
+    assert sorted(os.listdir(spool)) == [f".bad-{s.id}.safetensors", ".spool-id"]
 
 
 def test_persistent_storage_error_stops_with_spool_and_record_intact(conn, tmp_path):
