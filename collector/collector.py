@@ -233,6 +233,7 @@ class Collector:
                 f"shard {resumed_shard} was being packed but {present.count(False)} of its spool files are gone "
                 "and it has no index file: the spool was modified outside harvest"
             )
+        viewed = entries is not None  # chosen by `choose`, which checked the headers
         if entries is None:  # a resumed record: its files' headers are read now
             entries, bad = inspect_all(self.cfg, list(zip(sample_ids, paths)))
             if bad:
@@ -241,7 +242,7 @@ class Collector:
         plan = self.plan(entries)
         if resumed_shard and plan.shard_id != resumed_shard:
             raise RuntimeError(f"re-packed shard id {plan.shard_id} differs from the recorded {resumed_shard}")
-        self.record(plan, viewed=entries is not None)
+        self.record(plan, viewed=viewed)
         if not self._retry(lambda: self.out.exists(index_file(plan.shard_id)), f"checking {index_file(plan.shard_id)}"):
             if self._refused:  # asked with the record's write
                 self.void(plan, f"{self._refused}: nothing packed")
