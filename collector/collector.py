@@ -32,6 +32,7 @@ import redis
 
 from collector.due import QueuedCheck, may_be_due
 from collector.faults import CrashHook
+from collector.integrity import Damaged, checked, inspect_all, reject
 from collector.pack import Packed, pack_local, pack_upload, staging_dir
 from collector.records import Voided, give_up_shard, recorded_anywhere, tend_revoked, write_decided_index
 from collector.sweep import sweep_orphans
@@ -43,11 +44,10 @@ from harvest.formats.generated import generated_file, store_generated
 from harvest.formats.index import committed_samples, index_file, parse_index
 from harvest.formats.runfile import run_location
 from harvest.formats.shard import ShardPlan, plan_shard, shard_file
-from harvest.formats.spool import SpoolEntry, SpoolError, inspect_sample
+from harvest.formats.spool import SpoolEntry, SpoolError
 from harvest.ids import check_id, node_name, shard_id_for
-from harvest.node.spooldir import list_spooled, set_aside_path, spool_identity, spool_path
+from harvest.node.spooldir import list_spooled, spool_identity, spool_path
 from harvest.settings import CollectorSettings
-from harvest.state.failures import BAD_SPOOL
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
 from harvest.state.packing import PackingRecord, PackingRecords
 from harvest.state.spools import SpoolLeases
@@ -83,6 +83,7 @@ class Collector:
         # Local output: build the shard in its final folder so committing is a rename.
         self.stage = staging_dir(self.out)  # a read-only or full output: a StorageError, told as one line
         self.shards_committed = 0
+        self.set_aside = 0  # spool files this collector moved aside (collector.integrity)
         # The commits' stats, written at the node's beat (collector.packers), not with each commit;
         # a Collector made without the node's tally keeps them until its owner flushes `tally`
         self.tally = tally or Tally(conn, cfg.run)
@@ -156,18 +157,12 @@ class Collector:
             log.info("aborted the unfinished upload of %s left by the previous collector", name)
         self._commit(rec.sample_ids, resumed_shard=rec.shard_id)
 
-    def _inspect(self, sid: str, path: str) -> SpoolEntry:
-        c = self.cfg
-        return inspect_sample(path, sid, len(c.capture_points), c.hidden_size, c.torch_dtype)
-
-    def _reject(self, sid: str, path: str, err: SpoolError) -> None:
-        """A spool file that is not what the run stores: fail its sample, keep the file aside."""
-        log.error("%s", err)
-        self.ledger.mark_failed({sid: (BAD_SPOOL, str(err))})
-        try:
-            os.replace(path, set_aside_path(path))
-        except FileNotFoundError:
-            pass
+    def _reject(self, bad: dict[str, SpoolError]) -> int:
+        """Spool files that will not be committed, once no shard in flight holds them: set aside,
+        their samples extracted again or failed (collector.integrity). Returns 0: nothing committed."""
+        reject(self.conn, self.cfg, self.spool_id, {sid: spool_path(self.spool_dir, sid) for sid in bad}, bad)
+        self.set_aside += len(bad)
+        return 0
 
     def step(self, force: bool = False) -> int:
         """Commit one shard if one is due (full, or its oldest sample older than max_wait, or
@@ -216,12 +211,9 @@ class Collector:
             oldest_age = 0.0
         if not (force or full or oldest_age >= self.max_wait or self._queued.none()):
             return []
-        chosen: list[SpoolEntry] = []
-        for sid, path in picked:
-            try:
-                chosen.append(self._inspect(sid, path))
-            except SpoolError as e:
-                self._reject(sid, path, e)
+        chosen, bad = inspect_all(self.cfg, picked)
+        if bad:
+            self._reject(bad)
         return chosen
 
     def _mine(self, sid: str) -> bool:
@@ -241,10 +233,16 @@ class Collector:
                 f"shard {resumed_shard} was being packed but {present.count(False)} of its spool files are gone "
                 "and it has no index file: the spool was modified outside harvest"
             )
-        plan = self.plan(entries or [self._inspect(s, p) for s, p in zip(sample_ids, paths)])
+        viewed = entries is not None  # chosen by `choose`, which checked the headers
+        if entries is None:  # a resumed record: its files' headers are read now
+            entries, bad = inspect_all(self.cfg, list(zip(sample_ids, paths)))
+            if bad:
+                self._void(resumed_shard, sample_ids, "; ".join(str(e) for e in bad.values()))
+                return self._reject(bad)
+        plan = self.plan(entries)
         if resumed_shard and plan.shard_id != resumed_shard:
             raise RuntimeError(f"re-packed shard id {plan.shard_id} differs from the recorded {resumed_shard}")
-        self.record(plan, viewed=entries is not None)
+        self.record(plan, viewed=viewed)
         if not self._retry(lambda: self.out.exists(index_file(plan.shard_id)), f"checking {index_file(plan.shard_id)}"):
             if self._refused:  # asked with the record's write
                 self.void(plan, f"{self._refused}: nothing packed")
@@ -254,8 +252,8 @@ class Collector:
             try:
                 self.publish(plan, self.pack(plan))
             except Voided as e:
-                self.void(plan, str(e))
-                return 0
+                self.void(plan, str(e))  # Damaged: a spool file changed on the node; the rest go in the next shard
+                return self._reject(e.found) if isinstance(e, Damaged) else 0
         return self.finish(plan)
 
     def claim(self, plan: ShardPlan) -> bool:
@@ -327,10 +325,12 @@ class Collector:
         self._crash("recorded")
 
     def pack(self, plan: ShardPlan) -> Packed:
-        """The shard's bytes streamed out of the spool files into storage, not yet visible."""
+        """The shard's bytes streamed out of the spool files into storage, not yet visible, each
+        sample's crc32s the ones its worker recorded; else `Damaged` (collector.integrity)."""
         if self.stage is None:
-            return pack_upload(self.out, plan, self.part_bytes, self.retries, self.retry_delay, self._crash)
-        return pack_local(plan, self._temp_path(plan.shard_id), self.spool_dir, self._crash)
+            return checked(plan, lambda: pack_upload(self.out, plan, self.part_bytes, self.retries, self.retry_delay,
+                                                     self._crash))
+        return checked(plan, lambda: pack_local(plan, self._temp_path(plan.shard_id), self.spool_dir, self._crash))
 
     def publish(self, plan: ShardPlan, packed: Packed) -> None:
         """The shard made visible whole, then the commit fence, then the index. Raises Voided when

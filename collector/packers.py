@@ -158,8 +158,10 @@ class Packers:
 
         def burst(p: Collector) -> None:
             try:
-                while p.step(force=True):
-                    pass
+                while True:  # until a step neither commits nor sets a damaged file aside (its shard voided)
+                    aside = p.set_aside
+                    if not p.step(force=True) and p.set_aside == aside:
+                        break
             except BaseException as e:
                 failed.append(e)
 

@@ -7,11 +7,13 @@ out of it into `<shared_storage_path>/<request id>.safetensors` (`hidden_states 
 written. The stock connector stages that copy through a CUDA stream, a CUDA event and pinned
 host memory; on vLLM's CPU build `pin_memory=True` raises and takes the engine down.
 
-`HarvestHiddenStatesConnector` changes only that step: on a CPU buffer it copies the rows
+`HarvestHiddenStatesConnector` changes that step and the metadata: on a CPU buffer it copies the rows
 synchronously (the copy has finished when the forward loop continues, so the buffer's blocks
 can be freed safely) and hands the writer thread a completed stand-in event; everything else
 (lock file protocol, file names, finished-request accounting) is vLLM's own code. On a GPU
-buffer it defers to the stock implementation. Harvest's generation requests (rids `hg-`, vLLM
+buffer it defers to the stock implementation. Its files also record the crc32 of each tensor's
+bytes (metadata `crc32`, JSON, as harvest.formats.crc writes it), which the worker's client checks
+before it converts the file into harvest's dump. Harvest's generation requests (rids `hg-`, vLLM
 request ids `cmpl-hg-...`: regeneration) get no file and no lock: the stock connector saves every
 finished request, and nothing would ever read or delete those. Loaded by vLLM with
 `"kv_connector": "HarvestHiddenStatesConnector", "kv_connector_module_path": "engines.vllm_connector"`
@@ -24,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import zlib
 from functools import partial
 
 import torch
@@ -52,7 +55,8 @@ class CompletedEvent:
 class HarvestHiddenStatesConnector(ExampleHiddenStatesConnector):
     """`ExampleHiddenStatesConnector` whose device-to-host step also works on the CPU build, and
     whose files name the layer ids they hold (metadata `layer_ids`, in slot order), so the worker
-    checks what the server captured instead of assuming it was launched with the run's flags."""
+    checks what the server captured instead of assuming it was launched with the run's flags, and
+    the crc32 of each tensor (metadata `crc32`), so it checks the bytes too."""
 
     def _layer_ids(self) -> list[int]:
         hf = self._vllm_config.speculative_config.draft_model_config.hf_config
@@ -73,7 +77,10 @@ class HarvestHiddenStatesConnector(ExampleHiddenStatesConnector):
         meta = {"format": FORMAT, "layer_ids": json.dumps(self._layer_ids())}
         try:
             event.synchronize()
-            save_file({k: v.contiguous() for k, v in tensors.items()}, filename, metadata=meta)
+            tensors = {k: v.contiguous() for k, v in tensors.items()}
+            meta["crc32"] = json.dumps({k: zlib.crc32(v.reshape(-1).view(torch.uint8).numpy()) for k, v in
+                                        sorted(tensors.items())}, separators=(",", ":"))
+            save_file(tensors, filename, metadata=meta)
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases LOCK_EX: readers waiting on LOCK_SH go on

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from harvest.atomic import unlink_quiet
+from harvest.formats.crc import combine_all
 from harvest.formats.dump import DumpError, parse_chunk_name, read_chunk
 from harvest.formats.fp8 import to_storage
 from harvest.formats.spool import SpooledSample
@@ -179,7 +180,8 @@ def assemble(
         )
     stored, scale = to_storage(hs, dtype)
     # Stored as dumped (no conversion): the spool file takes those very bytes from the dump files,
-    # by the kernel (SpoolBatch.add). The claimed files are this worker's alone until it unlinks them.
+    # by the kernel (SpoolBatch.add), and their crc32 from the engine's sums just checked (combined,
+    # not read again). The claimed files are this worker's alone until it unlinks them.
     same = scale is None and all(c.hidden_states.dtype == stored.dtype for c in chunks)  # cat may have promoted
     return SpooledSample(
         sample.id,
@@ -188,6 +190,8 @@ def assemble(
         stored,
         scale,
         hidden_from=tuple((c.path, *c.hidden_span) for c in chunks) if same else (),
+        hidden_crc32=combine_all((c.hidden_crc32, c.hidden_span[1] - c.hidden_span[0]) for c in chunks)
+        if same else None,
     )
 
 

@@ -2,10 +2,12 @@
 
 For every prefill chunk of a request whose rid starts with `hv-`, the engine writes
 `<dump_dir>/<rid>.<start>-<end>.safetensors` holding `hidden_states` `[end-start, K, H]`
-(engine dtype) and `input_ids` `[end-start]`, with the capture points and model name in
-the metadata. Engines cut their flat forward batch into chunks with `engines.batch.cut_batch`
-and write them through `engines.dump_writer.DumpWriter`, which calls `write_chunk` here; the
-vLLM client writes the same files from vLLM's. Where the files live and what else the dump
+(engine dtype) and `input_ids` `[end-start]`, with the capture points, the model name and the
+crc32 of each tensor's bytes (harvest.formats.crc) in the metadata; a reader checks the sums
+before it accepts a value, so bytes changed between the engine and the worker are refused.
+Engines cut their flat forward batch into chunks with `engines.batch.cut_batch` and write them
+through `engines.dump_writer.DumpWriter`, which calls `write_chunk` here; the vLLM client writes
+the same files from vLLM's. Where the files live and what else the dump
 directory holds is `harvest.node.dumpdir`.
 """
 
@@ -65,8 +67,13 @@ class Chunk:
 def encode_chunk(chunk: Chunk, capture_points: Sequence[int], model: str) -> bytes:
     import torch
 
+    from harvest.formats.crc import FIELD, encode_sums, tensor_crc32
     from harvest.formats.stformat import BLOCK, encode
 
+    tensors = {
+        "hidden_states": chunk.hidden_states.detach().to("cpu").contiguous(),
+        "input_ids": chunk.input_ids.detach().to("cpu", torch.int64).contiguous(),
+    }
     meta = {
         "format": FORMAT,
         "rid": chunk.rid,
@@ -74,10 +81,7 @@ def encode_chunk(chunk: Chunk, capture_points: Sequence[int], model: str) -> byt
         "end": str(chunk.end),
         "capture_points": json.dumps(list(capture_points)),
         "model": model,
-    }
-    tensors = {
-        "hidden_states": chunk.hidden_states.detach().to("cpu").contiguous(),
-        "input_ids": chunk.input_ids.detach().to("cpu", torch.int64).contiguous(),
+        FIELD: encode_sums({name: tensor_crc32(t) for name, t in tensors.items()}),
     }
     # hidden_states (the first tensor by name) starts on a filesystem block, so a worker can have the
     # kernel clone it into the spool instead of copying it (harvest.formats.filecopy)
@@ -107,12 +111,15 @@ class ChunkFile:
     hidden_states: torch.Tensor
     path: str
     hidden_span: tuple[int, int]  # where hidden_states' bytes lie in `path`: [begin, end)
+    hidden_crc32: int  # the crc32 of hidden_states' bytes, recorded by the engine and checked
 
 
 def read_chunk(path: str) -> ChunkFile:
-    """Read and check one chunk file against its own name; any mismatch is a DumpError."""
+    """Read and check one chunk file against its own name and the crc32s its writer recorded;
+    any mismatch is a DumpError."""
     from safetensors import safe_open
 
+    from harvest.formats.crc import parse_sums, tensor_crc32
     from harvest.formats.stformat import read_file_header
 
     parsed = parse_chunk_name(os.path.basename(path).removesuffix(".claimed"))
@@ -149,4 +156,13 @@ def read_chunk(path: str) -> ChunkFile:
         raise DumpError(f"{path}: {hs.shape[1]} capture slots for capture points {cps}")
     if span.end - span.begin != hs.numel() * hs.element_size():
         raise DumpError(f"{path}: hidden_states spans {span.end - span.begin} bytes for {list(hs.shape)} {hs.dtype}")
-    return ChunkFile(rid, start, end, cps, meta.get("model", ""), ids, hs, path, (span.begin, span.end))
+    try:
+        sums = parse_sums(meta, ("hidden_states", "input_ids"))
+    except ValueError as e:
+        raise DumpError(f"{path}: {e}") from None
+    for name, t in (("hidden_states", hs), ("input_ids", ids)):
+        if (found := tensor_crc32(t)) != sums[name]:
+            raise DumpError(f"{path}: {name} has crc32 {found}, the engine recorded {sums[name]}: the file changed "
+                            "after the engine wrote it (a disk or memory fault on this node?)")
+    return ChunkFile(rid, start, end, cps, meta.get("model", ""), ids, hs, path, (span.begin, span.end),
+                     sums["hidden_states"])

@@ -17,7 +17,10 @@ is what lets a collector that crashed mid-commit re-pack and overwrite instead o
 Both writers also sum what they store on the thread that already sees every byte (the sha256
 hasher): the shard's sha256 and, per sample, one crc32 per per-token tensor over exactly that
 sample's rows (`ShardSums`), which the index records and every ranged read verifies
-(harvest.read.shard_reader). No byte is read a second time for them.
+(harvest.read.shard_reader). No byte is read a second time for them. A sample's rows of a tensor
+are its spool file's tensor, byte for byte, so its sums must be the ones its worker recorded in
+that file: the collector commits nothing where they differ (`ShardPlan.damaged`), and the index's
+sums are then the workers'.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from harvest.formats.dtypes import dtype_name
 from harvest.formats.filecopy import ShortFile, copy_range, start_writeback, write_all
 from harvest.formats.fp8 import is_fp8
 from harvest.formats.index import FORMAT, ShardError, ShardIndex
-from harvest.formats.spool import SCALE, SpoolEntry, SpoolError
+from harvest.formats.spool import SCALE, SpoolDamaged, SpoolEntry
 from harvest.formats.stformat import BLOCK, Planned, encode_header
 from harvest.ids import check_id, shard_id_for
 
@@ -105,6 +108,18 @@ class ShardPlan:
             doc["crc32"] = [list(c) for c in sums.crc32]
             doc["crc32_tensors"] = self.crc32_tensors
         return doc
+
+    def damaged(self, sums: ShardSums) -> dict[str, SpoolDamaged]:
+        """The samples whose bytes, as packed, do not have the crc32s their spool files record (the
+        worker's: harvest.formats.spool), each with what differs. Empty: the index's sums are the
+        workers'."""
+        out = {}
+        for e, got in zip(self.entries, sums.crc32 or ()):
+            bad = [f"{name} has crc32 {c} as copied, its worker recorded {e.crc32.get(name)}"
+                   for name, c in zip(self.crc32_tensors, got) if e.crc32.get(name) != c]
+            if bad:
+                out[e.id] = SpoolDamaged(f"{e.path}: {'; '.join(bad)} (spool file damaged on the node)", e.path)
+        return out
 
 
 def plan_shard(
@@ -192,8 +207,12 @@ class _Crcs:
         self.pos = end
 
 
-def _truncated(path: str, name: str) -> SpoolError:
-    return SpoolError(f"{path}: ends inside tensor {name} (spool file truncated)")
+def _truncated(path: str, name: str) -> SpoolDamaged:
+    return SpoolDamaged(f"{path}: ends inside tensor {name} (spool file truncated)", path)
+
+
+def _unreadable(path: str, e: OSError) -> SpoolDamaged:
+    return SpoolDamaged(f"{path}: unreadable spool file ({e})", path)
 
 
 def _ranges(plan: ShardPlan, bufs: list[memoryview], wait: Callable[[int], None]) -> Iterator[tuple[memoryview | bytes, int]]:
@@ -205,12 +224,19 @@ def _ranges(plan: ShardPlan, bufs: list[memoryview], wait: Callable[[int], None]
             yield piece, -1
             continue
         path, begin, left, name = piece
-        with open(path, "rb", buffering=0) as f:
+        try:
+            f = open(path, "rb", buffering=0)
+        except OSError as e:
+            raise _unreadable(path, e) from None
+        with f:
             f.seek(begin)
             while left:
                 turn ^= 1
                 wait(turn)
-                got = f.readinto(bufs[turn][: min(left, COPY_BUFFER)])
+                try:
+                    got = f.readinto(bufs[turn][: min(left, COPY_BUFFER)])
+                except OSError as e:
+                    raise _unreadable(path, e) from None
                 if not got:
                     raise _truncated(path, name)
                 yield bufs[turn][:got], turn
@@ -309,7 +335,10 @@ def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None 
                     pos = write_all(fd, piece, pos)
                 else:
                     path, begin, n, name = piece
-                    src = os.open(path, os.O_RDONLY)
+                    try:
+                        src = os.open(path, os.O_RDONLY)
+                    except OSError as e:
+                        raise _unreadable(path, e) from None
                     try:
                         copy_range(src, begin, fd, pos, n)
                     except ShortFile:

@@ -4,13 +4,16 @@
 harvest.node.spooldir's) holds the tokens, the loss mask and the hidden states `[T, K, H]`
 already in the run's storage dtype (with their `hidden_scale` `[T, K]` when that is fp8), so the
 collector only concatenates: it checks each file's header against the run and then copies tensor
-bytes without decoding them.
+bytes without decoding them. The metadata records the crc32 of each tensor's bytes as the worker
+verified them (`crc32`, harvest.formats.crc): the shard's per-sample sums are the same numbers,
+so the collector compares what it copied with them before it commits anything (a file changed on
+the node's disk is a `SpoolDamaged`).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from harvest.errors import InputError
@@ -32,6 +35,15 @@ class SpoolError(InputError, ValueError):
     """A spool file that does not hold what the run stores (or is not a spool file at all)."""
 
 
+class SpoolDamaged(SpoolError):
+    """A spool file whose bytes changed after its worker wrote them: unreadable, shorter than its
+    header says, or with bytes whose crc32 is not the one recorded. Its sample is extracted again."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 @dataclass
 class SpooledSample:
     id: str
@@ -47,6 +59,9 @@ class SpooledSample:
     # A regenerated conversation's generated-dataset entry (JSON, harvest.formats.generated), kept in
     # the file's metadata: the collector commits it with the sample's hidden states, in one index.
     generation: str | None = None
+    # The crc32 of `hidden_states`' bytes where the worker knows it from the engine's verified sums
+    # (workers.claim); None: summed from the tensor as the file is encoded.
+    hidden_crc32: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,12 +77,14 @@ class SpoolEntry:
     num_tokens: int
     spans: dict[str, TensorSpan]
     generation: str | None = None  # SpooledSample.generation
+    crc32: dict[str, int] = field(default_factory=dict)  # tensor name -> crc32 of its bytes, as its worker wrote them
 
 
 def encode_sample(s: SpooledSample, run: str) -> list[tuple[str, bytes | memoryview]]:
     """`s`'s spool file as (tensor name, bytes) in file order, the header first (named "")."""
     import torch
 
+    from harvest.formats.crc import FIELD, encode_sums, tensor_crc32
     from harvest.formats.stformat import BLOCK, encode_parts
 
     tensors = {
@@ -78,7 +95,10 @@ def encode_sample(s: SpooledSample, run: str) -> list[tuple[str, bytes | memoryv
     if s.hidden_scale is not None:
         tensors[SCALE] = s.hidden_scale.to(torch.float32).contiguous()
     # data on a block: the collector's kernel copy into a shard can then clone it (harvest.formats.filecopy)
-    meta = {"sample_id": s.id, "run": run}
+    sums = {name: tensor_crc32(t) for name, t in tensors.items() if name != "hidden_states" or s.hidden_crc32 is None}
+    if s.hidden_crc32 is not None:
+        sums["hidden_states"] = s.hidden_crc32
+    meta = {"sample_id": s.id, "run": run, FIELD: encode_sums(sums)}
     if s.generation is not None:
         meta["generation"] = s.generation
     return list(zip(["", *sorted(tensors)], encode_parts(tensors, meta, BLOCK)))
@@ -128,16 +148,21 @@ def read_sample(path: str) -> SpooledSample:
 
 
 def inspect_sample(path: str, sid: str, num_points: int, hidden_size: int, dtype: torch.dtype) -> SpoolEntry:
-    """Read only the header of `path` and check it is sample `sid` as the run stores it."""
+    """Read only the header of `path` and check it is sample `sid` as the run stores it, that the
+    file holds all the bytes the header names, and that it records their crc32s. A file that
+    cannot be read, is shorter than its header says, or whose sums are unreadable is a
+    `SpoolDamaged`; one that does not match the run (or records no sums) a `SpoolError`."""
     import torch
 
+    from harvest.formats.crc import FIELD, parse_sums
     from harvest.formats.fp8 import is_fp8
     from harvest.formats.stformat import FormatError, read_file_header
 
     try:
         spans, meta = read_file_header(path)
+        size = os.stat(path).st_size
     except (OSError, FormatError, KeyError, TypeError, ValueError) as e:
-        raise SpoolError(f"{path}: unreadable spool file ({e})") from None
+        raise SpoolDamaged(f"{path}: unreadable spool file ({e})", path) from None
     if meta.get("sample_id") != sid:
         raise SpoolError(f"{path}: holds sample {meta.get('sample_id')!r}, its name says {sid}")
     ids = spans.get("input_ids")
@@ -160,4 +185,13 @@ def inspect_sample(path: str, sid: str, num_points: int, hidden_size: int, dtype
     generation = meta.get("generation")
     if generation is not None and not isinstance(generation, str):
         raise SpoolError(f"{path}: its generation metadata is not text")
-    return SpoolEntry(sid, path, t, spans, generation)
+    if FIELD not in meta:
+        raise SpoolError(f"{path}: records no crc32 of its tensors (written by a worker without them)")
+    try:
+        sums = parse_sums(meta, want)
+    except ValueError as e:
+        raise SpoolDamaged(f"{path}: {e}", path) from None
+    end = max(span.end for span in spans.values())
+    if size < end:
+        raise SpoolDamaged(f"{path}: {size} bytes, its header names {end} (spool file truncated)", path)
+    return SpoolEntry(sid, path, t, spans, generation, sums)

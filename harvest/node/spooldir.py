@@ -14,8 +14,8 @@ what in it:
   first; `rotate_spool_identity` replaces it, under `.spool-id.lock`, when the id was revoked
   (harvest.state.spools). `.spool-id.<pid>.<random>`: that file in flight, removed when its
   writer's pid is gone.
-- `.bad-<name>`: a spool file that did not match the run, set aside for a person; the listing
-  skips it.
+- `.bad-<name>`: a spool file that did not match the run or was damaged, set aside for a person
+  (collector.integrity); the listing skips it.
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def spool_path(spool_dir: str, sid: str) -> str:
 
 
 def set_aside_path(path: str) -> str:
-    """Where a spool file that does not match the run is kept for a person to look at; the
-    spool's listing skips it."""
+    """Where a spool file that does not match the run, or was damaged, is kept for a person to look
+    at; the spool's listing skips it."""
     return os.path.join(os.path.dirname(path), f".bad-{os.path.basename(path)}")
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
@@ -60,25 +61,9 @@ def reclaim_spool(conn: redis.Redis, cfg: RunConfig, spool: str) -> ReclaimRepor
     rep.decided = sorted(PackingRecords(conn, cfg.run).decided_samples(spool))
     skip = set(rep.decided)
     owned = [s for s in ledger.owned_by(spool, tick=keep_alive) if s not in skip]
-    queue = run_queue(conn, cfg.run)
     for i in range(0, len(owned), CHUNK):
-        ids = owned[i : i + CHUNK]
-        samples, lost = [], []
-        for sid, row in zip(ids, ledger.spooled_payloads(ids)):
-            try:
-                _, (s,) = decode_batch({"v": PAYLOAD_VERSION, "run": cfg.run, "samples": [json.loads(row)]})
-                samples.append(s)
-            except (TypeError, ValueError, PayloadError):  # no row kept (None), or not one we can read
-                lost.append(sid)
-        batches = split_jobs(samples, cfg.max_batch_samples, cfg.max_batch_tokens)
-        job_ids = [f"{job_id_for(cfg.run, [s.id for s in b])}-x{time.time_ns()}" for b in batches]
-        with conn.pipeline(transaction=True) as pipe:
-            pipe.multi()
-            ledger.reclaim(spool, [s.id for s in samples], pipe=pipe)
-            for b, job_id in zip(batches, job_ids):
-                enqueue_samples(queue, cfg.run, b, job_id, pipe)
-            pipe.execute()
-        rep.samples += [s.id for s in samples]
+        samples, job_ids, lost = enqueue_again(conn, cfg, spool, owned[i : i + CHUNK])
+        rep.samples += samples
         rep.jobs += job_ids
         if lost:
             rep.lost += ledger.mark_failed({sid: (SPOOL_LOST, f"spool {spool} of node {node} was reclaimed and this "
@@ -89,6 +74,34 @@ def reclaim_spool(conn: redis.Redis, cfg: RunConfig, spool: str) -> ReclaimRepor
         log.warning("spool %s of node %s reclaimed: %d samples back on the queue in %d jobs, %d lost, %d left to a "
                     "decided commit", spool, node, len(rep.samples), len(rep.jobs), len(rep.lost), len(rep.decided))
     return rep
+
+
+def enqueue_again(conn: redis.Redis, cfg: RunConfig, spool: str, ids: list[str],
+                  also: Callable[[redis.client.Pipeline], None] | None = None
+                  ) -> tuple[list[str], list[str], list[str]]:
+    """Those of `ids` that `spool` owns moved `s -> q`, with new jobs built from their kept payload
+    rows, in one MULTI/EXEC (with what `also` adds to it). Returns (the samples with a row, the
+    jobs' ids, the samples without a row: left as they are)."""
+    ledger = Ledger(conn, cfg.run)
+    samples, lost = [], []
+    for sid, row in zip(ids, ledger.spooled_payloads(ids)):
+        try:
+            _, (s,) = decode_batch({"v": PAYLOAD_VERSION, "run": cfg.run, "samples": [json.loads(row)]})
+            samples.append(s)
+        except (TypeError, ValueError, PayloadError):  # no row kept (None), or not one we can read
+            lost.append(sid)
+    batches = split_jobs(samples, cfg.max_batch_samples, cfg.max_batch_tokens)
+    job_ids = [f"{job_id_for(cfg.run, [s.id for s in b])}-x{time.time_ns()}" for b in batches]
+    queue = run_queue(conn, cfg.run)
+    with conn.pipeline(transaction=True) as pipe:
+        pipe.multi()
+        ledger.reclaim(spool, [s.id for s in samples], pipe=pipe)
+        for b, job_id in zip(batches, job_ids):
+            enqueue_samples(queue, cfg.run, b, job_id, pipe)
+        if also is not None:
+            also(pipe)
+        pipe.execute()
+    return [s.id for s in samples], job_ids, lost
 
 
 def reclaim_lost_spools(conn: redis.Redis, cfg: RunConfig) -> list[ReclaimReport]:

@@ -2,10 +2,11 @@
 
 A failure travels: raised in a worker (claim, verify, the engine call, the spool write), or
 found by the janitor (a job whose worker keeps dying) or a collector (a spool file that does
-not match the run) -> recorded in the ledger (state `f`, with reason and message) after the
-sample's payload row is kept -> counted by `harvest status` and the metrics -> selected by
-reason with `harvest requeue --reason`. The reason strings are part of the operator's
-interface: they are shown, filtered on and scraped, so each is named once, here.
+not match the run, or one damaged on the node each time its sample was extracted) -> recorded
+in the ledger (state `f`, with reason and message) after the sample's payload row is kept ->
+counted by `harvest status` and the metrics -> selected by reason with `harvest requeue --reason`.
+The reason strings are part of the operator's interface: they are shown, filtered on and
+scraped, so each is named once, here.
 """
 
 from __future__ import annotations
@@ -38,14 +39,15 @@ NONFINITE = "nonfinite"
 # Found by operations
 WORKER_DIED = "worker-died"  # the janitor gave up on a job whose workers kept dying
 BAD_SPOOL = "bad-spool"  # a collector found a spool file that does not match the run
+SPOOL_DAMAGED = "spool-damaged"  # its spool file was found damaged (checksums, truncated) each time it was extracted
 SPOOL_LOST = "spool-lost"  # its spool was reclaimed and no payload row was kept to enqueue it again
 SPOOL_REVOKED = "spool-revoked"  # transient: the worker's spool was reclaimed during the job
 JOB_LOST = "job-lost"  # queued, in no job for the janitor's grace, and its tokens kept nowhere in Redis
 
 REASONS = (ENGINE_UNAVAILABLE, ENGINE_REJECTED, PROMPT_LENGTH, PREFIX_CACHED, JOB_TIMEOUT, WORKER_STOPPED,
            WORKER_ERROR, STORAGE_ERROR, INCOMPLETE_DUMP, BAD_CHUNKS, BAD_DUMP, CAPTURE_MISMATCH, TOKEN_MISMATCH,
-           NONFINITE, WORKER_DIED, BAD_SPOOL, SPOOL_LOST, SPOOL_REVOKED, JOB_LOST, GENERATION_EMPTY, GENERATION_LENGTH,
-           CONTEXT_LENGTH)
+           NONFINITE, WORKER_DIED, BAD_SPOOL, SPOOL_DAMAGED, SPOOL_LOST, SPOOL_REVOKED, JOB_LOST, GENERATION_EMPTY,
+           GENERATION_LENGTH, CONTEXT_LENGTH)
 
 
 class SampleFailure(Exception):

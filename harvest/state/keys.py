@@ -101,6 +101,12 @@ class Keys:
         return f"{self.spooled_payload}:{check_id(job_id, 'job id')}"
 
     @property
+    def spool_damaged(self) -> str:
+        """Hash sample_id -> times a collector found its spool file damaged and sent it back to the
+        queue (collector.integrity); bounded, and removed when the sample fails for it."""
+        return f"{self.prefix}:spool-damaged"
+
+    @property
     def spool_counts(self) -> str:
         """Hash spool id -> samples in state s that spool owns (kept by the ledger's transition script)."""
         return f"{self.prefix}:spool-counts"

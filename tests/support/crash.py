@@ -14,9 +14,10 @@ from collector.faults import CRASH_ENV
 from collector.packers import Packers
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
-from harvest.node.spooldir import list_spooled
+from harvest.node.spooldir import list_spooled, spool_identity
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger
+from harvest.state.payload import Sample, payload_row
 from harvest.state.runstore import publish_run
 from harvest.storage import Location
 from tests.support.synth import make_config, spool_samples
@@ -50,7 +51,9 @@ def _run(redis_url, cfg, spool, shard_bytes, part_bytes=None, crash=None, kill_a
 
 
 class Trial:
-    def __init__(self, conn, redis_url, tmp_path, out_url, lengths, shard_bytes, hidden=16, run="r"):
+    def __init__(self, conn, redis_url, tmp_path, out_url, lengths, shard_bytes, hidden=16, run="r", owned=False):
+        """`owned`: the samples spooled as a worker marks them, owned by the spool with their payload
+        rows kept (so a collector can send one back to the queue); else with neither."""
         self.conn, self.redis_url = conn, redis_url
         self.cfg = publish_run(conn, make_config(out_url, run=run, hidden=hidden))
         self.spool = str(tmp_path / f"spool-{run}")
@@ -59,7 +62,11 @@ class Trial:
         self.ledger = Ledger(conn, run)
         ids = [s.id for s in self.samples]
         self.ledger.add_queued(ids)
-        self.ledger.mark_spooled(ids)
+        if owned:
+            rows = [payload_row(run, Sample.build(s.input_ids.numpy(), s.loss_mask.numpy())) for s in self.samples]
+            self.ledger.mark_spooled(ids, spool_identity(self.spool), rows)
+        else:
+            self.ledger.mark_spooled(ids)
         self.shard_bytes = shard_bytes
         self.loc = Location.from_url(out_url).child(run)
 

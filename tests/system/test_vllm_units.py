@@ -11,6 +11,7 @@ import json
 import os
 import threading
 import time
+import zlib
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from safetensors.torch import save_file
 from engines.vllm_launch import launch_spec, needs_final_norm, slot_of, vllm_layer_ids
 from harvest.config import RunConfig
 from harvest.formats.dump import chunk_name, read_chunk
+from harvest.formats.stformat import read_file_header
 from harvest.node.dumpdir import vllm_dir as storage_dir
 from harvest.read.final_norm import FinalNorm, FinalNormError
 from tests.support.cli import REPO, harvest_cli
@@ -106,10 +108,13 @@ def test_to_capture_points_orders_slots_and_normalizes_only_L(tiny_model):
 
 
 def _connector_file(directory, rid, hs, ids, layer_ids, fmt=CONNECTOR_FORMAT) -> str:
+    """A file as harvest's connector writes it (engines/vllm_connector.py, `_write_tensors`)."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"cmpl-{rid}-0-1a2b3c4d.safetensors")
-    meta = {"format": fmt, "layer_ids": json.dumps(layer_ids)}
-    save_file({"hidden_states": hs.contiguous(), "token_ids": ids}, path, metadata=meta)
+    tensors = {"hidden_states": hs.contiguous(), "token_ids": ids}
+    sums = {k: zlib.crc32(v.reshape(-1).view(torch.uint8).numpy()) for k, v in sorted(tensors.items())}
+    meta = {"format": fmt, "layer_ids": json.dumps(layer_ids), "crc32": json.dumps(sums, separators=(",", ":"))}
+    save_file(tensors, path, metadata=meta)
     open(path + ".lock", "w").close()
     return path
 
@@ -170,6 +175,22 @@ def test_convert_refuses_foreign_paths_and_files(tmp_path, tiny_model):
             client._convert(RID, stock)
         with pytest.raises(VllmDumpError, match="wrote no hidden states"):
             read_vllm_file(str(tmp_path / "missing.safetensors"))
+        # a file changed after vLLM wrote it: refused, and removed like any file of the request
+        path = _connector_file(storage_dir(str(dump)), RID, hs, ids, [2, 4, 8])
+        span = read_file_header(path)[0]["hidden_states"]
+        with open(path, "r+b") as f:
+            f.seek(span.begin + 5)
+            byte = f.read(1)
+            f.seek(span.begin + 5)
+            f.write(bytes([byte[0] ^ 0x08]))
+        with open(path, "rb") as f:
+            found = zlib.crc32(f.read()[span.begin : span.end])
+        recorded = json.loads(read_file_header(path)[1]["crc32"])["hidden_states"]
+        with pytest.raises(VllmDumpError) as e:
+            client._convert(RID, path)
+        assert str(e.value) == (f"{path}: hidden_states has crc32 {found}, the connector recorded {recorded}: the file "
+                                "changed after vLLM wrote it (a disk or memory fault on this node?)")
+        assert not os.path.exists(path)
         assert [n for n in os.listdir(dump) if n.startswith("hv-")] == []
     finally:
         client.close()

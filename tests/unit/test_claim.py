@@ -1,6 +1,8 @@
 """Claim and verification of dump files, with real chunk files written by the shared writer."""
 
+import json
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -116,7 +118,7 @@ def test_spool_file_takes_the_dumped_bytes_by_the_kernel_only_when_stored_as_dum
     import dataclasses
 
     from harvest.formats.spool import read_sample
-    from harvest.formats.stformat import BLOCK
+    from harvest.formats.stformat import BLOCK, read_file_header
     from harvest.node.spooldir import SpoolBatch, spool_path
 
     dump, claimed = dirs
@@ -141,6 +143,15 @@ def test_spool_file_takes_the_dumped_bytes_by_the_kernel_only_when_stored_as_dum
     assert files["kernel"] == files["tensor"]
     back = read_sample(spool_path(str(tmp_path / "kernel"), s.id))
     assert torch.equal(back.hidden_states.view(torch.uint8), s.hidden_states.view(torch.uint8))
+    # The file records each tensor's crc32: the hidden states' combined from the engine's verified
+    # sums of the three chunks where stored as dumped, the same numbers as summing the stored bytes
+    assert (s.hidden_crc32 is not None) is kernel
+    path = spool_path(str(tmp_path / "kernel"), s.id)
+    spans, meta = read_file_header(path)
+    assert json.loads(meta["crc32"]) == {name: zlib.crc32(files["kernel"][span.begin:span.end])
+                                         for name, span in spans.items()}
+    assert sorted(spans) == sorted(["hidden_states", "input_ids", "loss_mask"] + (["hidden_scale"] if not kernel and
+                                                                                  stored.itemsize == 1 else []))
 
 
 def test_dumps_on_another_filesystem_are_spooled_from_the_tensor(tmp_path, monkeypatch):
@@ -183,3 +194,41 @@ def test_chunks_of_mixed_dtypes_are_spooled_from_the_tensor(dirs):
     ok, _ = claim(str(dump), str(claimed), {RID: 10}, timeout=1)
     s = assemble(ok[RID], SAMPLE, [2, 4], torch.float32)
     assert s.hidden_from == () and s.hidden_states.dtype == torch.float32
+
+
+@pytest.mark.parametrize("tensor", ["hidden_states", "input_ids"])
+def test_a_dump_file_changed_after_the_engine_wrote_it_is_refused(dirs, tensor):
+    """The engine records each tensor's crc32 in the dump's metadata; a byte flipped on the node's
+    disk or in its memory after that fails the sample as a bad dump instead of being spooled."""
+    from harvest.formats.stformat import read_file_header
+
+    dump, claimed = dirs
+    _dump(dump, 0, 4)
+    _dump(dump, 4, 10)
+    name = f"{RID}.4-10.safetensors"
+    spans, meta = read_file_header(str(dump / name))
+    span = spans[tensor]
+    data = bytearray((dump / name).read_bytes())
+    data[span.begin + 8] ^= 0x04  # a bit of the second row: a hidden value, or a token id
+    (dump / name).write_bytes(bytes(data))
+    recorded, found = json.loads(meta["crc32"])[tensor], zlib.crc32(data[span.begin : span.end])
+    ok, _ = claim(str(dump), str(claimed), {RID: 10}, timeout=1)
+    with pytest.raises(SampleFailure) as e:
+        assemble(ok[RID], SAMPLE, [2, 4], torch.float32)
+    assert (e.value.reason, e.value.message) == (
+        "bad-dump", f"{claimed / name}: {tensor} has crc32 {found}, the engine recorded {recorded}: the file changed "
+        "after the engine wrote it (a disk or memory fault on this node?)")
+
+
+def test_a_dump_file_without_checksums_is_refused(dirs):
+    from safetensors.torch import save_file
+
+    dump, claimed = dirs
+    name = f"{RID}.0-10.safetensors"
+    meta = {"format": "harvest-dump-1", "rid": RID, "start": "0", "end": "10", "capture_points": "[2, 4]", "model": "m"}
+    save_file({"hidden_states": HS, "input_ids": torch.tensor(SAMPLE.input_ids.astype(np.int64))}, str(dump / name),
+              metadata=meta)
+    ok, _ = claim(str(dump), str(claimed), {RID: 10}, timeout=1)
+    with pytest.raises(SampleFailure) as e:
+        assemble(ok[RID], SAMPLE, [2, 4], torch.float32)
+    assert (e.value.reason, e.value.message) == ("bad-dump", f"{claimed / name}: no crc32 in its metadata")

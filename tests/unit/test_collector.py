@@ -3,6 +3,7 @@ commit sequence, bad spool files, retries and the stop on persistent storage err
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -84,17 +85,33 @@ def test_partial_shard_waits_for_max_wait_while_work_is_queued(conn, tmp_path):
     assert ledger.counts()["done"] == 2 and ledger.counts()["queued"] == 1
 
 
-def test_bad_spool_file_fails_its_sample_and_is_kept_aside(conn, tmp_path):
+def test_a_spool_file_that_does_not_match_the_run_fails_its_sample_and_is_kept_aside(conn, tmp_path):
     cfg, spool, samples, ledger = _setup(conn, tmp_path, [4, 6, 8])
     bad = os.path.join(spool, f"{samples[1].id}.safetensors")
-    with open(bad, "r+b") as f:
-        f.truncate(5)
+    shutil.copyfile(os.path.join(spool, f"{samples[0].id}.safetensors"), bad)  # another sample's file
     c = Collector(conn, cfg, spool, node="n1")
     assert c.step(force=True) == 2
     assert ledger.states([s.id for s in samples]) == ["d", "f", "d"]
     fail = ledger.failures()[samples[1].id]
-    assert fail == {"reason": "bad-spool", "message": f"{bad}: unreadable spool file ({bad}: shorter than a safetensors header)"}
+    assert fail == {"reason": "bad-spool",
+                    "message": f"{bad}: holds sample {samples[0].id!r}, its name says {samples[1].id}"}
     assert sorted(os.listdir(spool)) == [f".bad-{samples[1].id}.safetensors", ".spool-id"]
+
+
+def test_a_spool_file_without_checksums_fails_its_sample_as_bad_spool(conn, tmp_path):
+    from harvest.formats.stformat import BLOCK, encode
+
+    cfg, spool, samples, ledger = _setup(conn, tmp_path, [4, 6])
+    s = samples[1]
+    bad = os.path.join(spool, f"{s.id}.safetensors")
+    with open(bad, "wb") as f:  # as a worker that records no crc32 writes it
+        f.write(encode({"hidden_states": s.hidden_states, "input_ids": s.input_ids, "loss_mask": s.loss_mask},
+                       {"sample_id": s.id, "run": cfg.run}, BLOCK))
+    assert Collector(conn, cfg, spool, node="n1").step(force=True) == 1
+    assert ledger.states([x.id for x in samples]) == ["d", "f"]
+    assert ledger.failures() == {s.id: {"reason": "bad-spool", "message": f"{bad}: records no crc32 of its tensors "
+                                                                          "(written by a worker without them)"}}
+    assert sorted(os.listdir(spool)) == [f".bad-{s.id}.safetensors", ".spool-id"]
 
 
 def test_persistent_storage_error_stops_with_spool_and_record_intact(conn, tmp_path):

@@ -160,7 +160,7 @@ RENAMES = {
     "harvest/storage.py:Location.put_file": "commits a shard file its writer completed in the folder: consumed, "
                                             "not written",
     "workers/claim.py:claim": "the rename is the claim: the worker that moves a dump file first owns it",
-    "collector/collector.py:Collector._reject": "moves an existing bad spool file aside for a person",
+    "collector/integrity.py:reject": "moves an existing bad spool file aside for a person",
 }
 
 
@@ -202,6 +202,7 @@ OUTSIDE = {
     "harvest/state/failures.py:SampleFailure": "one sample's failure with its reason: recorded in the ledger by the "
                                                 "worker, never raised to the CLI",
     "collector/records.py:Voided": "the commit fence refused a shard: the collector drops it",
+    "collector/integrity.py:Damaged": "a spool file found damaged while packing: the collector voids the shard",
     "workers/safejob.py:RefusedJob": "raised inside RQ's job execution; RQ fails that job, the worker goes on",
     "harvest/formats/filecopy.py:ShortFile": "a kernel copy met the end of its source: the shard writer falls back",
     "engines/reference.py:BadRequest": "answered as HTTP 400 by the reference engine's handler",

@@ -54,15 +54,17 @@ def capture_for(tmp_path):
 
 
 def expected_bytes(rid, start, end, ids, hs):
-    """The file written independently: sorted header JSON, padded so the data starts on a 4 KiB
-    block (a worker's kernel copy can then clone it), then the raw tensors."""
+    """The file written independently: sorted header JSON (with each tensor's crc32), padded so the
+    data starts on a 4 KiB block (a worker's kernel copy can then clone it), then the raw tensors."""
     import json
     import struct
+    import zlib
 
-    meta = {"capture_points": "[2, 4, 5, 8]", "end": str(end), "format": "harvest-dump-1", "model": "tiny",
-            "rid": rid, "start": str(start)}
     hs_bytes = hs.contiguous().numpy().tobytes()
     ids_bytes = ids.to(torch.int64).numpy().tobytes()
+    sums = f'{{"hidden_states":{zlib.crc32(hs_bytes)},"input_ids":{zlib.crc32(ids_bytes)}}}'
+    meta = {"capture_points": "[2, 4, 5, 8]", "crc32": sums, "end": str(end), "format": "harvest-dump-1",
+            "model": "tiny", "rid": rid, "start": str(start)}
     doc = {"__metadata__": meta,
            "hidden_states": {"dtype": "F32", "shape": list(hs.shape), "data_offsets": [0, len(hs_bytes)]},
            "input_ids": {"dtype": "I64", "shape": [len(ids)], "data_offsets": [len(hs_bytes), len(hs_bytes) + len(ids_bytes)]}}
