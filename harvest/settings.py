@@ -148,6 +148,7 @@ class RunnerSettings:
     outage_s: float | None = None  # how long Redis may be away (None: harvest.state.connection's)
     # Workers pause while the work dir's filesystem (spool, Redis's append-only file) has less free (0: never)
     min_free_bytes: int = 256 << 20
+    prune: bool = False  # drop the queued samples the dataset no longer holds (harvest.ops.coverage)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import redis
 from harvest.config import ConfigError, RunConfig
 from harvest.errors import InputError
+from harvest.formats.datasetids import SampleIds
 from harvest.progress import progress as progress_display
 from harvest.settings import ProducerSettings
 from harvest.state.payload import Sample
@@ -121,6 +122,7 @@ def produce_pass(
     processes: int = ProducerSettings.processes,
     on_wait: Callable[[int], None] | None = None,
     regenerate: bool | None = None,
+    ids: SampleIds | None = None,
 ) -> ProduceSummary:
     """One pass over DATASET: tokenize it and enqueue its samples for the run (or only count
     them, with dry_run).
@@ -131,6 +133,7 @@ def produce_pass(
     (see producer.parallel for when that pays); otherwise one thread tokenizes ahead of the enqueue.
     `regenerate`: chat rows become conversations whose answers the workers write (default: as the
     run says, harvest.config.RunIdentity.regenerate; a dry run without a run says it here).
+    `ids`: every sample's id is added to it (the dataset's samples, as `harvest run` keeps them).
     """
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer or cfg.model)
     # The model's context bounds every sample too; a dry run given only a tokenizer reads the
@@ -161,6 +164,8 @@ def produce_pass(
         for batch, results in tokenized:
             for result in results:
                 _count(s, result, enq, strict, fail_overlong, on_bad)
+                if ids is not None and isinstance(result, Sample):
+                    ids.add(result.id)
             s.rows += len(batch)
             _postfix(bar, s, enq, refresh=False)  # before the update, which draws it: never a batch behind
             bar.update(len(batch))

@@ -9,6 +9,12 @@ what is full and what fills it, and starts them again when free space is back ab
 (with a margin, so it does not flap). The collector goes on meanwhile (committing frees the
 spool), and a child that keeps dying while the run is paused does not end it. Ctrl-C stops a
 paused run as any other.
+
+A disk can fill faster than the look every few seconds, to the last byte. Then the runner's own
+writes there meet ENOSPC (or EDQUOT) too, and none of them ends the run: supervisor.log keeps its
+lines in memory until they fit (harvest.cli.supervisor `note`), a child whose log cannot be
+opened runs with its output dropped, the lock file keeps its last holder's line
+(harvest.cli.workdir); the pause comes at the next look, and the run goes on once space returns.
 """
 
 from __future__ import annotations

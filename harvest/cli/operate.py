@@ -191,8 +191,8 @@ def generated_cmd(run_url, dest, s3_endpoint, s3_region) -> None:
               help="Refresh in place every N seconds (default 2) until Ctrl-C.")
 @work_dir_option
 @click.option("--check", "check", is_flag=True,
-              help="Check the ledger's invariants (its counters and failures agree with its per-sample states); "
-                   "exit 1 naming each disagreement (`harvest reconcile` repairs them).")
+              help="Check the ledger's invariants (its counters and failures agree with its per-sample states) and "
+                   "that it knows every sample of the dataset `harvest run` read; exit 1 naming each disagreement.")
 def status_cmd(run, redis_url, as_json, watch, work_dir, check) -> None:
     """Where RUN stands: counts, throughput, ETA, workers, spool backlog, failure reasons."""
     with _reach(redis_url, work_dir) as url:
@@ -206,16 +206,16 @@ def _status(conn, run: str, as_json: bool, watch: float | None, check: bool) -> 
     from harvest.ops.status import compute_status, render
     from harvest.state.runstore import load_run
 
-    load_run(conn, run)  # a run not in Redis: say so, and how to start it
+    cfg = load_run(conn, run)  # a run not in Redis: say so, and how to start it
     if check:
         import sys
 
+        from harvest.ops.coverage import dataset_check
         from harvest.ops.ledgercheck import check_ledger
 
-        rep = check_ledger(conn, run)
-        for line in rep.lines():
-            click.echo(line)
-        sys.exit(0 if rep.ok else 1)
+        rep, lost = check_ledger(conn, run), dataset_check(conn, cfg)
+        click.echo("\n".join(rep.lines() + lost))
+        sys.exit(0 if rep.ok and not lost else 1)
     try:
         while True:
             st = compute_status(conn, run)

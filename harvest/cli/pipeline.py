@@ -82,16 +82,21 @@ def _default_run_name(dataset: str) -> str:
               type=click.IntRange(0),
               help="Pause the workers while the work dir's filesystem has less free space (spool, Redis's "
                    "append-only file); they go on once there is room again. 0: never pause.")
+@click.option("--prune", is_flag=True,
+              help="Drop the run's queued samples that DATASET no longer holds (rows edited or removed since they "
+                   "were enqueued) instead of extracting them; committed samples are never deleted.")
 def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
             work_dir, dump_dir, max_queued, shard_mb, no_progress, spool_grace, s3_endpoint, s3_region, engine,
             max_wait, batch_samples, batch_tokens, fields, chat_template, max_len, overlong, strict, processes,
-            regenerate, max_new_tokens, temperature, top_p, on_length, redis_wait, min_free_mb) -> None:
+            regenerate, max_new_tokens, temperature, top_p, on_length, redis_wait, min_free_mb, prune) -> None:
     """Extract hidden states for DATASET end to end on this machine.
 
     Redis going away is waited out, up to --redis-wait (its private redis-server is restarted on
-    the same port with its data). Exit status: 0 when every sample is done, 1 when samples failed
-    or rows were bad (the summary says how many), 2 on errors, 75 when Redis stayed away past
-    --redis-wait, 130 when interrupted (Ctrl-C, SIGTERM); after 75 or 130 the same command resumes.
+    the same port with its data). Exit status: 0 when every sample of DATASET is committed or
+    failed with a reason, 1 when samples failed or rows were bad (the summary says how many), 2 on
+    errors, 75 when the run is unfinished (Redis stayed away past --redis-wait, or samples of
+    DATASET are neither committed nor failed: the summary says how many), 130 when interrupted
+    (Ctrl-C, SIGTERM); after 75 or 130 the same command resumes.
     """
     apply_s3_env(s3_endpoint, s3_region)  # before any child starts: the collector inherits it
     check_dataset(dataset)
@@ -104,7 +109,7 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
     settings = RunnerSettings(workers=workers, redis_url=redis_url, engine_url=engine_url, work_dir=work_dir,
                               dump_dir=dump_dir, chunked_prefill_size=chunked_prefill_size, max_queued=max_queued,
                               max_wait_s=max_wait, progress=not no_progress, outage_s=redis_wait,
-                              min_free_bytes=min_free_mb << 20)
+                              min_free_bytes=min_free_mb << 20, prune=prune)
     _run_here(dataset, settings, produce_kw, run=run or _default_run_name(dataset), model=model, out_url=out_url,
               layers=layers, storage_dtype=storage_dtype, engine=engine, shard_bytes=shard_mb << 20,
               spool_grace_s=spool_grace,

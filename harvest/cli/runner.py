@@ -5,7 +5,17 @@ the reference engine (an SGLang or vLLM CPU server from its venv when the run's 
 `sglang` or `vllm`)
 unless given an engine URL, N workers and a collector as child processes of the `harvest`
 CLI (kept alive by harvest.cli.supervisor), produces the dataset in-process, and waits until
-every sample of the run is done or failed.
+every sample of the dataset is committed or failed.
+
+Done means done. The producer pass collects the dataset's sample ids and the runner keeps them
+beside the index files (harvest.formats.datasetids), so after the extraction it can tell the
+samples no state holds (a Redis that came back without them: the index files give back the
+committed ones, nothing gives back the queued ones) and run the producer pass again for them, a
+bounded number of times (`AGAIN_PASSES`); what is still missing after that is exit status 75,
+naming how many and the command that finishes them (harvest.cli.summary). The same comparison
+tells a rerun which of the run's samples its dataset no longer holds (rows edited or removed):
+said at the start and in the summary; `--prune` drops the queued ones before any worker starts,
+committed ones are never deleted (harvest.ops.coverage).
 
 Redis away. Its Redis client (harvest.state.connection) waits an outage out inside each call, as
 every child's does, and its private redis-server is restarted by `RedisKeeper` on the same port
@@ -32,28 +42,31 @@ start, or new ones from the producer); a rerun with nothing to do leaves it as i
 from __future__ import annotations
 
 import os
-import sys
-import time
-from collections import Counter
-from dataclasses import dataclass, field
-
-from tqdm import tqdm
-
 import shlex
 import signal
+import sys
 import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
 
 from harvest.cli.diskwatch import DiskWatch
 from harvest.cli.errors import connect, connect_service
 from harvest.cli.redisproc import RedisKeeper, RedisServer, free_port
+from harvest.cli.summary import RunSummary, committed_totals
 from harvest.cli.supervisor import Supervisor
 from harvest.cli.workdir import REDIS_SUBDIR, RunnerLocks, default_work_dir
 from harvest.config import RunConfig
-from harvest.errors import HarvestError, ServiceError
+from harvest.errors import ServiceError
+from harvest.formats.datasetids import SampleIds, write_manifest
 from harvest.formats.runfile import run_location
 from harvest.formats.settled import settle, unsettle
 from harvest.health import wait_healthy
 from harvest.node.dumpdir import default_dump_dir
+from harvest.ops.coverage import Coverage, coverage, prune_queued
 from harvest.ops.recovery import Recovery
 from harvest.progress import progress as progress_display
 from harvest.settings import EngineSettings, RunnerSettings
@@ -61,59 +74,11 @@ from harvest.state.connection import RedisLost, redact
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import check_run, publish_run
 
+if TYPE_CHECKING:
+    from producer.producer import ProduceSummary
+
+AGAIN_PASSES = 3  # producer passes after the extraction for samples a Redis lost: each follows a Redis that lost more
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the engines' PYTHONPATH
-
-
-@dataclass
-class RunSummary:
-    run: str
-    out: str
-    enqueued: int
-    skipped: int
-    bad_rows: int
-    done: int
-    failed: int
-    tokens: int
-    bytes: int
-    seconds: float
-    failure_reasons: dict[str, int] = field(default_factory=dict)
-    restarts: dict[str, int] = field(default_factory=dict)  # child name -> times the supervisor restarted it
-    produced: str = ""  # the producer's own summary line (rows, overlong, truncated...)
-    where: str = ""  # how the operator's commands reach the run: `--work-dir DIR` or `--redis URL`
-    started: bool = True  # False: nothing was queued or spooled, no engine or worker was started
-    generated: tuple[int, int] | None = None  # a --regenerate run's conversations written, tokens generated
-
-    @property
-    def exit_status(self) -> int:
-        """0 when every sample is done and every row was good; 1 when samples failed or rows were bad."""
-        return 1 if self.failed or self.bad_rows else 0
-
-    def lines(self) -> list[str]:
-        bad = f"  bad rows: {self.bad_rows}"
-        if self.bad_rows:
-            bad += " (each reported above on stderr with its file and line)"
-        out = [
-            f"run {self.run} -> {self.out}",
-            f"  samples: {self.done} done, {self.failed} failed ({self.enqueued} enqueued now, {self.skipped} already known)",
-            bad,
-            f"  tokens: {self.tokens}, bytes: {self.bytes}, seconds: {self.seconds:.1f}",
-        ]
-        if self.produced:
-            out.append(f"  produced: {self.produced}")
-        if self.generated is not None:
-            out.append(f"  generated: {self.generated[0]} conversations written, {self.generated[1]} tokens (the "
-                       "engine's work: a conversation failed after its turns and requeued is written again)")
-        if not self.started:
-            out.append("  nothing to extract: no engine or worker was started")
-        for reason, n in sorted(self.failure_reasons.items(), key=lambda kv: -kv[1]):
-            out.append(f"  failed because {reason}: {n}")
-        if self.restarts:
-            out.append("  restarted: " + ", ".join(f"{n} {k}x" for n, k in sorted(self.restarts.items())))
-        out.append(f"  status: harvest status --run {self.run} {self.where}")
-        if self.failed:
-            out.append(f"  requeue the failed: harvest requeue --run {self.run} {self.where} --all  (then run the "
-                       "same `harvest run` again)")
-        return out
 
 
 def _stop_order(workers: list[str]) -> list[list[str]]:
@@ -239,22 +204,6 @@ def _stop_on_interrupt(children: Supervisor) -> None:
             signal.signal(sig, lambda *_: children.hurry())
 
 
-def committed_totals(cfg: RunConfig) -> tuple[int, int] | None:
-    """(tokens, bytes) the run's index files commit (each sample's kept copy once; every shard's
-    bytes), or None when the output cannot be read now."""
-    from harvest.formats.index import INDEX, kept_copies, parse_index
-    from harvest.formats.runfile import run_location
-
-    try:
-        loc = run_location(cfg.out_url, cfg.run)
-        docs = [parse_index(loc.read_json(f"{INDEX}/{n}"), loc.path(INDEX, n)) for n in loc.list(INDEX, ".json")]
-    except (OSError, HarvestError):
-        return None
-    kept = kept_copies(docs).kept
-    tokens = sum(t for d in docs for s, t in zip(d["samples"], d["tokens"]) if kept.get(s) == d["shard_id"])
-    return tokens, sum(d["bytes"] for d in docs)
-
-
 def _where(work: str, redis_url: str | None) -> str:
     """The option that reaches the run's Redis in the operator's commands, as a user types it."""
     return f"--redis {shlex.quote(redact(redis_url))}" if redis_url else f"--work-dir {shlex.quote(work)}"
@@ -306,15 +255,16 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
         before = ledger.counts()
         if before["queued"] or before["spooled"]:
             unsettle(out)
-        if before["total"] == 0 or before["queued"] or before["spooled"]:
+        if (before["total"] == 0 or before["queued"] or before["spooled"]) and not settings.prune:
             # Work ahead: overlap the start-up (imports, the engine's model load) with reconcile and
             # the producer. A rerun of a run with nothing pending produces first instead, and
-            # starts them only if the dataset brings something new.
+            # starts them only if the dataset brings something new; so does --prune, whose queued
+            # samples the dataset no longer holds must be dropped before a worker takes them.
             launch.start_workers()
         from harvest.ops.reconcile import reconcile
 
         reconcile(conn, cfg)
-        if launch.started or ledger.counts()["queued"]:
+        if launch.started or (ledger.counts()["queued"] and not settings.prune):
             launch.ensure()
 
         def on_wait(_: int) -> None:  # the queue is full: its consumers must run
@@ -323,18 +273,23 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
 
         from producer.producer import produce
 
-        summary = produce(conn, cfg, dataset, max_queued=settings.max_queued, progress=settings.progress,
-                          on_bad=_report_bad, on_wait=on_wait, **(produce_kw or {}))
+        def produce_pass(**kw) -> ProduceSummary:
+            return produce(conn, cfg, dataset, max_queued=settings.max_queued, progress=settings.progress,
+                           on_wait=on_wait, **kw, **(produce_kw or {}))
+
+        ids = SampleIds()
+        summary = produce_pass(on_bad=_report_bad, ids=ids)
+        write_manifest(out, ids.freeze())
+        pruned = prune_queued(conn, cfg.run, ids) if settings.prune else 0
+        if line := coverage(conn, cfg.run, ids).stray_line(pruned):
+            tqdm.write(f"harvest: run {cfg.run} holds samples that {dataset} no longer holds: {line}", file=sys.stderr)
         if summary.enqueued:
             unsettle(out)
-        c = ledger.counts()
-        if c["queued"] or c["spooled"]:
-            launch.ensure()
-        if launch.started:
-            _extract(ledger, recovery, children, disk, names, settings.progress)
+        cov, again = _finish(conn, cfg, ids, ledger, recovery, children, disk, names, launch, produce_pass,
+                             settings.progress)
         children.stop(_stop_order(names))
         c = ledger.counts()
-        if c["queued"] == 0 and c["spooled"] == 0:  # every index is written: followers of the run may end
+        if c["queued"] == 0 and c["spooled"] == 0 and not cov.missing:  # every index is written: followers may end
             settle(out, cfg.run, c["done"], c["failed"])
         stats = ledger.stats()  # the output unreadable just now: the counters the collectors kept
         totals = committed_totals(cfg) or (stats.get("tokens_done", 0), stats.get("bytes_done", 0))
@@ -343,7 +298,8 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
             run=cfg.run, out=cfg.out_url, enqueued=summary.enqueued, skipped=summary.skipped, bad_rows=summary.bad,
             done=c["done"], failed=c["failed"], tokens=totals[0], bytes=totals[1], seconds=time.monotonic() - t0,
             failure_reasons=dict(reasons), restarts=children.restarts(), produced=summary.text(),
-            where=_where(work, settings.redis_url), started=launch.started,
+            where=_where(work, settings.redis_url), started=launch.started, missing=cov.missing_line(),
+            stray=cov.stray_line(pruned), again=again,
             generated=(stats.get("conversations_written", 0), stats.get("tokens_generated", 0)) if cfg.regenerate else None)
     except RedisLost as e:
         if keeper is not None and keeper.last_error:
@@ -380,6 +336,31 @@ def _tend(children: Supervisor, disk: DiskWatch, names: list[str]) -> None:
         children.note(disk.resume_line())
         tqdm.write(disk.resume_line(), file=sys.stderr)
     children.poll()
+
+
+def _finish(conn, cfg: RunConfig, ids: SampleIds, ledger: Ledger, recovery: Recovery, children: Supervisor,
+            disk: DiskWatch, names: list[str], launch: _Launcher, produce_pass: Callable[..., ProduceSummary],
+            progress: bool) -> tuple[Coverage, int]:
+    """Extract until nothing is queued or spooled; then, while samples of the dataset are in no
+    state (a Redis that came back without them: the index files gave back the committed ones,
+    nothing the queued ones), a producer pass enqueues them again and the extraction goes on, at
+    most AGAIN_PASSES times. Returns the dataset's coverage at the end and the samples enqueued again."""
+    again = 0
+    for n in range(AGAIN_PASSES + 1):
+        c = ledger.counts()
+        if c["queued"] or c["spooled"]:
+            launch.ensure()
+        if launch.started:
+            _extract(ledger, recovery, children, disk, names, progress)
+        cov = coverage(conn, cfg.run, ids)
+        if not cov.by_state["absent"] or n == AGAIN_PASSES:
+            return cov, again
+        line = (f"harvest: {cov.by_state['absent']} samples of the dataset are in no state (a Redis that came back "
+                "without them): enqueuing them again")
+        children.note(line)
+        tqdm.write(line, file=sys.stderr)
+        again += produce_pass(on_bad=lambda _: None).enqueued  # its bad rows were reported by the first pass
+    return cov, again
 
 
 def _extract(ledger: Ledger, recovery: Recovery, children: Supervisor, disk: DiskWatch, names: list[str],

@@ -26,10 +26,12 @@ and is restarted like any other.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +41,8 @@ from harvest.errors import OutputRefused, ServiceError
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 SECOND_SIGNAL_AFTER_S = 1.0  # a hurried stop's SIGTERMs come at least this long after the first, and repeat so
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+MAX_DEFERRED = 1000  # supervisor.log lines kept in memory while its disk is full; older ones are dropped
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
@@ -98,6 +102,9 @@ class Supervisor:
         self.children: dict[str, Child] = {}
         self.hurried = False  # a second Ctrl-C: workers hand their jobs back at once
         self.tolerant = False  # while the run is paused, a child that keeps dying does not end it
+        self._deferred: list[str] = []  # supervisor.log lines a full disk refused, written at the next note
+        self._dropped = 0
+        self._note_lock = threading.Lock()  # the Redis keeper notes from its own thread
 
     def start(self, name: str, args: list[str], cmd: list[str] | None = None,
               env: dict[str, str] | None = None, held: bool = False) -> subprocess.Popen | None:
@@ -108,7 +115,13 @@ class Supervisor:
         return None if held else self._spawn(child)
 
     def _spawn(self, child: Child) -> subprocess.Popen:
-        log = open(os.path.join(self.log_dir, f"{child.name}.log"), "ab")
+        try:
+            log = open(os.path.join(self.log_dir, f"{child.name}.log"), "ab")
+        except OSError as e:  # a full disk: the child runs all the same, its output lost until its restart
+            if e.errno not in DISK_FULL:
+                raise
+            log = open(os.devnull, "wb")
+            self.note(f"{child.name}: its log cannot be opened ({e.strerror}): its output is dropped until it restarts")
         child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       env={**os.environ, **child.env} if child.env else None,
                                       preexec_fn=detached(signal.SIGKILL))
@@ -190,9 +203,29 @@ class Supervisor:
         return (errors or lines or [f"exit status {OutputRefused.exit_status}, no output"])[-1]
 
     def note(self, line: str) -> None:
-        """One timestamped line in supervisor.log (the run's Redis keeper writes there too)."""
-        with open(os.path.join(self.log_dir, "supervisor.log"), "a") as f:
-            f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+        """One timestamped line in supervisor.log (the run's Redis keeper writes there too). On a full
+        disk (ENOSPC, EDQUOT) the line is kept in memory and written, with its own time, before the
+        next line that fits (the run pauses meanwhile: harvest.cli.diskwatch): a log is never what
+        stops a run. Past MAX_DEFERRED kept lines the oldest are dropped, and the count is written."""
+        with self._note_lock:
+            self._note(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+
+    def _note(self, line: str) -> None:
+        self._deferred.append(line)
+        if len(self._deferred) > MAX_DEFERRED:
+            self._dropped += len(self._deferred) - MAX_DEFERRED
+            del self._deferred[:-MAX_DEFERRED]
+        text = "".join(self._deferred)
+        if self._dropped:
+            text = f"{time.strftime('%Y-%m-%dT%H:%M:%S')} ({self._dropped} lines dropped: the disk was full)\n" + text
+        try:
+            with open(os.path.join(self.log_dir, "supervisor.log"), "a") as f:
+                f.write(text)
+        except OSError as e:
+            if e.errno not in DISK_FULL:
+                raise
+            return  # a part may have been written: written again later, a line twice rather than none
+        self._deferred, self._dropped = [], 0
 
     def stop(self, order: list[list[str]] | None = None, timeout: float = 60.0) -> None:
         """SIGTERM the children group by group (`order`: e.g. workers, then the collector, then the

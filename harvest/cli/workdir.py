@@ -21,6 +21,7 @@ stays.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -82,8 +83,12 @@ class DirLock:
         assert self.fd is not None
         doc = {"pid": os.getpid(), "command": command_line(), **info}
         data = json.dumps(doc).encode()
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, data, 0)
+        try:  # written over the old bytes, then cut: on a full disk the file keeps the blocks it has
+            os.pwrite(self.fd, data, 0)
+            os.ftruncate(self.fd, len(data))
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise  # a full disk leaves the last holder's line: the lock itself is the flock
 
     def release(self) -> None:
         if self.fd is not None:

@@ -248,12 +248,12 @@ class Ledger:
         (harvest.ops.reconcile rebuilds them from the shard that still holds their tokens)."""
         return self._move(ids, QUEUED, DONE, pipe=pipe)
 
-    def forget_done(self, ids: list[str]) -> list[str]:
-        """d -> absent for samples no index names and whose tokens are nowhere in storage: the
-        producer enqueues them again at its next run (it skips only samples the ledger knows)."""
+    def forget_done(self, ids: list[str], state: str = DONE) -> list[str]:
+        """d -> absent for samples no index names and whose tokens are nowhere in storage (the producer
+        enqueues them again: it skips only samples the ledger knows); `state` q: queued samples dropped."""
         if not ids:
             return []
-        res = self._forget(keys=[self.keys.state, self.keys.counts], args=[len(ids), *ids], client=self.conn)
+        res = self._forget(keys=[self.keys.state, self.keys.counts], args=[state, len(ids), *ids], client=self.conn)
         return [r.decode() if isinstance(r, bytes) else r for r in res]
 
     def spooled_payloads(self, ids: list[str]) -> list[str | None]:

@@ -267,16 +267,18 @@ if n > 0 then redis.call('HINCRBY', KEYS[2], 'q', n) end
 return left
 """
 
-# Forget samples the ledger says are done but no index in storage names (an index file lost):
-# d -> absent, so the producer enqueues them again. KEYS: state, counts. ARGV: n, ids.
+# Forget samples in one state (ARGV[1]): done ones no index in storage names (an index file lost),
+# so the producer enqueues them again; queued ones a rerun's dataset no longer holds (--prune), so
+# no worker extracts them (a job's worker takes only its queued samples). KEYS: state, counts.
+# ARGV: the state letter, n, ids.
 FORGET = """
-local n = tonumber(ARGV[1])
+local want, n = ARGV[1], tonumber(ARGV[2])
 local gone = {}
 for i = 1, n do
-  local id = ARGV[1 + i]
-  if redis.call('HGET', KEYS[1], id) == 'd' then
+  local id = ARGV[2 + i]
+  if redis.call('HGET', KEYS[1], id) == want then
     redis.call('HDEL', KEYS[1], id)
-    redis.call('HINCRBY', KEYS[2], 'd', -1)
+    redis.call('HINCRBY', KEYS[2], want, -1)
     gone[#gone + 1] = id
   end
 end
