@@ -35,7 +35,7 @@ SLOW_FIRST = [
     "system/test_sglang_servers.py",  # ~6 min: two servers of their own (radix cache, TP 2), on the other worker
     "system/test_vllm.py",
     "system/test_exactly_once.py",
-    "system/test_audit.py",  # 2-4 min: two extractions and five audits of one run, one after another
+    "system/test_audit.py",  # 2-4 min: two faulty runs (one audited twice, one repaired: a third extraction), five audits
     "system/test_chaos.py",
     "system/test_regenerate_chaos.py",  # 2-3 min: a worker killed mid-generation, a node lost, seeds
     "system/test_clock_skew.py",
