@@ -16,6 +16,7 @@ import redis
 
 from harvest.cli.demo import build_tiny_model
 from harvest.cli.redisproc import RedisServer
+from tests.support.need import need
 
 SYSTEM = pathlib.Path(__file__).parent / "system"
 
@@ -184,6 +185,6 @@ def tiny_fs(request, tmp_path):
     size = getattr(request, "param", "1m")
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): the test needs a real small filesystem")
+        need("a tmpfs mount", f"cannot mount one here ({r.stderr.strip()}): the test needs a real small filesystem")
     yield str(d)
     subprocess.run(["umount", "-l", str(d)], check=False)

@@ -18,6 +18,7 @@ from rq.serializers import JSONSerializer
 from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.cli.redisproc import RedisServer
 from harvest.state.keys import Keys
+from tests.support.need import need
 from tests.support.ops import Procs, cli, new_run
 
 
@@ -94,7 +95,7 @@ def _outside_address() -> str | None:
 def test_reference_engine_listens_on_loopback_only(tmp_path, tiny_model, procs):
     ip = _outside_address()
     if ip is None:
-        pytest.skip("this machine has no non-loopback address to try")
+        need("a non-loopback address", "the test checks the engine cannot be reached on one")
     url = procs.engine("engine", tiny_model, str(tmp_path / "dumps"))
     port = url.rsplit(":", 1)[1]
     assert httpx.get(f"{url}/health").status_code == 200
