@@ -6,7 +6,6 @@ engine, `harvest worker`, the moto S3 server."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 
 import httpx
@@ -54,10 +53,11 @@ def test_a_job_naming_another_function_never_runs(tmp_path, conn, redis_server, 
         assert "DeserializationError" in log
 
 
-def test_password_redis_and_s3_secrets_stay_out_of_logs(tmp_path, tiny_model, procs, s3_bucket):
+def test_password_redis_and_s3_secrets_stay_out_of_logs(tmp_path, tiny_model, procs, s3_bucket, monkeypatch):
     password, secret = "pw-7f3a9c1e55", "sk-d41d8cd98f00b204"
     server = RedisServer(str(tmp_path / "redis"), password=password).start()
-    os.environ["AWS_SECRET_ACCESS_KEY"] = secret  # moto accepts any key; the subprocesses inherit it
+    # moto accepts any key; the subprocesses inherit it; the session's own key is back after the test
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     try:
         url_redis = server.url
         with pytest.raises(redis.AuthenticationError):
@@ -77,7 +77,6 @@ def test_password_redis_and_s3_secrets_stay_out_of_logs(tmp_path, tiny_model, pr
         text = "".join(o.stdout + o.stderr for o in outputs) + "".join(procs.log(n) for n in procs.procs)
         assert password not in text and secret not in text
     finally:
-        os.environ["AWS_SECRET_ACCESS_KEY"] = "testing"
         server.stop()
 
 
