@@ -6,7 +6,7 @@ dominates) serves both paths, greedy (temperature 0), so both generate the very 
 (a) direct: `--threads` threads (default: a job's size, the conversations one job of harvest has
     in flight) take the chats one at a time and write each one's turns in order with
     `SGLangClient.complete`, from the prompts harvest's producer builds (`RowTokenizer(...,
-    regenerate=True)`, `harvest.state.conversation.splice`); nothing else runs. A conversation
+    regenerate=True)`, `harvest.state.conversation.Conversation.splice`); nothing else runs. A conversation
     that would fail in harvest (a turn that ends at once) is dropped from the count there too.
 (b) harvest: `harvest run --regenerate --max-new-tokens N --on-length keep --engine-url` on the
     same chats against the same engine, with a Redis this bench starts, so the run's stats
@@ -70,7 +70,7 @@ from harvest.cli.demo import build_tiny_model  # noqa: E402
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.health import wait_healthy  # noqa: E402
 from tests.support.benchengine import start_pinned_engine  # noqa: E402
-from harvest.state.conversation import splice, turn_seed  # noqa: E402
+from harvest.state.conversation import turn_seed  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.payload import Sample, split_jobs  # noqa: E402
 from producer.rows import Row  # noqa: E402
@@ -119,7 +119,7 @@ def direct(url: str, samples: list[Sample], threads: int, max_new: int, tag: str
         i, s = i_s
         pieces, generated = s.conv.pieces(s.input_ids), []
         for k in range(s.conv.turns):
-            prompt, _ = splice(pieces, generated)
+            prompt, _ = s.conv.splice(pieces, generated)
             r = client.complete(f"hg-bench-{tag}-{i}-{k}", prompt.tolist(),
                                 GenParams(max_new, 0.0, 1.0, turn_seed(s.id, k), s.conv.stop))
             if isinstance(r, Rejected):

@@ -217,14 +217,14 @@ class RowTokenizer:
     def _conversation(self, row: Row, encs: list, messages: list[dict]) -> Sample | BadRow:
         turns = len(encs) // 2
         pieces, answers = [e.ids for e in encs[: turns + 1]], [e.ids for e in encs[turns + 1:]]
-        stop = {a[-1] for a in answers if a and a[-1] in self.special_ids}
-        if self.eos_id is not None:
-            stop.add(self.eos_id)
+        ends = [a[-1] for a in answers if a and a[-1] in self.special_ids]  # the template's end-of-turn
+        stop = {*ends, *([] if self.eos_id is None else [self.eos_id])}
         if not stop:
             raise TemplateError("the chat template ends an assistant turn with no special token and the tokenizer "
                                 "has no EOS: nothing tells where a generated turn ends")
+        close = ends[0] if ends else self.eos_id  # what closes a turn cut at --max-new-tokens
         skeleton = [t for p in pieces for t in p]
-        conv = Conversation(tuple(len(p) for p in pieces), tuple(sorted(stop)), tuple(messages))
+        conv = Conversation(tuple(len(p) for p in pieces), tuple(sorted(stop)), tuple(messages), close)
         limit, what, source = self.length.limit()
         if limit is not None and len(skeleton) > limit:
             why = f"{source}; " if source else ""

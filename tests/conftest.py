@@ -16,6 +16,7 @@ import redis
 
 from harvest.cli.demo import build_tiny_model
 from harvest.cli.redisproc import RedisServer
+from tests.support.need import need
 
 SYSTEM = pathlib.Path(__file__).parent / "system"
 
@@ -35,7 +36,7 @@ SLOW_FIRST = [
     "system/test_sglang_servers.py",  # ~6 min: two servers of their own (radix cache, TP 2), on the other worker
     "system/test_vllm.py",
     "system/test_exactly_once.py",
-    "system/test_audit.py",  # 2-4 min: two extractions and five audits of one run, one after another
+    "system/test_audit.py",  # 2-4 min: two faulty runs (one audited twice, one repaired: a third extraction), five audits
     "system/test_chaos.py",
     "system/test_regenerate_chaos.py",  # 2-3 min: a worker killed mid-generation, a node lost, seeds
     "system/test_clock_skew.py",
@@ -184,6 +185,6 @@ def tiny_fs(request, tmp_path):
     size = getattr(request, "param", "1m")
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(d)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): the test needs a real small filesystem")
+        need("a tmpfs mount", f"cannot mount one here ({r.stderr.strip()}): the test needs a real small filesystem")
     yield str(d)
     subprocess.run(["umount", "-l", str(d)], check=False)

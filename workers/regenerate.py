@@ -13,7 +13,8 @@ committed because the collector packs only samples its own spool owns. Each exec
 draws its own attempt number (harvest.ids.new_attempt), so two generations of a sample never share
 `hg-` rids (which no engine dumps anyway), and its extraction rids are claimed and verified as ever.
 
-Turns are written in order, each from the tokens before it (harvest.state.conversation.splice);
+Turns are written in order, each from the tokens before it (harvest.state.conversation's `splice`: a
+turn cut at max_new_tokens is closed by the template's end-of-turn token, as the template renders it);
 the conversations of a job are written at once, `MAX_IN_FLIGHT` requests at a time, because the
 engine's continuous batching needs many requests in flight to keep a GPU busy (decode is
 memory-bound: one request at a time would leave it idle).
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 
 from harvest.config import RunConfig
 from harvest.regeneration import Regeneration
-from harvest.state.conversation import gen_rid, splice, turn_seed
+from harvest.state.conversation import gen_rid, turn_seed
 from harvest.state.failures import (
     CONTEXT_LENGTH,
     ENGINE_REJECTED,
@@ -158,7 +159,7 @@ def write_turns(engine, s: Sample, attempt: int, reg: Regeneration, stop: thread
     for k in range(n):
         if stop is not None and stop.is_set():
             raise _Stopped(s.id)
-        prompt, _ = splice(pieces, generated)
+        prompt, _ = conv.splice(pieces, generated)
         where = f"turn {k + 1} of {n}"
         if reg.context is not None and prompt.size + reg.max_new_tokens > reg.context:
             raise SampleFailure(CONTEXT_LENGTH, f"{where}: its prompt of {prompt.size} tokens and --max-new-tokens "
@@ -180,7 +181,7 @@ def write_turns(engine, s: Sample, attempt: int, reg: Regeneration, stop: thread
         texts.append(r.text)
         turns.append({"tokens": list(r.tokens), "finish_reason": r.finish_reason, "seed": seed,
                       "prompt_tokens": int(prompt.size)})
-    ids, mask = splice(pieces, generated)
+    ids, mask = conv.splice(pieces, generated)
     if reg.context is not None and ids.size > reg.context:
         raise SampleFailure(CONTEXT_LENGTH, f"the regenerated conversation has {ids.size} tokens, over the model's "
                             f"context of {reg.context}")

@@ -33,7 +33,8 @@ from harvest.formats.runfile import read_run_json
 from harvest.formats.settled import read_settled
 from harvest.read.coalesce import cap_for, windows
 from harvest.read.follow import Shards, list_shards, tail
-from harvest.read.partition import Stage, batch_count, delivered, digest, replay, sample_order, span_sizes, spans
+from harvest.read.partition import (Stage, batch_count, delivered, digest, part_of, replay, sample_order, span_sizes,
+                                    spans)
 from harvest.read.readahead import ReadAhead
 from harvest.read.reader import RunReader
 from harvest.read.shard_reader import CorruptSample, UnreadableShard
@@ -239,7 +240,7 @@ class HiddenStateIterable(IterableDataset):
         if self.num_workers is not None and max(self.num_workers, 1) != workers:
             raise ConfigurationError(f"the feed was told num_workers={self.num_workers}, its DataLoader runs "
                                      f"{workers if info is not None else 0}: give both the same")
-        return self.rank * workers + worker, self.world_size * workers
+        return part_of(self.rank, worker, self.world_size, workers), self.world_size * workers
 
     def _deal(self, order: list[str], parts: int) -> list[list[str]]:
         """The spans of this epoch: of the whole order, or of what a resumed state left of it."""
@@ -357,18 +358,20 @@ class HiddenStateIterable(IterableDataset):
             workers, own, steps = max(self.num_workers, 1), None, batches
         parts, drop = self.world_size * workers, self.drop_remainder and not resumed
         sizes = span_sizes(len(rest), parts, drop)
-        consumed: list[int] = []
+        consumed = [0] * parts
         for r in range(self.world_size):
-            mine = sizes[r * workers : (r + 1) * workers]
+            ids = [part_of(r, w, self.world_size, workers) for w in range(workers)]
+            mine = [sizes[p] for p in ids]
             if own is not None and r == self.rank:
                 if own > mine[0] and self.follow:
                     raise ConfigurationError(_IN_TAIL)
-                consumed.append(min(own, mine[0]))
+                consumed[ids[0]] = min(own, mine[0])
                 continue
             total = sum(batch_count(n, self.batch_size) for n in mine)
             if steps > total and self.follow:  # that rank's loop is reading the tail
                 raise ConfigurationError(_IN_TAIL)
-            consumed += delivered(mine, self.batch_size, min(steps, total))
+            for p, n in zip(ids, delivered(mine, self.batch_size, min(steps, total))):
+                consumed[p] = n
         return {"format": STATE_FORMAT, "run": self._store.cfg.run, "epoch": self.epoch, "seed": self.seed,
                 "window": self.window, "shards": list(self._view), "digest": digest(order),
                 "stages": [st.to_json() for st in [*stages, Stage(parts, drop, tuple(consumed))]]}

@@ -8,10 +8,14 @@ shard order, then cuts it into windows of `window` consecutive shards and shuffl
 within each window: every sample moves, but a reader's next samples always lie in a few shards,
 so reads stay ranged and close together (the py1b idea of mosaicml-streaming, without its nodes).
 
-**Partition.** The order is cut into `parts` = world_size x DataLoader workers contiguous spans,
-in rank-major order (part = rank * workers + worker). Span sizes differ by at most one: the first
-`n % parts` spans hold one more. Nothing is dropped or repeated by default, so the union over
-ranks is every sample once per epoch; equal to within one sample is the best that allows. Padding
+**Partition.** The order is cut into `parts` = world_size x DataLoader workers contiguous spans.
+Span sizes differ by at most one: the first `n % parts` spans hold one more. Spans are numbered
+worker-major (`part_of(rank, worker, ...)` = worker * world_size + rank), so those extra samples go
+one to each rank before any rank gets a second: every rank's count is within one of every other's
+(rank-major numbering would give all of rank 0's workers one more: 68, 66, 66 for 200 samples over
+3 ranks of 2 workers, and the rank with more batches waits forever in its last collective).
+Nothing is dropped or repeated by default, so the union over ranks is every sample once per
+epoch; equal to within one sample is the best that allows. Padding
 (mosaicml's choice) repeats samples and so breaks once per epoch; dropping loses samples. Both
 are worse defaults for a dataset whose every row cost a forward pass. Where a trainer needs
 exactly equal step counts on every rank, `drop=True` gives every span exactly `n // parts`
@@ -61,6 +65,15 @@ def span_sizes(n: int, parts: int, drop: bool = False) -> list[int]:
         raise ValueError(f"{parts} parts: there must be at least one")
     q, r = divmod(n, parts)
     return [q + (0 if drop else int(p < r)) for p in range(parts)]
+
+
+def part_of(rank: int, worker: int, world_size: int, workers: int) -> int:
+    """The span a rank's DataLoader worker reads (`workers` >= 1: a DataLoader without workers is one):
+    worker-major, so `span_sizes`' extra samples go to distinct ranks first and every rank's total is
+    within one of every other's."""
+    if not (0 <= rank < world_size and 0 <= worker < workers):
+        raise ValueError(f"rank {rank} of {world_size}, worker {worker} of {workers}: out of range")
+    return worker * world_size + rank
 
 
 def spans(order: Sequence[str], parts: int, drop: bool = False) -> list[list[str]]:

@@ -17,7 +17,8 @@ def expected_tokens(tokenizer, row):
 def expected_regenerated(tokenizer, model, messages: list[dict], max_new: int) -> tuple[list[int], list[int], list[list[int]]]:
     """The regenerated conversation by transformers alone: each turn's prompt is the template's
     rendering of the conversation so far with its generation prompt, where the earlier answers are
-    the model's own tokens; the text between turns is the template's, tokenized on its own."""
+    the model's own tokens, each closed by the template's <|im_end|> (the model's own stop token when
+    it stopped); the text between turns is the template's, tokenized on its own."""
     import torch
 
     if messages[-1]["role"] != "assistant":
@@ -42,6 +43,9 @@ def expected_regenerated(tokenizer, model, messages: list[dict], max_new: int) -
         turns.append(g)
         ids += g
         mask += [1] * len(g)
+        if g[-1] not in stop:  # cut at max_new: the template closes the turn (its <|im_end|>), unmasked
+            ids.append(stop[0])
+            mask.append(0)
         done_text = render(messages[: i + 1])  # whatever the answer, the template goes on after its <|im_end|>
     tail = encode(render(messages)[len(done_text):])
     return ids + tail, mask + [0] * len(tail), turns

@@ -21,6 +21,7 @@ from harvest.cli.demo import build_tiny_model
 from harvest.cli.redisproc import free_port
 from harvest.health import wait_healthy
 from harvest.read.reader import RunReader
+from tests.support.need import need
 from tests.support.wait import wait_for
 
 L = 8
@@ -217,7 +218,7 @@ def sglang_python_or_skip() -> str:
     try:
         return venv_python()
     except FileNotFoundError as e:
-        pytest.skip(f"SGLang live test skipped: {e}", allow_module_level=True)
+        need("the SGLang venv", str(e), module=True)
 
 
 # The live files' module fixtures (imported into each: pytest finds them there).

@@ -11,7 +11,8 @@ four are extracted again (by an engine without faults), committed once, and both
 the engine route against a given engine whose batch fault is on for good (each sample alone
 never meets it).
 
-The tests share the module's run and follow one another (one xdist worker): the last one repairs it.
+The two tests that audit the faulty run share the module's run (one xdist worker) and change
+nothing in it; the test that repairs a run makes one of its own, so every test stands alone.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from harvest.read.shard_reader import ShardReader
 from harvest.storage import Location
 from tests.support.cli import REPO, harvest_cli, kill_group
 
-pytestmark = pytest.mark.xdist_group("test_audit")
+SHARED = pytest.mark.xdist_group("test_audit")  # the tests that read the module's faulty run, on one worker
 
 RUN = "faulty"
 FAULTS = "shift-chunk:1,wrong-layer:1,perturb:1"
@@ -83,7 +84,18 @@ def _flip_a_byte(loc: Location, reader: RunReader, sid: str) -> tuple[int, int, 
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory, tiny_model) -> Faulty:
-    base = tmp_path_factory.mktemp("audit")
+    """The module's faulty run, for the tests that only audit it."""
+    return _faulty_run(tmp_path_factory.mktemp("audit"), tiny_model)
+
+
+@pytest.fixture
+def repairable(tmp_path_factory, tiny_model) -> Faulty:
+    """A faulty run of the test's own, for a test that repairs it."""
+    return _faulty_run(tmp_path_factory.mktemp("audit-repair"), tiny_model)
+
+
+def _faulty_run(base, tiny_model) -> Faulty:
+    """The run of the module's docstring in `base`, with each fault's expected audit line."""
     dataset = write_jsonl(str(base / "d.jsonl"), demo_rows(24))
     out, work = base / "out", base / "work"
     args = ["run", dataset, "--model", tiny_model, "--out", f"file://{out}", "--run", RUN, "--dtype", "fp32",
@@ -167,6 +179,7 @@ def _check_caught(f: Faulty, res, route_line: str,
     assert lines[-2] == f"verdict: FAIL: {verdict}"
 
 
+@SHARED
 def test_each_fault_is_caught_against_the_engine_with_its_reason_and_rows(faulty):
     before = _committed_bytes(faulty.loc)
     res, _ = _audit(faulty, "--against", "engine", "--samples", "100", "--seed", "3")
@@ -183,6 +196,7 @@ def test_each_fault_is_caught_against_the_engine_with_its_reason_and_rows(faulty
     assert latest["record"] == "audits/" + os.path.basename(record.group(1)) and latest["verdict"] == "fail"
 
 
+@SHARED
 def test_each_fault_is_caught_against_transformers_with_its_reason_and_rows(faulty):
     res, _ = _audit(faulty, "--against", "hf", "--samples", "100", "--seed", "3")
     _check_caught(faulty, res, r"against hf: transformers \S+ forward of \S+ on cpu in float32, each sample whole")
@@ -204,29 +218,29 @@ def _engine(model: str, dumps: str, faults: str):
         p.wait()
 
 
-def test_requeue_bad_extracts_them_again_once_and_both_routes_then_pass(faulty, tiny_model, tmp_path):
-    res, _ = _audit(faulty, "--against", "hf", "--samples", "100", "--seed", "3", "--requeue-bad")
+def test_requeue_bad_extracts_them_again_once_and_both_routes_then_pass(repairable, tiny_model, tmp_path):
+    res, _ = _audit(repairable, "--against", "hf", "--samples", "100", "--seed", "3", "--requeue-bad")
     assert res.returncode == 1, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     assert re.fullmatch(r"requeue-bad: excluded 4 samples from \d index files; marked 0 samples done from storage; "
                         r"4 done in the ledger but committed by no index went back to the queue", lines[-2]), lines[-2]
-    assert len(RunReader(faulty.loc.url())) == 21  # excluded: no reader reads the wrong copies any more
-    res = harvest_cli(*faulty.args, env=ONE_THREAD)  # the run again, its engine without faults: the four extracted anew
+    assert len(RunReader(repairable.loc.url())) == 21  # excluded: no reader reads the wrong copies any more
+    res = harvest_cli(*repairable.args, env=ONE_THREAD)  # the run again, its engine without faults: the four extracted anew
     assert res.returncode == 0, res.stdout + res.stderr
     assert "samples: 25 done, 0 failed (0 enqueued now, 25 already known)" in res.stdout
-    reader = RunReader(faulty.loc.url())
-    assert sorted(reader.sample_ids) == faulty.before and reader.duplicates == {}
-    copies = Counter(s for n in faulty.loc.list(INDEX, ".json")
-                     for s in committed_samples(faulty.loc.read_json(f"{INDEX}/{n}")))
-    assert set(copies.values()) == {1} and sorted(copies) == faulty.before  # each committed once
-    for sid in faulty.reasons:
+    reader = RunReader(repairable.loc.url())
+    assert sorted(reader.sample_ids) == repairable.before and reader.duplicates == {}
+    copies = Counter(s for n in repairable.loc.list(INDEX, ".json")
+                     for s in committed_samples(repairable.loc.read_json(f"{INDEX}/{n}")))
+    assert set(copies.values()) == {1} and sorted(copies) == repairable.before  # each committed once
+    for sid in repairable.reasons:
         reader.get(sid)  # read back whole and checked
     # Clean by both routes. The engine route against a given engine (URL and dump dir) whose batch
     # fault is on for good: sent alone, no sample meets it.
     dumps = tmp_path / "dumps"
     with _engine(tiny_model, str(dumps), "perturb") as url:
-        engine, _ = _audit(faulty, "--engine-url", url, "--dump-dir", str(dumps), "--samples", "100", "--seed", "11")
-    hf, _ = _audit(faulty, "--against", "hf", "--samples", "100", "--seed", "11")
+        engine, _ = _audit(repairable, "--engine-url", url, "--dump-dir", str(dumps), "--samples", "100", "--seed", "11")
+    hf, _ = _audit(repairable, "--against", "hf", "--samples", "100", "--seed", "11")
     for res in (engine, hf):
         assert res.returncode == 0, res.stdout + res.stderr
         lines = res.stdout.splitlines()
@@ -236,7 +250,7 @@ def test_requeue_bad_extracts_them_again_once_and_both_routes_then_pass(faulty, 
     assert re.fullmatch(rf"against engine: reference engine at {re.escape(url)} \(given\), chunked prefill 64, each "
                         r"sample alone with a fresh rid", engine.stdout.splitlines()[1])
     assert [f for f in os.listdir(dumps) if not f.startswith(".")] == []  # every dump the audit caused, claimed
-    with RedisServer(os.path.join(faulty.work, "redis")) as server:
+    with RedisServer(os.path.join(repairable.work, "redis")) as server:
         status = harvest_cli("status", "--run", RUN, "--redis", server.url)
         import redis
 

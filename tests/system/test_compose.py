@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from harvest.config import eagle3_layers
+from tests.support.need import need
 from tests.support.ops import REPO
 
 COMPOSE = os.path.join(REPO, "docker-compose.yml")
@@ -34,6 +35,16 @@ def _compose_cmd() -> list[str] | None:
     return None
 
 
+@pytest.fixture
+def compose() -> list[str]:
+    """The compose command; a test that needs it is skipped (failed under CI=true) without one."""
+    cmd = _compose_cmd()
+    if cmd is None:
+        need("docker-compose or `docker compose` on PATH", "the test validates docker-compose.yml with it "
+             "(.ci/run installs Debian's docker-compose)")
+    return cmd
+
+
 @pytest.fixture(scope="module")
 def spec() -> dict:
     with open(COMPOSE) as f:
@@ -50,7 +61,7 @@ def _env_example() -> dict[str, str]:
     return out
 
 
-@pytest.mark.skipif(_compose_cmd() is None, reason="no docker-compose or `docker compose` on PATH")
+@pytest.mark.usefixtures("compose")
 def test_compose_config_is_valid_and_needs_the_env_file(tmp_path):
     cmd = _compose_cmd()
     for files in (["-f", COMPOSE], ["-f", COMPOSE, "-f", COMPOSE_CI]):
@@ -175,7 +186,7 @@ def _ci_started(svc: dict) -> bool:
     return any(p in CI_PROFILES for p in svc.get("profiles", [None]))
 
 
-@pytest.mark.skipif(_compose_cmd() is None, reason="no docker-compose or `docker compose` on PATH")
+@pytest.mark.usefixtures("compose")
 def test_ci_form_is_all_host_network_on_loopback():
     """The workplace rule: no bridge, no private-range network. Every service CI starts is on the
     host network, builds on it, listens on 127.0.0.1 at a port of its own; no network is created."""
@@ -231,7 +242,7 @@ def _only_addresses(base, ci, where: str) -> None:
             assert all(_ADDRESS.match(t) for t in changed), f"{where}: {a[i1:i2]} -> {b[j1:j2]} is not an address"
 
 
-@pytest.mark.skipif(_compose_cmd() is None, reason="no docker-compose or `docker compose` on PATH")
+@pytest.mark.usefixtures("compose")
 def test_ci_override_changes_nothing_but_addresses():
     base, ci = _config(COMPOSE)["services"], _render(_config(COMPOSE, COMPOSE_CI))["services"]
     assert set(base) == set(ci)

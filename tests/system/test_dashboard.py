@@ -21,13 +21,20 @@ from harvest.cli.redisproc import free_port
 from harvest.state.ledger import Ledger
 from harvest.state.payload import Sample
 from harvest.state.runstore import load_run
+from tests.support.need import need
 from tests.support.ops import REPO, Procs, cli, enqueue, new_run, wait_until
 
 DASHBOARD = os.path.join(REPO, "deploy", "grafana", "dashboards", "harvest.json")
 PROM_CONFIG = os.path.join(REPO, "deploy", "prometheus.yml")
 PROMETHEUS = shutil.which("prometheus")
-needs_prometheus = pytest.mark.skipif(
-    PROMETHEUS is None, reason="Debian's prometheus package is not installed (.ci/run: apt-get install prometheus)")
+
+
+@pytest.fixture
+def prometheus() -> str:
+    """Prometheus' binary; a test that needs it is skipped (failed under CI=true) without it."""
+    if PROMETHEUS is None:
+        need("prometheus", "Debian's prometheus package is not installed (.ci/run: apt-get install prometheus)")
+    return PROMETHEUS
 
 
 def dashboard_queries(node=None) -> list[str]:
@@ -52,8 +59,9 @@ def test_dashboard_covers_the_panels_the_issue_asks_for():
     assert [v["name"] for v in d["templating"]["list"]] == ["run"]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus package) not installed")
 def test_compose_prometheus_config_is_valid():
+    if shutil.which("promtool") is None:
+        need("promtool", "Debian's prometheus package is not installed (.ci/run: apt-get install prometheus)")
     res = subprocess.run(["promtool", "check", "config", PROM_CONFIG], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
 
@@ -98,7 +106,7 @@ def _finite(result: list[dict]) -> bool:
     return any(math.isfinite(float(s["value"][1])) for s in result)
 
 
-@needs_prometheus
+@pytest.mark.usefixtures("prometheus")
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path, conn, redis_server, tiny_model, procs):
     run, url = "dash1", redis_server.url
     new_run(conn, run, tiny_model, str(tmp_path / "out"), batch=2)

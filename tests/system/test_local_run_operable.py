@@ -18,7 +18,9 @@ from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.read.reader import RunReader
 from tests.support.cli import REPO
 
-pytestmark = pytest.mark.xdist_group("local_run_operable")  # one finished run, shared by the module's tests
+# One finished run, built once per worker and shared by the module's tests (each stands alone: the
+# fixture brings the run to the state every test starts from, and no test changes it).
+pytestmark = pytest.mark.xdist_group("local_run_operable")
 
 RUN = "ops"
 
@@ -37,41 +39,56 @@ def _printed(stdout: str, label: str) -> list[str]:
     return shlex.split(command)
 
 
+STATUS = ["harvest", "status", "--run", RUN, "--work-dir"]  # + the run's work dir, absolute
+REQUEUE = ["harvest", "requeue", "--run", RUN, "--work-dir"]  # + the work dir, "--all"
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, tiny_model):
     """A run typed with relative paths in its own folder, two of whose samples fail (the engine's
-    test-only `nan` fault): its first summary, and where it lives."""
+    test-only `nan` fault), then operated as its summary says, from another folder after its Redis
+    stopped: `status`, `status --check`, `runs`, `requeue --all`, and the same run command again,
+    which extracts the two. Every step's output is kept, and the fixture ends on a finished run with
+    nothing failed, whichever of the module's tests runs first, alone or on any xdist worker."""
     home = tmp_path_factory.mktemp("ops")
+    elsewhere = tmp_path_factory.mktemp("elsewhere")  # another folder, long after the run's Redis stopped
     os.symlink(tiny_model, home / "tiny")
     write_jsonl(str(home / "data.jsonl"), demo_rows(10, seed=5))
     args = ["run", "data.jsonl", "--model", "tiny/", "--out", "out", "--run", RUN, "--work-dir", "work",
             "--dump-dir", str(home / "dumps"), "--no-progress"]
+    work = str(home / "work")
     first = _cli(*args, cwd=str(home), env={"HARVEST_ENGINE_FAULTS": "nan:2"})
-    return {"home": home, "args": args, "first": first}
+    status = [*STATUS, work]
+    steps = {
+        "status": _cli(*status[1:], cwd=str(elsewhere)),
+        "check": _cli(*status[1:], "--check", cwd=str(elsewhere)),
+        "runs": _cli("runs", "--work-dir", work, cwd=str(elsewhere)),
+        "requeue": _cli(*REQUEUE[1:], work, "--all", cwd=str(elsewhere)),
+    }
+    again = _cli(*args, cwd=str(home))  # the same command, no fault now: extracts the two
+    return {"home": home, "args": args, "first": first, "steps": steps, "again": again}
 
 
-def test_the_summary_prints_commands_that_work_as_printed_and_requeue_the_failures(finished, tmp_path):
-    home, first = finished["home"], finished["first"]
+def test_the_summary_prints_commands_that_work_as_printed_and_requeue_the_failures(finished):
+    home, first, steps = finished["home"], finished["first"], finished["steps"]
     assert first.returncode == 1, first.stdout + first.stderr
     assert "failed because nonfinite: 2" in first.stdout
     work = str(home / "work")
-    status = _printed(first.stdout, "status")
-    assert status == ["harvest", "status", "--run", RUN, "--work-dir", work]
-    requeue = _printed(first.stdout, "requeue the failed")
-    assert requeue == ["harvest", "requeue", "--run", RUN, "--work-dir", work, "--all"]
-    elsewhere = str(tmp_path)  # another folder, long after the run's Redis stopped
-    res = _cli(*status[1:], cwd=elsewhere)
+    # the fixture ran these very commands: the summary prints them so
+    assert _printed(first.stdout, "status") == [*STATUS, work]
+    assert _printed(first.stdout, "requeue the failed") == [*REQUEUE, work, "--all"]
+    res = steps["status"]
     assert res.returncode == 0, res.stdout + res.stderr
     assert "failed 2" in res.stdout and "nonfinite: 2" in res.stdout
-    res = _cli(*status[1:], "--check", cwd=elsewhere)
+    res = steps["check"]
     assert res.returncode == 0 and res.stdout.startswith(f"ledger of run {RUN}: consistent ("), res.stdout + res.stderr
-    res = _cli("runs", "--work-dir", work, cwd=elsewhere)
+    res = steps["runs"]
     assert res.returncode == 0 and RUN in res.stdout, res.stdout + res.stderr
-    res = _cli(*requeue[1:], cwd=elsewhere)
+    res = steps["requeue"]
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.startswith("requeued 2 failed samples in ") and res.stdout.endswith(" jobs, 2 nonfinite\n"), \
         res.stdout
-    again = _cli(*finished["args"], cwd=str(home))  # the same command, no fault now: extracts the two
+    again = finished["again"]
     assert again.returncode == 0, again.stdout + again.stderr
     n = len(RunReader(str(home / "out" / RUN)))
     assert f"samples: {n} done, 0 failed (0 enqueued now, {n} already known)" in again.stdout

@@ -25,6 +25,7 @@ from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger
 from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
+from tests.support.need import need
 from tests.support.synth import make_config
 from workers.claim import assemble, claim
 
@@ -35,7 +36,7 @@ POINTS, HIDDEN, TOKENS = [2, 4, 5, 8], 1024, 256  # 2 MiB of bf16 hidden states 
 def xfs(tmp_path):
     """A real XFS with reflink, loop-mounted from an image file, unmounted afterwards."""
     if os.geteuid() != 0 or shutil.which("mkfs.xfs") is None:
-        pytest.skip("needs root and mkfs.xfs (xfsprogs) to mount a reflink XFS")
+        need("root and mkfs.xfs (xfsprogs)", "the test mounts a reflink XFS (.ci/run: apt-get install xfsprogs)")
     image, mnt = tmp_path / "xfs.img", tmp_path / "xfs"
     with open(image, "wb") as f:
         f.truncate(512 << 20)
@@ -43,7 +44,7 @@ def xfs(tmp_path):
     subprocess.run(["mkfs.xfs", "-q", "-m", "reflink=1", str(image)], check=True)
     res = subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], capture_output=True, text=True)
     if res.returncode != 0:
-        pytest.skip(f"cannot loop-mount an XFS image here: {res.stderr.strip()}")
+        need("a loop-mounted XFS", f"cannot loop-mount an XFS image here: {res.stderr.strip()}")
     try:
         yield str(mnt)
     finally:

@@ -37,7 +37,7 @@ from harvest.health import healthy
 from harvest.node.spooldir import list_spooled
 from harvest.read.generated import iter_generated
 from harvest.read.reader import RunReader
-from harvest.state.conversation import splice, turn_seed
+from harvest.state.conversation import turn_seed
 from harvest.state.keys import Keys, worker_key
 from harvest.state.ledger import SPOOLED, Ledger
 from harvest.storage import Location
@@ -88,7 +88,7 @@ def check_generated(sample, g: dict, ids: np.ndarray, mask: np.ndarray) -> str:
         return f"{len(turns)} turns for {conv.turns} assistant slots"
     if [t for turn in turns for t in turn] != ids[mask == 1].tolist():
         return f"its {sum(map(len, turns))} turn tokens are not the {int(mask.sum())} loss-masked tokens"
-    want_ids, want_mask = splice(conv.pieces(sample.input_ids), turns)
+    want_ids, want_mask = conv.splice(conv.pieces(sample.input_ids), turns)
     if want_ids.tolist() != ids.tolist() or want_mask.tolist() != mask.tolist():
         return "the skeleton spliced with its turns is not the committed sample"
     for k, t in enumerate(g["turns"]):
@@ -221,7 +221,7 @@ class RegenTrial(Trial):
         except Exception as e:  # noqa: BLE001 - a generated dataset that cannot be read: counted, as the base does
             self.result.unreadable, entries = f"generated dataset: {type(e).__name__}: {e}", {}
         # The base compares each committed sample's input_ids with `expected`: the skeleton with its turns.
-        self.expected = {sid: splice(s.conv.pieces(s.input_ids), [t["tokens"] for t in entries[sid]["turns"]])[0]
+        self.expected = {sid: s.conv.splice(s.conv.pieces(s.input_ids), [t["tokens"] for t in entries[sid]["turns"]])[0]
                          .tolist() if sid in entries else s.input_ids.tolist() for sid, s in self.conversations.items()}
         super()._account(conn)
 

@@ -6,7 +6,6 @@ engine, `harvest worker`, the moto S3 server."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 
 import httpx
@@ -18,6 +17,7 @@ from rq.serializers import JSONSerializer
 from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.cli.redisproc import RedisServer
 from harvest.state.keys import Keys
+from tests.support.need import need
 from tests.support.ops import Procs, cli, new_run
 
 
@@ -53,10 +53,11 @@ def test_a_job_naming_another_function_never_runs(tmp_path, conn, redis_server, 
         assert "DeserializationError" in log
 
 
-def test_password_redis_and_s3_secrets_stay_out_of_logs(tmp_path, tiny_model, procs, s3_bucket):
+def test_password_redis_and_s3_secrets_stay_out_of_logs(tmp_path, tiny_model, procs, s3_bucket, monkeypatch):
     password, secret = "pw-7f3a9c1e55", "sk-d41d8cd98f00b204"
     server = RedisServer(str(tmp_path / "redis"), password=password).start()
-    os.environ["AWS_SECRET_ACCESS_KEY"] = secret  # moto accepts any key; the subprocesses inherit it
+    # moto accepts any key; the subprocesses inherit it; the session's own key is back after the test
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     try:
         url_redis = server.url
         with pytest.raises(redis.AuthenticationError):
@@ -76,7 +77,6 @@ def test_password_redis_and_s3_secrets_stay_out_of_logs(tmp_path, tiny_model, pr
         text = "".join(o.stdout + o.stderr for o in outputs) + "".join(procs.log(n) for n in procs.procs)
         assert password not in text and secret not in text
     finally:
-        os.environ["AWS_SECRET_ACCESS_KEY"] = "testing"
         server.stop()
 
 
@@ -94,7 +94,7 @@ def _outside_address() -> str | None:
 def test_reference_engine_listens_on_loopback_only(tmp_path, tiny_model, procs):
     ip = _outside_address()
     if ip is None:
-        pytest.skip("this machine has no non-loopback address to try")
+        need("a non-loopback address", "the test checks the engine cannot be reached on one")
     url = procs.engine("engine", tiny_model, str(tmp_path / "dumps"))
     port = url.rsplit(":", 1)[1]
     assert httpx.get(f"{url}/health").status_code == 200

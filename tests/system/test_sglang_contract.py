@@ -18,6 +18,7 @@ import zipfile
 import pytest
 
 from engines import sglang_plugin as sp
+from tests.support.need import need
 
 PLUGIN_VERSIONS = ["0.5.23", "0.5.18", "0.5.11"]
 CACHE = os.environ.get("HARVEST_SGLANG_WHEELS") or os.path.join(os.path.expanduser("~"), ".cache", "harvest", "sglang-wheels")
@@ -32,7 +33,7 @@ def _wheel(version: str) -> zipfile.ZipFile:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         found = glob.glob(os.path.join(CACHE, f"sglang-{version}-*.whl"))
         if not found:
-            pytest.skip(f"cannot download the sglang {version} wheel from the package index (offline?): {r.stderr[-300:]}")
+            need(f"the sglang {version} wheel", f"cannot download it from the package index (offline?): {r.stderr[-300:]}")
     return zipfile.ZipFile(found[0])
 
 

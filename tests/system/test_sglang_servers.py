@@ -12,12 +12,12 @@ import re
 
 import httpx
 import numpy as np
-import pytest
 
 from harvest.cli.demo import write_jsonl
 from harvest.ids import rid_for, sample_id
 from harvest.read.reader import RunReader
 from tests.support.cli import harvest_cli
+from tests.support.need import need
 from tests.support.sglang_server import (
     ABS_BOUND,
     CHUNK,
@@ -79,10 +79,11 @@ def test_radix_cache_on_is_guarded(tmp_path, model, reference):
         s.stop()
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP 2 on SGLang's CPU engine needs a core per rank")
 def test_tensor_parallel_2_only_rank_0_writes(tmp_path, model, reference):
     """TP 2 on SGLang's CPU engine (one core per rank: SGLANG_CPU_OMP_THREADS_BIND, as SGLang asks
     on a one-NUMA-node machine): both ranks run the plugin, only rank 0 writes, states right."""
+    if (os.cpu_count() or 1) < 2:
+        need("a second core", "TP 2 on SGLang's CPU engine needs a core per rank")
     dumps = tmp_path / "dumps"
     dumps.mkdir(mode=0o700)
     s = SGLangServer(SGLANG_PYTHON, model, POINTS, L, str(dumps), str(tmp_path / "server.log"), chunked_prefill_size=CHUNK,

@@ -17,6 +17,7 @@ import torch
 from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.read.reader import RunReader
 from tests.support.cli import harvest_cli
+from tests.support.need import need_module
 
 INSTALL = "install them with scripts/trainer_pkgs.sh"
 
@@ -98,7 +99,7 @@ def _specforge_targets(dest: str, head):
 
 
 def test_specforge_reads_the_export_and_its_targets_are_the_models_logits(run, hf, tiny_model):
-    pytest.importorskip("specforge.runtime.data_plane.offline_reader", reason=f"SpecForge 0.2.0 not importable: {INSTALL}")
+    need_module("specforge.runtime.data_plane.offline_reader", "SpecForge 0.2.0", INSTALL)
     from specforge.modeling.target.target_head import TargetHead
 
     tmp, run_url = run
@@ -160,7 +161,7 @@ class _CpuTrainer:
 
 
 def test_speculators_trains_on_the_export_and_its_targets_are_the_models_logits(run, hf, tiny_model, monkeypatch):
-    pytest.importorskip("speculators.train.cli", reason=f"speculators 0.9.0 / hs-connectors 0.9.0 not importable: {INSTALL}")
+    need_module("speculators.train.cli", "speculators 0.9.0 / hs-connectors 0.9.0", INSTALL)
     import speculators.train.cli as cli
     from datasets import load_from_disk
     from speculators.train.config import TrainConfig

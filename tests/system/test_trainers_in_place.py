@@ -26,6 +26,7 @@ import torch
 from harvest.read.reader import RunReader
 from harvest.storage import Location
 from tests.support.cli import harvest_cli
+from tests.support.need import need_module
 from tests.system.test_trainers import (  # noqa: F401 (fixtures)
     INSTALL,
     _agreement,
@@ -89,7 +90,7 @@ class _FeedTrainer(_CpuTrainer):
 
 
 def test_speculators_reads_the_run_in_place_from_s3(run, s3_run, hf, tiny_model, monkeypatch):
-    pytest.importorskip("speculators.train.cli", reason=f"speculators 0.9.0 / hs-connectors 0.9.0 not importable: {INSTALL}")
+    need_module("speculators.train.cli", "speculators 0.9.0 / hs-connectors 0.9.0", INSTALL)
     from datasets import load_from_disk
     from safetensors.torch import load_file
 
@@ -173,7 +174,7 @@ def test_speculators_reads_the_run_in_place_from_s3(run, s3_run, hf, tiny_model,
 
 
 def test_harvest_speculators_train_registers_the_backend_in_speculators_own_process():
-    pytest.importorskip("speculators.train.cli", reason=f"speculators 0.9.0 / hs-connectors 0.9.0 not importable: {INSTALL}")
+    need_module("speculators.train.cli", "speculators 0.9.0 / hs-connectors 0.9.0", INSTALL)
     res = harvest_cli("speculators-train", "--help", timeout=120)
     assert res.returncode == 0, res.stderr
     assert "--hidden-states-backend {file,fp8,mooncake,harvest}" in res.stdout
@@ -181,7 +182,7 @@ def test_harvest_speculators_train_registers_the_backend_in_speculators_own_proc
 
 
 def test_specforge_reads_the_run_in_place_through_pointer_files(run, s3_run, hf, tiny_model):
-    pytest.importorskip("specforge.runtime.data_plane.offline_reader", reason=f"SpecForge 0.2.0 not importable: {INSTALL}")
+    need_module("specforge.runtime.data_plane.offline_reader", "SpecForge 0.2.0", INSTALL)
     from specforge.modeling.target.target_head import TargetHead
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore, load_feature_file
     from specforge.runtime.data_plane.offline_reader import OfflineManifestReader, list_feature_files

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import pytest
 import torch
 
 from engines.vllm_launch import default_venv, venv_python
@@ -27,11 +26,12 @@ from harvest.ids import sample_id
 from harvest.read.reader import RunReader, hidden_at
 from tests.support.cli import harvest_cli
 from tests.support.expected import expected_tokens
+from tests.support.need import need
 
 try:
     VLLM_PYTHON = venv_python()
 except FileNotFoundError as e:
-    pytest.skip(f"vLLM integration test skipped: {e}", allow_module_level=True)
+    need("the vLLM venv", str(e), module=True)
 
 POINTS = [0, 2, 4, 7, 8]  # the tiny model has 8 layers: embeddings, middle, L-1 and L (post-norm)
 

@@ -12,6 +12,7 @@ from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import rid_for
 from harvest.state.failures import SampleFailure
 from harvest.state.payload import Sample
+from tests.support.need import need
 from workers.claim import assemble, claim
 
 SAMPLE = Sample.build(list(range(10, 20)))
@@ -162,7 +163,7 @@ def test_dumps_on_another_filesystem_are_spooled_from_the_tensor(tmp_path, monke
     from harvest.node.spooldir import SpoolBatch, spool_path
 
     if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
-        pytest.skip("needs /dev/shm on a filesystem of its own")
+        need("/dev/shm on a filesystem of its own", "the test copies a dump across filesystems")
     dump = f"/dev/shm/harvest-test-{os.getpid()}-{os.urandom(4).hex()}"
     os.makedirs(os.path.join(dump, "claimed"))
     try:

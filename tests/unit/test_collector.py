@@ -19,6 +19,7 @@ from harvest.state.heartbeat import CollectorBeat, read_collectors
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 from harvest.storage import StorageError, retry
+from tests.support.need import need
 from tests.support.synth import make_config, spool_samples
 
 
@@ -169,7 +170,7 @@ def test_local_shard_is_copied_by_the_kernel_only_on_the_spools_filesystem(conn,
     output; /dev/shm here): one streamed read of each byte, the kernel never asked. Same shard."""
     if output_on == "another filesystem":
         if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
-            pytest.skip("needs /dev/shm on a filesystem of its own")
+            need("/dev/shm on a filesystem of its own", "the test writes a shard to another filesystem")
         out = f"/dev/shm/harvest-test-{os.getpid()}-{os.urandom(4).hex()}"
     else:
         out = str(tmp_path / "out")

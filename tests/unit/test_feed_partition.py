@@ -14,6 +14,7 @@ from harvest.read.partition import (
     delivered,
     digest,
     owner,
+    part_of,
     remainder,
     replay,
     sample_order,
@@ -68,6 +69,24 @@ def test_spans_are_contiguous_and_equal_to_within_one_or_exactly_equal_with_drop
         assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
         dropped = span_sizes(37, parts, drop=True)
         assert set(dropped) == {37 // parts} and 37 - sum(dropped) == 37 % parts
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_every_rank_reads_the_same_number_of_samples_to_within_one(world_size):
+    """Every world size 1-8 x DataLoader workers 0-4 (0: none, one part) x sample counts: the ranks'
+    totals differ by at most one and together they read every sample once."""
+    for workers, n in itertools.product(range(5), [0, 1, 2, 5, 7, 33, 100, 200, 201, 1000]):
+        w = max(workers, 1)
+        dealt = spans([str(i) for i in range(n)], world_size * w)
+        ranks = [[s for k in range(w) for s in dealt[part_of(r, k, world_size, w)]] for r in range(world_size)]
+        counts = [len(r) for r in ranks]
+        assert max(counts) - min(counts) <= 1, (world_size, workers, n, counts)
+        every = [s for r in ranks for s in r]
+        assert sorted(every, key=int) == [str(i) for i in range(n)], (world_size, workers, n)
+    assert sorted({part_of(r, k, world_size, 3) for r in range(world_size) for k in range(3)}) == \
+        list(range(3 * world_size))  # one span per (rank, worker)
+    with pytest.raises(ValueError, match=f"rank {world_size} of {world_size}, worker 0 of 2: out of range"):
+        part_of(world_size, 0, world_size, 2)
 
 
 def brute_delivery(sizes, batch_size):

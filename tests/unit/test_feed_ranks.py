@@ -1,6 +1,6 @@
 """The training feed over a real committed run of uneven shards: every rank and DataLoader worker
-gets the same number of samples per epoch to within one (exactly one count with
-drop_remainder), contiguous spans of a seeded shard-local order, and the union over ranks and
+gets the same number of samples per epoch to within one, and so does every rank (exactly one
+count with drop_remainder), contiguous spans of a seeded shard-local order, and the union over ranks and
 workers is every sample once, each epoch in another order; ranks of a torch.distributed job that
 list a live run at different moments deal rank 0's view."""
 
@@ -58,9 +58,11 @@ def test_every_rank_and_worker_gets_an_equal_share_and_together_every_sample_onc
     assert len(got) == parts and max(counts) - min(counts) <= 1 and sum(counts) == 31
     everything = [s for v in got.values() for s in v]
     assert sorted(everything) == sorted(run.ids)  # each once
-    # the spans are the contiguous cuts of one order, in rank-major order of (rank, worker)
+    ranks = [sum(len(v) for (r, _), v in got.items() if r == rank) for rank in range(world_size)]
+    assert max(ranks) - min(ranks) <= 1, ranks  # every rank within one of every other
+    # the spans are the contiguous cuts of one order, in worker-major order of (rank, worker)
     feed = HiddenStateIterable(run.url, seed=5, window=2)
-    order = [s for sp in [got[k] for k in sorted(got)] for s in sp]
+    order = [s for sp in [got[k] for k in sorted(got, key=lambda k: (k[1], k[0]))] for s in sp]
     assert order == feed.samples()  # one rank, in-process: the whole order
     if workers == 0:  # (the same order dealt: with workers too, as checked just above)
         assert read_epoch(run, world_size, workers) == got  # deterministic

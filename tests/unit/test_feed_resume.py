@@ -59,8 +59,8 @@ def once(got, run):
     (2, 0, 3, 2, 12, (2, 0)),
     (2, 2, 3, 3, 18, (2, 2)),  # 2 DataLoader workers: each loop saw batches of worker 0, 1, 0
     (2, 2, 3, 3, 18, (3, 1)),  # resumed into another world size and worker count
-    # spans 6, 6 | 6, 5 | 5, 5: 5 batches of 2 hand 10, 10 and 9 (rank 2's 5th is its worker 0's short last one)
-    (3, 2, 2, 5, 29, (1, 2)),
+    # spans 6, 6, 6 | 5, 5, 5 (worker 0's of ranks 0-2, then worker 1's): 5 batches of 2 hand 10 on every rank
+    (3, 2, 2, 5, 30, (1, 2)),
 ])
 def test_a_resumed_epoch_yields_exactly_what_no_loop_was_handed(run, world_size, workers, batch_size, batches, handed,
                                                                 then):
@@ -84,6 +84,12 @@ def test_a_resumed_epoch_yields_exactly_what_no_loop_was_handed(run, world_size,
         f.set_epoch(3)
         nxt += take(run, f, workers2, batch_size)
     once(nxt, run)
+
+
+@pytest.mark.parametrize("world_size,workers", [(3, 2), (2, 4), (4, 2)])
+def test_ranks_read_the_same_number_of_samples_to_within_one(run, world_size, workers):
+    counts = [len(take(run, f, workers, 1)) for f in feeds(run, world_size, workers, 1)]
+    assert sum(counts) == sum(SHARDS) and max(counts) - min(counts) <= 1, counts
 
 
 def test_a_state_taken_inside_a_resumed_epoch_resumes_it_again(run):

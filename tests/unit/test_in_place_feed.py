@@ -22,6 +22,7 @@ from harvest.read.export import _atomic
 from harvest.read.final_norm import FinalNorm
 from harvest.read.reader import RunReader
 from harvest.read.speculators import MANIFEST, SpeculatorsExportError, export_speculators, hs_file
+from tests.support.need import need_module
 from tests.support.synth import HIDDEN
 from tests.unit.test_integrity import flip, make_run, pack
 
@@ -29,7 +30,7 @@ NORM = FinalNorm(0.5 + torch.arange(HIDDEN, dtype=torch.float32) / HIDDEN, 1e-6)
 
 
 def test_speculators_rows_read_in_place_are_the_export_files(tmp_path):
-    pytest.importorskip("hs_connectors", reason="hs-connectors 0.9.0 not installed (scripts/trainer_pkgs.sh)")
+    need_module("hs_connectors", "hs-connectors 0.9.0", "install it with scripts/trainer_pkgs.sh")
     from harvest.read.speculators_backend import open_transfer
 
     _, loc, samples, _ = make_run(tmp_path, [[0, 1, 2], [3, 4, 5]])
@@ -55,7 +56,7 @@ def test_speculators_rows_read_in_place_are_the_export_files(tmp_path):
 
 
 def test_a_corrupt_row_is_missing_for_speculators_named_once(tmp_path, caplog):
-    pytest.importorskip("hs_connectors", reason="hs-connectors 0.9.0 not installed (scripts/trainer_pkgs.sh)")
+    need_module("hs_connectors", "hs-connectors 0.9.0", "install it with scripts/trainer_pkgs.sh")
     from harvest.read.speculators_backend import open_transfer
 
     _, loc, samples, shards = make_run(tmp_path, [[0, 1, 2], [3, 4, 5]])
@@ -73,7 +74,7 @@ def test_a_corrupt_row_is_missing_for_speculators_named_once(tmp_path, caplog):
 
 
 def test_the_backend_refuses_what_it_does_not_do_and_registers_once(tmp_path):
-    pytest.importorskip("hs_connectors", reason="hs-connectors 0.9.0 not installed (scripts/trainer_pkgs.sh)")
+    need_module("hs_connectors", "hs-connectors 0.9.0", "install it with scripts/trainer_pkgs.sh")
     import argparse
 
     from hs_connectors import HiddenStatesBackend

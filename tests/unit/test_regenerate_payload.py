@@ -13,7 +13,7 @@ import pytest
 
 from harvest.formats.generated import decode_generated, encode_generated, entry
 from harvest.formats.index import ShardError
-from harvest.state.conversation import Conversation, splice, turn_seed
+from harvest.state.conversation import Conversation, ConversationError, turn_seed
 from harvest.state.payload import PayloadError, Sample, decode_batch, encode_batch, payload_rows
 from producer.rows import BadRow, Row
 from producer.tokenize import RowTokenizer
@@ -34,6 +34,7 @@ def test_a_chat_is_cut_into_the_template_pieces_around_its_turns(tokenizer):
     assert pieces[1] == render(CHAT[:4], gen=True)[len(render(CHAT[:3])):]  # after its <|im_end|>, to the next header
     assert pieces[2] == render(CHAT)[len(render(CHAT)):]  # nothing follows the last turn in this template
     assert s.conv.stop == tuple(sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}))
+    assert s.conv.close == tokenizer.convert_tokens_to_ids("<|im_end|>")  # the template's end-of-turn, not EOS
     assert not s.loss_mask.any()
     assert [m["content"] for m in s.conv.messages] == ["short", "first question", None, "second", None]
     # The answers the row brought are written again: they do not change the sample.
@@ -69,17 +70,22 @@ def test_a_conversation_travels_in_a_payload_and_its_id_covers_its_structure(tok
 
 
 def test_splice_puts_each_turn_between_its_pieces_and_masks_exactly_the_turns():
-    conv = Conversation((3, 2, 1), (9,), ({"role": "user"}, {"role": "assistant"}, {"role": "user"},
-                                          {"role": "assistant"}))
+    conv = Conversation((3, 2, 1), (9, 11), ({"role": "user"}, {"role": "assistant"}, {"role": "user"},
+                                              {"role": "assistant"}), 9)
     s = Sample.build([1, 2, 3, 4, 5, 6], [0] * 6, conv)
     pieces = conv.pieces(s.input_ids)
-    prompt, _ = splice(pieces, [])
+    prompt, _ = conv.splice(pieces, [])
     assert prompt.tolist() == [1, 2, 3]
-    prompt, _ = splice(pieces, [[7, 9]])
-    assert prompt.tolist() == [1, 2, 3, 7, 9, 4, 5]
-    ids, mask = splice(pieces, [[7, 9], [8, 8, 9]])
+    prompt, _ = conv.splice(pieces, [[7, 11]])
+    assert prompt.tolist() == [1, 2, 3, 7, 11, 4, 5]  # a turn the model ended keeps its own stop token
+    ids, mask = conv.splice(pieces, [[7, 9], [8, 8, 9]])
     assert ids.tolist() == [1, 2, 3, 7, 9, 4, 5, 8, 8, 9, 6]
     assert mask.tolist() == [0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0]
+    # a turn cut at max_new_tokens is closed by the template's end-of-turn token, which the model did not write
+    prompt, mask = conv.splice(pieces, [[7, 7]])
+    assert prompt.tolist() == [1, 2, 3, 7, 7, 9, 4, 5] and mask.tolist() == [0, 0, 0, 1, 1, 0, 0, 0]
+    with pytest.raises(ConversationError, match=r"the end-of-turn token 10 is not one of the stop tokens \[9, 11\]"):
+        Conversation((3, 2, 1), (9, 11), conv.messages, 10)
     done = s.regenerated(ids, mask)
     assert done.id == s.id and done.conv is None
     assert turn_seed(s.id, 0) == turn_seed(s.id, 0) != turn_seed(s.id, 1)

@@ -36,7 +36,7 @@ class _DownAfter:
 
 def _conversations(n: int, turns: int) -> list[Sample]:
     msgs = tuple(m for _ in range(turns) for m in ({"role": "user", "content": "q"}, {"role": "assistant"}))
-    return [Sample.build([i + 10] * (turns + 1), [0] * (turns + 1), Conversation((1,) * (turns + 1), (2,), msgs))
+    return [Sample.build([i + 10] * (turns + 1), [0] * (turns + 1), Conversation((1,) * (turns + 1), (2,), msgs, 2))
             for i in range(n)]
 
 

@@ -10,6 +10,7 @@ import zstandard
 
 from producer.rows import BadRow, Row
 from producer.sources import dataset_files, read_dataset
+from tests.support.need import need_module
 
 ROWS = [{"text": "the model"}, {"input_ids": [5, 6]}, {"messages": [{"role": "user", "content": "hi"}]}]
 
@@ -69,7 +70,7 @@ def test_arrow_stream_and_file_formats(tmp_path):
 def test_hf_save_to_disk_dataset_and_directory_of_them(tmp_path):
     """A real `datasets.save_to_disk` folder (several Arrow shards, in order), and a directory holding it
     next to a JSONL file: files are read in sorted order, a saved dataset's shards in its own order."""
-    datasets = pytest.importorskip("datasets")
+    datasets = need_module("datasets", "the datasets package", "a dev dependency: pip install -e '.[dev]'")
     rows = [{"text": f"t{i}"} for i in range(7)]
     ds_dir = tmp_path / "corpus" / "b_saved"
     datasets.Dataset.from_list(rows).save_to_disk(str(ds_dir), num_shards=3)
@@ -82,7 +83,7 @@ def test_hf_save_to_disk_dataset_and_directory_of_them(tmp_path):
 
 
 def test_dataset_dict_asks_for_a_split(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    datasets = need_module("datasets", "the datasets package", "a dev dependency: pip install -e '.[dev]'")
     d = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"text": "a"}])})
     d.save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(ValueError) as e:
