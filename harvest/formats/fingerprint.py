@@ -147,8 +147,8 @@ def mismatch_line(run: str, recorded: dict | None, recorded_path: str, found: di
     diff = differing(recorded, found)
     what = f"; differs in {', '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}" if found and found.get("files") \
         and diff else ""
+    seen = f"{who} {found_path}, fingerprint" if who else f"{found_path} has fingerprint"
     return (f"run {run!r} was extracted from the model with fingerprint {short(recorded)} (at {recorded_path}, "
-            f"recorded in {where}), but {who + ' ' if who else ''}"
-            f"{found_path} has fingerprint {short(found)}{what}: another checkpoint, or the same path with other "
+            f"recorded in {where}), but {seen} {short(found)}{what}: another checkpoint, or the same path with other "
             f"weights; use another --run, or `harvest accept-model --run {run} --model {found_path}` if it is the same "
             "model saved again")

@@ -71,3 +71,41 @@ def test_the_same_path_with_other_weights_is_refused_a_symlink_and_a_copy_are_no
     assert "nothing to extract: no engine or worker was started" in after.stdout
     now_the_copy = _run("run", data14, "--model", copy, *common)  # the run's model is the accepted one now
     assert now_the_copy.returncode == 2 and f"but {copy} has fingerprint {short(original)}" in now_the_copy.stderr
+
+
+def test_a_worker_refuses_an_engine_serving_another_checkpoint_and_so_does_the_producer(tiny_model, tmp_path, conn,
+                                                                                         redis_server):
+    """The run's model at its path; an engine beside the workers started on other weights: the worker
+    refuses before its first job, naming both fingerprints and the engine; so does `harvest produce`
+    given the other checkpoint, and `harvest audit --against hf` with it."""
+    from tests.support.ops import Procs, cli, new_run
+
+    other = shutil.copytree(tiny_model, str(tmp_path / "other"))
+    weights = os.path.join(other, "model.safetensors")
+    g = torch.Generator().manual_seed(2)
+    save_file({k: v + 0.5 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in load_file(weights).items()},
+              weights, metadata={"format": "pt"})
+    url_redis = redis_server.url
+    cfg = new_run(conn, "wk", tiny_model, f"file://{tmp_path}/out")
+    theirs, found = short(cfg.model_fingerprint), short(model_fingerprint(other))
+    procs = Procs(str(tmp_path / "logs"))
+    try:
+        dumps = str(tmp_path / "dumps")
+        url = procs.engine("engine", other, dumps)
+        procs.start("worker", "worker", "--run", "wk", "--redis", url_redis, "--engine-url", url, "--dump-dir", dumps,
+                    "--spool-dir", str(tmp_path / "spool"))
+        assert procs.wait("worker", 60) == 2
+        err = [ln for ln in procs.log("worker").splitlines() if ln.startswith("harvest: error: ")]
+        assert err == [f"harvest: error: run 'wk' was extracted from the model with fingerprint {theirs} (at "
+                       f"{tiny_model}, recorded in the run's configuration), but the engine at {url} serves {other}, "
+                       f"fingerprint {found}; differs in model.safetensors: another checkpoint, or the same path with "
+                       f"other weights; use another --run, or `harvest accept-model --run wk --model {other}` if it is "
+                       "the same model saved again"], procs.log("worker")[-3000:]
+    finally:
+        procs.close()
+    data = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(3, seed=1))
+    res = cli("produce", data, "--run", "wk", "--redis", url_redis, "--model", other, "--out", f"file://{tmp_path}/out")
+    assert res.returncode == 2 and f"but {other} has fingerprint {found}; differs in model.safetensors" in res.stderr, \
+        res.stderr
+    res = cli("audit", "--run", "wk", "--redis", url_redis, "--against", "hf", "--model", other, "--samples", "1")
+    assert res.returncode == 2 and f"but {other} has fingerprint {found}" in res.stderr, res.stderr
