@@ -23,5 +23,6 @@ def main(verbose: bool) -> None:
     setup_logging(verbose)
 
 
-for _cmd in (*pipeline.COMMANDS, *operate.COMMANDS, *launch.COMMANDS, *trainers.COMMANDS, *audit.COMMANDS, *accept.COMMANDS):
+for _cmd in (*pipeline.COMMANDS, *operate.COMMANDS, *launch.COMMANDS, *trainers.COMMANDS, *audit.COMMANDS,
+             *accept.COMMANDS):
     main.add_command(_cmd)

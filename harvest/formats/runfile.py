@@ -5,8 +5,9 @@ It is written once, whole or not at all, when a run is first published
 by `harvest accept-model` (a checkpoint saved again): a later start with an identical configuration
 leaves it as it is, and one that differs in anything that changes what is stored is refused by
 name. The model is named by its fingerprint (harvest.formats.fingerprint) where the run records
-one, so a symlink or a copy of it is the same run, and other weights under the same path are not;
-a run.json without one (an older harvest) is refused with a line that says how to record it. Readers (harvest.read) parse it through
+one, so a symlink or a copy of it is the same run, and other weights under the same path are
+not; a run.json without one (an older harvest) is refused with a line that says how to record
+it. Readers (harvest.read) parse it through
 `read_run_json`, with no Redis anywhere in the path.
 """
 

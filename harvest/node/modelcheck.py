@@ -51,8 +51,8 @@ def check_digest(expected: str, model_dir: str) -> None:
     run's, as `sglang-args --run` passes it to the plugin)."""
     found = model_fingerprint(model_dir)
     if found is None or found["digest"] != expected:
-        raise ConfigError(f"{model_dir} has model fingerprint {short(found)}, not the run's {expected[:len(short(found))]}"
-                          f" ({ENV_FINGERPRINT}): another checkpoint, or the same path with other weights; start the "
+        raise ConfigError(f"{model_dir} has model fingerprint {short(found)}, not the run's "
+                          f"{expected[:len(short(found))]} ({ENV_FINGERPRINT}): another checkpoint, or the same path with other weights; start the "
                           "engine on the run's checkpoint, or see `harvest accept-model`")
 
 

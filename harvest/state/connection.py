@@ -140,7 +140,8 @@ class RedisLost(ServiceError, redis.exceptions.RedisError):
 
     def for_user(self) -> str:
         first = "Once it takes writes" if self.refused else "Start Redis again (with its data: AOF) and"
-        return (f"{self.line()}. {first} run the same command: the spool, the packing records and the jobs in flight resume (--redis-wait or {OUTAGE_ENV} waits longer)")
+        return (f"{self.line()}. {first} run the same command: the spool, the packing records and the jobs in "
+                f"flight resume (--redis-wait or {OUTAGE_ENV} waits longer)")
 
 
 class Outage:

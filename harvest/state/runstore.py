@@ -52,7 +52,8 @@ def load_run(conn: redis.Redis, run: str) -> RunConfig:
     return RunConfig.from_json(raw)
 
 
-def accept_model(conn: redis.Redis, run: str, model_dir: str, out_url: str | None = None) -> tuple[RunConfig, RunConfig]:
+def accept_model(conn: redis.Redis, run: str, model_dir: str,
+                 out_url: str | None = None) -> tuple[RunConfig, RunConfig]:
     """Record the checkpoint in `model_dir` as the run's model: run.json and Redis's copy (when it
     holds the run) get its fingerprint and path; (before, after). For a model saved again (copied,
     converted, re-sharded) whose fingerprint changed while it computes the same states: the
