@@ -257,6 +257,7 @@ class OutageRetry(Retry):
                     if refused is not None:
                         raise refused
                 except redis.ResponseError as error:
+                    seen_at = time.monotonic()
                     refusal = refusal_of(error)
                     if refusal is None:
                         raise  # an answer about the command itself, not about the server
@@ -269,7 +270,7 @@ class OutageRetry(Retry):
                         watch = None
                     except redis.WatchError as e:
                         watch = e
-                    if not o.writes.wait(refusal, self._backoff.compute, o.check):
+                    if not o.writes.wait(refusal, seen_at, self._backoff.compute, o.check):
                         raise o.give_up(error, o.latch) from error
                     if watch is not None:
                         raise watch from error

@@ -100,10 +100,11 @@ class RefusedWrites:
         self._probe: redis.Redis | None = None
         self._lock = threading.Lock()
 
-    def note(self, refusal: Refusal) -> None:
-        """A write was refused: the first of a refusal says its cause and fix in one line."""
+    def note(self, refusal: Refusal, seen_at: float) -> None:
+        """A write was refused (its reply read at monotonic `seen_at`): the first of a refusal says
+        its cause and fix in one line. A reply older than the end of the last refusal opens none."""
         with self._lock:
-            if self.since is None:
+            if self.since is None and (self.ended_at is None or seen_at > self.ended_at):
                 self.refusal, self.since = refusal, time.monotonic()
                 log.warning("Redis at %s refuses writes (%s: %s): waiting up to %.0f s for it to take them again; "
                             "fix: %s", self.shown_url, refusal.code, refusal.cause, self.limit_s, refusal.fix)
@@ -135,10 +136,11 @@ class RefusedWrites:
                 self.refusal, self.since, self.ended_at = None, None, now
         return True
 
-    def wait(self, refusal: Refusal, backoff: Callable[[int], float], check: Callable[[], None]) -> bool:
-        """Block until the server takes writes again (True), or until the limit (False). `check`
-        raises if the client was given up meanwhile."""
-        self.note(refusal)
+    def wait(self, refusal: Refusal, seen_at: float, backoff: Callable[[int], float],
+             check: Callable[[], None]) -> bool:
+        """Block until the server takes writes again (True), or until the limit (False), for a
+        refusal read at monotonic `seen_at`. `check` raises if the client was given up meanwhile."""
+        self.note(refusal, seen_at)
         tries = 0
         while True:
             left = self.left()
