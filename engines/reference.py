@@ -35,6 +35,7 @@ from engines.dump_writer import DumpWriter
 from engines.generation import Sampling, eos_ids, parse_sampling, sample
 from harvest.config import parse_layers
 from harvest.formats.dump import Chunk
+from harvest.formats.fingerprint import model_fingerprint
 from harvest.ids import RID_PREFIX
 from harvest.node.paths import private_dir
 from harvest.settings import EngineSettings, IdentityDefaults
@@ -69,6 +70,7 @@ class ReferenceEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_dir = model_dir
+        self.fingerprint = model_fingerprint(model_dir)  # reported: workers check it against the run's
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -96,6 +98,7 @@ class ReferenceEngine:
         return {
             "model_path": self.model_dir,
             "model_name": self.model_name,
+            "model_fingerprint": self.fingerprint,
             "num_layers": self.num_layers,
             "hidden_size": self.model.config.hidden_size,
             "capture_points": self.capture_points,

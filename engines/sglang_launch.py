@@ -18,7 +18,7 @@ import os
 import shlex
 from collections.abc import Sequence
 
-from engines.sglang_plugin import ENV_CAPTURE, ENV_DUMP_DIR, ENV_MODEL
+from engines.sglang_plugin import ENV_CAPTURE, ENV_DUMP_DIR, ENV_FINGERPRINT, ENV_MODEL
 from engines.venvs import EngineVenv
 from harvest.config import ConfigError
 from harvest.settings import EngineSettings
@@ -62,9 +62,11 @@ def launch_spec(
     dtype: str = EngineSettings.dtype,
     max_total_tokens: int | None = None,
     extra_args: Sequence[str] = (),
+    fingerprint: str | None = None,
 ) -> tuple[dict[str, str], list[str]]:
     """The environment and argv of an SGLang server that dumps the given capture points
-    (HF hidden_states indices in [0, num_layers]; the plugin refuses others only once loaded)."""
+    (HF hidden_states indices in [0, num_layers]; the plugin refuses others only once loaded).
+    `fingerprint`: the run's model digest, which the plugin checks the loaded checkpoint against."""
     v = _version(sglang_version)
     bad = [p for p in capture_points if not 0 <= int(p) <= num_layers]
     if bad or not capture_points:
@@ -80,6 +82,8 @@ def launch_spec(
         ENV_CAPTURE: ",".join(str(p) for p in capture_points),
         ENV_MODEL: os.path.basename(model_path.rstrip("/")),
     }
+    if fingerprint:
+        env[ENV_FINGERPRINT] = fingerprint
     args = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--tp-size", str(tp_size),
             "--host", host, "--port", str(port), "--trust-remote-code",
             "--disable-radix-cache", "--chunked-prefill-size", str(chunked_prefill_size)]

@@ -7,6 +7,8 @@ environment, printed by `harvest sglang-args`:
 - `HARVEST_DUMP_DIR`: where chunk files go (harvest.node.dumpdir)
 - `HARVEST_CAPTURE`: the run's capture points as HF hidden_states indices, e.g. 2,16,29,32
 - `HARVEST_MODEL_NAME`: written into each file's metadata (optional)
+- `HARVEST_MODEL_FINGERPRINT`: the run's model digest (optional; `sglang-args --run` prints it): the
+  checkpoint SGLang loaded must have it, or the server stops at load (harvest.node.modelcheck)
 
 Index i < L is the residual stream entering decoder layer i: SGLang's inner model captures it
 when i is in `model.layers_to_capture` (what `set_eagle3_layers_to_capture(i - 1)` sets, hence
@@ -27,6 +29,7 @@ from engines.batch import cut_batch
 from engines.dump_writer import DumpWriter
 from harvest.formats.dump import Chunk
 from harvest.ids import RID_PREFIX
+from harvest.node.modelcheck import ENV_FINGERPRINT, check_digest
 from harvest.node.paths import private_dir
 
 log = logging.getLogger("harvest.sglang_plugin")
@@ -41,6 +44,7 @@ class PluginConfig:
     dump_dir: str
     capture_points: list[int]
     model_name: str
+    fingerprint: str = ""  # the run's model digest, when given: checked at load
 
     @classmethod
     def from_env(cls) -> PluginConfig | None:
@@ -54,7 +58,7 @@ class PluginConfig:
             raise ValueError(f"{ENV_CAPTURE}={raw!r}: expected comma-separated HF hidden_states indices") from None
         if not points:
             raise ValueError(f"{ENV_CAPTURE} is empty: `harvest sglang-args` prints the value for a run")
-        return cls(dump_dir, points, os.environ.get(ENV_MODEL, ""))
+        return cls(dump_dir, points, os.environ.get(ENV_MODEL, ""), os.environ.get(ENV_FINGERPRINT, ""))
 
 
 def stack_states(
@@ -242,6 +246,9 @@ def _after_load_model(result, runner, *args, **kwargs):
     if _capture is None or getattr(runner, "is_draft_worker", False):
         return result
     mc = getattr(runner, "model_config", None)
+    if _capture.cfg.fingerprint:  # the run's model, or no server: another checkpoint's states would be committed
+        sa = getattr(runner, "server_args", None)
+        check_digest(_capture.cfg.fingerprint, getattr(sa, "model_path", None) or getattr(mc, "model_path", ""))
     num_layers = getattr(mc, "num_hidden_layers", None) or getattr(mc.hf_text_config, "num_hidden_layers")
     _capture.configure_model(runner.model, int(num_layers))
     check_server_args(getattr(runner, "server_args", None), _capture.warn_once)

@@ -143,6 +143,10 @@ class RunIdentity:
     # A --regenerate run: the target model writes the chat rows' assistant turns before they are
     # extracted (harvest.regeneration.Regeneration's fields; None: the rows' own answers).
     regenerate: dict | None = None
+    # What the model is (harvest.formats.fingerprint.model_fingerprint of a local checkpoint; None:
+    # a hub id, known by its name only). Where it records one, it names the model, not `model`'s
+    # path: a symlink or a copy is the same run, the same path with other weights is not.
+    model_fingerprint: dict | None = None
 
     def __post_init__(self) -> None:
         check_id(self.run, "run name")
@@ -164,6 +168,9 @@ class RunConfig(RunTunables, RunIdentity):
     follows from the model. One flat JSON object in run.json and in Redis, as it always was."""
 
     num_layers: int = 0  # the model's decoder layers (0: unknown, runs written before it was recorded)
+    # The engine's version (SGLang's or vLLM's) where the first start knew it: workers warn when their
+    # engine reports another one, and do not refuse (see harvest.node.modelcheck).
+    engine_version: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -228,6 +235,8 @@ def build_config(
     """A RunConfig from a model directory: its layer count and width come from its config.json.
     A local model, tokenizer and output are stored absolute: run.json is read from other folders
     (`harvest export`) and other nodes, where a path typed relative to one shell means nothing."""
+    from harvest.formats.fingerprint import model_fingerprint
+
     num_layers, hidden_size = _model_shape(model)
     return RunConfig(
         run=run,
@@ -238,9 +247,25 @@ def build_config(
         storage_dtype=storage_dtype,
         engine=engine,
         tokenizer=absolute_model(tokenizer) if tokenizer else tokenizer,
+        model_fingerprint=model_fingerprint(os.path.expanduser(model)),
         num_layers=num_layers,
+        engine_version=installed_engine_version(engine),
         **extra,
     )
+
+
+def installed_engine_version(engine: str) -> str | None:
+    """The version of the SGLang or vLLM distribution installed beside harvest (a GPU image ships
+    both), read from its metadata without importing it; None for the reference engine, or when
+    the engine runs from another environment (harvest run's CPU venvs, another container)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if engine not in ("sglang", "vllm"):
+        return None
+    try:
+        return version(engine)
+    except PackageNotFoundError:
+        return None
 
 
 def absolute_model(model: str) -> str:

@@ -35,6 +35,7 @@ import torch
 from harvest.health import wait_healthy
 from harvest.ids import check_id, node_name
 from harvest.node.dumpdir import claim_dir as claim_dir_of
+from harvest.node.modelcheck import check_engine
 from harvest.node.paths import private_dir
 from harvest.node.spooldir import clear_dead_temps
 from harvest.ops.janitor import UnnamedDumps, janitor_pass
@@ -217,6 +218,7 @@ def run_worker(
         previous = signal.signal(signal.SIGTERM, _stop_before_work)
         try:
             _wait_for_engine(ctx.engine, beat, settings.engine_wait_s)
+            check_engine(cfg, engine_url)  # another model than the run's: refused before any job
             _first_check(ctx)
         finally:
             signal.signal(signal.SIGTERM, previous)

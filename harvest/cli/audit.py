@@ -64,8 +64,10 @@ def audit_cmd(run, redis_url, out_url, n, seed, route, engine_url, dump_dir, chu
     loc = run_location(cfg.out_url, cfg.run)
     seed = secrets.randbelow(1 << 31) if seed is None else seed
     if route == "hf":
+        from harvest.node.modelcheck import check_model_dir
         from harvest.ops.audit_hf import HFRoute
 
+        check_model_dir(cfg, model or cfg.model)  # the run's model, or the audit proves nothing
         engine = HFRoute(cfg, model or cfg.model, device)
     else:
         from harvest.cli.audit_engine import EngineRoute

@@ -32,6 +32,7 @@ from harvest.config import ConfigError, RunConfig
 from harvest.errors import ServiceError
 from harvest.health import wait_healthy
 from harvest.node.dumpdir import claim_dir, default_dump_dir
+from harvest.node.modelcheck import check_engine
 from harvest.ops.audit import Unchecked
 from harvest.settings import AuditSettings
 from harvest.state.payload import Sample
@@ -77,6 +78,7 @@ class EngineRoute:
                 raise AuditEngineDown(f"no engine answers at {engine_url.rstrip('/')}/health: start the server, or "
                                       "pass the URL of one on this node")
             chunk, how = _chunk_of(engine_url.rstrip("/")), "given"
+        check_engine(cfg, engine_url)  # the run's model, or the audit proves nothing
         from workers.clients import make_engine
 
         self.url, self.dump_dir = engine_url.rstrip("/"), dump_dir

@@ -3,6 +3,8 @@ run's capture points, for an engine that an operator starts beside the workers."
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from harvest.cli.options import launch_options
@@ -10,19 +12,24 @@ from harvest.settings import EngineSettings
 
 
 def _capture_points(model_path: str, num_layers: int | None, run: str | None, redis_url: str,
-                    layers: str) -> tuple[int, list[int]]:
-    """(decoder layers, capture points) for an engine launch: the run's points when named. What a
-    user can get wrong here (a model config, --layers, the run) raises a ConfigError, which the
+                    layers: str) -> tuple[int, list[int], str | None]:
+    """(decoder layers, capture points, the run's model digest) for an engine launch: the run's
+    points when named, whose model `model_path` must be (harvest.node.modelcheck). What a user can
+    get wrong here (a model config, --layers, the run, the model) raises a ConfigError, which the
     CLI tells as one line."""
     from harvest.config import model_layers, parse_layers
 
     n = num_layers or model_layers(model_path)
     if run:
         from harvest.cli.errors import connect
+        from harvest.node.modelcheck import check_model_dir
         from harvest.state.runstore import load_run
 
-        return n, load_run(connect(redis_url), run).capture_points  # a Redis down: told with its URL
-    return n, parse_layers(layers, n)
+        cfg = load_run(connect(redis_url), run)  # a Redis down: told with its URL
+        if os.path.isdir(model_path):  # --num-layers given for a checkpoint elsewhere: the plugin checks it
+            check_model_dir(cfg, model_path)
+        return n, cfg.capture_points, cfg.model_fingerprint["digest"] if cfg.model_fingerprint else None
+    return n, parse_layers(layers, n), None
 
 
 def _dump_dir(dump_dir: str | None, run: str | None) -> str:
@@ -50,7 +57,7 @@ def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, tp
     from engines.sglang_launch import launch_command, venv_python
     from engines.venvs import VenvMissing
 
-    n, points = _capture_points(model_path, num_layers, run, redis_url, layers)
+    n, points, digest = _capture_points(model_path, num_layers, run, redis_url, layers)
     python = "python"
     if device == "cpu":
         try:
@@ -59,7 +66,7 @@ def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, tp
             pass
     click.echo(launch_command(model_path, points, n, dump_dir=_dump_dir(dump_dir, run), tp_size=tp_size, port=port,
                               chunked_prefill_size=chunked_prefill_size, sglang_version=sglang_version,
-                              device=device, python=python, dtype=dtype))
+                              device=device, python=python, dtype=dtype, fingerprint=digest))
 
 
 @click.command("vllm-args")
@@ -78,7 +85,7 @@ def vllm_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, port
     from engines.venvs import VenvMissing
     from engines.vllm_launch import launch_command, venv_python
 
-    n, points = _capture_points(model_path, num_layers, run, redis_url, layers)
+    n, points, _ = _capture_points(model_path, num_layers, run, redis_url, layers)  # vLLM runs no check at load
     if python is None:
         try:
             python = venv_python()

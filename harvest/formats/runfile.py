@@ -1,15 +1,20 @@
 """`<out>/<run>/run.json`: the run's configuration beside its output, what every reader opens first.
 
 It is written once, whole or not at all, when a run is first published
-(harvest.state.runstore.publish_run, which also stores the run in Redis), and never rewritten: a
-later start with an identical configuration leaves it as it is, and one that differs in anything
-that changes what is stored is refused by name. Readers (harvest.read) parse it through
+(harvest.state.runstore.publish_run, which also stores the run in Redis), and never rewritten but
+by `harvest accept-model` (a checkpoint saved again): a later start with an identical configuration
+leaves it as it is, and one that differs in anything that changes what is stored is refused by
+name. The model is named by its fingerprint (harvest.formats.fingerprint) where the run records
+one, so a symlink or a copy of it is the same run, and other weights under the same path are
+not; a run.json without one (an older harvest) is refused with a line that says how to record
+it. Readers (harvest.read) parse it through
 `read_run_json`, with no Redis anywhere in the path.
 """
 
 from __future__ import annotations
 
 from harvest.config import ConfigError, RunConfig, absolute_location, absolute_model
+from harvest.formats.fingerprint import mismatch_line, same_model
 from harvest.storage import Location
 
 RUN_FILE = "run.json"
@@ -35,8 +40,15 @@ def _same(key: str, now: object, stored: object) -> bool:
 
 
 def check_same_run(a: RunConfig, b: RunConfig, where: str) -> None:
-    """Refuse `a` (the configuration now) unless it stores what `b` (the one in `where`) does."""
+    """Refuse `a` (the configuration now) unless it stores what `b` (the one in `where`) does.
+    Where either records a model fingerprint, the fingerprints must be equal and the model's path
+    may differ (a symlink, a copy); a hub id, without one, is compared by name."""
     ia, ib = a.identity(), b.identity()
+    fa, fb = ia.pop("model_fingerprint"), ib.pop("model_fingerprint")
+    if fa or fb:
+        if not same_model(fb, fa):
+            raise ConfigError(mismatch_line(a.run, fb, b.model, fa, a.model, where))
+        del ia["model"], ib["model"]
     diff = sorted(k for k in ia if not _same(k, ia[k], ib[k]))
     if diff:
         details = ", ".join(f"{k}: {ib[k]!r} there, {ia[k]!r} now" for k in diff)

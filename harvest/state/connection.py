@@ -11,6 +11,12 @@ the URL and the limit and exit status `REDIS_LOST_EXIT` (75, EX_TEMPFAIL: try ag
 spool, packing record, claim dir and the jobs it held stay as they are: a restarted worker's job
 is put back by the janitor's dead-worker reaping, a restarted collector finishes its record.
 
+A Redis that answers but refuses writes (out of memory, a failed save to disk, a replica:
+harvest.state.refusal) is waited out the same way, at this same seam: one line names the cause
+and its fix, a no-op write probes until the server takes writes again, then the refused call is
+sent again (a WATCHed transaction goes back to its caller's loop, which reads again). Past the
+same limit the process stops with RedisLost naming the refusal.
+
 A client that never reached Redis fails at once (a wrong URL, a Redis not started: the CLI
 says how to fix it). One-shot commands use the same client with a short limit
 (`ONE_SHOT_OUTAGE_S`), so a Redis lost mid-command is told apart from one never reached. Only
@@ -62,6 +68,7 @@ from redis.retry import Retry
 
 from harvest.errors import ServiceError
 from harvest.settings import RedisSettings
+from harvest.state.refusal import RefusedWrites, refusal_of, refused_reply
 
 log = logging.getLogger("harvest.redis")
 
@@ -118,17 +125,23 @@ class RedisLost(ServiceError, redis.exceptions.RedisError):
 
     exit_status = REDIS_LOST_EXIT
 
-    def __init__(self, url: str, waited_s: float, limit_s: float, cause: str, hint: str = "") -> None:
+    def __init__(self, url: str, waited_s: float, limit_s: float, cause: str, hint: str = "",
+                 refused: bool = False) -> None:
         self.url, self.waited_s, self.limit_s, self.cause, self.hint = redact(url), waited_s, limit_s, cause, hint
+        self.refused = refused  # Redis answered throughout, refusing writes (`hint`: the fix)
         super().__init__(self.line())
 
     def line(self) -> str:
+        if self.refused:
+            return (f"Redis at {self.url} refused writes for {self.limit_s:.0f} s (waited {self.waited_s:.0f} s): "
+                    f"{self.cause}; {self.hint}")
         return (f"lost Redis at {self.url}: it answered, then went away ({self.cause}) and did not come back within "
                 f"{self.limit_s:.0f} s (waited {self.waited_s:.0f} s)" + (f"; {self.hint}" if self.hint else ""))
 
     def for_user(self) -> str:
-        return (f"{self.line()}. Start Redis again (with its data: AOF) and run the same command: the spool, the "
-                f"packing records and the jobs in flight resume (--redis-wait or {OUTAGE_ENV} waits longer)")
+        first = "Once it takes writes" if self.refused else "Start Redis again (with its data: AOF) and"
+        return (f"{self.line()}. {first} run the same command: the spool, the packing records and the jobs in "
+                f"flight resume (--redis-wait or {OUTAGE_ENV} waits longer)")
 
 
 class Outage:
@@ -143,6 +156,7 @@ class Outage:
         self.lost: RedisLost | None = None
         self.outages = 0  # outages ridden out (each ended by a success)
         self.ended_at: float | None = None  # monotonic time the last one ended
+        self.writes = RefusedWrites(redact(url), limit_s, url, SOCKET_TIMEOUT_S)  # a refusal of writes in progress
         self._lock = threading.Lock()
         self._local = threading.local()  # per thread: nesting of call_with_retry, and of connecting
 
@@ -164,7 +178,8 @@ class Outage:
     def check(self) -> None:
         """Raise RedisLost if the client was given up: nothing reaches Redis after that."""
         if self.lost is not None:
-            raise RedisLost(self.lost.url, self.lost.waited_s, self.lost.limit_s, self.lost.cause)
+            lost = self.lost
+            raise RedisLost(lost.url, lost.waited_s, lost.limit_s, lost.cause, lost.hint, lost.refused)
 
     def failed(self, error: BaseException) -> float:
         """Note a failed attempt; the seconds left before the limit (<= 0: give up)."""
@@ -191,19 +206,25 @@ class Outage:
         with self._lock:
             if self.lost is not None:
                 return self.lost
-            since = self.since if self.since is not None else time.monotonic()
-            cause = self.cause or (_short(error) if error is not None else "connection lost")
-            lost = RedisLost(self.url, time.monotonic() - since, self.limit_s, cause)
+            refusal = self.writes.refusal
+            if self.since is None and refusal is not None:
+                lost = RedisLost(self.url, self.writes.waited(), self.limit_s, refusal.cause, refusal.fix, refused=True)
+            else:
+                since = self.since if self.since is not None else time.monotonic()
+                cause = self.cause or (_short(error) if error is not None else "connection lost")
+                lost = RedisLost(self.url, time.monotonic() - since, self.limit_s, cause)
             if latch:
                 self.lost = lost
                 log.error("%s: stopping", lost.line())
             return lost
 
     def quiet_for(self) -> float:
-        """Seconds since the last outage ended (infinite if none, 0 while one is in progress)."""
-        if self.since is not None:
+        """Seconds since the last outage or refusal of writes ended (infinite if none, 0 while one is
+        in progress): heartbeats may have lapsed meanwhile."""
+        if self.since is not None or self.writes.since is not None:
             return 0.0
-        return float("inf") if self.ended_at is None else time.monotonic() - self.ended_at
+        ended = max((t for t in (self.ended_at, self.writes.ended_at) if t is not None), default=None)
+        return float("inf") if ended is None else time.monotonic() - ended
 
 
 class OutageRetry(Retry):
@@ -232,6 +253,28 @@ class OutageRetry(Retry):
             while True:
                 try:
                     result = do()
+                    refused = refused_reply(result)  # a pipeline's replies, returned rather than raised
+                    if refused is not None:
+                        raise refused
+                except redis.ResponseError as error:
+                    seen_at = time.monotonic()
+                    refusal = refusal_of(error)
+                    if refusal is None:
+                        raise  # an answer about the command itself, not about the server
+                    failures += 1
+                    # fail() disconnects; for a WATCHed transaction it raises WatchError: the watch ended
+                    # with the refused EXEC, so the caller's loop reads again once writes are taken, rather
+                    # than the transaction going again unguarded.
+                    try:
+                        fail(error, failures) if with_failure_count else fail(error)
+                        watch = None
+                    except redis.WatchError as e:
+                        watch = e
+                    if not o.writes.wait(refusal, seen_at, self._backoff.compute, o.check):
+                        raise o.give_up(error, o.latch) from error
+                    if watch is not None:
+                        raise watch from error
+                    continue
                 except self._supported_errors as error:
                     if is_retryable and not is_retryable(error):
                         raise

@@ -242,6 +242,9 @@ class Keys:
 # SCAN pattern of every run's config key, and the run name of a key it matched.
 RUN_CONFIG_PATTERN = "harvest:*:config"
 
+# Never set: harvest.state.refusal's probe of whether Redis takes writes is `SET` it `XX`.
+WRITES_PROBE = "harvest:probe:writes"
+
 
 def run_of_config_key(key: str) -> str:
     return key.split(":")[1]

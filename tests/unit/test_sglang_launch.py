@@ -27,6 +27,21 @@ def test_cpu_form_exactly():
                     "--max-total-tokens", "16384"]
 
 
+def test_a_runs_model_digest_goes_to_the_plugin(tiny_model):
+    """`sglang-args --run` passes the run's digest; the plugin refuses another checkpoint at load."""
+    from harvest.config import ConfigError
+    from harvest.formats.fingerprint import model_fingerprint
+    from harvest.node.modelcheck import check_digest
+
+    digest = model_fingerprint(tiny_model)["digest"]
+    env, _ = sl.launch_spec(tiny_model, [2, 8], 8, dump_dir="/dev/shm/d", fingerprint=digest)
+    assert env["HARVEST_MODEL_FINGERPRINT"] == digest
+    assert "HARVEST_MODEL_FINGERPRINT" not in sl.launch_spec(tiny_model, [2, 8], 8, dump_dir="/dev/shm/d")[0]
+    check_digest(digest, tiny_model)
+    with pytest.raises(ConfigError, match=f"^{tiny_model} has model fingerprint {digest[:12]}, not the run's 0{{12}} "):
+        check_digest("0" * 64, tiny_model)
+
+
 def test_gpu_form_has_no_cpu_flags_and_older_spelling():
     env, argv = sl.launch_spec("/m/x", [2, 8], 8, dump_dir="/d", sglang_version="0.5.12")
     assert "SGLANG_USE_CPU_ENGINE" not in env and "--device" not in argv and "--dtype" not in argv
