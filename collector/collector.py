@@ -259,7 +259,18 @@ class Collector:
             except Voided as e:
                 self.void(plan, str(e))
                 return 0
+            except StorageError as e:
+                if self._record_is_mine():
+                    raise  # the spool and the record stay: a restart finishes the shard
+                # Its record was cleared (a tend pass gave the shard up, its spool revoked while this
+                # node was silent, and aborted its upload): the fence would refuse it, so it is void.
+                self.void(plan, f"its packing record is gone (spool reclaimed?) and storing it failed: {e}")
+                return 0
         return self.finish(plan)
+
+    def _record_is_mine(self) -> bool:
+        got = self.records.get_as_stored(self.packing_key)
+        return got is not None and got[1] == self._record_json
 
     def claim(self, plan: ShardPlan) -> bool:
         """Claim the shard's samples in storage (harvest.formats.claims) before any byte is packed.
