@@ -29,7 +29,14 @@ ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 
 class CrashHook:
+    """One per process (`from_env`): every packer of a collector (a thread each) counts into the same
+    hook, so the n-th time is the process's, and a process resumed after a stop stops no more."""
+
+    _shared: CrashHook | None = None
+
     def __init__(self, spec: str | None) -> None:
+        self.spec = spec
+        self._lock = threading.Lock()
         self.point: str | None = None
         self.at = 1
         self.seen = 0
@@ -46,13 +53,18 @@ class CrashHook:
 
     @classmethod
     def from_env(cls) -> CrashHook:
-        return cls(os.environ.get(CRASH_ENV))
+        spec = os.environ.get(CRASH_ENV)
+        if cls._shared is None or cls._shared.spec != spec:
+            cls._shared = cls(spec)
+        return cls._shared
 
     def __call__(self, point: str) -> None:
         if point != self.point:
             return
-        self.seen += 1
-        if self.seen == self.at:
+        with self._lock:
+            self.seen += 1
+            now = self.seen == self.at
+        if now:
             # To this very thread: it takes the signal as its call returns, so it stops (or dies)
             # at the point itself; one sent to the process may be taken by another thread, which
             # leaves this one running on for a moment (past the point: a fence, a record cleared).
