@@ -5,9 +5,12 @@ the shard out of the spool files (to object storage: into a multipart upload, ha
 to a local output: into a temporary file in the shards folder, fsynced), make it visible whole
 (complete the upload; rename), write its index file (the commit), mark the samples done, delete
 their spool files, clear the record. A collector killed anywhere in that sequence finds the
-record on restart and finishes the same shard (same samples, same order, same bytes, same id):
-an unfinished upload of it is aborted, and a stored shard that lacks its index is simply
-overwritten by the identical re-pack, so no sample is packed twice and none is lost.
+record on restart and finishes the same shard (same samples, same order, same bytes, under the
+name the record holds): an unfinished upload of it is aborted, and a stored shard that lacks its
+index is simply overwritten by the identical re-pack, so no sample is packed twice and none is
+lost. Each shard a collector records gets a fresh random name (harvest.ids.new_shard_id), so what
+a collector voids (the object, its uploads, the claims naming it) is only ever its own attempt's,
+never another collector's re-pack of the same samples.
 
 Each byte is written once, with no temporary shard on the node's disk for object storage: tensor
 bytes are copied out of the spool files undecoded. To object storage, or to a local output on
@@ -21,9 +24,7 @@ record stay, so a restart resumes.
 
 from __future__ import annotations
 
-import dataclasses
 import glob
-import json
 import logging
 import os
 import time
@@ -41,11 +42,11 @@ from harvest.atomic import unlink_quiet
 from harvest.config import RunConfig
 from harvest.formats.claims import STALE_S, Claimer
 from harvest.formats.generated import generated_file, store_generated
-from harvest.formats.index import committed_samples, index_file, parse_index
+from harvest.formats.index import index_file
 from harvest.formats.runfile import run_location
 from harvest.formats.shard import ShardPlan, plan_shard, shard_file
 from harvest.formats.spool import SpoolEntry, SpoolError
-from harvest.ids import check_id, node_name, shard_id_for
+from harvest.ids import check_id, new_shard_id, node_name
 from harvest.node.spooldir import list_spooled, spool_identity, spool_path
 from harvest.settings import CollectorSettings
 from harvest.state.ledger import DONE, FAILED, QUEUED, SPOOLED, Ledger
@@ -136,10 +137,11 @@ class Collector:
 
     def resume_record(self) -> None:
         """Finish (or void) the shard this packer's record names; else sweep orphan shards."""
-        rec = self.records.get(self.packing_key)
-        if rec is None:
+        got = self.records.get_as_stored(self.packing_key)
+        if got is None:
             self._retry(lambda: sweep_orphans(self.out, self.conn, self.cfg, self.orphan_age), "sweeping orphan shards")
             return
+        rec, self._record_json = got
         log.info("resuming shard %s (%d samples)", rec.shard_id, len(rec.sample_ids))
         if rec.index is not None:  # the commit was decided before the restart
             write_decided_index(self.out, rec, self._retry)
@@ -221,7 +223,8 @@ class Collector:
 
     def _commit(self, sample_ids: list[str], resumed_shard: str | None = None,
                 entries: list[SpoolEntry] | None = None) -> int:
-        """`entries`: the spool headers `step` already read and checked (a resume reads them)."""
+        """Commit one shard of `sample_ids`: named afresh, or `resumed_shard`, the name its record
+        holds. `entries`: the spool headers `step` already read and checked (a resume reads them)."""
         paths = [spool_path(self.spool_dir, s) for s in sample_ids]
         present = [os.path.exists(p) for p in paths]
         if resumed_shard and not all(present):
@@ -239,11 +242,11 @@ class Collector:
             if bad:
                 self._void(resumed_shard, sample_ids, "; ".join(str(e) for e in bad.values()))
                 return self._reject(bad)
-        plan = self.plan(entries)
-        if resumed_shard and plan.shard_id != resumed_shard:
-            raise RuntimeError(f"re-packed shard id {plan.shard_id} differs from the recorded {resumed_shard}")
+        plan = self.plan(entries, resumed_shard)
         self.record(plan, viewed=viewed)
-        if not self._retry(lambda: self.out.exists(index_file(plan.shard_id)), f"checking {index_file(plan.shard_id)}"):
+        # A fresh name has no index; a resumed one has when the last incarnation died after writing it
+        if not (resumed_shard and self._retry(lambda: self.out.exists(index_file(resumed_shard)),
+                                              f"checking {index_file(resumed_shard)}")):
             if self._refused:  # asked with the record's write
                 self.void(plan, f"{self._refused}: nothing packed")
                 return 0
@@ -254,7 +257,18 @@ class Collector:
             except Voided as e:
                 self.void(plan, str(e))  # Damaged: a spool file changed on the node; the rest go in the next shard
                 return self._reject(e.found) if isinstance(e, Damaged) else 0
+            except StorageError as e:
+                if self._record_is_mine():
+                    raise  # the spool and the record stay: a restart finishes the shard
+                # Its record was cleared (a tend pass gave the shard up, its spool revoked while this
+                # node was silent, and aborted its upload): the fence would refuse it, so it is void.
+                self.void(plan, f"its packing record is gone (spool reclaimed?) and storing it failed: {e}")
+                return 0
         return self.finish(plan)
+
+    def _record_is_mine(self) -> bool:
+        got = self.records.get_as_stored(self.packing_key)
+        return got is not None and got[1] == self._record_json
 
     def claim(self, plan: ShardPlan) -> bool:
         """Claim the shard's samples in storage (harvest.formats.claims) before any byte is packed.
@@ -281,29 +295,12 @@ class Collector:
                         "being committed by another collector")
         return False
 
-    def plan(self, entries: list[SpoolEntry]) -> ShardPlan:
-        plan = plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype)
-        return dataclasses.replace(plan, shard_id=self._fresh_shard_id(plan.sample_ids))
-
-    def _fresh_shard_id(self, sample_ids: list[str]) -> str:
-        """The shard id of `sample_ids`, skipping the generations whose index exists but no longer
-        commits all of them: a repair (`reconcile --verify`, `--dedupe`) excluded some, and they are
-        packed again now. Reusing that name would find its index and take the samples for committed
-        while it excludes them. Deterministic, so a restart resumes the same id."""
-        for generation in range(1000):
-            shard_id = shard_id_for(sample_ids, self.claimer.ledger_id, generation)
-            name = index_file(shard_id)
-            raw = self._retry(lambda: self._read_or_none(name), f"reading {self.out.path(name)}")
-            if raw is None or set(sample_ids) <= set(committed_samples(parse_index(json.loads(raw), name))):
-                return shard_id
-        raise RuntimeError(f"1000 generations of the shard of {sample_ids[0]}... are indexed without it: the index "
-                           "files were modified outside harvest")
-
-    def _read_or_none(self, name: str) -> bytes | None:
-        try:
-            return self.out.read_bytes(name)
-        except FileNotFoundError:
-            return None
+    def plan(self, entries: list[SpoolEntry], shard_id: str | None = None) -> ShardPlan:
+        """The layout of a shard of `entries`, named `shard_id` (a resumed record's) or afresh: a new
+        name for every shard recorded, so no other attempt at the same samples (this ledger's or
+        another's) ever shares it (harvest.ids.new_shard_id)."""
+        return plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype,
+                          shard_id=shard_id or new_shard_id())
 
     def record(self, plan: ShardPlan, viewed: bool = False) -> None:
         """The one record per node of the shard being committed, which a restart finishes, with the
@@ -368,9 +365,11 @@ class Collector:
         self._void(plan.shard_id, plan.sample_ids, why)
 
     def _void(self, shard_id: str, sample_ids: list[str], why: str) -> None:
+        """Everything named `shard_id` is this attempt's own (its name is unique to its record), and
+        so is the record, cleared only while it is still the one this collector wrote or resumed."""
         log.warning("shard %s given up: %s", shard_id, why)
         give_up_shard(self.out, self.claimer, shard_id, sample_ids, self._retry)
-        self.records.clear(self.packing_key)
+        self.records.clear_if_same(self.packing_key, self._record_json)
         self.renew_lease()
 
     def finish(self, plan: ShardPlan) -> int:

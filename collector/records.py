@@ -11,6 +11,12 @@ restart, or any collector of the run once the node's spool is revoked (the node 
 
 A record without an index whose spool is revoked is void: its samples went back to the queue,
 so its shard must never be indexed; whoever finds it removes the shard's object and the record.
+
+Who owns a name: the shard id in a record is drawn fresh when the record is first written
+(harvest.ids.new_shard_id) and kept by every resume, so the shard object, its multipart uploads and
+the claims naming `{shard, ledger}` belong to that one record. Voiding it (`give_up_shard`, by the
+record's collector or by `tend_revoked`) removes only them: never another collector's re-pack of the
+same samples, which has a name of its own. A decided record is only ever finished, never voided.
 """
 
 from __future__ import annotations
@@ -74,9 +80,16 @@ def tend_revoked(conn: redis.Redis, run: str, out: Location, retry: Retry, own_k
     Returns the samples this call moved to done."""
     records, ledger, leases = PackingRecords(conn, run), Ledger(conn, run), SpoolLeases(conn, run)
     done = 0
-    for key, rec, raw in records.items(skip=own_keys, complete=False):  # periodic: the index, not a SCAN
-        if rec.spool is None or not leases.is_revoked(rec.spool):
+    for key, seen, _ in records.items(skip=own_keys, complete=False):  # periodic: the index, not a SCAN
+        if seen.spool is None or not leases.is_revoked(seen.spool):
             continue  # a live node's shard in progress: its own collector's
+        # Read again now that the revocation is seen: no fence passes for a revoked spool, so whether
+        # this read holds an index is final, where the first read may predate a fence that passed
+        # just before the revocation (voiding that would delete a decided shard's object).
+        got = records.get_as_stored(key)
+        if got is None or got[0].spool != seen.spool:
+            continue  # finished, or rewritten by its owner under a new spool id: a later pass looks again
+        rec, raw = got
         if rec.index is not None:
             write_decided_index(out, rec, retry)
             tokens = dict(zip(rec.index["samples"], rec.index["tokens"]))

@@ -1,8 +1,9 @@
-"""Content-derived identifiers and the one place that decides which ids may touch a path.
+"""Identifiers, content-derived or random, and the one place that decides which ids may touch a path.
 
-Every id that crosses a process boundary (sample, rid, job, shard) is derived from content,
-so a rerun or a retried job names the same thing, and is checked against a strict alphabet
-before it is joined onto a directory: whoever can write to Redis must not reach `../`.
+Ids that cross a process boundary are derived from content where a rerun or a retried job must
+name the same thing (sample, job), and drawn at random where each attempt must own its own (a
+rid's attempt, a collector's shard); every one is checked against a strict alphabet before it
+is joined onto a directory: whoever can write to Redis must not reach `../`.
 """
 
 from __future__ import annotations
@@ -69,17 +70,22 @@ def job_id_for(run: str, sample_ids: Iterable[str]) -> str:
     return f"hv-{check_id(run, 'run name')}-{_digest_of(sample_ids)}"
 
 
-def shard_id_for(sample_ids: Iterable[str], ledger: str = "", generation: int = 0) -> str:
-    """A shard is named by the ordered samples it holds and the ledger that commits it, so re-packing
-    the same set rewrites the same object, while two ledgers on one output (two runners of one
-    dataset) never write, abort or remove each other's shard objects under one name.
-    `generation`: the same set packed again after a repair excluded some of it from the shard of
-    generation 0 (a corrupt copy re-extracted): a new name, as the old one's index stays."""
-    ids = list(sample_ids)
-    tail = [f"ledger-{check_id(ledger, 'ledger id')}"] if ledger else []
-    if generation:
-        tail.append(f"generation-{int(generation)}")
-    return _digest_of([*ids, *tail])
+def shard_id_for(sample_ids: Iterable[str]) -> str:
+    """The digest of a shard's ordered samples: the default name of a layout (`plan_shard`), for tools
+    and tests that write shards with no ledger. A collector never commits under it: it names each
+    shard it records with `new_shard_id`."""
+    return _digest_of(sample_ids)
+
+
+def new_shard_id() -> str:
+    """A fresh name for one packing attempt of a collector: 128 random bits, 32 hex digits (the shape
+    of every shard id). Unique to the packing record that first names it, so only that record's owner
+    (or whoever tends the record once its spool is revoked) ever writes, aborts or deletes the shard
+    object, its uploads and the claims naming it; two collectors re-packing one set (a node frozen
+    past its spool grace and another that took its samples over) or two ledgers meeting one output
+    never share a name. Random rather than derived from the samples: a derived name is shared by
+    every attempt at the same set, and each attempt must own its own."""
+    return secrets.token_hex(16)
 
 
 def new_attempt() -> int:

@@ -295,7 +295,9 @@ class Location:
     def abort_uploads(self, name: str) -> int:
         """Abort unfinished multipart uploads of `name` (left by an uploader killed mid-upload):
         never visible as an object, but their parts are stored and billed until aborted.
-        Returns how many were aborted; 0 on stores without multipart uploads."""
+        Returns how many were aborted; 0 on stores without multipart uploads. An upload gone between
+        the listing and its abort (its uploader, or another process tending the same void shard,
+        aborted or completed it) is not an error."""
         call = getattr(self.fs, "call_s3", None)
         if call is None:
             return 0
@@ -304,7 +306,10 @@ class Location:
         n = 0
         for u in uploads:
             if u["Key"] == key:
-                call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=u["UploadId"])
+                try:
+                    call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=u["UploadId"])
+                except FileNotFoundError:  # s3fs's NoSuchUpload
+                    continue
                 n += 1
         return n
 

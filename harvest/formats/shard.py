@@ -11,8 +11,9 @@ files' headers and fixes the layout (and with it the header bytes), and the tens
 straight from the spool files into the output, undecoded: `copy_shard` has the kernel move them
 into a local file on the spool's filesystem (cloning blocks where the filesystem can: the header
 is padded to a block, and so are the spool files'), `write_shard` streams them through two small
-buffers into anything else (an upload, a file on another filesystem). The same samples in the same order give the same bytes (and the same id), which
-is what lets a collector that crashed mid-commit re-pack and overwrite instead of duplicate.
+buffers into anything else (an upload, a file on another filesystem). The same samples in the
+same order give the same bytes, which is what lets a collector that crashed mid-commit re-pack
+its recorded shard under the record's name and overwrite instead of duplicate.
 
 Both writers also sum what they store on the thread that already sees every byte (the sha256
 hasher): the shard's sha256 and, per sample, one crc32 per per-token tensor over exactly that
@@ -123,9 +124,11 @@ class ShardPlan:
 
 
 def plan_shard(
-    entries: Sequence[SpoolEntry], run: str, capture_points: Sequence[int], dtype: torch.dtype
+    entries: Sequence[SpoolEntry], run: str, capture_points: Sequence[int], dtype: torch.dtype,
+    shard_id: str | None = None,
 ) -> ShardPlan:
-    """The layout of a shard of `entries` (checked spool files, in this order)."""
+    """The layout of a shard of `entries` (checked spool files, in this order), named `shard_id`
+    (a collector's fresh name, harvest.ids.new_shard_id; default: the digest of the samples)."""
     if not entries:
         raise ShardError("a shard needs at least one sample")
     ids = [e.id for e in entries]
@@ -154,7 +157,7 @@ def plan_shard(
         "capture_points": json.dumps(list(capture_points)),
     }
     return ShardPlan(
-        shard_id_for(ids), tuple(entries), tensors, encode_header(tensors, meta, BLOCK), tuple(offsets), dtype,
+        check_id(shard_id, "shard id") if shard_id else shard_id_for(ids), tuple(entries), tensors, encode_header(tensors, meta, BLOCK), tuple(offsets), dtype,
         tuple(capture_points),
     )
 

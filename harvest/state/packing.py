@@ -43,7 +43,6 @@ local id = redis.call('GET', KEYS[6])
 if not id then id = ARGV[4 + n]; redis.call('SET', KEYS[6], id) end
 return {owns(ARGV[2], 3, n) and 1 or 0, id}
 """
-_CLEAR = "redis.call('SREM', KEYS[2], KEYS[1]) return redis.call('DEL', KEYS[1])"
 _FORGET_IF_GONE = "if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('SREM', KEYS[2], KEYS[1]) end return 0"
 _DELETE_IF_SAME = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -79,7 +78,6 @@ class PackingRecords:
     def __init__(self, conn: redis.Redis, run: str) -> None:
         self.conn, self.keys = conn, Keys(run)
         self._put_owned = conn.register_script(_PUT_OWNED)
-        self._clear = conn.register_script(_CLEAR)
         self._delete_if_same = conn.register_script(_DELETE_IF_SAME)
         self._forget_if_gone = conn.register_script(_FORGET_IF_GONE)
 
@@ -87,9 +85,10 @@ class PackingRecords:
         """The record of packer `packer` of `node`'s collector (packer 0: the node's plain key)."""
         return self.keys.packing(node, packer)
 
-    def get(self, key: str) -> PackingRecord | None:
+    def get_as_stored(self, key: str) -> tuple[PackingRecord, str] | None:
+        """The record at `key` and its JSON as stored (what `clear_if_same` and the fence compare)."""
         raw = self.conn.get(key)
-        return None if raw is None else PackingRecord.from_json(raw)
+        return None if raw is None else (PackingRecord.from_json(raw), raw.decode())
 
     def put_owned(self, key: str, rec: PackingRecord, ledger_id: str, samples: bool = True) -> tuple[str, bool, str]:
         """Write `rec` at `key`, and in the same call ask whether its spool may commit its samples (not
@@ -109,11 +108,9 @@ class PackingRecords:
         files of done samples) the collector's next step removes, record or not."""
         return key, self.keys.packing_index
 
-    def clear(self, key: str) -> None:
-        self._clear(keys=[key, self.keys.packing_index])
-
-    def clear_if_same(self, key: str, raw: bytes) -> bool:
-        """Remove the record at `key` only while it is still `raw` (as `items` read it)."""
+    def clear_if_same(self, key: str, raw: bytes | str) -> bool:
+        """Remove the record at `key` only while it is still `raw` (as written, or as `items` read it):
+        whoever clears a record clears the one it acted on, never a later one written there."""
         return bool(self._delete_if_same(keys=[key, self.keys.packing_index], args=[raw]))
 
     def adopt(self) -> int:

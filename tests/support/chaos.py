@@ -7,7 +7,8 @@ sample ids are known in advance. At random moments it SIGKILLs one of them (work
 collector, producer or Redis) and starts it again; a process that exits on its own (a worker
 whose Redis vanished) is restarted too, as a supervisor would. With several nodes, a `node`
 fault kills every process of one node and withholds its disk: the node comes back within the
-run's spool grace, after it (its spool reclaimed meanwhile), or never. When the producer has
+run's spool grace, after it (its spool reclaimed meanwhile), or never; a `freeze` fault stops a node
+mid-commit and resumes it where it stopped (tests.support.chaos_freeze). When the producer has
 finished and every sample is done or failed, it stops everything, runs each returned node's
 collector and janitor once more, and accounts for every input sample:
 
@@ -40,6 +41,7 @@ from harvest.state.heartbeat import HEARTBEAT_TTL_S
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from tests.support.aof import AofHistory
+from tests.support.chaos_freeze import Freezer
 from tests.support.chaos_result import TrialResult, killed_writers_temp
 from tests.support.cli import REPO
 from tests.support.ports import reserve_ports
@@ -69,7 +71,7 @@ class Trial:
         self.n, self.n_workers, self.n_kills, self.chunk = samples, workers, kills, chunk
         # Several nodes: a short grace, so that a lost node is reclaimed within the trial.
         self.n_nodes, self.grace_s = nodes, grace_s or (10.0 if nodes > 1 else 120.0)
-        self.kinds = kinds or KINDS + (("node",) if nodes > 1 else ())
+        self.kinds = kinds or KINDS + (("node", "freeze") if nodes > 1 else ())
         self.returns = list(returns or ())
         self.down: dict[int, float | None] = {}  # lost node -> when it comes back (None: never)
         self.never: set[int] = set()
@@ -88,6 +90,7 @@ class Trial:
         self.redis = RedisServer(os.path.join(root, "redis"), port=self.port + nodes)
         self.aof = AofHistory(self.redis)
         self.result = TrialResult(seed, samples)
+        self.freezer = Freezer(self.rng, self.grace_s, self.result.timeline)
         self.last_worker_kill = 0.0
         self.on_commit, self.rollback_lags = on_commit, rollback_lags
 
@@ -125,8 +128,13 @@ class Trial:
 
     def _start(self, name: str) -> None:
         with open(os.path.join(self.logs, f"{name}.log"), "ab") as log:
-            self.procs[name] = subprocess.Popen(self._cmd(name), cwd=REPO, env=self.env, stdout=log, stderr=log,
+            env = {**self.env, **self.freezer.env_for(name)}
+            self.procs[name] = subprocess.Popen(self._cmd(name), cwd=REPO, env=env, stdout=log, stderr=log,
                                                 stdin=subprocess.DEVNULL)
+
+    def _restart(self, name: str) -> None:
+        self._kill(name)
+        self._start(name)
 
     def _kill(self, name: str) -> None:
         p = self.procs.get(name)
@@ -135,7 +143,7 @@ class Trial:
             p.wait()
 
     def _up(self) -> list[int]:
-        return [n for n in range(self.n_nodes) if n not in self.down]
+        return [n for n in range(self.n_nodes) if n not in self.down and n not in self.freezer.held]
 
     def _names(self, kind: str) -> list[str]:
         up = self._up()
@@ -152,21 +160,18 @@ class Trial:
             self.redis.start()
             return
         if kind == "rollback":
-            self._rollback(self.rng.choice(self.rollback_lags))
+            lag = self.rng.choice(self.rollback_lags)
+            self.result.timeline.append(f"rollback {lag:.0f}s: {self.aof.rollback(lag)}")
             return
-        if kind == "node":
-            self._lose_node(now)
+        if kind in ("node", "freeze"):
+            self._lose_node(now) if kind == "node" else self.freezer.strike(now, self._up(), self._restart)
             return
         name = self.rng.choice(self._names(kind))
         if kind == "worker":
             self.last_worker_kill = time.monotonic()
         if name == "producer" and self.producer_done:
             return
-        self._kill(name)
-        self._start(name)
-
-    def _rollback(self, lag: float) -> None:
-        self.result.timeline.append(f"rollback {lag:.0f}s: {self.aof.rollback(lag)}")
+        self._restart(name)
 
     def _commits(self) -> int:
         from harvest.storage import Location
@@ -177,10 +182,7 @@ class Trial:
             return 0
 
     def _wait_nodes_up(self, conn: redis.Redis, timeout: float = 120.0) -> None:
-        """Until every node holds a spool lease (its worker or collector is up, which takes a loaded
-        machine 20 s of imports): a node lost before it took one has nothing to reclaim, and the
-        faults are meant for a running pipeline. Bounded: a node that never comes up is the
-        trial's to report."""
+        """Until every node holds a spool lease (a node lost before has nothing to reclaim), bounded."""
         end = time.monotonic() + timeout
         while time.monotonic() < end and self.procs["producer"].poll() in (None, 0):
             if len({v.decode() for v in conn.hvals(Keys(self.run).spool_nodes)}) >= self.n_nodes:
@@ -275,8 +277,8 @@ class Trial:
                     commits = seen
                 now = time.monotonic() - t0
                 if now > self.deadline_s:
-                    c = Ledger(conn, self.run).counts()
-                    self.result.error = f"not finished after {self.deadline_s:.0f}s: ledger {c}, producer done {self.producer_done}"
+                    self.result.error = (f"not finished after {self.deadline_s:.0f}s: ledger "
+                                         f"{Ledger(conn, self.run).counts()}, producer done {self.producer_done}")
                     break
                 if kill_at and now >= kill_at[0]:
                     kill_at.pop(0)
@@ -284,15 +286,17 @@ class Trial:
                     self.result.timeline.append(f"{now:.1f}s kill {kind}")
                     self._kill_one(kind, now)
                 self._bring_back(now)
+                self.freezer.tick(now, self.procs, [self._node_procs(n) for n in range(self.n_nodes)])
                 self._supervise()
                 if (not kill_at or self.on_commit) and not [a for a in self.down.values() if a is not None] \
-                        and self._finished(conn):
+                        and not self.freezer.held and self._finished(conn):
                     break
                 time.sleep(0.2)
         finally:
             for name in list(self.procs):
                 p = self.procs[name]
                 if p.poll() is None:
+                    p.send_signal(signal.SIGCONT)  # a frozen one, too, ends as told
                     p.terminate()
             for p in self.procs.values():
                 try:
@@ -302,8 +306,7 @@ class Trial:
                     p.wait()
         try:
             if not self.result.error:
-                # The janitor removes a claim dir only once its worker's heartbeat has expired
-                # (15 s TTL), and files the ledger proves stale after a 2 s grace: wait those out.
+                # A claim dir goes once its worker's heartbeat expired (15 s), stale files after 2 s: wait those out
                 wait = 2.5
                 back = [n for n in range(self.n_nodes) if n not in self.never]
                 claims = any(x.startswith(".claimed-") for n in back if os.path.isdir(self.dump(n))
@@ -316,8 +319,7 @@ class Trial:
                     if self.n_nodes > 1:  # a node that came back deletes its copies of samples others committed
                         self._harvest("collect", "--spool-dir", self.spool(n), "--node", f"node{n}", "--burst")
                     self._janitor(n)
-                    # A worker killed just before the end leaves a claim dir that a janitor may remove only
-                    # once its heartbeat has expired: a few more passes, as the live workers would run.
+                    # A worker killed just before the end leaves a claim dir: more passes, as live workers run them
                     for _ in range(HEARTBEAT_TTL_S // 3):
                         if not os.path.isdir(self.dump(n)) or not any(
                                 x.startswith(".claimed-") for x in os.listdir(self.dump(n))):

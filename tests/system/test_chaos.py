@@ -50,3 +50,13 @@ def test_every_kind_of_kill_on_two_nodes_to_s3(tiny_model, tmp_path, s3_bucket):
                    kinds=(*KILLS, "node")).execute()
     assert result.ok, result.summary()
     assert result.done + result.failed == 40
+
+
+def test_frozen_nodes_lose_and_double_nothing(tiny_model, tmp_path):
+    # A node frozen (SIGSTOP, every process of it) at a random commit step of its collector, resumed
+    # within the spool grace or past it (its spool reclaimed and its samples committed elsewhere).
+    result = Trial(str(tmp_path), tiny_model, 51, samples=60, kills=3, workers=1, nodes=2, kinds=("freeze",),
+                   on_commit=True).execute()
+    assert result.ok, (result.summary(), result.timeline)
+    assert result.kills["freeze"] == 3 and any(" frozen, resumes at " in t for t in result.timeline), result.timeline
+    assert result.done + result.failed == 60

@@ -133,9 +133,9 @@ def test_unfinished_multipart_upload_of_a_killed_collector_is_aborted_on_resume(
     cfg, spool, samples = _setup(conn, tmp_path, f"{s3_bucket}/out", [3, 4])
     c = Collector(conn, cfg, spool, node="n1")
     ids = [sid for sid, _, _ in list_spooled(spool)]
-    from harvest.ids import shard_id_for
+    from harvest.ids import new_shard_id
 
-    sid = shard_id_for(ids, c.claimer.ledger_id)
+    sid = new_shard_id()  # the name its record holds
     bucket = s3_bucket.removeprefix("s3://")
     key = f"out/r/{shard_file(sid)}"
     _s3(s3_endpoint).create_multipart_upload(Bucket=bucket, Key=key)  # what a SIGKILL mid-upload leaves
@@ -180,10 +180,8 @@ def test_collect_cli_stops_on_missing_bucket_then_finishes_the_recorded_shard(co
             "--s3-endpoint", s3_endpoint]
     res = harvest_cli(*args, env={"HARVEST_S3_ENDPOINT": "http://127.0.0.1:1"})  # the flag wins over the environment
     ids = [sid for sid, _, _ in list_spooled(spool)]
-    from harvest.ids import shard_id_for
     from harvest.state.ledger import Ledger
 
-    sid = shard_id_for(ids, Ledger(conn, "r").identity())
     assert res.returncode == 2, res.stderr
     assert res.stderr.splitlines()[-1].startswith(  # after the collector's start line
         # the samples are claimed in storage before the shard is packed: the first claim finds no bucket
@@ -194,8 +192,9 @@ def test_collect_cli_stops_on_missing_bucket_then_finishes_the_recorded_shard(co
         "fix the storage and start the collector again (`harvest collect`, or the same `harvest run`) to finish it."
     )
     assert len(list_spooled(spool)) == 3 and Ledger(conn, "r").counts()["spooled"] == 3
-    assert json.loads(conn.get(Ledger(conn, "r").keys.packing("n1"))) == {"shard_id": sid, "sample_ids": ids,
-                                                                          "spool": spool_identity(spool)}
+    rec = json.loads(conn.get(Ledger(conn, "r").keys.packing("n1")))
+    sid = rec["shard_id"]  # a fresh name, which the restart keeps
+    assert rec == {"shard_id": sid, "sample_ids": ids, "spool": spool_identity(spool)}
 
     s3.create_bucket(Bucket=bucket)
     res = harvest_cli(*args)

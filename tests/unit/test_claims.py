@@ -98,7 +98,7 @@ def test_a_ledger_id_redis_lost_comes_back_with_a_record_and_one_taken_meanwhile
     conn.delete(ledger.keys.ledger_id)  # a Redis that lost it (a rollback past its creation)
     c.record(c.plan(c.choose(force=True)), viewed=True)
     assert conn.get(ledger.keys.ledger_id).decode() == known and c._refused == ""  # given back
-    c.records.clear(c.packing_key)
+    assert c.records.clear_if_same(c.packing_key, c._record_json)
     conn.set(ledger.keys.ledger_id, "f" * 16)  # lost again, and a new process took a new id first
     assert c.step(force=True) == 0  # the shard named under the old id is given up before anything is packed
     assert f"the ledger's id is {'f' * 16} now, not {known}: nothing packed" in caplog.text

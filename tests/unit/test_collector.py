@@ -199,10 +199,9 @@ def test_local_shard_is_copied_by_the_kernel_only_on_the_spools_filesystem(conn,
 
 def test_a_shard_whose_samples_a_repair_excluded_is_packed_again_under_a_new_name(conn, tmp_path):
     # `reconcile --verify` excluded a corrupt copy and sent its samples back; extracted again, the
-    # same set in the same order would get the same shard id, whose index exists and excludes them:
-    # taken as committed, they would be marked done and never read. They get the next generation.
+    # same set in the same order gets a name of its own (every shard recorded is named afresh), so
+    # the old index, which excludes them, is neither reused nor taken for their commit.
     from harvest.formats.index import encode_index, index_file, with_excluded
-    from harvest.ids import shard_id_for
 
     cfg, spool, samples, ledger = _setup(conn, tmp_path, [4, 6])
     ids = [s.id for s in samples]
@@ -212,7 +211,6 @@ def test_a_shard_whose_samples_a_repair_excluded_is_packed_again_under_a_new_nam
     loc = c.out
     (old,) = loc.list(INDEX, ".json")
     old_id = old.removesuffix(".json")
-    assert old_id == shard_id_for(ids, ledger.identity())
     doc = loc.read_json(f"{INDEX}/{old}")
     loc.write_atomic(index_file(old_id), encode_index(with_excluded(doc, {sid: "corrupt: test" for sid in ids})))
     assert RunReader(loc.url()).sample_ids == []
@@ -221,8 +219,8 @@ def test_a_shard_whose_samples_a_repair_excluded_is_packed_again_under_a_new_nam
     ledger.mark_spooled(ids)
     while c.step(force=True):
         pass
-    new_id = shard_id_for(ids, ledger.identity(), generation=1)
-    assert sorted(loc.list(INDEX, ".json")) == sorted([old, f"{new_id}.json"])
+    (new,) = set(loc.list(INDEX, ".json")) - {old}
+    new_id = new.removesuffix(".json")
     assert loc.read_json(index_file(old_id))["excluded"] == {sid: "corrupt: test" for sid in ids}  # left as it was
     reader = RunReader(loc.url())
     assert sorted(reader.sample_ids) == sorted(ids) and {reader.shard_of(s) for s in ids} == {new_id}
@@ -230,6 +228,21 @@ def test_a_shard_whose_samples_a_repair_excluded_is_packed_again_under_a_new_nam
         assert torch.equal(reader.get(s.id)["hidden_states"], s.hidden_states)
     assert ledger.counts() == {"queued": 0, "spooled": 0, "done": 2, "failed": 0, "total": 2}
     assert {json.loads(loc.read_bytes(f"claims/{s}.json"))["shard"] for s in ids} == {new_id}
+
+
+def test_every_shard_recorded_gets_a_name_of_its_own(conn, tmp_path):
+    # The same samples in the same order, planned twice (a re-pack after a void, another collector
+    # taking them over): two names, neither the samples' digest, each 32 hex digits.
+    from harvest.ids import check_id, shard_id_for
+
+    cfg, spool, samples, ledger = _setup(conn, tmp_path, [4, 6])
+    c = Collector(conn, cfg, spool, node="n1")
+    chosen = c.choose(force=True)
+    a, b = c.plan(chosen), c.plan(chosen)
+    assert a.sample_ids == b.sample_ids == [e.id for e in chosen] and a.header == b.header
+    assert len({a.shard_id, b.shard_id, shard_id_for(a.sample_ids)}) == 3
+    assert all(len(x) == 32 and int(x, 16) >= 0 and check_id(x) for x in (a.shard_id, b.shard_id))
+    assert c.plan(chosen, a.shard_id).shard_id == a.shard_id  # a resumed record keeps its name
 
 
 def test_spool_files_of_samples_the_ledger_forgot_are_taken_up_and_committed(conn, tmp_path):

@@ -164,3 +164,31 @@ def test_the_fence_checks_the_spool_the_record_names_not_one_set_mid_commit(conn
     c.publish(plan, packed)  # spool `a` still owns every sample: committed, not voided
     assert out.exists(index_file(plan.shard_id))
     assert PackingRecord.from_json(conn.get(c.packing_key)).spool == a
+
+
+def test_a_tend_pass_that_read_a_record_before_its_fence_finishes_it_never_voids_it(conn, tmp_path, monkeypatch):
+    """The tend pass lists the records, node a's fence passes and then its spool is revoked (a node
+    back from a freeze that fenced at once, revoked before it could renew), and only then does the
+    pass see the revocation: it must act on the record as it is now (decided), not as first read."""
+    cfg, (a_dir, a, a_ids, _), _ = _setup(conn, tmp_path)
+    out, c, plan, packed = _packing(conn, cfg, a_dir)
+    out.put_file(packed.tmp, shard_file(plan.shard_id))  # visible, not yet fenced
+    decided = PackingRecord(plan.shard_id, plan.sample_ids, a, index=plan.index(packed.sums)).to_json()
+    listed, calls = PackingRecords.items, []
+
+    def listed_before_the_fence(self, *args, **kw):
+        records = list(listed(self, *args, **kw))
+        calls.append(1)
+        if len(calls) > 1:  # the reclaim's own reading
+            yield from records
+            return
+        assert [rec.index for _, rec, _ in records] == [None]
+        assert c.ledger.fence_commit(a, plan.sample_ids, c.packing_key, decided, c._record_json)
+        assert reclaim_spool(conn, cfg, a).decided == sorted(plan.sample_ids)
+        yield from records
+
+    monkeypatch.setattr(PackingRecords, "items", listed_before_the_fence)
+    assert tend_revoked(conn, cfg.run, out, lambda fn, what: retry(fn, what), frozenset()) == len(plan.sample_ids)
+    assert out.read_json(index_file(plan.shard_id))["samples"] == plan.sample_ids
+    assert out.exists(shard_file(plan.shard_id)) and conn.get(c.packing_key) is None
+    assert Ledger(conn, cfg.run).states(plan.sample_ids) == ["d"] * len(plan.sample_ids)
