@@ -8,6 +8,8 @@ A page holds a marker line `<!-- generated: NAME -->`; `on_page_markdown` replac
   constants), with the modules that read it;
 - `metrics`: every metric family harvest/ops/metrics.py defines, with its type, labels and help.
 
+`on_page_content` tidies the generated command-line reference (no default shown as click's marker).
+
 The hook imports nothing but harvest.settings and harvest.ops.metrics's two tables (and parses the
 rest), so the build needs no Redis and no torch.
 """
@@ -46,6 +48,7 @@ ENV_PURPOSE = {
     "HARVEST_COLLECTOR_CRASH_AT": "Test only: the collector crash harness's crash point.",
     "AWS_ACCESS_KEY_ID": "S3 credentials (or `AWS_PROFILE`).",
     "AWS_SECRET_ACCESS_KEY": "S3 credentials (or `AWS_PROFILE`).",
+    "AWS_SESSION_TOKEN": "S3 credentials: a temporary session's token.",
 }
 
 _ENV_READ = re.compile(r"""(?:environ\.get\(|environ\[|getenv\(|environ\.setdefault\(|\w*ENV\w*\s*=\s*)["']([A-Z][A-Z0-9_]+)["']""")
@@ -156,3 +159,8 @@ GENERATORS = {"settings": settings, "environment": environment, "metrics": metri
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     return MARKER.sub(lambda m: GENERATORS[m.group(1)](), markdown)
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    """mkdocs-click prints click 8.3's marker for "no default" as `Sentinel.UNSET`: show nothing instead."""
+    return html.replace("<code>Sentinel.UNSET</code>", "")
