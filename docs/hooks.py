@@ -162,5 +162,9 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 
 def on_page_content(html: str, page, config, files) -> str:
-    """mkdocs-click prints click 8.3's marker for "no default" as `Sentinel.UNSET`: show nothing instead."""
-    return html.replace("<code>Sentinel.UNSET</code>", "")
+    """mkdocs-click prints click 8.3's marker for "no default" as `Sentinel.UNSET`: show nothing instead.
+    The command-line page is wrapped in `cli-reference`, whose option names stay on one line (extra.css)."""
+    html = html.replace("<code>Sentinel.UNSET</code>", "")
+    if page.file.src_uri == "reference/cli.md":
+        html = f'<div class="cli-reference">{html}</div>'
+    return html
