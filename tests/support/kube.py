@@ -54,9 +54,9 @@ def pod_templates(doc: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
         yield "template", doc["spec"]["template"]
     elif doc["kind"] == "LeaderWorkerSet":
         lwt = doc["spec"]["leaderWorkerTemplate"]
-        if "leaderTemplate" in lwt:
-            yield "leader", lwt["leaderTemplate"]
-        yield "worker", lwt["workerTemplate"]
+        for label in ("leader", "worker"):
+            if f"{label}Template" in lwt:
+                yield label, lwt[f"{label}Template"]
 
 
 def containers(pod_spec: dict[str, Any]) -> list[dict[str, Any]]:
