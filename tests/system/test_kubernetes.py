@@ -171,3 +171,13 @@ def test_kustomize_renders_the_base_and_its_components_into_those_objects(kv, tm
         key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
         assert sorted(rendered, key=key) == sorted(deployment(parts), key=key)
         assert {key(d): problems(kv, d) for d in rendered} == {key(d): [] for d in rendered}
+
+
+def test_every_pod_running_harvest_lets_sigterm_reach_it():
+    # harvest's image has no init: as a container's PID 1, a process without a SIGTERM handler
+    # (the collector, metrics) would ignore SIGTERM; with the pod's pause process as PID 1 it does not.
+    pods = [(f"{d['kind']}/{d['metadata']['name']} {label}", t["spec"]) for docs in manifests().values()
+            for d in docs for label, t in pod_templates(d)
+            if any(c["image"].startswith("harvest:") for c in t["spec"]["containers"])]
+    assert len(pods) == 4  # the node StatefulSet, the LeaderWorkerSet's leader, the producer, metrics
+    assert {name: spec.get("shareProcessNamespace") for name, spec in pods} == {name: True for name, _ in pods}
