@@ -169,17 +169,7 @@ def user_documents() -> list[Path]:
     return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 
 
-# docs/architecture.md's section "The control plane's cost per sample" still tells how its figures
-# were reached (issue and commit names); it is its owner's to rewrite. Strict: once it is clean, this
-# xfail fails, and the entry goes.
-HISTORY_PENDING = {"docs/architecture.md"}
-
-
-@pytest.mark.parametrize("path", [
-    pytest.param(p, id=str(p.relative_to(ROOT)),
-                 marks=[pytest.mark.xfail(strict=True, reason="history awaiting its rewrite")]
-                 if str(p.relative_to(ROOT)) in HISTORY_PENDING else [])
-    for p in user_documents()])
+@pytest.mark.parametrize("path", user_documents(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_user_documents_name_no_issue_and_no_commit(path):
     assert history(path.read_text()) == []
 
