@@ -39,8 +39,8 @@ def soak(conn: redis.Redis, redis_url: str, root: str, trials: int, seed: int, s
         out = f"{s3_url}/t{i}" if i % 2 else f"file://{d}/out"
         lengths = [rng.randint(1, 40) for _ in range(rng.randint(3, 9))]
         t = FreezeTrial(conn, redis_url, d, out, lengths, run=f"t{i}", shard_samples=rng.randint(1, 4))
-        case = dict(point=rng.choice(CRASH_POINTS), order=rng.choice(ORDERS), at=rng.randint(1, 2),
-                    b_point=rng.choice(B_POINTS), tend_at=rng.choice((None, "frozen", "resumed")))
+        case = {"point": rng.choice(CRASH_POINTS), "order": rng.choice(ORDERS), "at": rng.randint(1, 2),
+                "b_point": rng.choice(B_POINTS), "tend_at": rng.choice((None, "frozen", "resumed"))}
         try:
             t.execute(**case)
             found = t.problems()
@@ -62,10 +62,10 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=100)
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
+    import boto3
+
     from harvest.cli.redisproc import RedisServer
     from tests.support.moto import moto_server
-
-    import boto3
 
     with tempfile.TemporaryDirectory(prefix="freeze-soak-") as root:
         server = RedisServer(os.path.join(root, "redis")).start()

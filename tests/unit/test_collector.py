@@ -235,7 +235,7 @@ def test_every_shard_recorded_gets_a_name_of_its_own(conn, tmp_path):
     # taking them over): two names, neither the samples' digest, each 32 hex digits.
     from harvest.ids import check_id, shard_id_for
 
-    cfg, spool, samples, ledger = _setup(conn, tmp_path, [4, 6])
+    cfg, spool, _, _ = _setup(conn, tmp_path, [4, 6])
     c = Collector(conn, cfg, spool, node="n1")
     chosen = c.choose(force=True)
     a, b = c.plan(chosen), c.plan(chosen)
