@@ -78,7 +78,11 @@ class SampleIds:
 
 
 def write_manifest(run_loc: Location, ids: SampleIds) -> None:
-    retry(lambda: run_loc.write_atomic(MANIFEST, ids.to_bytes()), f"writing {run_loc.describe(MANIFEST)}")
+    """Written only when its bytes change: a rerun of the same dataset leaves the output as it was."""
+    data = ids.to_bytes()
+    old = read_manifest(run_loc)
+    if old is None or old.to_bytes() != data:
+        retry(lambda: run_loc.write_atomic(MANIFEST, data), f"writing {run_loc.describe(MANIFEST)}")
 
 
 def read_manifest(run_loc: Location) -> SampleIds | None:
