@@ -92,3 +92,15 @@ def parse_sums(meta: Mapping[str, str], names: Iterable[str]) -> dict[str, int]:
     if any(not 0 <= v < 1 << 32 for v in out.values()):
         raise ValueError(f"its {FIELD} metadata {raw[:200]!r} holds a value that is not a crc32")
     return out
+
+
+def check_sums(meta: Mapping[str, str], tensors: Mapping[str, torch.Tensor], writer: str) -> dict[str, int]:
+    """The recorded sums of `tensors` once each tensor's bytes match them; ValueError naming the
+    tensor and both sums when one does not (the file changed after `writer` wrote it), or what is
+    wrong with the recorded field (`parse_sums`)."""
+    sums = parse_sums(meta, tensors)
+    for name, t in tensors.items():
+        if (found := tensor_crc32(t)) != sums[name]:
+            raise ValueError(f"{name} has crc32 {found}, {writer} recorded {sums[name]}: the file changed after "
+                             f"{writer} wrote it (a disk or memory fault on this node?)")
+    return sums

@@ -119,7 +119,7 @@ def read_chunk(path: str) -> ChunkFile:
     any mismatch is a DumpError."""
     from safetensors import safe_open
 
-    from harvest.formats.crc import parse_sums, tensor_crc32
+    from harvest.formats.crc import check_sums
     from harvest.formats.stformat import read_file_header
 
     parsed = parse_chunk_name(os.path.basename(path).removesuffix(".claimed"))
@@ -157,12 +157,8 @@ def read_chunk(path: str) -> ChunkFile:
     if span.end - span.begin != hs.numel() * hs.element_size():
         raise DumpError(f"{path}: hidden_states spans {span.end - span.begin} bytes for {list(hs.shape)} {hs.dtype}")
     try:
-        sums = parse_sums(meta, ("hidden_states", "input_ids"))
+        sums = check_sums(meta, {"hidden_states": hs, "input_ids": ids}, "the engine")
     except ValueError as e:
         raise DumpError(f"{path}: {e}") from None
-    for name, t in (("hidden_states", hs), ("input_ids", ids)):
-        if (found := tensor_crc32(t)) != sums[name]:
-            raise DumpError(f"{path}: {name} has crc32 {found}, the engine recorded {sums[name]}: the file changed "
-                            "after the engine wrote it (a disk or memory fault on this node?)")
     return ChunkFile(rid, start, end, cps, meta.get("model", ""), ids, hs, path, (span.begin, span.end),
                      sums["hidden_states"])

@@ -189,7 +189,7 @@ def test_convert_refuses_foreign_paths_and_files(tmp_path, tiny_model):
         with pytest.raises(VllmDumpError) as e:
             client._convert(RID, path)
         assert str(e.value) == (f"{path}: hidden_states has crc32 {found}, the connector recorded {recorded}: the file "
-                                "changed after vLLM wrote it (a disk or memory fault on this node?)")
+                                "changed after the connector wrote it (a disk or memory fault on this node?)")
         assert not os.path.exists(path)
         assert [n for n in os.listdir(dump) if n.startswith("hv-")] == []
     finally:

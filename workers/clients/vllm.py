@@ -50,7 +50,7 @@ from safetensors import safe_open
 
 from harvest.config import RunConfig
 from harvest.errors import InputError
-from harvest.formats.crc import parse_sums, tensor_crc32
+from harvest.formats.crc import check_sums
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.health import healthy
 from harvest.node.dumpdir import vllm_dir
@@ -121,13 +121,9 @@ def read_vllm_file(path: str) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         raise VllmDumpError(f"{path} was not written by harvest's connector: launch vLLM with `harvest vllm-args`")
     layer_ids = [int(x) for x in json.loads(meta["layer_ids"])]
     try:
-        sums = parse_sums(meta, ("hidden_states", "token_ids"))
+        check_sums(meta, {"hidden_states": hs, "token_ids": ids}, "the connector")
     except ValueError as e:
         raise VllmDumpError(f"{path}: {e}") from None
-    for name, t in (("hidden_states", hs), ("token_ids", ids)):
-        if (found := tensor_crc32(t)) != sums[name]:
-            raise VllmDumpError(f"{path}: {name} has crc32 {found}, the connector recorded {sums[name]}: the file "
-                                "changed after vLLM wrote it (a disk or memory fault on this node?)")
     if hs.ndim != 3 or hs.shape[0] != ids.shape[0] or hs.shape[1] != len(layer_ids):
         raise VllmDumpError(
             f"{path}: hidden_states {tuple(hs.shape)}, token_ids {tuple(ids.shape)} for layers {layer_ids}"
