@@ -78,7 +78,9 @@ def test_a_redis_that_came_back_empty_mid_run_leaves_no_sample_behind(tiny_model
         assert f"samples: {SAMPLES} done, 0 failed ({SAMPLES} enqueued now, 0 already known)" in text, text + err
         again = re.search(r"\n  enqueued again: (\d+) samples of the dataset that Redis had lost \(a producer pass "
                           r"after the extraction\)\n", text)
-        assert again and int(again.group(1)) >= at_restart["q"], text + err
+        # Samples queued at the snapshot may still be taken by a worker before the kill; a worker settles
+        # those into the new Redis, so they are not lost. Those done at the snapshot are in the index files.
+        assert again and 0 < int(again.group(1)) <= SAMPLES - at_restart["d"], text + err
         assert re.search(r"harvest: \d+ samples of the dataset are in no state \(a Redis that came back without "
                          r"them\): enqueuing them again\n", err), err
         assert _committed(str(out / "empty")) == Counter({sid: 1 for sid in expected})
