@@ -347,6 +347,7 @@ def _finish(conn, cfg: RunConfig, ids: SampleIds, ledger: Ledger, recovery: Reco
     most AGAIN_PASSES times. Returns the dataset's coverage at the end and the samples enqueued again."""
     again = 0
     for n in range(AGAIN_PASSES + 1):
+        recovery.check(force=True)  # the ledger read below is one reconciled on the server answering
         c = ledger.counts()
         if c["queued"] or c["spooled"]:
             launch.ensure()
@@ -375,7 +376,13 @@ def _extract(ledger: Ledger, recovery: Recovery, children: Supervisor, disk: Dis
         bar.set_postfix_str(f"queued {c['queued']} spooled {c['spooled']} failed {c['failed']}")
         bar.refresh()
         if c["queued"] == 0 and c["spooled"] == 0:
-            break
+            # Nothing left, judged only on a ledger reconciled on the server answering: a Redis that
+            # came back empty holds no state until the index files give the committed samples back.
+            seen = recovery.generation
+            recovery.check(force=True)
+            if recovery.generation == seen:
+                break
+            continue
         _tend(children, disk, names)
         time.sleep(0.1)
     bar.close()
