@@ -1,5 +1,5 @@
-"""A Redis that is away for a while is a pause, not an error (issue 24): its redis-server (AOF)
-SIGKILLed while a job is in flight and kept away longer than the old failure point (~10 s), then
+"""A Redis that is away for a while is a pause, not an error: its redis-server (AOF) SIGKILLed
+while a job is in flight and kept away longer than a client's socket timeouts (~10 s), then
 started again on the same port with the same data. Every process rides it out (none exits, none
 is restarted), the run finishes by itself, no sample fails, and every input sample is in exactly
 one committed shard (counted from the index files): none lost, none doubled.
@@ -13,29 +13,23 @@ one committed shard (counted from the index files): none lost, none doubled.
 
 from __future__ import annotations
 
-import glob
-import json
 import os
-import random
 import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections import Counter
 
-import numpy as np
 import redis
 
-from harvest.ids import sample_id
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
-from tests.support.chaos import Trial, make_rows
-from tests.support.cli import REPO, kill_group
+from tests.support.chaos import Trial
+from tests.support.localrun import start_run
 from tests.support.ops import wait_until
 
-OUTAGE_S = 15.0  # the old failure point was ~10 s (harvest run: 2-4 s); each test stays well under 2 min
+OUTAGE_S = 15.0  # longer than a client's socket timeouts (~10 s); each test stays well under 2 min
 
 
 def _busy(conn: redis.Redis) -> bool:
@@ -144,35 +138,16 @@ def _hold_port(port: int, pid: int) -> socket.socket:
             time.sleep(0.001)
 
 
-def _committed(run_dir: str) -> Counter:
-    copies: Counter = Counter()
-    for path in glob.glob(os.path.join(run_dir, "index", "*.json")):
-        with open(path) as f:
-            copies.update(json.load(f)["samples"])
-    return copies
-
-
 def test_harvest_run_restarts_its_redis_and_finishes(tiny_model, tmp_path):
-    from transformers import AutoConfig
-
-    rows = make_rows(30, AutoConfig.from_pretrained(tiny_model).vocab_size, random.Random(24))
-    expected = {sample_id(np.array(r, np.int32), np.ones(len(r), np.uint8)) for r in rows}
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
-    work, out = tmp_path / "work", tmp_path / "out"
-    stdout, stderr = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
-    p = subprocess.Popen(
-        [sys.executable, "-m", "harvest.cli", "run", str(data), "--model", tiny_model, "--out", str(out), "--run",
-         "outage", "--dtype", "fp32", "--batch-samples", "2", "--max-wait", "1", "--chunked-prefill-size", "32",
-         "--no-progress", "--work-dir", str(work), "--dump-dir", str(tmp_path / "dumps")],
-        cwd=REPO, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True)
+    run = start_run(tiny_model, tmp_path, "outage", 30, 24)
+    p, work = run.proc, run.work
     try:
         pid, port = wait_until(lambda: _private_redis(p), 60, "harvest run's redis-server")
         conn = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
         logs = [str(work / "logs" / f"{n}.log") for n in ("worker-1", "worker-2", "collector")]
 
         def mid_run() -> dict | None:
-            assert p.poll() is None, open(tmp_path / "stderr").read()
+            assert p.poll() is None, run.stderr()
             c = {k.decode(): int(v) for k, v in conn.hgetall(Keys("outage").counts).items()}
             return c if c.get("s", 0) + c.get("d", 0) >= 2 and c.get("q", 0) > 0 and _busy(conn) else None
 
@@ -185,18 +160,15 @@ def test_harvest_run_restarts_its_redis_and_finishes(tiny_model, tmp_path):
             wait_until(lambda: time.monotonic() - t0 >= OUTAGE_S, OUTAGE_S + 1, "the outage's length")
         finally:
             hold.close()
-        rc = p.wait(150)
+        rc, text, err = run.finish(150)
     finally:
-        kill_group(p)  # the run and whatever it started
-        p.wait()
-    stdout.seek(0), stderr.seek(0)
-    text, err = stdout.read(), stderr.read()
+        run.kill()
     assert rc == 0, text + err
     assert at_kill["q"] > 0  # the outage struck mid-run
-    n = len(expected)
+    n = len(run.expected)
     assert f"samples: {n} done, 0 failed ({n} enqueued now, 0 already known)" in text, text + err
     assert "restarted:" not in text, text  # no child exited
-    assert _committed(str(out / "outage")) == Counter({sid: 1 for sid in expected})
+    assert run.committed() == Counter({sid: 1 for sid in run.expected})
     sup = (work / "logs" / "supervisor.log").read_text()
     assert f"redis-server on port {port} exited with status -9: starting it again with its data" in sup, sup
     assert f"redis-server is running again on port {port} (restart 1)" in sup, sup

@@ -6,21 +6,14 @@ committed exactly once (counted from the index files), none failed."""
 
 from __future__ import annotations
 
-import json
-import random
-import subprocess
-import sys
 from collections import Counter
 
-import numpy as np
 import redis
 
-from harvest.ids import sample_id
 from harvest.state.keys import Keys
-from tests.support.chaos import make_rows
-from tests.support.cli import REPO, kill_group
+from tests.support.localrun import start_run
 from tests.support.ops import wait_until
-from tests.system.test_redis_outage import _busy, _committed, _private_redis  # its harness
+from tests.system.test_redis_outage import _busy, _private_redis  # its harness
 
 LINE = ("refuses writes (OOM: Redis is out of memory (used memory over maxmemory, policy noeviction)): waiting up to "
         "300 s for it to take them again; fix: raise its maxmemory (redis-cli CONFIG SET maxmemory ...) or free memory "
@@ -28,19 +21,8 @@ LINE = ("refuses writes (OOM: Redis is out of memory (used memory over maxmemory
 
 
 def test_harvest_run_waits_out_a_full_redis_and_finishes(tiny_model, tmp_path):
-    from transformers import AutoConfig
-
-    rows = make_rows(24, AutoConfig.from_pretrained(tiny_model).vocab_size, random.Random(7))
-    expected = {sample_id(np.array(r, np.int32), np.ones(len(r), np.uint8)) for r in rows}
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
-    work, out = tmp_path / "work", tmp_path / "out"
-    stdout, stderr = open(tmp_path / "stdout", "w+"), open(tmp_path / "stderr", "w+")
-    p = subprocess.Popen(
-        [sys.executable, "-m", "harvest.cli", "run", str(data), "--model", tiny_model, "--out", str(out), "--run",
-         "full", "--dtype", "fp32", "--batch-samples", "2", "--max-wait", "1", "--chunked-prefill-size", "32",
-         "--no-progress", "--work-dir", str(work), "--dump-dir", str(tmp_path / "dumps")],
-        cwd=REPO, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True)
+    run = start_run(tiny_model, tmp_path, "full", 24, 7)
+    p, work = run.proc, run.work
     try:
         _, port = wait_until(lambda: _private_redis(p), 60, "harvest run's redis-server")
         conn = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
@@ -48,7 +30,7 @@ def test_harvest_run_waits_out_a_full_redis_and_finishes(tiny_model, tmp_path):
         logs = {n: work / "logs" / f"{n}.log" for n in ("worker-1", "worker-2", "collector")}
 
         def mid_run() -> dict | None:
-            assert p.poll() is None, open(tmp_path / "stderr").read()
+            assert p.poll() is None, run.stderr()
             c = {k.decode(): int(v) for k, v in conn.hgetall(Keys("full").counts).items()}
             return c if c.get("s", 0) + c.get("d", 0) >= 2 and c.get("q", 0) > 0 and _busy(conn) else None
 
@@ -60,18 +42,15 @@ def test_harvest_run_waits_out_a_full_redis_and_finishes(tiny_model, tmp_path):
             assert p.poll() is None
         finally:
             conn.config_set("maxmemory", 0)
-        rc = p.wait(150)
+        rc, text, err = run.finish(150)
     finally:
-        kill_group(p)  # the run and whatever it started
-        p.wait()
-    stdout.seek(0), stderr.seek(0)
-    text, err = stdout.read(), stderr.read()
+        run.kill()
     assert rc == 0, text + err
     assert at_full["q"] > 0  # Redis filled up mid-run
-    n = len(expected)
+    n = len(run.expected)
     assert f"samples: {n} done, 0 failed ({n} enqueued now, 0 already known)" in text, text + err
     assert "restarted:" not in text, text  # no child exited
-    assert _committed(str(out / "full")) == Counter({sid: 1 for sid in expected})
+    assert run.committed() == Counter({sid: 1 for sid in run.expected})
     for name, path in logs.items():
         log = path.read_text(errors="replace")
         assert log.count(f"Redis at {url} refuses writes") == 1, (name, log[-3000:])  # one line, not one a call
