@@ -157,7 +157,22 @@ def metrics() -> str:
 GENERATORS = {"settings": settings, "environment": environment, "metrics": metrics}
 
 
+def _first_sentence(text: str) -> str:
+    """The first sentence of a command's help, however many lines it spans."""
+    paragraph = " ".join(text.strip().split("\n\n")[0].split())
+    end = re.search(r"[.!?](\s|$)", paragraph)
+    return paragraph[: end.end()].strip() if end else paragraph
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    """Fill the generated tables; on the command-line page, give each command a one-sentence summary
+    (mkdocs-click lists subcommands by the first line of their help, which cuts a sentence in two)."""
+    if page.file.src_uri == "reference/cli.md":
+        from harvest.cli import main
+
+        for command in main.commands.values():
+            if command.help and not command.short_help:
+                command.short_help = _first_sentence(command.help)
     return MARKER.sub(lambda m: GENERATORS[m.group(1)](), markdown)
 
 
