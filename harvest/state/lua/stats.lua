@@ -9,8 +9,7 @@
 -- ARGV[5+] = (field, increment) pairs; then per histogram, in KEYS' order: the number of its
 --            buckets, (bucket, count) pairs, its count and its sum
 --! include lib/stats.lua
-local p = 4
-local n = tonumber(ARGV[p]); p = p + 1
+local n, p = tonumber(ARGV[4]), 5
 local stats = {}
 for i = 1, n do
   stats[ARGV[p]] = (stats[ARGV[p]] or 0) + tonumber(ARGV[p + 1])
