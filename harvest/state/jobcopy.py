@@ -8,8 +8,9 @@ tokens are already in Redis, in the RQ job hash the worker is running, zlib-comp
 worker's settle call (harvest/state/lua/settle.lua) copies that hash server-side (COPY: no
 bytes over the network, a few in the AOF) to `Keys.job_copy` and keeps, for each spooled sample,
 the ref `@<job id>#<index in the payload>` instead of its row, in the sample's state value
-(harvest/state/lua/lib/state_value.lua). A producer's job holds no tokens, only where its rows are in storage (harvest.formats.jobrows): its copy is a few hundred bytes, and
-a ref is read through it from there.
+(harvest/state/lua/lib/state_value.lua). A producer's job holds no tokens, only where its rows
+are in storage (harvest.formats.jobrows): its copy is a few hundred bytes, and a ref is read
+through it from there.
 
 Who owns the copy, and for how long. The ledger's scripts: the copy holds a counter
 (`REFS_FIELD`) of the refs to it in the state values (and in the spooled-payload hash, where an

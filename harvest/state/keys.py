@@ -39,7 +39,7 @@ class Keys:
     @property
     def state(self) -> str:
         """Hash sample_id -> state: one letter, and for a spooled sample its owner and the ref to its
-        row, `s:<spool id>[@<job id>#<index>]` (see harvest.state.ledger_lua)."""
+        row, `s:<spool id>[@<job id>#<index>]` (see harvest/state/lua/lib/state_value.lua)."""
         return f"{self.prefix}:state"
 
     @property

@@ -5,9 +5,9 @@ spool, not yet in a committed shard), `d` done (in a committed shard), `f` faile
 reason). A spooled sample's value also names the spool that owns it and the ref to its row
 (`s:<spool>@<job>#<index>`, harvest/state/lua/lib/state_value.lua), so its state, owner and row
 are one field (`state_letter` reads the letter, `spooled_parts` the rest). Every move goes through
-one Lua script (harvest/state/lua/lib/move.lua, through harvest.state.scripts) that checks the allowed source states and keeps the per-state
-counters exact, and the per-reason failure counters too, so status, metrics and completion checks
-never scan the hash.
+one Lua script (harvest/state/lua/lib/move.lua, through harvest.state.scripts) that checks the
+allowed source states and keeps the per-state counters exact, and the per-reason failure counters
+too, so status, metrics and completion checks never scan the hash.
 
 Cost (bench/fleet.py). The control plane's budget is per sample: a worker's job settles all its
 samples in one call (`settle_job`: the spooled ones, the failed ones with their rows), a

@@ -61,8 +61,9 @@ class Arity:
 
 
 def header(text: str) -> tuple[Arity, Arity]:
-    """The (KEYS, ARGV) counts a script file's opening comment (`text`, includes unresolved) names. Each is numbered from 1 without a
-    gap; an entry `[i+]` (the last) says that i-1 or more are taken."""
+    """The (KEYS, ARGV) counts a script file's opening comment (`text`, includes unresolved)
+    names. Each is numbered from 1 without a gap; an entry `[i+]` (the last) says that i-1 or
+    more are taken."""
     found: dict[str, list[tuple[int, bool]]] = {"KEYS": [], "ARGV": []}
     for m in _HEADER.finditer(text):
         found[m.group(1)].append((int(m.group(2)), m.group(3) == "+"))
@@ -227,7 +228,8 @@ def heartbeat(key: str, ttl: int, stamp: str, fields: Mapping[str, str], join: t
     """A heartbeat hash's `fields`, the fields named in `stamp` (space-separated) stamped with
     Redis's TIME, its TTL; `join`: (a set, the member to add to it)."""
     keys = [key] if join is None else [key, join[0]]
-    return HEARTBEAT.call(keys, [ttl, stamp, "" if join is None else join[1], *(x for kv in fields.items() for x in kv)])
+    member = "" if join is None else join[1]
+    return HEARTBEAT.call(keys, [ttl, stamp, member, *(x for kv in fields.items() for x in kv)])
 
 
 def job_ended(key: str, ttl: int, fields: Mapping[str, str]) -> ScriptCall:

@@ -124,7 +124,8 @@ local function move(m, argv, to, allowed, n, base, keep, ni, nr)
             if held then vpre, vpo, vpjob = 's:' .. o .. '@' .. held .. '#', o, held end
           end
           if o == nil then bare_s[#bare_s + 1] = id elseif o ~= '' then dspool[o] = (dspool[o] or 0) - 1 end
-          if held then drefs[held] = (drefs[held] or 0) - 1 else from_s[#from_s + 1] = id end  -- else: a row in spooled_payload, if any
+          -- without a ref in its value, its row (if any) is in the spooled_payload hash
+          if held then drefs[held] = (drefs[held] or 0) - 1 else from_s[#from_s + 1] = id end
         end
         if c == 'f' then from_f[#from_f + 1] = id end
         if to == 'f' then
@@ -182,7 +183,9 @@ local function finish(m)
   for reason, ex in pairs(m.examples) do redis.call('HSET', k.failed_examples, reason, ex) end
   for s, d in pairs(m.dcount) do if d ~= 0 then redis.call('HINCRBY', k.counts, s, d) end end
   for spool, d in pairs(m.dspool) do
-    if d ~= 0 and redis.call('HINCRBY', k.spool_counts, spool, d) <= 0 then redis.call('HDEL', k.spool_counts, spool) end
+    if d ~= 0 and redis.call('HINCRBY', k.spool_counts, spool, d) <= 0 then
+      redis.call('HDEL', k.spool_counts, spool)
+    end
   end
   for reason, d in pairs(m.dreason) do
     if d ~= 0 then
