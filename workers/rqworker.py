@@ -55,7 +55,7 @@ of them read by harvest's liveness (which is its own heartbeat, harvest.state.he
   worker's idle state rides in the success's transaction;
 - a success's transaction is sent with the next dequeue (workers.success).
 What is left a job: the execution's transaction, and the dequeue (LMOVE and the job's hash in one
-script, harvest.state.jobs.POP) in one transaction with the last job's success (a failure or a
+script, harvest/state/lua/pop_job.lua) in one transaction with the last job's success (a failure or a
 retry goes RQ's own way, in a transaction of its own). Harvest's own start of the job (the
 heartbeat naming its attempt, the ledger's states of its samples: workers.job `BatchJob.choose`)
 rides in the execution's transaction (`_start_of`), so a job's round trips are those two and the

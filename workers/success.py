@@ -3,7 +3,7 @@
 Why. RQ records a job's success in a transaction of its own (the worker idle, the execution gone,
 the job deleted), then dequeues the next job: two round trips the fleet's one Redis pays for each
 job (bench/fleet.py). Here the success is queued when the job's function returns and sent in one
-MULTI/EXEC with the next dequeue (harvest.state.jobs.POP, an EVAL of its short text), so a job costs
+MULTI/EXEC with the next dequeue (harvest/state/lua/pop_job.lua, an EVAL of its short text), so a job costs
 the worker's RQ two round trips, its execution's start and this one.
 
 Who owns what, and for how long: the worker process owns the success it has not sent, from its
@@ -41,7 +41,8 @@ from rq.registry import StartedJobRegistry
 from rq.results import Result
 from rq.worker import SimpleWorker, WorkerStatus
 
-from harvest.state.jobs import POP, popped_job
+from harvest.state import scripts
+from harvest.state.jobs import popped_job
 
 RQ_COUNTS_S = 10.0  # how often RQ's job counters of a worker are written
 
@@ -129,7 +130,7 @@ class LateSuccess(SimpleWorker):
         with self.connection.pipeline() as pipe:
             outcome(pipe)
             if queue is not None:
-                pipe.eval(POP, 2, queue.key, queue.intermediate_queue_key, self.job_class.redis_job_namespace_prefix)
+                scripts.pop_job(queue.key, queue.intermediate_queue_key).queue(pipe)
             got = pipe.execute()[-1]
         self._outcome = None
         if self.beat is not None:

@@ -46,6 +46,7 @@ from harvest.node.dumpdir import claim_dir_owner, is_temp
 from harvest.ops.liveness import MAX_REAPS, reaping_held_now, tend_liveness
 from harvest.ops.reclaim import ReclaimReport, reclaim_lost_spools
 from harvest.ops.stranded import StrandedReport, tend_stranded
+from harvest.state import scripts
 from harvest.state.heartbeat import HEARTBEAT_TTL_S, read_workers
 from harvest.state.jobs import MAX_RETRY_INTERVAL_S, fetch_job, run_queue
 from harvest.state.keys import Keys, rq_worker_key, worker_key
@@ -100,14 +101,6 @@ class JanitorReport:
 def _acquire(conn: redis.Redis, key: str, ttl_ms: int) -> str | None:
     token = uuid.uuid4().hex
     return token if conn.set(key, token, nx=True, px=ttl_ms) else None
-
-
-# Release the lock if it is still ours: at once (ARGV[2] == 0), or after ARGV[2] ms.
-_RELEASE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if tonumber(ARGV[2]) > 0 then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return redis.call('DEL', KEYS[1])
-"""
 
 
 def promote_due_retries(conn: redis.Redis, run: str, now: float | None = None) -> list[str]:
@@ -339,7 +332,7 @@ def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_r
                 if rep.stranded.checked:  # the same fleet-wide cadence: once per CHECK_INTERVAL_S
                     prune_registries(conn, run, now)
         finally:
-            conn.eval(_RELEASE, 1, keys.janitor_lock, token, int(hold_s * 1000))
+            scripts.release_lock(keys.janitor_lock, token, int(hold_s * 1000)).run(conn)
     if dump_dir:
         if held is None:
             held = reaping_held_now(conn, run)

@@ -56,6 +56,7 @@ from rq.utils import parse_composite_key
 
 from harvest.errors import StorageError
 from harvest.ids import InvalidId
+from harvest.state import scripts
 from harvest.state.failures import WORKER_DIED, record_failures
 from harvest.state.heartbeat import HEARTBEAT_TTL_S
 from harvest.state.jobs import fetch_job, run_queue
@@ -71,23 +72,11 @@ DEQUEUED = "dequeued"  # the execution part of a suspect field: dequeued, no exe
 
 HEALTHY, DEAD, SUSPECT, ORPHAN = "healthy", "dead", "suspect", "orphan"
 
-# Hold reaping for ARGV[1] s from the server's TIME, never shortening a hold. KEYS: reap_after.
-_HOLD = """
-local t = redis.call('TIME')
-local until_ = tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[1])
-local old = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
-if old > until_ then until_ = old end
-local stamp = string.format('%.6f', until_)
-redis.call('SET', KEYS[1], stamp, 'EX', math.ceil(until_ - tonumber(t[1])) + 1)
-return stamp
-"""
-
-
 def hold_reaping(conn: redis.Redis, run: str, seconds: float = HEARTBEAT_TTL_S) -> float:
     """Take no worker for dead by a missing heartbeat for `seconds` from now by Redis's TIME
     (see the module docstring: harvest.ops.recovery calls it for a new server). Returns the Redis
     time until which reaping is held. The key expires with the hold."""
-    return float(conn.eval(_HOLD, 1, Keys(run).reap_after, float(seconds)))
+    return float(scripts.hold_reaping(Keys(run), seconds).run(conn))
 
 
 def reaping_held(stamp: bytes | str | None, now: float) -> bool:
@@ -105,16 +94,6 @@ def reaping_held_now(conn: redis.Redis, run: str) -> bool:
         pipe.get(Keys(run).reap_after)
         (sec, usec), stamp = pipe.execute()
     return reaping_held(stamp, sec + usec / 1e6)
-
-
-# Move a job dequeued into RQ's intermediate list back to its queue, unless it is queued already.
-# KEYS: intermediate list, queue list, job hash. ARGV: job id.
-_PUT_BACK = """
-if redis.call('LREM', KEYS[1], 0, ARGV[1]) == 0 then return 0 end
-if redis.call('EXISTS', KEYS[3]) == 0 or redis.call('LPOS', KEYS[2], ARGV[1]) then return 0 end
-redis.call('RPUSH', KEYS[2], ARGV[1])
-return 1
-"""
 
 
 @dataclass
@@ -296,7 +275,6 @@ def tend_liveness(conn: redis.Redis, run: str, now: float, max_reaps: int = MAX_
         else:
             rep.dropped.append(s.entry)
     in_started = {s.job_id for s in started}
-    put_back = conn.register_script(_PUT_BACK)
     for job_id in dict.fromkeys(v.decode() for v in dequeued_raw):
         if job_id in in_started:
             continue
@@ -305,7 +283,7 @@ def tend_liveness(conn: redis.Redis, run: str, now: float, max_reaps: int = MAX_
         if first is None or now - first < grace:
             pending[f] = now if first is None else first
             continue
-        if put_back(keys=[queue.intermediate_queue_key, queue.key, Job.key_for(job_id)], args=[job_id]):
+        if scripts.put_back(queue.intermediate_queue_key, queue.key, Job.key_for(job_id), job_id).run(conn):
             log.warning("job %s was dequeued %.0fs ago and never started (its worker died in between): back on "
                         "the queue", job_id, now - first)
             rep.dequeued.append(job_id)

@@ -37,6 +37,7 @@ import redis
 
 from harvest.config import RunConfig
 from harvest.ops.liveness import hold_reaping
+from harvest.state import scripts
 from harvest.state.keys import Keys
 from harvest.state.runstore import publish_run
 from harvest.storage import retry
@@ -50,8 +51,6 @@ T = TypeVar("T")
 LOCK_MS = 60_000  # the reconciling process renews it while it reads the index files
 WAIT_S = 3600.0  # how long a process waits for another to reconcile before it does so itself
 
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 
 
 def server_id(conn: redis.Redis) -> str:
@@ -148,7 +147,7 @@ class Recovery:
                 try:
                     return fn(token)
                 finally:
-                    self.conn.eval(_RELEASE, 1, self.keys.reconcile_lock, token)
+                    scripts.release_lock(self.keys.reconcile_lock, token).run(self.conn)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"run {self.cfg.run}: the ledger was not reconciled within {WAIT_S:.0f} s "
                                    f"(lock {self.keys.reconcile_lock} held)")
@@ -167,7 +166,7 @@ class Recovery:
 
         t0 = time.monotonic()
         rep = reconcile(self.conn, self.cfg,
-                        keepalive=lambda: self.conn.eval(_RENEW, 1, self.keys.reconcile_lock, token, LOCK_MS))
+                        keepalive=lambda: scripts.release_lock(self.keys.reconcile_lock, token, LOCK_MS).run(self.conn))
         if new_server:
             hold_reaping(self.conn, self.cfg.run)
         self.conn.set(self.keys.ledger_epoch, sid)

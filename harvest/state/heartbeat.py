@@ -33,40 +33,18 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis
 
 from harvest.node.spooldir import list_spooled
+from harvest.state import scripts
 from harvest.state.keys import Keys, worker_key
 from harvest.state.roundtrip import ScriptCall, send_together
 
 HEARTBEAT_INTERVAL_S = 5.0
 HEARTBEAT_TTL_S = 15  # three missed beats: dead
 COLLECTOR_BEAT_S = 2.0  # the spool backlog changes at every commit: refresh it more often
-
-# KEYS[1]: the heartbeat hash; KEYS[2] (optional): a set to add ARGV[3] to.
-# ARGV: ttl, the fields to stamp with Redis's TIME (space-separated, '' for none), the set member,
-# then field/value pairs. One script, so the fields, the stamps and the TTL land together.
-_WRITE = """
-local t = redis.call('TIME')
-local now = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
-if #ARGV > 3 then redis.call('HSET', KEYS[1], unpack(ARGV, 4)) end
-for f in string.gmatch(ARGV[2], '%S+') do redis.call('HSET', KEYS[1], f, now) end
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
-if KEYS[2] then redis.call('SADD', KEYS[2], ARGV[3]) end
-return now
-"""
-
-# A job ended: KEYS[1] the heartbeat hash; ARGV: ttl, field/value pairs. The fields, one more job
-# done and the TTL land together, in one command (the job's duration goes at the heartbeat:
-# harvest.state.tally).
-_JOB_ENDED = """
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-redis.call('HINCRBY', KEYS[1], 'jobs_done', 1)
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
-return 1
-"""
 
 IDLE = "idle"
 BUSY = "busy"
@@ -77,10 +55,6 @@ _LIVE: dict[str, WorkerBeat] = {}  # this process's started heartbeats, by worke
 
 def _text(h: dict) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in h.items()}
-
-
-def _pairs(fields: dict[str, str]) -> list[str]:
-    return [x for kv in fields.items() for x in kv]
 
 
 class WorkerBeat:
@@ -96,14 +70,12 @@ class WorkerBeat:
         self.identity = {"name": name, "run": run, "host": host, "pid": str(os.getpid()), "engine": engine}
         self.doing = {"state": IDLE, "job": "", "execution": "", "job_samples": "0", "attempt": ""}
         self._lock = threading.Lock()
-        self._write = conn.register_script(_WRITE)
-        self._ended = conn.register_script(_JOB_ENDED)
         self._beaten = time.monotonic()
 
     def _send(self, stamp: str = "", extra: dict[str, str] | None = None, join: bool = False) -> None:
         fields = {**self.identity, **self.doing, **(extra or {})}
-        keys = [self.key, self.keys.workers] if join else [self.key]
-        self._write(keys=keys, args=[self.ttl, stamp, self.name, *_pairs(fields)])
+        scripts.heartbeat(self.key, self.ttl, stamp, fields, (self.keys.workers, self.name) if join else None
+                          ).run(self.conn)
 
     def start(self) -> None:
         """Announce the worker; must happen before it creates its claim dir (the janitor removes the
@@ -136,7 +108,7 @@ class WorkerBeat:
                 pipe.hset(self.key, mapping=self._changing())
                 pipe.expire(self.key, self.ttl)
                 return
-            pipe.eval(_WRITE, 1, self.key, *self._start_args(*start))
+            self._start_call(*start).queue(pipe)
 
     def clear_execution(self, execution_id: str, pipe: redis.client.Pipeline, now: bool = True) -> None:
         """Name no execution any more, in `pipe`: the MULTI/EXEC in which RQ removes `execution_id`
@@ -181,13 +153,13 @@ class WorkerBeat:
             if self.doing["job"] != job_id:
                 self.doing["execution"] = ""  # started outside HarvestWorker: the job alone names it
             self.doing["job"] = job_id
-            return ScriptCall(self._write, [self.key], self._start_args(samples, attempt))
+            return self._start_call(samples, attempt)
 
-    def _start_args(self, samples: int, attempt: int) -> list:
-        """`_WRITE`'s arguments for a job's start (its samples and attempt, stamped `job_started`),
+    def _start_call(self, samples: int, attempt: int) -> ScriptCall:
+        """The heartbeat's write of a job's start (its samples and attempt, stamped `job_started`),
         with this process's view of the job changed; under the lock."""
         self.doing.update(state=BUSY, job_samples=str(samples), attempt=str(int(attempt)))
-        return [self.ttl, "job_started", self.name, *_pairs(self._changing())]
+        return scripts.heartbeat(self.key, self.ttl, "job_started", self._changing())
 
     def _changing(self) -> dict[str, str]:
         """What a job's start and end write: what this worker is doing, and its name, which the
@@ -218,8 +190,7 @@ class WorkerBeat:
             if self.doing["execution"]:
                 return None
             self.doing.update(_NO_JOB, job="")
-            return ScriptCall(self._ended, [self.key],
-                              [self.ttl, *_pairs({**self._changing(), "job_started": ""})])
+            return scripts.job_ended(self.key, self.ttl, {**self._changing(), "job_started": ""})
 
     def stop(self) -> None:
         """A clean exit: gone at once, nothing for the janitor to take back."""
@@ -271,7 +242,6 @@ class CollectorBeat:
     spool_dir: str
     ttl: int = HEARTBEAT_TTL_S
     _last: float | None = None
-    _write: object = field(default=None, init=False, repr=False)
 
     def maybe_beat(self, shards_committed: int = 0, send: Callable[[ScriptCall], object] | None = None) -> bool:
         """Beat if COLLECTOR_BEAT_S passed since the last beat; True if it did. `send` sends the
@@ -282,14 +252,11 @@ class CollectorBeat:
         if self._last is not None and now - self._last < COLLECTOR_BEAT_S:
             return False
         self._last = now
-        if self._write is None:
-            self._write = self.conn.register_script(_WRITE)
         files = list_spooled(self.spool_dir)
         keys = Keys(self.run)
         fields = {"node": self.node, "pid": str(os.getpid()), "spool_files": str(len(files)),
                   "spool_bytes": str(sum(size for _, _, size in files)), "shards_committed": str(shards_committed)}
-        call = ScriptCall(self._write, [keys.collector(self.node), keys.collectors],
-                          [self.ttl, "seen", self.node, *_pairs(fields)])
+        call = scripts.heartbeat(keys.collector(self.node), self.ttl, "seen", fields, (keys.collectors, self.node))
         if send is None:
             send_together(self.conn, [call])
         else:

@@ -5,12 +5,12 @@ enqueued again (harvest.ops.reclaim). Sent as rows, a job's tokens crossed Redis
 full (into the worker's settle call, its Lua arguments, the hash and the AOF): about a fifth of
 Redis's CPU a sample, and half the bytes clients sent it (bench/fleet.py). The job's
 tokens are already in Redis, in the RQ job hash the worker is running, zlib-compressed. So the
-worker's settle call (harvest.state.settle_lua.SETTLE) copies that hash server-side (COPY: no
+worker's settle call (harvest/state/lua/settle.lua) copies that hash server-side (COPY: no
 bytes over the network, a few in the AOF) to `Keys.job_copy` and keeps, for each spooled sample,
 the ref `@<job id>#<index in the payload>` instead of its row, in the sample's state value
-(harvest.state.ledger_lua). A producer's job holds no tokens,
-only where its rows are in storage (harvest.formats.jobrows): its copy is a few hundred bytes, and
-a ref is read through it from there.
+(harvest/state/lua/lib/state_value.lua). A producer's job holds no tokens, only where its rows
+are in storage (harvest.formats.jobrows): its copy is a few hundred bytes, and a ref is read
+through it from there.
 
 Who owns the copy, and for how long. The ledger's scripts: the copy holds a counter
 (`REFS_FIELD`) of the refs to it in the state values (and in the spooled-payload hash, where an
@@ -35,12 +35,11 @@ import redis
 
 from harvest.ids import check_id
 from harvest.state.jobs import SERIALIZER
-from harvest.state.keys import Keys, check_rq_job_prefix
+from harvest.state.keys import Keys
 from harvest.state.payload import inline
 
 REFS_FIELD = "harvest_refs"
 NO_JOB = "HARVEST_NO_JOB"  # the error a settle call answers when the job to copy is gone
-check_rq_job_prefix()  # the Lua names RQ's hash of a job itself
 
 
 def ref(job_id: str, index: int) -> str:
@@ -60,7 +59,7 @@ def parse_ref(row: str) -> tuple[str, int] | None:
 
 def one_job(refs: Sequence[str]) -> tuple[str, list[str]] | None:
     """(job id, the indexes) where every one of `refs` is a ref into one job, as a worker's settle
-    sends them (harvest.state.settle_lua `spool_job`); None otherwise: rows kept in full, refs into
+    sends them (lib/hot_moves.lua `spool_job`); None otherwise: rows kept in full, refs into
     several jobs, or a malformed one go as they are."""
     try:
         parsed = [parse_ref(r) for r in refs]

@@ -18,6 +18,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import as_text
 
+from harvest.state import scripts
 from harvest.state.keys import Keys
 from harvest.state.payload import Sample, encode_batch, encode_ref
 
@@ -60,15 +61,6 @@ class PayloadJob(Job):
         return obj
 
 
-# RQ's dequeue of one queue (LMOVE of the first job id into the queue's intermediate list, then
-# HGETALL of that job), in one call. KEYS: the queue, its intermediate list. ARGV: the job key prefix.
-POP = """
-local id = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
-if not id then return false end
-return {id, redis.call('HGETALL', ARGV[1] .. id)}
-"""
-
-
 class RunQueue(Queue):
     """RQ's queue, whose dequeue takes one round trip where RQ's takes two (bench/fleet.py: a
     round trip costs the fleet's one Redis more than most commands). The same moves as RQ's
@@ -88,10 +80,8 @@ class RunQueue(Queue):
 
     @staticmethod
     def _pop(queue: Queue, conn: redis.Redis, job_class: type[Job], serializer) -> tuple[Job, Queue] | None:
-        pop = conn.register_script(POP)
         while True:
-            got = pop(keys=[queue.key, queue.intermediate_queue_key], args=[job_class.redis_job_namespace_prefix],
-                      client=conn)
+            got = scripts.pop_job(queue.key, queue.intermediate_queue_key).run(conn)
             if not got:
                 return None
             if (job := popped_job(queue, conn, job_class, serializer, got)) is not None:
@@ -99,7 +89,7 @@ class RunQueue(Queue):
 
 
 def popped_job(queue: Queue, conn: redis.Redis, job_class: type[Job], serializer, got: list) -> Job | None:
-    """The job `POP`'s reply `got` (not nil) names, or None when its hash is gone (RQ skips such a
+    """The job `scripts.pop_job`'s reply `got` (not nil) names, or None when its hash is gone (RQ skips such a
     job). A job RQ cannot load raises, as RQ reports it."""
     job_id, flat = as_text(got[0]), got[1]
     if not flat:

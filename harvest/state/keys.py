@@ -6,9 +6,13 @@ repairs of RQ's bookkeeping) are named at the end, through RQ's own prefixes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from harvest.ids import check_id
+
+RATE_BUCKET_S = 10  # throughput buckets (`Keys.rate`): small enough for a one-minute rate, few enough keys
+RATE_TTL_S = 300  # a bucket expires this long after its last write
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class Keys:
     @property
     def state(self) -> str:
         """Hash sample_id -> state: one letter, and for a spooled sample its owner and the ref to its
-        row, `s:<spool id>[@<job id>#<index>]` (see harvest.state.ledger_lua)."""
+        row, `s:<spool id>[@<job id>#<index>]` (see harvest/state/lua/lib/state_value.lua)."""
         return f"{self.prefix}:state"
 
     @property
@@ -95,10 +99,15 @@ class Keys:
         """The SCAN pattern of every `job_copy` of the run (the ledger check's, harvest.ops.ledgercheck)."""
         return f"{self.spooled_payload}:*"
 
+    @property
+    def job_copy_prefix(self) -> str:
+        """The prefix of every `job_copy` (the ledger's scripts add the job id to it)."""
+        return f"{self.spooled_payload}:"
+
     def job_copy(self, job_id: str) -> str:
         """Hash: a copy of RQ's hash of job `job_id`, for the refs to it in spooled samples' state values
-        (harvest.state.jobcopy; the ledger's Lua builds the same name)."""
-        return f"{self.spooled_payload}:{check_id(job_id, 'job id')}"
+        (harvest.state.jobcopy)."""
+        return f"{self.job_copy_prefix}{check_id(job_id, 'job id')}"
 
     @property
     def spool_damaged(self) -> str:
@@ -271,14 +280,10 @@ def rq_worker_key(name: str) -> str:
     return Worker.redis_worker_namespace_prefix + name
 
 
-# RQ's prefix of a job's hash, as the ledger's Lua writes it out (harvest.state.jobcopy copies
-# the hash of the job a worker runs): checked against RQ's own when harvest is imported.
-RQ_JOB_PREFIX = "rq:job:"
-
-
-def check_rq_job_prefix() -> None:
+@functools.cache
+def rq_job_prefix() -> str:
+    """RQ's prefix of a job's hash (`rq:job:`), as RQ's Job class names it: the ledger's scripts
+    copy the hash of the job a worker runs (harvest.state.jobcopy), and the dequeue reads it."""
     from rq.job import Job
 
-    if Job.redis_job_namespace_prefix != RQ_JOB_PREFIX:
-        raise ImportError(f"RQ names job hashes {Job.redis_job_namespace_prefix!r}, not {RQ_JOB_PREFIX!r}: "
-                          "harvest's ledger scripts (harvest.state.ledger_lua, settle_lua) need updating")
+    return Job.redis_job_namespace_prefix

@@ -3,15 +3,15 @@
 States are one letter: `q` queued (a job holds it), `s` spooled (hidden states on a node's
 spool, not yet in a committed shard), `d` done (in a committed shard), `f` failed (with a
 reason). A spooled sample's value also names the spool that owns it and the ref to its row
-(`s:<spool>@<job>#<index>`, harvest.state.ledger_lua), so its state, owner and row are one field
-(`state_letter` reads the letter, `spooled_parts` the rest). Every move goes through one Lua
-script (harvest.state.ledger_lua) that checks the allowed source states and keeps the per-state
-counters exact, and the per-reason failure counters too, so status, metrics and completion checks
-never scan the hash.
+(`s:<spool>@<job>#<index>`, harvest/state/lua/lib/state_value.lua), so its state, owner and row
+are one field (`state_letter` reads the letter, `spooled_parts` the rest). Every move goes through
+one Lua script (harvest/state/lua/lib/move.lua, through harvest.state.scripts) that checks the
+allowed source states and keeps the per-state counters exact, and the per-reason failure counters
+too, so status, metrics and completion checks never scan the hash.
 
 Cost (bench/fleet.py). The control plane's budget is per sample: a worker's job settles all its
 samples in one call (`settle_job`: the spooled ones, the failed ones with their rows), a
-collector's shard in one (`mark_done`; both harvest.state.settle_lua; their stats go at the
+collector's shard in one (`mark_done`; both harvest/state/lua/settle.lua; their stats go at the
 heartbeat, harvest.state.tally), and a job's samples' states are read with one plain HMGET, sent
 in RQ's transaction that starts the job (workers.rqworker; `take` where it is not)."""
 
@@ -23,24 +23,20 @@ from collections.abc import Callable, Mapping, Sequence
 
 import redis
 
-from harvest.state import jobcopy
-from harvest.state.keys import Keys
-from harvest.state.ledger_lua import ENQUEUE, FORGET, TRANSITION
-from harvest.state.ownership_lua import FENCE, RECLAIM
+from harvest.state import jobcopy, scripts
+from harvest.state.keys import RATE_BUCKET_S, Keys
 from harvest.state.roundtrip import Command, ScriptCall, send_together
-from harvest.state.settle_lua import ADD_STATS, SETTLE, Segment
+from harvest.state.scripts import Segment
 
 QUEUED, SPOOLED, DONE, FAILED = "q", "s", "d", "f"
 ABSENT = "_"
 STATE_NAMES = {QUEUED: "queued", SPOOLED: "spooled", DONE: "done", FAILED: "failed"}
-RATE_BUCKET_S = 10  # throughput buckets: small enough for a one-minute rate, few enough keys
-RATE_TTL_S = 300
 
 SCRIPT_ARGS = 4000  # ids a script takes at once (Lua's unpack is bounded near 8000 values)
 
 
 def state_letter(raw: bytes | str | None) -> str | None:
-    """A state hash value's state: its first letter (the value's format: harvest.state.ledger_lua)."""
+    """A state hash value's state: its first letter (the value's format: lua/lib/state_value.lua)."""
     if raw is None:
         return None
     return (raw.decode() if isinstance(raw, bytes) else raw)[:1]
@@ -48,7 +44,7 @@ def state_letter(raw: bytes | str | None) -> str | None:
 
 def spooled_parts(raw: bytes | str | None) -> tuple[str, str | None] | None:
     """(owner, ref or None) of a spooled sample's state value `s:<spool>[@<job>#<i>]`
-    (harvest.state.ledger_lua); None for any other value, a bare `s` included (an older harvest's:
+    (lua/lib/state_value.lua); Python's one parser of it; None for any other value, a bare `s` included (an older harvest's:
     its owner and ref are in the side hashes)."""
     if raw is None:
         return None
@@ -59,51 +55,21 @@ def spooled_parts(raw: bytes | str | None) -> tuple[str, str | None] | None:
     return owner, (at + ref if at else None)
 
 
-def _shaped(values: Sequence[str]) -> list[str]:
-    """A move's infos or rows as its script takes them (ledger_lua `move`): none if all are empty,
-    one if all are the same (a job's owner), else one a sample: each argument costs the server."""
-    if not values or all(v == values[0] for v in values):
-        return [] if not values or values[0] == "" else [values[0]]
-    return list(values)
-
-
-def _in_transaction(pipe, script: str, keys: list[str], args: list) -> list[str]:
-    """Queue `script` in a caller's MULTI/EXEC as EVAL, with its text: an EVALSHA there runs only on
-    a server that still has the script, and harvest's client (harvest.state.connection) sends the
-    batch again to a Redis restarted meanwhile, whose EXEC would fail the move with NoScriptError
-    and run the rest of the transaction (the jobs enqueued with it) without it. Returns no ids:
-    what moved is known at the EXEC."""
-    pipe.eval(script, len(keys), *keys, *args)
-    return []
-
-
 class Ledger:
     def __init__(self, conn: redis.Redis, run: str) -> None:
         self.conn = conn
         self.keys = Keys(run)
-        self._script = conn.register_script(TRANSITION)
-        self._settle_script = conn.register_script(SETTLE)
-        self._stats = conn.register_script(ADD_STATS)
-        self._reclaim = conn.register_script(RECLAIM)
-        self._fence = conn.register_script(FENCE)
-        self._forget = conn.register_script(FORGET)
-        self._enqueue = conn.register_script(ENQUEUE)
-
-    def _state_keys(self) -> list[str]:
-        k = self.keys
-        return [k.state, k.counts, k.failed, k.spool_owner, k.spooled_payload, k.spool_counts, k.revoked_spools,
-                k.failed_reasons, k.failed_examples, k.failed_payload]
 
     def _move(self, ids: list[str], to: str, allowed: str, infos: list[str] | None = None, pipe=None,
               rows: list[str] | None = None, keep: bool = False) -> list[str]:
+        """`ids` to `to` from any of `allowed`: the moved ids (none in `pipe`: known at its EXEC)."""
         if not ids:
             return []
-        infos, rows = _shaped(infos or []), _shaped(rows or [])
-        args = [to, allowed, "1" if keep else "0", len(ids), len(infos), len(rows), *ids, *infos, *rows]
+        call = scripts.transition(self.keys, to, allowed, ids, infos or [], rows or [], keep)
         if pipe is not None:
-            return _in_transaction(pipe, TRANSITION, self._state_keys(), args)
-        res = self._script(keys=self._state_keys(), args=args, client=self.conn)
-        return [r.decode() if isinstance(r, bytes) else r for r in res]
+            call.queue(pipe)
+            return []
+        return [r.decode() if isinstance(r, bytes) else r for r in call.run(self.conn)]
 
     def states(self, ids: list[str]) -> list[str | None]:
         return [state_letter(v) for v in self.conn.hmget(self.keys.state, ids)] if ids else []
@@ -125,7 +91,7 @@ class Ledger:
 
     def states_and_owners(self, ids: list[str]) -> tuple[list[str | None], list[str | None]]:
         """The states and spool owners of `ids` (the collector's view of its spool files). Plain
-        HMGETs: the record's ownership test and the commit fence decide (ownership_lua), and Lua's
+        HMGETs: the record's ownership test and the commit fence decide (lua/fence.lua, lua/put_record.lua), and Lua's
         handling of each argument and reply cost the server twice the read (bench/job_cost.py). A
         bare `s` (an older harvest's) has its owner read after: one that left s meanwhile reads as
         ownerless, and the ownership test refuses it."""
@@ -152,7 +118,7 @@ class Ledger:
 
         `refs` (id -> `jobcopy.ref`, for the job being run): a spooled sample keeps its ref, and the
         job's hash is copied once, instead of its row (harvest.state.jobcopy); refs into one job go
-        as their indexes (settle_lua `spool_job`). Where Redis no longer has the job (a rollback
+        as their indexes (lua/lib/hot_moves.lua `spool_job`). Where Redis no longer has the job (a rollback
         forgot its enqueue), the call is made again with the rows.
 
         `also`: calls sent in the same round trip (harvest.state.roundtrip); they ran when this
@@ -176,28 +142,20 @@ class Ledger:
 
     def _settle(self, segments: list[Segment], stats: dict[str, int], clear: tuple[str, str] | None = None,
                 also: Sequence[ScriptCall] = ()) -> list[list[str]]:
-        keys = [*self._state_keys(), self.keys.stats]
-        args: list = [RATE_TTL_S, self.keys.rate_prefix, RATE_BUCKET_S, len(segments)]
-        for to, allowed, keep, count, total, job, ids, infos, rows in segments:
-            infos, rows = _shaped(infos), rows if job else _shaped(rows)
-            args += [to, allowed, "1" if keep else "0", count, total, job, len(ids), len(infos), len(rows), *ids, *infos, *rows]
-        args += [len(stats), *(x for kv in stats.items() for x in (kv[0], int(kv[1])))]
-        if clear is not None:
-            keys += clear
-            args += [len(keys) - 1, len(keys)]
-        res = send_together(self.conn, [ScriptCall(self._settle_script, keys, args), *also])[0]
+        res = send_together(self.conn, [scripts.settle(self.keys, segments, stats, clear), *also])[0]
         return [list(seg.ids) if isinstance(got, int) else [r.decode() if isinstance(r, bytes) else r for r in got]
                 for seg, got in zip(segments, res)]  # a count: every id moved
 
     def add_queued(self, ids: list[str], pipe=None) -> list[str]:
         """New samples only: an id with any state is left as it is (idempotent enqueue). Its own
-        script (ledger_lua.ENQUEUE), not `_move`. Returns the ids moved, in order (none in `pipe`)."""
-        keys = [self.keys.state, self.keys.counts]
+        script (lua/add_queued.lua), not `_move`. Returns the ids moved, in order (none in `pipe`)."""
         if not ids:
             return []
+        call = scripts.add_queued(self.keys, ids)
         if pipe is not None:
-            return _in_transaction(pipe, ENQUEUE, keys, ids)
-        left = {r.decode() if isinstance(r, bytes) else r for r in self._enqueue(keys=keys, args=ids, client=self.conn)}
+            call.queue(pipe)
+            return []
+        left = {r.decode() if isinstance(r, bytes) else r for r in call.run(self.conn)}
         return list(dict.fromkeys(i for i in ids if i not in left))
 
     def requeue(self, ids: list[str], pipe=None) -> list[str]:
@@ -218,9 +176,11 @@ class Ledger:
         """s -> q for those of `ids` that `spool` still owns (the janitor, after revoking it)."""
         if not ids:
             return []
+        call = scripts.reclaim(self.keys, spool, ids)
         if pipe is not None:
-            return _in_transaction(pipe, RECLAIM, self._state_keys(), [spool, len(ids), *ids])
-        res = self._reclaim(keys=self._state_keys(), args=[spool, len(ids), *ids], client=self.conn)
+            call.queue(pipe)
+            return []
+        res = call.run(self.conn)
         return [r.decode() if isinstance(r, bytes) else r for r in res]
 
     def fence_commit(self, spool: str, ids: list[str], record_key: str, record: str, before: str) -> bool:
@@ -228,8 +188,7 @@ class Ledger:
         revoked, owns every one of `ids` in state s, and the record at `record_key` is still
         `before` (what the collector wrote before packing): after this, the shard's commit is
         decided and anyone holding the record may finish it."""
-        keys = [self.keys.state, self.keys.spool_owner, self.keys.revoked_spools, record_key]
-        return bool(self._fence(keys=keys, args=[spool, record, before, len(ids), *ids], client=self.conn))
+        return bool(scripts.fence(self.keys, spool, ids, record_key, record, before).run(self.conn))
 
     def identity(self) -> str:
         """This ledger's random id (`Keys.ledger_id`), taken on first use. A collector's packing
@@ -253,7 +212,7 @@ class Ledger:
         enqueues them again: it skips only samples the ledger knows); `state` q: queued samples dropped."""
         if not ids:
             return []
-        res = self._forget(keys=[self.keys.state, self.keys.counts], args=[state, len(ids), *ids], client=self.conn)
+        res = scripts.forget(self.keys, state, ids).run(self.conn)
         return [r.decode() if isinstance(r, bytes) else r for r in res]
 
     def spooled_payloads(self, ids: list[str]) -> list[str | None]:
@@ -316,7 +275,7 @@ class Ledger:
             return []
         if not counted and (tokens is not None or stats):
             raise ValueError("mark_done(counted=False) takes no tokens or stats")
-        counts = [int(t) for t in tokens or []]  # one info for all: settle_lua SETTLE's sum
+        counts = [int(t) for t in tokens or []]  # one info for all: lua/settle.lua's sum
         infos = [f"{sum(counts)}/{','.join(map(str, counts))}"] if tokens is not None else []
         seg = Segment(DONE, ABSENT + QUEUED + SPOOLED + FAILED, False, "samples_done" if counted else "",
                       "tokens_done" if tokens is not None else "", "", list(ids), infos, [""] * len(ids))
@@ -362,9 +321,7 @@ class Ledger:
         whose clock is off would write its throughput where `rates` never reads, or into the
         minute status reads later, and every rate and ETA would be wrong."""
         if incr:
-            self._stats(keys=[self.keys.stats], args=[RATE_TTL_S, self.keys.rate_prefix, RATE_BUCKET_S,
-                                                      *(x for k, v in incr.items() for x in (k, int(v)))],
-                        client=self.conn)
+            scripts.add_stats(self.keys, incr).run(self.conn)
 
     def rates(self, window_s: int = 60, now: float | None = None) -> tuple[dict[str, int], float]:
         """Sums of the stats added in the buckets overlapping the last `window_s` seconds, and the

@@ -19,38 +19,8 @@ import redis
 
 from harvest.formats.index import ShardIndex
 from harvest.ids import check_id
+from harvest.state import scripts
 from harvest.state.keys import Keys
-from harvest.state.ownership_lua import OWNS
-
-# KEYS (not `_PUT_OWNED`'s): the record, the run's index of record keys (`Keys.packing_index`). The
-# index lets the periodic reader (every collector's `tend_revoked`, every 10 s) list the records in O(records),
-# where a SCAN of the keyspace costs O(keys): RQ's job hashes and every worker's keys, so
-# O(nodes^2) for the fleet. The readers whose answer fences a commit (a claim taken over when no
-# record names its shard, a reclaim leaving decided shards alone) still SCAN as well (`complete`):
-# they are rare (a conflict, a lost node, a start), and a record written by an older collector
-# during a rolling upgrade is in no index.
-#
-# `_PUT_OWNED`: the record written and indexed, and the commit fence's ownership test in the same
-# call (one round trip a shard less; harvest.state.ownership_lua.OWNS), over the n ids given (none:
-# the spool's revocation alone); the ledger's id restored where a Redis lost it (`Ledger.identity`).
-# KEYS: state, spool_owner, revoked_spools, the record, the index, the ledger's id. ARGV: the
-# record, spool, n, ids, the ledger's id as the caller knows it. Returns {owned, the id in force}.
-_PUT_OWNED = OWNS + """
-redis.call('SET', KEYS[4], ARGV[1])
-redis.call('SADD', KEYS[5], KEYS[4])
-local n = tonumber(ARGV[3])
-local id = redis.call('GET', KEYS[6])
-if not id then id = ARGV[4 + n]; redis.call('SET', KEYS[6], id) end
-return {owns(ARGV[2], 3, n) and 1 or 0, id}
-"""
-_FORGET_IF_GONE = "if redis.call('EXISTS', KEYS[1]) == 0 then return redis.call('SREM', KEYS[2], KEYS[1]) end return 0"
-_DELETE_IF_SAME = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('SREM', KEYS[2], KEYS[1])
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
 
 
 @dataclass
@@ -73,13 +43,17 @@ class PackingRecord:
 
 
 class PackingRecords:
-    """Every packing record of a run in Redis: the only code that touches their keys."""
+    """Every packing record of a run in Redis: the only code that touches their keys.
+
+    The run's index of record keys (`Keys.packing_index`) lets the periodic reader (every
+    collector's `tend_revoked`, every 10 s) list the records in O(records), where a SCAN of the
+    keyspace costs O(keys): RQ's job hashes and every worker's keys, so O(nodes^2) for the fleet.
+    The readers whose answer fences a commit (a claim taken over when no record names its shard, a
+    reclaim leaving decided shards alone) still SCAN as well (`complete`): they are rare, and a
+    record written by hand is in no index."""
 
     def __init__(self, conn: redis.Redis, run: str) -> None:
         self.conn, self.keys = conn, Keys(run)
-        self._put_owned = conn.register_script(_PUT_OWNED)
-        self._delete_if_same = conn.register_script(_DELETE_IF_SAME)
-        self._forget_if_gone = conn.register_script(_FORGET_IF_GONE)
 
     def key(self, node: str, packer: int = 0) -> str:
         """The record of packer `packer` of `node`'s collector (packer 0: the node's plain key)."""
@@ -96,10 +70,9 @@ class PackingRecords:
         `ledger_id` if Redis lost it. `samples=False`: the spool's revocation alone, for a caller
         whose view just found each sample spooled and its own (the fence asks again of each).
         Returns (the JSON written, whether it may commit, the ledger's id in force)."""
-        raw, k = rec.to_json(), self.keys
+        raw = rec.to_json()
         ids = rec.sample_ids if samples else []
-        ok, held = self._put_owned(keys=[k.state, k.spool_owner, k.revoked_spools, key, k.packing_index, k.ledger_id],
-                                   args=[raw, rec.spool or "", len(ids), *ids, ledger_id])
+        ok, held = scripts.put_record(self.keys, key, raw, rec.spool or "", ids, ledger_id).run(self.conn)
         return raw, bool(ok), held.decode()
 
     def ended(self, key: str) -> tuple[str, str]:
@@ -111,7 +84,7 @@ class PackingRecords:
     def clear_if_same(self, key: str, raw: bytes | str) -> bool:
         """Remove the record at `key` only while it is still `raw` (as written, or as `items` read it):
         whoever clears a record clears the one it acted on, never a later one written there."""
-        return bool(self._delete_if_same(keys=[key, self.keys.packing_index], args=[raw]))
+        return bool(scripts.delete_record_if_same(self.keys, key, raw).run(self.conn))
 
     def adopt(self) -> int:
         """Index the records written without the index (by a harvest before it, or by hand): one
@@ -134,7 +107,7 @@ class PackingRecords:
             if raw:
                 yield key, PackingRecord.from_json(raw), raw
             else:  # cleared by a harvest before the index (or just now): out of the index unless written again
-                self._forget_if_gone(keys=[key, self.keys.packing_index])
+                scripts.forget_record_if_gone(self.keys, key).run(self.conn)
 
     def extra_packers(self, node: str) -> Iterator[int]:
         """The packer numbers, other than 0, that have a record of `node`'s collector."""

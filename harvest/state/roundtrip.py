@@ -29,9 +29,22 @@ from redis.commands.core import Script
 
 @dataclass(frozen=True)
 class ScriptCall:
+    """One call of a script with its KEYS and ARGV (built by harvest.state.scripts)."""
+
     script: Script
     keys: list[str] = field(default_factory=list)
     args: list[Any] = field(default_factory=list)
+
+    def run(self, conn: redis.Redis) -> Any:
+        """Sent alone (EVALSHA; on NOSCRIPT loaded and sent again): its reply."""
+        return self.script(keys=self.keys, args=self.args, client=conn)
+
+    def queue(self, pipe: redis.client.Pipeline) -> None:
+        """Queued in a caller's MULTI/EXEC as EVAL, with its text: an EVALSHA there runs only on a
+        server that still has the script, and harvest's client (harvest.state.connection) sends the
+        batch again to a Redis restarted meanwhile, whose EXEC would fail the call with
+        NoScriptError and run the rest of the transaction without it."""
+        pipe.eval(self.script.script, len(self.keys), *self.keys, *self.args)
 
 
 @dataclass(frozen=True)

@@ -22,18 +22,10 @@ from dataclasses import dataclass
 import redis
 
 from harvest.node.spooldir import rotate_spool_identity
+from harvest.state import scripts
 from harvest.state.keys import Keys
 
 log = logging.getLogger("harvest.spool")
-
-_RENEW = """
-if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then return 0 end
-local t = redis.call('TIME')
-redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6, ARGV[1])
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-return 1
-"""
-
 
 def redis_time(conn: redis.Redis) -> float:
     sec, usec = conn.time()
@@ -43,12 +35,10 @@ def redis_time(conn: redis.Redis) -> float:
 class SpoolLeases:
     def __init__(self, conn: redis.Redis, run: str) -> None:
         self.conn, self.keys = conn, Keys(run)
-        self._renew = conn.register_script(_RENEW)
 
     def renew(self, spool: str, node: str) -> bool:
         """Renew `spool`'s lease; False when it was revoked (its processes must take a new id)."""
-        keys = [self.keys.spool_leases, self.keys.spool_nodes, self.keys.revoked_spools]
-        return bool(self._renew(keys=keys, args=[spool, node]))
+        return bool(scripts.renew_spool(self.keys, spool, node).run(self.conn))
 
     def renew_or_rotate(self, spool_dir: str, spool: str, node: str) -> str:
         """Renew the lease of `spool_dir`'s spool `spool` and return the id to go on with: `spool`,

@@ -40,10 +40,9 @@ from collections.abc import Mapping, Sequence
 
 import redis
 
+from harvest.state import scripts
 from harvest.state.keys import Keys
-from harvest.state.ledger import RATE_BUCKET_S, RATE_TTL_S
 from harvest.state.roundtrip import ScriptCall, send_together
-from harvest.state.settle_lua import RATE_KEY
 
 # A histogram's upper bounds in seconds (harvest.ops.metrics reads them): an engine call is ~10 ms
 # on a tiny CPU model, minutes for a long batch.
@@ -59,34 +58,6 @@ def bucket_of(value: float) -> str:
     """The field of the histogram bucket `value` falls in."""
     i = bisect.bisect_left(BUCKETS, value)
     return le(BUCKETS[i]) if i < len(BUCKETS) else "+Inf"
-
-
-# KEYS: the run's stats, then one histogram each. ARGV: bucket ttl, rate key prefix, bucket
-# seconds, the number of stat pairs and (field, increment) pairs; then per histogram, in KEYS'
-# order: the number of its buckets, (bucket, count) pairs, its count and its sum. The rate bucket
-# is the server's (TIME, as every stats writer's: harvest.state.settle_lua).
-FLUSH = RATE_KEY + """
-local p = 4
-local n = tonumber(ARGV[p]); p = p + 1
-local rate = n > 0 and rate_key(ARGV[2], tonumber(ARGV[3]))
-for i = 1, n do
-  redis.call('HINCRBY', KEYS[1], ARGV[p], ARGV[p + 1])
-  redis.call('HINCRBY', rate, ARGV[p], ARGV[p + 1])
-  p = p + 2
-end
-if rate then redis.call('EXPIRE', rate, tonumber(ARGV[1])) end
-for k = 2, #KEYS do
-  local nb = tonumber(ARGV[p]); p = p + 1
-  for i = 1, nb do
-    redis.call('HINCRBY', KEYS[k], ARGV[p], ARGV[p + 1])
-    p = p + 2
-  end
-  redis.call('HINCRBY', KEYS[k], 'count', ARGV[p])
-  redis.call('HINCRBYFLOAT', KEYS[k], 'sum', ARGV[p + 1])
-  p = p + 2
-end
-return 1
-"""
 
 
 class _Histogram:
@@ -106,7 +77,6 @@ class Tally:
 
     def __init__(self, conn: redis.Redis, run: str) -> None:
         self.conn, self.keys = conn, Keys(run)
-        self._script = conn.register_script(FLUSH)
         self._lock = threading.Lock()
         self._stats: Counter[str] = Counter()
         self._hists: dict[str, _Histogram] = {}
@@ -138,17 +108,10 @@ class Tally:
             if also:
                 send_together(self.conn, list(also))
             return False
-        keys, args = [self.keys.stats], [RATE_TTL_S, self.keys.rate_prefix, RATE_BUCKET_S, len(stats)]
-        for kv in stats.items():
-            args += kv
-        for name, h in hists.items():
-            keys.append(self.keys.histogram(name))
-            args.append(len(h.buckets))
-            for kv in h.buckets.items():
-                args += kv
-            args += [h.count, repr(h.sum)]
+        call = scripts.add_stats(self.keys, stats, {name: scripts.Histogram(h.buckets, h.count, h.sum)
+                                                    for name, h in hists.items()})
         try:
-            send_together(self.conn, [ScriptCall(self._script, keys, args), *also])
+            send_together(self.conn, [call, *also])
         except redis.ResponseError:
             raise  # the script ran, and may have written part of it: sent again, that part would count twice
         except BaseException:

@@ -14,6 +14,7 @@ from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
 from harvest.node.spooldir import list_spooled
 from harvest.read.reader import RunReader
+from harvest.state import scripts
 from harvest.state import tally as tally_module
 from harvest.state.heartbeat import CollectorBeat, read_collectors
 from harvest.state.ledger import Ledger
@@ -294,7 +295,7 @@ def test_the_commits_stats_go_in_the_beats_round_trip_before_it_and_at_a_stop(co
     trips, real = [], tally_module.send_together
 
     def send_together(c, calls):  # each round trip the tally sends, and what is in it
-        trips.append(["stats" if call.script is packers.tally._script else "beat" for call in calls])
+        trips.append(["stats" if call.script is scripts.STATS.script else "beat" for call in calls])
         return real(c, calls)
 
     monkeypatch.setattr(tally_module, "send_together", send_together)

@@ -10,8 +10,8 @@ import pytest
 
 from harvest.config import RunConfig
 from harvest.ops.status import compute_status
-from harvest.state.keys import Keys
-from harvest.state.ledger import RATE_BUCKET_S, Ledger
+from harvest.state.keys import RATE_BUCKET_S, Keys
+from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 from harvest.state.spools import redis_time
 from harvest.state.tally import Tally

@@ -1,8 +1,8 @@
-"""The settle's two hot moves (harvest.state.settle_lua `spool_job`, `commit_shard`): a worker job's
-spool and a shard's commit write exactly what the general move (ledger_lua `move`, reached through
-`Ledger._move` and a transaction's `mark_done`) writes from the same ledger: the state values,
-the per-state counts, the spools' counts and the job copies' ref counts, for every state a
-sample can be in, ids listed twice and a revoked owner included."""
+"""The settle's two hot moves (harvest/state/lua/lib/hot_moves.lua `spool_job`, `commit_shard`): a
+worker job's spool and a shard's commit write exactly what the general move (lua/lib/move.lua
+`move`, reached through `Ledger._move` and a transaction's `mark_done`) writes from the same
+ledger: the state values, the per-state counts, the spools' counts and the job copies' ref counts,
+for every state a sample can be in, ids listed twice and a revoked owner included."""
 
 import random
 

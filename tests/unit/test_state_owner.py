@@ -1,4 +1,4 @@
-"""A spooled sample's owner lives in its state value (`s:<spool>`, harvest.state.ledger_lua), and a
+"""A spooled sample's owner lives in its state value (`s:<spool>`, harvest/state/lua/lib/state_value.lua), and a
 ledger an older harvest wrote (a bare `s`, its owner in the spool_owner hash) still reads, moves,
 fences and checks right: a run's Redis outlives an upgrade of its workers and collectors."""
 
