@@ -10,10 +10,11 @@ import sys
 import click
 
 from harvest.cli.checks import check_dataset, check_layers, check_model, check_output
-from harvest.cli.errors import connect, connect_service, redis_wait_option
+from harvest.cli.errors import OwnExitCommand, connect, connect_service, redis_wait_option
 from harvest.cli.options import (
     apply_s3_env,
     chunked_prefill_option,
+    dp_option,
     dtype_option,
     layers_option,
     max_queued_option,
@@ -32,10 +33,12 @@ from harvest.cli.options import (
     s3_region_option,
     service_logging,
     spool_grace_option,
+    tp_option,
 )
 from harvest.settings import (
     CollectorSettings,
     EngineSettings,
+    NodeSettings,
     ProducerSettings,
     RunnerSettings,
     RunTunables,
@@ -57,10 +60,12 @@ def _default_run_name(dataset: str) -> str:
 @layers_option
 @dtype_option
 @click.option("--workers", default=RunnerSettings.workers, show_default=True, type=click.IntRange(1, 256),
-              help="Workers for the engine: with 2, one batch is in the engine while the other worker spools.")
+              help="Workers per engine: with 2, one batch is in the engine while the other worker spools.")
 @click.option("--redis", "redis_url", default=None, help="Use this Redis instead of starting a private one.")
 @click.option("--engine-url", default=None, help="Use this engine instead of starting the reference engine.")
 @run_engine_option
+@tp_option
+@dp_option
 @chunked_prefill_option
 @click.option("--work-dir", default=None, type=click.Path(),
               help="Node-local state (Redis data, spool, logs); one runner at a time "
@@ -88,8 +93,13 @@ def _default_run_name(dataset: str) -> str:
 def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
             work_dir, dump_dir, max_queued, shard_mb, no_progress, spool_grace, s3_endpoint, s3_region, engine,
             max_wait, batch_samples, batch_tokens, fields, chat_template, max_len, overlong, strict, processes,
-            regenerate, max_new_tokens, temperature, top_p, on_length, redis_wait, min_free_mb, prune) -> None:
+            regenerate, max_new_tokens, temperature, top_p, on_length, redis_wait, min_free_mb, prune, tp_size,
+            dp_size) -> None:
     """Extract hidden states for DATASET end to end on this machine.
+
+    The node's engines: the reference engine, or SGLang or vLLM servers from this Python environment
+    (or HARVEST_SGLANG_VENV / HARVEST_VLLM_VENV) with harvest's plugin, --dp of them on --tp GPUs each
+    (the CPU engine where no GPU is visible); --workers workers per engine.
 
     Redis going away is waited out, up to --redis-wait (its private redis-server is restarted on
     the same port with its data). Exit status: 0 when every sample of DATASET is committed or
@@ -109,7 +119,7 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
     settings = RunnerSettings(workers=workers, redis_url=redis_url, engine_url=engine_url, work_dir=work_dir,
                               dump_dir=dump_dir, chunked_prefill_size=chunked_prefill_size, max_queued=max_queued,
                               max_wait_s=max_wait, progress=not no_progress, outage_s=redis_wait,
-                              min_free_bytes=min_free_mb << 20, prune=prune)
+                              min_free_bytes=min_free_mb << 20, prune=prune, tp_size=tp_size, dp_size=dp_size)
     _run_here(dataset, settings, produce_kw, run=run or _default_run_name(dataset), model=model, out_url=out_url,
               layers=layers, storage_dtype=storage_dtype, engine=engine, shard_bytes=shard_mb << 20,
               spool_grace_s=spool_grace,
@@ -158,8 +168,14 @@ def _run_here(dataset: str, settings: RunnerSettings, produce_kw: dict, **config
                    "docker compose quickstart mounts), then exit.")
 def demo_cmd(out_dir: str, workers: int, regenerate: bool, prepare_dir: str | None) -> None:
     """Build a tiny model offline and run the whole pipeline on a bundled dataset."""
-    from harvest.cli.demo import (DEMO_CHUNKED_PREFILL, DEMO_MAX_NEW_TOKENS, build_tiny_model, demo_chats, demo_rows,
-                                   write_jsonl)
+    from harvest.cli.demo import (
+        DEMO_CHUNKED_PREFILL,
+        DEMO_MAX_NEW_TOKENS,
+        build_tiny_model,
+        demo_chats,
+        demo_rows,
+        write_jsonl,
+    )
 
     if prepare_dir:
         model = build_tiny_model(os.path.join(prepare_dir, "models", "tiny"))
@@ -367,4 +383,53 @@ def engine_cmd(model, dump_dir, host, port, layers, chunked_prefill_size, thread
         server.server_close()
 
 
-COMMANDS = (run_cmd, demo_cmd, produce_cmd, worker_cmd, collect_cmd, engine_cmd)
+def _node_exit_status(err) -> int:
+    from harvest.cli.nodeserve import node_exit_status
+
+    return node_exit_status(err)
+
+
+@click.command("node", cls=OwnExitCommand, exit_status_of=_node_exit_status, usage_exit=78)
+@run_option
+@redis_option
+@click.option("--engine", "engine", default=None, type=click.Choice(["reference", "sglang", "vllm"]),
+              help="The run's engine kind (default: the run's); sglang and vllm start servers from this Python "
+                   "environment (or HARVEST_SGLANG_VENV / HARVEST_VLLM_VENV) with harvest's plugin.")
+@click.option("--engine-url", default=None, help="Use the engine server there instead of starting one.")
+@click.option("--model", default=None, type=click.Path(),
+              help="The run's model as this node sees it (default: the run's model path); checked against the run.")
+@tp_option
+@dp_option
+@click.option("--workers", default=NodeSettings.workers, show_default=True, type=click.IntRange(1, 256),
+              help="Workers per engine: with 2, one batch is in the engine while the other worker spools.")
+@click.option("--work", "work", default=None, type=click.Path(),
+              help="Node-local state (spool, logs); one node at a time [default: $HARVEST_WORK/RUN, else "
+                   "~/.cache/harvest/work/RUN].")
+@node_option
+@click.option("--stop-grace", default=NodeSettings.stop_grace_s, show_default=True, type=click.FloatRange(1),
+              help="On SIGTERM or SIGINT: seconds within which the workers, then the collector (committing what is "
+                   "spooled), then the engines stop.")
+@click.option("--join-wait", default=NodeSettings.join_wait_s, show_default=True, type=click.FloatRange(0),
+              help="Seconds to wait for Redis to answer and for the run to appear in it, and for a Redis that went "
+                   "away to come back, before exiting 75.")
+@s3_endpoint_option
+def node_cmd(run, redis_url, engine, engine_url, model, tp_size, dp_size, workers, work, node, stop_grace, join_wait,
+             s3_endpoint) -> None:
+    """Join run RUN as one node: start its engines, workers and collector, keep them until the run
+    is done, stop them in order on SIGTERM.
+
+    Exit status: 0 when the run is done (its producer finished its pass, nothing is queued or
+    spooled); 75 when stopped by SIGTERM or SIGINT, or when Redis stayed away past --join-wait
+    (requeue it: the spool is kept); 77 when the output refuses writes; 78 on a configuration
+    error (a bad flag, an engine refused or failing at start, a model that is not the run's).
+    """
+    service_logging()
+    apply_s3_env(s3_endpoint, None)
+    from harvest.cli.nodeserve import serve
+
+    settings = NodeSettings(workers=workers, engine_url=engine_url, tp_size=tp_size, dp_size=dp_size,
+                            outage_s=join_wait, node=node, stop_grace_s=stop_grace, join_wait_s=join_wait)
+    sys.exit(serve(run, redis_url, settings, engine=engine, model=model, work=work))
+
+
+COMMANDS = (run_cmd, demo_cmd, produce_cmd, worker_cmd, collect_cmd, engine_cmd, node_cmd)
