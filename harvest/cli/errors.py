@@ -233,6 +233,7 @@ def explain(exc: BaseException, args: Iterable[str] = ()) -> str | None:
 
 
 _ARGS = "harvest.args"  # ctx.meta key: the command line below the group (the command and its arguments)
+CONFIG_EXIT = 78  # EX_CONFIG (sysexits.h): `harvest node`'s configuration errors, which a scheduler must not requeue
 EXIT_STATUS_OF = "harvest.exit_status_of"  # ctx.meta key: a command's own exit status for an error it raised
 
 

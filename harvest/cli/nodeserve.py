@@ -31,7 +31,7 @@ import click
 
 from harvest.cli.diskwatch import DiskWatch
 from harvest.cli.engineplan import EnginePlan, plan_engines
-from harvest.cli.errors import connect_service, redact
+from harvest.cli.errors import CONFIG_EXIT, connect_service, redact
 from harvest.cli.node import EngineNotHealthy, Node, hurry_on_signals
 from harvest.cli.supervisor import Supervisor
 from harvest.cli.workdir import RunnerLocks, default_work_dir
@@ -39,8 +39,10 @@ from harvest.config import RunConfig
 from harvest.errors import ConfigurationError, HarvestError, ServiceError
 from harvest.ops.recovery import Recovery
 from harvest.settings import NodeSettings, RunnerSettings
+from harvest.state.connection import REDIS_LOST_EXIT
 
-DONE_EXIT, REQUEUE_EXIT, CONFIG_EXIT = 0, 75, 78  # 77: harvest.errors.OutputRefused
+DONE_EXIT = 0
+REQUEUE_EXIT = REDIS_LOST_EXIT  # 75: a signal, or Redis away past the join wait (77: harvest.errors.OutputRefused)
 JOIN_POLL_S = 2.0
 LOOP_S = 0.5
 

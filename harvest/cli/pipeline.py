@@ -10,7 +10,7 @@ import sys
 import click
 
 from harvest.cli.checks import check_dataset, check_layers, check_model, check_output
-from harvest.cli.errors import OwnExitCommand, connect, connect_service, redis_wait_option
+from harvest.cli.errors import CONFIG_EXIT, OwnExitCommand, connect, connect_service, redis_wait_option
 from harvest.cli.options import (
     apply_s3_env,
     chunked_prefill_option,
@@ -389,7 +389,7 @@ def _node_exit_status(err) -> int:
     return node_exit_status(err)
 
 
-@click.command("node", cls=OwnExitCommand, exit_status_of=_node_exit_status, usage_exit=78)
+@click.command("node", cls=OwnExitCommand, exit_status_of=_node_exit_status, usage_exit=CONFIG_EXIT)
 @run_option
 @redis_option
 @click.option("--engine", "engine", default=None, type=click.Choice(["reference", "sglang", "vllm"]),

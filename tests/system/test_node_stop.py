@@ -32,9 +32,11 @@ def test_sigterm_mid_run_exits_75_with_nothing_lost_and_a_second_start_finishes(
         def mid_run() -> dict | None:
             assert node.poll() is None, run.said("n1")
             c = {k.decode(): int(v) for k, v in conn.hgetall(Keys("preempted").counts).items()}
-            return c if c.get("d", 0) >= 2 and c.get("q", 0) >= 8 else None
+            # A node's collector packs a partial shard once nothing is queued (or after a minute): spooled
+            # samples, not committed ones, are what a stop mid-run finds.
+            return c if c.get("s", 0) + c.get("d", 0) >= 4 and c.get("q", 0) >= 8 else None
 
-        wait_for(mid_run, 240, "some samples committed, many still queued", poll=0.05)
+        wait_for(mid_run, 240, "some samples spooled, many still queued", poll=0.05)
         sent = time.monotonic()
         node.send_signal(signal.SIGTERM)
         rc = node.wait(60)
@@ -48,7 +50,7 @@ def test_sigterm_mid_run_exits_75_with_nothing_lost_and_a_second_start_finishes(
         c = Ledger(conn, "preempted").counts()
         copies = run.committed()
         assert c["spooled"] == 0 and c["failed"] == 0, c  # the collector committed what was spooled
-        assert c["done"] + c["queued"] == SAMPLES and c["queued"] > 0, c  # nothing lost, some left
+        assert c["done"] >= 4 and c["queued"] > 0 and c["done"] + c["queued"] == SAMPLES, c  # nothing lost
         assert set(copies.values()) == {1} and len(copies) == c["done"], copies
 
         again = run.node("n1", "--stop-grace", "30")  # the same node, requeued
