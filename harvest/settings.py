@@ -144,7 +144,7 @@ class RunnerSettings:
     chunked_prefill_size: int = EngineSettings.chunked_prefill_size  # 0: the engine's own (sglang: 8192)
     max_queued: int = ProducerSettings.max_queued
     max_wait_s: float = 5.0  # the collector's: a local run commits partial shards soon
-    worker_engine_wait_s: float = 300.0  # its workers wait this long for the engine it starts
+    worker_engine_wait_s: float = 1800.0  # its workers wait this long for the engines it starts (a model load)
     progress: bool = True
     outage_s: float | None = None  # how long Redis may be away (None: harvest.state.connection's)
     # Workers pause while the work dir's filesystem (spool, Redis's append-only file) has less free (0: never)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -85,8 +86,14 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def release(version: str) -> str:
+    """`major.minor.patch` of a version as installed (`0.5.23.post1`, `0.5.23rc1`: `0.5.23`)."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    return ".".join(g or "0" for g in m.groups()) if m else "0.0.0"
+
+
 def _version(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
+    return tuple(int(x) for x in release(v).split("."))
 
 
 def engine_python(engine: str) -> str:
@@ -175,6 +182,7 @@ def plan_engines(engine: str, tp: int = 1, dp: int = 1, engine_url: str | None =
     version = engine_version(engine, python)
     if engine == "sglang":
         check_sglang_version(version, python)
+        version = release(version)  # flag spellings follow it (engines.sglang_launch)
     need = tp * dp
     gpus = visible_gpus()
     if gpus:

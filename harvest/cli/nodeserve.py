@@ -37,6 +37,7 @@ from harvest.cli.supervisor import Supervisor
 from harvest.cli.workdir import RunnerLocks, default_work_dir
 from harvest.config import RunConfig
 from harvest.errors import ConfigurationError, HarvestError, ServiceError
+from harvest.ids import safe_id
 from harvest.ops.recovery import Recovery
 from harvest.settings import NodeSettings, RunnerSettings
 from harvest.state.connection import REDIS_LOST_EXIT
@@ -137,7 +138,9 @@ def _serve(run: str, redis_url: str, settings: NodeSettings, engine: str | None,
         click.echo(f"harvest node: run {run} is done: nothing queued or spooled, its producer finished its pass")
         return DONE_EXIT
     work = os.path.abspath(work or default_work_dir(run))
-    dumps = default_dump_dir(run) if settings.node is None else os.path.join(default_dump_dir(run), settings.node)
+    dumps = default_dump_dir(run)
+    if settings.node:  # one dump dir per node: several nodes may share a host (a SLURM test, a node per GPU)
+        dumps = os.path.join(dumps, safe_id(settings.node, "node"))
     locks = RunnerLocks(work, dumps, run).acquire(run=run, redis=redact(redis_url))
     try:
         return _serve_locked(conn, cfg, redis_url, settings, plan, model, work, dumps)

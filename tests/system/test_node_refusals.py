@@ -125,3 +125,22 @@ def test_a_model_that_is_not_the_runs_is_refused(tmp_path, tiny_model):
         assert res.stderr.count("\n") == 1 and not (tmp_path / "work").exists()
     finally:
         server.stop()
+
+
+def test_tp_and_dp_give_each_server_its_own_gpus_in_order(tmp_path, monkeypatch):
+    from harvest.cli.engineplan import plan_engines
+
+    venv = sglang_venv(tmp_path / "ok", "0.5.23.post1")
+    monkeypatch.setenv("HARVEST_SGLANG_VENV", str(venv))
+    for k, v in gpus_on_path(tmp_path / "four", 4).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,2,1,0")
+    plan = plan_engines("sglang", tp=2, dp=2)
+    assert (plan.device, plan.python, plan.version) == ("cuda", f"{venv}/bin/python", "0.5.23")
+    assert plan.gpus == (("3", "2"), ("1", "0"))
+    assert plan.env(1)["CUDA_VISIBLE_DEVICES"] == "1,0" and plan.env(0)["CUDA_VISIBLE_DEVICES"] == "3,2"
+    for k, v in gpus_on_path(tmp_path / "none", None).items():  # no GPU: the CPU engine, with its kernel stand-in
+        monkeypatch.setenv(k, v)
+    plan = plan_engines("sglang", tp=1, dp=1)
+    assert (plan.device, plan.gpus) == ("cpu", ()) and "CUDA_VISIBLE_DEVICES" not in plan.env(0)
+    assert plan.env(0)["PYTHONPATH"].endswith("tests/support/sgl_kernel_standin")
