@@ -3,7 +3,8 @@ own): the head job (Redis with its AOF in the shared folder, the producer, metri
 jobs (an array, each task one `harvest node` with the CPU reference engine), submitted with
 deploy/slurm/submit.sh as a user does, then struck mid-run:
 
-- two node jobs: every sample committed once;
+- two node jobs, one of them told its time limit is near (USR1, as `--signal=B:USR1@180` does):
+  it stops, requeues itself and comes back; every sample committed once;
 - two node jobs struck mid-run with samples on their spools, one SIGKILLed (its node lost), one
   scancelled (it stops in order): a node submitted after takes over what they left (reclaimed
   after the run's spool grace); every sample committed once;
@@ -136,21 +137,33 @@ def new_fleet(cluster: Slurm, tmp: Path, tiny_model: str, run: str, samples: int
         "HARVEST_PRODUCE_ARGS": f"--dtype fp32 --batch-samples 2 --spool-grace {spool_grace:g}",
         "HARVEST_NODE_ARGS": f"{NODE_FLAGS} --model {tiny_model}",
         "HARVEST_NODE_WORK": str(tmp / "nodes"), "HARVEST_REDIS_PORT": str(redis_port),
-        "HARVEST_METRICS_PORT": str(metrics_port), "HARVEST_HEAD_POLL": "1", "HARVEST_HEAD_LINGER": "60",
+        "HARVEST_METRICS_PORT": str(metrics_port), "HARVEST_HEAD_POLL": "2", "HARVEST_HEAD_LINGER": "60",
         "HARVEST_JOIN_WAIT": "120",
     }
     return Fleet(cluster, tmp, run, expected, env)
 
 
-def test_a_run_over_two_node_jobs_commits_every_sample_once(slurm, tmp_path, tiny_model):
+def test_a_run_over_two_node_jobs_commits_every_sample_once_one_requeued_at_its_time_limit(slurm, tmp_path,
+                                                                                             tiny_model):
+    from harvest.state.ledger import Ledger
+
     fleet = new_fleet(slurm, tmp_path, tiny_model, "sl-two", 16)
     fleet.submit(2)
+    conn = fleet.redis()
+    wait_for(lambda: Ledger(conn, fleet.run).counts()["spooled"] + Ledger(conn, fleet.run).counts()["done"], 120,
+             "the nodes extracting")
+    # what `--signal=B:USR1@180` sends the batch script before the time limit
+    timed_out = f"{fleet.nodes}_1"
+    slurm.run("scancel", "--batch", "--signal=USR1", timed_out)
     head = fleet.finish()
     assert (head["JobState"], head["ExitCode"]) == ("COMPLETED", "0:0"), fleet.logs()
-    assert fleet.figures("two nodes") == (0, 0)
-    for task in ("0", "1"):
-        job = slurm.jobs()[f"{fleet.nodes}_{task}"]
-        assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "0"), fleet.logs()
+    assert fleet.figures("two node jobs, one requeued at its time limit") == (0, 0)
+    jobs = slurm.jobs()
+    assert [(j["JobState"], j["ExitCode"], j["Restarts"]) for j in (jobs[f"{fleet.nodes}_0"], jobs[timed_out])] == [
+        ("COMPLETED", "0:0", "0"), ("COMPLETED", "0:0", "1")], fleet.logs()
+    log = fleet.log(timed_out)
+    assert "SIGUSR1: stopping harvest node" in log and "harvest node exited 75" in log, log
+    assert f"requeueing job {jobs[timed_out]['JobId']}" in log and "(restart 1)" in log, log
     assert (fleet.shared / "done").read_text().split() == ["16", "16", "0"]
     assert "run sl-two done: 16 committed, 0 failed of 16" in fleet.log(fleet.head)
     assert not (fleet.shared / "redis.url").exists()  # the head stopped its Redis
@@ -244,3 +257,11 @@ def test_the_heads_redis_restarted_mid_run_the_nodes_wait_and_go_on(slurm, tmp_p
     for task in ("0", "1"):
         job = slurm.jobs()[f"{fleet.nodes}_{task}"]
         assert (job["JobState"], job["ExitCode"], job["Restarts"]) == ("COMPLETED", "0:0", "0"), fleet.logs()
+
+
+def test_the_head_looks_for_the_producers_pass_under_its_key():
+    from harvest.state.keys import Keys
+
+    with open(os.path.join(SLURM_DIR, "head.sbatch")) as f:
+        script = f.read()
+    assert Keys("RUN").produced.replace("RUN", "$HARVEST_RUN") in script
