@@ -163,7 +163,7 @@ def test_a_run_over_two_node_jobs_commits_every_sample_once_one_requeued_at_its_
         ("COMPLETED", "0:0", "0"), ("COMPLETED", "0:0", "1")], fleet.logs()
     log = fleet.log(timed_out)
     assert "SIGUSR1: stopping harvest node" in log and "harvest node exited 75" in log, log
-    assert f"requeueing job {jobs[timed_out]['JobId']}" in log and "(restart 1)" in log, log
+    assert f"requeueing job {timed_out}" in log and f"job {timed_out} (restart 1)" in log, log
     assert (fleet.shared / "done").read_text().split() == ["16", "16", "0"]
     assert "run sl-two done: 16 committed, 0 failed of 16" in fleet.log(fleet.head)
     assert not (fleet.shared / "redis.url").exists()  # the head stopped its Redis
@@ -194,6 +194,7 @@ def test_node_jobs_cancelled_or_killed_mid_run_have_their_spools_taken_over(slur
 
     wait_for(both_spooled, 120, "samples on both nodes' spools")
     lost_node, cancelled = names
+    spooled = on_spools()[lost_node]  # its collector commits none of them before the queue runs dry
     pids = [int(line.split()[0]) for line in
             slurm.run("scontrol", "listpids", slurm.jobs()[lost_node]["JobId"]).stdout.splitlines()[1:]]
     for pid in pids:
@@ -201,16 +202,14 @@ def test_node_jobs_cancelled_or_killed_mid_run_have_their_spools_taken_over(slur
     slurm.run("scancel", cancelled)
     assert slurm.wait_state(lost_node, {"FAILED", "CANCELLED", "COMPLETED"}, 90)["JobState"] == "FAILED"
     assert slurm.wait_state(cancelled, {"FAILED", "CANCELLED", "COMPLETED"}, 90)["JobState"] == "CANCELLED"
-    left = on_spools()
-    assert left[lost_node] > 0
     fleet.add_node(2, NODE_FLAGS + f" --model {tiny_model}")
-    # the run is not done before their spools are reclaimed: this holds while the head waits on
-    wait_for(lambda: Ledger(conn, fleet.run).stats().get("samples_reclaimed", 0) >= sum(left.values()), 120,
-             f"the samples left on the struck nodes' spools ({left}) reclaimed")
+    # the run is not done before node 0's spool is reclaimed: this holds while the head waits on
+    reclaimed = wait_for(lambda: Ledger(conn, fleet.run).stats().get("samples_reclaimed", 0), 120,
+                         "node 0's spool reclaimed")
     head = fleet.finish()
     assert (head["JobState"], head["ExitCode"]) == ("COMPLETED", "0:0"), fleet.logs()
-    assert fleet.figures(f"node 0 killed with {left[lost_node]} samples spooled, node 1 scancelled "
-                         f"leaving {left[cancelled]}: taken over by node 2") == (0, 0)
+    assert fleet.figures(f"node 0 killed with {spooled} samples spooled, node 1 scancelled: "
+                         f"{reclaimed} samples taken over") == (0, 0)
     assert "SIGTERM: stopping harvest node" in fleet.log(cancelled)
 
 
