@@ -147,6 +147,7 @@ class EnginePlan:
     version: str | None = None  # SGLang's or vLLM's, as installed
     device: str = "cpu"  # cuda or cpu
     gpus: tuple[tuple[str, ...], ...] = ()  # each server's CUDA_VISIBLE_DEVICES (cuda only)
+    cores: tuple[int, ...] = ()  # the cores the CPU engines share out, a core group per rank (cpu, tp x dp > 1)
     threads: int = 0  # the reference engine's torch threads per server (0: torch's default)
 
     def pythonpath(self) -> str:
@@ -163,7 +164,22 @@ class EnginePlan:
         env = {"PYTHONPATH": self.pythonpath()}
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus[i])
+        if self.cores and self.engine == "sglang":  # SGLang's CPU engine: one core group per rank, none shared
+            per = len(self.cores) // (self.tp * self.dp)
+            ranks = [self.cores[(i * self.tp + r) * per:(i * self.tp + r + 1) * per] for r in range(self.tp)]
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(_core_list(group) for group in ranks)
         return env
+
+
+def _core_list(cores: tuple[int, ...]) -> str:
+    """Cores as SGLang's SGLANG_CPU_OMP_THREADS_BIND names one rank's: runs as `a-b`, joined by commas."""
+    runs: list[list[int]] = []
+    for c in cores:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def plan_engines(engine: str, tp: int = 1, dp: int = 1, engine_url: str | None = None) -> EnginePlan | None:
@@ -195,4 +211,5 @@ def plan_engines(engine: str, tp: int = 1, dp: int = 1, engine_url: str | None =
     if cores < need:
         raise EngineRefused(f"too few cores for the {_packages()[engine].engine} CPU engine (no GPU: nvidia-smi -L "
                             f"lists none): --tp {tp} x --dp {dp} needs {need}, this node has {cores}: lower --tp or --dp")
-    return EnginePlan(engine, tp, dp, python, version, "cpu")
+    bind = tuple(sorted(os.sched_getaffinity(0))) if need > 1 and hasattr(os, "sched_getaffinity") else ()
+    return EnginePlan(engine, tp, dp, python, version, "cpu", cores=bind)

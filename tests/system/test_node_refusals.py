@@ -144,3 +144,10 @@ def test_tp_and_dp_give_each_server_its_own_gpus_in_order(tmp_path, monkeypatch)
     plan = plan_engines("sglang", tp=1, dp=1)
     assert (plan.device, plan.gpus) == ("cpu", ()) and "CUDA_VISIBLE_DEVICES" not in plan.env(0)
     assert plan.env(0)["PYTHONPATH"].endswith("tests/support/sgl_kernel_standin")
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:  # TP 2 on the CPU engine: each rank its own half of the cores, as SGLang asks
+        half = len(cores) // 2
+        plan = plan_engines("sglang", tp=2, dp=1)
+        ranks = plan.env(0)["SGLANG_CPU_OMP_THREADS_BIND"].split("|")
+        assert len(ranks) == 2 and ranks[0].split("-")[0].split(",")[0] == str(cores[0])
+        assert ranks[1].split("-")[0].split(",")[0] == str(cores[half])
