@@ -112,7 +112,8 @@ class EngineSettings:
     vllm_port: int = 8000
     chunked_prefill_size: int = 0  # the reference engine's prefill chunk (0: whole prompts)
     sglang_chunked_prefill_size: int = 8192
-    tp_size: int = 1  # SGLang's tensor-parallel size (GPUs per server)
+    tp_size: int = 1  # tensor-parallel size (GPUs per server)
+    dp_size: int = 1  # data-parallel size (servers per node, each on its own --tp GPUs)
     sglang_version: str = "0.5.23"  # flag spellings follow it (engines.sglang_launch)
     device: str = "cuda"  # SGLang's (cpu: its CPU engine, as CI runs it)
     dtype: str = "auto"  # SGLang's and vLLM's --dtype (auto: the model's own)
@@ -143,12 +144,40 @@ class RunnerSettings:
     chunked_prefill_size: int = EngineSettings.chunked_prefill_size  # 0: the engine's own (sglang: 8192)
     max_queued: int = ProducerSettings.max_queued
     max_wait_s: float = 5.0  # the collector's: a local run commits partial shards soon
-    worker_engine_wait_s: float = 300.0  # its workers wait this long for the engine it starts
+    worker_engine_wait_s: float = 1800.0  # its workers wait this long for the engines it starts (a model load)
     progress: bool = True
     outage_s: float | None = None  # how long Redis may be away (None: harvest.state.connection's)
     # Workers pause while the work dir's filesystem (spool, Redis's append-only file) has less free (0: never)
     min_free_bytes: int = 256 << 20
     prune: bool = False  # drop the queued samples the dataset no longer holds (harvest.ops.coverage)
+    tp_size: int = EngineSettings.tp_size  # the started SGLang/vLLM servers' tensor-parallel size
+    dp_size: int = EngineSettings.dp_size  # engines started (each with its own workers)
+
+    def node(self) -> NodeSettings:
+        """The settings of the run's one node (harvest.cli.node.Node)."""
+        return NodeSettings(workers=self.workers, engine_url=self.engine_url, tp_size=self.tp_size,
+                            dp_size=self.dp_size, chunked_prefill_size=self.chunked_prefill_size,
+                            max_wait_s=self.max_wait_s, worker_engine_wait_s=self.worker_engine_wait_s,
+                            outage_s=self.outage_s)
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """`harvest node` (and the node inside `harvest run`): one node's engines, workers and collector
+    (harvest.cli.node)."""
+
+    workers: int = 2  # per engine: one batch in the engine while the other worker spools
+    engine_url: str | None = None  # None: start the node's engines
+    tp_size: int = EngineSettings.tp_size
+    dp_size: int = EngineSettings.dp_size
+    chunked_prefill_size: int = EngineSettings.chunked_prefill_size  # 0: the engine's own (sglang: 8192)
+    max_wait_s: float = CollectorSettings.max_wait_s  # the collector's
+    worker_engine_wait_s: float = 1800.0  # its workers wait this long for the engines it starts
+    engine_start_s: float = 1800.0  # an engine it starts must answer /health within this (a large model loads for minutes)
+    outage_s: float | None = None  # how long Redis may be away (None: harvest.state.connection's)
+    node: str | None = None  # node name (None: the host's, harvest.ids.node_name)
+    stop_grace_s: float = 100.0  # SIGTERM: workers, then the collector, then the engines stop within this
+    join_wait_s: float = 600.0  # wait this long for Redis and for the run to appear in it (and for a Redis that went away)
 
 
 @dataclass(frozen=True)

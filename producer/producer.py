@@ -91,14 +91,17 @@ def produce(conn: redis.Redis | None, cfg: RunConfig | None, dataset: str, *args
     if dry_run:
         return produce_pass(conn, cfg, dataset, *args, dry_run=True, **kw)
     from harvest.ops.recovery import server_id
+    from harvest.state.passes import pass_finished, pass_started
 
     earlier = ProduceSummary()
+    pass_started(conn, cfg.run)  # no node takes the run for done while this pass may still enqueue
     while True:
         before = server_id(conn)
         s = produce_pass(conn, cfg, dataset, *args, **kw)
         s.skipped = max(0, s.skipped - earlier.enqueued)  # what an earlier pass enqueued is not "already known"
         s.enqueued, s.tokens, s.jobs = s.enqueued + earlier.enqueued, s.tokens + earlier.tokens, s.jobs + earlier.jobs
         if server_id(conn) == before:
+            pass_finished(conn, cfg.run)
             return s
         log.warning("Redis restarted while %s was enqueued (a new server run_id): its last writes may be lost, so "
                     "the dataset is enqueued again (samples Redis knows are skipped)", dataset)

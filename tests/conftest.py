@@ -40,6 +40,7 @@ SLOW_FIRST = [
     "system/test_chaos.py",
     "system/test_regenerate_chaos.py",  # 2-3 min: a worker killed mid-generation, a node lost, seeds
     "system/test_clock_skew.py",
+    "system/test_slurm.py",  # ~7 min at load 15 on 2 cores: four runs, each on a SLURM cluster of its own
     "system/test_trainers.py",
     "system/test_trainers_in_place.py",
     "system/test_local_run_stop.py",

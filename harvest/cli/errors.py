@@ -233,6 +233,32 @@ def explain(exc: BaseException, args: Iterable[str] = ()) -> str | None:
 
 
 _ARGS = "harvest.args"  # ctx.meta key: the command line below the group (the command and its arguments)
+CONFIG_EXIT = 78  # EX_CONFIG (sysexits.h): `harvest node`'s configuration errors, which a scheduler must not requeue
+EXIT_STATUS_OF = "harvest.exit_status_of"  # ctx.meta key: a command's own exit status for an error it raised
+
+
+class OwnExitCommand(click.Command):
+    """A command with exit statuses of its own (`harvest node`): `exit_status_of(err)` for a
+    HarvestError, and `usage_exit` for a bad flag or argument (click's UsageError)."""
+
+    def __init__(self, *args, exit_status_of: Callable[[HarvestError], int], usage_exit: int, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.exit_status_of, self.usage_exit = exit_status_of, usage_exit
+
+    def make_context(self, *args, **kw) -> click.Context:
+        try:
+            return super().make_context(*args, **kw)
+        except click.UsageError as e:
+            e.exit_code = self.usage_exit
+            raise
+
+    def invoke(self, ctx: click.Context):
+        ctx.meta[EXIT_STATUS_OF] = self.exit_status_of
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            e.exit_code = self.usage_exit
+            raise
 
 
 class HarvestGroup(click.Group):
@@ -253,4 +279,4 @@ class HarvestGroup(click.Group):
             if err is None:
                 raise
             click.echo(f"harvest: error: {err.for_user()}", err=True)
-            sys.exit(err.exit_status)
+            sys.exit(ctx.meta.get(EXIT_STATUS_OF, lambda e: e.exit_status)(err))

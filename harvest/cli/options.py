@@ -180,6 +180,13 @@ produce_engine_option = engine_option(
     ENGINE_KINDS, "Engine kind of a new run; workers pick their client by it (vllm: the vLLM client).")
 
 
+tp_option = click.option("--tp", "tp_size", default=EngineSettings.tp_size, show_default=True, type=click.IntRange(1),
+                         help="Tensor-parallel size of each SGLang/vLLM server started (GPUs per server; on a "
+                              "machine without GPUs, the CPU engine's processes).")
+dp_option = click.option("--dp", "dp_size", default=EngineSettings.dp_size, show_default=True, type=click.IntRange(1),
+                         help="Engine servers started, each on its own --tp GPUs and with its own --workers.")
+
+
 def s3_options(f):
     return s3_endpoint_option(s3_region_option(f))
 

@@ -14,6 +14,7 @@ from harvest.cli.errors import connect, connect_service, redis_wait_option
 from harvest.cli.options import (
     apply_s3_env,
     chunked_prefill_option,
+    dp_option,
     dtype_option,
     layers_option,
     max_queued_option,
@@ -32,6 +33,7 @@ from harvest.cli.options import (
     s3_region_option,
     service_logging,
     spool_grace_option,
+    tp_option,
 )
 from harvest.settings import (
     CollectorSettings,
@@ -57,10 +59,12 @@ def _default_run_name(dataset: str) -> str:
 @layers_option
 @dtype_option
 @click.option("--workers", default=RunnerSettings.workers, show_default=True, type=click.IntRange(1, 256),
-              help="Workers for the engine: with 2, one batch is in the engine while the other worker spools.")
+              help="Workers per engine: with 2, one batch is in the engine while the other worker spools.")
 @click.option("--redis", "redis_url", default=None, help="Use this Redis instead of starting a private one.")
 @click.option("--engine-url", default=None, help="Use this engine instead of starting the reference engine.")
 @run_engine_option
+@tp_option
+@dp_option
 @chunked_prefill_option
 @click.option("--work-dir", default=None, type=click.Path(),
               help="Node-local state (Redis data, spool, logs); one runner at a time "
@@ -88,8 +92,13 @@ def _default_run_name(dataset: str) -> str:
 def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
             work_dir, dump_dir, max_queued, shard_mb, no_progress, spool_grace, s3_endpoint, s3_region, engine,
             max_wait, batch_samples, batch_tokens, fields, chat_template, max_len, overlong, strict, processes,
-            regenerate, max_new_tokens, temperature, top_p, on_length, redis_wait, min_free_mb, prune) -> None:
+            regenerate, max_new_tokens, temperature, top_p, on_length, redis_wait, min_free_mb, prune, tp_size,
+            dp_size) -> None:
     """Extract hidden states for DATASET end to end on this machine.
+
+    The node's engines: the reference engine, or SGLang or vLLM servers from this Python environment
+    (or HARVEST_SGLANG_VENV / HARVEST_VLLM_VENV) with harvest's plugin, --dp of them on --tp GPUs each
+    (the CPU engine where no GPU is visible); --workers workers per engine.
 
     Redis going away is waited out, up to --redis-wait (its private redis-server is restarted on
     the same port with its data). Exit status: 0 when every sample of DATASET is committed or
@@ -109,7 +118,7 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
     settings = RunnerSettings(workers=workers, redis_url=redis_url, engine_url=engine_url, work_dir=work_dir,
                               dump_dir=dump_dir, chunked_prefill_size=chunked_prefill_size, max_queued=max_queued,
                               max_wait_s=max_wait, progress=not no_progress, outage_s=redis_wait,
-                              min_free_bytes=min_free_mb << 20, prune=prune)
+                              min_free_bytes=min_free_mb << 20, prune=prune, tp_size=tp_size, dp_size=dp_size)
     _run_here(dataset, settings, produce_kw, run=run or _default_run_name(dataset), model=model, out_url=out_url,
               layers=layers, storage_dtype=storage_dtype, engine=engine, shard_bytes=shard_mb << 20,
               spool_grace_s=spool_grace,
@@ -158,8 +167,14 @@ def _run_here(dataset: str, settings: RunnerSettings, produce_kw: dict, **config
                    "docker compose quickstart mounts), then exit.")
 def demo_cmd(out_dir: str, workers: int, regenerate: bool, prepare_dir: str | None) -> None:
     """Build a tiny model offline and run the whole pipeline on a bundled dataset."""
-    from harvest.cli.demo import (DEMO_CHUNKED_PREFILL, DEMO_MAX_NEW_TOKENS, build_tiny_model, demo_chats, demo_rows,
-                                   write_jsonl)
+    from harvest.cli.demo import (
+        DEMO_CHUNKED_PREFILL,
+        DEMO_MAX_NEW_TOKENS,
+        build_tiny_model,
+        demo_chats,
+        demo_rows,
+        write_jsonl,
+    )
 
     if prepare_dir:
         model = build_tiny_model(os.path.join(prepare_dir, "models", "tiny"))

@@ -1,11 +1,13 @@
 """`harvest run`: the whole pipeline on one machine, as separate processes.
 
-Part of the composition root (with the CLI): it starts a private Redis unless given one,
-the reference engine (an SGLang or vLLM CPU server from its venv when the run's engine is
-`sglang` or `vllm`)
-unless given an engine URL, N workers and a collector as child processes of the `harvest`
-CLI (kept alive by harvest.cli.supervisor), produces the dataset in-process, and waits until
-every sample of the dataset is committed or failed.
+Part of the composition root (with the CLI): it starts a private Redis unless given one, and
+runs one node in this process: `harvest.cli.node.Node`, the code `harvest node` runs, with its
+engines (the reference engine, or SGLang or vLLM servers sized by `--tp`/`--dp`:
+harvest.cli.engineplan) unless given an engine URL, its workers and its collector as child
+processes of the `harvest` CLI, kept alive by the run's one harvest.cli.supervisor.Supervisor.
+It produces the dataset in-process, and waits until every sample of the dataset is committed or
+failed. (In-process, not a `harvest node` child: the producer's backpressure starts the node's
+consumers, and one supervisor stops them in order.)
 
 Done means done. The producer pass collects the dataset's sample ids and the runner keeps them
 beside the index files (harvest.formats.datasetids), so after the extraction it can tell the
@@ -19,9 +21,7 @@ committed ones are never deleted (harvest.ops.coverage).
 
 Redis away. Its Redis client (harvest.state.connection) waits an outage out inside each call, as
 every child's does, and its private redis-server is restarted by `RedisKeeper` on the same port
-with the same AOF, so a killed Redis costs the run a pause. (It used to stop the run: its client
-was `Redis.from_url`'s, which retries nothing, so the monitor's first ledger read after the kill
-raised ConnectionError, and nothing started the server again.) Each monitor iteration asks the
+with the same AOF, so a killed Redis costs the run a pause. Each monitor iteration asks the
 run's `Recovery` (harvest.ops.recovery) whether Redis came back with a new identity, which
 reconciles the ledger from storage. Past `outage_s` the run stops (RedisLost, exit 75) with
 everything kept for the next `harvest run` to resume.
@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -54,154 +52,35 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from harvest.cli.diskwatch import DiskWatch
+from harvest.cli.engineplan import plan_engines
 from harvest.cli.errors import connect, connect_service
-from harvest.cli.redisproc import RedisKeeper, RedisServer, free_port
+from harvest.cli.node import Node, hurry_on_signals
+from harvest.cli.redisproc import RedisKeeper, RedisServer
 from harvest.cli.summary import RunSummary, committed_totals
 from harvest.cli.supervisor import Supervisor
 from harvest.cli.workdir import REDIS_SUBDIR, RunnerLocks, default_work_dir
 from harvest.config import RunConfig
-from harvest.errors import ServiceError
 from harvest.formats.datasetids import SampleIds, write_manifest
 from harvest.formats.runfile import run_location
 from harvest.formats.settled import settle, unsettle
-from harvest.health import wait_healthy
 from harvest.node.dumpdir import default_dump_dir
 from harvest.ops.coverage import Coverage, coverage, prune_queued
 from harvest.ops.recovery import Recovery
 from harvest.progress import progress as progress_display
-from harvest.settings import EngineSettings, RunnerSettings
+from harvest.settings import RunnerSettings
 from harvest.state.connection import RedisLost, redact
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import check_run, publish_run
 
 if TYPE_CHECKING:
+    from harvest.cli.engineplan import EnginePlan
     from producer.producer import ProduceSummary
 
 AGAIN_PASSES = 3  # producer passes after the extraction for samples a Redis lost: each follows a Redis that lost more
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the engines' PYTHONPATH
-
-
-def _stop_order(workers: list[str]) -> list[list[str]]:
-    """Workers finish their job first, then the collector commits what they spooled, then the engine."""
-    return [workers, ["collector"], ["engine"]]
 
 
 def _report_bad(row) -> None:
     tqdm.write(f"{row.kind} row {row}", file=sys.stderr)  # above the progress bar
-
-
-class EngineNotHealthy(ServiceError, RuntimeError):
-    """The engine `harvest run` started did not answer /health in time (its log says why)."""
-
-
-def _wait_http(url: str, children: Supervisor, timeout: float) -> None:
-    """Wait for the engine's /health, restarting it (or giving up) as the supervisor decides."""
-    if not wait_healthy(url, timeout, interval=0.2, probe_timeout=2.0, check=children.poll):
-        raise EngineNotHealthy(f"engine at {url} not healthy after {timeout:.0f}s")
-
-
-def _start_vllm(children: Supervisor, cfg: RunConfig, dumps: str) -> str:
-    """Start a vLLM CPU server from its own venv (engines/vllm_launch.py) and wait until it is healthy."""
-    from engines.vllm_launch import launch_spec, venv_python
-
-    os.makedirs(dumps, mode=0o700, exist_ok=True)
-    port = free_port()
-    env, argv = launch_spec(cfg.model, cfg.capture_points, cfg.num_layers, dump_dir=dumps, port=port,
-                            python=venv_python(), dtype="float32" if cfg.storage_dtype == "fp32" else "auto",
-                            enforce_eager=True)
-    # This checkout's connector (engines/vllm_connector.py), whichever checkout the venv was built from.
-    env["PYTHONPATH"] = _REPO
-    children.start("engine", [], cmd=argv, env=env)
-    url = f"http://127.0.0.1:{port}"
-    _wait_http(url, children, timeout=900)  # about a minute on a small CPU machine, more when it is busy
-    return url
-
-
-def _start_sglang(children: Supervisor, cfg: RunConfig, dumps: str, chunked_prefill_size: int) -> str:
-    """Start an SGLang CPU server from its own venv (engines/sglang_launch.py) and wait until it is healthy."""
-    from engines.sglang_launch import cpu_pythonpath, launch_spec, venv_python
-
-    os.makedirs(dumps, mode=0o700, exist_ok=True)
-    port = free_port()
-    env, argv = launch_spec(cfg.model, cfg.capture_points, cfg.num_layers, dump_dir=dumps, port=port, device="cpu",
-                            python=venv_python(), dtype="float32" if cfg.storage_dtype == "fp32" else "auto",
-                            chunked_prefill_size=chunked_prefill_size or EngineSettings.sglang_chunked_prefill_size)
-    env["PYTHONPATH"] = cpu_pythonpath(_REPO)  # this checkout's plugin, whichever built the venv
-    children.start("engine", [], cmd=argv, env=env)
-    url = f"http://127.0.0.1:{port}"
-    _wait_http(url, children, timeout=600)  # about 20 s on a small CPU machine, more when it is busy
-    return url
-
-
-class _Launcher:
-    """Starts the run's engine, workers and collector, once, when there is work for them."""
-
-    def __init__(self, children: Supervisor, cfg: RunConfig, settings: RunnerSettings, redis_url: str,
-                 dumps: str, spool: str, names: list[str], disk: DiskWatch) -> None:
-        self.children, self.cfg, self.settings, self.redis_url = children, cfg, settings, redis_url
-        self.dumps, self.spool, self.names, self.disk = dumps, spool, names, disk
-        self.engine_url = settings.engine_url
-        self.workers = self.collector = False
-        self._health: str | None = None  # the reference engine's URL until it answered /health once
-
-    @property
-    def started(self) -> bool:
-        return self.workers
-
-    def _common(self) -> list[str]:
-        common = ["--redis", self.redis_url, "--run", self.cfg.run]
-        if self.settings.outage_s is not None:
-            common += ["--redis-wait", str(self.settings.outage_s)]  # the children wait for Redis as long as this process
-        return common
-
-    def start_workers(self) -> None:
-        """The engine (unless given one) and the workers, which wait for its /health themselves.
-        On a disk already full the workers are held, not started: a worker's first job would fill
-        it further, and the first `_tend` pauses the run (its line) and releases them later."""
-        if self.workers:
-            return
-        cfg, children = self.cfg, self.children
-        if self.engine_url is None and cfg.engine == "vllm":
-            self.engine_url = _start_vllm(children, cfg, self.dumps)
-        elif self.engine_url is None and cfg.engine == "sglang":
-            self.engine_url = _start_sglang(children, cfg, self.dumps, self.settings.chunked_prefill_size)
-        elif self.engine_url is None:
-            port = free_port()
-            self.engine_url = self._health = f"http://127.0.0.1:{port}"
-            children.start("engine", ["engine", "--model", cfg.model, "--dump-dir", self.dumps, "--port", str(port),
-                                      "--layers", ",".join(map(str, cfg.capture_points)),
-                                      "--chunked-prefill-size", str(self.settings.chunked_prefill_size)])
-        held = self.disk.full()
-        for name in self.names:
-            children.start(name, ["worker", *self._common(), "--engine-url", self.engine_url, "--dump-dir", self.dumps,
-                                  "--spool-dir", self.spool, "--engine-wait", f"{self.settings.worker_engine_wait_s:g}"], held=held)
-        self.workers = True
-
-    def start_collector(self) -> None:
-        """After reconcile has rebuilt the done-set (a committed sample must not be taken for new)."""
-        if not self.collector:
-            self.children.start("collector", ["collect", *self._common(), "--spool-dir", self.spool,
-                                              "--max-wait", str(self.settings.max_wait_s)])
-            self.collector = True
-
-    def wait_engine(self) -> None:
-        if self._health:
-            _wait_http(self._health, self.children, timeout=300)
-            self._health = None
-
-    def ensure(self) -> None:
-        """Everything, now (the producer found work on a rerun that had none)."""
-        self.start_workers()
-        self.start_collector()
-        self.wait_engine()
-
-
-def _stop_on_interrupt(children: Supervisor) -> None:
-    """From now on Ctrl-C and SIGTERM hurry the stop (workers hand their jobs back at once)
-    instead of interrupting it half-way."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: children.hurry())
 
 
 def _where(work: str, redis_url: str | None) -> str:
@@ -216,6 +95,7 @@ def run_all(cfg: RunConfig, dataset: str, settings: RunnerSettings = RunnerSetti
     harvest.state.connection.outage_limit); `produce_kw`: the producer's options
     (`harvest.cli.options.producer_kwargs`). Raises RedisLost past the outage limit, WorkDirBusy
     (before anything is started) when another runner holds the work dir or the dump dir."""
+    plan = plan_engines(cfg.engine, settings.tp_size, settings.dp_size, settings.engine_url)  # refusals first
     work = os.path.abspath(settings.work_dir or default_work_dir(cfg.run))
     dumps = os.path.abspath(settings.dump_dir or default_dump_dir(cfg.run))
     # The run as stored (a shared Redis, the output's run.json) before anything of this run is
@@ -224,20 +104,20 @@ def run_all(cfg: RunConfig, dataset: str, settings: RunnerSettings = RunnerSetti
     check_run(connect(settings.redis_url) if settings.redis_url else None, cfg)
     locks = RunnerLocks(work, dumps, cfg.run).acquire(run=cfg.run)
     try:
-        return _run_locked(cfg, dataset, settings, produce_kw, work, dumps, locks)
+        return _run_locked(cfg, dataset, settings, produce_kw, work, dumps, locks, plan)
     finally:
         locks.release()  # last: the private Redis is stopped by now
 
 
 def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_kw: dict | None, work: str,
-                dumps: str, locks: RunnerLocks) -> RunSummary:
+                dumps: str, locks: RunnerLocks, plan: EnginePlan | None) -> RunSummary:
     t0 = time.monotonic()
     redis_url, outage_s = settings.redis_url, settings.outage_s
     logs, spool = os.path.join(work, "logs"), os.path.join(work, "spool")
     os.makedirs(logs, exist_ok=True)
     server = keeper = None
     children = Supervisor(logs)
-    names = [f"worker-{i + 1}" for i in range(settings.workers)]
+    node: Node | None = None
     try:
         if redis_url is None:
             server = RedisServer(os.path.join(work, REDIS_SUBDIR)).start()
@@ -251,7 +131,8 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
         recovery = Recovery(conn, cfg)
         ledger = Ledger(conn, cfg.run)
         disk = DiskWatch(work, spool, server.data_dir if server else None, settings.min_free_bytes)
-        launch = _Launcher(children, cfg, settings, server.url if server else redis_url, dumps, spool, names, disk)
+        node = Node(children, cfg, settings.node(), plan, server.url if server else redis_url, dumps, spool,
+                    disk)
         before = ledger.counts()
         if before["queued"] or before["spooled"]:
             unsettle(out)
@@ -260,16 +141,16 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
             # the producer. A rerun of a run with nothing pending produces first instead, and
             # starts them only if the dataset brings something new; so does --prune, whose queued
             # samples the dataset no longer holds must be dropped before a worker takes them.
-            launch.start_workers()
+            node.start_workers()
         from harvest.ops.reconcile import reconcile
 
         reconcile(conn, cfg)
-        if launch.started or (ledger.counts()["queued"] and not settings.prune):
-            launch.ensure()
+        if node.started or (ledger.counts()["queued"] and not settings.prune):
+            node.ensure()
 
         def on_wait(_: int) -> None:  # the queue is full: its consumers must run
-            launch.ensure()
-            _tend(children, disk, names)
+            node.ensure()
+            node.tend()
 
         from producer.producer import produce
 
@@ -285,9 +166,8 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
             tqdm.write(f"harvest: run {cfg.run} holds samples that {dataset} no longer holds: {line}", file=sys.stderr)
         if summary.enqueued:
             unsettle(out)
-        cov, again = _finish(conn, cfg, ids, ledger, recovery, children, disk, names, launch, produce_pass,
-                             settings.progress)
-        children.stop(_stop_order(names))
+        cov, again = _finish(conn, cfg, ids, ledger, recovery, node, produce_pass, settings.progress)
+        node.stop()
         c = ledger.counts()
         if c["queued"] == 0 and c["spooled"] == 0 and not cov.missing:  # every index is written: followers may end
             settle(out, cfg.run, c["done"], c["failed"])
@@ -298,7 +178,7 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
             run=cfg.run, out=cfg.out_url, enqueued=summary.enqueued, skipped=summary.skipped, bad_rows=summary.bad,
             done=c["done"], failed=c["failed"], tokens=totals[0], bytes=totals[1], seconds=time.monotonic() - t0,
             failure_reasons=dict(reasons), restarts=children.restarts(), produced=summary.text(),
-            where=_where(work, settings.redis_url), started=launch.started, missing=cov.missing_line(),
+            where=_where(work, settings.redis_url), started=node.started, missing=cov.missing_line(),
             stray=cov.stray_line(pruned), again=again,
             generated=(stats.get("conversations_written", 0), stats.get("tokens_generated", 0)) if cfg.regenerate else None)
     except RedisLost as e:
@@ -306,14 +186,15 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
             e.hint = f"its private redis-server did not start again: {keeper.last_error}"
         raise
     except KeyboardInterrupt:
-        _stop_on_interrupt(children)
+        hurry_on_signals(children)
         tqdm.write("harvest: stopping: the workers finish their jobs, the collector commits what is spooled, then "
                    "the engine and Redis stop (Ctrl-C again: the workers hand their jobs back at once)",
                    file=sys.stderr)
         raise
     finally:
-        _stop_on_interrupt(children)
-        children.stop(_stop_order(names))
+        hurry_on_signals(children)
+        if node is not None:
+            node.stop()
         if keeper is not None:
             keeper.stop()  # before the server: a server stopped on purpose is not restarted
         if server is not None and server.proc is not None and server.proc.poll() is None:
@@ -322,25 +203,8 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
             children.note(f"redis-server stopped (exit status {server.proc.returncode})")
 
 
-def _tend(children: Supervisor, disk: DiskWatch, names: list[str]) -> None:
-    """One round of keeping the children: restarts due, and the disk's pause or resume."""
-    change = disk.check()
-    if change == "pause":
-        children.tolerant = True
-        children.hold(names)
-        children.note(disk.pause_line())
-        tqdm.write(disk.pause_line(), file=sys.stderr)
-    elif change == "resume":
-        children.release(names)
-        children.tolerant = False
-        children.note(disk.resume_line())
-        tqdm.write(disk.resume_line(), file=sys.stderr)
-    children.poll()
-
-
-def _finish(conn, cfg: RunConfig, ids: SampleIds, ledger: Ledger, recovery: Recovery, children: Supervisor,
-            disk: DiskWatch, names: list[str], launch: _Launcher, produce_pass: Callable[..., ProduceSummary],
-            progress: bool) -> tuple[Coverage, int]:
+def _finish(conn, cfg: RunConfig, ids: SampleIds, ledger: Ledger, recovery: Recovery, node: Node,
+            produce_pass: Callable[..., ProduceSummary], progress: bool) -> tuple[Coverage, int]:
     """Extract until nothing is queued or spooled; then, while samples of the dataset are in no
     state (a Redis that came back without them: the index files gave back the committed ones,
     nothing the queued ones), a producer pass enqueues them again and the extraction goes on, at
@@ -350,22 +214,21 @@ def _finish(conn, cfg: RunConfig, ids: SampleIds, ledger: Ledger, recovery: Reco
         recovery.check(force=True)  # the ledger read below is one reconciled on the server answering
         c = ledger.counts()
         if c["queued"] or c["spooled"]:
-            launch.ensure()
-        if launch.started:
-            _extract(ledger, recovery, children, disk, names, progress)
+            node.ensure()
+        if node.started:
+            _extract(ledger, recovery, node, progress)
         cov = coverage(conn, cfg.run, ids)
         if not cov.by_state["absent"] or n == AGAIN_PASSES:
             return cov, again
         line = (f"harvest: {cov.by_state['absent']} samples of the dataset are in no state (a Redis that came back "
                 "without them): enqueuing them again")
-        children.note(line)
+        node.children.note(line)
         tqdm.write(line, file=sys.stderr)
         again += produce_pass(on_bad=lambda _: None).enqueued  # its bad rows were reported by the first pass
     return cov, again
 
 
-def _extract(ledger: Ledger, recovery: Recovery, children: Supervisor, disk: DiskWatch, names: list[str],
-             progress: bool) -> None:
+def _extract(ledger: Ledger, recovery: Recovery, node: Node, progress: bool) -> None:
     """Until nothing is queued or spooled: the progress bar, Redis's identity, the children."""
     bar = progress_display("extract", " samples", total=ledger.counts()["total"], enabled=progress)  # TTY: a bar
     while True:
@@ -383,6 +246,6 @@ def _extract(ledger: Ledger, recovery: Recovery, children: Supervisor, disk: Dis
             if recovery.generation == seen:
                 break
             continue
-        _tend(children, disk, names)
+        node.tend()
         time.sleep(0.1)
     bar.close()

@@ -75,6 +75,10 @@ def kill_group(pid: int) -> None:
 class ChildKeepsDying(ServiceError, RuntimeError):
     """A child died `max_deaths` times within `window_s`: restarting it again would not help."""
 
+    def __init__(self, message: str, child: str = "") -> None:
+        super().__init__(message)
+        self.child = child  # its name
+
 
 class ChildRefused(OutputRefused):
     """A child exited with `OutputRefused.exit_status`: the output refuses writes, so a restart
@@ -145,7 +149,7 @@ class Supervisor:
                 if len(child.deaths) >= self.max_deaths:
                     raise ChildKeepsDying(
                         f"{child.name} died {len(child.deaths)} times within {self.window_s:.0f}s (last exit status "
-                        f"{child.proc.returncode}); last lines of its log:\n{self.tail(child.name)}")
+                        f"{child.proc.returncode}); last lines of its log:\n{self.tail(child.name)}", child.name)
                 wait = self.backoff_s[min(len(child.deaths) - 1, len(self.backoff_s) - 1)]
                 child.restart_at = now + wait
                 self.note(f"{child.name} exited with status {child.proc.returncode}: restarting it in {wait:.0f}s")
@@ -227,11 +231,12 @@ class Supervisor:
             return  # a part may have been written: written again later, a line twice rather than none
         self._deferred, self._dropped = [], 0
 
-    def stop(self, order: list[list[str]] | None = None, timeout: float = 60.0) -> None:
+    def stop(self, order: list[list[str]] | None = None, timeout: float = 60.0, deadline: float | None = None) -> None:
         """SIGTERM the children group by group (`order`: e.g. workers, then the collector, then the
         engine), waiting for each group to exit before the next; the rest go last. Each step is a
         line in supervisor.log. Once `hurry` was called, a group still running gets a second
-        SIGTERM (a worker hands its job back); past `timeout` a group is SIGKILLed."""
+        SIGTERM (a worker hands its job back); past `timeout`, or past `deadline` (a monotonic
+        time, for all the groups together), a group is SIGKILLed."""
         named = [n for group in order or [] for n in group]
         groups = [[n for n in g if n in self.children] for g in order or []]
         groups.append([n for n in self.children if n not in named])
@@ -248,10 +253,10 @@ class Supervisor:
             for n in live:
                 self.children[n].proc.send_signal(signal.SIGTERM)
             sent = time.monotonic()
-            deadline = sent + timeout
+            until = sent + timeout if deadline is None else min(sent + timeout, deadline)
             hurried_before = self.hurried  # hurried before this group's first SIGTERM: that one alone
             next_at, repeated = sent + SECOND_SIGNAL_AFTER_S, False
-            while time.monotonic() < deadline and any(self.children[n].proc.poll() is None for n in live):
+            while time.monotonic() < until and any(self.children[n].proc.poll() is None for n in live):
                 # Not within a second of the first: two SIGTERMs that arrive before the child's
                 # handler ran are one (signals do not queue), and the job would not be handed back.
                 # Repeated until the group exits: RQ ignores a second signal within 1 s of the
@@ -268,7 +273,7 @@ class Supervisor:
             for n in live:
                 p = self.children[n].proc
                 if p.poll() is None:
-                    self.note(f"{n} did not stop within {timeout:.0f}s: killing it")
+                    self.note(f"{n} did not stop within {until - sent:.0f}s: killing it")
                     kill_group(p.pid)
                     p.wait()
                 else:

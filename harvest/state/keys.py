@@ -208,6 +208,12 @@ class Keys:
         return f"{self.prefix}:ledger-id"
 
     @property
+    def produced(self) -> str:
+        """Redis time (s) at which a producer finished a pass over its dataset; deleted when a pass
+        starts (harvest.state.passes). A node exits done only while it is set."""
+        return f"{self.prefix}:produced"
+
+    @property
     def ledger_epoch(self) -> str:
         """The `run_id` of the Redis server instance whose ledger was last reconciled from storage
         (harvest.ops.recovery): a restarted, rolled-back or failed-over Redis has another run_id, so

@@ -1,7 +1,7 @@
 """A part a test cannot run without: skipped with the reason on a person's machine, failed in CI.
 
 .ci/run installs every part the suite is meant to run (the trainer packages, Prometheus, the XFS
-tools, docker-compose, the engine venvs) and runs the suite with CI=true. There a missing part is
+tools, docker-compose, SLURM, the engine venvs) and runs the suite with CI=true. There a missing part is
 a broken CI, not a reason to go green without the test: `need` fails the test, naming the part
 and why. Elsewhere it skips, saying the same, so a developer without, say, the vLLM venv still
 runs the rest of the suite.

@@ -15,7 +15,7 @@ from types import ModuleType
 import pytest
 import yaml
 
-from tests.support.kube import KUBE_DIR, find, manifest_files, manifests, pod_templates
+from tests.support.kube import KUBE_DIR, find, kube_env, manifest_files, manifests, pod_templates
 from tests.support.kube_checks import leaderworkerset_problems, reference_problems, servicemonitor_problems
 from tests.support.need import need, need_module
 
@@ -123,26 +123,31 @@ def test_a_broken_reference_is_found():
     assert reference_problems(bad) == [
         "StatefulSet/harvest-redis: serviceName 'redis' is no headless Service here",
         "StatefulSet/harvest-node template engine: mounts dumps, no such volume",
-        "StatefulSet/harvest-node template worker-1: mounts dumps, no such volume",
-        "StatefulSet/harvest-node template worker-2: mounts dumps, no such volume",
-        "StatefulSet/harvest-node template worker-3: mounts dumps, no such volume",
+        "StatefulSet/harvest-node template node: mounts dumps, no such volume",
         "ServiceMonitor/harvest: port metrics is no port of its Service"]
 
 
-def test_the_node_pod_shares_a_memory_dump_dir_and_a_spool_and_stops_the_engine_last():
-    node = find(manifests()["node.yaml"], "StatefulSet", "harvest-node")
+def test_the_node_pod_shares_a_memory_dump_dir_and_stops_the_engine_last():
+    docs = manifests()
+    node = find(docs["node.yaml"], "StatefulSet", "harvest-node")
+    leader = dict(pod_templates(find(docs["multinode/leaderworkerset.yaml"], "LeaderWorkerSet", "harvest-node")))["leader"]
+    for template in (node["spec"]["template"], leader):
+        spec = template["spec"]
+        (engine,) = spec["initContainers"]
+        assert (engine["name"], engine["restartPolicy"]) == ("engine", "Always")  # a native sidecar: stops last
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] >= 1
+        (harvest,) = spec["containers"]
+        assert harvest["args"][:2] == ["node", "--run"]
+        assert {"name": "dumps", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}} in spec["volumes"]
+        mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (engine, harvest)}
+        # harvest node (uid 0) reads run R's dumps from /dev/shm/harvest-0/R, where SGLang writes them
+        assert {n: m["dumps"] for n, m in mounts.items()} == {"engine": "/dev/shm/harvest-0", "node": "/dev/shm/harvest-0"}
+        assert kube_env(engine)["HARVEST_DUMP_DIR"] == "/dev/shm/harvest-0/{RUN}"
+        assert mounts["node"]["work"] == harvest["args"][harvest["args"].index("--work") + 1]
+        grace = float(harvest["args"][harvest["args"].index("--stop-grace") + 1])
+        assert grace < spec["terminationGracePeriodSeconds"]
+    assert [t["metadata"]["name"] for t in node["spec"]["volumeClaimTemplates"]] == ["work"]
     spec = node["spec"]["template"]["spec"]
-    (engine,) = spec["initContainers"]
-    assert (engine["name"], engine["restartPolicy"]) == ("engine", "Always")  # a native sidecar: stops last
-    assert engine["resources"]["limits"]["nvidia.com/gpu"] >= 1
-    assert [c["name"] for c in spec["containers"]] == ["worker-1", "worker-2", "worker-3", "collector"]
-    assert {"name": "dumps", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}} in spec["volumes"]
-    mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in [engine, *spec["containers"]]}
-    assert {n for n, m in mounts.items() if m.get("dumps") == "/dumps"} == {"engine", "worker-1", "worker-2",
-                                                                             "worker-3"}
-    assert {n for n, m in mounts.items() if m.get("spool") == "/spool"} == {"worker-1", "worker-2", "worker-3",
-                                                                             "collector"}
-    assert [t["metadata"]["name"] for t in node["spec"]["volumeClaimTemplates"]] == ["spool"]
     (term,) = spec["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["topologyKey"] == "kubernetes.io/hostname"  # one pod per node
     assert term["labelSelector"]["matchLabels"] == node["spec"]["selector"]["matchLabels"]

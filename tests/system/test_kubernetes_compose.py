@@ -1,8 +1,10 @@
-"""deploy/kubernetes runs what docker-compose.yml runs: for each role (redis, engine, worker,
-collector, producer, metrics) the same command, the same flags with the same values and the same
-environment, both files read as YAML and put in one normal form (tests/support/kube.py). What may
-differ is declared here, value for value: where a role finds another (an address), and the
-LeaderWorkerSet's flags that spread one engine over several nodes. A variable a manifest uses must
+"""deploy/kubernetes runs what docker-compose.yml runs: for each role (redis, engine, producer,
+metrics, and a node's workers and collector) the same command, the same flags with the same values
+and the same environment, both files read as YAML and put in one normal form
+(tests/support/kube.py). What may differ is declared here, value for value: where a role finds
+another (an address, the dump dir), the LeaderWorkerSet's flags that spread one engine over
+several nodes, and `harvest node`, which runs in a Kubernetes node pod what compose runs as its
+worker and collector services (`node_from_compose`). A variable a manifest uses must
 be set by an earlier environment entry of its container, read from the ConfigMap or Secret key
 of the same name (the name .env.example gives it), so `{RUN}` means the same setting on both sides."""
 
@@ -32,7 +34,13 @@ ADDRESSES = {
     "--engine-url": ("http://engine:30000", "http://127.0.0.1:30000"),  # the engine is in the worker's pod
     "HARVEST_REDIS_URL": ("redis://:{REDIS_PASSWORD}@{REDIS_HOST}:6379/0",
                           "redis://:{REDIS_PASSWORD}@harvest-redis:6379/0"),  # the headless Service
+    # where the engine writes dumps for harvest node: its default dump dir for the run, as uid 0
+    "HARVEST_DUMP_DIR": ("/dumps", "/dev/shm/harvest-0/{RUN}"),
 }
+# harvest node in a node pod: compose's worker command with `node` for `worker`, less the flags
+# harvest node gives its workers itself (dump dir, spool dir, engine wait), plus its own
+NODE_DROPS = ("--dump-dir", "--spool-dir", "--engine-wait")
+NODE_FLAGS = {"--workers": "3", "--work": "/work", "--stop-grace": "500"}
 # SGLang over the nodes of a LeaderWorkerSet group; the controller sets these variables
 LWS_FLAGS = {"--nnodes": "{LWS_GROUP_SIZE}", "--node-rank": "{LWS_WORKER_INDEX}",
              "--dist-init-addr": "{LWS_LEADER_ADDRESS}:20000"}
@@ -40,14 +48,12 @@ LWS_ENV = frozenset({"LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS"}
 NODE = ("node.yaml", "StatefulSet", "harvest-node", "template")
 LEADER = ("multinode/leaderworkerset.yaml", "LeaderWorkerSet", "harvest-node", "leader")
 LWS_WORKER = ("multinode/leaderworkerset.yaml", "LeaderWorkerSet", "harvest-node", "worker")
-WORKERS = ("worker-1", "worker-2", "worker-3")
 # role, compose service, where the role runs in the manifests (file, kind, name, pod template, container)
 ROLES = [
     ("redis", "redis", [("redis.yaml", "StatefulSet", "harvest-redis", "template", "redis")]),
     ("engine", "sglang", [(*NODE, "engine")]),
     ("engine", "sglang", [(*LEADER, "engine"), (*LWS_WORKER, "engine")]),
-    ("worker", "worker", [(*NODE, w) for w in WORKERS] + [(*LEADER, w) for w in WORKERS]),
-    ("collector", "collector", [(*NODE, "collector"), (*LEADER, "collector")]),
+    ("node", "node", [(*NODE, "node"), (*LEADER, "node")]),
     ("producer", "producer", [("producer.yaml", "Job", "harvest-produce", "template", "producer")]),
     ("metrics", "metrics", [("metrics.yaml", "Deployment", "harvest-metrics", "template", "metrics")]),
 ]
@@ -106,9 +112,26 @@ def docs() -> dict:
     return manifests()
 
 
+def node_from_compose(services: dict) -> dict:
+    """The compose side of a node pod's `harvest node`: the worker service's command as `harvest
+    node` takes it, and the environment of the worker and collector services (the same)."""
+    worker, collector = services["worker"], services["collector"]
+    assert compose_env(worker) == compose_env(collector)
+    argv = list(worker["command"])
+    assert argv[0] == "worker"
+    argv[0] = "node"
+    for flag in NODE_DROPS:
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    for flag, value in NODE_FLAGS.items():
+        argv += [flag, value]
+    return {**worker, "command": argv}
+
+
 @pytest.fixture(scope="module")
 def services() -> dict:
-    return compose_services()
+    services = compose_services()
+    return {**services, "node": node_from_compose(services)}
 
 
 @pytest.mark.parametrize("role, service, places", ROLES, ids=[f"{r[0]}-{r[2][0][0]}" for r in ROLES])
@@ -127,23 +150,23 @@ def test_a_drift_on_either_side_is_found(docs, services):
         (edit_kube or (lambda c: None))(c)
         return differences(svc, c, extra)
 
-    worker = (*NODE, "worker-2")
+    worker = (*NODE, "node")
 
-    def compose_engine_wait(s):
-        s["command"][s["command"].index("--engine-wait") + 1] = "60"
-    assert drift("worker", worker, edit_compose=compose_engine_wait) == [
-        "flag --engine-wait: compose '60' != kubernetes '3600'"]
+    def compose_workers(s):
+        s["command"][s["command"].index("--workers") + 1] = "2"
+    assert drift("node", worker, edit_compose=compose_workers) == [
+        "flag --workers: compose '2' != kubernetes '3'"]
 
     def compose_engine_url(s):
         s["command"][s["command"].index("--engine-url") + 1] = "http://engine:30001"
-    assert drift("worker", worker, edit_compose=compose_engine_url) == [
+    assert drift("node", worker, edit_compose=compose_engine_url) == [
         "flag --engine-url: compose 'http://engine:30001' != kubernetes 'http://127.0.0.1:30000'"]
 
-    def kube_no_node(c):
-        i = c["args"].index("--node")
+    def kube_no_stop_grace(c):
+        i = c["args"].index("--stop-grace")
         del c["args"][i:i + 2]
-    assert drift("collector", (*NODE, "collector"), edit_kube=kube_no_node) == [
-        "flag --node: compose '{NODE_NAME}' != kubernetes None", "env NODE_NAME: set and never used"]
+    assert drift("node", (*LEADER, "node"), edit_kube=kube_no_stop_grace) == [
+        "flag --stop-grace: compose '500' != kubernetes None"]
 
     def kube_fsync_always(c):
         c["args"][c["args"].index("everysec")] = "always"
@@ -175,11 +198,11 @@ def test_a_drift_on_either_side_is_found(docs, services):
 
     def kube_run_unset(c):
         c["env"] = [e for e in c["env"] if e["name"] != "RUN"]
-    assert drift("worker", worker, edit_kube=kube_run_unset) == ["the command uses {RUN}, set by no env entry"]
+    assert drift("node", worker, edit_kube=kube_run_unset) == ["the command uses {RUN}, set by no env entry"]
 
     def kube_password_after_url(c):
         c["env"].sort(key=lambda e: e["name"] != "HARVEST_REDIS_URL")
-    assert drift("worker", worker, edit_kube=kube_password_after_url) == [
+    assert drift("node", worker, edit_kube=kube_password_after_url) == [
         "env HARVEST_REDIS_URL uses {REDIS_PASSWORD}, set by no earlier env entry"]
 
 
