@@ -109,24 +109,3 @@ def test_tensor_parallel_2_only_rank_0_writes(tmp_path, model, reference):
     finally:
         s.stop()
 
-
-def test_run_engine_sglang_tp_2_starts_the_cpu_server_itself(tmp_path, model, reference):
-    """`harvest run --engine sglang --tp 2` on a machine without GPUs: the code path a GPU node runs
-    (harvest.cli.engineplan, harvest.cli.node), on SGLang's CPU engine, a core per rank."""
-    if len(os.sched_getaffinity(0)) < 2:
-        need("a second core", "TP 2 on SGLang's CPU engine needs a core per rank")
-    prompts = [[5 + (i * 31 + j * 7) % 500 for j in range(20 + 50 * i)] for i in range(4)]
-    expected = {sample_id(np.array(p, np.int32), np.ones(len(p), np.uint8)): (p, [1] * len(p)) for p in prompts}
-    dataset = write_jsonl(str(tmp_path / "tp2.jsonl"), [{"input_ids": p} for p in prompts])
-    work = tmp_path / "work"
-    res = harvest_cli("run", dataset, "--model", model, "--out", f"file://{tmp_path}/out", "--run", "tp2", "--dtype",
-                      "fp32", "--layers", ",".join(map(str, POINTS)), "--engine", "sglang", "--tp", "2",
-                      "--chunked-prefill-size", str(CHUNK), "--workers", "1", "--no-progress", "--work-dir", str(work),
-                      "--dump-dir", str(tmp_path / "dumps"), timeout=600,
-                      env={"HARVEST_SGLANG_VENV": os.path.dirname(os.path.dirname(SGLANG_PYTHON))})
-    engine_log = (work / "logs" / "engine.log").read_text(errors="replace")
-    assert res.returncode == 0, res.stdout + res.stderr + engine_log[-3000:]
-    assert f"samples: {len(prompts)} done, 0 failed" in res.stdout, res.stdout
-    assert "'tp_size': 2," in engine_log and "TP1] init_threads_binding" in engine_log, engine_log[-3000:]
-    check_run(f"file://{tmp_path}/out/tp2", expected, reference)
-    assert reference.worst_abs <= ABS_BOUND, (reference.worst_abs, reference.worst_rel)
