@@ -38,7 +38,9 @@ def test_rq_is_bounded_to_the_major_tested_here():
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         (rq,) = [Requirement(r) for r in tomllib.load(f)["project"]["dependencies"] if r.startswith("rq")]
     (upper,) = [s.version for s in rq.specifier if s.operator == "<"]
+    (lower,) = [s.version for s in rq.specifier if s.operator == ">="]
     assert upper.isdigit()  # a next major, not a release within one
+    assert lower.split(".")[0] == str(int(upper) - 1)  # one major: the one this test runs against
     assert md.version("rq") in rq.specifier
 
 
