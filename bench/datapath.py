@@ -17,6 +17,10 @@ Each repeat measures, in the same run and on the same disk:
 - bytes this process wrote to the disk (`/proc/self/io` write_bytes) per byte of hidden state,
   for the S3 path (the node's disk only: the store is elsewhere) and for file:// (spool + output).
 
+The file:// and s3:// paths run once per codec of `--codecs` (default none and blosc2-zstd: the
+hidden states coded on the collector, harvest.formats.codec), each in every repeat, and the
+medians' ratio of each codec to none is printed (goal >= 0.9).
+
 Prints the medians of `--repeats` runs.
 
     python bench/datapath.py --samples 64 --tokens 1024 --hidden 2048
@@ -99,7 +103,7 @@ def cp_sync_seconds(src: str, dst: str) -> float:
 class Trial:
     """One set of dumps through claim, assemble and spool; then one collector commit."""
 
-    def __init__(self, base: str, conn: redis.Redis, args, seed: int, out_url: str) -> None:
+    def __init__(self, base: str, conn: redis.Redis, args, seed: int, out_url: str, codec: str = "none") -> None:
         self.dir = os.path.join(base, f"t{seed}")
         self.dumps, self.claimed, self.spool = (os.path.join(self.dir, d) for d in ("dumps", "claimed", "spool"))
         for d in (self.dumps, self.claimed, self.spool):
@@ -108,7 +112,7 @@ class Trial:
         self.samples, self.wanted, self.hidden_bytes = made
         self.cfg = publish_run(conn, RunConfig(run=f"bench{seed}", model="bench", capture_points=POINTS,
                                                hidden_size=args.hidden, out_url=out_url, storage_dtype="bf16",
-                                               shard_bytes=args.shard_mb << 20))
+                                               shard_bytes=args.shard_mb << 20, codec=codec))
         self.conn, self.args = conn, args
         self.ledger = Ledger(conn, self.cfg.run)
         self.ledger.add_queued([s.id for s in self.samples])
@@ -145,6 +149,7 @@ def main() -> None:
     ap.add_argument("--job-size", type=int, default=16, help="samples per worker job (one spool flush each)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--packers", default="1,2,4", help="pack-workers counts to compare (file:// output)")
+    ap.add_argument("--codecs", default="none,blosc2-zstd", help="codecs of the file:// and s3:// paths (none first)")
     ap.add_argument("--dir", default=None,
                     help="Where to work (default: a temp dir); dumps, spool, output and cp share it.")
     args = ap.parse_args()
@@ -166,60 +171,61 @@ def main() -> None:
 
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
         for rep in range(args.repeats):
-            # file:// : the whole data path against cp + sync of the same dump bytes
-            seed += 1
-            t = Trial(base, conn, args, seed, f"file://{os.path.join(base, f'out{seed}')}")
-            dump_bytes = sum(os.path.getsize(os.path.join(t.dumps, f)) for f in os.listdir(t.dumps))
-            t_cp = cp_sync_seconds(t.dumps, os.path.join(base, "cp"))
-            w0, t0 = written_bytes(), time.perf_counter()
-            t.spool_all()
-            t_spool = time.perf_counter()
-            t.collect()
-            sync()
-            t_end = time.perf_counter()
-            mib = t.hidden_bytes / 2**20
-            add("file: data path MiB/s", mib / (t_end - t0))
-            add("file: cp + sync MiB/s", dump_bytes / 2**20 / t_cp)
-            add("file: ratio", (mib / (t_end - t0)) / (dump_bytes / 2**20 / t_cp))
-            # The spool is durable per job and, here, on the output's disk: a path that keeps it writes
-            # every byte twice where the filesystem cannot share blocks, so two cp + sync are its floor.
-            add("file: ratio to 2 x (cp + sync)", (mib / (t_end - t0)) / (dump_bytes / 2**20 / (2 * t_cp)))
-            add("file: spool s", t_spool - t0)
-            add("file: pack + commit s", t_end - t_spool)
-            add("file: disk bytes / hidden byte (spool + output)", (written_bytes() - w0) / t.hidden_bytes)
-            shutil.rmtree(t.dir)
-            shutil.rmtree(os.path.join(base, f"out{seed}"))
+            for codec in args.codecs.split(","):
+                # file:// : the whole data path against cp + sync of the same dump bytes
+                seed += 1
+                t = Trial(base, conn, args, seed, f"file://{os.path.join(base, f'out{seed}')}", codec)
+                dump_bytes = sum(os.path.getsize(os.path.join(t.dumps, f)) for f in os.listdir(t.dumps))
+                t_cp = cp_sync_seconds(t.dumps, os.path.join(base, "cp"))
+                w0, t0 = written_bytes(), time.perf_counter()
+                t.spool_all()
+                t_spool = time.perf_counter()
+                t.collect()
+                sync()
+                t_end = time.perf_counter()
+                mib = t.hidden_bytes / 2**20
+                add(f"{codec} file: data path MiB/s", mib / (t_end - t0))
+                add(f"{codec} file: cp + sync MiB/s", dump_bytes / 2**20 / t_cp)
+                add(f"{codec} file: ratio", (mib / (t_end - t0)) / (dump_bytes / 2**20 / t_cp))
+                # The spool is durable per job and, here, on the output's disk: a path that keeps it writes
+                # every byte twice where the filesystem cannot share blocks, so two cp + sync are its floor.
+                add(f"{codec} file: ratio to 2 x (cp + sync)", (mib / (t_end - t0)) / (dump_bytes / 2**20 / (2 * t_cp)))
+                add(f"{codec} file: spool s", t_spool - t0)
+                add(f"{codec} file: pack + commit s", t_end - t_spool)
+                add(f"{codec} file: disk bytes / hidden byte (spool + output)", (written_bytes() - w0) / t.hidden_bytes)
+                shutil.rmtree(t.dir)
+                shutil.rmtree(os.path.join(base, f"out{seed}"))
 
-            # s3:// : the collector's commit against put_file of the same bytes in shard-sized files
-            seed += 1
-            t = Trial(base, conn, args, seed, f"s3://bench/out{seed}")
-            w0 = written_bytes()
-            t.spool_all()
-            sync()
-            spool_written = written_bytes() - w0
-            t0 = time.perf_counter()
-            t.collect()
-            t_s3 = time.perf_counter() - t0
-            w_commit = written_bytes() - w0 - spool_written
-            loc = Location.from_url(f"s3://bench/base{seed}")
-            files, left = [], t.hidden_bytes
-            while left > 0:
-                n = min(left, args.shard_mb << 20)
-                path = os.path.join(t.dir, f"plain{len(files)}")
-                with open(path, "wb") as f:
-                    f.write(os.urandom(n))
-                files.append(path)
-                left -= n
-            sync()
-            t0 = time.perf_counter()
-            for i, path in enumerate(files):
-                loc.fs.put_file(path, loc.path(f"plain{i}"))
-            t_put = time.perf_counter() - t0
-            add("s3: commit MiB/s", t.hidden_bytes / 2**20 / t_s3)
-            add("s3: put_file MiB/s", t.hidden_bytes / 2**20 / t_put)
-            add("s3: ratio", t_put / t_s3)
-            add("s3: disk bytes / hidden byte (node)", (spool_written + w_commit) / t.hidden_bytes)
-            shutil.rmtree(t.dir)
+                # s3:// : the collector's commit against put_file of the same bytes in shard-sized files
+                seed += 1
+                t = Trial(base, conn, args, seed, f"s3://bench/out{seed}", codec)
+                w0 = written_bytes()
+                t.spool_all()
+                sync()
+                spool_written = written_bytes() - w0
+                t0 = time.perf_counter()
+                t.collect()
+                t_s3 = time.perf_counter() - t0
+                w_commit = written_bytes() - w0 - spool_written
+                loc = Location.from_url(f"s3://bench/base{seed}")
+                files, left = [], t.hidden_bytes
+                while left > 0:
+                    n = min(left, args.shard_mb << 20)
+                    path = os.path.join(t.dir, f"plain{len(files)}")
+                    with open(path, "wb") as f:
+                        f.write(os.urandom(n))
+                    files.append(path)
+                    left -= n
+                sync()
+                t0 = time.perf_counter()
+                for i, path in enumerate(files):
+                    loc.fs.put_file(path, loc.path(f"plain{i}"))
+                t_put = time.perf_counter() - t0
+                add(f"{codec} s3: commit MiB/s", t.hidden_bytes / 2**20 / t_s3)
+                add(f"{codec} s3: put_file MiB/s", t.hidden_bytes / 2**20 / t_put)
+                add(f"{codec} s3: ratio", t_put / t_s3)
+                add(f"{codec} s3: disk bytes / hidden byte (node)", (spool_written + w_commit) / t.hidden_bytes)
+                shutil.rmtree(t.dir)
 
             # packers: the collector alone, to file://, with 1, 2, 4 packers
             for p in [int(x) for x in args.packers.split(",") if x]:
@@ -239,6 +245,11 @@ def main() -> None:
               f"jobs of {args.job_size}, shards of {args.shard_mb} MiB; medians of {args.repeats}:")
         for key, vals in rows.items():
             print(f"  {key:50s} {statistics.median(vals):9.2f}   (runs: {', '.join(f'{v:.2f}' for v in vals)})")
+        codecs = args.codecs.split(",")
+        for codec in codecs[1:]:
+            for key in ("file: data path MiB/s", "s3: commit MiB/s"):
+                ratio = statistics.median(rows[f"{codec} {key}"]) / statistics.median(rows[f"{codecs[0]} {key}"])
+                print(f"  {codec} / {codecs[0]}, {key.split(' MiB')[0]}: {ratio:.2f}")
         for p in [int(x) for x in args.packers.split(",") if x][1:]:
             one = statistics.median(rows["pack 1: MiB/s"])
             print(f"  packers {p} / 1: {statistics.median(rows[f'pack {p}: MiB/s']) / one:.2f}")

@@ -25,7 +25,10 @@ Every feed hands each sample's hidden states to one copy, as the trainers' colla
 safetensors' and torch's memory-mapped files are read only then). Samples/s and MB/s of hidden
 states (plain: of shard bytes, nearly all hidden states), the
 median of `--repeats`, and each feed's ratio to the plain read of the same storage measured in
-the same run (goal >= 0.8). The local figures come from the page cache (everything was just
+the same run (goal >= 0.8). With `--codec` (default blosc2-zstd; `none` skips it) the same
+samples are committed a second time with that codec, and harvest's feed and speculators' backend
+read that run too: their samples/s against the same feed of the uncoded run (goal >= 0.8), from
+the local output and from S3, decoding on the feed's read-ahead thread. The local figures come from the page cache (everything was just
 written; nothing drops caches on a shared machine): they compare CPU cost, not the disk. torch
 runs one intra-op thread here, as in speculators' DataLoader workers (`_worker_init_fn`): on a
 busy machine its small elementwise ops otherwise wait for descheduled pool threads (10x slower).
@@ -75,11 +78,11 @@ def fake_checkpoint(where: str, hidden: int) -> str:
     return where
 
 
-def make_run(base: str, args: argparse.Namespace) -> str:
-    server = RedisServer(os.path.join(base, "redis"), appendonly=False).start()
+def make_run(base: str, args: argparse.Namespace, run: str = "feed", codec: str = "none") -> str:
+    server = RedisServer(os.path.join(base, f"redis-{run}"), appendonly=False).start()
     try:
         conn = redis.Redis.from_url(server.url)
-        cfg = publish_run(conn, make_config(f"file://{base}/out", run="feed", hidden=args.hidden))
+        cfg = publish_run(conn, make_config(f"file://{base}/out", run=run, hidden=args.hidden, codec=codec))
         spool = os.path.join(base, "spool")
         ids = [s.id for s in spool_samples(spool, cfg, [args.tokens] * args.samples)]
         ledger = Ledger(conn, cfg.run)
@@ -91,7 +94,7 @@ def make_run(base: str, args: argparse.Namespace) -> str:
     finally:
         server.stop()
     shutil.rmtree(os.path.join(base, "spool"), ignore_errors=True)
-    return f"{base}/out/feed"
+    return f"{base}/out/{run}"
 
 
 def timed(fn: Callable[[], int]) -> tuple[float, int]:
@@ -199,6 +202,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=4, help="threads for the parallel speculators feed")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="Where to work (default: a temp dir)")
+    ap.add_argument("--codec", default="blosc2-zstd", help="the codec of the second run read (none: no second run)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -213,6 +217,13 @@ def main() -> None:
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="feed-bench")
         s3 = Location.from_url("s3://feed-bench/feed")
         s3.fs.put(local + "/", s3.root + "/", recursive=True)
+        coded = {}
+        if args.codec != "none":
+            coded["local"] = make_run(base, args, "coded", args.codec)
+            s3c = Location.from_url("s3://feed-bench/coded")
+            s3c.fs.put(coded["local"] + "/", s3c.root + "/", recursive=True)
+            coded["s3"] = s3c.url()
+            print(f"codec {args.codec}: shards {RunReader(coded['local']).total_bytes() / 1e6:.0f} MB", flush=True)
         model = fake_checkpoint(os.path.join(base, "model"), args.hidden)
         reader = RunReader(local)
         rows = len(reader)
@@ -223,6 +234,9 @@ def main() -> None:
             for where, url in (("local", local), ("s3", s3.url())):
                 dests[fmt, where] = os.path.join(base, f"{fmt}-in-place-{where}")
                 export_run(url, fmt, dests[fmt, where], progress=False, model=model, in_place=True)
+        for where, url in coded.items():
+            dests["coded", where] = os.path.join(base, f"speculators-in-place-coded-{where}")
+            export_run(url, "speculators", dests["coded", where], progress=False, model=model, in_place=True)
         shard_bytes = reader.total_bytes()
         print(f"run: {rows} samples of [{args.tokens}, 4, {args.hidden}] bf16 "
               f"({rows and reader.total_bytes() / rows / 1e6:.1f} MB each), {len(reader.shard_ids())} shards, "
@@ -239,6 +253,11 @@ def main() -> None:
                       (where, f"speculators in place, {args.workers} threads", speculators_feed(
                           dests["speculators", where], url, rows, args.workers)),
                       (where, "SpecForge in place (pointer files)", specforge_files(dests["specforge", where]))]
+        for where, url in coded.items():  # the same samples, coded: against the rows above of the same name
+            cases += [(where, f"harvest feed (HiddenStateIterable), {args.codec}", harvest_feed(url, None)),
+                      (where, f"harvest feed, shuffled (seed 0), {args.codec}", harvest_feed(url, 0)),
+                      (where, f"speculators in place (harvest backend), {args.codec}", speculators_feed(
+                          dests["coded", where], url, rows, 1))]
         cases += [("local", "speculators export files (FileTransfer)", export_files(dests["speculators"], rows)),
                   ("local", "SpecForge export files (load_feature_file)", specforge_files(dests["specforge"]))]
         times: dict[tuple[str, str], list[float]] = {}
@@ -257,7 +276,11 @@ def main() -> None:
                 t = statistics.median(ts)
                 mbs = nbytes[w, name] / t / 1e6
                 base_mbs = base_mbs or mbs  # the plain read comes first
-                print(f"  {name:46s} {rows / t:8.1f} samples/s {mbs:9.1f} MB/s   {mbs / base_mbs:5.2f} x plain")
+                line = f"  {name:46s} {rows / t:8.1f} samples/s {mbs:9.1f} MB/s   {mbs / base_mbs:5.2f} x plain"
+                uncoded = name.removesuffix(f", {args.codec}")
+                if uncoded != name:
+                    line += f"   {statistics.median(times[w, uncoded]) / t:5.2f} x uncoded"
+                print(line)
     finally:
         moto.terminate()
         moto.wait()

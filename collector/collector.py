@@ -12,14 +12,14 @@ lost. Each shard a collector records gets a fresh random name (harvest.ids.new_s
 a collector voids (the object, its uploads, the claims naming it) is only ever its own attempt's,
 never another collector's re-pack of the same samples.
 
-Each byte is written once, with no temporary shard on the node's disk for object storage: tensor
-bytes are copied out of the spool files undecoded. To object storage, or to a local output on
-another filesystem, they are streamed through small buffers and hashed on that one pass
-(harvest.formats.shard.write_shard); to a local output on the spool's filesystem the kernel
-copies them, cloning blocks where the filesystem can, and a second thread hashes the file as it
-fills (copy_shard). Memory: the copy buffers, plus the parts in flight to object storage.
-Storage errors that persist stop the collector with a `StorageError`; the spool and the
-record stay, so a restart resumes.
+Tensor bytes are copied out of the spool files undecoded (with a codec, the hidden states are
+first coded into a scratch file in the spool: collector.pack), with no temporary shard on the
+node's disk for object storage. To object storage, or to a local output on another filesystem,
+they are streamed through small buffers and hashed on that one pass (harvest.formats.shard.
+write_shard); to a local output on the spool's filesystem the kernel copies them, cloning blocks
+where the filesystem can, and a second thread hashes the file as it fills (copy_shard). Memory:
+the copy buffers, plus the parts in flight to object storage. Storage errors that persist stop
+the collector with a `StorageError`; the spool and the record stay, so a restart resumes.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import redis
 from collector.due import QueuedCheck, may_be_due
 from collector.faults import CrashHook
 from collector.integrity import Damaged, checked, inspect_all, reject
-from collector.pack import Packed, pack_local, pack_upload, staging_dir
+from collector.pack import Packed, clear_scratch, pack_shard, scratch_file, staging_dir
 from collector.records import Voided, give_up_shard, recorded_anywhere, tend_revoked, write_decided_index
 from collector.sweep import sweep_orphans
 from collector.unknown import take_up
@@ -117,7 +117,8 @@ class Collector:
         return os.path.join(self.stage, f"{TEMP_PREFIX}{self.node}-{shard_id}.safetensors")
 
     def _clear_temps(self) -> None:
-        """Temporary shard files a killed incarnation of this node's collector left behind."""
+        """Temporary shard (and scratch) files a killed incarnation of this node's collector left behind."""
+        clear_scratch(self.spool_dir, self.node)
         if self.stage is None:
             return
         for p in glob.glob(os.path.join(glob.escape(self.stage), f"{TEMP_PREFIX}{self.node}-*.safetensors")):
@@ -253,7 +254,8 @@ class Collector:
             if not self.claim(plan):
                 return 0
             try:
-                self.publish(plan, self.pack(plan))
+                packed = self.pack(plan)
+                self.publish(plan := packed.plan, packed)  # with a codec, the plan of the coded shard
             except Voided as e:
                 self.void(plan, str(e))  # Damaged: a spool file changed on the node; the rest go in the next shard
                 return self._reject(e.found) if isinstance(e, Damaged) else 0
@@ -300,7 +302,7 @@ class Collector:
         name for every shard recorded, so no other attempt at the same samples (this ledger's or
         another's) ever shares it (harvest.ids.new_shard_id)."""
         return plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype,
-                          shard_id=shard_id or new_shard_id())
+                          shard_id=shard_id or new_shard_id(), codec=self.cfg.codec)
 
     def record(self, plan: ShardPlan, viewed: bool = False) -> None:
         """The one record per node of the shard being committed, which a restart finishes, with the
@@ -324,10 +326,9 @@ class Collector:
     def pack(self, plan: ShardPlan) -> Packed:
         """The shard's bytes streamed out of the spool files into storage, not yet visible, each
         sample's crc32s the ones its worker recorded; else `Damaged` (collector.integrity)."""
-        if self.stage is None:
-            return checked(plan, lambda: pack_upload(self.out, plan, self.part_bytes, self.retries, self.retry_delay,
-                                                     self._crash))
-        return checked(plan, lambda: pack_local(plan, self._temp_path(plan.shard_id), self.spool_dir, self._crash))
+        tmp = None if self.stage is None else self._temp_path(plan.shard_id)
+        return checked(plan, lambda: pack_shard(self.out, plan, tmp, scratch_file(self.spool_dir, self.node, plan.shard_id),
+                                                self.spool_dir, self.part_bytes, self.retries, self.retry_delay, self._crash))
 
     def publish(self, plan: ShardPlan, packed: Packed) -> None:
         """The shard made visible whole, then the commit fence, then the index. Raises Voided when

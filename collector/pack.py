@@ -5,17 +5,24 @@ a rename): on the spool's filesystem the kernel copies, or clones, the spool fil
 (harvest.formats.shard.copy_shard); on another one (a mounted output) the bytes are streamed
 (write_shard). To object storage they are streamed into a multipart upload (harvest.multipart)
 with no temporary shard on the node's disk. Both hand back the shard's checksums.
+
+A run with a codec has each sample's hidden states coded first (`coded`), here on the collector,
+off the workers' path: into a scratch file in the spool, which both packers then copy from as
+they copy from the spool files, and which is removed once the shard is stored.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from harvest.formats.shard import SHARDS, ShardPlan, ShardSums, copy_shard, shard_file, write_shard
+from harvest.atomic import unlink_quiet
+from harvest.formats.shard import SHARDS, ShardPlan, ShardSums, copy_shard, encode_shard, shard_file, write_shard
 from harvest.multipart import MultipartWriter, Upload
-from harvest.storage import Location, StorageError
+from harvest.storage import TEMP_PREFIX, Location, StorageError
 
 Crash = Callable[[str], None]  # collector.faults.CrashHook: the named kill points tests use
 
@@ -26,8 +33,51 @@ class Packed:
     output, or `upload`, the multipart upload with every part sent."""
 
     sums: ShardSums
+    plan: ShardPlan  # the plan stored: a run with a codec's has its hidden states coded
     tmp: str | None = None
     upload: Upload | None = None
+
+
+def scratch_file(spool_dir: str, node: str, shard_id: str) -> str:
+    """Where a shard's hidden states are coded: in the spool, on the disk they are read from."""
+    return os.path.join(spool_dir, f"{TEMP_PREFIX}coded-{node}-{shard_id}")
+
+
+def clear_scratch(spool_dir: str, node: str) -> None:
+    """The scratch files a killed collector of `node` left in its spool."""
+    for p in glob.glob(os.path.join(glob.escape(spool_dir), f"{TEMP_PREFIX}coded-{node}-*")):
+        unlink_quiet(p)
+
+
+def pack_shard(out: Location, plan: ShardPlan, tmp: str | None, scratch: str, spool_dir: str, part_bytes: int | None,
+               retries: int, retry_delay: float, crash: Crash) -> Packed:
+    """The shard stored, not yet visible: as the temporary file `tmp` of a local output
+    (`pack_local`), else as a multipart upload (`pack_upload`); with a codec, its hidden states
+    coded into `scratch` first (`coded`)."""
+    with coded(plan, scratch) as ready:
+        if tmp is None:
+            return pack_upload(out, ready, part_bytes, retries, retry_delay, crash)
+        return pack_local(ready, tmp, spool_dir, crash)
+
+
+@contextlib.contextmanager
+def coded(plan: ShardPlan, scratch: str) -> Iterator[ShardPlan]:
+    """`plan` ready to pack: as it is without a codec, else its hidden states coded into the file
+    `scratch` (harvest.formats.shard.encode_shard), removed on the way out. An OSError writing
+    the scratch file (the spool's disk full) is a StorageError: the restart codes it again."""
+    if not plan.needs_encoding:
+        yield plan
+        return
+    try:
+        try:
+            ready = encode_shard(plan, scratch)
+        except OSError as e:
+            raise StorageError(f"coding the hidden states of shard {plan.shard_id} into {scratch} failed: "
+                               f"{type(e).__name__}: {e}") from e
+        yield ready
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(scratch)
 
 
 def _progress(plan: ShardPlan, local: bool, crash: Crash) -> Callable[[int], None]:
@@ -73,7 +123,7 @@ def pack_local(plan: ShardPlan, tmp: str, spool_dir: str, crash: Crash) -> Packe
             raise StorageError(f"packing {tmp} failed: {type(e).__name__}: {e}") from e
         raise
     crash("packed")
-    return Packed(sums, tmp=tmp)
+    return Packed(sums, plan, tmp=tmp)
 
 
 def pack_upload(out: Location, plan: ShardPlan, part_bytes: int | None, retries: int, retry_delay: float,
@@ -97,4 +147,4 @@ def pack_upload(out: Location, plan: ShardPlan, part_bytes: int | None, retries:
             raise StorageError(f"packing {out.path(name)} failed: {type(e).__name__}: {e}") from e
         raise
     crash("packed")
-    return Packed(sums, upload=upload)
+    return Packed(sums, plan, upload=upload)

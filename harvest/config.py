@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from harvest.errors import ConfigurationError
+from harvest.formats.codec import CODECS, NONE
 from harvest.formats.dtypes import STORAGE_DTYPES, storage_torch_dtype
 from harvest.ids import check_id
 from harvest.regeneration import Regeneration
@@ -147,9 +148,14 @@ class RunIdentity:
     # a hub id, known by its name only). Where it records one, it names the model, not `model`'s
     # path: a symlink or a copy is the same run, the same path with other weights is not.
     model_fingerprint: dict | None = None
+    # How the hidden states are coded in the shards (harvest.formats.codec). A run.json without it
+    # stores them as they are: this default is `none`, whatever a new run's is (IdentityDefaults).
+    codec: str = NONE
 
     def __post_init__(self) -> None:
         check_id(self.run, "run name")
+        if self.codec not in CODECS:
+            raise ConfigError(f"codec {self.codec!r}: choose one of {', '.join(CODECS)}")
         if self.regenerate is not None:
             Regeneration.from_dict(self.regenerate)
         if self.storage_dtype not in STORAGE_DTYPES:
@@ -230,6 +236,7 @@ def build_config(
     storage_dtype: str = IdentityDefaults.storage_dtype,
     engine: str = IdentityDefaults.engine,
     tokenizer: str | None = None,
+    codec: str = IdentityDefaults.codec,
     **extra,
 ) -> RunConfig:
     """A RunConfig from a model directory: its layer count and width come from its config.json.
@@ -246,6 +253,7 @@ def build_config(
         out_url=absolute_location(out_url),
         storage_dtype=storage_dtype,
         engine=engine,
+        codec=codec,
         tokenizer=absolute_model(tokenizer) if tokenizer else tokenizer,
         model_fingerprint=model_fingerprint(os.path.expanduser(model)),
         num_layers=num_layers,

@@ -29,6 +29,7 @@ class IdentityDefaults:
     layers: str = "eagle3"  # the EAGLE-3 preset (harvest.config.parse_layers)
     storage_dtype: str = "bf16"
     engine: str = "reference"
+    codec: str = "none"  # how a new run codes its hidden states (harvest.formats.codec)
 
 
 @dataclass(frozen=True)

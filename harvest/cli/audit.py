@@ -102,4 +102,16 @@ def audit_cmd(run, redis_url, out_url, n, seed, route, engine_url, dump_dir, chu
         sys.exit(1)
 
 
-COMMANDS = (audit_cmd,)
+@click.command("ratio")
+@click.option("--run-url", required=True, help="The run's output folder: <out>/<run> (local path or fsspec URL).")
+@s3_options
+def ratio_cmd(run_url, s3_endpoint, s3_region) -> None:
+    """How much smaller the run's codec stores its committed hidden states (from the index files alone)."""
+    from harvest.ops.ratio import run_ratio
+    from harvest.storage import Location
+
+    apply_s3_env(s3_endpoint, s3_region)
+    click.echo(run_ratio(Location.from_url(run_url)).line())
+
+
+COMMANDS = (audit_cmd, ratio_cmd)

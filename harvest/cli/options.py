@@ -11,6 +11,7 @@ from typing import NoReturn
 import click
 
 from harvest.config import ENGINE_KINDS
+from harvest.formats.codec import CODECS
 from harvest.formats.dtypes import READ_DTYPES, STORAGE_DTYPES
 from harvest.node.dumpdir import default_dump_dir
 from harvest.progress import PLAIN_INTERVAL_S
@@ -63,6 +64,9 @@ dtype_option = click.option("--dtype", "storage_dtype", default=IdentityDefaults
                             type=click.Choice(list(STORAGE_DTYPES)),
                             help="How the hidden states are stored (a new run's setting): fp8_e4m3 keeps a float32 "
                                  "scale per token and capture point; export converts on request.")
+codec_option = click.option("--codec", default=IdentityDefaults.codec, show_default=True, type=click.Choice(list(CODECS)),
+                            help="How the hidden states are stored (a new run's setting): blosc2-zstd codes each sample "
+                                 "losslessly (readers decode it); `harvest ratio` tells what a run saves.")
 read_dtype_option = click.option("--dtype", "dtype", default=None, type=click.Choice(list(READ_DTYPES)),
                                  help="Hidden-state dtype of the files (default: bf16 for specforge, which reads "
                                       "nothing else; the run's for speculators; fp8 runs export bf16).")

@@ -14,6 +14,7 @@ from harvest.cli.errors import connect, connect_service, redis_wait_option
 from harvest.cli.options import (
     apply_s3_env,
     chunked_prefill_option,
+    codec_option,
     dp_option,
     dtype_option,
     layers_option,
@@ -58,6 +59,7 @@ def _default_run_name(dataset: str) -> str:
 @click.option("--run", "run", default=None, help="Run name; defaults to the dataset's file name.")
 @layers_option
 @dtype_option
+@codec_option
 @click.option("--workers", default=RunnerSettings.workers, show_default=True, type=click.IntRange(1, 256),
               help="Workers per engine: with 2, one batch is in the engine while the other worker spools.")
 @click.option("--redis", "redis_url", default=None, help="Use this Redis instead of starting a private one.")
@@ -89,7 +91,7 @@ def _default_run_name(dataset: str) -> str:
 @click.option("--prune", is_flag=True,
               help="Drop the run's queued samples that DATASET no longer holds (rows edited or removed since they "
                    "were enqueued) instead of extracting them; committed samples are never deleted.")
-def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_url, engine_url, chunked_prefill_size,
+def run_cmd(dataset, model, out_url, run, layers, storage_dtype, codec, workers, redis_url, engine_url, chunked_prefill_size,
             work_dir, dump_dir, max_queued, shard_mb, no_progress, spool_grace, s3_endpoint, s3_region, engine,
             max_wait, batch_samples, batch_tokens, fields, chat_template, max_len, overlong, strict, processes,
             regenerate, max_new_tokens, temperature, top_p, on_length, redis_wait, min_free_mb, prune, tp_size,
@@ -120,7 +122,7 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, workers, redis_
                               max_wait_s=max_wait, progress=not no_progress, outage_s=redis_wait,
                               min_free_bytes=min_free_mb << 20, prune=prune, tp_size=tp_size, dp_size=dp_size)
     _run_here(dataset, settings, produce_kw, run=run or _default_run_name(dataset), model=model, out_url=out_url,
-              layers=layers, storage_dtype=storage_dtype, engine=engine, shard_bytes=shard_mb << 20,
+              layers=layers, storage_dtype=storage_dtype, codec=codec, engine=engine, shard_bytes=shard_mb << 20,
               spool_grace_s=spool_grace,
               regenerate=regenerate_settings(regenerate, max_new_tokens, temperature, top_p, on_length, model), **sizes)
 
@@ -205,6 +207,7 @@ def demo_cmd(out_dir: str, workers: int, regenerate: bool, prepare_dir: str | No
 @click.option("--out", "out_url", default=None, help="Output URL (needed when the run is new).")
 @layers_option
 @dtype_option
+@codec_option
 @max_queued_option
 @producer_options
 @regenerate_options
@@ -214,7 +217,7 @@ def demo_cmd(out_dir: str, workers: int, regenerate: bool, prepare_dir: str | No
 @spool_grace_option
 @s3_options
 @redis_wait_option
-def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, max_queued, batch_samples, batch_tokens,
+def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, codec, max_queued, batch_samples, batch_tokens,
                 fields, chat_template, max_len, overlong, regenerate, max_new_tokens, temperature, top_p, on_length,
                 dry_run, strict, progress, processes, engine, spool_grace, s3_endpoint, s3_region, redis_wait) -> None:
     """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded).
@@ -241,7 +244,7 @@ def produce_cmd(dataset, run, redis_url, model, out_url, layers, storage_dtype, 
         s = produce(None, None, dataset, tokenizer=load_tokenizer(model), progress=progress, regenerate=regenerate, **kw)
     else:
         cfg = open_run(conn, run, model=model, out_url=out_url, layers=layers, storage_dtype=storage_dtype,
-                       engine=engine, dry_run=dry_run, batch_samples=batch_samples, batch_tokens=batch_tokens,
+                       codec=codec, engine=engine, dry_run=dry_run, batch_samples=batch_samples, batch_tokens=batch_tokens,
                        spool_grace_s=spool_grace, regenerate=regen)
         if regenerate and cfg.regenerate is None:
             raise click.UsageError(f"run {run} exists without --regenerate: a run's samples are regenerated from its "

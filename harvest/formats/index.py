@@ -23,10 +23,15 @@ from typing import NotRequired, TypedDict
 
 from harvest.config import FINAL_POST_NORM, FINAL_STATES
 from harvest.errors import InputError
+from harvest.formats.codec import CODECS
 from harvest.ids import check_id
 from harvest.storage import Location, UnreadableDocument
 
 FORMAT = "harvest-shard-1"  # the layout version of a shard and of its index: they change together
+# A shard whose hidden states are coded (harvest.formats.codec): its own version, so that a harvest
+# that cannot decode them refuses it by name instead of misreading it.
+CODED_FORMAT = "harvest-shard-2"
+FORMATS = (FORMAT, CODED_FORMAT)
 INDEX = "index"
 
 
@@ -53,6 +58,11 @@ class ShardIndex(TypedDict):
     # before them lack both, and are read unchecked.
     crc32: NotRequired[list[list[int]]]
     crc32_tensors: NotRequired[list[str]]
+    # CODED_FORMAT only: the codec (harvest.formats.codec) and, per sample and then the total, the
+    # byte offset of its coded hidden states within the `hidden_states` tensor. Their crc32 is the
+    # raw bytes'.
+    codec: NotRequired[str]
+    coded_offsets: NotRequired[list[int]]
     # {sample id: reason}: samples whose bytes are in the shard but which this index no longer commits
     # (a duplicate copy kept elsewhere, or a corrupt copy dropped for re-extraction).
     excluded: NotRequired[dict[str, str]]
@@ -89,8 +99,8 @@ def parse_index(doc: object, where: str) -> ShardIndex:
     per-sample lists consistent. Raises ShardError naming `where`."""
     if not isinstance(doc, dict):
         raise ShardError(f"{where}: an index file holds a JSON object, found {type(doc).__name__}")
-    if doc.get("format") != FORMAT:
-        raise ShardError(f"{where}: index format {doc.get('format')!r}, this harvest reads {FORMAT}")
+    if doc.get("format") not in FORMATS:
+        raise ShardError(f"{where}: index format {doc.get('format')!r}, this harvest reads {' and '.join(FORMATS)}")
     for name, kind in _FIELDS.items():
         if not isinstance(doc.get(name), kind):
             raise ShardError(f"{where}: index field {name!r} missing or not a {kind.__name__}")
@@ -104,6 +114,7 @@ def parse_index(doc: object, where: str) -> ShardIndex:
     if len(set(doc["samples"])) != n:
         raise ShardError(f"{where}: a sample is listed twice")
     _check_crc32(doc, n, where)
+    _check_coded(doc, n, where)
     excluded = doc.get("excluded", {})
     if not isinstance(excluded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in excluded.items()):
         raise ShardError(f"{where}: index field 'excluded' is not an object of sample id to reason")
@@ -136,6 +147,22 @@ def _check_crc32(doc: dict, n: int, where: str) -> None:
                 type(c) is int and 0 <= c < 1 << 32 for c in row):
             raise ShardError(f"{where}: crc32 of sample {i} is not {len(names)} unsigned 32-bit ints "
                              f"(one per tensor of {names})")
+
+
+def _check_coded(doc: dict, n: int, where: str) -> None:
+    coded = doc["format"] == CODED_FORMAT
+    if not coded:
+        if "codec" in doc or "coded_offsets" in doc:
+            raise ShardError(f"{where}: index of format {FORMAT} with a codec: only {CODED_FORMAT} shards are coded")
+        return
+    if doc.get("codec") not in CODECS[1:]:
+        raise ShardError(f"{where}: codec {doc.get('codec')!r}, this harvest decodes {', '.join(CODECS[1:])}")
+    at = doc.get("coded_offsets")
+    if not (isinstance(at, list) and len(at) == n + 1 and all(type(x) is int for x in at) and at[0] == 0
+            and all(a <= b for a, b in zip(at, at[1:]))):
+        raise ShardError(f"{where}: index field 'coded_offsets' is not {n + 1} ascending byte offsets from 0")
+    if "crc32" not in doc:
+        raise ShardError(f"{where}: a coded shard's index lacks its crc32s")
 
 
 def encode_index(doc: Mapping) -> bytes:

@@ -3,7 +3,9 @@
 `shards/<id>.safetensors` holds `input_ids` `[N]` int32, `loss_mask` `[N]` uint8,
 `hidden_states` `[N, K, H]` (storage dtype), `offsets` `[S+1]` int64 and, for fp8 runs,
 `hidden_scale` `[N, K]` float32; tensors lie in sorted name order and the metadata lists the
-sample ids in order. `index/<id>.json` lists the samples, their token counts and offsets, the
+sample ids in order. With a codec (harvest.formats.codec) `hidden_states` is `[M]` uint8: each
+sample's coded bytes in sample order; the metadata adds the codec and the raw dtype and shape.
+`index/<id>.json` lists the samples, their token counts and offsets (and coded byte offsets), the
 shard's size and sha256 (harvest.formats.index); it is written only after the shard and commits it.
 
 A shard is up to a few GiB, so it is never built in memory: `plan_shard` reads only the spool
@@ -21,7 +23,8 @@ sample's rows (`ShardSums`), which the index records and every ranged read verif
 (harvest.read.shard_reader). No byte is read a second time for them. A sample's rows of a tensor
 are its spool file's tensor, byte for byte, so its sums must be the ones its worker recorded in
 that file: the collector commits nothing where they differ (`ShardPlan.damaged`), and the index's
-sums are then the workers'.
+sums are then the workers'. With a codec, the hidden states are coded first (`encode_shard`:
+harvest.formats.coded), their sums taken over the raw bytes as they are coded.
 """
 
 from __future__ import annotations
@@ -32,23 +35,30 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import BinaryIO
 
 import torch
 
 from harvest.config import FINAL_POST_NORM
+from harvest.formats.codec import NONE, check_codec
+from harvest.formats.coded import Coded, encode_samples
 from harvest.formats.dtypes import dtype_name
 from harvest.formats.filecopy import ShortFile, copy_range, start_writeback, write_all
 from harvest.formats.fp8 import is_fp8
-from harvest.formats.index import FORMAT, ShardError, ShardIndex
-from harvest.formats.spool import SCALE, SpoolDamaged, SpoolEntry
+from harvest.formats.index import CODED_FORMAT, FORMAT, ShardError, ShardIndex
+from harvest.formats.spool import SCALE, SpoolDamaged, SpoolEntry, truncated, unreadable
 from harvest.formats.stformat import BLOCK, Planned, encode_header
 from harvest.ids import check_id, shard_id_for
 
 SHARDS = "shards"
+
+
+def _offsets(sizes: Iterable[int]) -> list[int]:
+    return list(accumulate(sizes, initial=0))
 COPY_BUFFER = 8 << 20
 
 
@@ -67,7 +77,8 @@ class ShardSums:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Everything about a shard except its tensor bytes: decided from spool headers alone."""
+    """Everything about a shard except its tensor bytes: decided from spool headers alone (and,
+    with a codec, from the coded sizes: `encode_shard`)."""
 
     shard_id: str
     entries: tuple[SpoolEntry, ...]
@@ -76,6 +87,13 @@ class ShardPlan:
     offsets: tuple[int, ...]
     dtype: torch.dtype
     capture_points: tuple[int, ...]
+    run: str = ""
+    codec: str = NONE
+    coded: tuple[Coded, ...] = ()  # per sample, once coded; empty for `none`, and before `encode_shard`
+
+    @property
+    def needs_encoding(self) -> bool:
+        return self.codec != NONE and not self.coded
 
     @property
     def nbytes(self) -> int:
@@ -93,7 +111,7 @@ class ShardPlan:
     def index(self, sums: ShardSums) -> ShardIndex:
         """The index document that commits this shard once its bytes (with `sums`) are stored."""
         doc = ShardIndex(
-            format=FORMAT,
+            format=CODED_FORMAT if self.coded else FORMAT,
             shard_id=self.shard_id,
             shard=shard_file(self.shard_id),
             samples=self.sample_ids,
@@ -108,6 +126,9 @@ class ShardPlan:
         if sums.crc32 is not None:
             doc["crc32"] = [list(c) for c in sums.crc32]
             doc["crc32_tensors"] = self.crc32_tensors
+        if self.coded:
+            doc["codec"] = self.codec
+            doc["coded_offsets"] = _offsets(c.nbytes for c in self.coded)
         return doc
 
     def damaged(self, sums: ShardSums) -> dict[str, SpoolDamaged]:
@@ -125,24 +146,31 @@ class ShardPlan:
 
 def plan_shard(
     entries: Sequence[SpoolEntry], run: str, capture_points: Sequence[int], dtype: torch.dtype,
-    shard_id: str | None = None,
+    shard_id: str | None = None, codec: str = NONE,
 ) -> ShardPlan:
     """The layout of a shard of `entries` (checked spool files, in this order), named `shard_id`
-    (a collector's fresh name, harvest.ids.new_shard_id; default: the digest of the samples)."""
+    (a collector's fresh name, harvest.ids.new_shard_id; default: the digest of the samples).
+    With a `codec` other than none, the plan is to be coded (`encode_shard`) before it is written."""
     if not entries:
         raise ShardError("a shard needs at least one sample")
-    ids = [e.id for e in entries]
-    offsets = [0]
-    for e in entries:
-        offsets.append(offsets[-1] + e.num_tokens)
-    n, k = offsets[-1], len(capture_points)
+    k = len(capture_points)
     hidden = entries[0].spans["hidden_states"].shape[2]
     for e in entries:
         hs = e.spans["hidden_states"]
         if hs.dtype != dtype or hs.shape[1:] != (k, hidden):
             raise ShardError(f"{e.path}: hidden_states {hs.dtype} {list(hs.shape)} do not fit a shard of {dtype} [*, {k}, {hidden}]")
+    sid = check_id(shard_id, "shard id") if shard_id else shard_id_for([e.id for e in entries])
+    return _layout(sid, tuple(entries), run, tuple(capture_points), dtype, check_codec(codec), ())
+
+
+def _layout(shard_id: str, entries: tuple[SpoolEntry, ...], run: str, capture_points: tuple[int, ...],
+            dtype: torch.dtype, codec: str, coded: tuple[Coded, ...]) -> ShardPlan:
+    ids = [e.id for e in entries]
+    offsets = _offsets(e.num_tokens for e in entries)
+    n, k = offsets[-1], len(capture_points)
+    hidden = entries[0].spans["hidden_states"].shape[2]
     shapes = {
-        "hidden_states": (dtype, (n, k, hidden)),
+        "hidden_states": (torch.uint8, (sum(c.nbytes for c in coded),)) if coded else (dtype, (n, k, hidden)),
         "input_ids": (torch.int32, (n,)),
         "loss_mask": (torch.uint8, (n,)),
         "offsets": (torch.int64, (len(offsets),)),
@@ -151,24 +179,38 @@ def plan_shard(
         shapes[SCALE] = (torch.float32, (n, k))
     tensors = tuple(Planned(name, *shapes[name]) for name in sorted(shapes))
     meta = {
-        "format": FORMAT,
+        "format": CODED_FORMAT if coded else FORMAT,
         "run": run,
         "sample_ids": json.dumps(ids),
         "capture_points": json.dumps(list(capture_points)),
     }
-    return ShardPlan(
-        check_id(shard_id, "shard id") if shard_id else shard_id_for(ids), tuple(entries), tensors, encode_header(tensors, meta, BLOCK), tuple(offsets), dtype,
-        tuple(capture_points),
-    )
+    if coded:
+        meta.update({"codec": codec, "hidden_states_dtype": dtype_name(dtype),
+                     "hidden_states_shape": json.dumps([n, k, hidden])})
+    return ShardPlan(shard_id, entries, tensors, encode_header(tensors, meta, BLOCK), tuple(offsets), dtype,
+                     capture_points, run, codec, coded)
+
+
+def encode_shard(plan: ShardPlan, path: str) -> ShardPlan:
+    """`plan` with each sample's hidden states coded into the scratch file `path`
+    (harvest.formats.coded.encode_samples)."""
+    coded = encode_samples(plan.entries, plan.dtype, path)
+    return _layout(plan.shard_id, plan.entries, plan.run, plan.capture_points, plan.dtype, plan.codec, coded)
 
 
 def _pieces(plan: ShardPlan) -> Iterator[bytes | tuple[str, int, int, str]]:
     """The shard in order: bytes to write (the header, the offsets), or (spool file, begin,
     length, tensor name) ranges to copy."""
+    if plan.needs_encoding:
+        raise ShardError(f"shard {plan.shard_id}: its {plan.codec} hidden states are not coded yet (encode_shard)")
     yield plan.header
     for t in plan.tensors:
         if t.name == "offsets":
             yield struct.pack(f"<{len(plan.offsets)}q", *plan.offsets)
+            continue
+        if t.name == "hidden_states" and plan.coded:
+            for c in plan.coded:
+                yield c.path, c.begin, c.nbytes, t.name
             continue
         for e in plan.entries:
             span = e.spans[t.name]
@@ -180,7 +222,8 @@ class _Crcs:
     order, in pieces cut anywhere (the read-back thread of `copy_shard` reads spans that straddle
     samples). The ranges come from `_pieces`, so they are the layout itself. It runs on a thread
     of its own beside the sha256 (both release the GIL), so the two sums cost the time of one
-    where a core is free."""
+    where a core is free. Coded hidden states are not summed here: their sums are of the raw
+    bytes, taken as they were coded (`encode_shard`)."""
 
     def __init__(self, plan: ShardPlan) -> None:
         slot = {name: j for j, name in enumerate(plan.crc32_tensors)}
@@ -192,7 +235,10 @@ class _Crcs:
                 pos += len(piece)
                 continue
             _, _, n, name = piece
-            self.ranges.append((pos, pos + n, self.crc[seen[name]], slot[name]))
+            if name == "hidden_states" and plan.coded:
+                self.crc[seen[name]][slot[name]] = plan.coded[seen[name]].crc32
+            else:
+                self.ranges.append((pos, pos + n, self.crc[seen[name]], slot[name]))
             seen[name] += 1
             pos += n
         self.pos = self.k = 0
@@ -210,14 +256,6 @@ class _Crcs:
         self.pos = end
 
 
-def _truncated(path: str, name: str) -> SpoolDamaged:
-    return SpoolDamaged(f"{path}: ends inside tensor {name} (spool file truncated)", path)
-
-
-def _unreadable(path: str, e: OSError) -> SpoolDamaged:
-    return SpoolDamaged(f"{path}: unreadable spool file ({e})", path)
-
-
 def _ranges(plan: ShardPlan, bufs: list[memoryview], wait: Callable[[int], None]) -> Iterator[tuple[memoryview | bytes, int]]:
     """The shard's bytes read in order into the two buffers in turn, each yielded with the slot
     it lies in (-1 for bytes of the plan); `wait(slot)` is called before a buffer is reused."""
@@ -230,7 +268,7 @@ def _ranges(plan: ShardPlan, bufs: list[memoryview], wait: Callable[[int], None]
         try:
             f = open(path, "rb", buffering=0)
         except OSError as e:
-            raise _unreadable(path, e) from None
+            raise unreadable(path, e) from None
         with f:
             f.seek(begin)
             while left:
@@ -239,9 +277,9 @@ def _ranges(plan: ShardPlan, bufs: list[memoryview], wait: Callable[[int], None]
                 try:
                     got = f.readinto(bufs[turn][: min(left, COPY_BUFFER)])
                 except OSError as e:
-                    raise _unreadable(path, e) from None
+                    raise unreadable(path, e) from None
                 if not got:
-                    raise _truncated(path, name)
+                    raise truncated(path, name)
                 yield bufs[turn][:got], turn
                 left -= got
 
@@ -341,11 +379,11 @@ def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None 
                     try:
                         src = os.open(path, os.O_RDONLY)
                     except OSError as e:
-                        raise _unreadable(path, e) from None
+                        raise unreadable(path, e) from None
                     try:
                         copy_range(src, begin, fd, pos, n)
                     except ShortFile:
-                        raise _truncated(path, name) from None
+                        raise truncated(path, name) from None
                     finally:
                         os.close(src)
                     start_writeback(fd, pos, n)  # the disk writes this range while the next is copied

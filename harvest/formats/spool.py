@@ -44,6 +44,14 @@ class SpoolDamaged(SpoolError):
         self.path = path
 
 
+def truncated(path: str, name: str) -> SpoolDamaged:
+    return SpoolDamaged(f"{path}: ends inside tensor {name} (spool file truncated)", path)
+
+
+def unreadable(path: str, e: OSError) -> SpoolDamaged:
+    return SpoolDamaged(f"{path}: unreadable spool file ({e})", path)
+
+
 @dataclass
 class SpooledSample:
     id: str

@@ -14,19 +14,19 @@ import redis
 
 from harvest.config import RunConfig, build_config
 from harvest.ops.reconcile import reconcile
-from harvest.settings import RunTunables
+from harvest.settings import IdentityDefaults, RunTunables
 from harvest.state.runstore import load_run, publish_run
 
 
 def open_run(conn: redis.Redis, run: str, *, model: str | None, out_url: str | None, layers: str,
-             storage_dtype: str, engine: str, dry_run: bool = False, batch_samples: int | None = None,
+             storage_dtype: str, engine: str, codec: str = IdentityDefaults.codec, dry_run: bool = False, batch_samples: int | None = None,
              batch_tokens: int | None = None, spool_grace_s: float = RunTunables.spool_grace_s,
              regenerate: dict | None = None) -> RunConfig:
     """The run `run`: published from these settings when `model` and `out_url` are given (a
     dry run publishes nothing), else the stored one; with this producer's job sizes.
     `regenerate`: a --regenerate run's settings (harvest.regeneration.Regeneration's fields)."""
     if model and out_url and not dry_run:
-        cfg = publish_run(conn, build_config(run, model, out_url, layers, storage_dtype, engine=engine,
+        cfg = publish_run(conn, build_config(run, model, out_url, layers, storage_dtype, engine=engine, codec=codec,
                                              spool_grace_s=spool_grace_s, regenerate=regenerate))
         reconcile(conn, cfg)
     else:

@@ -14,12 +14,16 @@ pack time, harvest.formats.shard): a byte that rotted in storage, or was cut sho
 one sample with `CorruptSample`, naming the shard file, the sample, the tensor, the byte range
 and the fix, and the reader stays usable for every other sample. Index files written before the
 checksums were recorded are read unchecked.
+
+With a codec (harvest.formats.codec), the same reads fetch a sample's coded hidden states (the
+index's `coded_offsets`), decoded on the thread that asked (a feed's read-ahead threads) and
+checked by the raw bytes' crc32: what fails to decode, or decodes to other bytes, is corrupt.
 """
 
 from __future__ import annotations
 
 import json
-import posixpath
+import math
 import threading
 import zlib
 from bisect import bisect_left, bisect_right
@@ -27,49 +31,18 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from harvest.formats.codec import NONE, CodecError, decode
+from harvest.formats.dtypes import dtype_name
 from harvest.formats.fp8 import dequantize, is_fp8
 from harvest.formats.index import ShardError, ShardIndex
 from harvest.formats.shard import shard_file
 from harvest.formats.spool import SCALE
 from harvest.formats.stformat import BLOCK, FormatError, TensorSpan, header_length, parse_header, tensor_from_bytes
 from harvest.read.coalesce import GAP_BYTES, cap_for, read_whole, runs
+from harvest.read.damage import CorruptSample, UnreadableShard, object_url, verify_fix
 from harvest.storage import Location
 
 _SMALL = ("input_ids", "loss_mask", "offsets")
-
-
-def object_url(loc: Location, name: str) -> str:
-    """`name` of `loc` as a user types it: a path for a local folder, else its URL."""
-    return loc.path(name) if loc.is_local else loc.fs.unstrip_protocol(loc.path(name))
-
-
-def verify_fix(loc: Location, plural: bool = False) -> str:
-    """The command that drops a run's corrupt samples from its index files so that they are
-    extracted again (`loc` is the run's folder, `<out>/<run>`)."""
-    run = posixpath.basename(loc.root)
-    out = posixpath.dirname(loc.root) if loc.is_local else loc.url().rsplit("/", 1)[0]
-    it = "them" if plural else "it"
-    return f"run `harvest reconcile --verify --run {run} --out {out}` to drop {it} from the index and extract {it} again"
-
-
-class CorruptSample(ShardError):
-    """One sample's stored bytes differ from what was packed (its crc32), or are cut short."""
-
-    def __init__(self, shard_url: str, shard_id: str, sample_id: str, tensor: str, begin: int, end: int,
-                 problem: str, fix: str, expected: int | None = None, found: int | None = None) -> None:
-        self.shard_url, self.shard_id, self.sample_id, self.tensor = shard_url, shard_id, sample_id, tensor
-        self.begin, self.end, self.problem, self.expected, self.found = begin, end, problem, expected, found
-        super().__init__(f"{shard_url}: sample {sample_id} is corrupt: tensor {tensor}, bytes [{begin}, {end}) of "
-                         f"the shard {problem}; {fix}")
-
-
-class UnreadableShard(ShardError):
-    """A committed shard that cannot be opened at all (its file missing, its header or offsets
-    damaged): every sample it commits is lost with it."""
-
-    def __init__(self, shard_id: str, why: str, samples: int, fix: str) -> None:
-        self.shard_id, self.why = shard_id, why
-        super().__init__(f"shard {shard_id} cannot be read ({why}); its {samples} samples: {fix}")
 
 
 _Held = tuple[memoryview, int]  # bytes of a shard file and the file offset they start at
@@ -156,7 +129,7 @@ class ShardReader:
         if not set(names) <= set(self.tensors) - {"offsets"}:
             raise ShardError(f"{self.name}: its index has crc32s of tensors {names}, the shard holds {sorted(self.tensors)}")
         self._slot = {name: j for j, name in enumerate(names)}
-        self.dtype: torch.dtype = self.tensors["hidden_states"].dtype
+        self._open_hidden(index)
         self._small: dict[str, bytes] = {}
         self._read_small(head)
         offsets = self._whole("offsets")  # the last tensor: a shard cut short anywhere lacks (some of) it
@@ -167,8 +140,30 @@ class ShardReader:
         if whole:
             block, span = _Block(0, len(head), head), self.tensors["hidden_states"]
             for p in want:
-                if span.begin + tokens[p + 1] * span.row_bytes <= len(head):
+                if span.begin + self._at[p + 1] <= len(head):
                     self._blocks[p] = block
+
+    def _open_hidden(self, index: ShardIndex) -> None:
+        """The hidden states' storage dtype, row shape and where each sample's bytes lie in their
+        tensor (`_at`, per sample and the end): rows of the stored tensor, or coded bytes."""
+        span, offsets = self.tensors["hidden_states"], index["offsets"]
+        self.codec: str = index.get("codec", NONE)
+        if self.codec == NONE:
+            self.dtype: torch.dtype = span.dtype
+            self._row_shape: tuple[int, ...] = tuple(span.shape[1:])
+            self._at = [o * span.row_bytes for o in offsets]
+            return
+        meta = self.metadata
+        if meta.get("codec") != self.codec:
+            raise ShardError(f"{self.name}: holds codec {meta.get('codec')!r}, its index names {self.codec!r}")
+        shape = json.loads(meta["hidden_states_shape"])
+        self.dtype = getattr(torch, str(meta["hidden_states_dtype"]), None)
+        if not isinstance(self.dtype, torch.dtype) or dtype_name(self.dtype) != index["dtype"]:
+            raise ShardError(f"{self.name}: hidden states {meta['hidden_states_dtype']}, its index says {index['dtype']}")
+        self._row_shape, self._at = tuple(shape[1:]), list(index["coded_offsets"])
+        if span.dtype != torch.uint8 or len(shape) != 3 or shape[0] != offsets[-1] or span.shape[0] != self._at[-1]:
+            raise ShardError(f"{self.name}: coded hidden states {span.dtype} {list(span.shape)} of {shape} do not fit its "
+                             f"index: {offsets[-1]} tokens in {self._at[-1]} coded bytes")
 
     def _read_small(self, head: bytes) -> None:
         """The token ids, loss mask and offsets: from `head` (the opening read) where it holds them,
@@ -250,9 +245,15 @@ class ShardReader:
         if not 0 <= start <= end <= offsets[-1]:
             raise ShardError(f"{self.name}: rows [{start}, {end}) of {tensor} are outside its {offsets[-1]} rows")
         if start == end:
+            if tensor == "hidden_states":
+                return torch.empty((0, *self._row_shape), dtype=self.dtype)
             return torch.empty((0, *span.shape[1:]), dtype=span.dtype)
         first, last = bisect_right(offsets, start) - 1, bisect_left(offsets, end)  # samples [first, last) hold them
         lo, hi = offsets[first], offsets[last]
+        if tensor == "hidden_states" and self.codec != NONE:
+            parts = [self._decoded(i, held) for i in range(first, last)]
+            whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return whole if (start, end) == (lo, hi) else whole[start - lo : end - lo].clone()
         cached = tensor in _SMALL or tensor == SCALE
         if cached:
             raw, at = memoryview(self._whole(tensor)), span.begin
@@ -268,6 +269,37 @@ class ShardReader:
         if not cached and not cut.readonly and len(cut) == len(raw) and len(cut):  # read for these rows alone: the tensor's own
             return torch.frombuffer(cut, dtype=torch.uint8).view(span.dtype).reshape(shape)
         return tensor_from_bytes(bytearray(cut), span.dtype, shape)
+
+    def _decoded(self, i: int, held: _Held | None) -> torch.Tensor:
+        """Sample i's coded hidden states (from `held` where given), decoded and checked."""
+        span, offsets = self.tensors["hidden_states"], self.index["offsets"]
+        begin, end = span.begin + self._at[i], span.begin + self._at[i + 1]
+        if held is not None and held[1] <= begin and end <= held[1] + len(held[0]):
+            raw, at = held
+        else:
+            raw, at = memoryview(self._read(begin, end)), begin
+        got = raw[begin - at : end - at]
+        tokens = offsets[i + 1] - offsets[i]
+        size = math.prod((tokens, *self._row_shape)) * self.dtype.itemsize
+        problem = expected = found = data = None
+        if len(got) != end - begin:
+            problem = f"are cut short: the shard file holds {len(got)} of its {end - begin} coded bytes there"
+        else:
+            try:
+                data = decode(got, size)
+            except CodecError as e:
+                problem = f"do not decode with its codec {self.codec}: {e}"
+            else:
+                if "hidden_states" in self._slot:
+                    expected, found = self.index["crc32"][i][self._slot["hidden_states"]], zlib.crc32(data)
+                    if found != expected:
+                        problem = f"decode to bytes with crc32 {found}, its index records {expected}"
+        if problem:
+            raise CorruptSample(self.url, self.index["shard_id"], self.index["samples"][i], "hidden_states", begin,
+                                end, problem, verify_fix(self.loc), expected, found)
+        if not size:
+            return torch.empty((tokens, *self._row_shape), dtype=self.dtype)
+        return torch.frombuffer(data, dtype=torch.uint8).view(self.dtype).reshape((tokens, *self._row_shape))
 
     def sample(self, i: int, dtype: torch.dtype | None = None, ahead: Sequence[int] = ()) -> dict[str, torch.Tensor]:
         """`input_ids` [T] int32, `loss_mask` [T] uint8 and `hidden_states` [T, K, H]: as stored
@@ -296,9 +328,9 @@ class ShardReader:
                     held[p] = block
         for p, block in sorted(held.items()):
             yield p, self._attempt(p, dtype, block.get(self._read))
-        span, offsets = self.tensors["hidden_states"], self.index["offsets"]
-        for run in runs(rest, offsets, span.row_bytes, self.cap if cap is None else cap, gap):
-            begin, end = span.begin + offsets[run[0]] * span.row_bytes, span.begin + offsets[run[-1] + 1] * span.row_bytes
+        span, at = self.tensors["hidden_states"], self._at
+        for run in runs(rest, at, 1, self.cap if cap is None else cap, gap):
+            begin, end = span.begin + at[run[0]], span.begin + at[run[-1] + 1]
             try:
                 got: _Held | None = (memoryview(self._read(begin, end)), begin)
             except Exception:  # noqa: BLE001 - each sample of the run reads alone, and fails as it would have
@@ -318,13 +350,12 @@ class ShardReader:
         with self._lock:
             block = self._blocks.pop(i, None)
             if block is None and ahead:
-                span, offsets = self.tensors["hidden_states"], self.index["offsets"]
-                rb = span.row_bytes
+                span, at = self.tensors["hidden_states"], self._at
                 fresh = [p for p in ahead if p != i and p not in self._blocks]
-                for run in runs([i, *fresh], offsets, rb, self.cap):
+                for run in runs([i, *fresh], at, 1, self.cap):
                     if len(run) == 1 and run[0] != i:
                         continue  # one sample alone: read when asked for, as it would be
-                    b = _Block(span.begin + offsets[run[0]] * rb, span.begin + offsets[run[-1] + 1] * rb)
+                    b = _Block(span.begin + at[run[0]], span.begin + at[run[-1] + 1])
                     for p in run:
                         if p == i:
                             block = b

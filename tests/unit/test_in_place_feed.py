@@ -29,11 +29,12 @@ from tests.unit.test_integrity import flip, make_run, pack
 NORM = FinalNorm(0.5 + torch.arange(HIDDEN, dtype=torch.float32) / HIDDEN, 1e-6)
 
 
-def test_speculators_rows_read_in_place_are_the_export_files(tmp_path):
+@pytest.mark.parametrize("codec", ["none", "blosc2-zstd"])
+def test_speculators_rows_read_in_place_are_the_export_files(tmp_path, codec):
     need_module("hs_connectors", "hs-connectors 0.9.0", "install it with scripts/trainer_pkgs.sh")
     from harvest.read.speculators_backend import open_transfer
 
-    _, loc, samples, _ = make_run(tmp_path, [[0, 1, 2], [3, 4, 5]])
+    _, loc, samples, _ = make_run(tmp_path, [[0, 1, 2], [3, 4, 5]], codec=codec)
     reader = RunReader(loc.root)
     full, small = str(tmp_path / "full"), str(tmp_path / "small")
     assert export_speculators(reader, full, None, NORM, _atomic, progress=False)[:2] == (6, 0)

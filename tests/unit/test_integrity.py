@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from harvest.formats.index import ShardError, committed_samples, encode_index, index_file, parse_index
 from harvest.formats.runfile import RUN_FILE
-from harvest.formats.shard import plan_shard, shard_file, write_shard
+from harvest.formats.shard import encode_shard, plan_shard, shard_file, write_shard
 from harvest.formats.spool import inspect_sample
 from harvest.node.spooldir import spool_path
 from harvest.ops.dedupe import DedupeReport, dedupe_run
@@ -34,7 +34,9 @@ def pack(loc: Location, cfg, spool: str, samples) -> str:
     """Pack `samples` (spooled in `spool`) into one committed shard of the run at `loc`: shard, then
     index, as the collector commits; returns the shard id."""
     entries = [inspect_sample(spool_path(spool, s.id), s.id, len(POINTS), HIDDEN, cfg.torch_dtype) for s in samples]
-    plan = plan_shard(entries, cfg.run, cfg.capture_points, cfg.torch_dtype)
+    plan = plan_shard(entries, cfg.run, cfg.capture_points, cfg.torch_dtype, codec=cfg.codec)
+    if plan.needs_encoding:  # as the collector does, into a scratch file beside the spool
+        plan = encode_shard(plan, os.path.join(spool, f".coded-{plan.shard_id}"))
     buf = io.BytesIO()
     sums = write_shard(plan, buf)
     loc.write_atomic(shard_file(plan.shard_id), buf.getvalue())
@@ -42,10 +44,11 @@ def pack(loc: Location, cfg, spool: str, samples) -> str:
     return plan.shard_id
 
 
-def make_run(tmp_path, groups: list[list[int]], dtype: str = "bf16", seed0: int = 0):
+def make_run(tmp_path, groups: list[list[int]], dtype: str = "bf16", seed0: int = 0, codec: str = "none"):
     """A committed run of one shard per group of sample indices into the samples spooled with
-    lengths 5, 9, 3, 4, 6, 8 (a sample may be in two groups: two shards commit it)."""
-    cfg = make_config(str(tmp_path / "out"), dtype=dtype)
+    lengths 5, 9, 3, 4, 6, 8 (a sample may be in two groups: two shards commit it), its hidden
+    states coded by `codec`."""
+    cfg = make_config(str(tmp_path / "out"), dtype=dtype, codec=codec)
     loc = Location.from_url(cfg.out_url).child(cfg.run)
     loc.write_atomic(RUN_FILE, cfg.to_json().encode())
     spool = str(tmp_path / "spool")
