@@ -1,5 +1,5 @@
 """harvest against real SGLang 0.5.23 CPU servers of their own (tests/system/test_sglang_live.py has
-the module's shared server): the radix cache on, and tensor parallel 2. Each test starts its server,
+the module's shared server): the radix cache on, and `harvest run --engine sglang --tp 2`. Each test starts its server,
 so this file runs on its own pytest-xdist worker, beside test_sglang_live.py's (tests/conftest.py).
 
 Skipped, with the command that fixes it, where the SGLang venv is not built.
@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 
 from harvest.cli.demo import write_jsonl
-from harvest.ids import rid_for, sample_id
+from harvest.ids import sample_id
 from harvest.read.reader import RunReader
 from tests.support.cli import harvest_cli
 from tests.support.need import need
@@ -26,11 +26,9 @@ from tests.support.sglang_server import (
     SGLangServer,
     StripExtraKey,
     check_run,
-    dump_files,
     model,  # noqa: F401 - a module fixture
     reference,  # noqa: F401 - a module fixture
     sglang_python_or_skip,
-    wait_dumped,
 )
 
 SGLANG_PYTHON = sglang_python_or_skip()
@@ -79,33 +77,28 @@ def test_radix_cache_on_is_guarded(tmp_path, model, reference):
         s.stop()
 
 
-def test_tensor_parallel_2_only_rank_0_writes(tmp_path, model, reference):
-    """TP 2 on SGLang's CPU engine (one core per rank: SGLANG_CPU_OMP_THREADS_BIND, as SGLang asks
-    on a one-NUMA-node machine): both ranks run the plugin, only rank 0 writes, states right."""
-    if (os.cpu_count() or 1) < 2:
+def test_run_engine_sglang_tp_2_only_rank_0_writes(tmp_path, model, reference):
+    """`harvest run --engine sglang --tp 2` on a machine without GPUs: the code path a GPU node runs
+    (harvest.cli.engineplan, harvest.cli.node) on SGLang's CPU engine, a core per rank
+    (SGLANG_CPU_OMP_THREADS_BIND, as SGLang asks on a one-NUMA-node machine): both ranks run the
+    plugin, only rank 0 writes, every sample committed with the right states."""
+    if len(os.sched_getaffinity(0)) < 2:
         need("a second core", "TP 2 on SGLang's CPU engine needs a core per rank")
-    dumps = tmp_path / "dumps"
-    dumps.mkdir(mode=0o700)
-    s = SGLangServer(SGLANG_PYTHON, model, POINTS, L, str(dumps), str(tmp_path / "server.log"), chunked_prefill_size=CHUNK,
-                     tp_size=2, extra_env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}).start()
-    try:
-        prompts = {rid_for(f"{i + 100:032x}", 1): [5 + (i * 29 + j * 3) % 500 for j in range(30 + 60 * i)] for i in range(3)}
-        r = httpx.post(f"{s.url}/generate", json={"rid": list(prompts), "input_ids": list(prompts.values()),
-                                                  "extra_key": list(prompts), "sampling_params": {"max_new_tokens": 1}},
-                       timeout=300)
-        assert r.status_code == 200, r.text
-        wait_dumped(str(dumps), prompts)  # the plugin's writer is asynchronous
-        files = dump_files(str(dumps))
-        assert sorted(files) == sorted(prompts)
-        for rid, parts in files.items():
-            assert parts[0][0] == 0 and parts[-1][1] == len(prompts[rid])
-            for a, e, hs in parts:
-                reference.check(hs, prompts[rid], POINTS, a, e)
-        assert reference.worst_abs <= ABS_BOUND, reference.worst_abs
-        log = s.log_tail(10**7)
-        assert re.search(r"TP0\] harvest: this rank writes the dumps", log), log[-3000:]
-        assert re.search(r"TP1\] harvest: not TP rank 0: this rank writes no dumps", log), log[-3000:]
-        assert "TP1] harvest: this rank writes" not in log
-    finally:
-        s.stop()
-
+    prompts = [[5 + (i * 31 + j * 7) % 500 for j in range(20 + 50 * i)] for i in range(4)]
+    expected = {sample_id(np.array(p, np.int32), np.ones(len(p), np.uint8)): (p, [1] * len(p)) for p in prompts}
+    dataset = write_jsonl(str(tmp_path / "tp2.jsonl"), [{"input_ids": p} for p in prompts])
+    work = tmp_path / "work"
+    res = harvest_cli("run", dataset, "--model", model, "--out", f"file://{tmp_path}/out", "--run", "tp2", "--dtype",
+                      "fp32", "--layers", ",".join(map(str, POINTS)), "--engine", "sglang", "--tp", "2",
+                      "--chunked-prefill-size", str(CHUNK), "--workers", "1", "--no-progress", "--work-dir", str(work),
+                      "--dump-dir", str(tmp_path / "dumps"), timeout=600,
+                      env={"HARVEST_SGLANG_VENV": os.path.dirname(os.path.dirname(SGLANG_PYTHON))})
+    log = (work / "logs" / "engine.log").read_text(errors="replace")
+    assert res.returncode == 0, res.stdout + res.stderr + log[-3000:]
+    assert f"samples: {len(prompts)} done, 0 failed" in res.stdout, res.stdout
+    assert "'tp_size': 2," in log and "TP1] init_threads_binding" in log, log[-3000:]
+    assert re.search(r"TP0\] harvest: this rank writes the dumps", log), log[-3000:]
+    assert re.search(r"TP1\] harvest: not TP rank 0: this rank writes no dumps", log), log[-3000:]
+    assert "TP1] harvest: this rank writes" not in log
+    check_run(f"file://{tmp_path}/out/tp2", expected, reference)
+    assert reference.worst_abs <= ABS_BOUND, (reference.worst_abs, reference.worst_rel)
