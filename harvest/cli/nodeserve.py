@@ -167,9 +167,7 @@ def _serve_locked(conn, cfg: RunConfig, redis_url: str, settings: NodeSettings, 
         while True:
             recovery.check()
             if _done(conn, cfg.run):
-                seen = recovery.generation
-                recovery.check(force=True)  # judged only on a ledger reconciled on the server answering
-                if recovery.generation == seen and _done(conn, cfg.run):
+                if recovery.unchanged() and _done(conn, cfg.run):  # judged on a reconciled ledger
                     break
                 continue
             node.tend()

@@ -239,11 +239,7 @@ def _extract(ledger: Ledger, recovery: Recovery, node: Node, progress: bool) -> 
         bar.set_postfix_str(f"queued {c['queued']} spooled {c['spooled']} failed {c['failed']}")
         bar.refresh()
         if c["queued"] == 0 and c["spooled"] == 0:
-            # Nothing left, judged only on a ledger reconciled on the server answering: a Redis that
-            # came back empty holds no state until the index files give the committed samples back.
-            seen = recovery.generation
-            recovery.check(force=True)
-            if recovery.generation == seen:
+            if recovery.unchanged():  # nothing left, judged on a ledger reconciled on the server answering
                 break
             continue
         node.tend()

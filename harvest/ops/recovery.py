@@ -121,6 +121,14 @@ class Recovery:
         self.generation += 1
         return did
 
+    def unchanged(self) -> bool:
+        """Check now, not rate-limited: True when the server answering is the one already known to be
+        reconciled, so what the caller read of the ledger before this call stands (a Redis that came
+        back empty holds no state until the index files give the committed samples back)."""
+        seen = self.generation
+        self.check(force=True)
+        return self.generation == seen
+
     def reconcile_now(self) -> ReconcileReport:
         """The reconcile an operator asks for (`harvest reconcile`): under the lock the run's
         processes take, holding reaping where the server is new to the ledger as they would, and
