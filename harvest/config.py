@@ -221,9 +221,6 @@ class RunConfig(RunTunables, RunIdentity):
         all of them. `num_layers` follows from the model, and runs stored before it was recorded lack it."""
         return {k: v for k, v in asdict(self).items() if k in _IDENTITY}
 
-    def tunables(self) -> RunTunables:
-        return RunTunables(**{f.name: getattr(self, f.name) for f in fields(RunTunables)})
-
 
 _IDENTITY = frozenset(f.name for f in fields(RunIdentity))
 

@@ -47,14 +47,6 @@ def write_record(loc: Location, record: dict) -> str:
     return name
 
 
-def read_latest(loc: Location) -> dict | None:
-    """The summary of the run's last audit from its output, None if it was never audited."""
-    try:
-        return json.loads(retry(lambda: loc.read_bytes(LATEST), f"reading {loc.path(LATEST)}"))
-    except FileNotFoundError:
-        return None
-
-
 def summary(record: dict) -> dict:
     """What status and metrics show: when, how, on how much, the verdict, the counts."""
     keys = ("format", "run", "at", "route", "route_detail", "seed", "samples", "committed", "dtype", "tolerance",

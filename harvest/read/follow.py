@@ -96,10 +96,6 @@ class Shards:
             raise got
         return got
 
-    def drop_readers(self) -> None:
-        """Forget open shards (a fresh process opens its own)."""
-        self._open = {}
-
 
 def tail(shards: Shards, seen: set[str], known: set[str], part: int, parts: int, poll_s: float,
          wait_s: float) -> Iterator[list[tuple[str, str]]]:

@@ -215,10 +215,6 @@ def live_beat(name: str) -> WorkerBeat | None:
     return _LIVE.get(name)
 
 
-def worker_alive(conn: redis.Redis, name: str) -> bool:
-    return bool(conn.exists(worker_key(name)))
-
-
 def read_workers(conn: redis.Redis, run: str) -> tuple[list[dict[str, str]], list[str]]:
     """(heartbeats of the live workers of the run, names announced whose heartbeat expired)."""
     names = sorted(n.decode() for n in conn.smembers(Keys(run).workers))

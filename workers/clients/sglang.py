@@ -62,11 +62,6 @@ class SGLangClient:
     def health(self) -> bool:
         return healthy(self.url, 5.0, self.http)
 
-    def model_info(self) -> dict:
-        r = self.http.get(f"{self.url}/get_model_info", timeout=10.0)
-        r.raise_for_status()
-        return r.json()
-
     def generate(self, rids: list[str], prompts: list[list[int]]) -> list[Generated | Rejected]:
         status, body = self._post(rids, prompts)
         if status < 400:
