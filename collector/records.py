@@ -81,7 +81,7 @@ def tend_revoked(conn: redis.Redis, run: str, out: Location, retry: Retry, own_k
     records, ledger, leases = PackingRecords(conn, run), Ledger(conn, run), SpoolLeases(conn, run)
     done = 0
     for key, seen, _ in records.items(skip=own_keys, complete=False):  # periodic: the index, not a SCAN
-        if seen.spool is None or not leases.is_revoked(seen.spool):
+        if not leases.is_revoked(seen.spool):
             continue  # a live node's shard in progress: its own collector's
         # Read again now that the revocation is seen: no fence passes for a revoked spool, so whether
         # this read holds an index is final, where the first read may predate a fence that passed

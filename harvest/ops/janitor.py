@@ -47,7 +47,7 @@ from harvest.ops.liveness import MAX_REAPS, reaping_held_now, tend_liveness
 from harvest.ops.reclaim import ReclaimReport, reclaim_lost_spools
 from harvest.ops.stranded import StrandedReport, tend_stranded
 from harvest.state import scripts
-from harvest.state.heartbeat import HEARTBEAT_TTL_S, read_workers
+from harvest.state.heartbeat import HEARTBEAT_TTL_S
 from harvest.state.jobs import MAX_RETRY_INTERVAL_S, fetch_job, run_queue
 from harvest.state.keys import Keys, rq_worker_key, worker_key
 from harvest.state.ledger import DONE, FAILED, Ledger
@@ -253,7 +253,7 @@ def _proven_stale(conn: redis.Redis, run: str, names: list[str], dump_dir: str, 
     states = dict(zip(sids, Ledger(conn, run).states(sids))) if sids else {}
     out = {n for n, (sid, _) in parsed.items() if states[sid] in (DONE, FAILED)}
     running = None if held or unnamed is None or not parsed else _running_attempts(conn, dump_dir)
-    if unnamed is not None:  # a pass that reads no attempt (reaping held, an older harvest's worker) forgets
+    if unnamed is not None:  # a pass that reads no attempt (reaping held, a heartbeat naming none) forgets
         out |= unnamed.confirm(set() if running is None else {
             n for n, (sid, attempt) in parsed.items() if states[sid] is not None and attempt not in running})
     return out
@@ -261,7 +261,7 @@ def _proven_stale(conn: redis.Redis, run: str, names: list[str], dump_dir: str, 
 
 def _running_attempts(conn: redis.Redis, dump_dir: str) -> set[int] | None:
     """The attempts the live workers of this dump dir's node name (harvest.state.heartbeat), or
-    None when one of them runs an older harvest, which names none. The node's workers are the
+    None when a heartbeat names none (no harvest worker writes one so). The node's workers are the
     owners of the claim dirs here, listed after the dump files: a worker makes its claim dir
     before it takes a job, and names the job's attempt before the engine gets a request of it, so
     the worker of any file listed is in this listing, and its heartbeat read after names the
@@ -279,19 +279,10 @@ def _running_attempts(conn: redis.Redis, dump_dir: str) -> set[int] | None:
         if name is None:
             continue  # no heartbeat: a dead worker runs nothing
         if attempt is None or (attempt and not attempt.isdigit()):
-            return None  # an older harvest's worker, or a value no worker wrote: nothing is proven
+            return None  # a value no worker writes: nothing is proven
         if attempt:
             running.add(int(attempt))
     return running
-
-
-def _drop_old_attempts(conn: redis.Redis, keys: Keys) -> None:
-    """An older harvest's attempt counts (`Keys.old_attempts`) go once no live worker of the run is
-    an older harvest's (its heartbeat names no attempt): such a worker still counts its attempts
-    there, and a count deleted under it would hand its samples' rids out again. One EXISTS a pass
-    once they are gone."""
-    if conn.exists(keys.old_attempts) and all("attempt" in w for w in read_workers(conn, keys.run)[0]):
-        conn.unlink(keys.old_attempts)
 
 
 def _stored_run(conn: redis.Redis, run: str) -> RunConfig | None:
@@ -324,7 +315,6 @@ def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_r
             rep.promoted = promote_due_retries(conn, run, now)
             if not held:  # a live worker not yet beaten again on a new Redis stays in the run's set
                 rep.forgotten_workers = forget_dead_workers(conn, run)
-                _drop_old_attempts(conn, keys)
             cfg = _stored_run(conn, run)
             if cfg is not None:
                 rep.reclaimed = reclaim_lost_spools(conn, cfg)

@@ -30,7 +30,7 @@ from harvest.ids import InvalidId, check_id, job_id_for
 from harvest.state.jobs import enqueue_samples, fetch_job, run_queue
 from harvest.state.keys import Keys
 from harvest.state.ledger import FAILED, QUEUED, Ledger
-from harvest.state.payload import PAYLOAD_VERSION, READ_VERSIONS, PayloadError, batch_ids, decode_batch, split_jobs
+from harvest.state.payload import PAYLOAD_VERSION, PayloadError, batch_ids, decode_batch, split_jobs
 
 CHUNK = 1000  # samples per transaction
 
@@ -102,7 +102,7 @@ def _job_sample_ids(payload: object) -> list[str]:
     (harvest.formats.jobrows) with its ids beside them, and requeue puts the job back as it is, so
     it reads no rows. A store that is down then stops nothing (the worker reads the rows when the
     job runs, and hands the job back while the store fails)."""
-    if not isinstance(payload, dict) or payload.get("v") not in READ_VERSIONS:
+    if not isinstance(payload, dict) or payload.get("v") != PAYLOAD_VERSION:
         raise PayloadError(f"not a harvest v{PAYLOAD_VERSION} job payload")
     ids = batch_ids(payload)
     if not ids:

@@ -76,13 +76,6 @@ class Keys:
         return f"{self.prefix}:spool_owner"
 
     @property
-    def old_attempts(self) -> str:
-        """Hash sample_id -> attempts started, kept by a harvest before a job's attempt was a random
-        number (harvest.ids.new_attempt): read by nobody, and deleted by the janitor once no worker of
-        an older harvest is live (harvest.ops.janitor)."""
-        return f"{self.prefix}:attempts"
-
-    @property
     def stats(self) -> str:
         """Hash of throughput counters (tokens_done, bytes_done, shards)."""
         return f"{self.prefix}:stats"

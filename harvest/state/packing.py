@@ -27,7 +27,7 @@ from harvest.state.keys import Keys
 class PackingRecord:
     shard_id: str
     sample_ids: list[str]
-    spool: str | None  # None: written by a harvest that predates spool leases (taken as the reader's own)
+    spool: str  # the spool dir whose copies the shard packs (harvest.state.spools)
     index: ShardIndex | None = None  # set by the commit fence: the commit is decided
 
     def to_json(self) -> str:
@@ -39,7 +39,7 @@ class PackingRecord:
     @classmethod
     def from_json(cls, raw: bytes | str) -> PackingRecord:
         d = json.loads(raw)
-        return cls(check_id(d["shard_id"], "shard id"), list(d["sample_ids"]), d.get("spool"), d.get("index"))
+        return cls(check_id(d["shard_id"], "shard id"), list(d["sample_ids"]), str(d["spool"]), d.get("index"))
 
 
 class PackingRecords:
@@ -72,7 +72,7 @@ class PackingRecords:
         Returns (the JSON written, whether it may commit, the ledger's id in force)."""
         raw = rec.to_json()
         ids = rec.sample_ids if samples else []
-        ok, held = scripts.put_record(self.keys, key, raw, rec.spool or "", ids, ledger_id).run(self.conn)
+        ok, held = scripts.put_record(self.keys, key, raw, rec.spool, ids, ledger_id).run(self.conn)
         return raw, bool(ok), held.decode()
 
     def ended(self, key: str) -> tuple[str, str]:

@@ -1,26 +1,19 @@
 """The job payload: a batch of tokenized samples as JSON.
 
 Token ids travel as base64 of little-endian integers of the fewest bytes that hold the sample's
-largest id (`w`: 2 below 65,536, 3 below 2^24, else 4): about 2.7 or 4 bytes a token instead
-of ~6-7 for a JSON number list, or 5.3 for base64 of int32. The loss mask travels as base64 of
-its bits (packed, little bit order). Both are cheap to make and leave RQ's zlib half the bytes
-to compress, which was the producer's largest cost after the chat template (bench/enqueue.py);
-the same rows are what Redis keeps for spooled and failed samples (`payload_row`).
-
-Version 1 rows (int32 ids, the mask as bytes) are still read: jobs and rows enqueued before an
-upgrade. Older workers refuse version 2 jobs (they fail in RQ, their samples stay queued), so a
-fleet upgrades its workers before its producers. Decoding re-derives every sample id from its content, so a payload tampered with in
-Redis cannot point a worker at another sample's files.
+largest id (`w`: 2 below 65,536, 3 below 2^24, else 4); the loss mask travels as base64 of its
+bits (packed, little bit order). Both are cheap to make and leave RQ's zlib little to do; the
+same rows are what Redis keeps for spooled and failed samples (`payload_row`). Decoding
+re-derives every sample id from its content, so a payload tampered with in Redis cannot point a
+worker at another sample's files.
 
 A producer's job carries no rows: it names them in storage (`rows`, harvest.formats.jobrows), and
 `inline` reads them back; jobs built by harvest itself from kept rows (requeue, reclaim, the
-stranded sweep) carry theirs (`samples`). Workers from before that change refuse a job without
-`samples` (it fails in RQ, its samples stay queued): upgrade the workers first, as above.
+stranded sweep) carry theirs (`samples`).
 
 A row of a `--regenerate` run carries `conv` (harvest.state.conversation): its tokens are the
-conversation's skeleton and its id hashes the conversation too, so a worker that predates
-regeneration finds the id does not match the tokens and refuses the job instead of extracting a
-skeleton as if it were a sample.
+conversation's skeleton and its id hashes the conversation too, so the id checks that the row's
+tokens are that skeleton.
 """
 
 from __future__ import annotations
@@ -37,7 +30,6 @@ from harvest.ids import check_id, sample_id
 from harvest.state.conversation import Conversation, ConversationError
 
 PAYLOAD_VERSION = 2
-READ_VERSIONS = (1, 2)
 
 
 class PayloadError(InputError, ValueError):
@@ -142,11 +134,8 @@ def _encode_row(s: Sample) -> dict:
 
 
 def _decode_row(row: dict) -> tuple[str, np.ndarray, np.ndarray]:
-    """(id, ids, mask) of a version 2 row, or of a version 1 row (no `w`)."""
+    """(id, ids, mask) of a row."""
     sid = check_id(row["id"], "sample id")
-    if "w" not in row:  # version 1
-        ids = np.frombuffer(base64.b64decode(row["ids"], validate=True), dtype="<i4").astype(np.int32)
-        return sid, ids, np.frombuffer(base64.b64decode(row["mask"], validate=True), dtype=np.uint8)
     ids = _decode_ids(row["w"], row["ids"])
     bits = np.frombuffer(base64.b64decode(row["bits"], validate=True), dtype=np.uint8)
     if bits.size != (ids.size + 7) // 8:
@@ -191,7 +180,7 @@ def inline(payload: object) -> object:
 
 def decode_batch(payload: object) -> tuple[str, list[Sample]]:
     """A payload's run and samples, its rows read from storage if the job names them there (`inline`)."""
-    if not isinstance(payload, dict) or payload.get("v") not in READ_VERSIONS:
+    if not isinstance(payload, dict) or payload.get("v") != PAYLOAD_VERSION:
         raise PayloadError(f"not a harvest v{PAYLOAD_VERSION} job payload")
     payload = inline(payload)
     run = check_id(payload.get("run", ""), "run name")
@@ -220,8 +209,8 @@ def payload_row(run: str, sample: Sample) -> str:
 
 def payload_rows(payload: dict) -> list[str]:
     """The rows of an inline payload that `decode_batch` accepted, in its order, as `payload_row` writes
-    them: the job's own base64 strings (of either version), not encoded again."""
+    them: the job's own base64 strings, not encoded again."""
     return [json.dumps({k: r[k] for k in _ROW_KEYS if k in r}) for r in payload["samples"]]
 
 
-_ROW_KEYS = ("id", "w", "ids", "bits", "mask", "conv")
+_ROW_KEYS = ("id", "w", "ids", "bits", "conv")

@@ -139,7 +139,7 @@ def test_unfinished_multipart_upload_of_a_killed_collector_is_aborted_on_resume(
     bucket = s3_bucket.removeprefix("s3://")
     key = f"out/r/{shard_file(sid)}"
     _s3(s3_endpoint).create_multipart_upload(Bucket=bucket, Key=key)  # what a SIGKILL mid-upload leaves
-    conn.set(c.packing_key, json.dumps({"shard_id": sid, "sample_ids": ids}))
+    conn.set(c.packing_key, json.dumps({"shard_id": sid, "sample_ids": ids, "spool": c.spool_id}))
     c.resume()
     assert _s3(s3_endpoint).list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert Location.from_url(f"{s3_bucket}/out/r").read_json(index_file(sid))["samples"] == ids

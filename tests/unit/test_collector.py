@@ -160,7 +160,7 @@ def test_orphan_shards_are_swept_only_when_old_unrecorded_and_uncommitted(conn, 
     (shards / f".tmp-n2-{'d' * 32}.safetensors").write_bytes(b"a dead node's temp")
     for name in (f"{'a' * 32}.safetensors", f"{'b' * 32}.safetensors", f".tmp-n2-{'d' * 32}.safetensors", committed[0]):
         os.utime(shards / name, (old, old))  # b is old but recorded by another node's collector
-    conn.set(ledger.keys.packing("n2"), json.dumps({"shard_id": "b" * 32, "sample_ids": []}))
+    conn.set(ledger.keys.packing("n2"), json.dumps({"shard_id": "b" * 32, "sample_ids": [], "spool": "n2-spool"}))
     Collector(conn, cfg, spool, node="n1", orphan_age=3600).resume()
     assert sorted(os.listdir(shards)) == sorted(committed + [f"{'b' * 32}.safetensors", f"{'c' * 32}.safetensors"])
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from harvest.ids import InvalidId, check_id, job_id_for, parse_rid, rid_for, sample_id, shard_id_for
-from harvest.state.payload import PayloadError, Sample, decode_batch, encode_batch, payload_rows
+from harvest.state.payload import PayloadError, Sample, decode_batch, encode_batch
 
 
 def test_sample_id_is_blake2b128_of_int32le_ids_then_mask_bytes():
@@ -53,18 +53,6 @@ def test_payload_round_trip_is_json_with_ids_in_the_fewest_bytes_and_mask_bits()
     assert [x.id for x in back] == [x.id for x in s]
     assert [x.input_ids.tolist() for x in back] == [x.input_ids.tolist() for x in s]
     assert [x.loss_mask.tolist() for x in back] == [x.loss_mask.tolist() for x in s]
-
-
-def test_version_1_payloads_and_rows_are_still_read():
-    """Jobs and kept rows written before the upgrade: int32 ids and the mask as bytes."""
-    s = Sample.build([5, 6, 70000], [0, 1, 1])
-    row = {"id": s.id, "ids": base64.b64encode(np.array([5, 6, 70000], "<i4").tobytes()).decode(),
-           "mask": base64.b64encode(bytes([0, 1, 1])).decode()}
-    run, (back,) = decode_batch({"v": 1, "run": "r", "samples": [row]})
-    assert back.id == s.id and back.loss_mask.tolist() == [0, 1, 1]
-    run, (back,) = decode_batch({"v": 2, "run": "r", "samples": [row]})  # a v1 row requeued under v2
-    assert back.id == s.id
-    assert json.loads(payload_rows({"samples": [row]})[0]) == row
 
 
 @pytest.mark.parametrize("change,message", [

@@ -10,9 +10,9 @@ import torch
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import rid_for
 from harvest.node.dumpdir import CLAIM_PREFIX, claim_dir
-from harvest.ops.janitor import CONFIRM_UNNAMED_S, UnnamedDumps, clean_dump_dir, janitor_pass
+from harvest.ops.janitor import CONFIRM_UNNAMED_S, UnnamedDumps, clean_dump_dir
 from harvest.state.heartbeat import WorkerBeat
-from harvest.state.keys import Keys, worker_key
+from harvest.state.keys import worker_key
 from harvest.state.ledger import Ledger
 
 
@@ -54,7 +54,7 @@ def test_done_failed_and_ended_attempts_dumps_go_running_ones_stay(conn, tmp_pat
     claim_dirs = [f"{CLAIM_PREFIX}w-live", f"{CLAIM_PREFIX}w-dead"]
     assert sorted(os.listdir(tmp_path)) == sorted([names[k] for k in ("ended", "dead", "running", "unknown")]
                                                   + claim_dirs)
-    # a worker of an older harvest, whose heartbeat names no attempt: its node's attempts are unknown
+    # a heartbeat that names no attempt (no harvest worker writes one so): its node's attempts are unknown
     conn.hset(worker_key("w-old"), "name", "w-old")
     os.makedirs(claim_dir(str(tmp_path), "w-old"))
     assert clean() == ([], 0)
@@ -92,21 +92,3 @@ def test_done_failed_and_ended_attempts_dumps_go_running_ones_stay(conn, tmp_pat
     _file(tmp_path, ended, 1)
     assert clean_dump_dir(conn, str(tmp_path), now=later) == ([], 0)
     assert clean_dump_dir(conn, str(tmp_path), now=later, run="r") == ([], 1)
-
-
-def test_an_older_harvests_attempt_counts_go_once_none_of_its_workers_is_live(conn):
-    # An older harvest's worker counts its attempts in Keys.old_attempts: deleted under it, the
-    # count would start again and hand its samples' rids out a second time.
-    keys = Keys("r")
-    conn.hset(keys.old_attempts, "a" * 32, 3)
-    new = WorkerBeat(conn, "r", "w-new", "node", "http://engine")
-    old = WorkerBeat(conn, "r", "w-old", "node", "http://engine")
-    new.start()
-    old.start()
-    conn.hdel(worker_key("w-old"), "attempt")  # as an older harvest's heartbeat reads
-    janitor_pass(conn, "r")
-    assert conn.hget(keys.old_attempts, "a" * 32) == b"3"
-    old.stop()
-    janitor_pass(conn, "r")
-    assert conn.exists(keys.old_attempts) == 0
-    new.stop()
