@@ -47,15 +47,15 @@ import redis  # noqa: E402
 
 from collector.packers import Packers  # noqa: E402
 from harvest.cli.redisproc import RedisServer  # noqa: E402
-from tests.support.moto import moto_server  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
 from harvest.formats.dump import Chunk, write_chunk  # noqa: E402
 from harvest.ids import rid_for  # noqa: E402
 from harvest.node.spooldir import SpoolBatch  # noqa: E402
+from harvest.sample import Sample  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
-from harvest.state.payload import Sample  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
 from harvest.storage import Location  # noqa: E402
+from tests.support.moto import moto_server  # noqa: E402
 from workers.claim import assemble, claim  # noqa: E402
 
 POINTS = [2, 16, 29, 32]

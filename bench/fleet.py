@@ -57,9 +57,9 @@ import redis  # noqa: E402
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
 from harvest.errors import ConfigurationError  # noqa: E402
+from harvest.sample import Sample  # noqa: E402
 from harvest.state.heartbeat import read_collectors, read_workers  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
-from harvest.state.payload import Sample  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
 from producer.enqueue import Enqueuer  # noqa: E402
 from tests.support.cpushare import CpuShare  # noqa: E402

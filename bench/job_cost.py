@@ -45,10 +45,10 @@ import redis  # noqa: E402
 
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
+from harvest.sample import Sample  # noqa: E402
 from harvest.state import jobcopy  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.packing import PackingRecord, PackingRecords  # noqa: E402
-from harvest.state.payload import Sample  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
 from tests.support.fleet import RedisStats, install_counter, rq_cost  # noqa: E402
 from tests.support.ops import enqueue  # noqa: E402

@@ -44,9 +44,9 @@ sys.path.insert(0, REPO)
 from harvest.cli.demo import build_tiny_model  # noqa: E402
 from harvest.formats.dump import parse_chunk_name  # noqa: E402
 from harvest.health import wait_healthy  # noqa: E402
-from tests.support.benchengine import start_pinned_engine  # noqa: E402
 from harvest.ids import rid_for, sample_id  # noqa: E402
-from harvest.state.payload import Sample, split_jobs  # noqa: E402
+from harvest.sample import Sample, split_jobs  # noqa: E402
+from tests.support.benchengine import start_pinned_engine  # noqa: E402
 
 
 def make_rows(n: int, mean_tokens: int, vocab: int, seed: int) -> list[list[int]]:
@@ -55,7 +55,7 @@ def make_rows(n: int, mean_tokens: int, vocab: int, seed: int) -> list[list[int]
 
 
 def batches(rows: list[list[int]], max_samples: int, max_tokens: int) -> list[list[list[int]]]:
-    """The producer's batching rule (harvest.state.payload.split_jobs), so both sides send the same work."""
+    """The producer's batching rule (harvest.sample.split_jobs), so both sides send the same work."""
     jobs = split_jobs([Sample.build(r) for r in rows], max_samples, max_tokens)
     return [[s.input_ids.tolist() for s in job] for job in jobs]
 

@@ -69,12 +69,12 @@ import redis  # noqa: E402
 from harvest.cli.demo import build_tiny_model  # noqa: E402
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.health import wait_healthy  # noqa: E402
-from tests.support.benchengine import start_pinned_engine  # noqa: E402
+from harvest.sample import Sample, split_jobs  # noqa: E402
 from harvest.state.conversation import turn_seed  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
-from harvest.state.payload import Sample, split_jobs  # noqa: E402
 from producer.rows import Row  # noqa: E402
 from producer.tokenize import RowTokenizer  # noqa: E402
+from tests.support.benchengine import start_pinned_engine  # noqa: E402
 from workers.clients.base import GenParams, Rejected  # noqa: E402
 from workers.clients.sglang import SGLangClient  # noqa: E402
 

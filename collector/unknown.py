@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import logging
 
+from harvest.sample import Sample
 from harvest.state.ledger import Ledger
-from harvest.state.payload import PayloadError, Sample, payload_row
+from harvest.state.payload import PayloadError, payload_row
 
 log = logging.getLogger("harvest.collector")
 

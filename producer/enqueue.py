@@ -36,12 +36,13 @@ from harvest.config import RunConfig
 from harvest.formats import jobrows
 from harvest.formats.runfile import run_location
 from harvest.ids import job_id_for
+from harvest.sample import Sample, split_jobs
 from harvest.settings import ProducerSettings
 from harvest.state.failures import JOB_LOST, SPOOL_LOST
 from harvest.state.jobs import enqueue_samples, run_queue
 from harvest.state.keys import Keys
 from harvest.state.ledger import QUEUED, Ledger
-from harvest.state.payload import Sample, payload_row, split_jobs
+from harvest.state.payload import payload_row
 
 DEFAULT_MAX_QUEUED = ProducerSettings.max_queued
 TOKENS_LOST = (JOB_LOST, SPOOL_LOST)  # failures the producer undoes: it holds the tokens again

@@ -19,7 +19,7 @@ import multiprocessing as mp
 from collections import deque
 from collections.abc import Iterable, Iterator
 
-from harvest.state.payload import Sample
+from harvest.sample import Sample
 from producer.rows import BadRow, Row
 from producer.tokenize import RowTokenizer
 

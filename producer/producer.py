@@ -15,12 +15,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import redis
+
 from harvest.config import ConfigError, RunConfig
 from harvest.errors import InputError
 from harvest.formats.datasetids import SampleIds
 from harvest.progress import progress as progress_display
+from harvest.sample import Sample
 from harvest.settings import ProducerSettings
-from harvest.state.payload import Sample
 from producer.enqueue import DEFAULT_MAX_QUEUED, Enqueuer
 from producer.parallel import ProcessTokenizer
 from producer.prefetch import prefetch

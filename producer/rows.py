@@ -9,7 +9,7 @@ sites only: the JSON parser (producer.sources), the chat template and transforme
 messages (producer.templates), and the tokenizer (producer.tokenize). Whatever those raise for
 one row is that row's: it becomes a BadRow naming the exception's type and message
 (`exception_reason`), and the dataset goes on. harvest's own checks of a row raise `RowError`,
-`TemplateError` or `PayloadError` with messages of their own, told the same way. Any other
+`TemplateError` or `SampleError` with messages of their own, told the same way. Any other
 exception raised in harvest's own code is a bug: it is not caught per row, and stops the
 producer with its traceback. Parquet and Arrow rows come from pyarrow a record batch at a time;
 a batch pyarrow cannot read is one bad row at the place it broke (producer.columnar).

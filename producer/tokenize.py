@@ -16,14 +16,14 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from harvest.config import ConfigError, model_context
+from harvest.sample import Sample, SampleError
 from harvest.settings import ProducerSettings
 from harvest.state.conversation import Conversation, ConversationError
-from harvest.state.payload import PayloadError, Sample
 from producer.rowkinds import Chat, FieldMap, Pretokenized, PromptCompletion, RowError, Text, classify
 from producer.rows import OVERLONG_POLICIES, BadRow, Row, exception_reason
 from producer.templates import ChatRenderer, TemplateError, mask_from_spans
 
-ROW_ERRORS = (RowError, TemplateError, PayloadError, ConversationError)  # harvest's own verdicts on a row, told as they are
+ROW_ERRORS = (RowError, TemplateError, SampleError, ConversationError)  # harvest's own verdicts on a row, told as they are
 @dataclass(frozen=True)
 class LengthPolicy:
     """The longest sample: `max_len` (--max-len) and the model's `context` (`model_context`), the

@@ -21,6 +21,7 @@ from harvest.formats.crc import combine_all
 from harvest.formats.dump import DumpError, parse_chunk_name, read_chunk
 from harvest.formats.fp8 import to_storage
 from harvest.formats.spool import SpooledSample
+from harvest.sample import Sample
 from harvest.state.failures import (
     BAD_CHUNKS,
     BAD_DUMP,
@@ -30,7 +31,6 @@ from harvest.state.failures import (
     TOKEN_MISMATCH,
     SampleFailure,
 )
-from harvest.state.payload import Sample
 
 
 def _coverage(spans: list[tuple[int, int]], total: int) -> str | None:

@@ -43,6 +43,7 @@ from rq.timeouts import JobTimeoutException
 from harvest.errors import StorageError
 from harvest.ids import new_attempt, rid_for
 from harvest.node.spooldir import SpoolBatch
+from harvest.sample import Sample
 from harvest.state import jobcopy
 from harvest.state.connection import give_up, is_connection_error
 from harvest.state.failures import (
@@ -58,7 +59,7 @@ from harvest.state.failures import (
     SampleFailure,
 )
 from harvest.state.ledger import QUEUED
-from harvest.state.payload import Sample, decode_batch, inline, payload_row, payload_rows
+from harvest.state.payload import decode_batch, inline, payload_row, payload_rows
 from workers.claim import Claimed, assemble, clear_claims
 from workers.claim import claim as claim_dumps
 from workers.clients.base import EngineUnavailable, Rejected

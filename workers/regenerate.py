@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from harvest.config import RunConfig
 from harvest.regeneration import Regeneration
+from harvest.sample import Sample
 from harvest.state.conversation import gen_rid, turn_seed
 from harvest.state.failures import (
     CONTEXT_LENGTH,
@@ -41,7 +42,6 @@ from harvest.state.failures import (
     PROMPT_LENGTH,
     SampleFailure,
 )
-from harvest.state.payload import Sample
 from workers.clients.base import EngineUnavailable, GenParams, Rejected
 
 log = logging.getLogger("harvest.worker")

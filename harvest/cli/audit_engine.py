@@ -34,8 +34,8 @@ from harvest.health import wait_healthy
 from harvest.node.dumpdir import claim_dir, default_dump_dir
 from harvest.node.modelcheck import check_engine
 from harvest.ops.audit import Unchecked
+from harvest.sample import Sample
 from harvest.settings import AuditSettings
-from harvest.state.payload import Sample
 
 
 class AuditEngineDown(ServiceError, RuntimeError):

@@ -44,7 +44,7 @@ from harvest.ops.audit_compare import (
 )
 from harvest.ops.audit_record import FAIL, FORMAT, PASS, stamp
 from harvest.ops.dedupe import exclude_in_index, read_indexes
-from harvest.state.payload import Sample
+from harvest.sample import Sample
 from harvest.storage import Location
 
 if TYPE_CHECKING:

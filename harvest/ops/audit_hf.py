@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from harvest.config import FINAL_POST_NORM, ConfigError, RunConfig
-from harvest.state.payload import Sample
+from harvest.sample import Sample
 
 if TYPE_CHECKING:
     import torch

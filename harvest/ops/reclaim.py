@@ -29,12 +29,13 @@ import redis
 
 from harvest.config import RunConfig
 from harvest.ids import job_id_for
+from harvest.sample import split_jobs
 from harvest.state.failures import SPOOL_LOST
 from harvest.state.heartbeat import keep_alive
 from harvest.state.jobs import enqueue_samples, run_queue
 from harvest.state.ledger import Ledger
 from harvest.state.packing import PackingRecords
-from harvest.state.payload import PAYLOAD_VERSION, PayloadError, decode_batch, split_jobs
+from harvest.state.payload import PAYLOAD_VERSION, PayloadError, decode_batch
 from harvest.state.spools import SpoolLeases
 
 log = logging.getLogger("harvest.janitor")

@@ -35,9 +35,10 @@ from harvest.formats.runfile import read_run_json, run_location
 from harvest.formats.shard import SHARDS
 from harvest.formats.stformat import FormatError, header_length, parse_header, tensor_from_bytes
 from harvest.ids import job_id_for
+from harvest.sample import Sample, split_jobs
 from harvest.state.jobs import enqueue_samples, run_queue
 from harvest.state.ledger import DONE, Ledger
-from harvest.state.payload import PayloadError, Sample, split_jobs
+from harvest.state.payload import PayloadError
 from harvest.state.runstore import publish_run
 from harvest.storage import Location, retry
 

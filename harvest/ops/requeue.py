@@ -27,10 +27,11 @@ from rq.exceptions import NoSuchJobError
 
 from harvest.config import RunConfig
 from harvest.ids import InvalidId, check_id, job_id_for
+from harvest.sample import split_jobs
 from harvest.state.jobs import enqueue_samples, fetch_job, run_queue
 from harvest.state.keys import Keys
 from harvest.state.ledger import FAILED, QUEUED, Ledger
-from harvest.state.payload import PAYLOAD_VERSION, PayloadError, batch_ids, decode_batch, split_jobs
+from harvest.state.payload import PAYLOAD_VERSION, PayloadError, batch_ids, decode_batch
 
 CHUNK = 1000  # samples per transaction
 

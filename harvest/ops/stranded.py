@@ -11,7 +11,7 @@ registry entry, or lets a failed job expire. Whatever RQ's registries say, a sam
 `STRANDED_GRACE_S` by Redis's clock (first seen: `Keys.stranded`) is enqueued again as a new job,
 built as harvest.ops.reclaim builds them, from its payload row wherever one is kept: the job data
 in RQ's failed, canceled, finished or deferred registries, the run's failed-payload and
-spooled-payload rows (a ref read through its job's copy, harvest.state.jobcopy), or any other
+spooled payload rows (a ref read through its job's copy, harvest.state.jobcopy), or any other
 job hash of the run's queue. A sample whose tokens are kept nowhere fails as `job-lost`, with
 one warning.
 
@@ -47,13 +47,14 @@ from rq.job import Job
 from harvest.config import RunConfig
 from harvest.errors import StorageError
 from harvest.ids import job_id_for
+from harvest.sample import Sample, split_jobs
 from harvest.state.failures import JOB_LOST
 from harvest.state.heartbeat import keep_alive
 from harvest.state.jobcopy import resolve
 from harvest.state.jobs import SERIALIZER, enqueue_samples, run_queue
 from harvest.state.keys import Keys
 from harvest.state.ledger import QUEUED, Ledger
-from harvest.state.payload import PAYLOAD_VERSION, PayloadError, Sample, batch_ids, decode_batch, inline, split_jobs
+from harvest.state.payload import PAYLOAD_VERSION, PayloadError, batch_ids, decode_batch, inline
 
 log = logging.getLogger("harvest.janitor")
 

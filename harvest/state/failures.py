@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from harvest.sample import Sample
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample, payload_row
+from harvest.state.payload import payload_row
 
 # The engine call (workers.job)
 ENGINE_UNAVAILABLE = "engine-unavailable"  # transient: unreachable, timeouts, 5xx after retries

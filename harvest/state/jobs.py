@@ -18,9 +18,10 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import as_text
 
+from harvest.sample import Sample
 from harvest.state import scripts
 from harvest.state.keys import Keys
-from harvest.state.payload import Sample, encode_batch, encode_ref
+from harvest.state.payload import encode_batch, encode_ref
 
 JOB_FUNCTION = "workers.job.process_batch"
 SERIALIZER = JSONSerializer

@@ -82,9 +82,9 @@ class Keys:
 
     @property
     def spooled_payload(self) -> str:
-        """Hash sample_id -> payload row of a sample in state s, kept in full (its job was gone to copy) or
-        as a ref an older harvest wrote here (a ref is now kept in the state value), so a lost spool's
-        samples can be enqueued again."""
+        """Hash sample_id -> payload row of a sample in state s whose job was gone to copy (the others
+        keep a ref in their state value, harvest.state.jobcopy), so a lost spool's samples can be
+        enqueued again."""
         return f"{self.prefix}:spooled-payload"
 
     @property
@@ -135,7 +135,7 @@ class Keys:
 
     @property
     def failed_payload(self) -> str:
-        """Hash sample_id -> JSON payload row {id, ids, mask} of a failed sample, so requeue can rebuild its job."""
+        """Hash sample_id -> JSON payload row (harvest.state.payload.payload_row) of a failed sample, so requeue can rebuild its job."""
         return f"{self.prefix}:failed-payload"
 
     def rate(self, bucket: int) -> str:

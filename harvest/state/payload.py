@@ -20,81 +20,19 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass
 
 import numpy as np
 
-from harvest.errors import InputError
 from harvest.formats import jobrows
-from harvest.ids import check_id, sample_id
-from harvest.state.conversation import Conversation, ConversationError
+from harvest.ids import check_id
+from harvest.sample import Sample, SampleError
+from harvest.state.conversation import Conversation
 
 PAYLOAD_VERSION = 2
 
 
-class PayloadError(InputError, ValueError):
+class PayloadError(SampleError):
     """A job payload that is not what a producer writes."""
-
-
-@dataclass(frozen=True)
-class Sample:
-    id: str
-    input_ids: np.ndarray  # int32 [T]
-    loss_mask: np.ndarray  # uint8 [T]
-    # A conversation to regenerate (harvest.state.conversation): `input_ids` is then its skeleton,
-    # the tokens around the assistant turns, and `loss_mask` all zeros, until a worker generates
-    # the turns; the regenerated sample keeps this id.
-    conv: Conversation | None = None
-
-    @classmethod
-    def build(cls, input_ids, loss_mask=None, conv: Conversation | None = None) -> Sample:
-        ids = np.asarray(input_ids, dtype=np.int64)
-        if ids.ndim != 1:
-            raise PayloadError(f"input_ids must be a flat list, got shape {ids.shape}")
-        if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
-            raise PayloadError("input_ids out of int32 range")
-        ids = ids.astype(np.int32)
-        mask = np.ones(len(ids), np.uint8) if loss_mask is None else np.asarray(loss_mask).astype(np.uint8)
-        if mask.shape != ids.shape:
-            raise PayloadError(f"loss_mask has {mask.size} entries for {ids.size} tokens")
-        if mask.size and mask.max() > 1:
-            raise PayloadError("loss_mask must hold only 0 and 1")
-        if conv is not None:
-            try:
-                conv.pieces(ids)
-            except ConversationError as e:
-                raise PayloadError(str(e)) from None
-            if mask.any():
-                raise PayloadError("a conversation to regenerate has no loss mask yet: its turns are not written")
-        return cls(sample_id(ids, mask, conv.digest() if conv is not None else b""), ids, mask, conv)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.size)
-
-    def regenerated(self, input_ids: np.ndarray, loss_mask: np.ndarray) -> Sample:
-        """The sample a worker extracts once this conversation's turns are generated: its tokens,
-        under this conversation's id (the ledger's, the seeds')."""
-        if self.conv is None:
-            raise PayloadError(f"sample {self.id} is no conversation to regenerate")
-        return Sample(self.id, np.asarray(input_ids, np.int32), np.asarray(loss_mask, np.uint8))
-
-
-def split_jobs(samples: list[Sample], max_samples: int, max_tokens: int) -> list[list[Sample]]:
-    """Cut samples, in order, into jobs bounded by count and tokens; a sample
-    longer than `max_tokens` goes alone."""
-    jobs: list[list[Sample]] = []
-    cur: list[Sample] = []
-    tokens = 0
-    for s in samples:
-        if cur and (len(cur) >= max_samples or tokens + s.num_tokens > max_tokens):
-            jobs.append(cur)
-            cur, tokens = [], 0
-        cur.append(s)
-        tokens += s.num_tokens
-    if cur:
-        jobs.append(cur)
-    return jobs
 
 
 def _b64(raw: bytes) -> str:
@@ -194,7 +132,10 @@ def decode_batch(payload: object) -> tuple[str, list[Sample]]:
             conv = Conversation.from_json(row["conv"]) if "conv" in row else None
         except (KeyError, TypeError, ValueError) as e:
             raise PayloadError(f"malformed sample in payload: {e}") from None
-        s = Sample.build(ids, mask, conv)
+        try:
+            s = Sample.build(ids, mask, conv)
+        except SampleError as e:
+            raise PayloadError(str(e)) from None
         if s.id != sid:
             raise PayloadError(f"sample {sid} does not match its content (hash {s.id})")
         out.append(s)

@@ -16,8 +16,9 @@ from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
 from harvest.node.spooldir import list_spooled, spool_identity
 from harvest.read.reader import RunReader
+from harvest.sample import Sample
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample, payload_row
+from harvest.state.payload import payload_row
 from harvest.state.runstore import publish_run
 from harvest.storage import Location
 from tests.support.synth import make_config, spool_samples

@@ -25,10 +25,10 @@ import redis
 
 from harvest.config import RunConfig
 from harvest.ids import sample_id
+from harvest.sample import Sample
 from harvest.state.heartbeat import HEARTBEAT_TTL_S
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
 from producer.enqueue import Enqueuer
 from tests.support.chaos import RETURNS, Trial

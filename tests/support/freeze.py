@@ -41,8 +41,9 @@ from harvest.formats.shard import SHARDS, shard_file
 from harvest.node.spooldir import list_spooled, spool_identity, spool_path
 from harvest.ops.reclaim import reclaim_spool
 from harvest.read.reader import RunReader
+from harvest.sample import Sample
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample, payload_row
+from harvest.state.payload import payload_row
 from harvest.state.runstore import publish_run
 from harvest.storage import Location, retry
 from tests.support.synth import make_config, spool_samples

@@ -15,9 +15,9 @@ from harvest.cli.redisproc import free_port
 from harvest.config import RunConfig
 from harvest.health import healthy
 from harvest.ids import job_id_for
+from harvest.sample import Sample
 from harvest.state.jobs import enqueue_samples, run_queue
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
 from tests.support.cli import REPO
 from tests.support.wait import wait_for

@@ -33,10 +33,10 @@ from harvest.node.dumpdir import claim_dir
 from harvest.node.paths import private_dir
 from harvest.ops.metrics import RedisCollector, failure_reasons
 from harvest.ops.status import compute_status
+from harvest.sample import Sample
 from harvest.state.heartbeat import WorkerBeat
 from harvest.state.jobs import SERIALIZER, run_queue
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
 from tests.support.ops import enqueue
 from workers import rqworker

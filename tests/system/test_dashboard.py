@@ -18,8 +18,8 @@ import pytest
 
 from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.cli.redisproc import free_port
+from harvest.sample import Sample
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample
 from harvest.state.runstore import load_run
 from tests.support.need import need
 from tests.support.ops import REPO, Procs, cli, enqueue, new_run, wait_until

@@ -152,7 +152,7 @@ def _start_as_dead_worker(conn, q, name: str):
 def test_janitor_gives_up_after_repeated_deaths_and_requeue_recovers(tmp_path, conn, tiny_model):
     from harvest.ops.janitor import MAX_REAPS, janitor_pass
     from harvest.ops.requeue import requeue
-    from harvest.state.payload import Sample
+    from harvest.sample import Sample
     from tests.support.ops import enqueue
 
     cfg = new_run(conn, "reap", tiny_model, f"file://{tmp_path}/out")

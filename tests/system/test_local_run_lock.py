@@ -18,9 +18,10 @@ from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.cli.workdir import read_holder
 from harvest.config import build_config
 from harvest.read.reader import RunReader
+from harvest.sample import Sample
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample, payload_row
+from harvest.state.payload import payload_row
 from harvest.state.runstore import publish_run
 from tests.support.cli import REPO, harvest_cli, kill_group
 from tests.support.wait import wait_for

@@ -22,8 +22,8 @@ from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import rid_for
 from harvest.node.spooldir import SpoolBatch
 from harvest.read.reader import RunReader
+from harvest.sample import Sample
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
 from tests.support.need import need
 from tests.support.synth import make_config

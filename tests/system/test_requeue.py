@@ -15,9 +15,10 @@ from rq.serializers import JSONSerializer
 from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.ops.requeue import requeue
 from harvest.read.reader import RunReader
+from harvest.sample import Sample
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample, decode_batch
+from harvest.state.payload import decode_batch
 from harvest.state.runstore import load_run
 from tests.support.ops import REPO, Procs, cli, enqueue, new_run, wait_until
 

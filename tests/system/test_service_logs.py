@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from harvest.cli.demo import demo_rows, write_jsonl
+from harvest.sample import Sample
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample
 from harvest.state.runstore import load_run
 from tests.support.ops import REPO, Procs, cli, enqueue, new_run
 

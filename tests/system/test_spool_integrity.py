@@ -26,8 +26,9 @@ from harvest.formats.stformat import read_file_header
 from harvest.node.spooldir import set_aside_path, spool_identity, spool_path, write_sample
 from harvest.ops.verify import verify_run
 from harvest.read.reader import RunReader
+from harvest.sample import Sample
 from harvest.state.jobs import fetch_job, run_queue
-from harvest.state.payload import Sample, decode_batch, payload_row
+from harvest.state.payload import decode_batch, payload_row
 from tests.support.crash import NODE, Trial
 
 LENGTHS = [20, 15, 10, 5, 8]

@@ -18,9 +18,10 @@ from rq.serializers import JSONSerializer
 from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.cli.redisproc import free_port
 from harvest.ops.status import compute_status, render
+from harvest.sample import Sample
 from harvest.state.jobs import run_queue
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample, decode_batch
+from harvest.state.payload import decode_batch
 from harvest.state.runstore import load_run
 from tests.support.ops import REPO, Procs, cli, enqueue, new_run, wait_until
 from tests.support.wait import OutputReader

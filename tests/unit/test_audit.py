@@ -22,7 +22,7 @@ from harvest.ops.audit_compare import (
     compare_sample,
 )
 from harvest.ops.audit_record import status_line
-from harvest.state.payload import Sample
+from harvest.sample import Sample
 from workers.claim import assemble, claim
 
 

@@ -10,8 +10,8 @@ import torch
 
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import rid_for
+from harvest.sample import Sample
 from harvest.state.failures import SampleFailure
-from harvest.state.payload import Sample
 from tests.support.need import need
 from workers.claim import assemble, claim
 

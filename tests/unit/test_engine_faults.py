@@ -12,8 +12,8 @@ import torch
 from engines import faults as fx
 from engines.reference import ReferenceEngine, serve
 from harvest.ids import rid_for
+from harvest.sample import Sample
 from harvest.state.failures import SampleFailure
-from harvest.state.payload import Sample
 from workers.claim import assemble, claim
 
 

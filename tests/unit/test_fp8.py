@@ -11,8 +11,8 @@ from harvest.formats.spool import read_sample
 from harvest.ids import rid_for
 from harvest.node.spooldir import spool_path, write_sample
 from harvest.read.reader import RunReader
+from harvest.sample import Sample
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
 from tests.support.synth import POINTS, make_config
 from workers.claim import assemble, claim

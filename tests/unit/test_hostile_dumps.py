@@ -13,8 +13,8 @@ import torch
 from harvest.formats.dump import Chunk, chunk_name, encode_chunk, write_chunk
 from harvest.ids import rid_for
 from harvest.node.paths import UnsafePath, private_dir
+from harvest.sample import Sample
 from harvest.state.failures import SampleFailure
-from harvest.state.payload import Sample
 from workers.claim import assemble, claim
 
 SAMPLE = Sample.build(list(range(10, 20)))

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from harvest.ids import InvalidId, check_id, job_id_for, parse_rid, rid_for, sample_id, shard_id_for
-from harvest.state.payload import PayloadError, Sample, decode_batch, encode_batch
+from harvest.sample import Sample, SampleError
+from harvest.state.payload import PayloadError, decode_batch, encode_batch
 
 
 def test_sample_id_is_blake2b128_of_int32le_ids_then_mask_bytes():
@@ -80,5 +81,5 @@ def test_payload_with_id_not_matching_content_is_refused():
 def test_payload_that_is_not_ours_is_refused():
     with pytest.raises(PayloadError, match="not a harvest v2 job payload"):
         decode_batch({"samples": []})
-    with pytest.raises(PayloadError, match="loss_mask has 1 entries for 2 tokens"):
+    with pytest.raises(SampleError, match="loss_mask has 1 entries for 2 tokens"):
         Sample.build([1, 2], [1])

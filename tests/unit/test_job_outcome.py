@@ -8,9 +8,9 @@ import pytest
 from rq.utils import now
 
 from harvest.config import RunConfig
+from harvest.sample import Sample
 from harvest.state.heartbeat import WorkerBeat
 from harvest.state.jobs import SERIALIZER, fetch_job, run_queue
-from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
 from tests.support.ops import enqueue
 from workers.rqworker import HarvestWorker

@@ -10,10 +10,10 @@ import pytest
 
 from harvest.config import RunConfig
 from harvest.ops.recovery import Recovery
+from harvest.sample import Sample
 from harvest.state.heartbeat import WorkerBeat
 from harvest.state.jobs import SERIALIZER, fetch_job, run_queue
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
 from tests.support.ops import enqueue
 from workers.context import WorkerContext, install

@@ -11,10 +11,11 @@ import pytest
 from harvest.config import RunConfig
 from harvest.ops.ledgercheck import check_ledger
 from harvest.ops.reclaim import reclaim_spool
+from harvest.sample import Sample
 from harvest.state import jobcopy
 from harvest.state.jobs import enqueue_samples, fetch_job, run_queue
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample, decode_batch, payload_row
+from harvest.state.payload import decode_batch, payload_row
 from harvest.state.spools import SpoolLeases
 
 

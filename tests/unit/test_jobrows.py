@@ -19,11 +19,12 @@ from harvest.formats import jobrows
 from harvest.formats.runfile import run_location
 from harvest.ops.reclaim import reclaim_spool
 from harvest.ops.stranded import STRANDED_GRACE_S, sweep, tend_stranded
+from harvest.sample import Sample
 from harvest.state import jobcopy
 from harvest.state.failures import JOB_LOST
 from harvest.state.jobs import fetch_job, run_queue
 from harvest.state.ledger import Ledger
-from harvest.state.payload import PayloadError, Sample, batch_ids, decode_batch, inline, payload_row
+from harvest.state.payload import PayloadError, batch_ids, decode_batch, inline, payload_row
 from harvest.state.runstore import publish_run
 from harvest.state.spools import SpoolLeases, redis_time
 from producer.enqueue import Enqueuer

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import zlib
 
+from harvest.sample import Sample
 from harvest.state.jobs import DATA_ZLIB_LEVEL, JOB_FUNCTION, enqueue_samples, fetch_job, run_queue
-from harvest.state.payload import Sample, decode_batch
+from harvest.state.payload import decode_batch
 from workers.safejob import HarvestJob
 
 

@@ -19,11 +19,11 @@ from rq.queue import Queue
 
 from harvest.ops.janitor import MAX_RETRY_INTERVAL_S, promote_due_retries
 from harvest.ops.liveness import SUSPECT_GRACE_S, tend_liveness
+from harvest.sample import Sample
 from harvest.state.heartbeat import HEARTBEAT_TTL_S, WorkerBeat
 from harvest.state.jobs import SERIALIZER, run_queue
 from harvest.state.keys import Keys, rq_execution_key, worker_key
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
 from harvest.state.spools import redis_time
 from tests.support.ops import enqueue

@@ -16,10 +16,11 @@ from harvest.cli.redisproc import RedisServer
 from harvest.formats.index import index_file
 from harvest.ops.reclaim import reclaim_spool
 from harvest.ops.reconcile import reconcile
+from harvest.sample import Sample
 from harvest.state.connection import redis_client
 from harvest.state.jobs import run_queue
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample, decode_batch, payload_row
+from harvest.state.payload import decode_batch, payload_row
 from harvest.state.runstore import publish_run
 from tests.support.ops import enqueue
 from tests.support.synth import make_config, spool_samples

@@ -13,11 +13,11 @@ from harvest.cli.redisproc import RedisServer
 from harvest.ops.janitor import janitor_pass
 from harvest.ops.liveness import tend_liveness
 from harvest.ops.recovery import Recovery, hold_on_new_server, server_id
+from harvest.sample import Sample
 from harvest.state.connection import redis_client
 from harvest.state.heartbeat import HEARTBEAT_TTL_S, WorkerBeat
 from harvest.state.jobs import SERIALIZER, run_queue
 from harvest.state.keys import Keys, worker_key
-from harvest.state.payload import Sample
 from harvest.state.runstore import publish_run
 from harvest.state.spools import redis_time
 from tests.support.cli import harvest_cli

@@ -8,7 +8,7 @@ the worker's splice, which is the same for every engine."""
 from __future__ import annotations
 
 from harvest.regeneration import Regeneration
-from harvest.state.payload import Sample
+from harvest.sample import Sample
 from producer.rows import Row
 from producer.tokenize import RowTokenizer
 from workers.clients.base import Completion

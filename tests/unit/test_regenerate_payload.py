@@ -13,8 +13,9 @@ import pytest
 
 from harvest.formats.generated import decode_generated, encode_generated, entry
 from harvest.formats.index import ShardError
+from harvest.sample import Sample
 from harvest.state.conversation import Conversation, ConversationError, turn_seed
-from harvest.state.payload import PayloadError, Sample, decode_batch, encode_batch, payload_rows
+from harvest.state.payload import PayloadError, decode_batch, encode_batch, payload_rows
 from producer.rows import BadRow, Row
 from producer.tokenize import RowTokenizer
 from tests.support.cli import REPO

@@ -11,9 +11,9 @@ import threading
 import pytest
 
 from harvest.config import RunConfig
+from harvest.sample import Sample
 from harvest.state.conversation import Conversation
 from harvest.state.failures import ENGINE_UNAVAILABLE, SampleFailure
-from harvest.state.payload import Sample
 from tests.support.synth import make_config
 from workers.clients.base import Completion, EngineUnavailable
 from workers.regenerate import regenerate

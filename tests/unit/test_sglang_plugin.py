@@ -17,7 +17,7 @@ from safetensors.torch import load
 
 from engines import sglang_plugin as sp
 from harvest.ids import rid_for
-from harvest.state.payload import Sample
+from harvest.sample import Sample
 from workers.claim import assemble, claim
 
 L, H = 8, 6

@@ -14,10 +14,11 @@ from harvest.formats.index import INDEX, index_file
 from harvest.formats.shard import SHARDS, shard_file
 from harvest.node.spooldir import list_spooled, rotate_spool_identity, spool_identity
 from harvest.ops.reclaim import reclaim_lost_spools, reclaim_spool
+from harvest.sample import Sample
 from harvest.state.jobs import run_queue
 from harvest.state.ledger import Ledger
 from harvest.state.packing import PackingRecord, PackingRecords
-from harvest.state.payload import Sample, decode_batch, payload_row
+from harvest.state.payload import decode_batch, payload_row
 from harvest.state.runstore import publish_run
 from harvest.state.spools import SpoolLeases
 from harvest.storage import Location, retry

@@ -16,11 +16,12 @@ from rq.job import Job
 
 from harvest.ids import job_id_for
 from harvest.ops.stranded import CHECK, CHECK_INTERVAL_S, STRANDED_GRACE_S, SWEEP, tend_stranded
+from harvest.sample import Sample
 from harvest.state.failures import JOB_LOST
 from harvest.state.jobs import SERIALIZER, enqueue_samples, run_queue
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
-from harvest.state.payload import Sample, decode_batch, payload_row
+from harvest.state.payload import decode_batch, payload_row
 from harvest.state.runstore import publish_run
 from harvest.state.spools import redis_time
 from tests.support.ops import enqueue
