@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from engines.sglang_plugin import ENV_CAPTURE, ENV_DUMP_DIR, ENV_FINGERPRINT, ENV_MODEL
 from engines.venvs import EngineVenv
-from harvest.config import ConfigError
+from harvest.errors import ConfigurationError
 from harvest.settings import EngineSettings
 
 SUPPORTED = ("0.5.11", "0.5.23")  # the oldest with the plugin framework, the newest checked live
@@ -70,12 +70,12 @@ def launch_spec(
     v = _version(sglang_version)
     bad = [p for p in capture_points if not 0 <= int(p) <= num_layers]
     if bad or not capture_points:
-        raise ConfigError(f"capture points {list(capture_points)} must be non-empty and lie in [0, {num_layers}]")
+        raise ConfigurationError(f"capture points {list(capture_points)} must be non-empty and lie in [0, {num_layers}]")
     if v < _version(SUPPORTED[0]):
-        raise ConfigError(f"SGLang {sglang_version} is not supported: the plugin needs SGLang's plugin framework "
+        raise ConfigurationError(f"SGLang {sglang_version} is not supported: the plugin needs SGLang's plugin framework "
                          f"({SUPPORTED[0]} or newer)")
     if device not in DEVICES:
-        raise ConfigError(f"device {device!r}: choose one of {', '.join(DEVICES)}")
+        raise ConfigurationError(f"device {device!r}: choose one of {', '.join(DEVICES)}")
     env = {
         "SGLANG_PLUGINS": "harvest",
         ENV_DUMP_DIR: dump_dir,

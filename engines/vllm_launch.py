@@ -20,7 +20,7 @@ import shlex
 from collections.abc import Sequence
 
 from engines.venvs import EngineVenv
-from harvest.config import ConfigError
+from harvest.errors import ConfigurationError
 from harvest.node.dumpdir import vllm_dir
 from harvest.settings import EngineSettings
 
@@ -40,14 +40,14 @@ def vllm_layer_ids(capture_points: Sequence[int], num_layers: int) -> list[int]:
     """vLLM aux layer ids for the run's capture points, in vLLM's slot order (ascending).
 
     The numbers coincide (HF index i is vLLM id i for every i in [0, L]); what differs is the
-    meaning of L, which `needs_final_norm` reports. Raises ConfigError (a ValueError) for points
+    meaning of L, which `needs_final_norm` reports. Raises ConfigurationError (a ValueError) for points
     outside [0, L]."""
     pts = [int(p) for p in capture_points]
     bad = [p for p in pts if p < 0 or p > num_layers]
     if bad or not pts:
-        raise ConfigError(f"capture points {pts} must be non-empty and lie in [0, {num_layers}]")
+        raise ConfigurationError(f"capture points {pts} must be non-empty and lie in [0, {num_layers}]")
     if len(set(pts)) != len(pts):
-        raise ConfigError(f"capture points {pts} repeat a layer")
+        raise ConfigurationError(f"capture points {pts} repeat a layer")
     return sorted(pts)
 
 

@@ -32,16 +32,16 @@ FINAL_POST_NORM = "post-norm"
 FINAL_STATES = (FINAL_POST_NORM,)
 
 
-class ConfigError(ConfigurationError, ValueError):
-    """A run configuration (or a flag that shapes it) that cannot be used, or that contradicts
-    the stored one."""
+# The name harvest.read promises trainers (harvest.read.__all__), and harvest.read and
+# harvest.formats import: one class with harvest.errors.ConfigurationError.
+ConfigError = ConfigurationError
 
 
 def eagle3_layers(num_layers: int) -> list[int]:
     """EAGLE-3 preset `[2, L//2, L-3, L]` in HF hidden_states indices (docs/architecture.md, capture points),
     deduplicated and sorted so tiny models with L < 6 still get a valid list."""
     if num_layers < 1:
-        raise ConfigError(f"model has {num_layers} layers; need at least 1")
+        raise ConfigurationError(f"model has {num_layers} layers; need at least 1")
     pts = {min(2, num_layers), num_layers // 2, max(num_layers - 3, 0), num_layers}
     return sorted(pts)
 
@@ -59,13 +59,13 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
     try:
         pts = sorted({int(x) for x in spec.split(",") if x.strip()})
     except ValueError:
-        raise ConfigError(f"--layers {spec!r}: expected 'eagle3', comma-separated integers like 2,4,7, "
+        raise ConfigurationError(f"--layers {spec!r}: expected 'eagle3', comma-separated integers like 2,4,7, "
                           "or a draft model's config.json") from None
     if not pts:
-        raise ConfigError("--layers is empty")
+        raise ConfigurationError("--layers is empty")
     bad = [p for p in pts if p < 0 or p > num_layers]
     if bad:
-        raise ConfigError(f"--layers {bad}: capture points must lie in [0, {num_layers}] for a {num_layers}-layer model")
+        raise ConfigurationError(f"--layers {bad}: capture points must lie in [0, {num_layers}] for a {num_layers}-layer model")
     return pts
 
 
@@ -85,9 +85,9 @@ def draft_layers(path: str, num_layers: int) -> list[int]:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{where}: cannot read it as a draft model's JSON config ({e})") from None
+        raise ConfigurationError(f"{where}: cannot read it as a draft model's JSON config ({e})") from None
     if not isinstance(doc, dict):
-        raise ConfigError(f"{where}: a draft config is a JSON object")
+        raise ConfigurationError(f"{where}: a draft config is a JSON object")
     eagle = doc.get("eagle_config") if isinstance(doc.get("eagle_config"), dict) else {}
     vllm_ids, sglang_ids = doc.get("eagle_aux_hidden_state_layer_ids"), eagle.get("eagle_aux_hidden_state_layer_ids")
     found = []
@@ -96,28 +96,28 @@ def draft_layers(path: str, num_layers: int) -> list[int]:
     if sglang_ids is not None:
         found.append(("eagle_config.eagle_aux_hidden_state_layer_ids", _aux_ids(where, sglang_ids, 1)))
     if len({tuple(hf) for _, hf in found}) > 1:
-        raise ConfigError(f"{where}: {found[0][0]} {vllm_ids} (vLLM ids) and {found[1][0]} {sglang_ids} (SGLang ids, "
+        raise ConfigurationError(f"{where}: {found[0][0]} {vllm_ids} (vLLM ids) and {found[1][0]} {sglang_ids} (SGLang ids, "
                           "+1) name different layers; fix the config or pass the HF indices, e.g. --layers 2,4,5,8")
     if found:
         aux = found[0][1]
     elif _is_eagle3_draft(doc):
         aux = [2, num_layers // 2, num_layers - 3]
     else:
-        raise ConfigError(f"{where}: not an EAGLE-3 draft config (no eagle_aux_hidden_state_layer_ids, "
+        raise ConfigurationError(f"{where}: not an EAGLE-3 draft config (no eagle_aux_hidden_state_layer_ids, "
                           "no eagle_config, no Eagle3 architecture)")
     if aux != sorted(aux):
-        raise ConfigError(f"{where}: aux layers {aux} (HF indices) are not ascending; harvest stores them ascending, "
+        raise ConfigurationError(f"{where}: aux layers {aux} (HF indices) are not ascending; harvest stores them ascending, "
                           "the order the draft's fc layer would then read: list them ascending")
     bad = [p for p in aux if not 0 <= p < num_layers]
     if bad or len(set(aux)) != 3:
-        raise ConfigError(f"{where}: aux layers {aux} (HF indices) must be 3 distinct indices in [0, {num_layers}) "
+        raise ConfigurationError(f"{where}: aux layers {aux} (HF indices) must be 3 distinct indices in [0, {num_layers}) "
                           f"for a {num_layers}-layer model: is it this model's draft?")
     return aux + [num_layers]
 
 
 def _aux_ids(where: str, ids: object, offset: int) -> list[int]:
     if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ConfigError(f"{where}: aux layer ids {ids!r}: expected a list of three integers")
+        raise ConfigurationError(f"{where}: aux layer ids {ids!r}: expected a list of three integers")
     return [i + offset for i in ids]
 
 
@@ -155,17 +155,17 @@ class RunIdentity:
     def __post_init__(self) -> None:
         check_id(self.run, "run name")
         if self.codec not in CODECS:
-            raise ConfigError(f"codec {self.codec!r}: choose one of {', '.join(CODECS)}")
+            raise ConfigurationError(f"codec {self.codec!r}: choose one of {', '.join(CODECS)}")
         if self.regenerate is not None:
             Regeneration.from_dict(self.regenerate)
         if self.storage_dtype not in STORAGE_DTYPES:
-            raise ConfigError(f"storage dtype {self.storage_dtype!r}: choose one of {', '.join(STORAGE_DTYPES)}")
+            raise ConfigurationError(f"storage dtype {self.storage_dtype!r}: choose one of {', '.join(STORAGE_DTYPES)}")
         if self.engine not in ENGINE_KINDS:
-            raise ConfigError(f"engine {self.engine!r}: choose one of {', '.join(ENGINE_KINDS)}")
+            raise ConfigurationError(f"engine {self.engine!r}: choose one of {', '.join(ENGINE_KINDS)}")
         if self.final_state not in FINAL_STATES:
-            raise ConfigError(f"final state {self.final_state!r}: this harvest stores {', '.join(FINAL_STATES)}")
+            raise ConfigurationError(f"final state {self.final_state!r}: this harvest stores {', '.join(FINAL_STATES)}")
         if list(self.capture_points) != sorted(set(self.capture_points)) or not self.capture_points:
-            raise ConfigError(f"capture points {self.capture_points} must be a non-empty ascending list")
+            raise ConfigurationError(f"capture points {self.capture_points} must be a non-empty ascending list")
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ class RunConfig(RunTunables, RunIdentity):
     def __post_init__(self) -> None:
         RunIdentity.__post_init__(self)
         if not self.spool_grace_s > 0:
-            raise ConfigError(f"spool grace {self.spool_grace_s!r}: must be a positive number of seconds")
+            raise ConfigurationError(f"spool grace {self.spool_grace_s!r}: must be a positive number of seconds")
 
     @property
     def regeneration(self) -> Regeneration | None:
@@ -213,7 +213,7 @@ class RunConfig(RunTunables, RunIdentity):
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
         if unknown:
-            raise ConfigError(f"run config has unknown fields {sorted(unknown)}: written by a newer harvest?")
+            raise ConfigurationError(f"run config has unknown fields {sorted(unknown)}: written by a newer harvest?")
         return cls(**data)
 
     def identity(self) -> dict:
@@ -339,11 +339,11 @@ def model_layers(model_dir: str) -> int:
     try:
         n = model_config_json(model_dir).get("num_hidden_layers")
     except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}; pass --num-layers") from None
+        raise ConfigurationError(f"cannot read {path}: {e.strerror}; pass --num-layers") from None
     except ValueError as e:  # not JSON
-        raise ConfigError(f"cannot read {path}: {e}; pass --num-layers") from None
+        raise ConfigurationError(f"cannot read {path}: {e}; pass --num-layers") from None
     if not isinstance(n, int):
-        raise ConfigError(f"{path} has no num_hidden_layers; pass --num-layers")
+        raise ConfigurationError(f"{path} has no num_hidden_layers; pass --num-layers")
     return n
 
 
@@ -361,6 +361,6 @@ def _model_shape(model: str) -> tuple[int, int]:
     try:
         mc = AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read the model config in {model!r}: {e}") from None
+        raise ConfigurationError(f"cannot read the model config in {model!r}: {e}") from None
     mc = getattr(mc, "text_config", None) or mc
     return mc.num_hidden_layers, mc.hidden_size

@@ -21,8 +21,8 @@ The cut is by who can fix it and where to look, which is what the one line must 
 - `ServiceError`: a service harvest talks to (Redis, the S3 endpoint, the engine, a child
   process of `harvest run`) cannot be reached, or went away. Fix: start it, or point at it.
 
-Existing classes derive from their kind and keep the built-in base their callers catch, e.g.
-`ConfigError(ConfigurationError, ValueError)`, so every `except ValueError` stays as it was.
+Classes derive from their kind and keep the built-in base their callers catch, e.g.
+`SampleError(InputError, ValueError)`, so every `except ValueError` stays as it was.
 
 Outside the root on purpose: control flow that never reaches the CLI, caught where it is
 raised or by RQ:
@@ -50,8 +50,9 @@ class HarvestError(Exception):
         return str(self)
 
 
-class ConfigurationError(HarvestError):
-    """A flag, environment variable or run configuration that cannot be used as given."""
+class ConfigurationError(HarvestError, ValueError):
+    """A flag, environment variable or run configuration that cannot be used as given, or that
+    contradicts the stored run. A ValueError too: the callers that parse a value catch that."""
 
 
 class InputError(HarvestError):

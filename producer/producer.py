@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from harvest.config import ConfigError, RunConfig
-from harvest.errors import InputError
+from harvest.config import RunConfig
+from harvest.errors import ConfigurationError
 from harvest.formats.datasetids import SampleIds
 from harvest.progress import progress as progress_display
 from harvest.sample import Sample
@@ -25,7 +25,7 @@ from harvest.settings import ProducerSettings
 from producer.enqueue import DEFAULT_MAX_QUEUED, Enqueuer
 from producer.parallel import ProcessTokenizer
 from producer.prefetch import prefetch
-from producer.rowkinds import FieldMap
+from producer.rowkinds import FieldMap, RowError
 from producer.rows import BadRow
 from producer.sources import read_dataset
 from producer.tokenize import LengthPolicy, RowTokenizer
@@ -33,10 +33,6 @@ from producer.tokenize import LengthPolicy, RowTokenizer
 log = logging.getLogger("harvest.producer")
 BATCH_ROWS = 256  # rows tokenized together (one encode_batch call)
 KEEP_BAD_ROWS = 1000  # the first ones are kept for the summary; all are logged and counted
-
-
-class BadRowError(InputError, ValueError):
-    """A bad row under --strict, or an overlong one under --overlong fail."""
 
 
 @dataclass
@@ -71,7 +67,7 @@ def load_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:  # no tokenizer files there, or one transformers cannot load
-        raise ConfigError(str(e)) from e
+        raise ConfigurationError(str(e)) from e
 
 
 def _batches(rows: Iterable, n: int) -> Iterator[list]:
@@ -203,10 +199,10 @@ def _count(s: ProduceSummary, result: Sample | BadRow, enq: Enqueuer | None, str
         return
     setattr(s, result.kind, getattr(s, result.kind) + 1)
     if result.kind == "overlong" and fail_overlong:
-        raise BadRowError(f"overlong row: {result}")
+        raise RowError(f"overlong row: {result}")
     if result.kind == "bad":
         if strict:
-            raise BadRowError(f"bad row (--strict): {result}")
+            raise RowError(f"bad row (--strict): {result}")
         if len(s.bad_rows) < KEEP_BAD_ROWS:
             s.bad_rows.append(str(result))
     (on_bad or _log_bad)(result)

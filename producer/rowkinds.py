@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from harvest.config import ConfigError
-from harvest.errors import InputError
+from harvest.errors import ConfigurationError, InputError
 
 FIELDS = (
     "input_ids", "loss_mask", "text", "prompt", "completion", "response", "messages", "conversations", "system",
@@ -28,7 +27,9 @@ SHAREGPT_ROLES = {
 
 
 class RowError(InputError, ValueError):
-    """A row that gives no sample; the message names the field and what is wrong with it."""
+    """A row that gives no sample; the message names the field and what is wrong with it. The
+    producer raises it too for the row that stops it (a bad row under --strict, an overlong one
+    under --overlong fail)."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,9 @@ class FieldMap:
             logical, sep, actual = spec.partition("=")
             logical, actual = logical.strip(), actual.strip()
             if not sep or not actual:
-                raise ConfigError(f"--field {spec!r}: expected LOGICAL=COLUMN, e.g. text=content")
+                raise ConfigurationError(f"--field {spec!r}: expected LOGICAL=COLUMN, e.g. text=content")
             if logical not in FIELDS:
-                raise ConfigError(f"--field {spec!r}: unknown field {logical!r}; expected one of {', '.join(FIELDS)}")
+                raise ConfigurationError(f"--field {spec!r}: unknown field {logical!r}; expected one of {', '.join(FIELDS)}")
             names[logical] = actual
         return cls(names)
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 from tokenizers import Tokenizer
 
-from harvest.config import ConfigError, model_context
+from harvest.config import model_context
+from harvest.errors import ConfigurationError
 from harvest.sample import Sample, SampleError
 from harvest.settings import ProducerSettings
 from harvest.state.conversation import Conversation, ConversationError
@@ -37,9 +38,9 @@ class LengthPolicy:
 
     def __post_init__(self) -> None:
         if self.overlong not in OVERLONG_POLICIES:
-            raise ConfigError(f"--overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {self.overlong!r}")
+            raise ConfigurationError(f"--overlong must be one of {', '.join(OVERLONG_POLICIES)}, got {self.overlong!r}")
         if self.max_len is not None and self.max_len < 1:
-            raise ConfigError(f"--max-len must be at least 1, got {self.max_len}")
+            raise ConfigurationError(f"--max-len must be at least 1, got {self.max_len}")
 
     def limit(self) -> tuple[int | None, str, str]:
         """(the longest sample allowed, what sets it, where that was read) or (None, "", "") when
@@ -114,7 +115,7 @@ class RowTokenizer:
         regenerate: bool = False,
     ) -> None:
         if not getattr(tokenizer, "is_fast", False):
-            raise ConfigError("harvest needs a fast (Rust `tokenizers`) tokenizer: one with a tokenizer.json")
+            raise ConfigurationError("harvest needs a fast (Rust `tokenizers`) tokenizer: one with a tokenizer.json")
         # The Rust tokenizer with padding and truncation off, whatever tokenizer.json says: the
         # tokenizer's own where both are off already (encoding does not change it), else a private
         # copy with them turned off (a copy costs ~0.1 s for a 32k vocabulary, once per produce,

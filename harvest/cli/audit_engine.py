@@ -28,8 +28,8 @@ import tempfile
 import httpx
 
 from harvest.cli.redisproc import free_port
-from harvest.config import ConfigError, RunConfig
-from harvest.errors import ServiceError
+from harvest.config import RunConfig
+from harvest.errors import ConfigurationError, ServiceError
 from harvest.health import wait_healthy
 from harvest.node.dumpdir import claim_dir, default_dump_dir
 from harvest.node.modelcheck import check_engine
@@ -65,14 +65,14 @@ class EngineRoute:
         self._own_dumps: str | None = None
         if engine_url is None:
             if cfg.engine != "reference":
-                raise ConfigError(f"run {cfg.run} was extracted by {cfg.engine}: pass --engine-url URL and --dump-dir "
+                raise ConfigurationError(f"run {cfg.run} was extracted by {cfg.engine}: pass --engine-url URL and --dump-dir "
                                   f"DIR of a {cfg.engine} server on this node (harvest {cfg.engine}-args --run "
                                   f"{cfg.run} prints its command), or --against hf")
             engine_url, dump_dir = self._start_reference(model or cfg.model, chunked_prefill_size)
             chunk, how = chunked_prefill_size, "started by the audit"
         else:
             if dump_dir is None:
-                raise ConfigError("--engine-url needs --dump-dir: the folder that server writes its dump files to "
+                raise ConfigurationError("--engine-url needs --dump-dir: the folder that server writes its dump files to "
                                   "(its HARVEST_DUMP_DIR)")
             if not wait_healthy(engine_url.rstrip("/"), 10.0):
                 raise AuditEngineDown(f"no engine answers at {engine_url.rstrip('/')}/health: start the server, or "

@@ -140,10 +140,11 @@ def check_output(url: str | None, reach: bool = True) -> None:
 
 def check_layers(model: str, layers: str) -> None:
     """The capture points fit the model, read from its config.json (before torch is imported)."""
-    from harvest.config import ConfigError, model_layers, parse_layers
+    from harvest.config import model_layers, parse_layers
+    from harvest.errors import ConfigurationError
 
     try:
         n = model_layers(model)
-    except ConfigError:
+    except ConfigurationError:
         return  # not a plain config.json: the engine resolves the shape itself and says why it cannot
-    parse_layers(layers, n)  # a ConfigError names the flag and the range
+    parse_layers(layers, n)  # a ConfigurationError names the flag and the range

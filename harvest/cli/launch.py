@@ -15,7 +15,7 @@ def _capture_points(model_path: str, num_layers: int | None, run: str | None, re
                     layers: str) -> tuple[int, list[int], str | None]:
     """(decoder layers, capture points, the run's model digest) for an engine launch: the run's
     points when named, whose model `model_path` must be (harvest.node.modelcheck). What a user can
-    get wrong here (a model config, --layers, the run, the model) raises a ConfigError, which the
+    get wrong here (a model config, --layers, the run, the model) raises a ConfigurationError, which the
     CLI tells as one line."""
     from harvest.config import model_layers, parse_layers
 

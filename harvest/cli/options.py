@@ -165,7 +165,7 @@ def producer_kwargs(fields, chat_template, max_len, overlong, strict, processes)
     from producer.templates import load_chat_template
     from producer.tokenize import LengthPolicy
 
-    # A bad --field or length policy is a ConfigError, an unreadable --chat-template an OSError on a
+    # A bad --field or length policy is a ConfigurationError, an unreadable --chat-template an OSError on a
     # path the user named: both told by harvest.cli.errors.HarvestGroup.
     return dict(fields=FieldMap.parse(fields), length=LengthPolicy(max_len, overlong), strict=strict,
                 chat_template=load_chat_template(chat_template) if chat_template else None, processes=processes)

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from harvest.config import ConfigError, RunConfig
+from harvest.config import RunConfig
+from harvest.errors import ConfigurationError
 from harvest.formats.fingerprint import mismatch_line, model_fingerprint, same_model, short
 
 log = logging.getLogger("harvest.modelcheck")
@@ -37,21 +38,21 @@ RUN_CONFIG = "the run's configuration"
 
 
 def check_model_dir(cfg: RunConfig, model_dir: str, who: str = "") -> None:
-    """Refuse (ConfigError, one line naming both fingerprints) unless the local checkpoint
+    """Refuse (ConfigurationError, one line naming both fingerprints) unless the local checkpoint
     `model_dir` is the run's model."""
     if cfg.model_fingerprint is None:
         return
     found = model_fingerprint(model_dir)
     if not same_model(cfg.model_fingerprint, found):
-        raise ConfigError(mismatch_line(cfg.run, cfg.model_fingerprint, cfg.model, found, model_dir, RUN_CONFIG, who))
+        raise ConfigurationError(mismatch_line(cfg.run, cfg.model_fingerprint, cfg.model, found, model_dir, RUN_CONFIG, who))
 
 
 def check_digest(expected: str, model_dir: str) -> None:
-    """Refuse (ConfigError) unless the checkpoint in `model_dir` has the digest `expected` (the
+    """Refuse (ConfigurationError) unless the checkpoint in `model_dir` has the digest `expected` (the
     run's, as `sglang-args --run` passes it to the plugin)."""
     found = model_fingerprint(model_dir)
     if found is None or found["digest"] != expected:
-        raise ConfigError(f"{model_dir} has model fingerprint {short(found)}, not the run's "
+        raise ConfigurationError(f"{model_dir} has model fingerprint {short(found)}, not the run's "
                           f"{expected[:len(short(found))]} ({ENV_FINGERPRINT}): another checkpoint, or the same path with other weights; start the "
                           "engine on the run's checkpoint, or see `harvest accept-model`")
 
@@ -90,7 +91,7 @@ def engine_model(url: str, engine: str, http: httpx.Client | None = None) -> Eng
 
 
 def check_engine(cfg: RunConfig, url: str) -> None:
-    """Refuse (ConfigError) an engine serving another model than the run's; say once (a warning)
+    """Refuse (ConfigurationError) an engine serving another model than the run's; say once (a warning)
     when it cannot be checked, and when the engine's version is not the run's."""
     url = url.rstrip("/")
     seen = engine_model(url, cfg.engine)
@@ -103,7 +104,7 @@ def check_engine(cfg: RunConfig, url: str) -> None:
     who = f"the engine at {url} serves"
     if seen.fingerprint is not None:
         if not same_model(cfg.model_fingerprint, seen.fingerprint):
-            raise ConfigError(mismatch_line(cfg.run, cfg.model_fingerprint, cfg.model, seen.fingerprint,
+            raise ConfigurationError(mismatch_line(cfg.run, cfg.model_fingerprint, cfg.model, seen.fingerprint,
                                             seen.path or "?", RUN_CONFIG, who))
     elif seen.path and os.path.isdir(seen.path):
         check_model_dir(cfg, seen.path, who)

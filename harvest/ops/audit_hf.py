@@ -22,7 +22,8 @@ import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from harvest.config import FINAL_POST_NORM, ConfigError, RunConfig
+from harvest.config import FINAL_POST_NORM, RunConfig
+from harvest.errors import ConfigurationError
 from harvest.sample import Sample
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class HFRoute:
         from transformers import AutoModelForCausalLM
 
         if cfg.final_state != FINAL_POST_NORM:
-            raise ConfigError(f"run {cfg.run} stores its final state {cfg.final_state!r}; the transformers route "
+            raise ConfigurationError(f"run {cfg.run} stores its final state {cfg.final_state!r}; the transformers route "
                               f"compares {FINAL_POST_NORM} only")
         self.points = list(cfg.capture_points)
         self.device = device or default_device()
@@ -52,11 +53,11 @@ class HFRoute:
         try:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
         except OSError as e:
-            raise ConfigError(f"cannot load the run's model from {model_dir!r} ({e}): pass --model DIR, its "
+            raise ConfigurationError(f"cannot load the run's model from {model_dir!r} ({e}): pass --model DIR, its "
                               "checkpoint on this machine") from None
         layers = self.model.config.get_text_config().num_hidden_layers
         if cfg.num_layers and layers != cfg.num_layers:
-            raise ConfigError(f"{model_dir} has {layers} layers, run {cfg.run} was extracted from {cfg.num_layers}: "
+            raise ConfigurationError(f"{model_dir} has {layers} layers, run {cfg.run} was extracted from {cfg.num_layers}: "
                               "pass --model DIR, the run's checkpoint")
         # lm_head on the last position only, where the model takes it: the logits are not compared
         self._kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}

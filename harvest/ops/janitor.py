@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 import redis
 from rq.exceptions import NoSuchJobError
 
-from harvest.config import ConfigError, RunConfig
+from harvest.config import RunConfig
+from harvest.errors import ConfigurationError
 from harvest.formats.dump import parse_chunk_name
 from harvest.ids import ID_PATTERN, RID_PREFIX, parse_rid
 from harvest.node.dumpdir import claim_dir_owner, is_temp
@@ -288,7 +289,7 @@ def _running_attempts(conn: redis.Redis, dump_dir: str) -> set[int] | None:
 def _stored_run(conn: redis.Redis, run: str) -> RunConfig | None:
     try:
         return load_run(conn, run)
-    except ConfigError:  # not published (yet): nothing of it can be spooled either
+    except ConfigurationError:  # not published (yet): nothing of it can be spooled either
         return None
 
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from harvest.config import ConfigError
+from harvest.errors import ConfigurationError
 from harvest.state.heartbeat import read_workers
 from harvest.state.keys import RUN_CONFIG_PATTERN, run_of_config_key
 from harvest.state.ledger import Ledger
@@ -46,7 +46,7 @@ def list_runs(conn: redis.Redis) -> list[RunRow]:
     for run in discover_runs(conn):
         try:
             cfg = load_run(conn, run)
-        except ConfigError:  # removed since the scan, or written by a newer harvest
+        except ConfigurationError:  # removed since the scan, or written by a newer harvest
             continue
         led = Ledger(conn, run)
         c = led.counts()

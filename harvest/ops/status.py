@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 import redis
 
-from harvest.config import ConfigError, RunConfig
+from harvest.config import RunConfig
+from harvest.errors import ConfigurationError
 from harvest.ops.audit_record import last_audit, status_line
 from harvest.settings import RunTunables
 from harvest.state.heartbeat import HEARTBEAT_TTL_S, read_collectors, read_workers
@@ -113,7 +114,7 @@ def _f(h: dict, k: str, default: float = 0.0) -> float:
 def _run_or_none(conn: redis.Redis, run: str) -> RunConfig | None:
     try:
         return load_run(conn, run)
-    except ConfigError:
+    except ConfigurationError:
         return None
 
 

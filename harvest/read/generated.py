@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from harvest.config import ConfigError
+from harvest.errors import ConfigurationError
 from harvest.formats.generated import decode_generated
 from harvest.formats.index import INDEX, kept_copies, read_index
 from harvest.formats.runfile import read_run_json
 from harvest.storage import Location
 
 
-class NotRegenerated(ConfigError):
+class NotRegenerated(ConfigurationError):
     """A run that regenerates nothing: its run.json has no regenerate settings."""
 
 

@@ -66,7 +66,7 @@ from redis.backoff import ExponentialBackoff
 from redis.connection import Connection, parse_url
 from redis.retry import Retry
 
-from harvest.errors import ServiceError
+from harvest.errors import ConfigurationError, ServiceError
 from harvest.settings import RedisSettings
 from harvest.state.refusal import RefusedWrites, refusal_of, refused_reply
 
@@ -107,14 +107,12 @@ def outage_limit(seconds: float | None = None) -> float:
     raw = os.environ.get(OUTAGE_ENV, "").strip()
     if not raw:
         return DEFAULT_OUTAGE_S
-    from harvest.config import ConfigError  # told by the CLI as one line, exit 2
-
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"{OUTAGE_ENV}={raw!r}: expected seconds (a number)") from None
+        raise ConfigurationError(f"{OUTAGE_ENV}={raw!r}: expected seconds (a number)") from None
     if value < 0:
-        raise ConfigError(f"{OUTAGE_ENV}={raw!r}: expected seconds >= 0")
+        raise ConfigurationError(f"{OUTAGE_ENV}={raw!r}: expected seconds >= 0")
     return value
 
 

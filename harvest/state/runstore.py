@@ -12,13 +12,14 @@ from dataclasses import replace
 
 import redis
 
-from harvest.config import ConfigError, RunConfig
+from harvest.config import RunConfig
+from harvest.errors import ConfigurationError
 from harvest.formats.runfile import check_run_json, check_same_run, publish_run_json
 from harvest.state.keys import Keys
 
 
 def check_run(conn: redis.Redis | None, cfg: RunConfig) -> None:
-    """Refuse `cfg` (ConfigError) if Redis (when given) or the output already holds the run with a
+    """Refuse `cfg` (ConfigurationError) if Redis (when given) or the output already holds the run with a
     configuration that stores something else; writes nothing, so a command can ask before it
     creates anything of its own (`harvest run`: its work dir, its private Redis)."""
     if conn is not None:
@@ -48,7 +49,7 @@ def publish_run(conn: redis.Redis, cfg: RunConfig) -> RunConfig:
 def load_run(conn: redis.Redis, run: str) -> RunConfig:
     raw = conn.get(Keys(run).config)
     if raw is None:
-        raise ConfigError(f"run {run!r} is not in Redis: start it with `harvest run` or `harvest produce` first")
+        raise ConfigurationError(f"run {run!r} is not in Redis: start it with `harvest run` or `harvest produce` first")
     return RunConfig.from_json(raw)
 
 
@@ -67,15 +68,15 @@ def accept_model(conn: redis.Redis, run: str, model_dir: str,
     raw = conn.get(key)
     base = out_url or (RunConfig.from_json(raw).out_url if raw is not None else None)
     if base is None:
-        raise ConfigError(f"run {run!r} is not in Redis: pass --out URL, the output whose run.json it is")
+        raise ConfigurationError(f"run {run!r} is not in Redis: pass --out URL, the output whose run.json it is")
     loc = run_location(base, run)
     old = read_run_json(loc)
     shaped = build_config(run, model_dir, old.out_url, layers=",".join(map(str, old.capture_points)))
     if shaped.hidden_size != old.hidden_size or old.num_layers not in (0, shaped.num_layers):
-        raise ConfigError(f"{model_dir} has {shaped.num_layers} layers of width {shaped.hidden_size}, run {run!r} was "
+        raise ConfigurationError(f"{model_dir} has {shaped.num_layers} layers of width {shaped.hidden_size}, run {run!r} was "
                           f"extracted from {old.num_layers} of width {old.hidden_size}: not its model")
     if shaped.model_fingerprint is None:
-        raise ConfigError(f"{model_dir}: no checkpoint there to fingerprint (config, tokenizer, weights)")
+        raise ConfigurationError(f"{model_dir}: no checkpoint there to fingerprint (config, tokenizer, weights)")
     if not differing(old.model_fingerprint, shaped.model_fingerprint) and old.model_fingerprint is not None:
         return old, old
     new = replace(old, model=absolute_model(model_dir), model_fingerprint=shaped.model_fingerprint)

@@ -1,6 +1,7 @@
 import pytest
 
-from harvest.config import ConfigError, RunConfig, eagle3_layers, parse_layers
+from harvest.config import RunConfig, eagle3_layers, parse_layers
+from harvest.errors import ConfigurationError
 
 
 def test_eagle3_preset_in_hf_indices():
@@ -12,16 +13,16 @@ def test_eagle3_preset_in_hf_indices():
 
 def test_parse_layers_errors_are_exact():
     assert parse_layers("7,2,4,2", 8) == [2, 4, 7]
-    with pytest.raises(ConfigError, match=r"--layers \[9\]: capture points must lie in \[0, 8\] for a 8-layer model"):
+    with pytest.raises(ConfigurationError, match=r"--layers \[9\]: capture points must lie in \[0, 8\] for a 8-layer model"):
         parse_layers("2,9", 8)
-    with pytest.raises(ConfigError, match="expected 'eagle3', comma-separated integers like 2,4,7, or a draft model's config.json"):
+    with pytest.raises(ConfigurationError, match="expected 'eagle3', comma-separated integers like 2,4,7, or a draft model's config.json"):
         parse_layers("two", 8)
 
 
 def test_run_config_json_round_trip_and_validation():
     cfg = RunConfig(run="r1", model="/m", capture_points=[2, 4], hidden_size=64, out_url="/o", storage_dtype="fp32")
     assert RunConfig.from_json(cfg.to_json()) == cfg
-    with pytest.raises(ConfigError, match="storage dtype 'int4'"):
+    with pytest.raises(ConfigurationError, match="storage dtype 'int4'"):
         RunConfig(run="r1", model="/m", capture_points=[2], hidden_size=64, out_url="/o", storage_dtype="int4")
     with pytest.raises(ValueError, match="invalid run name"):
         RunConfig(run="../r", model="/m", capture_points=[2], hidden_size=64, out_url="/o")
@@ -33,5 +34,5 @@ def test_run_records_what_each_slot_holds():
     assert '"final_state": "post-norm"' in cfg.to_json()
     old = cfg.to_json().replace('"final_state": "post-norm",', "")  # a run.json written before it was recorded
     assert RunConfig.from_json(old) == cfg
-    with pytest.raises(ConfigError, match="final state 'pre-norm': this harvest stores post-norm"):
+    with pytest.raises(ConfigurationError, match="final state 'pre-norm': this harvest stores post-norm"):
         RunConfig(run="r1", model="/m", capture_points=[8], hidden_size=64, out_url="/o", final_state="pre-norm")

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from harvest.config import ConfigError, eagle3_layers, parse_layers
+from harvest.config import eagle3_layers, parse_layers
+from harvest.errors import ConfigurationError
 
 
 def _cfg(tmp_path, doc, name="config.json"):
@@ -38,24 +39,24 @@ def test_both_conventions_must_agree(tmp_path):
     same = {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}
     assert parse_layers(_cfg(tmp_path, same), 8) == [2, 4, 5, 8]
     differ = {"eagle_aux_hidden_state_layer_ids": [2, 4, 5], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}}
-    with pytest.raises(ConfigError, match=r"\[2, 4, 5\] \(vLLM ids\) and eagle_config.eagle_aux_hidden_state_layer_ids "
+    with pytest.raises(ConfigurationError, match=r"\[2, 4, 5\] \(vLLM ids\) and eagle_config.eagle_aux_hidden_state_layer_ids "
                                           r"\[2, 4, 5\] \(SGLang ids, \+1\) name different layers"):
         parse_layers(_cfg(tmp_path, differ), 8)
 
 
 def test_bad_draft_configs_are_refused_by_name(tmp_path):
     path = _cfg(tmp_path, {"model_type": "llama", "num_hidden_layers": 8})
-    with pytest.raises(ConfigError, match=f"--layers {path}: not an EAGLE-3 draft config"):
+    with pytest.raises(ConfigurationError, match=f"--layers {path}: not an EAGLE-3 draft config"):
         parse_layers(path, 8)
-    with pytest.raises(ConfigError, match=r"aux layer ids \[2, 4\]: expected a list of three integers"):
+    with pytest.raises(ConfigurationError, match=r"aux layer ids \[2, 4\]: expected a list of three integers"):
         parse_layers(_cfg(tmp_path, {"eagle_aux_hidden_state_layer_ids": [2, 4]}), 8)
-    with pytest.raises(ConfigError, match=r"aux layers \[2, 16, 29\] \(HF indices\) must be 3 distinct indices in "
+    with pytest.raises(ConfigurationError, match=r"aux layers \[2, 16, 29\] \(HF indices\) must be 3 distinct indices in "
                                           r"\[0, 8\) for a 8-layer model: is it this model's draft\?"):
         parse_layers(_cfg(tmp_path, {"eagle_aux_hidden_state_layer_ids": [2, 16, 29]}), 8)
-    with pytest.raises(ConfigError, match=r"aux layers \[5, 2, 4\] \(HF indices\) are not ascending"):
+    with pytest.raises(ConfigurationError, match=r"aux layers \[5, 2, 4\] \(HF indices\) are not ascending"):
         parse_layers(_cfg(tmp_path, {"eagle_aux_hidden_state_layer_ids": [5, 2, 4]}), 8)
-    with pytest.raises(ConfigError, match="cannot read it as a draft model's JSON config"):
+    with pytest.raises(ConfigurationError, match="cannot read it as a draft model's JSON config"):
         parse_layers(str(tmp_path / "missing.json"), 8)
     (tmp_path / "broken.json").write_text("{")
-    with pytest.raises(ConfigError, match="cannot read it as a draft model's JSON config"):
+    with pytest.raises(ConfigurationError, match="cannot read it as a draft model's JSON config"):
         parse_layers(str(tmp_path / "broken.json"), 8)

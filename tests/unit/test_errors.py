@@ -22,14 +22,13 @@ PACKAGES = ("harvest", "producer", "workers", "collector", "engines")
 ROOT = "HarvestError"
 
 def test_the_kinds_at_runtime():
-    from harvest.config import ConfigError
     from harvest.ids import InvalidId
     from harvest.state.connection import REDIS_LOST_EXIT, RedisLost
     from harvest.storage import StorageError as StorageStorageError
-    from producer.producer import BadRowError
+    from producer.rowkinds import RowError
 
-    assert issubclass(ConfigError, ConfigurationError) and issubclass(ConfigError, ValueError)
-    assert issubclass(InvalidId, InputError) and issubclass(BadRowError, InputError)
+    assert issubclass(ConfigurationError, ValueError)
+    assert issubclass(InvalidId, InputError) and issubclass(RowError, InputError)
     assert StorageStorageError is StorageError
     lost = RedisLost("redis://h:1/0", 3, 300, "gone")
     assert isinstance(lost, ServiceError) and lost.exit_status == REDIS_LOST_EXIT

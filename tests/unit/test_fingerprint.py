@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from harvest.config import ConfigError, build_config
+from harvest.config import build_config
+from harvest.errors import ConfigurationError
 from harvest.formats.fingerprint import SAMPLE_BYTES, SAMPLES, model_fingerprint, short
 from harvest.formats.runfile import check_same_run, publish_run_json, run_location
 from harvest.node.modelcheck import check_digest, check_model_dir
@@ -130,16 +131,16 @@ def test_a_run_refuses_its_model_path_holding_another_checkpoint(model, tmp_path
         json.dump(doc, open(path, "w"))
     now = _cfg(model, out)
     name = {"weights": WEIGHTS, "config": "config.json", "tokenizer": "tokenizer_config.json"}[change]
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigurationError) as e:
         check_same_run(now, stored, "RUNJSON")
     assert str(e.value) == (
         f"run 'fp' was extracted from the model with fingerprint {short(stored.model_fingerprint)} (at {model}, "
         f"recorded in RUNJSON), but {model} has fingerprint {short(now.model_fingerprint)}; differs in {name}: "
         f"another checkpoint, or the same path with other weights; use another --run, or `harvest accept-model --run "
         f"fp --model {model}` if it is the same model saved again")
-    with pytest.raises(ConfigError, match="^run 'fp' was extracted from the model with fingerprint"):
+    with pytest.raises(ConfigurationError, match="^run 'fp' was extracted from the model with fingerprint"):
         check_model_dir(stored, model)
-    with pytest.raises(ConfigError, match=f"^{model} has model fingerprint {short(now.model_fingerprint)}, not the "):
+    with pytest.raises(ConfigurationError, match=f"^{model} has model fingerprint {short(now.model_fingerprint)}, not the "):
         check_digest(stored.model_fingerprint["digest"], model)
     check_digest(now.model_fingerprint["digest"], model)
 
@@ -150,7 +151,7 @@ def test_a_run_json_without_a_fingerprint_is_refused_with_the_way_to_record_one(
     out = str(tmp_path / "out")
     now = _cfg(model, out)
     older = dataclasses.replace(now, model_fingerprint=None)
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigurationError) as e:
         check_same_run(now, older, "RUNJSON")
     assert str(e.value) == (
         f"run 'fp' records no model fingerprint in RUNJSON (an older harvest): it cannot tell whether {model} "
@@ -163,5 +164,5 @@ def test_a_hub_id_is_still_known_by_its_name(model, tmp_path):
 
     cfg = dataclasses.replace(_cfg(model, str(tmp_path / "out")), model="org/name", model_fingerprint=None)
     check_same_run(cfg, cfg, "X")
-    with pytest.raises(ConfigError, match="model: 'org/name' there, 'org/other' now"):
+    with pytest.raises(ConfigurationError, match="model: 'org/name' there, 'org/other' now"):
         check_same_run(dataclasses.replace(cfg, model="org/other"), cfg, "X")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from harvest.config import ConfigError
+from harvest.errors import ConfigurationError
 from harvest.formats.index import ShardError, read_index
 from harvest.read.reader import RunReader
 from harvest.storage import Location, UnreadableDocument, named
@@ -67,6 +67,6 @@ def test_a_garbled_index_names_itself_and_the_repair(tmp_path):
 ])
 def test_a_broken_run_json_names_itself(tmp_path, text, why):
     (tmp_path / "run.json").write_text(text)
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigurationError) as e:
         RunReader(str(tmp_path))
     assert str(e.value) == f"{tmp_path}/run.json{'' if why.startswith(':') else ' '}{why}"

@@ -144,11 +144,11 @@ def test_prefetch_keeps_order_raises_errors_and_stops_early():
 def test_strict_stops_at_first_bad_row(conn, tiny_model, tokenizer, tmp_path):
     import pytest
 
-    from producer.producer import BadRowError
+    from producer.rowkinds import RowError
 
     path = tmp_path / "d.jsonl"
     path.write_bytes(b'{"text": "the model"}\n{"foo": 1}\n{"text": "the data"}\n')
-    with pytest.raises(BadRowError) as e:
+    with pytest.raises(RowError) as e:
         produce(conn, _cfg(tiny_model, tmp_path), str(path), tokenizer=tokenizer, progress=False, strict=True)
     assert str(e.value) == (
         f"bad row (--strict): {path}:2: no usable field: expected one of input_ids, messages, conversations, prompt, text; "

@@ -29,7 +29,7 @@ def test_cpu_form_exactly():
 
 def test_a_runs_model_digest_goes_to_the_plugin(tiny_model):
     """`sglang-args --run` passes the run's digest; the plugin refuses another checkpoint at load."""
-    from harvest.config import ConfigError
+    from harvest.errors import ConfigurationError
     from harvest.formats.fingerprint import model_fingerprint
     from harvest.node.modelcheck import check_digest
 
@@ -38,7 +38,7 @@ def test_a_runs_model_digest_goes_to_the_plugin(tiny_model):
     assert env["HARVEST_MODEL_FINGERPRINT"] == digest
     assert "HARVEST_MODEL_FINGERPRINT" not in sl.launch_spec(tiny_model, [2, 8], 8, dump_dir="/dev/shm/d")[0]
     check_digest(digest, tiny_model)
-    with pytest.raises(ConfigError, match=f"^{tiny_model} has model fingerprint {digest[:12]}, not the run's 0{{12}} "):
+    with pytest.raises(ConfigurationError, match=f"^{tiny_model} has model fingerprint {digest[:12]}, not the run's 0{{12}} "):
         check_digest("0" * 64, tiny_model)
 
 
