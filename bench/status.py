@@ -5,7 +5,7 @@
 Starts a private redis-server holding one run with a few thousand samples, then runs, N times
 each and interleaved, `python -c` writing one byte (the interpreter's own start, the floor) and
 `python -m harvest.cli status --run bench` (this checkout's code), timing from spawn to the
-first byte on stdout. Prints the medians, the difference and the ratio. The target (issue 18)
+first byte on stdout. Prints the medians, the difference and the ratio. The target
 is a first output within 0.5 s on the 2-core CI machine: `status` imports neither torch nor
 transformers.
 """

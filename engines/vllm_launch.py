@@ -77,8 +77,7 @@ def launch_spec(
     extra_args: Sequence[str] = (),
 ) -> tuple[dict[str, str], list[str]]:
     """The environment and argv of a vLLM server that writes the run's capture points.
-    `enforce_eager` skips torch.compile: a CPU server then starts in about a minute instead of
-    two to three (measured on a 2-core machine with the tiny test model)."""
+    `enforce_eager` skips torch.compile, the largest part of a CPU server's start."""
     ids = vllm_layer_ids(capture_points, num_layers)
     speculative = {
         "method": "extract_hidden_states",

@@ -22,7 +22,7 @@ SYSTEM = pathlib.Path(__file__).parent / "system"
 
 # A suite started in the background of a non-interactive shell (`./.ci/run &`) inherits SIGINT
 # ignored, and so does every process it starts: a `harvest run` would then ignore the Ctrl-C the
-# stop tests send it, as no person's terminal does (seen: three stop tests failed that way). A
+# stop tests send it, as no person's terminal does, and those tests would fail. A
 # handler of this process's own is reset to the default in each child it starts.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -65,11 +65,10 @@ ONE_WORKER = ["system/test_sglang_live.py", "system/test_sglang_servers.py", "sy
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: one worker more than the usable cores (the cores this process may run on, not
-    psutil's physical count, which says 1 on some 2-vCPU machines), at least 3. Measured on a quiet
-    2-core machine (stop 38): a worker per core kept the cores only ~60% busy, because a system test
+    psutil's physical count, which says 1 on some 2-vCPU machines), at least 3. A system test
     spends much of its time waiting on the protocol's own timers (a collector's max-wait, heartbeat
-    TTLs, graces, polls) rather than computing; a third worker fills those waits: 780 s -> 672 s
-    for the same 661 tests, green; a fourth would only stretch every test's waits."""
+    TTLs, graces, polls) rather than computing, so a worker per core leaves the cores partly idle;
+    one more fills those waits, and a further one would only stretch every test's waits."""
     return max(3, len(os.sched_getaffinity(0)) + 1)
 
 
@@ -96,9 +95,8 @@ def redis_server(tmp_path_factory):
 def _no_heartbeat_left_behind():
     """A test that starts a worker heartbeat in this process and leaves it started fails here:
     `harvest.state.heartbeat.keep_alive` beats every started heartbeat of the process, so a later
-    test's janitor sweep would beat it into a Redis that is gone (stop 33's CI failure of
-    test_stranded.py: a heartbeat test_control_plane.py had left, pointing at its module's Redis,
-    now stopped: "Connection refused" in the sweep)."""
+    test's janitor sweep would beat it into a Redis that is gone (its module's Redis, stopped:
+    "Connection refused" in that test's sweep)."""
     from harvest.state import heartbeat
 
     before = set(heartbeat._LIVE)

@@ -39,8 +39,8 @@ def check_model(model: str | None, local_only: bool = False) -> None:
     never looked up on the hub. A local model also turns the hub off for transformers (here and
     in the processes this one starts). A bare name that is no folder here (`--model tiny`) is a
     hub id: refused at once with `local_only` (the reference engine loads only local folders),
-    else the hub is asked about it once, within seconds: transformers' own lookup of an
-    unreachable hub took 44 s and ended in a multi-line message (issue 26)."""
+    else the hub is asked about it once, within seconds, where transformers' own lookup of an
+    unreachable hub retries for tens of seconds and ends in a multi-line message."""
     if not model:
         return
     path = os.path.expanduser(model)

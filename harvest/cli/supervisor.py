@@ -9,10 +9,10 @@ last log lines. Stopping goes in dependency order: workers finish their job firs
 collector commits what is spooled, then the engine; each step is a line in supervisor.log.
 
 Every child runs in a session (and process group) of its own: a Ctrl-C in the runner's terminal
-reaches the runner alone, which then stops them in that order (before, the terminal's SIGINT hit
-every child at the same instant: Redis died first, workers failed their jobs, spool files were
-left uncommitted). A second Ctrl-C (`hurry`) hands the workers' jobs back at once (a worker's
-second SIGTERM). Since a terminal no longer kills them, a child must not outlive a runner that
+reaches the runner alone, which then stops them in that order (a SIGINT to every child at the
+same instant would stop Redis first: workers would fail their jobs and leave spool files
+uncommitted). A second Ctrl-C (`hurry`) hands the workers' jobs back at once (a worker's
+second SIGTERM). As no terminal kills them, a child must not outlive a runner that
 is SIGKILLed: each asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG), the
 crash every child is built to survive; the next `harvest run` resumes.
 

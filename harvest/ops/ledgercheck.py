@@ -5,8 +5,8 @@ cannot hold two states; what can disagree is everything kept beside it: the per-
 (status, `runs` and the end of `harvest run` read only those), the failures hash (what `requeue`
 selects from), the spool owners and their per-spool counts. Every move goes through one Lua
 script that keeps them together, so they part only when the writes themselves were mixed up:
-two redis-servers on one append-only file (two `harvest run`s on one work dir, issue 26: "done
-50 failed 50" for a 50-sample run, `requeue --all` finding nothing), or a hand edit. The check
+two redis-servers on one append-only file (two `harvest run`s on one work dir: counts such as
+"done 50 failed 50" for a 50-sample run, `requeue --all` finding nothing), or a hand edit. The check
 reads the state hash and the rest in one Lua call (one consistent snapshot) and names each
 disagreement; the repair rebuilds the counters and side tables from the state hash, the one
 truth Redis has (storage's index files then correct the states themselves: `reconcile`).

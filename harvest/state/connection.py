@@ -27,8 +27,8 @@ past the limit, and answers again once it is back.
 What redis-py (8.x) does, read in its source, and what this relies on:
 
 - `Redis.from_url` without `retry` gives each connection `Retry(NoBackoff(), 0)`: the first
-  ConnectionError is raised at once (that is how `harvest run` used to stop 2-4 s after its
-  Redis died). Here `retry` is an `OutageRetry`, which every connection of the pool shares.
+  ConnectionError is raised at once (a process would stop seconds after its Redis died). Here
+  `retry` is an `OutageRetry`, which every connection of the pool shares.
 - Every command, pipeline `execute()`, PubSub call, and the pool's own `connect()` run inside
   `connection.retry.call_with_retry(do, fail)`, nested (an attempt's reconnect runs its own
   `call_with_retry` for the socket); `fail` disconnects, so the next attempt reconnects. Only

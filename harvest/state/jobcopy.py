@@ -2,8 +2,8 @@
 
 Why. While a sample is spooled, Redis keeps its payload row, so a lost node's samples can be
 enqueued again (harvest.ops.reclaim). Sent as rows, a job's tokens crossed Redis a second time in
-full (into the worker's settle call, its Lua arguments, the hash and the AOF): about a fifth of
-Redis's CPU a sample, and half the bytes clients sent it (bench/fleet.py). The job's
+full (into the worker's settle call, its Lua arguments, the hash and the AOF): a large share of
+Redis's CPU and of the bytes clients send it (bench/fleet.py measures both). The job's
 tokens are already in Redis, in the RQ job hash the worker is running, zlib-compressed. So the
 worker's settle call (harvest/state/lua/settle.lua) copies that hash server-side (COPY: no
 bytes over the network, a few in the AOF) to `Keys.job_copy` and keeps, for each spooled sample,

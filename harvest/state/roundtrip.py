@@ -1,8 +1,8 @@
 """Several harvest scripts (and plain commands) sent in one round trip.
 
 Why. On the fleet's one Redis a round trip costs the server more than most scripts' work: a
-read and a write system call, and on a VM the wake-up of the client on another core (a PING
-round trip: 11-80 µs of Redis CPU on this project's VMs, bench/fleet.py). A worker's job made
+read and a write system call, and on a VM the wake-up of the client on another core (bench/fleet.py
+measures a PING round trip's Redis CPU). A worker's job made
 two pairs of calls that need no answer from each other: the ledger's take and the heartbeat's
 job line, then the ledger's `SETTLE` and the heartbeat's end of job. Each pair goes as one
 pipeline here (where HarvestWorker runs the job, both heartbeat calls ride in RQ's transactions

@@ -2,8 +2,8 @@
 with exit status 2, one or two lines naming the fix (flag, variable or service), no traceback,
 and nothing registered in Redis or written to the output.
 
-The duration bound (20 s) is a hang guard, not a timing assertion: before, a typo in a model
-path spent 28-63 s retrying the model hub, and commands with Redis down printed tracebacks."""
+The duration bound (20 s) is a hang guard, not a timing assertion: a model path looked up on an
+unreachable hub would retry for tens of seconds."""
 
 from __future__ import annotations
 

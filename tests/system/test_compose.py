@@ -1,5 +1,5 @@
 """The docker-compose deployment: `docker-compose config -q` accepts it and its CI form (when a
-compose binary is installed), the structural promises of issue 6 hold in the file itself, and the
+compose binary is installed), the deployment's structural promises hold in the file itself, and the
 CI override (compose.ci.yml) puts everything CI starts on the host network and changes nothing
 but addresses. scripts/compose_ci.sh runs the deployment for real (from .ci/run)."""
 

@@ -1,4 +1,4 @@
-"""The control plane's cost per sample does not grow with the run (issue 29), counted on a private
+"""The control plane's cost per sample does not grow with the run, counted on a private
 redis-server with INFO commandstats deltas (commands inside Lua scripts included).
 
 - One job of N samples, run by harvest's real RQ worker (HarvestWorker, burst) against the

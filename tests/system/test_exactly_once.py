@@ -1,4 +1,4 @@
-"""Exactly once whatever Redis forgets (issue 24), through the CLI and real processes: two
+"""Exactly once whatever Redis forgets, through the CLI and real processes: two
 runners with two private Redis servers on one output, an index file lost after the run, and
 Redis's AOF cut back by one and two seconds right after a commit."""
 
@@ -100,7 +100,7 @@ def test_reconcile_dedupes_a_seeded_duplicate_and_sends_a_corrupt_sample_back_fo
 
     args, loc, before = _finished_run(tmp_path, tiny_model)
     first, second = loc.list(INDEX, ".json")[:2]
-    # a duplicate, as an older harvest or two fleets would leave it: shard `first` stored again under another id
+    # a duplicate, as two fleets would leave it: shard `first` stored again under another id
     doc = loc.read_json(f"{INDEX}/{first}")
     dup_id = "f" * 32
     loc.write_atomic(f"shards/{dup_id}.safetensors", loc.read_bytes(doc["shard"]))

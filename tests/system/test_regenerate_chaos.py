@@ -1,4 +1,4 @@
-"""The regeneration stage under faults (issue 28's "Kill chaos" and "Seeds").
+"""The regeneration stage under faults: kills, and the seeds that make a retry sample the same tokens.
 
 Kill chaos: `RegenTrial`, tests/support/chaos.py's Trial on a `--regenerate` run of chat rows
 (private Redis, reference engine, workers, collectors, producer as processes), with a fault aimed

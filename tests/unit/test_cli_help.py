@@ -1,4 +1,4 @@
-"""Every option of every `harvest` command says what it is for in `--help` (issue 26, point 9)."""
+"""Every option of every `harvest` command says what it is for in `--help`."""
 
 import click
 

@@ -192,8 +192,8 @@ def test_a_store_that_is_down_strands_nothing_and_fails_nothing_as_lost(conn, tm
 def test_requeue_all_puts_rq_failed_jobs_back_without_reading_their_rows_so_a_store_that_is_down_stops_nothing(
         conn, tmp_path):
     """`requeue --all` puts RQ's failed jobs back as they are (their sample ids are in Redis) and then the
-    ledger's failed samples: a store that is down must not stop either part (it used to raise StorageError
-    from the first failed job whose rows it read, before any failed sample went back)."""
+    ledger's failed samples: a store that is down must not stop either part (no StorageError from a
+    failed job's rows before every failed sample went back)."""
     from harvest.ops.requeue import requeue
 
     samples = _samples(5, 40, seed=7)

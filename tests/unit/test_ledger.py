@@ -33,7 +33,7 @@ def test_ledger_values_are_plain_strings(conn):
 
 
 def test_a_sample_the_ledger_forgot_is_taken_up_by_the_worker_that_holds_it(conn):
-    # A rollback lost the enqueue of a job a worker had already dequeued (issue 24's stall): the
+    # A rollback lost the enqueue of a job a worker had already dequeued (a stall unless handled): the
     # worker's spool mark and its failures still land, with exact counts, while a plain
     # mark_failed of an unknown sample (the janitor's, the stranded sweep's) changes nothing.
     led = Ledger(conn, "r3")
