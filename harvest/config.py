@@ -171,9 +171,9 @@ class RunIdentity:
 @dataclass(frozen=True)
 class RunConfig(RunTunables, RunIdentity):
     """The run: its identity (RunIdentity), its tunables (harvest.settings.RunTunables) and what
-    follows from the model. One flat JSON object in run.json and in Redis, as it always was."""
+    follows from the model. One flat JSON object in run.json and in Redis."""
 
-    num_layers: int = 0  # the model's decoder layers (0: unknown, runs written before it was recorded)
+    num_layers: int = 0  # the model's decoder layers (0: not known, in a RunConfig built without its model)
     # The engine's version (SGLang's or vLLM's) where the first start knew it: workers warn when their
     # engine reports another one, and do not refuse (see harvest.node.modelcheck).
     engine_version: str | None = None
@@ -218,7 +218,7 @@ class RunConfig(RunTunables, RunIdentity):
 
     def identity(self) -> dict:
         """The fields that change what is stored (RunIdentity's); two runs of one name must agree on
-        all of them. `num_layers` follows from the model, and runs stored before it was recorded lack it."""
+        all of them. `num_layers` follows from the model, so it is no part of them."""
         return {k: v for k, v in asdict(self).items() if k in _IDENTITY}
 
 

@@ -14,8 +14,8 @@ writes:
 - the live worker's heartbeat names this execution (`job`, `execution`). HarvestWorker names it
   in the very transaction in which RQ creates it, and unnames it in the one that removes it, so
   a mismatch is not a race: it is a Redis that rolled back under a running fleet (the started
-  registry names executions the workers finished after the rollback point, while they sit idle),
-  or a worker of an older version between dequeue and its first beat. A mismatch is *suspect*:
+  registry names executions the workers finished after the rollback point, while they sit idle).
+  A mismatch is *suspect*:
   stamped with Redis's TIME in `Keys.suspect_executions` when first seen, taken back once it has
   lasted SUSPECT_GRACE_S (the stamp is removed as soon as it resolves). A suspect is not a death:
   it is not counted against `max_reaps`.

@@ -6,7 +6,7 @@ executions of dead or mismatched workers, in the same janitor pass, just before 
 scheduled for a retry. Harvest writes every ledger move with its RQ enqueue in one MULTI/EXEC,
 but RQ's own bookkeeping can still leave a job nowhere while its samples stay queued: RQ files
 it as failed (an exception outside the job function; retries spent on a Redis error; another
-node's registry cleanup by a skewed clock, in workers older than workers.rqworker), drops a
+node's registry cleanup by a skewed clock, in a plain RQ worker), drops a
 registry entry, or lets a failed job expire. Whatever RQ's registries say, a sample stranded for
 `STRANDED_GRACE_S` by Redis's clock (first seen: `Keys.stranded`) is enqueued again as a new job,
 built as harvest.ops.reclaim builds them, from its payload row wherever one is kept: the job data
