@@ -51,12 +51,6 @@ def vllm_layer_ids(capture_points: Sequence[int], num_layers: int) -> list[int]:
     return sorted(pts)
 
 
-def slot_of(capture_points: Sequence[int], num_layers: int) -> list[int]:
-    """For each capture point (in the run's order), its slot in vLLM's `hidden_states [T, K, H]`."""
-    ids = vllm_layer_ids(capture_points, num_layers)
-    return [ids.index(int(p)) for p in capture_points]
-
-
 def needs_final_norm(capture_points: Sequence[int], num_layers: int) -> bool:
     """True when the run captures HF index L, which vLLM delivers before the final norm."""
     return num_layers in [int(p) for p in capture_points]

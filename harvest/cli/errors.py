@@ -226,12 +226,6 @@ def _told(err: HarvestError, cause: BaseException) -> HarvestError:
     return err
 
 
-def explain(exc: BaseException, args: Iterable[str] = ()) -> str | None:
-    """The message for a user's mistake, or None for a bug."""
-    err = translate(exc, args)
-    return None if err is None else err.for_user()
-
-
 _ARGS = "harvest.args"  # ctx.meta key: the command line below the group (the command and its arguments)
 CONFIG_EXIT = 78  # EX_CONFIG (sysexits.h): `harvest node`'s configuration errors, which a scheduler must not requeue
 EXIT_STATUS_OF = "harvest.exit_status_of"  # ctx.meta key: a command's own exit status for an error it raised

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engines.vllm_launch import launch_spec, needs_final_norm, slot_of, vllm_layer_ids
+from engines.vllm_launch import launch_spec, needs_final_norm, vllm_layer_ids
 from harvest.config import RunConfig
 from harvest.formats.dump import chunk_name, read_chunk
 from harvest.formats.stformat import read_file_header
@@ -39,7 +39,6 @@ RID = "hv-" + "ab" * 16 + "-1"
 def test_layer_ids_are_hf_indices_in_ascending_slot_order():
     assert vllm_layer_ids([2, 4, 5, 8], 8) == [2, 4, 5, 8]
     assert vllm_layer_ids([8, 0, 3], 8) == [0, 3, 8]
-    assert slot_of([8, 0, 3], 8) == [2, 0, 1]
     assert needs_final_norm([2, 4, 5, 8], 8) is True
     assert needs_final_norm([2, 4, 7], 8) is False
     with pytest.raises(ValueError, match=r"\[0, 8\]"):

@@ -13,7 +13,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from harvest.cli.errors import HarvestGroup, explain, redis_wait_option
+from harvest.cli.errors import HarvestGroup, redis_wait_option, translate
 from harvest.cli.redisproc import free_port
 from harvest.state.connection import (
     DEFAULT_OUTAGE_S,
@@ -115,7 +115,7 @@ def test_a_lost_redis_is_one_line_naming_url_limit_and_wait_with_exit_75():
 def test_a_hint_is_added_to_the_line():
     e = RedisLost("redis://127.0.0.1:7/0", 12, 10, "Connection refused.")
     e.hint = "its private redis-server did not start again: redis-server exited with 1"
-    assert explain(e).startswith("lost Redis at redis://127.0.0.1:7/0: it answered, then went away (Connection "
+    assert translate(e).for_user().startswith("lost Redis at redis://127.0.0.1:7/0: it answered, then went away (Connection "
                                  "refused.) and did not come back within 10 s (waited 12 s); its private "
                                  "redis-server did not start again: redis-server exited with 1. Start Redis")
 
