@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import logging
 
-from harvest.sample import Sample
+from harvest.sample import Sample, SampleError
 from harvest.state.ledger import Ledger
-from harvest.state.payload import PayloadError, payload_row
+from harvest.state.payload import payload_row
 
 log = logging.getLogger("harvest.collector")
 
@@ -52,6 +52,6 @@ def _row(run: str, sid: str, path: str) -> str:
     try:
         with safe_open(path, framework="np") as f:
             s = Sample.build(f.get_tensor("input_ids"), f.get_tensor("loss_mask"))
-    except (OSError, SafetensorError, PayloadError, KeyError, ValueError):
+    except (OSError, SafetensorError, SampleError, KeyError, ValueError):
         return ""
     return payload_row(run, s) if s.id == sid else ""

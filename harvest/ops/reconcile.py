@@ -35,10 +35,9 @@ from harvest.formats.runfile import read_run_json, run_location
 from harvest.formats.shard import SHARDS
 from harvest.formats.stformat import FormatError, header_length, parse_header, tensor_from_bytes
 from harvest.ids import job_id_for
-from harvest.sample import Sample, split_jobs
+from harvest.sample import Sample, SampleError, split_jobs
 from harvest.state.jobs import enqueue_samples, run_queue
 from harvest.state.ledger import DONE, Ledger
-from harvest.state.payload import PayloadError
 from harvest.state.runstore import publish_run
 from harvest.storage import Location, retry
 
@@ -131,7 +130,7 @@ def _tokens_of(loc: Location, wanted: set[str], indexed: dict[str, dict],
             continue
         try:
             samples = retry(lambda: _read_tokens(loc, f"{SHARDS}/{name}"), f"reading the tokens of {loc.path(SHARDS, name)}")
-        except (FormatError, PayloadError, ValueError, KeyError) as e:
+        except (FormatError, SampleError, ValueError, KeyError) as e:
             log.warning("%s: unreadable (%s); its samples cannot be rebuilt from it", loc.path(SHARDS, name), e)
             continue
         for sid, s in samples.items():
