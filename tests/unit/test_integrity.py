@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader
 
 from harvest.formats.index import ShardError, committed_samples, encode_index, index_file, parse_index
 from harvest.formats.runfile import RUN_FILE
-from harvest.formats.shard import encode_shard, plan_shard, shard_file, write_shard
+from harvest.formats.shard import encode_shard, plan_shard, shard_file
+from harvest.formats.shard_write import write_shard
 from harvest.formats.spool import inspect_sample
 from harvest.node.spooldir import spool_path
 from harvest.ops.dedupe import DedupeReport, dedupe_run
