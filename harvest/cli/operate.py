@@ -132,7 +132,7 @@ def export_cmd(run_url, fmt, dest, dtype, model, in_place, no_progress, s3_endpo
     if rep.corrupt:  # every other sample is exported; these are named, and the export fails (exit 1)
         import sys
 
-        from harvest.read.shard_reader import UnreadableShard, verify_fix
+        from harvest.read.damage import UnreadableShard, verify_fix
         from harvest.storage import Location
 
         for sid, e in rep.corrupt:

@@ -34,10 +34,10 @@ from harvest.atomic import atomic_path
 from harvest.config import RunConfig
 from harvest.errors import ConfigurationError, HarvestError, StorageError
 from harvest.progress import progress as progress_display
-from harvest.read.dataset import read_dtype
+from harvest.read.damage import CorruptSample, UnreadableShard
+from harvest.read.eagle3 import read_dtype
 from harvest.read.final_norm import FinalNorm, FinalNormError
 from harvest.read.reader import RunReader
-from harvest.read.shard_reader import CorruptSample, UnreadableShard
 from harvest.read.speculators import SpeculatorsExportError, export_speculators
 from harvest.read.trainers import EXPORT_FORMATS, TRAINER_NAMES
 from harvest.storage import TEMP_PREFIX

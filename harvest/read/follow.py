@@ -26,8 +26,9 @@ from harvest.config import RunConfig
 from harvest.errors import ServiceError
 from harvest.formats.index import INDEX, ShardError, ShardIndex, committed_samples, kept_copies, parse_index
 from harvest.formats.settled import SETTLED, read_settled
+from harvest.read.damage import UnreadableShard
 from harvest.read.partition import owner
-from harvest.read.shard_reader import ShardReader, UnreadableShard
+from harvest.read.shard_reader import ShardReader
 from harvest.storage import Location
 
 

@@ -38,7 +38,8 @@ from harvest.errors import HarvestError
 from harvest.formats.index import INDEX, ShardError, ShardIndex, kept_copies, read_index
 from harvest.formats.runfile import RUN_FILE, read_run_json
 from harvest.read.coalesce import cap_for
-from harvest.read.shard_reader import ShardReader, UnreadableShard
+from harvest.read.damage import UnreadableShard
+from harvest.read.shard_reader import ShardReader
 from harvest.storage import Location
 
 log = logging.getLogger("harvest.read")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from harvest.ids import check_id
-from harvest.read.dataset import eagle3_item
+from harvest.read.eagle3 import eagle3_item
 from harvest.read.reader import RunReader
 
 DTYPE = torch.bfloat16  # what SpecForge's TargetHead computes in

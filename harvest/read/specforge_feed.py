@@ -34,7 +34,7 @@ import torch
 
 from harvest.errors import ConfigurationError
 from harvest.formats.index import ShardError
-from harvest.read.dataset import eagle3_item
+from harvest.read.eagle3 import eagle3_item
 from harvest.read.reader import RunReader
 
 FORMAT = 1  # of the pointer's pickled arguments; a newer harvest reads older pointers

@@ -48,9 +48,9 @@ from safetensors.torch import save_file
 from harvest.atomic import atomic_folder
 from harvest.errors import ConfigurationError
 from harvest.progress import progress as progress_display
+from harvest.read.damage import CorruptSample, UnreadableShard
 from harvest.read.final_norm import FinalNorm
 from harvest.read.reader import RunReader
-from harvest.read.shard_reader import CorruptSample, UnreadableShard
 from harvest.storage import TEMP_PREFIX, atomic_write_local
 
 MANIFEST = "harvest-export.json"

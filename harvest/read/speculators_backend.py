@@ -42,9 +42,9 @@ from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 from safetensors import safe_open
 
 from harvest.errors import ConfigurationError
+from harvest.read.damage import CorruptSample, UnreadableShard
 from harvest.read.final_norm import FinalNorm
 from harvest.read.reader import RunReader
-from harvest.read.shard_reader import CorruptSample, UnreadableShard
 from harvest.read.speculators import FINAL_NORM, MANIFEST, speculators_tensors
 
 NAME = "harvest"
