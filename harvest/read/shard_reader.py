@@ -27,7 +27,7 @@ import math
 import threading
 import zlib
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -40,44 +40,14 @@ from harvest.formats.spool import SCALE
 from harvest.formats.stformat import BLOCK, FormatError, TensorSpan, header_length, parse_header, tensor_from_bytes
 from harvest.read.coalesce import GAP_BYTES, cap_for, read_whole, runs
 from harvest.read.damage import CorruptSample, UnreadableShard, object_url, verify_fix
+from harvest.read.held import Held, HeldRead
 from harvest.storage import Location
 
 _SMALL = ("input_ids", "loss_mask", "offsets")
 
 
-_Held = tuple[memoryview, int]  # bytes of a shard file and the file offset they start at
 
 
-class _Block:
-    """Bytes [begin, end) of a shard file, read once, by the first sample that needs them (the
-    others wait for that read), for the samples registered on it in their reader."""
-
-    def __init__(self, begin: int, end: int, raw: bytes | None = None) -> None:
-        self.begin, self.end = begin, end
-        self._raw = None if raw is None else memoryview(raw)
-        self._state = "new" if raw is None else "done"
-        self._cond = threading.Condition()
-
-    def get(self, read: Callable[[int, int], bytes | bytearray]) -> _Held | None:
-        """The bytes (reading them unless another thread did or does); None where that read failed:
-        each sample then reads its own range, and fails there exactly as it would have alone."""
-        with self._cond:
-            if self._state == "new":
-                self._state = "reading"
-            else:
-                while self._state == "reading":
-                    self._cond.wait()
-                return None if self._raw is None else (self._raw, self.begin)
-        raw = None
-        try:
-            raw = memoryview(read(self.begin, self.end))
-        except Exception:  # noqa: BLE001, S110 - each sample's own read raises it (see above)
-            pass
-        finally:
-            with self._cond:
-                self._raw, self._state = raw, "done"
-                self._cond.notify_all()
-        return None if raw is None else (raw, self.begin)
 
 
 class ShardReader:
@@ -90,7 +60,7 @@ class ShardReader:
     def __init__(self, loc: Location, index: ShardIndex, want: Iterable[int] = (), cap: int | None = None) -> None:
         self.cap = cap_for(loc.is_local, cap)
         self._lock = threading.Lock()
-        self._blocks: dict[int, _Block] = {}  # sample -> the bytes read (or being read) ahead for it
+        self._blocks: dict[int, HeldRead] = {}  # sample -> the bytes read (or being read) ahead for it
         try:
             self._open(loc, index, set(want), self.cap)
         # what damaged header bytes raise as they are parsed (a flipped byte can break the JSON, a key
@@ -138,7 +108,7 @@ class ShardReader:
         if list(tensor_from_bytes(offsets, torch.int64, (-1,)).tolist()) != list(index["offsets"]):
             raise ShardError(f"{self.name}: offsets differ from its index file")
         if whole:
-            block, span = _Block(0, len(head), head), self.tensors["hidden_states"]
+            block, span = HeldRead(0, len(head), head), self.tensors["hidden_states"]
             for p in want:
                 if span.begin + self._at[p + 1] <= len(head):
                     self._blocks[p] = block
@@ -236,7 +206,7 @@ class ShardReader:
         the first that fails."""
         return self._rows(tensor, start, end, None)
 
-    def _rows(self, tensor: str, start: int, end: int, held: _Held | None) -> torch.Tensor:
+    def _rows(self, tensor: str, start: int, end: int, held: Held | None) -> torch.Tensor:
         """`rows`, the hidden states' taken from `held` (bytes already read that hold those rows)
         when given."""
         offsets, span = self.index["offsets"], self.tensors[tensor]
@@ -270,7 +240,7 @@ class ShardReader:
             return torch.frombuffer(cut, dtype=torch.uint8).view(span.dtype).reshape(shape)
         return tensor_from_bytes(bytearray(cut), span.dtype, shape)
 
-    def _decoded(self, i: int, held: _Held | None) -> torch.Tensor:
+    def _decoded(self, i: int, held: Held | None) -> torch.Tensor:
         """Sample i's coded hidden states (from `held` where given), decoded and checked."""
         span, offsets = self.tensors["hidden_states"], self.index["offsets"]
         begin, end = span.begin + self._at[i], span.begin + self._at[i + 1]
@@ -317,7 +287,7 @@ class ShardReader:
         run of them adjacent in storage (harvest.read.coalesce.runs: `gap`, `cap`, default the
         reader's), or from what the opening read held: (p, the sample, or the exception reading it raised: a CorruptSample fails
         its sample alone), those held first, then a run at a time, each in storage order."""
-        held: dict[int, _Block] = {}
+        held: dict[int, HeldRead] = {}
         rest: list[int] = []
         with self._lock:
             for p in dict.fromkeys(positions):
@@ -332,19 +302,19 @@ class ShardReader:
         for run in runs(rest, at, 1, self.cap if cap is None else cap, gap):
             begin, end = span.begin + at[run[0]], span.begin + at[run[-1] + 1]
             try:
-                got: _Held | None = (memoryview(self._read(begin, end)), begin)
+                got: Held | None = (memoryview(self._read(begin, end)), begin)
             except Exception:  # noqa: BLE001 - each sample of the run reads alone, and fails as it would have
                 got = None
             for p in run:
                 yield p, self._attempt(p, dtype, got)
 
-    def _attempt(self, i: int, dtype: torch.dtype | None, held: _Held | None) -> dict[str, torch.Tensor] | Exception:
+    def _attempt(self, i: int, dtype: torch.dtype | None, held: Held | None) -> dict[str, torch.Tensor] | Exception:
         try:
             return self._decode(i, dtype, held)
         except Exception as e:  # noqa: BLE001 - handed to the caller in the sample's place
             return e
 
-    def _held(self, i: int, ahead: Sequence[int]) -> _Held | None:
+    def _held(self, i: int, ahead: Sequence[int]) -> Held | None:
         """Sample i's hidden-state bytes if read ahead, else read now, with the samples of `ahead`
         adjacent to it; the other runs of `ahead` are held to be read when first asked for."""
         with self._lock:
@@ -355,7 +325,7 @@ class ShardReader:
                 for run in runs([i, *fresh], at, 1, self.cap):
                     if len(run) == 1 and run[0] != i:
                         continue  # one sample alone: read when asked for, as it would be
-                    b = _Block(span.begin + at[run[0]], span.begin + at[run[-1] + 1])
+                    b = HeldRead(span.begin + at[run[0]], span.begin + at[run[-1] + 1])
                     for p in run:
                         if p == i:
                             block = b
@@ -373,7 +343,7 @@ class ShardReader:
         with self._lock:
             self._blocks.clear()
 
-    def _decode(self, i: int, dtype: torch.dtype | None, held: _Held | None) -> dict[str, torch.Tensor]:
+    def _decode(self, i: int, dtype: torch.dtype | None, held: Held | None) -> dict[str, torch.Tensor]:
         a, b = self.index["offsets"][i], self.index["offsets"][i + 1]
         out = {name: self._rows(name, a, b, held) for name in ("input_ids", "loss_mask", "hidden_states")}
         if is_fp8(self.dtype):
