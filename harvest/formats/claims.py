@@ -35,6 +35,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from harvest.formats.index import committed_samples, index_file, parse_index
 from harvest.ids import check_id
@@ -44,7 +45,13 @@ CLAIMS = "claims"
 STALE_S = 3600.0  # a claim of another ledger with no index this old (store clock) is abandoned
 PARALLEL = 16  # claims in flight at once (small requests: latency, not bandwidth, bounds them)
 
-Retry = Callable[[Callable[[], object], str], object]
+T = TypeVar("T")
+
+
+class Retry(Protocol):
+    """harvest.storage.retry's shape: `fn()` retried on transient failures, `what` naming it."""
+
+    def __call__(self, fn: Callable[[], T], what: str, /) -> T: ...
 
 
 def claim_file(sample_id: str) -> str:
@@ -136,11 +143,13 @@ class Claimer:
             if held is not None and held.shard == shard_id and held.ledger == self.ledger_id:
                 out.mine.append(sid)  # ours, from an earlier attempt at this very shard
                 return
-            doc = None if held is None else self.retry(lambda: _read_or_none(self.out, index_file(held.shard)),
-                                                       f"reading {self.out.path(index_file(held.shard))}")
-            if doc is not None and sid in committed_samples(parse_index(json.loads(doc), index_file(held.shard))):
-                out.committed[sid] = held.shard
-                return
+            doc = None
+            if held is not None:
+                index = index_file(held.shard)
+                doc = self.retry(lambda: _read_or_none(self.out, index), f"reading {self.out.path(index)}")
+                if doc is not None and sid in committed_samples(parse_index(json.loads(doc), index)):
+                    out.committed[sid] = held.shard
+                    return
             # an index that excludes the sample (a corrupt copy dropped for re-extraction, a duplicate)
             # no longer commits it: its claim is abandoned
             if held is not None and doc is None and not self._abandoned(held, name, now):

@@ -30,6 +30,7 @@ import json
 import os
 import struct
 import zipfile
+from typing import Any
 
 from harvest.errors import InputError
 
@@ -98,7 +99,7 @@ def _hashed(name: str) -> bool:
         or name.endswith(WEIGHT_SUFFIXES)
 
 
-def model_fingerprint(model_dir: str) -> dict | None:
+def model_fingerprint(model_dir: str) -> dict[str, Any] | None:
     """`{"digest": hex, "files": {name: hex}}` of the checkpoint in the local folder `model_dir`
     (followed through symlinks); None when `model_dir` is no local folder (a hub id), or holds
     none of the files above. Reads the config and tokenizer files and the weights' headers only."""
@@ -120,23 +121,23 @@ def model_fingerprint(model_dir: str) -> dict | None:
     return {"digest": _sha(json.dumps(files, sort_keys=True).encode()), "files": files}
 
 
-def short(fp: dict | None) -> str:
+def short(fp: dict[str, Any] | None) -> str:
     """The digest as messages show it (`none` for a run that records no fingerprint)."""
     return fp["digest"][:SHORT] if fp else "none"
 
 
-def same_model(a: dict | None, b: dict | None) -> bool:
+def same_model(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     """Two fingerprints name the same checkpoint (both recorded and equal)."""
     return bool(a and b and a.get("digest") == b.get("digest"))
 
 
-def differing(a: dict | None, b: dict | None) -> list[str]:
+def differing(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[str]:
     """The files whose hashes differ between `a` and `b` (missing on one side included), sorted."""
     fa, fb = (a or {}).get("files", {}), (b or {}).get("files", {})
     return sorted(n for n in set(fa) | set(fb) if fa.get(n) != fb.get(n))
 
 
-def mismatch_line(run: str, recorded: dict | None, recorded_path: str, found: dict | None, found_path: str,
+def mismatch_line(run: str, recorded: dict[str, Any] | None, recorded_path: str, found: dict[str, Any] | None, found_path: str,
                   where: str, who: str = "") -> str:
     """One line naming both checkpoints: the run's (recorded in `where`) and the one found at
     `found_path` (by `who`, e.g. an engine, when not by the command itself), and what differs."""

@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import posixpath
+from typing import Any
 
 from harvest.formats.index import ShardError
 from harvest.ids import check_id
@@ -33,7 +34,7 @@ def generated_file(shard_id: str) -> str:
     return posixpath.join(GENERATED, f"{check_id(shard_id, 'shard id')}.parquet")
 
 
-def _schema():
+def _schema() -> Any:
     import pyarrow as pa
 
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
@@ -47,7 +48,7 @@ def _text(v: object) -> str | None:
     return v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
 
-def encode_generated(records: list[dict]) -> bytes:
+def encode_generated(records: list[dict[str, Any]]) -> bytes:
     """`records` (workers.regenerate's entries, in storage order) as one Parquet file's bytes."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -62,7 +63,7 @@ def encode_generated(records: list[dict]) -> bytes:
     return buf.getvalue()
 
 
-def decode_generated(data: bytes, name: str, sha256: str | None = None) -> list[dict]:
+def decode_generated(data: bytes, name: str, sha256: str | None = None) -> list[dict[str, Any]]:
     """The rows of generated file `name` (its bytes `data`), checked against the index's sha256."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -74,17 +75,18 @@ def decode_generated(data: bytes, name: str, sha256: str | None = None) -> list[
         # pool threads could still be alive as the interpreter exits, and Arrow then aborted the
         # process after its work was done ("terminate called without an active exception", exit
         # 134: `harvest generated` in 6 of 90 runs, apache/arrow#34314).
-        return pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False).to_pylist()
+        rows: list[dict[str, Any]] = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False).to_pylist()
+        return rows
     except Exception as e:  # noqa: BLE001 - pyarrow's many error types for a file that is not Parquet
         raise ShardError(f"generated file {name}: not a readable Parquet file ({type(e).__name__}: {e})") from None
 
 
-def entry(name: str, data: bytes, rows: int) -> dict:
+def entry(name: str, data: bytes, rows: int) -> dict[str, Any]:
     """The index's `generated` field for the file `name` holding `data`."""
     return {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "rows": rows}
 
 
-def store_generated(loc: Location, shard_id: str, records: list[str]) -> dict:
+def store_generated(loc: Location, shard_id: str, records: list[str]) -> dict[str, Any]:
     """Shard `shard_id`'s generated file written whole into the run folder `loc` from its samples'
     entries (JSON, as the spool files carry them, in storage order); returns its index entry. The
     same entries give the same bytes, so a retried commit rewrites the same file.

@@ -19,7 +19,7 @@ import json
 import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from harvest.config import FINAL_POST_NORM, FINAL_STATES
 from harvest.errors import InputError
@@ -68,7 +68,7 @@ class ShardIndex(TypedDict):
     excluded: NotRequired[dict[str, str]]
     # A --regenerate run's shard: the file of its samples' generated conversations, committed with it
     # (harvest.formats.generated): {"file": name under the run's folder, "sha256": ..., "rows": n}.
-    generated: NotRequired[dict]
+    generated: NotRequired[dict[str, Any]]
 
 
 _FIELDS: dict[str, type] = {"format": str, "shard_id": str, "shard": str, "samples": list, "tokens": list,
@@ -128,7 +128,7 @@ def parse_index(doc: object, where: str) -> ShardIndex:
     return doc  # type: ignore[return-value]
 
 
-def _check_crc32(doc: dict, n: int, where: str) -> None:
+def _check_crc32(doc: dict[str, Any], n: int, where: str) -> None:
     if ("crc32" in doc) != ("crc32_tensors" in doc):
         raise ShardError(f"{where}: index has {'crc32' if 'crc32' in doc else 'crc32_tensors'} without "
                          f"{'crc32_tensors' if 'crc32' in doc else 'crc32'}")
@@ -149,7 +149,7 @@ def _check_crc32(doc: dict, n: int, where: str) -> None:
                              f"(one per tensor of {names})")
 
 
-def _check_coded(doc: dict, n: int, where: str) -> None:
+def _check_coded(doc: dict[str, Any], n: int, where: str) -> None:
     coded = doc["format"] == CODED_FORMAT
     if not coded:
         if "codec" in doc or "coded_offsets" in doc:
@@ -165,7 +165,7 @@ def _check_coded(doc: dict, n: int, where: str) -> None:
         raise ShardError(f"{where}: a coded shard's index lacks its crc32s")
 
 
-def encode_index(doc: Mapping) -> bytes:
+def encode_index(doc: Mapping[str, Any]) -> bytes:
     """The bytes of an index file: the one encoding, so every writer of the same document (a
     collector finishing a decided commit, a repair rewriting it) writes the same file."""
     return json.dumps(doc, indent=1).encode()
@@ -185,7 +185,7 @@ def with_excluded(doc: ShardIndex, reasons: Mapping[str, str]) -> ShardIndex:
         if sid not in doc["samples"]:
             raise ShardError(f"shard {doc['shard_id']} does not hold sample {sid}: it cannot exclude it")
         excluded.setdefault(sid, why)
-    return {**doc, "excluded": excluded}  # type: ignore[typeddict-item]
+    return {**doc, "excluded": excluded}
 
 
 @dataclass(frozen=True)

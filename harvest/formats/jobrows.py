@@ -30,6 +30,7 @@ import posixpath
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from harvest.errors import InputError, StorageError
 from harvest.storage import Location, retry
@@ -50,7 +51,7 @@ class RowsObject:
     data: bytes
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
-    def ref(self, ids: Iterable[str]) -> dict:
+    def ref(self, ids: Iterable[str]) -> dict[str, Any]:
         """The reference a job of `ids` (all rows of this object, in the job's order) carries."""
         spans = [self.spans[i] for i in ids]
         lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
@@ -72,7 +73,7 @@ def write(run_loc: Location, rows: Iterable[tuple[str, str]]) -> RowsObject:
     return RowsObject(run_loc.describe(name), data, spans)
 
 
-def read(ref: object) -> list[dict]:
+def read(ref: Any) -> list[dict[str, Any]]:
     """The rows a job's reference names, in its order (JobRowsError: gone or changed; StorageError:
     the store failed for good after retries)."""
     try:

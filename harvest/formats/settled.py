@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from harvest.formats.index import ShardError
 from harvest.storage import Location, retry
@@ -33,7 +34,7 @@ def write_settled(loc: Location, run: str, done: int, failed: int) -> None:
     loc.write_atomic(SETTLED, json.dumps(doc, indent=1).encode())
 
 
-def read_settled(loc: Location) -> dict | None:
+def read_settled(loc: Location) -> dict[str, Any] | None:
     """The marker, or None while the run is not settled; ShardError for a marker of another format."""
     try:
         doc = loc.read_json(SETTLED)

@@ -153,7 +153,7 @@ def _layout(shard_id: str, entries: tuple[SpoolEntry, ...], run: str, capture_po
     offsets = _offsets(e.num_tokens for e in entries)
     n, k = offsets[-1], len(capture_points)
     hidden = entries[0].spans["hidden_states"].shape[2]
-    shapes = {
+    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
         "hidden_states": (torch.uint8, (sum(c.nbytes for c in coded),)) if coded else (dtype, (n, k, hidden)),
         "input_ids": (torch.int32, (n,)),
         "loss_mask": (torch.uint8, (n,)),

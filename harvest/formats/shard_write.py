@@ -16,7 +16,7 @@ import threading
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from harvest.formats.filecopy import ShortFile, copy_range, start_writeback, write_all
 from harvest.formats.index import ShardError
@@ -123,14 +123,14 @@ def write_shard(plan: ShardPlan, out: BinaryIO, progress: Callable[[int], None] 
     while this one reads and writes the next buffer, so they add no time when I/O is the bound."""
     sha, crcs = hashlib.sha256(), _Crcs(plan)
     bufs = [memoryview(bytearray(COPY_BUFFER)) for _ in range(2)]
-    pending: list[tuple[Future, Future] | None] = [None, None]
+    pending: list[tuple[Future[Any], Future[Any]] | None] = [None, None]
     written = 0
 
     def wait(slot: int) -> None:
         for fut in pending[slot] or ():
             fut.result()  # its last bytes are summed: the buffer is free
 
-    plan_bytes: list[Future] = []  # the header's and the offsets' sums (a buffer's are awaited in `wait`)
+    plan_bytes: list[Future[Any]] = []  # the header's and the offsets' sums (a buffer's are awaited in `wait`)
     with ThreadPoolExecutor(1, thread_name_prefix="shard-sha256") as hasher, \
             ThreadPoolExecutor(1, thread_name_prefix="shard-crc32") as crcer:
         for data, slot in _ranges(plan, bufs, wait):

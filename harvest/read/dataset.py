@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
@@ -75,11 +76,11 @@ class _Lazy:
         r = self.reader
         return eagle3_item(r.get(sample_id, self.dtype), r.config)
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {"url": self.url, "dtype": self.dtype, "_reader": None, "_pid": -1}
 
 
-class HiddenStateDataset(Dataset):
+class HiddenStateDataset(Dataset[dict[str, torch.Tensor]]):
     """Map-style: item i is the i-th committed sample (storage order, fixed when opened)."""
 
     def __init__(self, url: str, dtype: torch.dtype | None = None) -> None:
@@ -102,7 +103,7 @@ def _window_bytes(items: list[dict[str, torch.Tensor] | Exception]) -> int:
     return sum(t.numel() * t.element_size() for i in items if isinstance(i, dict) for t in i.values())
 
 
-class HiddenStateIterable(IterableDataset):
+class HiddenStateIterable(IterableDataset[dict[str, torch.Tensor]]):
     """The training feed: every committed sample once per epoch, dealt in equal contiguous spans of
     a seeded order to `world_size` ranks x DataLoader workers, read ahead on a thread, resumable
     mid-epoch, optionally following a live run. The rules are harvest.read.partition's (order,
@@ -164,14 +165,14 @@ class HiddenStateIterable(IterableDataset):
             self.dtype = read_dtype(self._shards.cfg, self.dtype)
         return self._shards
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         store = state.pop("_shards")
         state["_docs"] = store.docs if store is not None else {}  # the index documents, read once
         state["_shards"], state["_pid"] = None, -1
         return state
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         docs = state.pop("_docs", {})
         self.__dict__.update(state)
         if docs:
@@ -307,7 +308,7 @@ class HiddenStateIterable(IterableDataset):
 
     # -- mid-epoch resume --------------------------------------------------------------------------
 
-    def state_dict(self, batches: int | None = None) -> dict:
+    def state_dict(self, batches: int | None = None) -> dict[str, Any]:
         """Where this epoch stands, for `load_state_dict`: the epoch, its view (shard ids), a digest
         of its order and, per stage, what every rank's every worker has handed to its loop.
         `batches`: the batches each rank's loop took from its DataLoader this epoch (its step count;
@@ -350,7 +351,7 @@ class HiddenStateIterable(IterableDataset):
                 "window": self.window, "shards": list(self._view), "digest": digest(order),
                 "stages": [st.to_json() for st in [*stages, Stage(parts, drop, tuple(consumed))]]}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration of `state`'s epoch yields exactly the samples no rank's loop
         was handed before it was saved, dealt again over this job's ranks and workers (in equal
         spans, whatever their number now). Call it before the DataLoader starts its workers."""

@@ -7,6 +7,8 @@ points concatenated in ascending layer order: `[T, 3H]` for the EAGLE-3 preset).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from harvest.config import RunConfig
@@ -28,7 +30,7 @@ def final_slot(cfg: RunConfig) -> int:
     return cfg.capture_points.index(final)
 
 
-def eagle3_item(sample: dict, cfg: RunConfig) -> dict[str, torch.Tensor]:
+def eagle3_item(sample: dict[str, Any], cfg: RunConfig) -> dict[str, torch.Tensor]:
     """Split a reader sample (`hidden_states` [T, K, H]) into the EAGLE-3 training item."""
     hs = sample["hidden_states"]
     k = final_slot(cfg)

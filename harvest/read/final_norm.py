@@ -110,7 +110,8 @@ def _norm_weight(model_dir: str) -> torch.Tensor:
         for key in NORM_KEYS:
             if key in weight_map:
                 with safe_open(os.path.join(model_dir, weight_map[key]), framework="pt") as f:
-                    return f.get_tensor(key)
+                    weight: torch.Tensor = f.get_tensor(key)
+                    return weight
         raise FinalNormError(f"{index} names none of {NORM_KEYS}")
     files = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
     for name in files:
@@ -118,5 +119,6 @@ def _norm_weight(model_dir: str) -> torch.Tensor:
             keys = set(f.keys())
             for key in NORM_KEYS:
                 if key in keys:
-                    return f.get_tensor(key)
+                    weight = f.get_tensor(key)
+                    return weight
     raise FinalNormError(f"no safetensors file in {model_dir} holds one of {NORM_KEYS}")

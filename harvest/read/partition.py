@@ -36,6 +36,7 @@ import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 def sample_order(shards: Sequence[tuple[str, Sequence[str]]], seed: int | None, epoch: int,
@@ -118,11 +119,11 @@ class Stage:
     drop: bool
     consumed: tuple[int, ...]  # samples delivered from each part's span
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"parts": self.parts, "drop": self.drop, "consumed": list(self.consumed)}
 
     @classmethod
-    def from_json(cls, doc: dict) -> Stage:
+    def from_json(cls, doc: dict[str, Any]) -> Stage:
         return cls(int(doc["parts"]), bool(doc["drop"]), tuple(int(c) for c in doc["consumed"]))
 
 

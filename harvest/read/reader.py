@@ -30,6 +30,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -201,7 +202,7 @@ class RunReader:
                 total -= held.pop(s, 0)
                 del self._holding[s]
 
-    def get(self, sample_id: str, dtype: torch.dtype | None = None) -> dict:
+    def get(self, sample_id: str, dtype: torch.dtype | None = None) -> dict[str, Any]:
         """`input_ids` [T] int32, `loss_mask` [T] uint8, `hidden_states` [T, K, H] (in `dtype`,
         else the reader's, else as stored, with `hidden_scale` [T, K] for fp8),
         `capture_points`, `sample_id`. Raises CorruptSample if its stored bytes fail their crc32,
@@ -209,7 +210,7 @@ class RunReader:
         shard_id, i = self._locate(sample_id)
         ahead = self._ahead(sample_id, shard_id)
         shard = self._shard(shard_id, [i, *ahead])
-        out: dict = shard.sample(i, dtype or self.dtype, ahead)
+        out: dict[str, Any] = shard.sample(i, dtype or self.dtype, ahead)
         if ahead:
             self._hold(shard_id)
         out["capture_points"] = self.capture_points
@@ -224,7 +225,7 @@ class RunReader:
         a, b = shard.index["offsets"][i], shard.index["offsets"][i + 1]
         return shard.rows("input_ids", a, b), shard.rows("loss_mask", a, b)
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[dict[str, Any]]:
         for sid in self._where:
             yield self.get(sid)
 
@@ -238,9 +239,10 @@ class RunReader:
         return sum(doc["bytes"] for doc in self._indexes.values())
 
 
-def hidden_at(sample: dict, point: int) -> torch.Tensor:
+def hidden_at(sample: dict[str, Any], point: int) -> torch.Tensor:
     """The `[T, H]` hidden states of one capture point (HF hidden_states index)."""
-    return sample["hidden_states"][:, sample["capture_points"].index(point)]
+    hidden: torch.Tensor = sample["hidden_states"][:, sample["capture_points"].index(point)]
+    return hidden
 
 
 def _run_config(loc: Location) -> RunConfig:

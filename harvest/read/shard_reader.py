@@ -100,7 +100,7 @@ class ShardReader:
             raise ShardError(f"{self.name}: its index has crc32s of tensors {names}, the shard holds {sorted(self.tensors)}")
         self._slot = {name: j for j, name in enumerate(names)}
         self._open_hidden(index)
-        self._small: dict[str, bytes] = {}
+        self._small: dict[str, bytes | bytearray] = {}
         self._read_small(head)
         offsets = self._whole("offsets")  # the last tensor: a shard cut short anywhere lacks (some of) it
         if len(offsets) != self.tensors["offsets"].end - self.tensors["offsets"].begin:
@@ -127,10 +127,10 @@ class ShardReader:
         if meta.get("codec") != self.codec:
             raise ShardError(f"{self.name}: holds codec {meta.get('codec')!r}, its index names {self.codec!r}")
         shape = json.loads(meta["hidden_states_shape"])
-        self.dtype = getattr(torch, str(meta["hidden_states_dtype"]), None)
-        if not isinstance(self.dtype, torch.dtype) or dtype_name(self.dtype) != index["dtype"]:
+        dtype = getattr(torch, str(meta["hidden_states_dtype"]), None)
+        if not isinstance(dtype, torch.dtype) or dtype_name(dtype) != index["dtype"]:
             raise ShardError(f"{self.name}: hidden states {meta['hidden_states_dtype']}, its index says {index['dtype']}")
-        self._row_shape, self._at = tuple(shape[1:]), list(index["coded_offsets"])
+        self.dtype, self._row_shape, self._at = dtype, tuple(shape[1:]), list(index["coded_offsets"])
         if span.dtype != torch.uint8 or len(shape) != 3 or shape[0] != offsets[-1] or span.shape[0] != self._at[-1]:
             raise ShardError(f"{self.name}: coded hidden states {span.dtype} {list(span.shape)} of {shape} do not fit its "
                              f"index: {offsets[-1]} tokens in {self._at[-1]} coded bytes")
@@ -177,7 +177,7 @@ class ShardReader:
                 got += n
         return buf if got == len(buf) else buf[:got]
 
-    def _whole(self, name: str) -> bytes:
+    def _whole(self, name: str) -> bytes | bytearray:
         if name not in self._small:
             span = self.tensors[name]
             self._small[name] = self._bytes(span, 0, span.shape[0])

@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ def run_reader(url: str, sample_id: str) -> RunReader:
         return reader
 
 
-class HarvestFeatures(Mapping):
+class HarvestFeatures(Mapping[str, Any]):
     """One sample's SpecForge features: tokens held, hidden states read from the run when asked."""
 
     def __init__(self, run_url: str, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -68,7 +69,7 @@ class HarvestFeatures(Mapping):
         self.run_url, self.sample_id, self.dtype = run_url, sample_id, dtype
         self._tensors: dict[str, torch.Tensor] = {"input_ids": input_ids, "loss_mask": loss_mask}
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_restore, (FORMAT, self.run_url, self.sample_id, self._tensors["input_ids"],
                            self._tensors["loss_mask"], self.dtype))
 

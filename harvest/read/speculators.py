@@ -41,6 +41,8 @@ import json
 import os
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -107,7 +109,7 @@ def export_speculators(
                 else:
                     sample = reader.get(sid, dtype)
                     ids, mask = sample["input_ids"], sample["loss_mask"]
-                    atomic(path, lambda tmp, s=sample: save_file(speculators_tensors(s, norm), tmp))
+                    atomic(path, partial(save_file, speculators_tensors(sample, norm)))
                     written += 1
             except (CorruptSample, UnreadableShard) as e:
                 corrupt.append((sid, e))
@@ -128,7 +130,7 @@ def export_speculators(
     return written, kept, corrupt
 
 
-def speculators_tensors(sample: dict, norm: FinalNorm) -> dict[str, torch.Tensor]:
+def speculators_tensors(sample: dict[str, Any], norm: FinalNorm) -> dict[str, torch.Tensor]:
     """A reader sample as speculators reads a row: `token_ids` [T] int64, `hidden_states` [T, K, H]
     with the last slot the pre-norm state `y / w`, in the sample's dtype (the export's files and the
     in-place backend both go through here, so they hold the same bytes). The last slot is replaced

@@ -67,12 +67,12 @@ class HarvestTransfer(HiddenStatesTransfer):
         self._lock = threading.Lock()
         self._named: set[str] = set()
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.update(_reader=None, _pid=-1, _lock=None, _named=set())
         return state
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
@@ -163,7 +163,8 @@ def register() -> type[HiddenStatesBackend]:
         HiddenStatesBackend.register(NAME)(HarvestBackend)
     elif registry[NAME].__qualname__ != HarvestBackend.__qualname__:
         raise HarvestBackendError(f"another hidden-states backend is registered as {NAME!r}: {registry[NAME]!r}")
-    return registry[NAME]
+    backend: type[HiddenStatesBackend] = registry[NAME]
+    return backend
 
 
 register()
