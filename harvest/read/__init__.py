@@ -34,10 +34,10 @@ if TYPE_CHECKING:  # what the names are, for type checkers; loaded lazily below
     from harvest.read.damage import CorruptSample, UnreadableShard
     from harvest.read.dataset import HiddenStateDataset, HiddenStateIterable
     from harvest.read.eagle3 import NoFinalState, eagle3_item
-    from harvest.read.export import ExportError, ExportReport, export_run
+    from harvest.read.export import ExportReport, export_run
     from harvest.read.follow import FeedStalled
     from harvest.read.reader import RunReader, hidden_at
-    from harvest.read.trainers import EXPORT_FORMATS
+    from harvest.read.trainers import EXPORT_FORMATS, ExportError
 
 __all__ = [
     "RunReader",
@@ -67,7 +67,7 @@ _HOME = {
     "NoFinalState": "harvest.read.eagle3",
     "export_run": "harvest.read.export",
     "ExportReport": "harvest.read.export",
-    "ExportError": "harvest.read.export",
+    "ExportError": "harvest.read.trainers",
     "EXPORT_FORMATS": "harvest.read.trainers",
     "ConfigError": "harvest.config",
     "ShardError": "harvest.formats.index",

@@ -32,19 +32,15 @@ import harvest.read.specforge as specforge
 import harvest.read.specforge_feed as specforge_feed
 from harvest.atomic import atomic_path
 from harvest.config import RunConfig
-from harvest.errors import ConfigurationError, HarvestError, StorageError
+from harvest.errors import HarvestError, StorageError
 from harvest.progress import progress as progress_display
 from harvest.read.damage import CorruptSample, UnreadableShard
 from harvest.read.eagle3 import read_dtype
 from harvest.read.final_norm import FinalNorm, FinalNormError
 from harvest.read.reader import RunReader
-from harvest.read.speculators import SpeculatorsExportError, export_speculators
-from harvest.read.trainers import EXPORT_FORMATS, TRAINER_NAMES
+from harvest.read.speculators import export_speculators
+from harvest.read.trainers import EXPORT_FORMATS, TRAINER_NAMES, ExportError
 from harvest.storage import TEMP_PREFIX
-
-
-class ExportError(ConfigurationError, ValueError):
-    """An export that cannot give its trainer what it reads; the message names the fix."""
 
 
 class ExportStorageError(StorageError, OSError):
@@ -121,7 +117,7 @@ def _export(run_url: str, fmt: str, dest: str, dtype: torch.dtype | None, progre
             norm.unapply(torch.ones(1, reader.config.hidden_size))  # refused (1 + w) or zero norms: before any file
             rep.written, rep.skipped, rep.corrupt = export_speculators(
                 reader, dest, read_dtype(reader.config, dtype), norm, _atomic, progress, in_place)
-        except (FinalNormError, SpeculatorsExportError) as e:
+        except FinalNormError as e:
             raise ExportError(str(e)) from None
         return rep
     if dtype is not None and dtype != specforge.DTYPE:

@@ -48,11 +48,11 @@ import torch
 from safetensors.torch import save_file
 
 from harvest.atomic import atomic_folder
-from harvest.errors import ConfigurationError
 from harvest.progress import progress as progress_display
 from harvest.read.damage import CorruptSample, UnreadableShard
 from harvest.read.final_norm import FinalNorm
 from harvest.read.reader import RunReader
+from harvest.read.trainers import ExportError
 from harvest.storage import TEMP_PREFIX, atomic_write_local
 
 MANIFEST = "harvest-export.json"
@@ -60,10 +60,6 @@ HIDDEN = "hidden_states"
 TOKEN_FREQ = "token_freq.pt"
 FINAL_NORM = "harvest-final-norm.safetensors"  # in place: the norm the backend undoes, so training needs no checkpoint
 PRE_NORM = "final:pre-norm (y / w of harvest's post-norm state)"
-
-
-class SpeculatorsExportError(ConfigurationError, ValueError):
-    """DEST holds something other than this run's speculators export."""
 
 
 def hs_file(dest: str, row: int) -> str:
@@ -83,7 +79,7 @@ def export_speculators(
     the corrupt samples whose rows could not be written). `in_place`: no hidden-state files, the
     rows are read from the run by the `harvest` backend (every row counts as written)."""
     if importlib.util.find_spec("datasets") is None:  # checked before any file is written
-        raise SpeculatorsExportError("the speculators export saves its dataset with the `datasets` package: "
+        raise ExportError("the speculators export saves its dataset with the `datasets` package: "
                                      "pip install 'harvest[speculators]' (or datasets)")
     rows = _plan_rows(reader, dest, dtype, in_place)
     if in_place:
@@ -150,19 +146,19 @@ def _plan_rows(reader: RunReader, dest: str, dtype: torch.dtype | None, in_place
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
         if doc.get("run") != reader.config.run or doc.get("format") != "speculators":
-            raise SpeculatorsExportError(
+            raise ExportError(
                 f"{dest} holds the {doc.get('format')} export of run {doc.get('run')!r}, not of run "
                 f"{reader.config.run!r}: choose another DEST")
         if bool(doc.get("in_place")) != in_place:
             was, now = ("in place", "with hidden-state files") if doc.get("in_place") else ("with hidden-state files", "in place")
-            raise SpeculatorsExportError(f"{dest} holds this run's export {was}; to export it {now}, choose another DEST")
+            raise ExportError(f"{dest} holds this run's export {was}; to export it {now}, choose another DEST")
         old = list(doc.get("samples", []))
         gone = [s for s in old if s not in reader]
         if gone:
-            raise SpeculatorsExportError(f"{dest}: {len(gone)} exported samples (first {gone[0]}) are not in the run "
+            raise ExportError(f"{dest}: {len(gone)} exported samples (first {gone[0]}) are not in the run "
                                          f"at {reader.loc.url()}: choose another DEST")
     elif os.path.isdir(dest) and os.listdir(dest):
-        raise SpeculatorsExportError(f"{dest} is not empty and holds no harvest export: choose an empty or new DEST")
+        raise ExportError(f"{dest} is not empty and holds no harvest export: choose an empty or new DEST")
     seen = set(old)
     rows = old + [s for s in reader.sample_ids if s not in seen]
     if rows != old or not old or in_place:
