@@ -72,9 +72,8 @@ def decode_generated(data: bytes, name: str, sha256: str | None = None) -> list[
         raise ShardError(f"generated file {name}: its sha256 is not the one its index recorded (corrupt or replaced)")
     try:
         # One file read on this thread: `pq.read_table` goes through Arrow's dataset scanner, whose
-        # pool threads could still be alive as the interpreter exits, and Arrow then aborted the
-        # process after its work was done ("terminate called without an active exception", exit
-        # 134: `harvest generated` in 6 of 90 runs, apache/arrow#34314).
+        # pool threads can still be alive as the interpreter exits, and Arrow then aborts the
+        # process (apache/arrow#34314).
         rows: list[dict[str, Any]] = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False).to_pylist()
         return rows
     except Exception as e:  # noqa: BLE001 - pyarrow's many error types for a file that is not Parquet

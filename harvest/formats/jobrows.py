@@ -1,12 +1,8 @@
 """`<out>/<run>/jobs/<digest>.jsonl`: the producer's tokenized samples, kept in storage, not in Redis.
 
-Why. A job's tokens used to travel inside its RQ job: into Redis from the producer, into its AOF,
-out to the worker, and again for every copy a spooled sample kept (harvest.state.jobcopy). Redis
-runs on one thread: at 16 simulated nodes that was 3.9 KB a 1k-token sample and 28 KB an
-8k-token one from clients, and most of an 8k sample's Redis CPU (bench/fleet.py). A 1000-GPU
-fleet at 50k samples/s would push 0.2-1.4 GB/s of tokens through one Redis and its AOF. Here the
-producer writes the rows of the samples it is about to enqueue once, as one object, and a job in
-Redis names its rows by byte span: a few hundred bytes a job instead of ~100 KB.
+Why: Redis runs on one thread, and token bulk carried in RQ jobs (and their AOF) would take most
+of its CPU for long samples. So the producer writes the rows of the samples it is about to
+enqueue once, as one object, and a job in Redis names its rows by byte span.
 
 The object: one payload row (harvest.state.payload) a line, as JSON. Its name is the first 32 hex
 digits of the SHA-256 of its bytes, so a write is idempotent: a producer that retries, or a rerun

@@ -11,8 +11,8 @@ allowed: an excluded sample, say, is read over rather than asked around) as one 
 Pure: no I/O.
 
 Only for object stores: a local file's ranged read costs a system call, not a round trip, and a
-buffer of many samples leaves the CPU's cache between the read and the crc32 and copies (measured:
-twice as slow as a read a sample). So local readers coalesce nothing unless told to (`cap_for`).
+buffer of many samples leaves the CPU's cache between the read and the crc32 and copies (slower
+than a read a sample). So local readers coalesce nothing unless told to (`cap_for`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ def cap_for(is_local: bool, cap: int | None = None, shuffled: bool = False) -> i
     """The coalescing cap a reader uses: `cap` where given, else 0 (none) for a local folder and
     COALESCE_BYTES for an object store, SHUFFLED_COALESCE_BYTES for a shuffled order there: its
     window of the order spans a few shards sparsely, and only a larger window gathers enough of a
-    shard to read it in few requests (bench/feed.py: a shuffled S3 feed at 0.41-0.53 of the plain
-    read with 64 MiB windows, about level with it at 256 MiB)."""
+    shard to read it in few requests (bench/feed.py measures both)."""
     if cap is not None:
         return cap
     if is_local:

@@ -9,11 +9,11 @@ of them adjacent in storage (harvest.read.coalesce), sliced apart; a shard whose
 hold most of it is read whole, in the one read that opens it. A trainer on S3 never downloads a
 shard it only samples from.
 
-Every range handed out is checked against the per-sample crc32s its index records (written at
-pack time, harvest.formats.shard): a byte that rotted in storage, or was cut short, fails that
-one sample with `CorruptSample`, naming the shard file, the sample, the tensor, the byte range
-and the fix, and the reader stays usable for every other sample. Index files written before the
-checksums were recorded are read unchecked.
+Every range handed out is checked against the per-sample crc32s its index records (taken at
+pack time, harvest.formats.shard_write): a byte that rotted in storage, or was cut short, fails
+that one sample with `CorruptSample`, naming the shard file, the sample, the tensor, the byte
+range and the fix, and the reader stays usable for every other sample. An index without crc32s
+is read unchecked.
 
 With a codec (harvest.formats.codec), the same reads fetch a sample's coded hidden states (the
 index's `coded_offsets`), decoded on the thread that asked (a feed's read-ahead threads) and

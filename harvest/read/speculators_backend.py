@@ -147,8 +147,8 @@ def open_transfer(data_path: str, run_url: str | None = None) -> HarvestTransfer
         raise HarvestBackendError(f"{data_path} holds a {doc.get('format')} export; speculators reads --format speculators")
     norm_path = os.path.join(data_path, FINAL_NORM)
     if not os.path.exists(norm_path) or not doc.get("run_url"):
-        raise HarvestBackendError(f"{data_path} was exported by an older harvest (no run URL or final norm): export "
-                                  "it again with `harvest export --format speculators --in-place`")
+        raise HarvestBackendError(f"{data_path} is not an in-place export (it records no run URL or final norm): "
+                                  "export it with `harvest export --format speculators --in-place`")
     with safe_open(norm_path, framework="pt") as f:
         weight, eps = f.get_tensor("weight"), float(f.metadata()["eps"])
     dtype = getattr(torch, doc["dtype"]) if doc.get("dtype") else None
