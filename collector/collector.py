@@ -185,7 +185,7 @@ class Collector:
         ids = [sid for sid, _, _ in files]
         ready, unknown = [], []
         self._viewed_spool = self.spool_id  # the record's ownership test then asks only this spool's revocation
-        for (sid, path, size), st, owner in zip(files, *self.ledger.states_and_owners(ids)):
+        for (sid, path, size), st, owner in zip(files, *self.ledger.states_and_owners(ids), strict=True):
             if st in (DONE, FAILED) or (st == SPOOLED and owner not in (None, "", self.spool_id)):
                 # committed already, given up on, or accepted from another node's spool (a retry
                 # of a job whose worker died between writing this file and marking it): not ours
@@ -225,7 +225,7 @@ class Collector:
             )
         viewed = entries is not None  # chosen by `choose`, which checked the headers
         if entries is None:  # a resumed record: its files' headers are read now
-            entries, bad = inspect_all(self.cfg, list(zip(sample_ids, paths)))
+            entries, bad = inspect_all(self.cfg, list(zip(sample_ids, paths, strict=True)))
             if bad:
                 self._void(resumed_shard, sample_ids, "; ".join(str(e) for e in bad.values()))
                 return self._reject(bad)
@@ -377,7 +377,7 @@ class Collector:
         (harvest.state.tally: written at the node's beat, not with the move), before any spool
         file goes, so a beat that finds the spool empty writes every commit's."""
         changed = set(self.ledger.mark_done(sample_ids, clear=self.records.ended(self.packing_key), counted=False))
-        done_tokens = sum(t for s, t in zip(sample_ids, tokens or []) if s in changed)
+        done_tokens = sum(t for s, t in zip(sample_ids, tokens or [], strict=False) if s in changed)
         self.tally.add({"samples_done": len(changed), "tokens_done": done_tokens, **(stats or {})})
         self._crash("marked")
         for p in paths:

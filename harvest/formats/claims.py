@@ -35,6 +35,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol, TypeVar
 
 from harvest.formats.index import committed_samples, index_file, parse_index
@@ -112,7 +113,7 @@ class Claimer:
             created = list(pool.map(lambda s: self._create(s, mine), sample_ids))
         out = ClaimOutcome()
         now: list[float | None] = []  # the store's clock, read once if a foreign claim needs an age
-        for sid, ok in zip(sample_ids, created):
+        for sid, ok in zip(sample_ids, created, strict=True):
             if ok:
                 out.mine.append(sid)
             else:
@@ -146,7 +147,7 @@ class Claimer:
             doc = None
             if held is not None:
                 index = index_file(held.shard)
-                doc = self.retry(lambda: _read_or_none(self.out, index), f"reading {self.out.path(index)}")
+                doc = self.retry(partial(_read_or_none, self.out, index), f"reading {self.out.path(index)}")
                 if doc is not None and sid in committed_samples(parse_index(json.loads(doc), index)):
                     out.committed[sid] = held.shard
                     return
@@ -155,7 +156,7 @@ class Claimer:
             if held is not None and doc is None and not self._abandoned(held, name, now):
                 out.busy[sid] = held.shard
                 return
-            if self.retry(lambda: self.out.delete_if(name, raw), f"taking over {self.out.path(name)}") \
+            if self.retry(partial(self.out.delete_if, name, raw), f"taking over {self.out.path(name)}") \
                     and self._create(sid, mine):
                 out.mine.append(sid)
                 out.taken_over[sid] = held.shard if held else "?"

@@ -19,6 +19,7 @@ import json
 import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, NotRequired, TypedDict
 
 from harvest.config import FINAL_POST_NORM, FINAL_STATES
@@ -159,7 +160,7 @@ def _check_coded(doc: dict[str, Any], n: int, where: str) -> None:
         raise ShardError(f"{where}: codec {doc.get('codec')!r}, this harvest decodes {', '.join(CODECS[1:])}")
     at = doc.get("coded_offsets")
     if not (isinstance(at, list) and len(at) == n + 1 and all(type(x) is int for x in at) and at[0] == 0
-            and all(a <= b for a, b in zip(at, at[1:]))):
+            and all(a <= b for a, b in pairwise(at))):
         raise ShardError(f"{where}: index field 'coded_offsets' is not {n + 1} ascending byte offsets from 0")
     if "crc32" not in doc:
         raise ShardError(f"{where}: a coded shard's index lacks its crc32s")

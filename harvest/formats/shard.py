@@ -120,9 +120,9 @@ class ShardPlan:
         worker's: harvest.formats.spool), each with what differs. Empty: the index's sums are the
         workers'."""
         out = {}
-        for e, got in zip(self.entries, sums.crc32 or ()):
+        for e, got in zip(self.entries, sums.crc32 or (), strict=False):
             bad = [f"{name} has crc32 {c} as copied, its worker recorded {e.crc32.get(name)}"
-                   for name, c in zip(self.crc32_tensors, got) if e.crc32.get(name) != c]
+                   for name, c in zip(self.crc32_tensors, got, strict=True) if e.crc32.get(name) != c]
             if bad:
                 out[e.id] = SpoolDamaged(f"{e.path}: {'; '.join(bad)} (spool file damaged on the node)", e.path)
         return out

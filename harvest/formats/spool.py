@@ -109,7 +109,7 @@ def encode_sample(s: SpooledSample, run: str) -> list[tuple[str, bytes | memoryv
     meta = {"sample_id": s.id, "run": run, FIELD: encode_sums(sums)}
     if s.generation is not None:
         meta["generation"] = s.generation
-    return list(zip(["", *sorted(tensors)], encode_parts(tensors, meta, BLOCK)))
+    return list(zip(["", *sorted(tensors)], encode_parts(tensors, meta, BLOCK), strict=True))
 
 
 def write_encoded(fd: int, parts: list[tuple[str, bytes | memoryview]],
@@ -150,7 +150,7 @@ def read_sample(path: str) -> SpooledSample:
             f.get_tensor("input_ids"),
             f.get_tensor("loss_mask"),
             f.get_tensor("hidden_states"),
-            f.get_tensor(SCALE) if SCALE in f.keys() else None,
+            f.get_tensor(SCALE) if SCALE in f.keys() else None,  # noqa: SIM118 - safe_open's handle has keys(), not __contains__
             generation=meta.get("generation"),
         )
 

@@ -345,7 +345,7 @@ class HiddenStateIterable(IterableDataset[dict[str, torch.Tensor]]):
             total = sum(batch_count(n, self.batch_size) for n in mine)
             if steps > total and self.follow:  # that rank's loop is reading the tail
                 raise ConfigurationError(_IN_TAIL)
-            for p, n in zip(ids, delivered(mine, self.batch_size, min(steps, total))):
+            for p, n in zip(ids, delivered(mine, self.batch_size, min(steps, total)), strict=False):
                 consumed[p] = n
         return {"format": STATE_FORMAT, "run": self._store.cfg.run, "epoch": self.epoch, "seed": self.seed,
                 "window": self.window, "shards": list(self._view), "digest": digest(order),

@@ -35,8 +35,11 @@ def eagle3_item(sample: dict[str, Any], cfg: RunConfig) -> dict[str, torch.Tenso
     hs = sample["hidden_states"]
     k = final_slot(cfg)
     t, n = hs.shape[0], hs.shape[1]
-    if k in (0, n - 1):  # the final state first or last: the others are one slice, copied without a gather
-        aux = hs[:, 1:] if k == 0 else hs[:, : n - 1]
+    # the final state first or last: the others are one slice, copied without a gather
+    if k == 0:
+        aux = hs[:, 1:]
+    elif k == n - 1:
+        aux = hs[:, : n - 1]
     else:
         aux = hs[:, [i for i in range(n) if i != k]]
     return {

@@ -130,9 +130,9 @@ class Stage:
 def remainder(order: Sequence[str], stage: Stage) -> list[str]:
     """What `stage` left of `order`: each part's span less its delivered prefix, in part order."""
     parts = spans(order, stage.parts, stage.drop)
-    if len(stage.consumed) != stage.parts or any(not 0 <= c <= len(p) for c, p in zip(stage.consumed, parts)):
+    if len(stage.consumed) != stage.parts or any(not 0 <= c <= len(p) for c, p in zip(stage.consumed, parts, strict=True)):
         raise ValueError(f"consumed {list(stage.consumed)} does not fit spans of {[len(p) for p in parts]}")
-    return [s for c, p in zip(stage.consumed, parts) for s in p[c:]]
+    return [s for c, p in zip(stage.consumed, parts, strict=True) for s in p[c:]]
 
 
 def replay(order: Sequence[str], stages: Sequence[Stage]) -> list[str]:

@@ -146,7 +146,7 @@ class ShardReader:
             raw, at = memoryview(self.loc.read_range(self.name, lo, hi)), lo
         else:
             return  # not together: each read whole on first use (`_whole`)
-        for name, s in zip(_SMALL, spans):
+        for name, s in zip(_SMALL, spans, strict=True):
             self._small[name] = bytes(raw[s.begin - at : s.end - at])  # shorter where the file ends first
         scale = self.tensors.get(SCALE)
         if scale is not None and scale.end <= len(head):  # fp8, read whole: its scales came too
