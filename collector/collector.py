@@ -31,7 +31,7 @@ import time
 
 import redis
 
-from collector.due import QueuedCheck, due_shard, may_be_due
+from collector.due import QueuedCheck, may_be_due
 from collector.faults import CrashHook
 from collector.integrity import Damaged, checked, inspect_all, reject
 from collector.pack import Packed, clear_scratch, pack_shard, scratch_file, staging_dir
@@ -197,8 +197,22 @@ class Collector:
         take_up(self.ledger, self.cfg.run, self.spool_id, unknown)
         if not ready:
             return []
-        picked = due_shard(ready, self.shard_bytes, self.max_wait, self._queued, force)
-        if not picked:
+        # Due or not is decided from sizes, ages and the queue alone; spool headers are read
+        # only for a shard that will be committed (a poll while a 1 GiB shard fills read
+        # every waiting file's header twice a second).
+        picked, total, full = [], 0, False
+        for sid, path, size in ready:
+            if picked and total + size > self.shard_bytes:
+                full = True  # the next sample would overflow the shard
+                break
+            picked.append((sid, path))
+            total += size
+        full = full or total >= self.shard_bytes
+        try:
+            oldest_age = time.time() - os.stat(ready[0][1]).st_mtime
+        except FileNotFoundError:
+            oldest_age = 0.0
+        if not (force or full or oldest_age >= self.max_wait or self._queued.none()):
             return []
         chosen, bad = inspect_all(self.cfg, picked)
         if bad:

@@ -46,26 +46,3 @@ def may_be_due(files: list[tuple[str, str, int]], shard_bytes: int, max_wait: fl
     except FileNotFoundError:
         return True  # a file went meanwhile: let the full look decide
     return old or sum(size for _, _, size in files) >= shard_bytes or queued.none()
-
-
-def due_shard(ready: list[tuple[str, str, int]], shard_bytes: int, max_wait: float, queued: QueuedCheck,
-              force: bool = False) -> list[tuple[str, str]]:
-    """The (id, path) of the ready samples (oldest first) that fill the next shard, up to
-    `shard_bytes`, if that shard is due (or `force`); else empty. Decided from sizes, ages and the
-    queue alone: spool headers are read only for a shard that will be committed."""
-    picked: list[tuple[str, str]] = []
-    total, full = 0, False
-    for sid, path, size in ready:
-        if picked and total + size > shard_bytes:
-            full = True  # the next sample would overflow the shard
-            break
-        picked.append((sid, path))
-        total += size
-    full = full or total >= shard_bytes
-    try:
-        oldest_age = time.time() - os.stat(ready[0][1]).st_mtime
-    except FileNotFoundError:
-        oldest_age = 0.0
-    if not (force or full or oldest_age >= max_wait or queued.none()):
-        return []
-    return picked
