@@ -19,16 +19,29 @@ from harvest.read.trainers import EXPORT_FORMATS
 
 @click.command("export")
 @click.option("--run-url", required=True, help="The run's output folder: <out>/<run> (local path or fsspec URL).")
-@click.option("--format", "fmt", required=True, type=click.Choice(list(EXPORT_FORMATS)),
-              help="The trainer whose on-disk layout to write.")
+@click.option(
+    "--format",
+    "fmt",
+    required=True,
+    type=click.Choice(list(EXPORT_FORMATS)),
+    help="The trainer whose on-disk layout to write.",
+)
 @click.argument("dest", type=click.Path())
 @read_dtype_option
-@click.option("--model", "model", default=None, type=click.Path(),
-              help="The run's checkpoint on this machine (default: the run's model path); speculators reads its "
-                   "final norm.")
-@click.option("--in-place", "in_place", is_flag=True,
-              help="Write only the small part (tokens, masks, the sample list); the trainer reads the hidden states "
-                   "from RUN_URL by byte range (speculators: --hidden-states-backend harvest).")
+@click.option(
+    "--model",
+    "model",
+    default=None,
+    type=click.Path(),
+    help="The run's checkpoint on this machine (default: the run's model path); speculators reads its final norm.",
+)
+@click.option(
+    "--in-place",
+    "in_place",
+    is_flag=True,
+    help="Write only the small part (tokens, masks, the sample list); the trainer reads the hidden states "
+    "from RUN_URL by byte range (speculators: --hidden-states-backend harvest).",
+)
 @no_progress_option
 @s3_options
 def export_cmd(run_url, fmt, dest, dtype, model, in_place, no_progress, s3_endpoint, s3_region) -> None:
@@ -39,8 +52,15 @@ def export_cmd(run_url, fmt, dest, dtype, model, in_place, no_progress, s3_endpo
     apply_s3_env(s3_endpoint, s3_region)
     # A run that cannot be exported is a ConfigError or ExportError, an unreadable RUN_URL or DEST
     # an OSError on a path named here: harvest.cli.errors.HarvestGroup tells either as one line.
-    rep = export_run(run_url, fmt, dest, dtype=storage_torch_dtype(dtype) if dtype else None,
-                     progress=not no_progress, model=model, in_place=in_place)
+    rep = export_run(
+        run_url,
+        fmt,
+        dest,
+        dtype=storage_torch_dtype(dtype) if dtype else None,
+        progress=not no_progress,
+        model=model,
+        in_place=in_place,
+    )
     for note in rep.notes:
         click.echo(f"harvest: {note}", err=True)
     click.echo(f"exported {rep.written} samples to {dest} ({rep.skipped} already there)")
@@ -51,12 +71,18 @@ def export_cmd(run_url, fmt, dest, dtype, model, in_place, no_progress, s3_endpo
         from harvest.storage import Location
 
         for sid, e in rep.corrupt:
-            what = (f"its shard cannot be read: {e.why}" if isinstance(e, UnreadableShard) else
-                    f"tensor {e.tensor}, bytes [{e.begin}, {e.end}) of {e.shard_url} {e.problem}")
+            what = (
+                f"its shard cannot be read: {e.why}"
+                if isinstance(e, UnreadableShard)
+                else f"tensor {e.tensor}, bytes [{e.begin}, {e.end}) of {e.shard_url} {e.problem}"
+            )
             click.echo(f"harvest: not exported: sample {sid} of shard {e.shard_id} is corrupt ({what})", err=True)
         n = len(rep.corrupt)
-        click.echo(f"harvest: error: {n} corrupt sample{'s' * (n != 1)} not exported; "
-                   f"{verify_fix(Location.from_url(run_url), plural=n != 1)}, then export again", err=True)
+        click.echo(
+            f"harvest: error: {n} corrupt sample{'s' * (n != 1)} not exported; "
+            f"{verify_fix(Location.from_url(run_url), plural=n != 1)}, then export again",
+            err=True,
+        )
         sys.exit(1)
 
 

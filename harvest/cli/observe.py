@@ -20,12 +20,23 @@ from harvest.settings import MetricsSettings
 @run_option
 @redis_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (with --watch: one per line).")
-@click.option("--watch", "watch", default=None, type=click.FloatRange(0.5), is_flag=False, flag_value=2.0,
-              help="Refresh in place every N seconds (default 2) until Ctrl-C.")
+@click.option(
+    "--watch",
+    "watch",
+    default=None,
+    type=click.FloatRange(0.5),
+    is_flag=False,
+    flag_value=2.0,
+    help="Refresh in place every N seconds (default 2) until Ctrl-C.",
+)
 @work_dir_option
-@click.option("--check", "check", is_flag=True,
-              help="Check the ledger's invariants (its counters and failures agree with its per-sample states) and "
-                   "that it knows every sample of the dataset `harvest run` read; exit 1 naming each disagreement.")
+@click.option(
+    "--check",
+    "check",
+    is_flag=True,
+    help="Check the ledger's invariants (its counters and failures agree with its per-sample states) and "
+    "that it knows every sample of the dataset `harvest run` read; exit 1 naming each disagreement.",
+)
 def status_cmd(run, redis_url, as_json, watch, work_dir, check) -> None:
     """Where RUN stands: counts, throughput, ETA, workers, spool backlog, failure reasons."""
     with reach(redis_url, work_dir) as url:
@@ -67,9 +78,17 @@ def _status(conn, run: str, as_json: bool, watch: float | None, check: bool) -> 
 
 @click.command("metrics")
 @redis_option
-@click.option("--port", default=MetricsSettings.port, show_default=True, type=int, help="Port of the Prometheus exporter.")
-@click.option("--host", "--addr", "host", default="127.0.0.1", show_default=True,
-              help="Address to listen on; 0.0.0.0 exposes the metrics to other hosts (docker compose passes it).")
+@click.option(
+    "--port", default=MetricsSettings.port, show_default=True, type=int, help="Port of the Prometheus exporter."
+)
+@click.option(
+    "--host",
+    "--addr",
+    "host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on; 0.0.0.0 exposes the metrics to other hosts (docker compose passes it).",
+)
 @click.option("--run", "runs", multiple=True, help="Export these runs (default: every run in Redis).")
 def metrics_cmd(redis_url, port, host, runs) -> None:
     """Serve Prometheus metrics for the runs in Redis at http://HOST:PORT/metrics."""

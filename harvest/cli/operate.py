@@ -24,14 +24,24 @@ from harvest.cli.reach import reach, work_dir_option
 @click.command("reconcile")
 @run_option
 @redis_option
-@click.option("--out", "out_url", default=None,
-              help="The run's output URL; needed when Redis lost the run (its run.json is read from there).")
-@click.option("--dedupe", is_flag=True,
-              help="First remove the extra copies of samples committed by more than one shard from the index (the "
-                   "copy readers read is kept); idempotent, safe while the run goes on.")
-@click.option("--verify", is_flag=True,
-              help="First check every committed sample's bytes against its index's checksums and drop corrupt ones "
-                   "from the index, so that they are extracted again.")
+@click.option(
+    "--out",
+    "out_url",
+    default=None,
+    help="The run's output URL; needed when Redis lost the run (its run.json is read from there).",
+)
+@click.option(
+    "--dedupe",
+    is_flag=True,
+    help="First remove the extra copies of samples committed by more than one shard from the index (the "
+    "copy readers read is kept); idempotent, safe while the run goes on.",
+)
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="First check every committed sample's bytes against its index's checksums and drop corrupt ones "
+    "from the index, so that they are extracted again.",
+)
 @no_progress_option
 @s3_options
 @work_dir_option
@@ -68,6 +78,7 @@ def _reconcile(conn, run: str, out_url: str | None, dedupe: bool, verify: bool, 
         from harvest.progress import progress as progress_display
 
         with progress_display("verify", unit=" samples", enabled=not no_progress) as bar:
+
             def progress(done: int, total: int) -> None:
                 bar.total = total
                 bar.update(done - bar.n)
@@ -79,14 +90,6 @@ def _reconcile(conn, run: str, out_url: str | None, dedupe: bool, verify: bool, 
     click.echo(Recovery(conn, cfg).reconcile_now().line())  # recorded as the run's processes record theirs
 
 
-
-
-
-
-
-
-
-
 @click.command("requeue")
 @run_option
 @redis_option
@@ -94,19 +97,27 @@ def _reconcile(conn, run: str, out_url: str | None, dedupe: bool, verify: bool, 
 @click.option("--sample", "samples", multiple=True, help="Requeue this failed sample id (repeatable).")
 @click.option("--all", "all_", is_flag=True, help="Every failed sample, and RQ's failed jobs of the run.")
 @click.option("--dry-run", is_flag=True, help="List what would be requeued; change nothing.")
-@click.option("--spool", "spools", multiple=True,
-              help="Reclaim this node spool now: its spooled samples back on the queue (see `harvest status`).")
+@click.option(
+    "--spool",
+    "spools",
+    multiple=True,
+    help="Reclaim this node spool now: its spooled samples back on the queue (see `harvest status`).",
+)
 @click.option("--node", "nodes", multiple=True, help="Reclaim the spools of this node now (a node known to be gone).")
 @work_dir_option
 @s3_options
-def requeue_cmd(run, redis_url, reasons, samples, all_, dry_run, spools, nodes, work_dir, s3_endpoint, s3_region) -> None:
+def requeue_cmd(
+    run, redis_url, reasons, samples, all_, dry_run, spools, nodes, work_dir, s3_endpoint, s3_region
+) -> None:
     """Put failed samples of RUN back on the queue, exactly once; or reclaim a lost node's spool.
     A finished local run's requeued samples are extracted by running its `harvest run` again.
     RQ's failed jobs and a lost spool's samples are rebuilt from the job rows in the run's output."""
     apply_s3_env(s3_endpoint, s3_region)
     if not (reasons or samples or all_ or spools or nodes):
-        fail("say what to requeue: --reason REASON, --sample ID or --all (see `harvest status` for the reasons), "
-             "or --spool ID / --node NAME for a lost node")
+        fail(
+            "say what to requeue: --reason REASON, --sample ID or --all (see `harvest status` for the reasons), "
+            "or --spool ID / --node NAME for a lost node"
+        )
     with reach(redis_url, work_dir) as url:
         _requeue(connect(url), run, reasons, samples, all_, dry_run, spools, nodes)
 
@@ -121,17 +132,25 @@ def _requeue(conn, run: str, reasons, samples, all_: bool, dry_run: bool, spools
             return
     res = requeue(conn, load_run(conn, run), reasons=reasons, sample_ids=samples, all_=all_, dry_run=dry_run)
     verb = "would requeue" if dry_run else "requeued"
-    click.echo(f"{verb} {len(res.samples)} failed samples" + (f" in {len(res.jobs)} jobs" if res.jobs else "")
-               + "".join(f", {n} {r}" for r, n in sorted(res.reasons.items())))
+    click.echo(
+        f"{verb} {len(res.samples)} failed samples"
+        + (f" in {len(res.jobs)} jobs" if res.jobs else "")
+        + "".join(f", {n} {r}" for r, n in sorted(res.reasons.items()))
+    )
     if dry_run:
         for sid in res.samples:
             click.echo(f"  {sid}")
     if res.rq_jobs_requeued or res.rq_jobs_dropped:
-        click.echo(f"RQ failed jobs: {verb} {len(res.rq_jobs_requeued)}, "
-                   f"{'would drop' if dry_run else 'dropped'} {len(res.rq_jobs_dropped)} whose samples the ledger holds")
+        click.echo(
+            f"RQ failed jobs: {verb} {len(res.rq_jobs_requeued)}, "
+            f"{'would drop' if dry_run else 'dropped'} {len(res.rq_jobs_dropped)} whose samples the ledger holds"
+        )
     if res.no_payload:
-        click.echo(f"{len(res.no_payload)} failed samples have no kept tokens and stay failed; "
-                   "requeue them from the dataset with `harvest produce` after `harvest reconcile`", err=True)
+        click.echo(
+            f"{len(res.no_payload)} failed samples have no kept tokens and stay failed; "
+            "requeue them from the dataset with `harvest produce` after `harvest reconcile`",
+            err=True,
+        )
 
 
 def _reclaim(conn, run: str, spools: tuple[str, ...], nodes: tuple[str, ...], dry_run: bool) -> None:
@@ -154,13 +173,18 @@ def _reclaim(conn, run: str, spools: tuple[str, ...], nodes: tuple[str, ...], dr
         if v is None:
             fail(f"spool {spool!r} is not one of run {run}'s (`harvest status --run {run}` lists the spools)")
         if dry_run:
-            click.echo(f"would reclaim spool {spool} of node {v.node}: {v.samples} spooled samples"
-                       + (" (already reclaimed)" if v.revoked else ""))
+            click.echo(
+                f"would reclaim spool {spool} of node {v.node}: {v.samples} spooled samples"
+                + (" (already reclaimed)" if v.revoked else "")
+            )
             continue
         rep = reclaim_spool(conn, cfg, spool)
-        click.echo(f"reclaimed spool {spool} of node {rep.node}: {len(rep.samples)} samples back on the queue in "
-                   f"{len(rep.jobs)} jobs" + (f", {len(rep.lost)} failed (tokens not kept)" if rep.lost else "")
-                   + (f", {len(rep.decided)} left to a commit already decided" if rep.decided else ""))
+        click.echo(
+            f"reclaimed spool {spool} of node {rep.node}: {len(rep.samples)} samples back on the queue in "
+            f"{len(rep.jobs)} jobs"
+            + (f", {len(rep.lost)} failed (tokens not kept)" if rep.lost else "")
+            + (f", {len(rep.decided)} left to a commit already decided" if rep.decided else "")
+        )
 
 
 @click.command("janitor")
@@ -194,20 +218,19 @@ def janitor_cmd(run, redis_url, dump_dir, interval, s3_endpoint, s3_region) -> N
         seen, held = hold_on_new_server(conn, run, seen)
         if held and warned != seen:
             warned = seen
-            log.warning("Redis server %s is new to run %s and its ledger is not reconciled on it yet (a restart, a "
-                        "rollback or a failover): no worker is taken for dead and no claim dir or dump file removed "
-                        "by a heartbeat until a worker or collector of the run reconciles it, or `harvest reconcile "
-                        "--run %s` does", seen[:12], run, run)
+            log.warning(
+                "Redis server %s is new to run %s and its ledger is not reconciled on it yet (a restart, a "
+                "rollback or a failover): no worker is taken for dead and no claim dir or dump file removed "
+                "by a heartbeat until a worker or collector of the run reconciles it, or `harvest reconcile "
+                "--run %s` does",
+                seen[:12],
+                run,
+                run,
+            )
         click.echo(janitor_pass(conn, run, dump_dir, unnamed=unnamed).line())
         if interval is None:
             return
         time.sleep(interval)
-
-
-
-
-
-
 
 
 COMMANDS = (requeue_cmd, janitor_cmd, reconcile_cmd)

@@ -51,23 +51,42 @@ def _default_run_name(dataset: str) -> str:
 @layers_option
 @dtype_option
 @codec_option
-@click.option("--workers", default=RunnerSettings.workers, show_default=True, type=click.IntRange(1, 256),
-              help="Workers per engine: with 2, one batch is in the engine while the other worker spools.")
+@click.option(
+    "--workers",
+    default=RunnerSettings.workers,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Workers per engine: with 2, one batch is in the engine while the other worker spools.",
+)
 @click.option("--redis", "redis_url", default=None, help="Use this Redis instead of starting a private one.")
 @click.option("--engine-url", default=None, help="Use this engine instead of starting the reference engine.")
 @run_engine_option
 @tp_option
 @dp_option
 @chunked_prefill_option
-@click.option("--work-dir", default=None, type=click.Path(),
-              help="Node-local state (Redis data, spool, logs); one runner at a time "
-                   "[default: $HARVEST_WORK/RUN, else ~/.cache/harvest/work/RUN].")
+@click.option(
+    "--work-dir",
+    default=None,
+    type=click.Path(),
+    help="Node-local state (Redis data, spool, logs); one runner at a time "
+    "[default: $HARVEST_WORK/RUN, else ~/.cache/harvest/work/RUN].",
+)
 @click.option("--dump-dir", default=None, type=click.Path(), help="Engine dump directory (default under /dev/shm).")
 @max_queued_option
-@click.option("--shard-mb", default=RunTunables.shard_bytes >> 20, show_default=True, type=click.IntRange(1),
-              help="Target shard size in MiB.")
-@click.option("--max-wait", default=RunnerSettings.max_wait_s, show_default=True, type=click.FloatRange(0),
-              help="Commit a partial shard once its oldest sample is this old (s).")
+@click.option(
+    "--shard-mb",
+    default=RunTunables.shard_bytes >> 20,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Target shard size in MiB.",
+)
+@click.option(
+    "--max-wait",
+    default=RunnerSettings.max_wait_s,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Commit a partial shard once its oldest sample is this old (s).",
+)
 @producer_options
 @regenerate_options
 @no_progress_option
@@ -75,18 +94,62 @@ def _default_run_name(dataset: str) -> str:
 @s3_endpoint_option
 @s3_region_option
 @redis_wait_option
-@click.option("--min-free-mb", "min_free_mb", default=RunnerSettings.min_free_bytes >> 20, show_default=True,
-              type=click.IntRange(0),
-              help="Pause the workers while the work dir's filesystem has less free space (spool, Redis's "
-                   "append-only file); they go on once there is room again. 0: never pause.")
-@click.option("--prune", is_flag=True,
-              help="Drop the run's queued samples that DATASET no longer holds (rows edited or removed since they "
-                   "were enqueued) instead of extracting them; committed samples are never deleted.")
-def run_cmd(dataset, model, out_url, run, layers, storage_dtype, codec, workers, redis_url, engine_url, chunked_prefill_size,
-            work_dir, dump_dir, max_queued, shard_mb, no_progress, spool_grace, s3_endpoint, s3_region, engine,
-            max_wait, batch_samples, batch_tokens, fields, chat_template, max_len, overlong, strict, processes,
-            regenerate, max_new_tokens, temperature, top_p, on_length, redis_wait, min_free_mb, prune, tp_size,
-            dp_size) -> None:
+@click.option(
+    "--min-free-mb",
+    "min_free_mb",
+    default=RunnerSettings.min_free_bytes >> 20,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Pause the workers while the work dir's filesystem has less free space (spool, Redis's "
+    "append-only file); they go on once there is room again. 0: never pause.",
+)
+@click.option(
+    "--prune",
+    is_flag=True,
+    help="Drop the run's queued samples that DATASET no longer holds (rows edited or removed since they "
+    "were enqueued) instead of extracting them; committed samples are never deleted.",
+)
+def run_cmd(
+    dataset,
+    model,
+    out_url,
+    run,
+    layers,
+    storage_dtype,
+    codec,
+    workers,
+    redis_url,
+    engine_url,
+    chunked_prefill_size,
+    work_dir,
+    dump_dir,
+    max_queued,
+    shard_mb,
+    no_progress,
+    spool_grace,
+    s3_endpoint,
+    s3_region,
+    engine,
+    max_wait,
+    batch_samples,
+    batch_tokens,
+    fields,
+    chat_template,
+    max_len,
+    overlong,
+    strict,
+    processes,
+    regenerate,
+    max_new_tokens,
+    temperature,
+    top_p,
+    on_length,
+    redis_wait,
+    min_free_mb,
+    prune,
+    tp_size,
+    dp_size,
+) -> None:
     """Extract hidden states for DATASET end to end on this machine.
 
     The node's engines: the reference engine, or SGLang or vLLM servers from this Python environment
@@ -108,14 +171,38 @@ def run_cmd(dataset, model, out_url, run, layers, storage_dtype, codec, workers,
         connect(redis_url)  # reached before run.json is written
     produce_kw = producer_kwargs(fields, chat_template, max_len, overlong, strict, processes)
     sizes = {k: v for k, v in (("max_batch_samples", batch_samples), ("max_batch_tokens", batch_tokens)) if v}
-    settings = RunnerSettings(workers=workers, redis_url=redis_url, engine_url=engine_url, work_dir=work_dir,
-                              dump_dir=dump_dir, chunked_prefill_size=chunked_prefill_size, max_queued=max_queued,
-                              max_wait_s=max_wait, progress=not no_progress, outage_s=redis_wait,
-                              min_free_bytes=min_free_mb << 20, prune=prune, tp_size=tp_size, dp_size=dp_size)
-    _run_here(dataset, settings, produce_kw, run=run or _default_run_name(dataset), model=model, out_url=out_url,
-              layers=layers, storage_dtype=storage_dtype, codec=codec, engine=engine, shard_bytes=shard_mb << 20,
-              spool_grace_s=spool_grace,
-              regenerate=regenerate_settings(regenerate, max_new_tokens, temperature, top_p, on_length, model), **sizes)
+    settings = RunnerSettings(
+        workers=workers,
+        redis_url=redis_url,
+        engine_url=engine_url,
+        work_dir=work_dir,
+        dump_dir=dump_dir,
+        chunked_prefill_size=chunked_prefill_size,
+        max_queued=max_queued,
+        max_wait_s=max_wait,
+        progress=not no_progress,
+        outage_s=redis_wait,
+        min_free_bytes=min_free_mb << 20,
+        prune=prune,
+        tp_size=tp_size,
+        dp_size=dp_size,
+    )
+    _run_here(
+        dataset,
+        settings,
+        produce_kw,
+        run=run or _default_run_name(dataset),
+        model=model,
+        out_url=out_url,
+        layers=layers,
+        storage_dtype=storage_dtype,
+        codec=codec,
+        engine=engine,
+        shard_bytes=shard_mb << 20,
+        spool_grace_s=spool_grace,
+        regenerate=regenerate_settings(regenerate, max_new_tokens, temperature, top_p, on_length, model),
+        **sizes,
+    )
 
 
 def _run_here(dataset: str, settings: RunnerSettings, produce_kw: dict, **config) -> None:
@@ -139,8 +226,11 @@ def _run_here(dataset: str, settings: RunnerSettings, produce_kw: dict, **config
         import shlex
 
         where = f"--work-dir {shlex.quote(work)}" if settings.redis_url is None else "--redis URL"
-        click.echo("harvest: interrupted: the run's processes are stopped; run the same command again to resume "
-                   f"(where it stands: harvest status --run {config['run']} {where})", err=True)
+        click.echo(
+            "harvest: interrupted: the run's processes are stopped; run the same command again to resume "
+            f"(where it stands: harvest status --run {config['run']} {where})",
+            err=True,
+        )
         sys.exit(130)
     for line in summary.lines():
         click.echo(line)
@@ -148,16 +238,35 @@ def _run_here(dataset: str, settings: RunnerSettings, produce_kw: dict, **config
 
 
 @click.command("demo")
-@click.option("--out", "out_dir", default="harvest-demo", show_default=True, type=click.Path(),
-              help="Folder the demo writes its run (shards and index) and its export into.")
-@click.option("--workers", default=RunnerSettings.workers, show_default=True, type=click.IntRange(1, 64),
-              help="Worker processes against the demo's engine.")
-@click.option("--regenerate", is_flag=True,
-              help="Have the tiny model write the demo chats' answers first (the regeneration stage, greedy, at most "
-                   "32 tokens a turn), then extract them; the conversations land in OUT/output/demo-regenerate/generated/.")
-@click.option("--prepare", "prepare_dir", default=None, type=click.Path(file_okay=False),
-              help="Only write the tiny model to DIR/models/tiny and the dataset to DIR/data/demo.jsonl (what the "
-                   "docker compose quickstart mounts), then exit.")
+@click.option(
+    "--out",
+    "out_dir",
+    default="harvest-demo",
+    show_default=True,
+    type=click.Path(),
+    help="Folder the demo writes its run (shards and index) and its export into.",
+)
+@click.option(
+    "--workers",
+    default=RunnerSettings.workers,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Worker processes against the demo's engine.",
+)
+@click.option(
+    "--regenerate",
+    is_flag=True,
+    help="Have the tiny model write the demo chats' answers first (the regeneration stage, greedy, at most "
+    "32 tokens a turn), then extract them; the conversations land in OUT/output/demo-regenerate/generated/.",
+)
+@click.option(
+    "--prepare",
+    "prepare_dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Only write the tiny model to DIR/models/tiny and the dataset to DIR/data/demo.jsonl (what the "
+    "docker compose quickstart mounts), then exit.",
+)
 def demo_cmd(out_dir: str, workers: int, regenerate: bool, prepare_dir: str | None) -> None:
     """Build a tiny model offline and run the whole pipeline on a bundled dataset."""
     from harvest.cli.demo import (
@@ -176,26 +285,28 @@ def demo_cmd(out_dir: str, workers: int, regenerate: bool, prepare_dir: str | No
         return
     click.echo("building the tiny demo model (cached after the first time)...")
     model = build_tiny_model()
-    dataset = write_jsonl(os.path.join(out_dir, "demo-chats.jsonl" if regenerate else "demo.jsonl"),
-                          demo_chats() if regenerate else demo_rows())
+    dataset = write_jsonl(
+        os.path.join(out_dir, "demo-chats.jsonl" if regenerate else "demo.jsonl"),
+        demo_chats() if regenerate else demo_rows(),
+    )
     out_url = os.path.join(out_dir, "output")
     check_dataset(dataset)
     check_model(model)
     check_output(out_url)
-    settings = RunnerSettings(workers=workers, chunked_prefill_size=DEMO_CHUNKED_PREFILL,
-                              work_dir=os.path.join(out_dir, "work"))
+    settings = RunnerSettings(
+        workers=workers, chunked_prefill_size=DEMO_CHUNKED_PREFILL, work_dir=os.path.join(out_dir, "work")
+    )
     produce_kw = producer_kwargs((), None, None, ProducerSettings.overlong, False, ProducerSettings.processes)
     regen = regenerate_settings(regenerate, DEMO_MAX_NEW_TOKENS, 0.0, 1.0, "keep", model)
-    _run_here(dataset, settings, produce_kw, run="demo-regenerate" if regenerate else "demo", model=model,
-              out_url=out_url, regenerate=regen)
-
-
-
-
-
-
-
-
+    _run_here(
+        dataset,
+        settings,
+        produce_kw,
+        run="demo-regenerate" if regenerate else "demo",
+        model=model,
+        out_url=out_url,
+        regenerate=regen,
+    )
 
 
 COMMANDS = (run_cmd, demo_cmd)

@@ -8,9 +8,13 @@ from collections.abc import Iterator
 import click
 
 work_dir_option = click.option(
-    "--work-dir", "work_dir", default=None, type=click.Path(file_okay=False),
+    "--work-dir",
+    "work_dir",
+    default=None,
+    type=click.Path(file_okay=False),
     help="A local `harvest run`'s work dir (the summary prints it): reach its Redis there, running or finished, "
-         "instead of --redis.")
+    "instead of --redis.",
+)
 
 
 @contextlib.contextmanager

@@ -124,8 +124,16 @@ class Claimer:
         """Delete the claims naming `shard_id` (a shard given up before its index); returns how many."""
         mine = Claim(shard_id, self.ledger_id).to_bytes()
         with ThreadPoolExecutor(min(PARALLEL, max(1, len(sample_ids))), thread_name_prefix="claims") as pool:
-            return sum(pool.map(lambda s: bool(self.retry(lambda: self.out.delete_if(claim_file(s), mine),
-                                                          f"releasing {self.out.path(claim_file(s))}")), sample_ids))
+            return sum(
+                pool.map(
+                    lambda s: bool(
+                        self.retry(
+                            lambda: self.out.delete_if(claim_file(s), mine), f"releasing {self.out.path(claim_file(s))}"
+                        )
+                    ),
+                    sample_ids,
+                )
+            )
 
     def _create(self, sid: str, body: bytes) -> bool:
         name = claim_file(sid)
@@ -156,8 +164,9 @@ class Claimer:
             if held is not None and doc is None and not self._abandoned(held, name, now):
                 out.busy[sid] = held.shard
                 return
-            if self.retry(partial(self.out.delete_if, name, raw), f"taking over {self.out.path(name)}") \
-                    and self._create(sid, mine):
+            if self.retry(
+                partial(self.out.delete_if, name, raw), f"taking over {self.out.path(name)}"
+            ) and self._create(sid, mine):
                 out.mine.append(sid)
                 out.taken_over[sid] = held.shard if held else "?"
                 return

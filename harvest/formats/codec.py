@@ -42,8 +42,9 @@ def encode_piece(raw: memoryview | bytes | bytearray, itemsize: int) -> bytes:
     """One chunk of at most PIECE_BYTES raw bytes (values `itemsize` bytes wide), coded."""
     import blosc2
 
-    coded: bytes = blosc2.compress2(raw, typesize=itemsize, clevel=1, codec=blosc2.Codec.ZSTD,
-                                    filters=[blosc2.Filter.SHUFFLE], filters_meta=[0])
+    coded: bytes = blosc2.compress2(
+        raw, typesize=itemsize, clevel=1, codec=blosc2.Codec.ZSTD, filters=[blosc2.Filter.SHUFFLE], filters_meta=[0]
+    )
     return coded
 
 
@@ -85,8 +86,10 @@ def decode(coded: memoryview | bytes | bytearray, raw_bytes: int) -> bytearray:
                 raise CodecError(f"{len(view) - pos} stray bytes after its chunks")
             nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(view[pos : pos + _HEADER])
             if cbytes < _HEADER or pos + cbytes > len(view) or at + nbytes > raw_bytes:
-                raise CodecError(f"a chunk header at coded byte {pos} gives sizes ({nbytes} raw, {cbytes} coded) "
-                                 f"that do not fit {len(view)} coded and {raw_bytes} raw bytes")
+                raise CodecError(
+                    f"a chunk header at coded byte {pos} gives sizes ({nbytes} raw, {cbytes} coded) "
+                    f"that do not fit {len(view)} coded and {raw_bytes} raw bytes"
+                )
             if nbytes and dst is not None:
                 blosc2.decompress2(view[pos : pos + cbytes], dst=dst[at : at + nbytes])
             pos, at = pos + cbytes, at + nbytes

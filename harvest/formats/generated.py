@@ -38,8 +38,14 @@ def _schema() -> Any:
     import pyarrow as pa
 
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
-    turn = pa.struct([("tokens", pa.list_(pa.int32())), ("finish_reason", pa.string()), ("seed", pa.int64()),
-                      ("prompt_tokens", pa.int32())])
+    turn = pa.struct(
+        [
+            ("tokens", pa.list_(pa.int32())),
+            ("finish_reason", pa.string()),
+            ("seed", pa.int64()),
+            ("prompt_tokens", pa.int32()),
+        ]
+    )
     return pa.schema([("id", pa.string()), ("messages", pa.list_(message)), ("turns", pa.list_(turn))])
 
 
@@ -53,10 +59,14 @@ def encode_generated(records: list[dict[str, Any]]) -> bytes:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"id": r["id"],
-             "messages": [{"role": m["role"], "content": _text(m.get("content"))} for m in r["messages"]],
-             "turns": [{k: t[k] for k in ("tokens", "finish_reason", "seed", "prompt_tokens")} for t in r["turns"]]}
-            for r in records]
+    rows = [
+        {
+            "id": r["id"],
+            "messages": [{"role": m["role"], "content": _text(m.get("content"))} for m in r["messages"]],
+            "turns": [{k: t[k] for k in ("tokens", "finish_reason", "seed", "prompt_tokens")} for t in r["turns"]],
+        }
+        for r in records
+    ]
     table = pa.Table.from_pylist(rows, schema=_schema())
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")

@@ -51,8 +51,12 @@ class RowsObject:
         """The reference a job of `ids` (all rows of this object, in the job's order) carries."""
         spans = [self.spans[i] for i in ids]
         lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
-        return {"url": self.url, "at": [lo, hi], "spans": [[s - lo, e - lo] for s, e in spans],
-                "sha256": hashlib.sha256(self.data[lo:hi]).hexdigest()}
+        return {
+            "url": self.url,
+            "at": [lo, hi],
+            "spans": [[s - lo, e - lo] for s, e in spans],
+            "sha256": hashlib.sha256(self.data[lo:hi]).hexdigest(),
+        }
 
 
 def write(run_loc: Location, rows: Iterable[tuple[str, str]]) -> RowsObject:

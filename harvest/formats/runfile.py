@@ -37,7 +37,9 @@ def check_same_run(a: RunConfig, b: RunConfig, where: str) -> None:
     diff = sorted(k for k in ia if ia[k] != ib[k])
     if diff:
         details = ", ".join(f"{k}: {ib[k]!r} there, {ia[k]!r} now" for k in diff)
-        raise ConfigError(f"run {a.run!r} already exists with a different configuration in {where} ({details}); use another --run name")
+        raise ConfigError(
+            f"run {a.run!r} already exists with a different configuration in {where} ({details}); use another --run name"
+        )
 
 
 def check_run_json(cfg: RunConfig) -> None:

@@ -29,8 +29,13 @@ FORMAT = "harvest-settled-1"
 
 def write_settled(loc: Location, run: str, done: int, failed: int) -> None:
     """Mark the run in `loc` (its `<out>/<run>` folder) settled: whole or not at all."""
-    doc = {"format": FORMAT, "run": run, "done": done, "failed": failed,
-           "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    doc = {
+        "format": FORMAT,
+        "run": run,
+        "done": done,
+        "failed": failed,
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     loc.write_atomic(SETTLED, json.dumps(doc, indent=1).encode())
 
 

@@ -121,16 +121,23 @@ class ShardPlan:
         workers'."""
         out = {}
         for e, got in zip(self.entries, sums.crc32 or (), strict=False):
-            bad = [f"{name} has crc32 {c} as copied, its worker recorded {e.crc32.get(name)}"
-                   for name, c in zip(self.crc32_tensors, got, strict=True) if e.crc32.get(name) != c]
+            bad = [
+                f"{name} has crc32 {c} as copied, its worker recorded {e.crc32.get(name)}"
+                for name, c in zip(self.crc32_tensors, got, strict=True)
+                if e.crc32.get(name) != c
+            ]
             if bad:
                 out[e.id] = SpoolDamaged(f"{e.path}: {'; '.join(bad)} (spool file damaged on the node)", e.path)
         return out
 
 
 def plan_shard(
-    entries: Sequence[SpoolEntry], run: str, capture_points: Sequence[int], dtype: torch.dtype,
-    shard_id: str | None = None, codec: str = NONE,
+    entries: Sequence[SpoolEntry],
+    run: str,
+    capture_points: Sequence[int],
+    dtype: torch.dtype,
+    shard_id: str | None = None,
+    codec: str = NONE,
 ) -> ShardPlan:
     """The layout of a shard of `entries` (checked spool files, in this order), named `shard_id`
     (a collector's fresh name, harvest.ids.new_shard_id; default: the digest of the samples).
@@ -142,13 +149,22 @@ def plan_shard(
     for e in entries:
         hs = e.spans["hidden_states"]
         if hs.dtype != dtype or hs.shape[1:] != (k, hidden):
-            raise ShardError(f"{e.path}: hidden_states {hs.dtype} {list(hs.shape)} do not fit a shard of {dtype} [*, {k}, {hidden}]")
+            raise ShardError(
+                f"{e.path}: hidden_states {hs.dtype} {list(hs.shape)} do not fit a shard of {dtype} [*, {k}, {hidden}]"
+            )
     sid = check_id(shard_id, "shard id") if shard_id else shard_id_for([e.id for e in entries])
     return _layout(sid, tuple(entries), run, tuple(capture_points), dtype, check_codec(codec), ())
 
 
-def _layout(shard_id: str, entries: tuple[SpoolEntry, ...], run: str, capture_points: tuple[int, ...],
-            dtype: torch.dtype, codec: str, coded: tuple[Coded, ...]) -> ShardPlan:
+def _layout(
+    shard_id: str,
+    entries: tuple[SpoolEntry, ...],
+    run: str,
+    capture_points: tuple[int, ...],
+    dtype: torch.dtype,
+    codec: str,
+    coded: tuple[Coded, ...],
+) -> ShardPlan:
     ids = [e.id for e in entries]
     offsets = _offsets(e.num_tokens for e in entries)
     n, k = offsets[-1], len(capture_points)
@@ -169,10 +185,25 @@ def _layout(shard_id: str, entries: tuple[SpoolEntry, ...], run: str, capture_po
         "capture_points": json.dumps(list(capture_points)),
     }
     if coded:
-        meta.update({"codec": codec, "hidden_states_dtype": dtype_name(dtype),
-                     "hidden_states_shape": json.dumps([n, k, hidden])})
-    return ShardPlan(shard_id, entries, tensors, encode_header(tensors, meta, BLOCK), tuple(offsets), dtype,
-                     capture_points, run, codec, coded)
+        meta.update(
+            {
+                "codec": codec,
+                "hidden_states_dtype": dtype_name(dtype),
+                "hidden_states_shape": json.dumps([n, k, hidden]),
+            }
+        )
+    return ShardPlan(
+        shard_id,
+        entries,
+        tensors,
+        encode_header(tensors, meta, BLOCK),
+        tuple(offsets),
+        dtype,
+        capture_points,
+        run,
+        codec,
+        coded,
+    )
 
 
 def encode_shard(plan: ShardPlan, path: str) -> ShardPlan:
@@ -180,15 +211,3 @@ def encode_shard(plan: ShardPlan, path: str) -> ShardPlan:
     (harvest.formats.coded.encode_samples)."""
     coded = encode_samples(plan.entries, plan.dtype, path)
     return _layout(plan.shard_id, plan.entries, plan.run, plan.capture_points, plan.dtype, plan.codec, coded)
-
-
-
-
-
-
-
-
-
-
-
-

@@ -84,7 +84,9 @@ class _Crcs:
         self.pos = end
 
 
-def _ranges(plan: ShardPlan, bufs: list[memoryview], wait: Callable[[int], None]) -> Iterator[tuple[memoryview | bytes, int]]:
+def _ranges(
+    plan: ShardPlan, bufs: list[memoryview], wait: Callable[[int], None]
+) -> Iterator[tuple[memoryview | bytes, int]]:
     """The shard's bytes read in order into the two buffers in turn, each yielded with the slot
     it lies in (-1 for bytes of the plan); `wait(slot)` is called before a buffer is reused."""
     turn = 0
@@ -131,8 +133,10 @@ def write_shard(plan: ShardPlan, out: BinaryIO, progress: Callable[[int], None] 
             fut.result()  # its last bytes are summed: the buffer is free
 
     plan_bytes: list[Future[Any]] = []  # the header's and the offsets' sums (a buffer's are awaited in `wait`)
-    with ThreadPoolExecutor(1, thread_name_prefix="shard-sha256") as hasher, \
-            ThreadPoolExecutor(1, thread_name_prefix="shard-crc32") as crcer:
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="shard-sha256") as hasher,
+        ThreadPoolExecutor(1, thread_name_prefix="shard-crc32") as crcer,
+    ):
         for data, slot in _ranges(plan, bufs, wait):
             out.write(data)
             futs = hasher.submit(sha.update, data), crcer.submit(crcs.update, data)
@@ -194,8 +198,10 @@ def copy_shard(plan: ShardPlan, fd: int, progress: Callable[[int], None] | None 
             if done:
                 return ShardSums(sha.hexdigest(), crcs.crc)
 
-    with ThreadPoolExecutor(1, thread_name_prefix="shard-sha256") as hasher, \
-            ThreadPoolExecutor(1, thread_name_prefix="shard-crc32") as crcer:
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="shard-sha256") as hasher,
+        ThreadPoolExecutor(1, thread_name_prefix="shard-crc32") as crcer,
+    ):
         hashed = hasher.submit(digest)
         pos = 0
         try:

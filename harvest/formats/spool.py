@@ -112,8 +112,9 @@ def encode_sample(s: SpooledSample, run: str) -> list[tuple[str, bytes | memoryv
     return list(zip(["", *sorted(tensors)], encode_parts(tensors, meta, BLOCK), strict=True))
 
 
-def write_encoded(fd: int, parts: list[tuple[str, bytes | memoryview]],
-                  hidden_from: tuple[tuple[str, int, int], ...] = ()) -> int:
+def write_encoded(
+    fd: int, parts: list[tuple[str, bytes | memoryview]], hidden_from: tuple[tuple[str, int, int], ...] = ()
+) -> int:
     """A spool file's `parts` (from `encode_sample`) written into `fd` from offset 0; returns its size.
     With `hidden_from`, the hidden states' bytes are copied by the kernel from those ranges
     (cloned where the filesystem shares blocks) instead of from the tensor."""

@@ -139,8 +139,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def encode_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
-                 align: int = 8) -> list[bytes | memoryview]:
+def encode_parts(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, align: int = 8
+) -> list[bytes | memoryview]:
     """A file as its pieces (header, then each tensor's bytes, sorted by name), without joining
     them: written one after another they make `encode`'s bytes, without a copy of the data."""
     names = sorted(tensors)

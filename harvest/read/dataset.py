@@ -51,14 +51,6 @@ from harvest.storage import Location
 log = logging.getLogger("harvest.read")
 
 
-
-
-
-
-
-
-
-
 class _Lazy:
     def __init__(self, url: str, dtype: torch.dtype | None) -> None:
         self.url, self.dtype = url, dtype
@@ -95,8 +87,10 @@ class HiddenStateDataset(Dataset[dict[str, torch.Tensor]]):
 
 
 STATE_FORMAT = "harvest-feed-1"
-_IN_TAIL = ("a rank is past its part of the epoch's view, in a followed run's tail, whose order depends on "
-            "when each shard appeared: save the state before the tail, or resume at the next epoch")
+_IN_TAIL = (
+    "a rank is past its part of the epoch's view, in a followed run's tail, whose order depends on "
+    "when each shard appeared: save the state before the tail, or resume at the next epoch"
+)
 
 
 def _window_bytes(items: list[dict[str, torch.Tensor] | Exception]) -> int:
@@ -129,17 +123,31 @@ class HiddenStateIterable(IterableDataset[dict[str, torch.Tensor]]):
     `persistent_workers=False` (the default): persistent workers would keep epoch 0's order.
     """
 
-    def __init__(self, url: str, dtype: torch.dtype | None = None, seed: int | None = None, rank: int = 0,
-                 world_size: int = 1, *, batch_size: int = 1, num_workers: int | None = None,
-                 window: int = FeedSettings.shuffle_window, drop_remainder: bool = False,
-                 readahead_bytes: int = FeedSettings.readahead_bytes, coalesce_bytes: int | None = None,
-                 follow: bool = False,
-                 wait_s: float = FeedSettings.follow_wait_s, poll_s: float = FeedSettings.follow_poll_s) -> None:
+    def __init__(
+        self,
+        url: str,
+        dtype: torch.dtype | None = None,
+        seed: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        batch_size: int = 1,
+        num_workers: int | None = None,
+        window: int = FeedSettings.shuffle_window,
+        drop_remainder: bool = False,
+        readahead_bytes: int = FeedSettings.readahead_bytes,
+        coalesce_bytes: int | None = None,
+        follow: bool = False,
+        wait_s: float = FeedSettings.follow_wait_s,
+        poll_s: float = FeedSettings.follow_poll_s,
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ConfigurationError(f"rank {rank} of world size {world_size}: a rank is in [0, world size)")
         if batch_size < 1 or window < 1 or (num_workers is not None and num_workers < 0):
-            raise ConfigurationError(f"batch_size {batch_size}, window {window}, num_workers {num_workers}: "
-                                     "batch_size and window are at least 1, num_workers at least 0")
+            raise ConfigurationError(
+                f"batch_size {batch_size}, window {window}, num_workers {num_workers}: "
+                "batch_size and window are at least 1, num_workers at least 0"
+            )
         self.url, self.dtype, self.seed, self.rank, self.world_size = url, dtype, seed, rank, world_size
         self.batch_size, self.num_workers, self.window = batch_size, num_workers, window
         self.drop_remainder, self.coalesce_bytes, self.epoch = drop_remainder, coalesce_bytes, 0
@@ -189,8 +197,13 @@ class HiddenStateIterable(IterableDataset[dict[str, torch.Tensor]]):
             dist.broadcast_object_list(box, src=0)
             return box[0]
         if self.world_size > 1 and self.follow and read_settled(self._store.loc) is None:
-            log.warning("rank %d of %d lists the live run %s on its own (no torch.distributed): a shard committed "
-                        "between the ranks' listings is read twice or never", self.rank, self.world_size, self.url)
+            log.warning(
+                "rank %d of %d lists the live run %s on its own (no torch.distributed): a shard committed "
+                "between the ranks' listings is read twice or never",
+                self.rank,
+                self.world_size,
+                self.url,
+            )
         return names
 
     # -- epochs and the order ----------------------------------------------------------------------
@@ -213,8 +226,10 @@ class HiddenStateIterable(IterableDataset[dict[str, torch.Tensor]]):
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         if self.num_workers is not None and max(self.num_workers, 1) != workers:
-            raise ConfigurationError(f"the feed was told num_workers={self.num_workers}, its DataLoader runs "
-                                     f"{workers if info is not None else 0}: give both the same")
+            raise ConfigurationError(
+                f"the feed was told num_workers={self.num_workers}, its DataLoader runs "
+                f"{workers if info is not None else 0}: give both the same"
+            )
         return part_of(self.rank, worker, self.world_size, workers), self.world_size * workers
 
     def _deal(self, order: list[str], parts: int) -> list[list[str]]:
@@ -222,8 +237,10 @@ class HiddenStateIterable(IterableDataset[dict[str, torch.Tensor]]):
         if self._resume_epoch != self.epoch:
             return spans(order, parts, self.drop_remainder)
         if digest(order) != self._digest:
-            raise ShardError(f"{self.url}: the index files of the shards epoch {self.epoch}'s state names changed "
-                             "since it was saved (a repair excluded samples?): its order cannot be resumed exactly")
+            raise ShardError(
+                f"{self.url}: the index files of the shards epoch {self.epoch}'s state names changed "
+                "since it was saved (a repair excluded samples?): its order cannot be resumed exactly"
+            )
         return spans(replay(order, self._stages), parts)
 
     def __len__(self) -> int:
@@ -255,7 +272,12 @@ class HiddenStateIterable(IterableDataset[dict[str, torch.Tensor]]):
         """The samples `keys` in order: fetched a window at a time (`coalesce_bytes` of the order,
         each shard's samples in it read together, harvest.read.coalesce), windows read ahead."""
         store = self._store
-        groups = windows(keys, self._size, cap_for(store.loc.is_local, self.coalesce_bytes, self.seed is not None), lambda key: key[0])
+        groups = windows(
+            keys,
+            self._size,
+            cap_for(store.loc.is_local, self.coalesce_bytes, self.seed is not None),
+            lambda key: key[0],
+        )
         ahead = ReadAhead(groups, self._fetch, _window_bytes, self.readahead_bytes)
         for group, fetched in ahead:
             results = fetched if isinstance(fetched, list) else [fetched]  # a whole window failed: its first raises
@@ -322,14 +344,18 @@ class HiddenStateIterable(IterableDataset[dict[str, torch.Tensor]]):
         rest = replay(order, stages)
         if batches is None:
             if self.num_workers:
-                raise ConfigurationError("with DataLoader workers the feed cannot see what its loop was handed: "
-                                         "pass state_dict(batches=<batches taken this epoch>)")
+                raise ConfigurationError(
+                    "with DataLoader workers the feed cannot see what its loop was handed: "
+                    "pass state_dict(batches=<batches taken this epoch>)"
+                )
             workers, own = 1, self._consumed
             steps = -(-own // self.batch_size)
         else:
             if self.num_workers is None:
-                raise ConfigurationError("state_dict(batches=...) needs the DataLoader's worker count: give the feed "
-                                         "num_workers= (and batch_size=) as the DataLoader has them")
+                raise ConfigurationError(
+                    "state_dict(batches=...) needs the DataLoader's worker count: give the feed "
+                    "num_workers= (and batch_size=) as the DataLoader has them"
+                )
             workers, own, steps = max(self.num_workers, 1), None, batches
         parts, drop = self.world_size * workers, self.drop_remainder and not resumed
         sizes = span_sizes(len(rest), parts, drop)
@@ -347,9 +373,16 @@ class HiddenStateIterable(IterableDataset[dict[str, torch.Tensor]]):
                 raise ConfigurationError(_IN_TAIL)
             for p, n in zip(ids, delivered(mine, self.batch_size, min(steps, total)), strict=False):
                 consumed[p] = n
-        return {"format": STATE_FORMAT, "run": self._store.cfg.run, "epoch": self.epoch, "seed": self.seed,
-                "window": self.window, "shards": list(self._view), "digest": digest(order),
-                "stages": [st.to_json() for st in [*stages, Stage(parts, drop, tuple(consumed))]]}
+        return {
+            "format": STATE_FORMAT,
+            "run": self._store.cfg.run,
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "window": self.window,
+            "shards": list(self._view),
+            "digest": digest(order),
+            "stages": [st.to_json() for st in [*stages, Stage(parts, drop, tuple(consumed))]],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration of `state`'s epoch yields exactly the samples no rank's loop
@@ -359,9 +392,11 @@ class HiddenStateIterable(IterableDataset[dict[str, torch.Tensor]]):
             raise ConfigurationError(f"not a feed state of this harvest ({STATE_FORMAT})")
         run = self._store.cfg.run
         if state["run"] != run or state["seed"] != self.seed or state["window"] != self.window:
-            raise ConfigurationError(f"the state is of run {state['run']!r}, seed {state['seed']}, window "
-                                     f"{state['window']}; this feed reads run {run!r} with seed {self.seed}, window "
-                                     f"{self.window}: its order would differ")
+            raise ConfigurationError(
+                f"the state is of run {state['run']!r}, seed {state['seed']}, window "
+                f"{state['window']}; this feed reads run {run!r} with seed {self.seed}, window "
+                f"{self.window}: its order would differ"
+            )
         self.epoch = int(state["epoch"])
         self._view = list(state["shards"])
         self._stages = [Stage.from_json(st) for st in state["stages"]]

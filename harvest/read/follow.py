@@ -57,11 +57,13 @@ class Shards:
             try:
                 doc = parse_index(self.loc.read_json(f"{INDEX}/{shard_id}.json"), where)
             except FileNotFoundError:
-                raise ShardError(f"{where}: the index file is gone (a state names a shard the run no longer "
-                                 "commits)") from None
+                raise ShardError(
+                    f"{where}: the index file is gone (a state names a shard the run no longer commits)"
+                ) from None
             if doc["final_state"] != self.cfg.final_state:
-                raise ShardError(f"{where}: final state {doc['final_state']!r}, but the run records "
-                                 f"{self.cfg.final_state!r}")
+                raise ShardError(
+                    f"{where}: final state {doc['final_state']!r}, but the run records {self.cfg.final_state!r}"
+                )
             self.docs[shard_id] = doc
         return self.docs[shard_id]
 
@@ -102,8 +104,9 @@ class Shards:
         self._open = {}
 
 
-def tail(shards: Shards, seen: set[str], known: set[str], part: int, parts: int, poll_s: float,
-         wait_s: float) -> Iterator[list[tuple[str, str]]]:
+def tail(
+    shards: Shards, seen: set[str], known: set[str], part: int, parts: int, poll_s: float, wait_s: float
+) -> Iterator[list[tuple[str, str]]]:
     """Each listing's new samples for `part` of `parts`, as (shard id, sample id) in shard-id order,
     until the run is settled. `seen`: shard ids already dealt this epoch; `known`: samples already
     dealt (both updated). Raises FeedStalled after `wait_s` without a new index or the marker."""
@@ -132,5 +135,6 @@ def tail(shards: Shards, seen: set[str], known: set[str], part: int, parts: int,
                 f"{loc.url()}: no new index file for {waited:.0f}s and the run is not settled (no {SETTLED}); "
                 f"{len(known)} samples committed so far this epoch. Is the run still going? "
                 f"(`harvest status --run {shards.cfg.run}`) Pass wait_s= to wait longer, or follow=False to "
-                "read only what is committed")
+                "read only what is committed"
+            )
         time.sleep(min(poll_s, wait_s - waited))

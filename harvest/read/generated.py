@@ -29,8 +29,10 @@ def iter_generated(run_url: str) -> Iterator[dict[str, Any]]:
     loc = Location.from_url(run_url)
     cfg = read_run_json(loc)
     if cfg.regenerate is None:
-        raise NotRegenerated(f"run {cfg.run} in {loc.url()} was not started with --regenerate: the target model "
-                             "wrote none of its answers, so it has no generated conversations")
+        raise NotRegenerated(
+            f"run {cfg.run} in {loc.url()} was not started with --regenerate: the target model "
+            "wrote none of its answers, so it has no generated conversations"
+        )
     docs = [read_index(loc, name) for name in loc.list(INDEX, ".json")]
     return _rows(loc, docs)
 

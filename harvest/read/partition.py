@@ -39,8 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def sample_order(shards: Sequence[tuple[str, Sequence[str]]], seed: int | None, epoch: int,
-                 window: int) -> list[str]:
+def sample_order(shards: Sequence[tuple[str, Sequence[str]]], seed: int | None, epoch: int, window: int) -> list[str]:
     """Every sample of `shards` ((shard id, samples as packed), in shard-id order) once, in the
     epoch's order: storage order without a seed, else shards shuffled and samples shuffled
     within windows of `window` shards (see the module's docstring)."""
@@ -130,7 +129,9 @@ class Stage:
 def remainder(order: Sequence[str], stage: Stage) -> list[str]:
     """What `stage` left of `order`: each part's span less its delivered prefix, in part order."""
     parts = spans(order, stage.parts, stage.drop)
-    if len(stage.consumed) != stage.parts or any(not 0 <= c <= len(p) for c, p in zip(stage.consumed, parts, strict=True)):
+    if len(stage.consumed) != stage.parts or any(
+        not 0 <= c <= len(p) for c, p in zip(stage.consumed, parts, strict=True)
+    ):
         raise ValueError(f"consumed {list(stage.consumed)} does not fit spans of {[len(p) for p in parts]}")
     return [s for c, p in zip(stage.consumed, parts, strict=True) for s in p[c:]]
 

@@ -63,8 +63,10 @@ class RunReader:
         for name in self.loc.list(INDEX, ".json"):
             doc = read_index(self.loc, name)
             if doc["final_state"] != self.config.final_state:
-                raise ShardError(f"{self.loc.describe(f'{INDEX}/{name}')}: final state {doc['final_state']!r}, but "
-                                 f"the run records {self.config.final_state!r}")
+                raise ShardError(
+                    f"{self.loc.describe(f'{INDEX}/{name}')}: final state {doc['final_state']!r}, but "
+                    f"the run records {self.config.final_state!r}"
+                )
             self._indexes[doc["shard_id"]] = doc
         self._lock = threading.Lock()  # the read-ahead's state below
         self._opening: dict[str, threading.Lock] = {}
@@ -90,10 +92,17 @@ class RunReader:
         if copies.extra:
             sample, others = next(iter(copies.extra.items()))
             n = len(copies.extra)
-            log.warning("%s: %d %s committed by more than one shard (e.g. %s, read from shard %s, also in %s); "
-                        "each is read once, from the shard with the smallest id; `harvest reconcile --dedupe` removes "
-                        "the extra copies from the index", self.loc.root if self.loc.is_local else self.loc.url(), n,
-                        "sample is" if n == 1 else "samples are", sample, copies.kept[sample], ", ".join(others))
+            log.warning(
+                "%s: %d %s committed by more than one shard (e.g. %s, read from shard %s, also in %s); "
+                "each is read once, from the shard with the smallest id; `harvest reconcile --dedupe` removes "
+                "the extra copies from the index",
+                self.loc.root if self.loc.is_local else self.loc.url(),
+                n,
+                "sample is" if n == 1 else "samples are",
+                sample,
+                copies.kept[sample],
+                ", ".join(others),
+            )
 
     def __len__(self) -> int:
         return len(self._where)
@@ -155,8 +164,11 @@ class RunReader:
         k = self._rank[sample_id]
         _, i = self._where[sample_id]
         with self._lock:
-            local = (self._last_shard is not None and 0 <= self._shard_no[shard_id] - self._shard_no[self._last_shard] <= 1
-                     or any(0 < k - r <= NEAR for r in self._recent))
+            local = (
+                self._last_shard is not None
+                and 0 <= self._shard_no[shard_id] - self._shard_no[self._last_shard] <= 1
+                or any(0 < k - r <= NEAR for r in self._recent)
+            )
             asked = self._asked.setdefault(shard_id, set())
             if i in asked:  # a new pass over the shard (the next epoch)
                 asked.clear()
@@ -256,7 +268,8 @@ def _run_config(loc: Location) -> RunConfig:
             raise
         raise ConfigError(f"{where}: {e}") from None
     except ValueError as e:  # not JSON, or fields of the wrong type
-        raise ConfigError(f"{where} is not a harvest run.json ({type(e).__name__}: {e}): garbled, or not "
-                          "written by harvest") from None
+        raise ConfigError(
+            f"{where} is not a harvest run.json ({type(e).__name__}: {e}): garbled, or not written by harvest"
+        ) from None
     except TypeError as e:  # a field a RunConfig does not take as it is
         raise ConfigError(f"{where} is not a harvest run.json ({e})") from None

@@ -46,10 +46,6 @@ from harvest.storage import Location
 _SMALL = ("input_ids", "loss_mask", "offsets")
 
 
-
-
-
-
 class ShardReader:
     """Random access into one committed shard (`index`: its parsed index, harvest.formats.index).
     `want`: the samples (rows of the index) the opener is about to read: where they hold most of
@@ -97,7 +93,9 @@ class ShardReader:
             raise ShardError(f"{self.name}: lacks tensors {sorted(missing)}")
         names = index.get("crc32_tensors", [])
         if not set(names) <= set(self.tensors) - {"offsets"}:
-            raise ShardError(f"{self.name}: its index has crc32s of tensors {names}, the shard holds {sorted(self.tensors)}")
+            raise ShardError(
+                f"{self.name}: its index has crc32s of tensors {names}, the shard holds {sorted(self.tensors)}"
+            )
         self._slot = {name: j for j, name in enumerate(names)}
         self._open_hidden(index)
         self._small: dict[str, bytes | bytearray] = {}
@@ -129,11 +127,15 @@ class ShardReader:
         shape = json.loads(meta["hidden_states_shape"])
         dtype = getattr(torch, str(meta["hidden_states_dtype"]), None)
         if not isinstance(dtype, torch.dtype) or dtype_name(dtype) != index["dtype"]:
-            raise ShardError(f"{self.name}: hidden states {meta['hidden_states_dtype']}, its index says {index['dtype']}")
+            raise ShardError(
+                f"{self.name}: hidden states {meta['hidden_states_dtype']}, its index says {index['dtype']}"
+            )
         self.dtype, self._row_shape, self._at = dtype, tuple(shape[1:]), list(index["coded_offsets"])
         if span.dtype != torch.uint8 or len(shape) != 3 or shape[0] != offsets[-1] or span.shape[0] != self._at[-1]:
-            raise ShardError(f"{self.name}: coded hidden states {span.dtype} {list(span.shape)} of {shape} do not fit its "
-                             f"index: {offsets[-1]} tokens in {self._at[-1]} coded bytes")
+            raise ShardError(
+                f"{self.name}: coded hidden states {span.dtype} {list(span.shape)} of {shape} do not fit its "
+                f"index: {offsets[-1]} tokens in {self._at[-1]} coded bytes"
+            )
 
     def _read_small(self, head: bytes) -> None:
         """The token ids, loss mask and offsets: from `head` (the opening read) where it holds them,
@@ -197,8 +199,18 @@ class ShardReader:
             if found != expected:
                 problem = f"have crc32 {found}, its index records {expected}"
         if problem:
-            raise CorruptSample(self.url, self.index["shard_id"], self.index["samples"][i], tensor, begin, end,
-                                problem, verify_fix(self.loc), expected, found)
+            raise CorruptSample(
+                self.url,
+                self.index["shard_id"],
+                self.index["samples"][i],
+                tensor,
+                begin,
+                end,
+                problem,
+                verify_fix(self.loc),
+                expected,
+                found,
+            )
 
     def rows(self, tensor: str, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of one tensor, as stored, each sample they touch checked against its
@@ -236,7 +248,9 @@ class ShardReader:
         rb = span.row_bytes
         cut = raw[span.begin + start * rb - at : span.begin + end * rb - at]
         shape = (end - start, *span.shape[1:])
-        if not cached and not cut.readonly and len(cut) == len(raw) and len(cut):  # read for these rows alone: the tensor's own
+        if (
+            not cached and not cut.readonly and len(cut) == len(raw) and len(cut)
+        ):  # read for these rows alone: the tensor's own
             return torch.frombuffer(cut, dtype=torch.uint8).view(span.dtype).reshape(shape)
         return tensor_from_bytes(bytearray(cut), span.dtype, shape)
 
@@ -265,8 +279,18 @@ class ShardReader:
                     if found != expected:
                         problem = f"decode to bytes with crc32 {found}, its index records {expected}"
         if problem:
-            raise CorruptSample(self.url, self.index["shard_id"], self.index["samples"][i], "hidden_states", begin,
-                                end, problem, verify_fix(self.loc), expected, found)
+            raise CorruptSample(
+                self.url,
+                self.index["shard_id"],
+                self.index["samples"][i],
+                "hidden_states",
+                begin,
+                end,
+                problem,
+                verify_fix(self.loc),
+                expected,
+                found,
+            )
         if not size:
             return torch.empty((tokens, *self._row_shape), dtype=self.dtype)
         return torch.frombuffer(data, dtype=torch.uint8).view(self.dtype).reshape((tokens, *self._row_shape))
@@ -281,8 +305,9 @@ class ShardReader:
         for (`held_bytes`, `drop_held`)."""
         return self._decode(i, dtype, self._held(i, ahead))
 
-    def samples(self, positions: Iterable[int], dtype: torch.dtype | None = None, cap: int | None = None,
-                gap: int = GAP_BYTES) -> Iterator[tuple[int, dict[str, torch.Tensor] | Exception]]:
+    def samples(
+        self, positions: Iterable[int], dtype: torch.dtype | None = None, cap: int | None = None, gap: int = GAP_BYTES
+    ) -> Iterator[tuple[int, dict[str, torch.Tensor] | Exception]]:
         """`sample(p, dtype)` for each of `positions` (repeats once), read with one ranged read per
         run of them adjacent in storage (harvest.read.coalesce.runs: `gap`, `cap`, default the
         reader's), or from what the opening read held: (p, the sample, or the exception reading it raised: a CorruptSample fails
@@ -354,7 +379,9 @@ class ShardReader:
                 out["hidden_states"] = dequantize(out["hidden_states"], scale, dtype)
         elif dtype is not None and dtype != self.dtype:
             if is_fp8(dtype):
-                raise ShardError(f"{self.name}: stored as {self.dtype}; fp8 is chosen when the run is created, not on read")
+                raise ShardError(
+                    f"{self.name}: stored as {self.dtype}; fp8 is chosen when the run is created, not on read"
+                )
             out["hidden_states"] = out["hidden_states"].to(dtype)
         return out
 

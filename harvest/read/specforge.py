@@ -30,7 +30,9 @@ def sample_file(dest: str, shard_id: str, sample_id: str) -> str:
     return os.path.join(dest, check_id(shard_id, "shard id"), f"data_{check_id(sample_id, 'sample id')}.ckpt")
 
 
-def write_sample(sample: dict[str, Any], reader: RunReader, path: str, atomic: Callable[[str, Callable[[str], None]], None]) -> None:
+def write_sample(
+    sample: dict[str, Any], reader: RunReader, path: str, atomic: Callable[[str, Callable[[str], None]], None]
+) -> None:
     item = eagle3_item(sample, reader.config)
     data = {
         "input_ids": item["input_ids"],

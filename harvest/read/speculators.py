@@ -79,12 +79,20 @@ def export_speculators(
     the corrupt samples whose rows could not be written). `in_place`: no hidden-state files, the
     rows are read from the run by the `harvest` backend (every row counts as written)."""
     if importlib.util.find_spec("datasets") is None:  # checked before any file is written
-        raise ExportError("the speculators export saves its dataset with the `datasets` package: "
-                                     "pip install 'harvest[speculators]' (or datasets)")
+        raise ExportError(
+            "the speculators export saves its dataset with the `datasets` package: "
+            "pip install 'harvest[speculators]' (or datasets)"
+        )
     rows = _plan_rows(reader, dest, dtype, in_place)
     if in_place:
-        atomic(os.path.join(dest, FINAL_NORM), lambda tmp: save_file(
-            {"weight": norm.weight.contiguous()}, tmp, metadata={"eps": repr(norm.eps), "model_type": norm.model_type}))
+        atomic(
+            os.path.join(dest, FINAL_NORM),
+            lambda tmp: save_file(
+                {"weight": norm.weight.contiguous()},
+                tmp,
+                metadata={"eps": repr(norm.eps), "model_type": norm.model_type},
+            ),
+        )
     else:
         os.makedirs(os.path.join(dest, HIDDEN), exist_ok=True)
     written = kept = 0
@@ -148,25 +156,39 @@ def _plan_rows(reader: RunReader, dest: str, dtype: torch.dtype | None, in_place
         if doc.get("run") != reader.config.run or doc.get("format") != "speculators":
             raise ExportError(
                 f"{dest} holds the {doc.get('format')} export of run {doc.get('run')!r}, not of run "
-                f"{reader.config.run!r}: choose another DEST")
+                f"{reader.config.run!r}: choose another DEST"
+            )
         if bool(doc.get("in_place")) != in_place:
-            was, now = ("in place", "with hidden-state files") if doc.get("in_place") else ("with hidden-state files", "in place")
+            was, now = (
+                ("in place", "with hidden-state files")
+                if doc.get("in_place")
+                else ("with hidden-state files", "in place")
+            )
             raise ExportError(f"{dest} holds this run's export {was}; to export it {now}, choose another DEST")
         old = list(doc.get("samples", []))
         gone = [s for s in old if s not in reader]
         if gone:
-            raise ExportError(f"{dest}: {len(gone)} exported samples (first {gone[0]}) are not in the run "
-                                         f"at {reader.loc.url()}: choose another DEST")
+            raise ExportError(
+                f"{dest}: {len(gone)} exported samples (first {gone[0]}) are not in the run "
+                f"at {reader.loc.url()}: choose another DEST"
+            )
     elif os.path.isdir(dest) and os.listdir(dest):
         raise ExportError(f"{dest} is not empty and holds no harvest export: choose an empty or new DEST")
     seen = set(old)
     rows = old + [s for s in reader.sample_ids if s not in seen]
     if rows != old or not old or in_place:
         os.makedirs(dest, exist_ok=True)
-        doc = {"format": "speculators", "run": reader.config.run, "capture_points": reader.capture_points,
-               "slots": reader.config.slots()[:-1] + [PRE_NORM], "samples": rows}
+        doc = {
+            "format": "speculators",
+            "run": reader.config.run,
+            "capture_points": reader.capture_points,
+            "slots": reader.config.slots()[:-1] + [PRE_NORM],
+            "samples": rows,
+        }
         if in_place:  # what the backend needs besides the rows (the URL: where the run is read from now)
-            doc.update(in_place=True, run_url=reader.loc.url(), dtype=str(dtype).removeprefix("torch.") if dtype else None)
+            doc.update(
+                in_place=True, run_url=reader.loc.url(), dtype=str(dtype).removeprefix("torch.") if dtype else None
+            )
         atomic_write_local(path, json.dumps(doc, indent=1).encode())
     return rows
 
@@ -177,8 +199,9 @@ def _save_dataset(dest: str, ids: list[list[int]], mask: list[list[int]]) -> Non
     from datasets import Dataset, Features, Sequence, Value
     from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
 
-    features = Features({"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")),
-                         "seq_len": Value("int64")})
+    features = Features(
+        {"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")), "seq_len": Value("int64")}
+    )
     ds = Dataset.from_dict({"input_ids": ids, "loss_mask": mask, "seq_len": [len(x) for x in ids]}, features=features)
     ds.set_format(type="torch")
     bars = is_progress_bar_enabled()
