@@ -32,9 +32,10 @@ if TYPE_CHECKING:  # what the names are, for type checkers; loaded lazily below
     from harvest.config import ConfigError
     from harvest.formats.index import ShardError
     from harvest.read.damage import CorruptSample, UnreadableShard
-    from harvest.read.dataset import HiddenStateDataset, HiddenStateIterable
+    from harvest.read.dataset import HiddenStateDataset
     from harvest.read.eagle3 import NoFinalState, eagle3_item
     from harvest.read.export import ExportReport, export_run
+    from harvest.read.feed import HiddenStateIterable
     from harvest.read.follow import FeedStalled
     from harvest.read.reader import RunReader, hidden_at
     from harvest.read.trainers import EXPORT_FORMATS, ExportError
@@ -62,7 +63,7 @@ _HOME = {
     "RunReader": "harvest.read.reader",
     "hidden_at": "harvest.read.reader",
     "HiddenStateDataset": "harvest.read.dataset",
-    "HiddenStateIterable": "harvest.read.dataset",
+    "HiddenStateIterable": "harvest.read.feed",
     "eagle3_item": "harvest.read.eagle3",
     "NoFinalState": "harvest.read.eagle3",
     "export_run": "harvest.read.export",

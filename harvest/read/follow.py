@@ -4,7 +4,7 @@ and, when following a live run, the shards committed after that, until the run i
 **The view.** A sample exists for the feed once an index file commits it (never a shard whose
 index is not written); of several copies it reads the one `harvest.formats.index.kept_copies`
 keeps among the view's indexes, and never an excluded one. The view is a list of shard ids, so
-every rank can be handed rank 0's (harvest.read.dataset agrees on it through torch.distributed)
+every rank can be handed rank 0's (harvest.read.feed agrees on it through torch.distributed)
 and a saved state can name it exactly.
 
 **The tail.** A follower lists the index again every `poll_s` once its part of the view is read.

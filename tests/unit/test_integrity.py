@@ -24,7 +24,8 @@ from harvest.formats.spool import inspect_sample
 from harvest.node.spooldir import spool_path
 from harvest.ops.dedupe import DedupeReport, dedupe_run
 from harvest.ops.verify import Corruption, verify_run
-from harvest.read.dataset import HiddenStateDataset, HiddenStateIterable
+from harvest.read.dataset import HiddenStateDataset
+from harvest.read.feed import HiddenStateIterable
 from harvest.read.reader import RunReader
 from harvest.read.shard_reader import CorruptSample, ShardReader, UnreadableShard
 from harvest.storage import Location
