@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, NotRequired, TypedDict
 
-from harvest.config import FINAL_POST_NORM, FINAL_STATES
+from harvest.config import FINAL_STATES
 from harvest.errors import InputError
 from harvest.formats.codec import CODECS
 from harvest.ids import check_id
@@ -51,9 +51,8 @@ class ShardIndex(TypedDict):
     sha256: str
     dtype: str  # harvest.formats.dtypes.dtype_name of the storage dtype
     capture_points: list[int]
-    # What the final capture point holds (harvest.config.FINAL_POST_NORM); indexes written before it
-    # was recorded hold the same, and parse_index fills it in for them.
-    final_state: NotRequired[str]
+    # What the final capture point holds (harvest.config.FINAL_POST_NORM).
+    final_state: str
     # Per sample (storage order), one zlib.crc32 per tensor named in `crc32_tensors` (every tensor but
     # `offsets`, in the shard's order), over exactly that sample's rows as stored. Indexes written
     # before them lack both, and are read unchecked.
@@ -117,9 +116,10 @@ def parse_index(doc: object, where: str) -> ShardIndex:
     for name, kind in _FIELDS.items():
         if not isinstance(doc.get(name), kind):
             raise ShardError(f"{where}: index field {name!r} missing or not a {kind.__name__}")
-    doc.setdefault("final_state", FINAL_POST_NORM)
-    if doc["final_state"] not in FINAL_STATES:
-        raise ShardError(f"{where}: final state {doc['final_state']!r}, this harvest reads {', '.join(FINAL_STATES)}")
+    if doc.get("final_state") not in FINAL_STATES:
+        raise ShardError(
+            f"{where}: final state {doc.get('final_state')!r}, this harvest reads {', '.join(FINAL_STATES)}"
+        )
     check_id(doc["shard_id"], "shard id")
     n = len(doc["samples"])
     if len(doc["tokens"]) != n or len(doc["offsets"]) != n + 1:

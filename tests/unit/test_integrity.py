@@ -269,7 +269,7 @@ def test_index_checksum_and_exclusion_fields_are_checked():
     def doc(**extra):
         return {"format": FORMAT, "shard_id": "a" * 32, "shard": f"shards/{'a' * 32}.safetensors",
                 "samples": ["s1", "s2"], "tokens": [3, 1], "offsets": [0, 3, 4], "bytes": 10, "sha256": "0" * 64,
-                "dtype": "bfloat16", "capture_points": [2, 4, 5, 8], **extra}
+                "dtype": "bfloat16", "capture_points": [2, 4, 5, 8], "final_state": "post-norm", **extra}
 
     names = ["hidden_states", "input_ids", "loss_mask"]
     ok = parse_index(doc(crc32=[[1, 2, 3], [4, 5, 2**32 - 1]], crc32_tensors=names, excluded={"s1": "duplicate"}), "i")
