@@ -131,7 +131,7 @@ def crc_ceiling(url: str) -> Callable[[], int]:
 def harvest_feed(url: str, seed: int | None) -> Callable[[], int]:
     """harvest's own training feed (`HiddenStateIterable`, one rank, read-ahead on), in storage
     order or shuffled; each item's hidden states copied once, as a collator's stack would."""
-    from harvest.read.dataset import HiddenStateIterable
+    from harvest.read.feed import HiddenStateIterable
 
     def feed() -> int:
         n = 0

@@ -33,7 +33,7 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from harvest.read.dataset import HiddenStateIterable  # noqa: E402
+from harvest.read.feed import HiddenStateIterable  # noqa: E402
 from tests.support.feedrun import FeedRun  # noqa: E402
 
 

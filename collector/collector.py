@@ -15,9 +15,9 @@ never another collector's re-pack of the same samples.
 Tensor bytes are copied out of the spool files undecoded (with a codec, the hidden states are
 first coded into a scratch file in the spool: collector.pack), with no temporary shard on the
 node's disk for object storage. To object storage, or to a local output on another filesystem,
-they are streamed through small buffers and hashed on that one pass (harvest.formats.shard.
-write_shard); to a local output on the spool's filesystem the kernel copies them, cloning blocks
-where the filesystem can, and a second thread hashes the file as it fills (copy_shard). Memory:
+they are streamed through small buffers and hashed on that one pass (write_shard); to a local
+output on the spool's filesystem the kernel copies them, cloning blocks where the filesystem can,
+and a second thread hashes the file as it fills (copy_shard: both harvest.formats.shard_write). Memory:
 the copy buffers, plus the parts in flight to object storage. Storage errors that persist stop
 the collector with a `StorageError`; the spool and the record stay, so a restart resumes.
 """
@@ -62,11 +62,22 @@ BUSY_S = 10.0  # how long samples another collector is committing (claimed in st
 
 
 class Collector:
-    def __init__(self, conn: redis.Redis, cfg: RunConfig, spool_dir: str, node: str | None = None,
-                 shard_bytes: int | None = None, max_wait: float = CollectorSettings.max_wait_s,
-                 part_bytes: int | None = None, retries: int = CollectorSettings.storage_retries,
-                 retry_delay: float = CollectorSettings.retry_delay_s, orphan_age: float = CollectorSettings.orphan_age_s,
-                 packer: int = 0, packers: int = 1, tally: Tally | None = None) -> None:
+    def __init__(
+        self,
+        conn: redis.Redis,
+        cfg: RunConfig,
+        spool_dir: str,
+        node: str | None = None,
+        shard_bytes: int | None = None,
+        max_wait: float = CollectorSettings.max_wait_s,
+        part_bytes: int | None = None,
+        retries: int = CollectorSettings.storage_retries,
+        retry_delay: float = CollectorSettings.retry_delay_s,
+        orphan_age: float = CollectorSettings.orphan_age_s,
+        packer: int = 0,
+        packers: int = 1,
+        tally: Tally | None = None,
+    ) -> None:
         self.conn, self.cfg, self.spool_dir = conn, cfg, spool_dir
         self.spool_id = spool_identity(spool_dir)
         self.node = check_id(node or node_name(), "node name")
@@ -94,8 +105,9 @@ class Collector:
         self._viewed_spool: str | None = None  # the spool whose samples `choose` last read
         self._claimed: tuple[str, float] | None = None  # (shard in flight, time.monotonic()) once claimed in storage
         self._busy: dict[str, float] = {}  # sample -> monotonic time until which another collector has it
-        self.claimer = Claimer(self.out, self.ledger.identity(), lambda shard: recorded_anywhere(conn, cfg.run, shard),
-                               self._retry)
+        self.claimer = Claimer(
+            self.out, self.ledger.identity(), lambda shard: recorded_anywhere(conn, cfg.run, shard), self._retry
+        )
         self.leases = SpoolLeases(conn, cfg.run)
         self._queued = QueuedCheck(conn, self.ledger.keys.counts)  # collector.due
         self._crash = CrashHook.from_env()
@@ -148,9 +160,11 @@ class Collector:
             write_decided_index(self.out, rec, self._retry)
             # Its stats in full: a decided record means its commit's move never ran (it clears the
             # record), and what may have moved its samples since (reconcile) counts no tokens
-            self._finish_samples(rec.sample_ids, [spool_path(self.spool_dir, s) for s in rec.sample_ids],
-                                 stats={"bytes_done": rec.index["bytes"], "shards": 1,
-                                        "tokens_done": sum(rec.index["tokens"])})
+            self._finish_samples(
+                rec.sample_ids,
+                [spool_path(self.spool_dir, s) for s in rec.sample_ids],
+                stats={"bytes_done": rec.index["bytes"], "shards": 1, "tokens_done": sum(rec.index["tokens"])},
+            )
             return
         if rec.spool not in (None, self.spool_id):  # this spool was revoked and renamed since
             self._void(rec.shard_id, rec.sample_ids, f"spool {rec.spool} was reclaimed while the shard was in flight")
@@ -185,7 +199,7 @@ class Collector:
         ids = [sid for sid, _, _ in files]
         ready, unknown = [], []
         self._viewed_spool = self.spool_id  # the record's ownership test then asks only this spool's revocation
-        for (sid, path, size), st, owner in zip(files, *self.ledger.states_and_owners(ids)):
+        for (sid, path, size), st, owner in zip(files, *self.ledger.states_and_owners(ids), strict=True):
             if st in (DONE, FAILED) or (st == SPOOLED and owner not in (None, "", self.spool_id)):
                 # committed already, given up on, or accepted from another node's spool (a retry
                 # of a job whose worker died between writing this file and marking it): not ours
@@ -222,8 +236,9 @@ class Collector:
     def _mine(self, sid: str) -> bool:
         return self.packers == 1 or int(sid[:8], 16) % self.packers == self.packer
 
-    def _commit(self, sample_ids: list[str], resumed_shard: str | None = None,
-                entries: list[SpoolEntry] | None = None) -> int:
+    def _commit(
+        self, sample_ids: list[str], resumed_shard: str | None = None, entries: list[SpoolEntry] | None = None
+    ) -> int:
         """Commit one shard of `sample_ids`: named afresh, or `resumed_shard`, the name its record
         holds. `entries`: the spool headers `step` already read and checked (a resume reads them)."""
         paths = [spool_path(self.spool_dir, s) for s in sample_ids]
@@ -239,15 +254,17 @@ class Collector:
             )
         viewed = entries is not None  # chosen by `choose`, which checked the headers
         if entries is None:  # a resumed record: its files' headers are read now
-            entries, bad = inspect_all(self.cfg, list(zip(sample_ids, paths)))
+            entries, bad = inspect_all(self.cfg, list(zip(sample_ids, paths, strict=True)))
             if bad:
                 self._void(resumed_shard, sample_ids, "; ".join(str(e) for e in bad.values()))
                 return self._reject(bad)
         plan = self.plan(entries, resumed_shard)
         self.record(plan, viewed=viewed)
         # A fresh name has no index; a resumed one has when the last incarnation died after writing it
-        if not (resumed_shard and self._retry(lambda: self.out.exists(index_file(resumed_shard)),
-                                              f"checking {index_file(resumed_shard)}")):
+        if not (
+            resumed_shard
+            and self._retry(lambda: self.out.exists(index_file(resumed_shard)), f"checking {index_file(resumed_shard)}")
+        ):
             if self._refused:  # asked with the record's write
                 self.void(plan, f"{self._refused}: nothing packed")
                 return 0
@@ -289,20 +306,34 @@ class Collector:
             self.ledger.mark_done(list(got.committed))
             for sid in got.committed:
                 unlink_quiet(spool_path(self.spool_dir, sid))
-            log.warning("%d samples of shard %s are committed already (e.g. %s in shard %s): marked done from "
-                        "storage, not packed again", len(got.committed), plan.shard_id, *next(iter(got.committed.items())))
+            log.warning(
+                "%d samples of shard %s are committed already (e.g. %s in shard %s): marked done from "
+                "storage, not packed again",
+                len(got.committed),
+                plan.shard_id,
+                *next(iter(got.committed.items())),
+            )
         until = time.monotonic() + BUSY_S
         self._busy.update({sid: until for sid in got.busy})
-        self.void(plan, f"{len(got.committed)} of its samples are committed in other shards and {len(got.busy)} are "
-                        "being committed by another collector")
+        self.void(
+            plan,
+            f"{len(got.committed)} of its samples are committed in other shards and {len(got.busy)} are "
+            "being committed by another collector",
+        )
         return False
 
     def plan(self, entries: list[SpoolEntry], shard_id: str | None = None) -> ShardPlan:
         """The layout of a shard of `entries`, named `shard_id` (a resumed record's) or afresh: a new
         name for every shard recorded, so no other attempt at the same samples (this ledger's or
         another's) ever shares it (harvest.ids.new_shard_id)."""
-        return plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype,
-                          shard_id=shard_id or new_shard_id(), codec=self.cfg.codec)
+        return plan_shard(
+            entries,
+            self.cfg.run,
+            self.cfg.capture_points,
+            self.cfg.torch_dtype,
+            shard_id=shard_id or new_shard_id(),
+            codec=self.cfg.codec,
+        )
 
     def record(self, plan: ShardPlan, viewed: bool = False) -> None:
         """The one record per node of the shard being committed, which a restart finishes, with the
@@ -316,8 +347,11 @@ class Collector:
         # rotate the id of a revoked spool) for every packer while this one is mid-commit.
         self._recorded_spool = spool = self.spool_id
         self._record_json, owned, held = self.records.put_owned(
-            self.packing_key, PackingRecord(plan.shard_id, plan.sample_ids, spool), self.claimer.ledger_id,
-            samples=not (viewed and self._viewed_spool == spool))
+            self.packing_key,
+            PackingRecord(plan.shard_id, plan.sample_ids, spool),
+            self.claimer.ledger_id,
+            samples=not (viewed and self._viewed_spool == spool),
+        )
         self._refused = "" if owned else f"spool {spool} does not own all of its samples (reclaimed, or lost keys)"
         if held != self.claimer.ledger_id:  # a Redis lost it and another process took a new one
             self._refused, self.claimer.ledger_id = f"the ledger's id is {held} now, not {self.claimer.ledger_id}", held
@@ -327,8 +361,20 @@ class Collector:
         """The shard's bytes streamed out of the spool files into storage, not yet visible, each
         sample's crc32s the ones its worker recorded; else `Damaged` (collector.integrity)."""
         tmp = None if self.stage is None else self._temp_path(plan.shard_id)
-        return checked(plan, lambda: pack_shard(self.out, plan, tmp, scratch_file(self.spool_dir, self.node, plan.shard_id),
-                                                self.spool_dir, self.part_bytes, self.retries, self.retry_delay, self._crash))
+        return checked(
+            plan,
+            lambda: pack_shard(
+                self.out,
+                plan,
+                tmp,
+                scratch_file(self.spool_dir, self.node, plan.shard_id),
+                self.spool_dir,
+                self.part_bytes,
+                self.retries,
+                self.retry_delay,
+                self._crash,
+            ),
+        )
 
     def publish(self, plan: ShardPlan, packed: Packed) -> None:
         """The shard made visible whole, then the commit fence, then the index. Raises Voided when
@@ -338,8 +384,10 @@ class Collector:
             packed.upload.complete(f"completing the upload of {self.out.path(name)}")
         else:
             try:
-                self._retry(lambda: self.out.put_file(packed.tmp, name, progress=lambda _: self._crash("uploading")),
-                            f"renaming {packed.tmp} to {self.out.path(name)}")
+                self._retry(
+                    lambda: self.out.put_file(packed.tmp, name, progress=lambda _: self._crash("uploading")),
+                    f"renaming {packed.tmp} to {self.out.path(name)}",
+                )
             finally:
                 unlink_quiet(packed.tmp)
         self._crash("uploaded")
@@ -350,13 +398,17 @@ class Collector:
             raise Voided(f"shard {plan.shard_id} took over {STALE_S / 2:.0f} s from its claims to its commit")
         index = plan.index(packed.sums)
         if gen := [e.generation for e in plan.entries if e.generation is not None]:  # a --regenerate run's turns
-            index["generated"] = self._retry(lambda: store_generated(self.out, plan.shard_id, gen), "writing the "
-                                             f"generated file {self.out.path(generated_file(plan.shard_id))}")
+            index["generated"] = self._retry(
+                lambda: store_generated(self.out, plan.shard_id, gen),
+                f"writing the generated file {self.out.path(generated_file(plan.shard_id))}",
+            )
         rec = PackingRecord(plan.shard_id, plan.sample_ids, spool, index=index)
         if not self.ledger.fence_commit(spool, plan.sample_ids, self.packing_key, rec.to_json(), self._record_json):
-            raise Voided(f"the commit fence refused shard {plan.shard_id}: spool {spool} no longer owns all of its "
-                         "samples (reclaimed while this node was silent?), or its packing record is gone (a Redis "
-                         "that forgot it)")
+            raise Voided(
+                f"the commit fence refused shard {plan.shard_id}: spool {spool} no longer owns all of its "
+                "samples (reclaimed while this node was silent?), or its packing record is gone (a Redis "
+                "that forgot it)"
+            )
         self._crash("fenced")
         write_decided_index(self.out, rec, self._retry)
         self._crash("indexed")
@@ -376,22 +428,37 @@ class Collector:
     def finish(self, plan: ShardPlan) -> int:
         """After the index: ledger and record, the stats counted, then the spool files (`_finish_samples`)."""
         sample_ids = plan.sample_ids
-        self._finish_samples(sample_ids, [e.path for e in plan.entries], tokens=[e.num_tokens for e in plan.entries],
-                             stats={"bytes_done": plan.nbytes, "shards": 1})
+        self._finish_samples(
+            sample_ids,
+            [e.path for e in plan.entries],
+            tokens=[e.num_tokens for e in plan.entries],
+            stats={"bytes_done": plan.nbytes, "shards": 1},
+        )
         self.shards_committed += 1
-        log.info("committed shard %s: %d samples, %d tokens, %.1f MB to %s", plan.shard_id, len(sample_ids),
-                 sum(e.num_tokens for e in plan.entries), plan.nbytes / 1e6, self.out.url())
+        log.info(
+            "committed shard %s: %d samples, %d tokens, %.1f MB to %s",
+            plan.shard_id,
+            len(sample_ids),
+            sum(e.num_tokens for e in plan.entries),
+            plan.nbytes / 1e6,
+            self.out.url(),
+        )
         return len(sample_ids)
 
-    def _finish_samples(self, sample_ids: list[str], paths: list[str], tokens: list[int] | None = None,
-                        stats: dict[str, int] | None = None) -> list[bool]:
+    def _finish_samples(
+        self,
+        sample_ids: list[str],
+        paths: list[str],
+        tokens: list[int] | None = None,
+        stats: dict[str, int] | None = None,
+    ) -> list[bool]:
         """After the index exists: ledger done and the record cleared, in one call, then the spool
         files gone (a restart's step removes those of done samples). Returns, per sample, whether
         this call moved it to done. The moved samples, their `tokens` and `stats` go to the tally
         (harvest.state.tally: written at the node's beat, not with the move), before any spool
         file goes, so a beat that finds the spool empty writes every commit's."""
         changed = set(self.ledger.mark_done(sample_ids, clear=self.records.ended(self.packing_key), counted=False))
-        done_tokens = sum(t for s, t in zip(sample_ids, tokens or []) if s in changed)
+        done_tokens = sum(t for s, t in zip(sample_ids, tokens or [], strict=False) if s in changed)
         self.tally.add({"samples_done": len(changed), "tokens_done": done_tokens, **(stats or {})})
         self._crash("marked")
         for p in paths:

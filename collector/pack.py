@@ -2,7 +2,7 @@
 
 To a local output the shard is built as a temporary file in its final folder (committing is then
 a rename): on the spool's filesystem the kernel copies, or clones, the spool files' ranges
-(harvest.formats.shard.copy_shard); on another one (a mounted output) the bytes are streamed
+(harvest.formats.shard_write.copy_shard); on another one (a mounted output) the bytes are streamed
 (write_shard). To object storage they are streamed into a multipart upload (harvest.multipart)
 with no temporary shard on the node's disk. Both hand back the shard's checksums.
 
@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from harvest.atomic import unlink_quiet
-from harvest.formats.shard import SHARDS, ShardPlan, ShardSums, copy_shard, encode_shard, shard_file, write_shard
+from harvest.formats.shard import SHARDS, ShardPlan, ShardSums, encode_shard, shard_file
+from harvest.formats.shard_write import copy_shard, write_shard
 from harvest.multipart import MultipartWriter, Upload
 from harvest.storage import TEMP_PREFIX, Location, StorageError
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from harvest import __version__
-from harvest.cli import accept, audit, launch, nodecmd, operate, pipeline, trainers
+from harvest.cli import accept, audit, exports, launch, nodecmd, observe, operate, pipeline, services, trainers
 from harvest.cli.errors import HarvestGroup
 from harvest.cli.options import setup_logging
 
@@ -23,6 +23,6 @@ def main(verbose: bool) -> None:
     setup_logging(verbose)
 
 
-for _cmd in (*pipeline.COMMANDS, *nodecmd.COMMANDS, *operate.COMMANDS, *launch.COMMANDS, *trainers.COMMANDS, *audit.COMMANDS,
-             *accept.COMMANDS):
+for _cmd in (*pipeline.COMMANDS, *services.COMMANDS, *nodecmd.COMMANDS, *operate.COMMANDS, *observe.COMMANDS,
+             *exports.COMMANDS, *launch.COMMANDS, *trainers.COMMANDS, *audit.COMMANDS, *accept.COMMANDS):
     main.add_command(_cmd)

@@ -11,8 +11,8 @@ import click
 
 from harvest.cli.checks import check_output
 from harvest.cli.errors import connect
-from harvest.cli.operate import _reach, work_dir_option
 from harvest.cli.options import apply_s3_env, redis_option, run_option, s3_options
+from harvest.cli.reach import reach, work_dir_option
 
 
 @click.command("accept-model")
@@ -33,7 +33,7 @@ def accept_model_cmd(run, model_dir, redis_url, out_url, s3_endpoint, s3_region,
 
     apply_s3_env(s3_endpoint, s3_region)
     check_output(out_url)
-    with _reach(redis_url, work_dir) as url:
+    with reach(redis_url, work_dir) as url:
         old, new = accept_model(connect(url), run, model_dir, out_url)
     if new is old:
         click.echo(f"run {run} already records {model_dir}'s fingerprint {short(new.model_fingerprint)}: nothing to do")

@@ -35,6 +35,8 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol, TypeVar
 
 from harvest.formats.index import committed_samples, index_file, parse_index
 from harvest.ids import check_id
@@ -44,7 +46,13 @@ CLAIMS = "claims"
 STALE_S = 3600.0  # a claim of another ledger with no index this old (store clock) is abandoned
 PARALLEL = 16  # claims in flight at once (small requests: latency, not bandwidth, bounds them)
 
-Retry = Callable[[Callable[[], object], str], object]
+T = TypeVar("T")
+
+
+class Retry(Protocol):
+    """harvest.storage.retry's shape: `fn()` retried on transient failures, `what` naming it."""
+
+    def __call__(self, fn: Callable[[], T], what: str, /) -> T: ...
 
 
 def claim_file(sample_id: str) -> str:
@@ -105,7 +113,7 @@ class Claimer:
             created = list(pool.map(lambda s: self._create(s, mine), sample_ids))
         out = ClaimOutcome()
         now: list[float | None] = []  # the store's clock, read once if a foreign claim needs an age
-        for sid, ok in zip(sample_ids, created):
+        for sid, ok in zip(sample_ids, created, strict=True):
             if ok:
                 out.mine.append(sid)
             else:
@@ -116,8 +124,16 @@ class Claimer:
         """Delete the claims naming `shard_id` (a shard given up before its index); returns how many."""
         mine = Claim(shard_id, self.ledger_id).to_bytes()
         with ThreadPoolExecutor(min(PARALLEL, max(1, len(sample_ids))), thread_name_prefix="claims") as pool:
-            return sum(pool.map(lambda s: bool(self.retry(lambda: self.out.delete_if(claim_file(s), mine),
-                                                          f"releasing {self.out.path(claim_file(s))}")), sample_ids))
+            return sum(
+                pool.map(
+                    lambda s: bool(
+                        self.retry(
+                            lambda: self.out.delete_if(claim_file(s), mine), f"releasing {self.out.path(claim_file(s))}"
+                        )
+                    ),
+                    sample_ids,
+                )
+            )
 
     def _create(self, sid: str, body: bytes) -> bool:
         name = claim_file(sid)
@@ -136,18 +152,21 @@ class Claimer:
             if held is not None and held.shard == shard_id and held.ledger == self.ledger_id:
                 out.mine.append(sid)  # ours, from an earlier attempt at this very shard
                 return
-            doc = None if held is None else self.retry(lambda: _read_or_none(self.out, index_file(held.shard)),
-                                                       f"reading {self.out.path(index_file(held.shard))}")
-            if doc is not None and sid in committed_samples(parse_index(json.loads(doc), index_file(held.shard))):
-                out.committed[sid] = held.shard
-                return
+            doc = None
+            if held is not None:
+                index = index_file(held.shard)
+                doc = self.retry(partial(_read_or_none, self.out, index), f"reading {self.out.path(index)}")
+                if doc is not None and sid in committed_samples(parse_index(json.loads(doc), index)):
+                    out.committed[sid] = held.shard
+                    return
             # an index that excludes the sample (a corrupt copy dropped for re-extraction, a duplicate)
             # no longer commits it: its claim is abandoned
             if held is not None and doc is None and not self._abandoned(held, name, now):
                 out.busy[sid] = held.shard
                 return
-            if self.retry(lambda: self.out.delete_if(name, raw), f"taking over {self.out.path(name)}") \
-                    and self._create(sid, mine):
+            if self.retry(
+                partial(self.out.delete_if, name, raw), f"taking over {self.out.path(name)}"
+            ) and self._create(sid, mine):
                 out.mine.append(sid)
                 out.taken_over[sid] = held.shard if held else "?"
                 return

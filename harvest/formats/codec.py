@@ -42,8 +42,10 @@ def encode_piece(raw: memoryview | bytes | bytearray, itemsize: int) -> bytes:
     """One chunk of at most PIECE_BYTES raw bytes (values `itemsize` bytes wide), coded."""
     import blosc2
 
-    return blosc2.compress2(raw, typesize=itemsize, clevel=1, codec=blosc2.Codec.ZSTD,
-                            filters=[blosc2.Filter.SHUFFLE], filters_meta=[0])
+    coded: bytes = blosc2.compress2(
+        raw, typesize=itemsize, clevel=1, codec=blosc2.Codec.ZSTD, filters=[blosc2.Filter.SHUFFLE], filters_meta=[0]
+    )
+    return coded
 
 
 def encode_file(src: BinaryIO, length: int, itemsize: int, out: BinaryIO) -> tuple[int, int]:
@@ -57,7 +59,7 @@ def encode_file(src: BinaryIO, length: int, itemsize: int, out: BinaryIO) -> tup
         n = min(left, piece)
         got = 0
         while got < n:
-            k = src.readinto(buf[got:n])
+            k = src.readinto(buf[got:n])  # type: ignore[attr-defined]  # BinaryIO lacks readinto; files have it
             if not k:
                 raise EOFError(f"ends {left - got} bytes short")
             got += k
@@ -84,9 +86,11 @@ def decode(coded: memoryview | bytes | bytearray, raw_bytes: int) -> bytearray:
                 raise CodecError(f"{len(view) - pos} stray bytes after its chunks")
             nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(view[pos : pos + _HEADER])
             if cbytes < _HEADER or pos + cbytes > len(view) or at + nbytes > raw_bytes:
-                raise CodecError(f"a chunk header at coded byte {pos} gives sizes ({nbytes} raw, {cbytes} coded) "
-                                 f"that do not fit {len(view)} coded and {raw_bytes} raw bytes")
-            if nbytes:
+                raise CodecError(
+                    f"a chunk header at coded byte {pos} gives sizes ({nbytes} raw, {cbytes} coded) "
+                    f"that do not fit {len(view)} coded and {raw_bytes} raw bytes"
+                )
+            if nbytes and dst is not None:
                 blosc2.decompress2(view[pos : pos + cbytes], dst=dst[at : at + nbytes])
             pos, at = pos + cbytes, at + nbytes
     except CodecError:

@@ -87,8 +87,9 @@ def parse_sums(meta: Mapping[str, str], names: Iterable[str]) -> dict[str, int]:
         sums = json.loads(raw)
         out = {n: int(sums[n]) for n in names}
     except (ValueError, TypeError, KeyError) as e:
-        raise ValueError(f"its {FIELD} metadata {raw[:200]!r} is not a crc32 of each tensor "
-                         f"({type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"its {FIELD} metadata {raw[:200]!r} is not a crc32 of each tensor ({type(e).__name__}: {e})"
+        ) from None
     if any(not 0 <= v < 1 << 32 for v in out.values()):
         raise ValueError(f"its {FIELD} metadata {raw[:200]!r} holds a value that is not a crc32")
     return out
@@ -101,6 +102,8 @@ def check_sums(meta: Mapping[str, str], tensors: Mapping[str, torch.Tensor], wri
     sums = parse_sums(meta, tensors)
     for name, t in tensors.items():
         if (found := tensor_crc32(t)) != sums[name]:
-            raise ValueError(f"{name} has crc32 {found}, {writer} recorded {sums[name]}: the file changed after "
-                             f"{writer} wrote it (a disk or memory fault on this node?)")
+            raise ValueError(
+                f"{name} has crc32 {found}, {writer} recorded {sums[name]}: the file changed after "
+                f"{writer} wrote it (a disk or memory fault on this node?)"
+            )
     return sums

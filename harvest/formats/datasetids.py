@@ -65,7 +65,8 @@ class SampleIds:
             return np.zeros(len(ids), dtype=bool)
         packed, ok = _packed(ids)
         at = np.minimum(np.searchsorted(self._sorted, packed), len(self._sorted) - 1)
-        return ok & (self._sorted[at] == packed)
+        found: np.ndarray = ok & (self._sorted[at] == packed)
+        return found
 
     def to_bytes(self) -> bytes:
         return b"" if self._sorted is None else self._sorted.tobytes()

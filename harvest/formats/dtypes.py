@@ -25,7 +25,8 @@ READ_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 def storage_torch_dtype(name: str) -> torch.dtype:
     import torch
 
-    return getattr(torch, STORAGE_DTYPES[name])
+    dtype: torch.dtype = getattr(torch, STORAGE_DTYPES[name])
+    return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -151,7 +151,9 @@ def read_chunk(path: str) -> ChunkFile:
         raise DumpError(f"{path}: file name says {parsed}, metadata says {(rid, start, end)}")
     n = end - start
     if hs.ndim != 3 or hs.shape[0] != n or ids.shape != (n,):
-        raise DumpError(f"{path}: shapes hidden_states {tuple(hs.shape)} input_ids {tuple(ids.shape)} for {n} positions")
+        raise DumpError(
+            f"{path}: shapes hidden_states {tuple(hs.shape)} input_ids {tuple(ids.shape)} for {n} positions"
+        )
     if hs.shape[1] != len(cps):
         raise DumpError(f"{path}: {hs.shape[1]} capture slots for capture points {cps}")
     if span.end - span.begin != hs.numel() * hs.element_size():
@@ -160,5 +162,6 @@ def read_chunk(path: str) -> ChunkFile:
         sums = check_sums(meta, {"hidden_states": hs, "input_ids": ids}, "the engine")
     except ValueError as e:
         raise DumpError(f"{path}: {e}") from None
-    return ChunkFile(rid, start, end, cps, meta.get("model", ""), ids, hs, path, (span.begin, span.end),
-                     sums["hidden_states"])
+    return ChunkFile(
+        rid, start, end, cps, meta.get("model", ""), ids, hs, path, (span.begin, span.end), sums["hidden_states"]
+    )

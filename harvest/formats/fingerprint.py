@@ -30,13 +30,23 @@ import json
 import os
 import struct
 import zipfile
+from typing import Any
 
 from harvest.errors import InputError
 
 CONFIG_FILES = ("config.json", "generation_config.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
-                   "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 INDEX_SUFFIX = ".index.json"  # model.safetensors.index.json, pytorch_model.bin.index.json
 MAX_HEADER = 100 << 20  # safetensors' own limit on a header
@@ -94,11 +104,12 @@ def _torch_bin(path: str) -> str:
 
 
 def _hashed(name: str) -> bool:
-    return name in CONFIG_FILES or name in TOKENIZER_FILES or name.endswith(INDEX_SUFFIX) \
-        or name.endswith(WEIGHT_SUFFIXES)
+    return (
+        name in CONFIG_FILES or name in TOKENIZER_FILES or name.endswith(INDEX_SUFFIX) or name.endswith(WEIGHT_SUFFIXES)
+    )
 
 
-def model_fingerprint(model_dir: str) -> dict | None:
+def model_fingerprint(model_dir: str) -> dict[str, Any] | None:
     """`{"digest": hex, "files": {name: hex}}` of the checkpoint in the local folder `model_dir`
     (followed through symlinks); None when `model_dir` is no local folder (a hub id), or holds
     none of the files above. Reads the config and tokenizer files and the weights' headers only."""
@@ -120,35 +131,49 @@ def model_fingerprint(model_dir: str) -> dict | None:
     return {"digest": _sha(json.dumps(files, sort_keys=True).encode()), "files": files}
 
 
-def short(fp: dict | None) -> str:
+def short(fp: dict[str, Any] | None) -> str:
     """The digest as messages show it (`none` for a run that records no fingerprint)."""
     return fp["digest"][:SHORT] if fp else "none"
 
 
-def same_model(a: dict | None, b: dict | None) -> bool:
+def same_model(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     """Two fingerprints name the same checkpoint (both recorded and equal)."""
     return bool(a and b and a.get("digest") == b.get("digest"))
 
 
-def differing(a: dict | None, b: dict | None) -> list[str]:
+def differing(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[str]:
     """The files whose hashes differ between `a` and `b` (missing on one side included), sorted."""
     fa, fb = (a or {}).get("files", {}), (b or {}).get("files", {})
     return sorted(n for n in set(fa) | set(fb) if fa.get(n) != fb.get(n))
 
 
-def mismatch_line(run: str, recorded: dict | None, recorded_path: str, found: dict | None, found_path: str,
-                  where: str, who: str = "") -> str:
+def mismatch_line(
+    run: str,
+    recorded: dict[str, Any] | None,
+    recorded_path: str,
+    found: dict[str, Any] | None,
+    found_path: str,
+    where: str,
+    who: str = "",
+) -> str:
     """One line naming both checkpoints: the run's (recorded in `where`) and the one found at
     `found_path` (by `who`, e.g. an engine, when not by the command itself), and what differs."""
     if recorded is None:
-        return (f"run {run!r} records no model fingerprint in {where} (an older harvest): it cannot tell whether "
-                f"{found_path} (fingerprint {short(found)}) is its model; `harvest accept-model --run {run} --model "
-                f"{found_path}` records it, if it is")
+        return (
+            f"run {run!r} records no model fingerprint in {where} (an older harvest): it cannot tell whether "
+            f"{found_path} (fingerprint {short(found)}) is its model; `harvest accept-model --run {run} --model "
+            f"{found_path}` records it, if it is"
+        )
     diff = differing(recorded, found)
-    what = f"; differs in {', '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}" if found and found.get("files") \
-        and diff else ""
+    what = (
+        f"; differs in {', '.join(diff[:4])}{' ...' if len(diff) > 4 else ''}"
+        if found and found.get("files") and diff
+        else ""
+    )
     seen = f"{who} {found_path}, fingerprint" if who else f"{found_path} has fingerprint"
-    return (f"run {run!r} was extracted from the model with fingerprint {short(recorded)} (at {recorded_path}, "
-            f"recorded in {where}), but {seen} {short(found)}{what}: another checkpoint, or the same path with other "
-            f"weights; use another --run, or `harvest accept-model --run {run} --model {found_path}` if it is the same "
-            "model saved again")
+    return (
+        f"run {run!r} was extracted from the model with fingerprint {short(recorded)} (at {recorded_path}, "
+        f"recorded in {where}), but {seen} {short(found)}{what}: another checkpoint, or the same path with other "
+        f"weights; use another --run, or `harvest accept-model --run {run} --model {found_path}` if it is the same "
+        "model saved again"
+    )

@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import posixpath
+from typing import Any
 
 from harvest.formats.index import ShardError
 from harvest.ids import check_id
@@ -33,12 +34,18 @@ def generated_file(shard_id: str) -> str:
     return posixpath.join(GENERATED, f"{check_id(shard_id, 'shard id')}.parquet")
 
 
-def _schema():
+def _schema() -> Any:
     import pyarrow as pa
 
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
-    turn = pa.struct([("tokens", pa.list_(pa.int32())), ("finish_reason", pa.string()), ("seed", pa.int64()),
-                      ("prompt_tokens", pa.int32())])
+    turn = pa.struct(
+        [
+            ("tokens", pa.list_(pa.int32())),
+            ("finish_reason", pa.string()),
+            ("seed", pa.int64()),
+            ("prompt_tokens", pa.int32()),
+        ]
+    )
     return pa.schema([("id", pa.string()), ("messages", pa.list_(message)), ("turns", pa.list_(turn))])
 
 
@@ -47,22 +54,26 @@ def _text(v: object) -> str | None:
     return v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
 
-def encode_generated(records: list[dict]) -> bytes:
+def encode_generated(records: list[dict[str, Any]]) -> bytes:
     """`records` (workers.regenerate's entries, in storage order) as one Parquet file's bytes."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"id": r["id"],
-             "messages": [{"role": m["role"], "content": _text(m.get("content"))} for m in r["messages"]],
-             "turns": [{k: t[k] for k in ("tokens", "finish_reason", "seed", "prompt_tokens")} for t in r["turns"]]}
-            for r in records]
+    rows = [
+        {
+            "id": r["id"],
+            "messages": [{"role": m["role"], "content": _text(m.get("content"))} for m in r["messages"]],
+            "turns": [{k: t[k] for k in ("tokens", "finish_reason", "seed", "prompt_tokens")} for t in r["turns"]],
+        }
+        for r in records
+    ]
     table = pa.Table.from_pylist(rows, schema=_schema())
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     return buf.getvalue()
 
 
-def decode_generated(data: bytes, name: str, sha256: str | None = None) -> list[dict]:
+def decode_generated(data: bytes, name: str, sha256: str | None = None) -> list[dict[str, Any]]:
     """The rows of generated file `name` (its bytes `data`), checked against the index's sha256."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -71,20 +82,20 @@ def decode_generated(data: bytes, name: str, sha256: str | None = None) -> list[
         raise ShardError(f"generated file {name}: its sha256 is not the one its index recorded (corrupt or replaced)")
     try:
         # One file read on this thread: `pq.read_table` goes through Arrow's dataset scanner, whose
-        # pool threads could still be alive as the interpreter exits, and Arrow then aborted the
-        # process after its work was done ("terminate called without an active exception", exit
-        # 134: `harvest generated` in 6 of 90 runs, apache/arrow#34314).
-        return pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False).to_pylist()
+        # pool threads can still be alive as the interpreter exits, and Arrow then aborts the
+        # process (apache/arrow#34314).
+        rows: list[dict[str, Any]] = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False).to_pylist()
+        return rows
     except Exception as e:  # noqa: BLE001 - pyarrow's many error types for a file that is not Parquet
         raise ShardError(f"generated file {name}: not a readable Parquet file ({type(e).__name__}: {e})") from None
 
 
-def entry(name: str, data: bytes, rows: int) -> dict:
+def entry(name: str, data: bytes, rows: int) -> dict[str, Any]:
     """The index's `generated` field for the file `name` holding `data`."""
     return {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "rows": rows}
 
 
-def store_generated(loc: Location, shard_id: str, records: list[str]) -> dict:
+def store_generated(loc: Location, shard_id: str, records: list[str]) -> dict[str, Any]:
     """Shard `shard_id`'s generated file written whole into the run folder `loc` from its samples'
     entries (JSON, as the spool files carry them, in storage order); returns its index entry. The
     same entries give the same bytes, so a retried commit rewrites the same file.

@@ -19,9 +19,10 @@ import json
 import posixpath
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import NotRequired, TypedDict
+from itertools import pairwise
+from typing import Any, NotRequired, TypedDict
 
-from harvest.config import FINAL_POST_NORM, FINAL_STATES
+from harvest.config import FINAL_STATES
 from harvest.errors import InputError
 from harvest.formats.codec import CODECS
 from harvest.ids import check_id
@@ -50,9 +51,8 @@ class ShardIndex(TypedDict):
     sha256: str
     dtype: str  # harvest.formats.dtypes.dtype_name of the storage dtype
     capture_points: list[int]
-    # What the final capture point holds (harvest.config.FINAL_POST_NORM); indexes written before it
-    # was recorded hold the same, and parse_index fills it in for them.
-    final_state: NotRequired[str]
+    # What the final capture point holds (harvest.config.FINAL_POST_NORM).
+    final_state: str
     # Per sample (storage order), one zlib.crc32 per tensor named in `crc32_tensors` (every tensor but
     # `offsets`, in the shard's order), over exactly that sample's rows as stored. Indexes written
     # before them lack both, and are read unchecked.
@@ -68,11 +68,21 @@ class ShardIndex(TypedDict):
     excluded: NotRequired[dict[str, str]]
     # A --regenerate run's shard: the file of its samples' generated conversations, committed with it
     # (harvest.formats.generated): {"file": name under the run's folder, "sha256": ..., "rows": n}.
-    generated: NotRequired[dict]
+    generated: NotRequired[dict[str, Any]]
 
 
-_FIELDS: dict[str, type] = {"format": str, "shard_id": str, "shard": str, "samples": list, "tokens": list,
-                            "offsets": list, "bytes": int, "sha256": str, "dtype": str, "capture_points": list}
+_FIELDS: dict[str, type] = {
+    "format": str,
+    "shard_id": str,
+    "shard": str,
+    "samples": list,
+    "tokens": list,
+    "offsets": list,
+    "bytes": int,
+    "sha256": str,
+    "dtype": str,
+    "capture_points": list,
+}
 
 
 def index_file(shard_id: str) -> str:
@@ -88,9 +98,11 @@ def read_index(loc: Location, name: str) -> ShardIndex:
         doc = loc.read_json(path)
     except UnreadableDocument as e:
         run = posixpath.basename(loc.root)
-        raise ShardError(f"index file {e}; move it out of {loc.describe(INDEX)} (its shard is then uncommitted) and "
-                         f"run `harvest reconcile --run {run}` (with the run's --redis or --work-dir) to extract its "
-                         "samples again") from None
+        raise ShardError(
+            f"index file {e}; move it out of {loc.describe(INDEX)} (its shard is then uncommitted) and "
+            f"run `harvest reconcile --run {run}` (with the run's --redis or --work-dir) to extract its "
+            "samples again"
+        ) from None
     return parse_index(doc, loc.describe(path))
 
 
@@ -104,23 +116,32 @@ def parse_index(doc: object, where: str) -> ShardIndex:
     for name, kind in _FIELDS.items():
         if not isinstance(doc.get(name), kind):
             raise ShardError(f"{where}: index field {name!r} missing or not a {kind.__name__}")
-    doc.setdefault("final_state", FINAL_POST_NORM)
-    if doc["final_state"] not in FINAL_STATES:
-        raise ShardError(f"{where}: final state {doc['final_state']!r}, this harvest reads {', '.join(FINAL_STATES)}")
+    if doc.get("final_state") not in FINAL_STATES:
+        raise ShardError(
+            f"{where}: final state {doc.get('final_state')!r}, this harvest reads {', '.join(FINAL_STATES)}"
+        )
     check_id(doc["shard_id"], "shard id")
     n = len(doc["samples"])
     if len(doc["tokens"]) != n or len(doc["offsets"]) != n + 1:
-        raise ShardError(f"{where}: {n} samples but {len(doc['tokens'])} token counts and {len(doc['offsets'])} offsets")
+        raise ShardError(
+            f"{where}: {n} samples but {len(doc['tokens'])} token counts and {len(doc['offsets'])} offsets"
+        )
     if len(set(doc["samples"])) != n:
         raise ShardError(f"{where}: a sample is listed twice")
     _check_crc32(doc, n, where)
     _check_coded(doc, n, where)
     excluded = doc.get("excluded", {})
-    if not isinstance(excluded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in excluded.items()):
+    if not isinstance(excluded, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in excluded.items()
+    ):
         raise ShardError(f"{where}: index field 'excluded' is not an object of sample id to reason")
     gen = doc.get("generated")
-    if gen is not None and not (isinstance(gen, dict) and isinstance(gen.get("file"), str)
-                                and isinstance(gen.get("sha256"), str) and isinstance(gen.get("rows"), int)):
+    if gen is not None and not (
+        isinstance(gen, dict)
+        and isinstance(gen.get("file"), str)
+        and isinstance(gen.get("sha256"), str)
+        and isinstance(gen.get("rows"), int)
+    ):
         raise ShardError(f"{where}: index field 'generated' is not an object of file, sha256 and rows")
     stray = sorted(set(excluded) - set(doc["samples"]))
     if stray:
@@ -128,28 +149,38 @@ def parse_index(doc: object, where: str) -> ShardIndex:
     return doc  # type: ignore[return-value]
 
 
-def _check_crc32(doc: dict, n: int, where: str) -> None:
+def _check_crc32(doc: dict[str, Any], n: int, where: str) -> None:
     if ("crc32" in doc) != ("crc32_tensors" in doc):
-        raise ShardError(f"{where}: index has {'crc32' if 'crc32' in doc else 'crc32_tensors'} without "
-                         f"{'crc32_tensors' if 'crc32' in doc else 'crc32'}")
+        raise ShardError(
+            f"{where}: index has {'crc32' if 'crc32' in doc else 'crc32_tensors'} without "
+            f"{'crc32_tensors' if 'crc32' in doc else 'crc32'}"
+        )
     if "crc32" not in doc:
         return
     names, sums = doc["crc32_tensors"], doc["crc32"]
-    if not isinstance(names, list) or not names or not all(isinstance(x, str) for x in names) \
-            or len(set(names)) != len(names):
+    if (
+        not isinstance(names, list)
+        or not names
+        or not all(isinstance(x, str) for x in names)
+        or len(set(names)) != len(names)
+    ):
         raise ShardError(f"{where}: index field 'crc32_tensors' is not a list of distinct tensor names")
     if not isinstance(sums, list):
         raise ShardError(f"{where}: index field 'crc32' is not a list")
     if len(sums) != n:
         raise ShardError(f"{where}: {n} samples but {len(sums)} crc32 entries")
     for i, row in enumerate(sums):
-        if not isinstance(row, list) or len(row) != len(names) or not all(
-                type(c) is int and 0 <= c < 1 << 32 for c in row):
-            raise ShardError(f"{where}: crc32 of sample {i} is not {len(names)} unsigned 32-bit ints "
-                             f"(one per tensor of {names})")
+        if (
+            not isinstance(row, list)
+            or len(row) != len(names)
+            or not all(type(c) is int and 0 <= c < 1 << 32 for c in row)
+        ):
+            raise ShardError(
+                f"{where}: crc32 of sample {i} is not {len(names)} unsigned 32-bit ints (one per tensor of {names})"
+            )
 
 
-def _check_coded(doc: dict, n: int, where: str) -> None:
+def _check_coded(doc: dict[str, Any], n: int, where: str) -> None:
     coded = doc["format"] == CODED_FORMAT
     if not coded:
         if "codec" in doc or "coded_offsets" in doc:
@@ -158,14 +189,19 @@ def _check_coded(doc: dict, n: int, where: str) -> None:
     if doc.get("codec") not in CODECS[1:]:
         raise ShardError(f"{where}: codec {doc.get('codec')!r}, this harvest decodes {', '.join(CODECS[1:])}")
     at = doc.get("coded_offsets")
-    if not (isinstance(at, list) and len(at) == n + 1 and all(type(x) is int for x in at) and at[0] == 0
-            and all(a <= b for a, b in zip(at, at[1:]))):
+    if not (
+        isinstance(at, list)
+        and len(at) == n + 1
+        and all(type(x) is int for x in at)
+        and at[0] == 0
+        and all(a <= b for a, b in pairwise(at))
+    ):
         raise ShardError(f"{where}: index field 'coded_offsets' is not {n + 1} ascending byte offsets from 0")
     if "crc32" not in doc:
         raise ShardError(f"{where}: a coded shard's index lacks its crc32s")
 
 
-def encode_index(doc: Mapping) -> bytes:
+def encode_index(doc: Mapping[str, Any]) -> bytes:
     """The bytes of an index file: the one encoding, so every writer of the same document (a
     collector finishing a decided commit, a repair rewriting it) writes the same file."""
     return json.dumps(doc, indent=1).encode()
@@ -185,7 +221,7 @@ def with_excluded(doc: ShardIndex, reasons: Mapping[str, str]) -> ShardIndex:
         if sid not in doc["samples"]:
             raise ShardError(f"shard {doc['shard_id']} does not hold sample {sid}: it cannot exclude it")
         excluded.setdefault(sid, why)
-    return {**doc, "excluded": excluded}  # type: ignore[typeddict-item]
+    return {**doc, "excluded": excluded}
 
 
 @dataclass(frozen=True)

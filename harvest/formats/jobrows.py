@@ -1,12 +1,8 @@
 """`<out>/<run>/jobs/<digest>.jsonl`: the producer's tokenized samples, kept in storage, not in Redis.
 
-Why. A job's tokens used to travel inside its RQ job: into Redis from the producer, into its AOF,
-out to the worker, and again for every copy a spooled sample kept (harvest.state.jobcopy). Redis
-runs on one thread: at 16 simulated nodes that was 3.9 KB a 1k-token sample and 28 KB an
-8k-token one from clients, and most of an 8k sample's Redis CPU (bench/fleet.py). A 1000-GPU
-fleet at 50k samples/s would push 0.2-1.4 GB/s of tokens through one Redis and its AOF. Here the
-producer writes the rows of the samples it is about to enqueue once, as one object, and a job in
-Redis names its rows by byte span: a few hundred bytes a job instead of ~100 KB.
+Why: Redis runs on one thread, and token bulk carried in RQ jobs (and their AOF) would take most
+of its CPU for long samples. So the producer writes the rows of the samples it is about to
+enqueue once, as one object, and a job in Redis names its rows by byte span.
 
 The object: one payload row (harvest.state.payload) a line, as JSON. Its name is the first 32 hex
 digits of the SHA-256 of its bytes, so a write is idempotent: a producer that retries, or a rerun
@@ -30,6 +26,7 @@ import posixpath
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from harvest.errors import InputError, StorageError
 from harvest.storage import Location, retry
@@ -50,12 +47,16 @@ class RowsObject:
     data: bytes
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
-    def ref(self, ids: Iterable[str]) -> dict:
+    def ref(self, ids: Iterable[str]) -> dict[str, Any]:
         """The reference a job of `ids` (all rows of this object, in the job's order) carries."""
         spans = [self.spans[i] for i in ids]
         lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
-        return {"url": self.url, "at": [lo, hi], "spans": [[s - lo, e - lo] for s, e in spans],
-                "sha256": hashlib.sha256(self.data[lo:hi]).hexdigest()}
+        return {
+            "url": self.url,
+            "at": [lo, hi],
+            "spans": [[s - lo, e - lo] for s, e in spans],
+            "sha256": hashlib.sha256(self.data[lo:hi]).hexdigest(),
+        }
 
 
 def write(run_loc: Location, rows: Iterable[tuple[str, str]]) -> RowsObject:
@@ -72,7 +73,7 @@ def write(run_loc: Location, rows: Iterable[tuple[str, str]]) -> RowsObject:
     return RowsObject(run_loc.describe(name), data, spans)
 
 
-def read(ref: object) -> list[dict]:
+def read(ref: Any) -> list[dict[str, Any]]:
     """The rows a job's reference names, in its order (JobRowsError: gone or changed; StorageError:
     the store failed for good after retries)."""
     try:

@@ -6,14 +6,13 @@ by `harvest accept-model` (a checkpoint saved again): a later start with an iden
 leaves it as it is, and one that differs in anything that changes what is stored is refused by
 name. The model is named by its fingerprint (harvest.formats.fingerprint) where the run records
 one, so a symlink or a copy of it is the same run, and other weights under the same path are
-not; a run.json without one (an older harvest) is refused with a line that says how to record
-it. Readers (harvest.read) parse it through
-`read_run_json`, with no Redis anywhere in the path.
+not; a run.json without one is refused with a line that says how to record it. Readers
+(harvest.read) parse it through `read_run_json`, with no Redis anywhere in the path.
 """
 
 from __future__ import annotations
 
-from harvest.config import ConfigError, RunConfig, absolute_location, absolute_model
+from harvest.config import ConfigError, RunConfig
 from harvest.formats.fingerprint import mismatch_line, same_model
 from harvest.storage import Location
 
@@ -23,20 +22,6 @@ RUN_FILE = "run.json"
 def run_location(out_url: str, run: str) -> Location:
     """The run's output folder, `<out>/<run>`."""
     return Location.from_url(out_url).child(run)
-
-
-# Fields a run stores as locations: absolute since issue 26, as typed before.
-_LOCATIONS = {"model": absolute_model, "tokenizer": absolute_model, "out_url": absolute_location}
-
-
-def _same(key: str, now: object, stored: object) -> bool:
-    """`now` (absolute, for a location) names what `stored` does: a run stored before locations
-    were made absolute holds them as typed, relative to the folder its command ran in; the same
-    command from that folder must still find it the same run."""
-    if now == stored:
-        return True
-    norm = _LOCATIONS.get(key)
-    return bool(norm and isinstance(stored, str) and stored and norm(stored) == now)
 
 
 def check_same_run(a: RunConfig, b: RunConfig, where: str) -> None:
@@ -49,10 +34,12 @@ def check_same_run(a: RunConfig, b: RunConfig, where: str) -> None:
         if not same_model(fb, fa):
             raise ConfigError(mismatch_line(a.run, fb, b.model, fa, a.model, where))
         del ia["model"], ib["model"]
-    diff = sorted(k for k in ia if not _same(k, ia[k], ib[k]))
+    diff = sorted(k for k in ia if ia[k] != ib[k])
     if diff:
         details = ", ".join(f"{k}: {ib[k]!r} there, {ia[k]!r} now" for k in diff)
-        raise ConfigError(f"run {a.run!r} already exists with a different configuration in {where} ({details}); use another --run name")
+        raise ConfigError(
+            f"run {a.run!r} already exists with a different configuration in {where} ({details}); use another --run name"
+        )
 
 
 def check_run_json(cfg: RunConfig) -> None:

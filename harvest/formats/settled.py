@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from harvest.formats.index import ShardError
 from harvest.storage import Location, retry
@@ -28,12 +29,17 @@ FORMAT = "harvest-settled-1"
 
 def write_settled(loc: Location, run: str, done: int, failed: int) -> None:
     """Mark the run in `loc` (its `<out>/<run>` folder) settled: whole or not at all."""
-    doc = {"format": FORMAT, "run": run, "done": done, "failed": failed,
-           "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    doc = {
+        "format": FORMAT,
+        "run": run,
+        "done": done,
+        "failed": failed,
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     loc.write_atomic(SETTLED, json.dumps(doc, indent=1).encode())
 
 
-def read_settled(loc: Location) -> dict | None:
+def read_settled(loc: Location) -> dict[str, Any] | None:
     """The marker, or None while the run is not settled; ShardError for a marker of another format."""
     try:
         doc = loc.read_json(SETTLED)

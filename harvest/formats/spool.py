@@ -109,11 +109,12 @@ def encode_sample(s: SpooledSample, run: str) -> list[tuple[str, bytes | memoryv
     meta = {"sample_id": s.id, "run": run, FIELD: encode_sums(sums)}
     if s.generation is not None:
         meta["generation"] = s.generation
-    return list(zip(["", *sorted(tensors)], encode_parts(tensors, meta, BLOCK)))
+    return list(zip(["", *sorted(tensors)], encode_parts(tensors, meta, BLOCK), strict=True))
 
 
-def write_encoded(fd: int, parts: list[tuple[str, bytes | memoryview]],
-                  hidden_from: tuple[tuple[str, int, int], ...] = ()) -> int:
+def write_encoded(
+    fd: int, parts: list[tuple[str, bytes | memoryview]], hidden_from: tuple[tuple[str, int, int], ...] = ()
+) -> int:
     """A spool file's `parts` (from `encode_sample`) written into `fd` from offset 0; returns its size.
     With `hidden_from`, the hidden states' bytes are copied by the kernel from those ranges
     (cloned where the filesystem shares blocks) instead of from the tensor."""
@@ -150,7 +151,7 @@ def read_sample(path: str) -> SpooledSample:
             f.get_tensor("input_ids"),
             f.get_tensor("loss_mask"),
             f.get_tensor("hidden_states"),
-            f.get_tensor(SCALE) if SCALE in f.keys() else None,
+            f.get_tensor(SCALE) if SCALE in f.keys() else None,  # noqa: SIM118 - safe_open's handle has keys(), not __contains__
             generation=meta.get("generation"),
         )
 

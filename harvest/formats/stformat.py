@@ -18,6 +18,7 @@ import json
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ class TensorSpan:
 def header_length(first8: bytes, where: str) -> int:
     if len(first8) < 8:
         raise FormatError(f"{where}: shorter than a safetensors header")
-    (n,) = struct.unpack("<Q", first8[:8])
+    n: int = struct.unpack("<Q", first8[:8])[0]
     if n > MAX_HEADER:
         raise FormatError(f"{where}: header of {n} bytes is not plausible")
     return n
@@ -115,7 +116,7 @@ def encode_header(tensors: Sequence[Planned], metadata: Mapping[str, str], align
     keys sorted), padded with spaces (as safetensors does) so the data starts at a multiple of
     `align`: 8 keeps every dtype aligned in memory; `BLOCK` also puts the data on a filesystem
     block, which lets the kernel clone it between files instead of copying it (harvest.formats.shard)."""
-    header: dict = {"__metadata__": {k: str(metadata[k]) for k in sorted(metadata)}}
+    header: dict[str, Any] = {"__metadata__": {k: str(metadata[k]) for k in sorted(metadata)}}
     pos = 0
     for t in tensors:
         header[t.name] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
@@ -135,11 +136,12 @@ def tensor_from_bytes(raw: bytes | bytearray, dtype: torch.dtype, shape: Sequenc
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor, without a copy when it is contiguous on CPU."""
     t = t.detach().to("cpu").contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def encode_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None,
-                 align: int = 8) -> list[bytes | memoryview]:
+def encode_parts(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None, align: int = 8
+) -> list[bytes | memoryview]:
     """A file as its pieces (header, then each tensor's bytes, sorted by name), without joining
     them: written one after another they make `encode`'s bytes, without a copy of the data."""
     names = sorted(tensors)

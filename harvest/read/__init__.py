@@ -31,12 +31,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what the names are, for type checkers; loaded lazily below
     from harvest.config import ConfigError
     from harvest.formats.index import ShardError
-    from harvest.read.dataset import HiddenStateDataset, HiddenStateIterable, NoFinalState, eagle3_item
-    from harvest.read.export import ExportError, ExportReport, export_run
+    from harvest.read.damage import CorruptSample, UnreadableShard
+    from harvest.read.dataset import HiddenStateDataset
+    from harvest.read.eagle3 import NoFinalState, eagle3_item
+    from harvest.read.export import ExportReport, export_run
+    from harvest.read.feed import HiddenStateIterable
     from harvest.read.follow import FeedStalled
     from harvest.read.reader import RunReader, hidden_at
-    from harvest.read.shard_reader import CorruptSample, UnreadableShard
-    from harvest.read.trainers import EXPORT_FORMATS
+    from harvest.read.trainers import EXPORT_FORMATS, ExportError
 
 __all__ = [
     "RunReader",
@@ -61,17 +63,17 @@ _HOME = {
     "RunReader": "harvest.read.reader",
     "hidden_at": "harvest.read.reader",
     "HiddenStateDataset": "harvest.read.dataset",
-    "HiddenStateIterable": "harvest.read.dataset",
-    "eagle3_item": "harvest.read.dataset",
-    "NoFinalState": "harvest.read.dataset",
+    "HiddenStateIterable": "harvest.read.feed",
+    "eagle3_item": "harvest.read.eagle3",
+    "NoFinalState": "harvest.read.eagle3",
     "export_run": "harvest.read.export",
     "ExportReport": "harvest.read.export",
-    "ExportError": "harvest.read.export",
+    "ExportError": "harvest.read.trainers",
     "EXPORT_FORMATS": "harvest.read.trainers",
     "ConfigError": "harvest.config",
     "ShardError": "harvest.formats.index",
-    "CorruptSample": "harvest.read.shard_reader",
-    "UnreadableShard": "harvest.read.shard_reader",
+    "CorruptSample": "harvest.read.damage",
+    "UnreadableShard": "harvest.read.damage",
     "FeedStalled": "harvest.read.follow",
 }
 

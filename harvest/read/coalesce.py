@@ -11,8 +11,8 @@ allowed: an excluded sample, say, is read over rather than asked around) as one 
 Pure: no I/O.
 
 Only for object stores: a local file's ranged read costs a system call, not a round trip, and a
-buffer of many samples leaves the CPU's cache between the read and the crc32 and copies (measured:
-twice as slow as a read a sample). So local readers coalesce nothing unless told to (`cap_for`).
+buffer of many samples leaves the CPU's cache between the read and the crc32 and copies (slower
+than a read a sample). So local readers coalesce nothing unless told to (`cap_for`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ K = TypeVar("K")
 
 COALESCE_BYTES = 64 << 20  # the most bytes one coalesced ranged read asks for
 GAP_BYTES = 1 << 20  # bytes of samples not asked for that a coalesced read may span between two that are
-WHOLE_FILE = 0.75  # a shard at most COALESCE_BYTES long whose samples wanted hold this share of its tokens is read whole
+WHOLE_FILE = (
+    0.75  # a shard at most COALESCE_BYTES long whose samples wanted hold this share of its tokens is read whole
+)
 
 
 SHUFFLED_COALESCE_BYTES = 256 << 20  # the same for a shuffled feed, whose runs of adjacent samples are short
@@ -34,8 +36,7 @@ def cap_for(is_local: bool, cap: int | None = None, shuffled: bool = False) -> i
     """The coalescing cap a reader uses: `cap` where given, else 0 (none) for a local folder and
     COALESCE_BYTES for an object store, SHUFFLED_COALESCE_BYTES for a shuffled order there: its
     window of the order spans a few shards sparsely, and only a larger window gathers enough of a
-    shard to read it in few requests (bench/feed.py: a shuffled S3 feed at 0.41-0.53 of the plain
-    read with 64 MiB windows, about level with it at 256 MiB)."""
+    shard to read it in few requests (bench/feed.py measures both)."""
     if cap is not None:
         return cap
     if is_local:
@@ -43,8 +44,9 @@ def cap_for(is_local: bool, cap: int | None = None, shuffled: bool = False) -> i
     return SHUFFLED_COALESCE_BYTES if shuffled else COALESCE_BYTES
 
 
-def runs(positions: Iterable[int], offsets: Sequence[int], row_bytes: int, cap: int = COALESCE_BYTES,
-         gap: int = GAP_BYTES) -> list[list[int]]:
+def runs(
+    positions: Iterable[int], offsets: Sequence[int], row_bytes: int, cap: int = COALESCE_BYTES, gap: int = GAP_BYTES
+) -> list[list[int]]:
     """`positions` (samples of one shard, by row in its index; any order, repeats ignored) cut into
     runs to read with one ranged read each: ascending in storage order; a sample joins the run
     before it when at most `gap` bytes lie between them and the run, gaps included, stays within
@@ -63,8 +65,9 @@ def runs(positions: Iterable[int], offsets: Sequence[int], row_bytes: int, cap: 
     return out
 
 
-def windows(keys: Sequence[K], nbytes: Callable[[K], int], budget: int,
-            group: Callable[[K], object] = lambda key: None) -> list[list[K]]:
+def windows(
+    keys: Sequence[K], nbytes: Callable[[K], int], budget: int, group: Callable[[K], object] = lambda key: None
+) -> list[list[K]]:
     """`keys` cut, in order, into consecutive windows of at most `budget` bytes (by `nbytes`), at
     least one key each: what a reader fetches together; `budget` 0: one key a window. A stretch
     of consecutive keys of one `group` (a shard) that fits in a window is not cut across two: it
@@ -94,5 +97,9 @@ def read_whole(wanted_tokens: int, total_tokens: int, file_bytes: int | None, ca
     """Whether to fetch a shard file whole, in the one read that opens it (its header, the wanted
     samples, the small tensors at its end): when it is at most `cap` bytes and the samples wanted
     from it hold at least WHOLE_FILE of its tokens. One request instead of three or more."""
-    return (file_bytes is not None and 0 < file_bytes <= cap and total_tokens > 0
-            and wanted_tokens >= WHOLE_FILE * total_tokens)
+    return (
+        file_bytes is not None
+        and 0 < file_bytes <= cap
+        and total_tokens > 0
+        and wanted_tokens >= WHOLE_FILE * total_tokens
+    )

@@ -20,18 +20,33 @@ def verify_fix(loc: Location, plural: bool = False) -> str:
     run = posixpath.basename(loc.root)
     out = posixpath.dirname(loc.root) if loc.is_local else loc.url().rsplit("/", 1)[0]
     it = "them" if plural else "it"
-    return f"run `harvest reconcile --verify --run {run} --out {out}` to drop {it} from the index and extract {it} again"
+    return (
+        f"run `harvest reconcile --verify --run {run} --out {out}` to drop {it} from the index and extract {it} again"
+    )
 
 
 class CorruptSample(ShardError):
     """One sample's stored bytes differ from what was packed (its crc32), or are cut short."""
 
-    def __init__(self, shard_url: str, shard_id: str, sample_id: str, tensor: str, begin: int, end: int,
-                 problem: str, fix: str, expected: int | None = None, found: int | None = None) -> None:
+    def __init__(
+        self,
+        shard_url: str,
+        shard_id: str,
+        sample_id: str,
+        tensor: str,
+        begin: int,
+        end: int,
+        problem: str,
+        fix: str,
+        expected: int | None = None,
+        found: int | None = None,
+    ) -> None:
         self.shard_url, self.shard_id, self.sample_id, self.tensor = shard_url, shard_id, sample_id, tensor
         self.begin, self.end, self.problem, self.expected, self.found = begin, end, problem, expected, found
-        super().__init__(f"{shard_url}: sample {sample_id} is corrupt: tensor {tensor}, bytes [{begin}, {end}) of "
-                         f"the shard {problem}; {fix}")
+        super().__init__(
+            f"{shard_url}: sample {sample_id} is corrupt: tensor {tensor}, bytes [{begin}, {end}) of "
+            f"the shard {problem}; {fix}"
+        )
 
 
 class UnreadableShard(ShardError):

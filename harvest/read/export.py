@@ -32,19 +32,15 @@ import harvest.read.specforge as specforge
 import harvest.read.specforge_feed as specforge_feed
 from harvest.atomic import atomic_path
 from harvest.config import RunConfig
-from harvest.errors import ConfigurationError, HarvestError, StorageError
+from harvest.errors import HarvestError, StorageError
 from harvest.progress import progress as progress_display
-from harvest.read.dataset import read_dtype
+from harvest.read.damage import CorruptSample, UnreadableShard
+from harvest.read.eagle3 import read_dtype
 from harvest.read.final_norm import FinalNorm, FinalNormError
 from harvest.read.reader import RunReader
-from harvest.read.shard_reader import CorruptSample, UnreadableShard
-from harvest.read.speculators import SpeculatorsExportError, export_speculators
-from harvest.read.trainers import EXPORT_FORMATS, TRAINER_NAMES
+from harvest.read.speculators import export_speculators
+from harvest.read.trainers import EXPORT_FORMATS, TRAINER_NAMES, ExportError
 from harvest.storage import TEMP_PREFIX
-
-
-class ExportError(ConfigurationError, ValueError):
-    """An export that cannot give its trainer what it reads; the message names the fix."""
 
 
 class ExportStorageError(StorageError, OSError):
@@ -79,15 +75,24 @@ def layer_notes(fmt: str, aux: list[int], num_layers: int) -> list[str]:
     if not num_layers or aux == [2, num_layers // 2, num_layers - 3]:
         return []
     if fmt == "speculators":
-        return [f"train with --target-layer-ids {' '.join(map(str, aux))} (this run's aux layers; the default is "
-                f"{2} {num_layers // 2} {num_layers - 3})"]
+        return [
+            f"train with --target-layer-ids {' '.join(map(str, aux))} (this run's aux layers; the default is "
+            f"{2} {num_layers // 2} {num_layers - 3})"
+        ]
     sglang = [p - 1 for p in aux]
-    return [f"train a draft whose config has eagle_config.eagle_aux_hidden_state_layer_ids {sglang} (SGLang's ids "
-            f"of this run's aux layers {aux}), or set model.aux_hidden_state_layer_ids {sglang}"]
+    return [
+        f"train a draft whose config has eagle_config.eagle_aux_hidden_state_layer_ids {sglang} (SGLang's ids "
+        f"of this run's aux layers {aux}), or set model.aux_hidden_state_layer_ids {sglang}"
+    ]
 
 
 def export_run(
-    run_url: str, fmt: str, dest: str, dtype: torch.dtype | None = None, progress: bool = True, model: str | None = None,
+    run_url: str,
+    fmt: str,
+    dest: str,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+    model: str | None = None,
     in_place: bool = False,
 ) -> ExportReport:
     """Write every committed sample of the run at `run_url` into `dest` as `fmt`; files already
@@ -110,8 +115,9 @@ def export_run(
         raise ExportStorageError(str(e) if named else f"{e} (exporting {run_url} to {dest})") from e
 
 
-def _export(run_url: str, fmt: str, dest: str, dtype: torch.dtype | None, progress: bool,
-            model: str | None, in_place: bool) -> ExportReport:
+def _export(
+    run_url: str, fmt: str, dest: str, dtype: torch.dtype | None, progress: bool, model: str | None, in_place: bool
+) -> ExportReport:
     reader = RunReader(run_url)
     aux, _ = trainer_points(reader.config, fmt)
     rep = ExportReport(notes=layer_notes(fmt, aux, reader.config.num_layers))
@@ -120,13 +126,16 @@ def _export(run_url: str, fmt: str, dest: str, dtype: torch.dtype | None, progre
             norm = FinalNorm.from_checkpoint(model or reader.config.model, "pass --model with its path here")
             norm.unapply(torch.ones(1, reader.config.hidden_size))  # refused (1 + w) or zero norms: before any file
             rep.written, rep.skipped, rep.corrupt = export_speculators(
-                reader, dest, read_dtype(reader.config, dtype), norm, _atomic, progress, in_place)
-        except (FinalNormError, SpeculatorsExportError) as e:
+                reader, dest, read_dtype(reader.config, dtype), norm, _atomic, progress, in_place
+            )
+        except FinalNormError as e:
             raise ExportError(str(e)) from None
         return rep
     if dtype is not None and dtype != specforge.DTYPE:
-        rep.notes.append(f"warning: SpecForge reads bf16 only (its TargetHead is bf16 and casts nothing): "
-                         f"these {str(dtype).removeprefix('torch.')} files fail at training time")
+        rep.notes.append(
+            f"warning: SpecForge reads bf16 only (its TargetHead is bf16 and casts nothing): "
+            f"these {str(dtype).removeprefix('torch.')} files fail at training time"
+        )
     dtype = dtype or specforge.DTYPE
     with progress_display(f"export {fmt}", " samples", total=len(reader), enabled=progress) as bar:
         for shard in reader.shard_ids():

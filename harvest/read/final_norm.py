@@ -30,13 +30,28 @@ from harvest.errors import InputError
 
 # model_type -> whether the checkpoint stores the norm weight as an offset from 1 (Gemma: x * (1 + w)).
 RMSNORM_MODELS: dict[str, bool] = {
-    "llama": False, "mistral": False, "mixtral": False, "qwen2": False, "qwen2_moe": False, "qwen3": False,
-    "qwen3_moe": False, "granite": False, "olmo2": False, "phi3": False, "deepseek_v3": False,
-    "gemma": True, "gemma2": True, "gemma3_text": True,
+    "llama": False,
+    "mistral": False,
+    "mixtral": False,
+    "qwen2": False,
+    "qwen2_moe": False,
+    "qwen3": False,
+    "qwen3_moe": False,
+    "granite": False,
+    "olmo2": False,
+    "phi3": False,
+    "deepseek_v3": False,
+    "gemma": True,
+    "gemma2": True,
+    "gemma3_text": True,
 }
 # Where checkpoints keep the final norm's weight (plain causal LMs first, then multimodal wrappers).
-NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight",
-             "transformer.norm.weight")
+NORM_KEYS = (
+    "model.norm.weight",
+    "model.language_model.norm.weight",
+    "language_model.model.norm.weight",
+    "transformer.norm.weight",
+)
 
 
 class FinalNormError(InputError, ValueError):
@@ -74,9 +89,7 @@ class FinalNorm:
         return y.to(torch.float32) / w
 
     @classmethod
-    def from_checkpoint(
-        cls, model_dir: str, fix: str = "set HARVEST_MODEL_DIR to its path on this node"
-    ) -> FinalNorm:
+    def from_checkpoint(cls, model_dir: str, fix: str = "set HARVEST_MODEL_DIR to its path on this node") -> FinalNorm:
         """Read the final norm's weight and eps from a local HF checkpoint (config.json + safetensors).
         `fix`: how the caller's user points harvest at the checkpoint, named when it is missing."""
         try:
@@ -110,7 +123,8 @@ def _norm_weight(model_dir: str) -> torch.Tensor:
         for key in NORM_KEYS:
             if key in weight_map:
                 with safe_open(os.path.join(model_dir, weight_map[key]), framework="pt") as f:
-                    return f.get_tensor(key)
+                    weight: torch.Tensor = f.get_tensor(key)
+                    return weight
         raise FinalNormError(f"{index} names none of {NORM_KEYS}")
     files = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
     for name in files:
@@ -118,5 +132,6 @@ def _norm_weight(model_dir: str) -> torch.Tensor:
             keys = set(f.keys())
             for key in NORM_KEYS:
                 if key in keys:
-                    return f.get_tensor(key)
+                    weight = f.get_tensor(key)
+                    return weight
     raise FinalNormError(f"no safetensors file in {model_dir} holds one of {NORM_KEYS}")

@@ -4,7 +4,7 @@ and, when following a live run, the shards committed after that, until the run i
 **The view.** A sample exists for the feed once an index file commits it (never a shard whose
 index is not written); of several copies it reads the one `harvest.formats.index.kept_copies`
 keeps among the view's indexes, and never an excluded one. The view is a list of shard ids, so
-every rank can be handed rank 0's (harvest.read.dataset agrees on it through torch.distributed)
+every rank can be handed rank 0's (harvest.read.feed agrees on it through torch.distributed)
 and a saved state can name it exactly.
 
 **The tail.** A follower lists the index again every `poll_s` once its part of the view is read.
@@ -26,8 +26,9 @@ from harvest.config import RunConfig
 from harvest.errors import ServiceError
 from harvest.formats.index import INDEX, ShardError, ShardIndex, committed_samples, kept_copies, parse_index
 from harvest.formats.settled import SETTLED, read_settled
+from harvest.read.damage import UnreadableShard
 from harvest.read.partition import owner
-from harvest.read.shard_reader import ShardReader, UnreadableShard
+from harvest.read.shard_reader import ShardReader
 from harvest.storage import Location
 
 
@@ -56,11 +57,13 @@ class Shards:
             try:
                 doc = parse_index(self.loc.read_json(f"{INDEX}/{shard_id}.json"), where)
             except FileNotFoundError:
-                raise ShardError(f"{where}: the index file is gone (a state names a shard the run no longer "
-                                 "commits)") from None
+                raise ShardError(
+                    f"{where}: the index file is gone (a state names a shard the run no longer commits)"
+                ) from None
             if doc["final_state"] != self.cfg.final_state:
-                raise ShardError(f"{where}: final state {doc['final_state']!r}, but the run records "
-                                 f"{self.cfg.final_state!r}")
+                raise ShardError(
+                    f"{where}: final state {doc['final_state']!r}, but the run records {self.cfg.final_state!r}"
+                )
             self.docs[shard_id] = doc
         return self.docs[shard_id]
 
@@ -97,8 +100,9 @@ class Shards:
         return got
 
 
-def tail(shards: Shards, seen: set[str], known: set[str], part: int, parts: int, poll_s: float,
-         wait_s: float) -> Iterator[list[tuple[str, str]]]:
+def tail(
+    shards: Shards, seen: set[str], known: set[str], part: int, parts: int, poll_s: float, wait_s: float
+) -> Iterator[list[tuple[str, str]]]:
     """Each listing's new samples for `part` of `parts`, as (shard id, sample id) in shard-id order,
     until the run is settled. `seen`: shard ids already dealt this epoch; `known`: samples already
     dealt (both updated). Raises FeedStalled after `wait_s` without a new index or the marker."""
@@ -127,5 +131,6 @@ def tail(shards: Shards, seen: set[str], known: set[str], part: int, parts: int,
                 f"{loc.url()}: no new index file for {waited:.0f}s and the run is not settled (no {SETTLED}); "
                 f"{len(known)} samples committed so far this epoch. Is the run still going? "
                 f"(`harvest status --run {shards.cfg.run}`) Pass wait_s= to wait longer, or follow=False to "
-                "read only what is committed")
+                "read only what is committed"
+            )
         time.sleep(min(poll_s, wait_s - waited))

@@ -36,10 +36,10 @@ import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
-def sample_order(shards: Sequence[tuple[str, Sequence[str]]], seed: int | None, epoch: int,
-                 window: int) -> list[str]:
+def sample_order(shards: Sequence[tuple[str, Sequence[str]]], seed: int | None, epoch: int, window: int) -> list[str]:
     """Every sample of `shards` ((shard id, samples as packed), in shard-id order) once, in the
     epoch's order: storage order without a seed, else shards shuffled and samples shuffled
     within windows of `window` shards (see the module's docstring)."""
@@ -118,20 +118,22 @@ class Stage:
     drop: bool
     consumed: tuple[int, ...]  # samples delivered from each part's span
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"parts": self.parts, "drop": self.drop, "consumed": list(self.consumed)}
 
     @classmethod
-    def from_json(cls, doc: dict) -> Stage:
+    def from_json(cls, doc: dict[str, Any]) -> Stage:
         return cls(int(doc["parts"]), bool(doc["drop"]), tuple(int(c) for c in doc["consumed"]))
 
 
 def remainder(order: Sequence[str], stage: Stage) -> list[str]:
     """What `stage` left of `order`: each part's span less its delivered prefix, in part order."""
     parts = spans(order, stage.parts, stage.drop)
-    if len(stage.consumed) != stage.parts or any(not 0 <= c <= len(p) for c, p in zip(stage.consumed, parts)):
+    if len(stage.consumed) != stage.parts or any(
+        not 0 <= c <= len(p) for c, p in zip(stage.consumed, parts, strict=True)
+    ):
         raise ValueError(f"consumed {list(stage.consumed)} does not fit spans of {[len(p) for p in parts]}")
-    return [s for c, p in zip(stage.consumed, parts) for s in p[c:]]
+    return [s for c, p in zip(stage.consumed, parts, strict=True) for s in p[c:]]
 
 
 def replay(order: Sequence[str], stages: Sequence[Stage]) -> list[str]:

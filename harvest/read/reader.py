@@ -30,6 +30,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -38,7 +39,8 @@ from harvest.errors import HarvestError
 from harvest.formats.index import INDEX, ShardError, ShardIndex, kept_copies, read_index
 from harvest.formats.runfile import RUN_FILE, read_run_json
 from harvest.read.coalesce import cap_for
-from harvest.read.shard_reader import ShardReader, UnreadableShard
+from harvest.read.damage import UnreadableShard
+from harvest.read.shard_reader import ShardReader
 from harvest.storage import Location
 
 log = logging.getLogger("harvest.read")
@@ -61,8 +63,10 @@ class RunReader:
         for name in self.loc.list(INDEX, ".json"):
             doc = read_index(self.loc, name)
             if doc["final_state"] != self.config.final_state:
-                raise ShardError(f"{self.loc.describe(f'{INDEX}/{name}')}: final state {doc['final_state']!r}, but "
-                                 f"the run records {self.config.final_state!r}")
+                raise ShardError(
+                    f"{self.loc.describe(f'{INDEX}/{name}')}: final state {doc['final_state']!r}, but "
+                    f"the run records {self.config.final_state!r}"
+                )
             self._indexes[doc["shard_id"]] = doc
         self._lock = threading.Lock()  # the read-ahead's state below
         self._opening: dict[str, threading.Lock] = {}
@@ -88,10 +92,17 @@ class RunReader:
         if copies.extra:
             sample, others = next(iter(copies.extra.items()))
             n = len(copies.extra)
-            log.warning("%s: %d %s committed by more than one shard (e.g. %s, read from shard %s, also in %s); "
-                        "each is read once, from the shard with the smallest id; `harvest reconcile --dedupe` removes "
-                        "the extra copies from the index", self.loc.root if self.loc.is_local else self.loc.url(), n,
-                        "sample is" if n == 1 else "samples are", sample, copies.kept[sample], ", ".join(others))
+            log.warning(
+                "%s: %d %s committed by more than one shard (e.g. %s, read from shard %s, also in %s); "
+                "each is read once, from the shard with the smallest id; `harvest reconcile --dedupe` removes "
+                "the extra copies from the index",
+                self.loc.root if self.loc.is_local else self.loc.url(),
+                n,
+                "sample is" if n == 1 else "samples are",
+                sample,
+                copies.kept[sample],
+                ", ".join(others),
+            )
 
     def __len__(self) -> int:
         return len(self._where)
@@ -153,8 +164,11 @@ class RunReader:
         k = self._rank[sample_id]
         _, i = self._where[sample_id]
         with self._lock:
-            local = (self._last_shard is not None and 0 <= self._shard_no[shard_id] - self._shard_no[self._last_shard] <= 1
-                     or any(0 < k - r <= NEAR for r in self._recent))
+            local = (
+                self._last_shard is not None
+                and 0 <= self._shard_no[shard_id] - self._shard_no[self._last_shard] <= 1
+                or any(0 < k - r <= NEAR for r in self._recent)
+            )
             asked = self._asked.setdefault(shard_id, set())
             if i in asked:  # a new pass over the shard (the next epoch)
                 asked.clear()
@@ -200,7 +214,7 @@ class RunReader:
                 total -= held.pop(s, 0)
                 del self._holding[s]
 
-    def get(self, sample_id: str, dtype: torch.dtype | None = None) -> dict:
+    def get(self, sample_id: str, dtype: torch.dtype | None = None) -> dict[str, Any]:
         """`input_ids` [T] int32, `loss_mask` [T] uint8, `hidden_states` [T, K, H] (in `dtype`,
         else the reader's, else as stored, with `hidden_scale` [T, K] for fp8),
         `capture_points`, `sample_id`. Raises CorruptSample if its stored bytes fail their crc32,
@@ -208,7 +222,7 @@ class RunReader:
         shard_id, i = self._locate(sample_id)
         ahead = self._ahead(sample_id, shard_id)
         shard = self._shard(shard_id, [i, *ahead])
-        out: dict = shard.sample(i, dtype or self.dtype, ahead)
+        out: dict[str, Any] = shard.sample(i, dtype or self.dtype, ahead)
         if ahead:
             self._hold(shard_id)
         out["capture_points"] = self.capture_points
@@ -223,7 +237,7 @@ class RunReader:
         a, b = shard.index["offsets"][i], shard.index["offsets"][i + 1]
         return shard.rows("input_ids", a, b), shard.rows("loss_mask", a, b)
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[dict[str, Any]]:
         for sid in self._where:
             yield self.get(sid)
 
@@ -237,9 +251,10 @@ class RunReader:
         return sum(doc["bytes"] for doc in self._indexes.values())
 
 
-def hidden_at(sample: dict, point: int) -> torch.Tensor:
+def hidden_at(sample: dict[str, Any], point: int) -> torch.Tensor:
     """The `[T, H]` hidden states of one capture point (HF hidden_states index)."""
-    return sample["hidden_states"][:, sample["capture_points"].index(point)]
+    hidden: torch.Tensor = sample["hidden_states"][:, sample["capture_points"].index(point)]
+    return hidden
 
 
 def _run_config(loc: Location) -> RunConfig:
@@ -253,7 +268,8 @@ def _run_config(loc: Location) -> RunConfig:
             raise
         raise ConfigError(f"{where}: {e}") from None
     except ValueError as e:  # not JSON, or fields of the wrong type
-        raise ConfigError(f"{where} is not a harvest run.json ({type(e).__name__}: {e}): garbled, or not "
-                          "written by harvest") from None
+        raise ConfigError(
+            f"{where} is not a harvest run.json ({type(e).__name__}: {e}): garbled, or not written by harvest"
+        ) from None
     except TypeError as e:  # a field a RunConfig does not take as it is
         raise ConfigError(f"{where} is not a harvest run.json ({e})") from None

@@ -9,11 +9,11 @@ of them adjacent in storage (harvest.read.coalesce), sliced apart; a shard whose
 hold most of it is read whole, in the one read that opens it. A trainer on S3 never downloads a
 shard it only samples from.
 
-Every range handed out is checked against the per-sample crc32s its index records (written at
-pack time, harvest.formats.shard): a byte that rotted in storage, or was cut short, fails that
-one sample with `CorruptSample`, naming the shard file, the sample, the tensor, the byte range
-and the fix, and the reader stays usable for every other sample. Index files written before the
-checksums were recorded are read unchecked.
+Every range handed out is checked against the per-sample crc32s its index records (taken at
+pack time, harvest.formats.shard_write): a byte that rotted in storage, or was cut short, fails
+that one sample with `CorruptSample`, naming the shard file, the sample, the tensor, the byte
+range and the fix, and the reader stays usable for every other sample. An index without crc32s
+is read unchecked.
 
 With a codec (harvest.formats.codec), the same reads fetch a sample's coded hidden states (the
 index's `coded_offsets`), decoded on the thread that asked (a feed's read-ahead threads) and
@@ -27,7 +27,7 @@ import math
 import threading
 import zlib
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -40,44 +40,10 @@ from harvest.formats.spool import SCALE
 from harvest.formats.stformat import BLOCK, FormatError, TensorSpan, header_length, parse_header, tensor_from_bytes
 from harvest.read.coalesce import GAP_BYTES, cap_for, read_whole, runs
 from harvest.read.damage import CorruptSample, UnreadableShard, object_url, verify_fix
+from harvest.read.held import Held, HeldRead
 from harvest.storage import Location
 
 _SMALL = ("input_ids", "loss_mask", "offsets")
-
-
-_Held = tuple[memoryview, int]  # bytes of a shard file and the file offset they start at
-
-
-class _Block:
-    """Bytes [begin, end) of a shard file, read once, by the first sample that needs them (the
-    others wait for that read), for the samples registered on it in their reader."""
-
-    def __init__(self, begin: int, end: int, raw: bytes | None = None) -> None:
-        self.begin, self.end = begin, end
-        self._raw = None if raw is None else memoryview(raw)
-        self._state = "new" if raw is None else "done"
-        self._cond = threading.Condition()
-
-    def get(self, read: Callable[[int, int], bytes | bytearray]) -> _Held | None:
-        """The bytes (reading them unless another thread did or does); None where that read failed:
-        each sample then reads its own range, and fails there exactly as it would have alone."""
-        with self._cond:
-            if self._state == "new":
-                self._state = "reading"
-            else:
-                while self._state == "reading":
-                    self._cond.wait()
-                return None if self._raw is None else (self._raw, self.begin)
-        raw = None
-        try:
-            raw = memoryview(read(self.begin, self.end))
-        except Exception:  # noqa: BLE001, S110 - each sample's own read raises it (see above)
-            pass
-        finally:
-            with self._cond:
-                self._raw, self._state = raw, "done"
-                self._cond.notify_all()
-        return None if raw is None else (raw, self.begin)
 
 
 class ShardReader:
@@ -90,7 +56,7 @@ class ShardReader:
     def __init__(self, loc: Location, index: ShardIndex, want: Iterable[int] = (), cap: int | None = None) -> None:
         self.cap = cap_for(loc.is_local, cap)
         self._lock = threading.Lock()
-        self._blocks: dict[int, _Block] = {}  # sample -> the bytes read (or being read) ahead for it
+        self._blocks: dict[int, HeldRead] = {}  # sample -> the bytes read (or being read) ahead for it
         try:
             self._open(loc, index, set(want), self.cap)
         # what damaged header bytes raise as they are parsed (a flipped byte can break the JSON, a key
@@ -127,10 +93,12 @@ class ShardReader:
             raise ShardError(f"{self.name}: lacks tensors {sorted(missing)}")
         names = index.get("crc32_tensors", [])
         if not set(names) <= set(self.tensors) - {"offsets"}:
-            raise ShardError(f"{self.name}: its index has crc32s of tensors {names}, the shard holds {sorted(self.tensors)}")
+            raise ShardError(
+                f"{self.name}: its index has crc32s of tensors {names}, the shard holds {sorted(self.tensors)}"
+            )
         self._slot = {name: j for j, name in enumerate(names)}
         self._open_hidden(index)
-        self._small: dict[str, bytes] = {}
+        self._small: dict[str, bytes | bytearray] = {}
         self._read_small(head)
         offsets = self._whole("offsets")  # the last tensor: a shard cut short anywhere lacks (some of) it
         if len(offsets) != self.tensors["offsets"].end - self.tensors["offsets"].begin:
@@ -138,7 +106,7 @@ class ShardReader:
         if list(tensor_from_bytes(offsets, torch.int64, (-1,)).tolist()) != list(index["offsets"]):
             raise ShardError(f"{self.name}: offsets differ from its index file")
         if whole:
-            block, span = _Block(0, len(head), head), self.tensors["hidden_states"]
+            block, span = HeldRead(0, len(head), head), self.tensors["hidden_states"]
             for p in want:
                 if span.begin + self._at[p + 1] <= len(head):
                     self._blocks[p] = block
@@ -157,13 +125,17 @@ class ShardReader:
         if meta.get("codec") != self.codec:
             raise ShardError(f"{self.name}: holds codec {meta.get('codec')!r}, its index names {self.codec!r}")
         shape = json.loads(meta["hidden_states_shape"])
-        self.dtype = getattr(torch, str(meta["hidden_states_dtype"]), None)
-        if not isinstance(self.dtype, torch.dtype) or dtype_name(self.dtype) != index["dtype"]:
-            raise ShardError(f"{self.name}: hidden states {meta['hidden_states_dtype']}, its index says {index['dtype']}")
-        self._row_shape, self._at = tuple(shape[1:]), list(index["coded_offsets"])
+        dtype = getattr(torch, str(meta["hidden_states_dtype"]), None)
+        if not isinstance(dtype, torch.dtype) or dtype_name(dtype) != index["dtype"]:
+            raise ShardError(
+                f"{self.name}: hidden states {meta['hidden_states_dtype']}, its index says {index['dtype']}"
+            )
+        self.dtype, self._row_shape, self._at = dtype, tuple(shape[1:]), list(index["coded_offsets"])
         if span.dtype != torch.uint8 or len(shape) != 3 or shape[0] != offsets[-1] or span.shape[0] != self._at[-1]:
-            raise ShardError(f"{self.name}: coded hidden states {span.dtype} {list(span.shape)} of {shape} do not fit its "
-                             f"index: {offsets[-1]} tokens in {self._at[-1]} coded bytes")
+            raise ShardError(
+                f"{self.name}: coded hidden states {span.dtype} {list(span.shape)} of {shape} do not fit its "
+                f"index: {offsets[-1]} tokens in {self._at[-1]} coded bytes"
+            )
 
     def _read_small(self, head: bytes) -> None:
         """The token ids, loss mask and offsets: from `head` (the opening read) where it holds them,
@@ -176,7 +148,7 @@ class ShardReader:
             raw, at = memoryview(self.loc.read_range(self.name, lo, hi)), lo
         else:
             return  # not together: each read whole on first use (`_whole`)
-        for name, s in zip(_SMALL, spans):
+        for name, s in zip(_SMALL, spans, strict=True):
             self._small[name] = bytes(raw[s.begin - at : s.end - at])  # shorter where the file ends first
         scale = self.tensors.get(SCALE)
         if scale is not None and scale.end <= len(head):  # fp8, read whole: its scales came too
@@ -207,7 +179,7 @@ class ShardReader:
                 got += n
         return buf if got == len(buf) else buf[:got]
 
-    def _whole(self, name: str) -> bytes:
+    def _whole(self, name: str) -> bytes | bytearray:
         if name not in self._small:
             span = self.tensors[name]
             self._small[name] = self._bytes(span, 0, span.shape[0])
@@ -227,8 +199,18 @@ class ShardReader:
             if found != expected:
                 problem = f"have crc32 {found}, its index records {expected}"
         if problem:
-            raise CorruptSample(self.url, self.index["shard_id"], self.index["samples"][i], tensor, begin, end,
-                                problem, verify_fix(self.loc), expected, found)
+            raise CorruptSample(
+                self.url,
+                self.index["shard_id"],
+                self.index["samples"][i],
+                tensor,
+                begin,
+                end,
+                problem,
+                verify_fix(self.loc),
+                expected,
+                found,
+            )
 
     def rows(self, tensor: str, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of one tensor, as stored, each sample they touch checked against its
@@ -236,7 +218,7 @@ class ShardReader:
         the first that fails."""
         return self._rows(tensor, start, end, None)
 
-    def _rows(self, tensor: str, start: int, end: int, held: _Held | None) -> torch.Tensor:
+    def _rows(self, tensor: str, start: int, end: int, held: Held | None) -> torch.Tensor:
         """`rows`, the hidden states' taken from `held` (bytes already read that hold those rows)
         when given."""
         offsets, span = self.index["offsets"], self.tensors[tensor]
@@ -266,11 +248,13 @@ class ShardReader:
         rb = span.row_bytes
         cut = raw[span.begin + start * rb - at : span.begin + end * rb - at]
         shape = (end - start, *span.shape[1:])
-        if not cached and not cut.readonly and len(cut) == len(raw) and len(cut):  # read for these rows alone: the tensor's own
+        if (
+            not cached and not cut.readonly and len(cut) == len(raw) and len(cut)
+        ):  # read for these rows alone: the tensor's own
             return torch.frombuffer(cut, dtype=torch.uint8).view(span.dtype).reshape(shape)
         return tensor_from_bytes(bytearray(cut), span.dtype, shape)
 
-    def _decoded(self, i: int, held: _Held | None) -> torch.Tensor:
+    def _decoded(self, i: int, held: Held | None) -> torch.Tensor:
         """Sample i's coded hidden states (from `held` where given), decoded and checked."""
         span, offsets = self.tensors["hidden_states"], self.index["offsets"]
         begin, end = span.begin + self._at[i], span.begin + self._at[i + 1]
@@ -295,8 +279,18 @@ class ShardReader:
                     if found != expected:
                         problem = f"decode to bytes with crc32 {found}, its index records {expected}"
         if problem:
-            raise CorruptSample(self.url, self.index["shard_id"], self.index["samples"][i], "hidden_states", begin,
-                                end, problem, verify_fix(self.loc), expected, found)
+            raise CorruptSample(
+                self.url,
+                self.index["shard_id"],
+                self.index["samples"][i],
+                "hidden_states",
+                begin,
+                end,
+                problem,
+                verify_fix(self.loc),
+                expected,
+                found,
+            )
         if not size:
             return torch.empty((tokens, *self._row_shape), dtype=self.dtype)
         return torch.frombuffer(data, dtype=torch.uint8).view(self.dtype).reshape((tokens, *self._row_shape))
@@ -311,13 +305,14 @@ class ShardReader:
         for (`held_bytes`, `drop_held`)."""
         return self._decode(i, dtype, self._held(i, ahead))
 
-    def samples(self, positions: Iterable[int], dtype: torch.dtype | None = None, cap: int | None = None,
-                gap: int = GAP_BYTES) -> Iterator[tuple[int, dict[str, torch.Tensor] | Exception]]:
+    def samples(
+        self, positions: Iterable[int], dtype: torch.dtype | None = None, cap: int | None = None, gap: int = GAP_BYTES
+    ) -> Iterator[tuple[int, dict[str, torch.Tensor] | Exception]]:
         """`sample(p, dtype)` for each of `positions` (repeats once), read with one ranged read per
         run of them adjacent in storage (harvest.read.coalesce.runs: `gap`, `cap`, default the
         reader's), or from what the opening read held: (p, the sample, or the exception reading it raised: a CorruptSample fails
         its sample alone), those held first, then a run at a time, each in storage order."""
-        held: dict[int, _Block] = {}
+        held: dict[int, HeldRead] = {}
         rest: list[int] = []
         with self._lock:
             for p in dict.fromkeys(positions):
@@ -332,19 +327,19 @@ class ShardReader:
         for run in runs(rest, at, 1, self.cap if cap is None else cap, gap):
             begin, end = span.begin + at[run[0]], span.begin + at[run[-1] + 1]
             try:
-                got: _Held | None = (memoryview(self._read(begin, end)), begin)
+                got: Held | None = (memoryview(self._read(begin, end)), begin)
             except Exception:  # noqa: BLE001 - each sample of the run reads alone, and fails as it would have
                 got = None
             for p in run:
                 yield p, self._attempt(p, dtype, got)
 
-    def _attempt(self, i: int, dtype: torch.dtype | None, held: _Held | None) -> dict[str, torch.Tensor] | Exception:
+    def _attempt(self, i: int, dtype: torch.dtype | None, held: Held | None) -> dict[str, torch.Tensor] | Exception:
         try:
             return self._decode(i, dtype, held)
         except Exception as e:  # noqa: BLE001 - handed to the caller in the sample's place
             return e
 
-    def _held(self, i: int, ahead: Sequence[int]) -> _Held | None:
+    def _held(self, i: int, ahead: Sequence[int]) -> Held | None:
         """Sample i's hidden-state bytes if read ahead, else read now, with the samples of `ahead`
         adjacent to it; the other runs of `ahead` are held to be read when first asked for."""
         with self._lock:
@@ -355,7 +350,7 @@ class ShardReader:
                 for run in runs([i, *fresh], at, 1, self.cap):
                     if len(run) == 1 and run[0] != i:
                         continue  # one sample alone: read when asked for, as it would be
-                    b = _Block(span.begin + at[run[0]], span.begin + at[run[-1] + 1])
+                    b = HeldRead(span.begin + at[run[0]], span.begin + at[run[-1] + 1])
                     for p in run:
                         if p == i:
                             block = b
@@ -373,7 +368,7 @@ class ShardReader:
         with self._lock:
             self._blocks.clear()
 
-    def _decode(self, i: int, dtype: torch.dtype | None, held: _Held | None) -> dict[str, torch.Tensor]:
+    def _decode(self, i: int, dtype: torch.dtype | None, held: Held | None) -> dict[str, torch.Tensor]:
         a, b = self.index["offsets"][i], self.index["offsets"][i + 1]
         out = {name: self._rows(name, a, b, held) for name in ("input_ids", "loss_mask", "hidden_states")}
         if is_fp8(self.dtype):
@@ -384,7 +379,9 @@ class ShardReader:
                 out["hidden_states"] = dequantize(out["hidden_states"], scale, dtype)
         elif dtype is not None and dtype != self.dtype:
             if is_fp8(dtype):
-                raise ShardError(f"{self.name}: stored as {self.dtype}; fp8 is chosen when the run is created, not on read")
+                raise ShardError(
+                    f"{self.name}: stored as {self.dtype}; fp8 is chosen when the run is created, not on read"
+                )
             out["hidden_states"] = out["hidden_states"].to(dtype)
         return out
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from harvest.ids import check_id
-from harvest.read.dataset import eagle3_item
+from harvest.read.eagle3 import eagle3_item
 from harvest.read.reader import RunReader
 
 DTYPE = torch.bfloat16  # what SpecForge's TargetHead computes in
@@ -29,7 +30,9 @@ def sample_file(dest: str, shard_id: str, sample_id: str) -> str:
     return os.path.join(dest, check_id(shard_id, "shard id"), f"data_{check_id(sample_id, 'sample id')}.ckpt")
 
 
-def write_sample(sample: dict, reader: RunReader, path: str, atomic: Callable[[str, Callable[[str], None]], None]) -> None:
+def write_sample(
+    sample: dict[str, Any], reader: RunReader, path: str, atomic: Callable[[str, Callable[[str], None]], None]
+) -> None:
     item = eagle3_item(sample, reader.config)
     data = {
         "input_ids": item["input_ids"],

@@ -29,12 +29,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 from harvest.errors import ConfigurationError
 from harvest.formats.index import ShardError
-from harvest.read.dataset import eagle3_item
+from harvest.read.eagle3 import eagle3_item
 from harvest.read.reader import RunReader
 
 FORMAT = 1  # of the pointer's pickled arguments; a newer harvest reads older pointers
@@ -60,17 +61,20 @@ def run_reader(url: str, sample_id: str) -> RunReader:
         return reader
 
 
-class HarvestFeatures(Mapping):
+class HarvestFeatures(Mapping[str, Any]):
     """One sample's SpecForge features: tokens held, hidden states read from the run when asked."""
 
-    def __init__(self, run_url: str, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                 dtype: str) -> None:
+    def __init__(
+        self, run_url: str, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, dtype: str
+    ) -> None:
         self.run_url, self.sample_id, self.dtype = run_url, sample_id, dtype
         self._tensors: dict[str, torch.Tensor] = {"input_ids": input_ids, "loss_mask": loss_mask}
 
-    def __reduce__(self) -> tuple:
-        return (_restore, (FORMAT, self.run_url, self.sample_id, self._tensors["input_ids"],
-                           self._tensors["loss_mask"], self.dtype))
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _restore,
+            (FORMAT, self.run_url, self.sample_id, self._tensors["input_ids"], self._tensors["loss_mask"], self.dtype),
+        )
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in KEYS:
@@ -90,8 +94,10 @@ class HarvestFeatures(Mapping):
         try:
             sample = reader.get(self.sample_id, getattr(torch, self.dtype))
         except KeyError:
-            raise PointerError(f"sample {self.sample_id} is not committed in {self.run_url} (a repair excluded it?): "
-                               "export the run again with --in-place") from None
+            raise PointerError(
+                f"sample {self.sample_id} is not committed in {self.run_url} (a repair excluded it?): "
+                "export the run again with --in-place"
+            ) from None
         item = eagle3_item(sample, reader.config)
         if not torch.equal(item["input_ids"], self._tensors["input_ids"]):  # ids derive from tokens: never expected
             raise ShardError(f"sample {self.sample_id} of {self.run_url}: stored tokens differ from its pointer's")
@@ -99,20 +105,27 @@ class HarvestFeatures(Mapping):
         self._tensors["aux_hidden_state"] = item["aux_hidden_state"].unsqueeze(0)
 
 
-def _restore(fmt: int, run_url: str, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-             dtype: str) -> HarvestFeatures:
+def _restore(
+    fmt: int, run_url: str, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor, dtype: str
+) -> HarvestFeatures:
     """What unpickling a pointer file calls (torch.load): the features, nothing read yet."""
     if fmt > FORMAT:
         raise PointerError(f"a harvest pointer of format {fmt} (this harvest reads {FORMAT}): upgrade harvest")
     return HarvestFeatures(run_url, sample_id, input_ids, loss_mask, dtype)
 
 
-def write_pointer(reader: RunReader, sample_id: str, dtype: torch.dtype, path: str,
-                  atomic: Callable[[str, Callable[[str], None]], None]) -> None:
+def write_pointer(
+    reader: RunReader,
+    sample_id: str,
+    dtype: torch.dtype,
+    path: str,
+    atomic: Callable[[str, Callable[[str], None]], None],
+) -> None:
     """The pointer file of one sample at `path` (its tokens read and checked now)."""
     ids, mask = reader.tokens(sample_id)
-    features = HarvestFeatures(reader.loc.url(), sample_id, ids.to(torch.int64), mask.to(torch.int64),
-                               str(dtype).removeprefix("torch."))
+    features = HarvestFeatures(
+        reader.loc.url(), sample_id, ids.to(torch.int64), mask.to(torch.int64), str(dtype).removeprefix("torch.")
+    )
 
     def save(tmp: str) -> None:
         with open(tmp, "wb") as f:  # a file object: torch's zip writer refuses dot-names

@@ -41,16 +41,18 @@ import json
 import os
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 from harvest.atomic import atomic_folder
-from harvest.errors import ConfigurationError
 from harvest.progress import progress as progress_display
+from harvest.read.damage import CorruptSample, UnreadableShard
 from harvest.read.final_norm import FinalNorm
 from harvest.read.reader import RunReader
-from harvest.read.shard_reader import CorruptSample, UnreadableShard
+from harvest.read.trainers import ExportError
 from harvest.storage import TEMP_PREFIX, atomic_write_local
 
 MANIFEST = "harvest-export.json"
@@ -58,10 +60,6 @@ HIDDEN = "hidden_states"
 TOKEN_FREQ = "token_freq.pt"
 FINAL_NORM = "harvest-final-norm.safetensors"  # in place: the norm the backend undoes, so training needs no checkpoint
 PRE_NORM = "final:pre-norm (y / w of harvest's post-norm state)"
-
-
-class SpeculatorsExportError(ConfigurationError, ValueError):
-    """DEST holds something other than this run's speculators export."""
 
 
 def hs_file(dest: str, row: int) -> str:
@@ -81,12 +79,20 @@ def export_speculators(
     the corrupt samples whose rows could not be written). `in_place`: no hidden-state files, the
     rows are read from the run by the `harvest` backend (every row counts as written)."""
     if importlib.util.find_spec("datasets") is None:  # checked before any file is written
-        raise SpeculatorsExportError("the speculators export saves its dataset with the `datasets` package: "
-                                     "pip install 'harvest[speculators]' (or datasets)")
+        raise ExportError(
+            "the speculators export saves its dataset with the `datasets` package: "
+            "pip install 'harvest[speculators]' (or datasets)"
+        )
     rows = _plan_rows(reader, dest, dtype, in_place)
     if in_place:
-        atomic(os.path.join(dest, FINAL_NORM), lambda tmp: save_file(
-            {"weight": norm.weight.contiguous()}, tmp, metadata={"eps": repr(norm.eps), "model_type": norm.model_type}))
+        atomic(
+            os.path.join(dest, FINAL_NORM),
+            lambda tmp: save_file(
+                {"weight": norm.weight.contiguous()},
+                tmp,
+                metadata={"eps": repr(norm.eps), "model_type": norm.model_type},
+            ),
+        )
     else:
         os.makedirs(os.path.join(dest, HIDDEN), exist_ok=True)
     written = kept = 0
@@ -107,7 +113,7 @@ def export_speculators(
                 else:
                     sample = reader.get(sid, dtype)
                     ids, mask = sample["input_ids"], sample["loss_mask"]
-                    atomic(path, lambda tmp, s=sample: save_file(speculators_tensors(s, norm), tmp))
+                    atomic(path, partial(save_file, speculators_tensors(sample, norm)))
                     written += 1
             except (CorruptSample, UnreadableShard) as e:
                 corrupt.append((sid, e))
@@ -128,7 +134,7 @@ def export_speculators(
     return written, kept, corrupt
 
 
-def speculators_tensors(sample: dict, norm: FinalNorm) -> dict[str, torch.Tensor]:
+def speculators_tensors(sample: dict[str, Any], norm: FinalNorm) -> dict[str, torch.Tensor]:
     """A reader sample as speculators reads a row: `token_ids` [T] int64, `hidden_states` [T, K, H]
     with the last slot the pre-norm state `y / w`, in the sample's dtype (the export's files and the
     in-place backend both go through here, so they hold the same bytes). The last slot is replaced
@@ -148,27 +154,41 @@ def _plan_rows(reader: RunReader, dest: str, dtype: torch.dtype | None, in_place
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
         if doc.get("run") != reader.config.run or doc.get("format") != "speculators":
-            raise SpeculatorsExportError(
+            raise ExportError(
                 f"{dest} holds the {doc.get('format')} export of run {doc.get('run')!r}, not of run "
-                f"{reader.config.run!r}: choose another DEST")
+                f"{reader.config.run!r}: choose another DEST"
+            )
         if bool(doc.get("in_place")) != in_place:
-            was, now = ("in place", "with hidden-state files") if doc.get("in_place") else ("with hidden-state files", "in place")
-            raise SpeculatorsExportError(f"{dest} holds this run's export {was}; to export it {now}, choose another DEST")
+            was, now = (
+                ("in place", "with hidden-state files")
+                if doc.get("in_place")
+                else ("with hidden-state files", "in place")
+            )
+            raise ExportError(f"{dest} holds this run's export {was}; to export it {now}, choose another DEST")
         old = list(doc.get("samples", []))
         gone = [s for s in old if s not in reader]
         if gone:
-            raise SpeculatorsExportError(f"{dest}: {len(gone)} exported samples (first {gone[0]}) are not in the run "
-                                         f"at {reader.loc.url()}: choose another DEST")
+            raise ExportError(
+                f"{dest}: {len(gone)} exported samples (first {gone[0]}) are not in the run "
+                f"at {reader.loc.url()}: choose another DEST"
+            )
     elif os.path.isdir(dest) and os.listdir(dest):
-        raise SpeculatorsExportError(f"{dest} is not empty and holds no harvest export: choose an empty or new DEST")
+        raise ExportError(f"{dest} is not empty and holds no harvest export: choose an empty or new DEST")
     seen = set(old)
     rows = old + [s for s in reader.sample_ids if s not in seen]
     if rows != old or not old or in_place:
         os.makedirs(dest, exist_ok=True)
-        doc = {"format": "speculators", "run": reader.config.run, "capture_points": reader.capture_points,
-               "slots": reader.config.slots()[:-1] + [PRE_NORM], "samples": rows}
+        doc = {
+            "format": "speculators",
+            "run": reader.config.run,
+            "capture_points": reader.capture_points,
+            "slots": reader.config.slots()[:-1] + [PRE_NORM],
+            "samples": rows,
+        }
         if in_place:  # what the backend needs besides the rows (the URL: where the run is read from now)
-            doc.update(in_place=True, run_url=reader.loc.url(), dtype=str(dtype).removeprefix("torch.") if dtype else None)
+            doc.update(
+                in_place=True, run_url=reader.loc.url(), dtype=str(dtype).removeprefix("torch.") if dtype else None
+            )
         atomic_write_local(path, json.dumps(doc, indent=1).encode())
     return rows
 
@@ -179,8 +199,9 @@ def _save_dataset(dest: str, ids: list[list[int]], mask: list[list[int]]) -> Non
     from datasets import Dataset, Features, Sequence, Value
     from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
 
-    features = Features({"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")),
-                         "seq_len": Value("int64")})
+    features = Features(
+        {"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")), "seq_len": Value("int64")}
+    )
     ds = Dataset.from_dict({"input_ids": ids, "loss_mask": mask, "seq_len": [len(x) for x in ids]}, features=features)
     ds.set_format(type="torch")
     bars = is_progress_bar_enabled()

@@ -42,9 +42,9 @@ from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 from safetensors import safe_open
 
 from harvest.errors import ConfigurationError
+from harvest.read.damage import CorruptSample, UnreadableShard
 from harvest.read.final_norm import FinalNorm
 from harvest.read.reader import RunReader
-from harvest.read.shard_reader import CorruptSample, UnreadableShard
 from harvest.read.speculators import FINAL_NORM, MANIFEST, speculators_tensors
 
 NAME = "harvest"
@@ -67,12 +67,12 @@ class HarvestTransfer(HiddenStatesTransfer):
         self._lock = threading.Lock()
         self._named: set[str] = set()
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.update(_reader=None, _pid=-1, _lock=None, _named=set())
         return state
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
@@ -96,15 +96,18 @@ class HarvestTransfer(HiddenStatesTransfer):
             reader = self.reader(sid)
             return speculators_tensors(reader.get(sid, self.dtype), self.norm)
         except KeyError:
-            self._name(sid, "row %d: sample %s is not committed in %s (excluded by a repair?)", file_idx, sid,
-                       self.run_url)
+            self._name(
+                sid, "row %d: sample %s is not committed in %s (excluded by a repair?)", file_idx, sid, self.run_url
+            )
         except (CorruptSample, UnreadableShard) as e:
             self._name(sid, "row %d: %s", file_idx, e)
         return None
 
     def get_generated(self, hs_transfer_params: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-        raise HarvestBackendError("the harvest backend reads a run's committed samples; it generates nothing: train "
-                                  "with --on-missing raise, skip or warn, and extract missing samples with harvest run")
+        raise HarvestBackendError(
+            "the harvest backend reads a run's committed samples; it generates nothing: train "
+            "with --on-missing raise, skip or warn, and extract missing samples with harvest run"
+        )
 
     def _name(self, key: str, msg: str, *args: object) -> None:
         if key not in self._named:
@@ -117,9 +120,14 @@ class HarvestBackend(HiddenStatesBackend):
 
     @staticmethod
     def add_train_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--harvest-run", dest="harvest_run", type=str, default=None,
-                            help="harvest backend: the run's URL (<out>/<run>: a local path, s3://...); default: "
-                                 "the URL the export recorded in DATA_PATH/harvest-export.json")
+        parser.add_argument(
+            "--harvest-run",
+            dest="harvest_run",
+            type=str,
+            default=None,
+            help="harvest backend: the run's URL (<out>/<run>: a local path, s3://...); default: "
+            "the URL the export recorded in DATA_PATH/harvest-export.json",
+        )
 
     @staticmethod
     def add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -141,14 +149,20 @@ def open_transfer(data_path: str, run_url: str | None = None) -> HarvestTransfer
         with open(os.path.join(data_path, MANIFEST), encoding="utf-8") as f:
             doc = json.load(f)
     except FileNotFoundError:
-        raise HarvestBackendError(f"{data_path} holds no {MANIFEST}: write it with `harvest export --format speculators "
-                                  "--in-place --run-url RUN DATA_PATH`") from None
+        raise HarvestBackendError(
+            f"{data_path} holds no {MANIFEST}: write it with `harvest export --format speculators "
+            "--in-place --run-url RUN DATA_PATH`"
+        ) from None
     if doc.get("format") != "speculators":
-        raise HarvestBackendError(f"{data_path} holds a {doc.get('format')} export; speculators reads --format speculators")
+        raise HarvestBackendError(
+            f"{data_path} holds a {doc.get('format')} export; speculators reads --format speculators"
+        )
     norm_path = os.path.join(data_path, FINAL_NORM)
     if not os.path.exists(norm_path) or not doc.get("run_url"):
-        raise HarvestBackendError(f"{data_path} was exported by an older harvest (no run URL or final norm): export "
-                                  "it again with `harvest export --format speculators --in-place`")
+        raise HarvestBackendError(
+            f"{data_path} is not an in-place export (it records no run URL or final norm): "
+            "export it with `harvest export --format speculators --in-place`"
+        )
     with safe_open(norm_path, framework="pt") as f:
         weight, eps = f.get_tensor("weight"), float(f.metadata()["eps"])
     dtype = getattr(torch, doc["dtype"]) if doc.get("dtype") else None
@@ -163,7 +177,8 @@ def register() -> type[HiddenStatesBackend]:
         HiddenStatesBackend.register(NAME)(HarvestBackend)
     elif registry[NAME].__qualname__ != HarvestBackend.__qualname__:
         raise HarvestBackendError(f"another hidden-states backend is registered as {NAME!r}: {registry[NAME]!r}")
-    return registry[NAME]
+    backend: type[HiddenStatesBackend] = registry[NAME]
+    return backend
 
 
 register()

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from harvest.config import RunConfig
 from harvest.formats.index import encode_index, index_file
 from harvest.formats.runfile import RUN_FILE
-from harvest.formats.shard import encode_shard, plan_shard, shard_file, write_shard
+from harvest.formats.shard import encode_shard, plan_shard, shard_file
+from harvest.formats.shard_write import write_shard
 from harvest.formats.spool import SpooledSample, inspect_sample
 from harvest.node.spooldir import spool_path
 from harvest.storage import Location

@@ -23,7 +23,8 @@ from harvest.formats.settled import write_settled
 from harvest.formats.shard import shard_file
 from harvest.ops.ratio import run_ratio
 from harvest.ops.verify import Corruption, verify_run
-from harvest.read.dataset import HiddenStateDataset, HiddenStateIterable
+from harvest.read.dataset import HiddenStateDataset
+from harvest.read.feed import HiddenStateIterable
 from harvest.read.reader import RunReader
 from harvest.read.shard_reader import CorruptSample, ShardReader
 from harvest.state.ledger import Ledger

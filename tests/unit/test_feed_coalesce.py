@@ -17,7 +17,7 @@ import torch
 from harvest.formats.index import encode_index, index_file, parse_index, with_excluded
 from harvest.formats.shard import shard_file
 from harvest.read.coalesce import read_whole, runs, windows
-from harvest.read.dataset import HiddenStateIterable
+from harvest.read.feed import HiddenStateIterable
 from harvest.read.reader import RunReader
 from harvest.read.shard_reader import CorruptSample, ShardReader
 from tests.support.feedrun import FeedRun

@@ -16,7 +16,7 @@ import pytest
 from harvest.errors import ConfigurationError
 from harvest.formats.settled import SETTLED, clear_settled, read_settled, settle, unsettle, write_settled
 from harvest.formats.shard import shard_file
-from harvest.read.dataset import HiddenStateIterable
+from harvest.read.feed import HiddenStateIterable
 from harvest.read.follow import FeedStalled
 from harvest.read.readahead import ReadAhead
 from tests.support.feedrun import FeedRun

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from harvest.errors import ConfigurationError
 from harvest.formats.settled import write_settled
-from harvest.read.dataset import HiddenStateIterable
+from harvest.read.feed import HiddenStateIterable
 from tests.support.feedrun import FeedRun
 
 SHARDS = [1, 7, 2, 5, 3, 9, 4]  # 31 samples
@@ -101,7 +101,7 @@ def _rank_main(rank: int, url: str, init: str, out: str, newest: str) -> None:
 
     import torch.distributed as dist
 
-    import harvest.read.dataset as ds
+    import harvest.read.feed as ds
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     if rank == 1:

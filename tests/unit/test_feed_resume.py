@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from harvest.errors import ConfigurationError
 from harvest.formats.index import ShardError, encode_index, index_file, with_excluded
-from harvest.read.dataset import HiddenStateIterable
+from harvest.read.feed import HiddenStateIterable
 from tests.support.feedrun import FeedRun
 
 SHARDS = [4, 1, 6, 3, 8, 2, 5, 4]  # 33 samples

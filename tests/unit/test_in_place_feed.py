@@ -21,7 +21,8 @@ import harvest.read.specforge_feed as feed
 from harvest.read.export import _atomic
 from harvest.read.final_norm import FinalNorm
 from harvest.read.reader import RunReader
-from harvest.read.speculators import MANIFEST, SpeculatorsExportError, export_speculators, hs_file
+from harvest.read.speculators import MANIFEST, export_speculators, hs_file
+from harvest.read.trainers import ExportError
 from tests.support.need import need_module
 from tests.support.synth import HIDDEN
 from tests.unit.test_integrity import flip, make_run, pack
@@ -50,9 +51,9 @@ def test_speculators_rows_read_in_place_are_the_export_files(tmp_path, codec):
         assert all(torch.equal(got[k], want[k]) for k in got), row
     assert transfer.get_cached(6) is None and transfer.get_cached(-1) is None
     # A DEST keeps its form: no hidden-state files written into an in-place export, nor the reverse.
-    with pytest.raises(SpeculatorsExportError, match="in place; to export it with hidden-state files"):
+    with pytest.raises(ExportError, match="in place; to export it with hidden-state files"):
         export_speculators(reader, small, None, NORM, _atomic, progress=False)
-    with pytest.raises(SpeculatorsExportError, match="with hidden-state files; to export it in place"):
+    with pytest.raises(ExportError, match="with hidden-state files; to export it in place"):
         export_speculators(reader, full, None, NORM, _atomic, progress=False, in_place=True)
 
 

@@ -1,5 +1,5 @@
-"""The index records what the final slot holds: written by every shard plan, filled in for index
-files written before it was recorded, refused when it is not this harvest's convention."""
+"""The index records what the final slot holds: written by every shard plan, refused when it is
+missing or not this harvest's convention."""
 
 import pytest
 
@@ -13,7 +13,8 @@ def _doc(**extra):
 
 
 def test_index_final_state():
-    assert parse_index(_doc(), "i.json")["final_state"] == "post-norm"  # an index from before it was recorded
+    with pytest.raises(ShardError, match="i.json: final state None, this harvest reads post-norm"):
+        parse_index(_doc(), "i.json")
     assert parse_index(_doc(final_state="post-norm"), "i.json")["final_state"] == "post-norm"
     with pytest.raises(ShardError, match="i.json: final state 'pre-norm', this harvest reads post-norm"):
         parse_index(_doc(final_state="pre-norm"), "i.json")

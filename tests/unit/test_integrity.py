@@ -18,12 +18,14 @@ from torch.utils.data import DataLoader
 
 from harvest.formats.index import ShardError, committed_samples, encode_index, index_file, parse_index
 from harvest.formats.runfile import RUN_FILE
-from harvest.formats.shard import encode_shard, plan_shard, shard_file, write_shard
+from harvest.formats.shard import encode_shard, plan_shard, shard_file
+from harvest.formats.shard_write import write_shard
 from harvest.formats.spool import inspect_sample
 from harvest.node.spooldir import spool_path
 from harvest.ops.dedupe import DedupeReport, dedupe_run
 from harvest.ops.verify import Corruption, verify_run
-from harvest.read.dataset import HiddenStateDataset, HiddenStateIterable
+from harvest.read.dataset import HiddenStateDataset
+from harvest.read.feed import HiddenStateIterable
 from harvest.read.reader import RunReader
 from harvest.read.shard_reader import CorruptSample, ShardReader, UnreadableShard
 from harvest.storage import Location
@@ -267,7 +269,7 @@ def test_index_checksum_and_exclusion_fields_are_checked():
     def doc(**extra):
         return {"format": FORMAT, "shard_id": "a" * 32, "shard": f"shards/{'a' * 32}.safetensors",
                 "samples": ["s1", "s2"], "tokens": [3, 1], "offsets": [0, 3, 4], "bytes": 10, "sha256": "0" * 64,
-                "dtype": "bfloat16", "capture_points": [2, 4, 5, 8], **extra}
+                "dtype": "bfloat16", "capture_points": [2, 4, 5, 8], "final_state": "post-norm", **extra}
 
     names = ["hidden_states", "input_ids", "loss_mask"]
     ok = parse_index(doc(crc32=[[1, 2, 3], [4, 5, 2**32 - 1]], crc32_tensors=names, excluded={"s1": "duplicate"}), "i")

@@ -8,7 +8,9 @@ from torch.utils.data import DataLoader
 from collector.collector import Collector
 from harvest.config import RunConfig
 from harvest.formats.fp8 import dequantize
-from harvest.read.dataset import HiddenStateDataset, HiddenStateIterable, NoFinalState, eagle3_item
+from harvest.read.dataset import HiddenStateDataset
+from harvest.read.eagle3 import NoFinalState, eagle3_item
+from harvest.read.feed import HiddenStateIterable
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from harvest.formats.index import ShardError, encode_index, index_file, parse_index
-from harvest.formats.shard import ShardSums, copy_shard, plan_shard, shard_file, write_shard
+from harvest.formats.shard import ShardSums, plan_shard, shard_file
+from harvest.formats.shard_write import copy_shard, write_shard
 from harvest.formats.spool import SpoolError, inspect_sample
 from harvest.formats.stformat import BLOCK, encode
 from harvest.node.spooldir import spool_path
@@ -176,7 +177,7 @@ def test_spool_file_of_another_dtype_cannot_join_a_shard(tmp_path):
 def test_crc32_of_samples_read_in_pieces_cut_anywhere(tmp_path, monkeypatch, how):
     """The sums see the shard in buffers that cut samples and tensors anywhere (a buffer smaller
     than a sample, not a multiple of a row): each sample's crc32s still cover exactly its rows."""
-    from harvest.formats import shard
+    from harvest.formats import shard_write as shard
 
     cfg = make_config(str(tmp_path / "out"), dtype="fp8_e4m3")
     spool = str(tmp_path / "spool")
