@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -44,7 +45,7 @@ log = logging.getLogger("harvest.collector")
 
 
 class Packers:
-    def __init__(self, conn: redis.Redis, cfg: RunConfig, spool_dir: str, pack_workers: int = 1, **kw) -> None:
+    def __init__(self, conn: redis.Redis, cfg: RunConfig, spool_dir: str, pack_workers: int = 1, **kw: Any) -> None:
         if pack_workers < 1:
             raise ValueError("pack_workers must be at least 1")
         # The packers' commit stats, added up here and written at the node's beat (harvest.state.tally)

@@ -9,10 +9,14 @@ from __future__ import annotations
 import errno
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from harvest.formats.dump import Chunk, write_chunk
+
+if TYPE_CHECKING:
+    import logging
 
 
 class DumpWriter:
@@ -72,7 +76,7 @@ class DumpWriter:
             finally:
                 self._q.task_done()
 
-    def _write(self, c: Chunk, log) -> None:
+    def _write(self, c: Chunk, log: logging.Logger) -> None:
         """Write one chunk; while the dump dir is full, wait for workers to claim files (the
         bounded queue then blocks `submit`, so the engine's forward pauses instead of losing
         chunks), up to `full_wait_s`."""

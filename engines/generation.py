@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from harvest.state.conversation import GEN_RID_PREFIX  # harvest's generation requests: never dumped
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: a lower temperature samples greedily
 
@@ -107,7 +111,7 @@ def sampling(sp: dict) -> Sampling:
     return Sampling(n, temperature, top_p, seed, frozenset(stops), **flags)
 
 
-def eos_ids(model, tokenizer) -> set[int]:
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
     """The model's own stop tokens, which SGLang adds to every request's stop_token_ids
     (generation config, model config and tokenizer EOS)."""
     ids: set[int] = set()

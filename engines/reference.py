@@ -310,11 +310,11 @@ class ReferenceEngine:
             raise BadRequest(str(e)) from None
 
 
-def _handler(engine: ReferenceEngine):
+def _handler(engine: ReferenceEngine) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(self, fmt, *args):  # route through logging, quietly
+        def log_message(self, fmt: str, *args: object) -> None:  # route through logging, quietly
             log.debug("%s " + fmt, self.address_string(), *args)
 
         def _send(self, status: int, obj: object) -> None:
@@ -328,7 +328,7 @@ def _handler(engine: ReferenceEngine):
             except (BrokenPipeError, ConnectionResetError):  # the client timed out and left; its dumps stay for the janitor
                 log.info("client %s went away before the response", self.address_string())
 
-        def do_GET(self):
+        def do_GET(self) -> None:
             if self.path in ("/health", "/health_generate"):
                 self._send(200, {"status": "ok"})
             elif self.path in ("/get_model_info", "/model_info"):
@@ -338,7 +338,7 @@ def _handler(engine: ReferenceEngine):
             else:
                 self._send(404, {"error": {"message": f"no route {self.path}"}})
 
-        def do_POST(self):
+        def do_POST(self) -> None:
             if self.path != "/generate":
                 self._send(404, {"error": {"message": f"no route {self.path}"}})
                 return

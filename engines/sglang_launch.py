@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shlex
 from collections.abc import Sequence
+from typing import Any
 
 from engines.sglang_plugin import ENV_CAPTURE, ENV_DUMP_DIR, ENV_FINGERPRINT, ENV_MODEL
 from engines.venvs import EngineVenv
@@ -102,7 +103,7 @@ def launch_spec(
     return env, args
 
 
-def launch_command(model_path: str, capture_points: Sequence[int], num_layers: int, **kwargs) -> str:
+def launch_command(model_path: str, capture_points: Sequence[int], num_layers: int, **kwargs: Any) -> str:
     """`launch_spec` as one shell command line, for the README and `harvest sglang-args`."""
     env, args = launch_spec(model_path, capture_points, num_layers, **kwargs)
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +33,13 @@ from harvest.formats.dump import Chunk
 from harvest.ids import RID_PREFIX
 from harvest.node.modelcheck import ENV_FINGERPRINT, check_digest
 from harvest.node.paths import private_dir
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.logits_processor import LogitsMetadata, LogitsProcessor, LogitsProcessorOutput
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
 
 log = logging.getLogger("harvest.sglang_plugin")
 
@@ -81,7 +90,8 @@ def stack_states(
     return torch.stack(parts, dim=1)
 
 
-def chunks_for_forward(forward_batch, hidden_states: torch.Tensor, aux: object, num_aux: int, include_final: bool) -> list[Chunk]:
+def chunks_for_forward(forward_batch: ForwardBatch, hidden_states: torch.Tensor, aux: object, num_aux: int,
+                       include_final: bool) -> list[Chunk]:
     """The chunk files of one forward: nothing for decode, speculative verify, or batches
     without an `hv-` request (warmup, health checks, foreign traffic)."""
     mode = forward_batch.forward_mode
@@ -123,7 +133,7 @@ def _tp_writer() -> bool:
         return True
 
 
-def _unwrap_causal_lm(model):
+def _unwrap_causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     """Multimodal wrappers (e.g. Kimi-K2.5) hold the causal LM as `language_model`."""
     return getattr(model, "language_model", None) or model
 
@@ -140,7 +150,7 @@ class Capture:
         self._writes: bool | None = None
         self._warned: set[str] = set()
 
-    def warn_once(self, key: str, msg: str, *args) -> None:
+    def warn_once(self, key: str, msg: str, *args: object) -> None:
         if key not in self._warned:
             self._warned.add(key)
             log.warning("harvest: " + msg, *args)
@@ -153,7 +163,7 @@ class Capture:
         self.aux_layers = [p for p in self.cfg.capture_points if p < num_layers]
         self.include_final = num_layers in self.cfg.capture_points
 
-    def configure_model(self, model, num_layers: int) -> None:
+    def configure_model(self, model: torch.nn.Module, num_layers: int) -> None:
         """Turn on SGLang's EAGLE-3 aux capture for exactly our layers. The models' setters add
         1 to each id (and DeepSeek's does so only when the first id is 1), so the resulting
         inner list is checked and, if a model disagrees, set directly."""
@@ -182,7 +192,7 @@ class Capture:
             self._writer = DumpWriter(self.cfg.dump_dir, self.cfg.capture_points, self.cfg.model_name)
         return self._writer
 
-    def on_logits(self, forward_batch, hidden_states: torch.Tensor, aux: object) -> None:
+    def on_logits(self, forward_batch: ForwardBatch | LogitsMetadata, hidden_states: torch.Tensor, aux: object) -> None:
         if self.num_layers is None:
             self.warn_once("unconfigured", "the model was never configured for capture; no dumps will be written")
             return
@@ -196,7 +206,7 @@ class Capture:
                 w.submit(chunks)
 
 
-def _prefill_backend(server_args) -> str | None:
+def _prefill_backend(server_args: ServerArgs) -> str | None:
     """The resolved prefill graph backend of 0.5.23+ (`cuda_graph_config['prefill'].backend`,
     which folds in every legacy flag and the platform default: disabled on CPU), else None."""
     cfg = getattr(server_args, "cuda_graph_config", None)
@@ -210,7 +220,7 @@ def _prefill_backend(server_args) -> str | None:
     return None if backend is None else str(backend)
 
 
-def prefill_graphs_on(server_args) -> bool:
+def prefill_graphs_on(server_args: ServerArgs) -> bool:
     """Whether prefill runs as a CUDA graph, in any supported SGLang version's spelling."""
     sa = server_args
     if getattr(sa, "disable_cuda_graph", False):
@@ -227,7 +237,7 @@ def prefill_graphs_on(server_args) -> bool:
     return bool(getattr(sa, "enable_piecewise_cuda_graph", False))
 
 
-def check_server_args(server_args, warn) -> None:
+def check_server_args(server_args: ServerArgs | None, warn: Callable[[str, str], None]) -> None:
     """Say once, clearly, when the server runs with an option that defeats the plugin."""
     if server_args is None:
         return
@@ -241,7 +251,7 @@ def check_server_args(server_args, warn) -> None:
 _capture: Capture | None = None
 
 
-def _after_load_model(result, runner, *args, **kwargs):
+def _after_load_model(result: object, runner: ModelRunner, *args: object, **kwargs: object) -> object:
     """AFTER hook on ModelRunner.load_model: before CUDA graphs are captured."""
     if _capture is None or getattr(runner, "is_draft_worker", False):
         return result
@@ -255,7 +265,10 @@ def _after_load_model(result, runner, *args, **kwargs):
     return result
 
 
-def _around_logits(orig, processor, input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs):
+def _around_logits(orig: Callable[..., LogitsProcessorOutput], processor: LogitsProcessor, input_ids: torch.Tensor,
+                   hidden_states: torch.Tensor, lm_head: VocabParallelEmbedding,
+                   logits_metadata: LogitsMetadata | ForwardBatch, *args: object,
+                   **kwargs: object) -> LogitsProcessorOutput:
     aux = args[0] if args else kwargs.get("aux_hidden_states")
     if _capture is not None:
         _capture.on_logits(logits_metadata, hidden_states, aux)

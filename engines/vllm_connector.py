@@ -28,6 +28,7 @@ import json
 import os
 import zlib
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
@@ -36,6 +37,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     PendingSave,
     extract_from_kv_cache,
 )
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnectorMetadata,
+    )
+    from vllm.v1.core.sched.output import SchedulerOutput
 
 CONNECTOR_NAME = "HarvestHiddenStatesConnector"
 FORMAT = "harvest-vllm-1"
@@ -62,7 +69,7 @@ class HarvestHiddenStatesConnector(ExampleHiddenStatesConnector):
         hf = self._vllm_config.speculative_config.draft_model_config.hf_config
         return sorted(int(i) for i in getattr(hf, "eagle_aux_hidden_state_layer_ids", []))
 
-    def build_connector_meta(self, scheduler_output):
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ExampleHiddenStatesConnectorMetadata:
         """The stock metadata, less generation requests: with no file name recorded, the worker
         creates no lock and `request_finished` saves nothing (its never-scheduled path)."""
         meta = super().build_connector_meta(scheduler_output)
@@ -71,7 +78,8 @@ class HarvestHiddenStatesConnector(ExampleHiddenStatesConnector):
             self._request_filenames.pop(req_id, None)
         return meta
 
-    def _write_tensors(self, tensors: dict[str, torch.Tensor], event, filename: str, lock_fd: int | None) -> None:
+    def _write_tensors(self, tensors: dict[str, torch.Tensor], event: torch.cuda.Event | CompletedEvent, filename: str,
+                       lock_fd: int | None) -> None:
         """The stock writer plus metadata (the stock one is a staticmethod; this bound method
         takes its place in the same `self._executor.submit(self._write_tensors, ...)` calls)."""
         meta = {"format": FORMAT, "layer_ids": json.dumps(self._layer_ids())}

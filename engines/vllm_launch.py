@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Sequence
+from typing import Any
 
 from engines.venvs import EngineVenv
 from harvest.errors import ConfigurationError
@@ -99,7 +100,7 @@ def launch_spec(
     return env, args
 
 
-def launch_command(model_path: str, capture_points: Sequence[int], num_layers: int, **kwargs) -> str:
+def launch_command(model_path: str, capture_points: Sequence[int], num_layers: int, **kwargs: Any) -> str:
     """`launch_spec` as one shell command line, for the README and `harvest vllm-args`."""
     env, args = launch_spec(model_path, capture_points, num_layers, **kwargs)
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harvest.errors import ConfigurationError
 from harvest.formats.codec import CODECS, NONE
@@ -234,7 +234,7 @@ def build_config(
     engine: str = IdentityDefaults.engine,
     tokenizer: str | None = None,
     codec: str = IdentityDefaults.codec,
-    **extra,
+    **extra: Any,
 ) -> RunConfig:
     """A RunConfig from a model directory: its layer count and width come from its config.json.
     A local model, tokenizer and output are stored absolute: run.json is read from other folders

@@ -16,9 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from harvest.settings import CollectorSettings, StorageSettings
 from harvest.storage import Location, retry
+
+T = TypeVar("T")
 
 MIN_PART_BYTES = 5 << 20  # S3's minimum for every part but the last
 DEFAULT_PART_BYTES = CollectorSettings.part_bytes
@@ -36,7 +39,7 @@ class Upload:
     attempts: int = StorageSettings.attempts
     retry_delay: float = StorageSettings.retry_delay_s
 
-    def _call(self, method: str, **kw):
+    def _call(self, method: str, **kw: object) -> dict:
         bucket, key, _ = self.loc.fs.split_path(self.loc.path(self.name))
         return self.loc.fs.call_s3(method, Bucket=bucket, Key=key, **kw)
 
@@ -73,10 +76,10 @@ class MultipartWriter:
         self._sent: list[Future] = []
         self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="harvest-part")
 
-    def _retry(self, fn):
+    def _retry(self, fn: Callable[[], T]) -> T:
         return retry(fn, self.what, attempts=self.attempts, base_delay=self.retry_delay)
 
-    def write(self, data) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         self._buf += data
         while len(self._buf) >= self.part_bytes:
             self._send(bytes(self._buf[: self.part_bytes]))

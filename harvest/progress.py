@@ -11,13 +11,16 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import IO
+from typing import IO, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 PLAIN_INTERVAL_S = 30.0  # between two plain progress lines; a log line more often is noise
 
 
 def progress(desc: str, unit: str = " it", total: int | None = None, enabled: bool = True,
-             stream: IO[str] | None = None, interval: float = PLAIN_INTERVAL_S):
+             stream: IO[str] | None = None, interval: float = PLAIN_INTERVAL_S) -> tqdm | PlainProgress:
     """A progress display with tqdm's interface (`update`, `n`, `total`, `set_postfix`,
     `set_postfix_str`, `refresh`, `close`, a context manager): a tqdm bar when `stream` (default
     stderr) is a terminal, `PlainProgress` lines otherwise, nothing when not `enabled`."""
@@ -54,14 +57,14 @@ class PlainProgress:
     def __enter__(self) -> PlainProgress:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def update(self, n: int = 1) -> None:
         self.n += n
         self._maybe_print()
 
-    def set_postfix(self, ordered_dict: dict | None = None, refresh: bool = True, **kwargs) -> None:
+    def set_postfix(self, ordered_dict: dict | None = None, refresh: bool = True, **kwargs: object) -> None:
         items = {**(ordered_dict or {}), **{k: kwargs[k] for k in sorted(kwargs)}}  # keys sorted, as tqdm does
         self.postfix = ", ".join(f"{k}={v}" for k, v in items.items())
         if refresh:

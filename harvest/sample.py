@@ -9,12 +9,16 @@ are one sample, and a row changed in Redis no longer matches its id.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from harvest.errors import InputError
 from harvest.ids import sample_id
 from harvest.state.conversation import Conversation, ConversationError
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 
 class SampleError(InputError, ValueError):
@@ -32,7 +36,8 @@ class Sample:
     conv: Conversation | None = None
 
     @classmethod
-    def build(cls, input_ids, loss_mask=None, conv: Conversation | None = None) -> Sample:
+    def build(cls, input_ids: ArrayLike, loss_mask: ArrayLike | None = None,
+              conv: Conversation | None = None) -> Sample:
         ids = np.asarray(input_ids, dtype=np.int64)
         if ids.ndim != 1:
             raise SampleError(f"input_ids must be a flat list, got shape {ids.shape}")

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -186,7 +186,7 @@ class Location:
         with self.naming(name):
             return self.fs.cat_file(self.path(name), start=start, end=end)
 
-    def read_json(self, name: str):
+    def read_json(self, name: str) -> Any:
         """The JSON document `name`; one that does not parse is an UnreadableDocument naming it."""
         data = self.read_bytes(name)
         try:

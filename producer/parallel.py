@@ -18,15 +18,19 @@ from __future__ import annotations
 import multiprocessing as mp
 from collections import deque
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from harvest.sample import Sample
 from producer.rows import BadRow, Row
 from producer.tokenize import RowTokenizer
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 _worker: RowTokenizer | None = None
 
 
-def _init(tokenizer, kwargs: dict) -> None:
+def _init(tokenizer: PreTrainedTokenizerBase, kwargs: dict) -> None:
     global _worker
     _worker = RowTokenizer(tokenizer, **kwargs)
 
@@ -40,7 +44,7 @@ def _work(batch: list[Row | BadRow]) -> tuple[list[Sample | BadRow], int]:
 class ProcessTokenizer:
     """Like RowTokenizer over a stream of batches, but in `processes` worker processes."""
 
-    def __init__(self, tokenizer, processes: int, **kwargs) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, processes: int, **kwargs: Any) -> None:
         # Built here first: a bad template or tokenizer fails in the parent; and it tokenizes any
         # batch the pool could not.
         self.local = RowTokenizer(tokenizer, **kwargs)

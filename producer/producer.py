@@ -13,6 +13,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -29,6 +30,12 @@ from producer.rowkinds import FieldMap, RowError
 from producer.rows import BadRow
 from producer.sources import read_dataset
 from producer.tokenize import LengthPolicy, RowTokenizer
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+    from transformers import PreTrainedTokenizerBase
+
+    from harvest.progress import PlainProgress
 
 log = logging.getLogger("harvest.producer")
 BATCH_ROWS = 256  # rows tokenized together (one encode_batch call)
@@ -61,7 +68,7 @@ class ProduceSummary:
         return f"{head}; {body}; {tail}"
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:
@@ -76,8 +83,8 @@ def _batches(rows: Iterable, n: int) -> Iterator[list]:
         yield batch
 
 
-def produce(conn: redis.Redis | None, cfg: RunConfig | None, dataset: str, *args, dry_run: bool = False,
-            **kw) -> ProduceSummary:
+def produce(conn: redis.Redis | None, cfg: RunConfig | None, dataset: str, *args: Any, dry_run: bool = False,
+            **kw: Any) -> ProduceSummary:
     """Tokenize DATASET and enqueue its samples for the run (or only count them, with dry_run);
     the arguments are `produce_pass`'s.
 
@@ -109,7 +116,7 @@ def produce_pass(
     conn: redis.Redis | None,
     cfg: RunConfig | None,
     dataset: str,
-    tokenizer=None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     max_queued: int = DEFAULT_MAX_QUEUED,
     progress: bool = True,
     strict: bool = False,
@@ -181,7 +188,7 @@ def produce_pass(
     return s
 
 
-def _postfix(bar, s: ProduceSummary, enq: Enqueuer | None, refresh: bool) -> None:
+def _postfix(bar: tqdm | PlainProgress, s: ProduceSummary, enq: Enqueuer | None, refresh: bool) -> None:
     """The display's counts as they are now (a dry run shows what it found)."""
     if enq:
         bar.set_postfix(enqueued=enq.stats.enqueued, skipped=enq.stats.skipped, bad=s.bad, refresh=refresh)
@@ -190,7 +197,7 @@ def _postfix(bar, s: ProduceSummary, enq: Enqueuer | None, refresh: bool) -> Non
 
 
 def _count(s: ProduceSummary, result: Sample | BadRow, enq: Enqueuer | None, strict: bool, fail_overlong: bool,
-           on_bad) -> None:
+           on_bad: Callable[[BadRow], None] | None) -> None:
     if isinstance(result, Sample):
         s.samples += 1
         s.sample_tokens += result.num_tokens

@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from harvest.errors import InputError
+
+if TYPE_CHECKING:
+    from tokenizers import Encoding
+    from transformers import PreTrainedTokenizerBase
 
 try:
     from transformers.utils.chat_template_utils import (
@@ -50,7 +55,7 @@ def load_chat_template(path: str) -> str:
 class ChatRenderer:
     """Renders conversations with one chat template (the tokenizer's, or one given)."""
 
-    def __init__(self, tokenizer, chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None) -> None:
         tpl = chat_template if chat_template is not None else tokenizer.chat_template
         if isinstance(tpl, dict):  # named templates: the default one renders chats
             tpl = tpl.get("default")
@@ -129,7 +134,7 @@ class ChatRenderer:
         return full, spans
 
 
-def mask_from_spans(encoding, spans: Sequence[Span]) -> np.ndarray:
+def mask_from_spans(encoding: Encoding, spans: Sequence[Span]) -> np.ndarray:
     """1 for every token holding a character of a span (a token straddling a span's edge is one
     the model emits, so it counts), 0 for the rest. `encoding` is a `tokenizers.Encoding` of the
     rendered text; its char -> token map makes this O(spans), not O(tokens)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -20,9 +21,12 @@ from harvest.errors import ConfigurationError
 from harvest.sample import Sample, SampleError
 from harvest.settings import ProducerSettings
 from harvest.state.conversation import Conversation, ConversationError
-from producer.rowkinds import Chat, FieldMap, Pretokenized, PromptCompletion, RowError, Text, classify
+from producer.rowkinds import Chat, FieldMap, Pretokenized, PromptCompletion, RowError, RowKind, Text, classify
 from producer.rows import OVERLONG_POLICIES, BadRow, Row, exception_reason
 from producer.templates import ChatRenderer, TemplateError, mask_from_spans
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ROW_ERRORS = (RowError, TemplateError, SampleError, ConversationError)  # harvest's own verdicts on a row, told as they are
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ class RowTokenizer:
 
     def __init__(
         self,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         fields: FieldMap = FieldMap(),
         chat_template: str | None = None,
         length: LengthPolicy = LengthPolicy(),
@@ -190,7 +194,7 @@ class RowTokenizer:
             out[i] = self._finish(rows[i], ids, mask)
         return out  # type: ignore[return-value]
 
-    def _conversation_plan(self, kind, plain: _Texts) -> tuple:
+    def _conversation_plan(self, kind: RowKind, plain: _Texts) -> tuple:
         """A chat row of a --regenerate run, cut for its turns to be written (harvest.state.conversation):
         its texts between the assistant turns, and each turn's placeholder text (whose last token is the
         template's end-of-turn token), queued for the batch's tokenizer call. A chat that ends on another
@@ -250,7 +254,7 @@ class RowTokenizer:
             raise RowError(f"'{f['loss_mask']}' has {len(mask)} entries for {len(ids)} tokens")
         return np.array(ids, np.int64), np.array(mask, np.uint8)
 
-    def _finish(self, row: Row, ids, mask) -> Sample | BadRow:
+    def _finish(self, row: Row, ids: np.ndarray | list[int], mask: np.ndarray | list[int] | None) -> Sample | BadRow:
         n = len(ids)
         if n == 0:
             return BadRow(row.where, "empty sample (0 tokens)", "empty")

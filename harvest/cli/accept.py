@@ -24,7 +24,8 @@ from harvest.cli.reach import reach, work_dir_option
               help="The run's output URL (default: the one the run in Redis records).")
 @s3_options
 @work_dir_option
-def accept_model_cmd(run, model_dir, redis_url, out_url, s3_endpoint, s3_region, work_dir) -> None:
+def accept_model_cmd(run: str, model_dir: str, redis_url: str, out_url: str | None, s3_endpoint: str | None,
+                     s3_region: str | None, work_dir: str | None) -> None:
     """Record MODEL as RUN's checkpoint in its run.json and in Redis: for the same model saved again,
     whose fingerprint changed. Checks its shape (layers, width) only: the states it computes are
     yours to vouch for (`harvest audit` compares a sample of them). Stop the run first."""

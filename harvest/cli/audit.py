@@ -42,8 +42,10 @@ ROUTES = ("engine", "hf")
                    "be extracted and committed again, once.")
 @no_progress_option
 @s3_options
-def audit_cmd(run, redis_url, out_url, n, seed, route, engine_url, dump_dir, chunked_prefill_size, model, device,
-              tolerance, requeue_bad, no_progress, s3_endpoint, s3_region) -> None:
+def audit_cmd(run: str, redis_url: str, out_url: str | None, n: int, seed: int | None, route: str,
+              engine_url: str | None, dump_dir: str | None, chunked_prefill_size: int, model: str | None,
+              device: str | None, tolerance: float | None, requeue_bad: bool, no_progress: bool,
+              s3_endpoint: str | None, s3_region: str | None) -> None:
     """Recompute N committed samples of RUN by a second route and compare them with what is stored,
     per capture point; exit 1 if any differs beyond the storage dtype's bound or is corrupt."""
     import secrets
@@ -105,7 +107,7 @@ def audit_cmd(run, redis_url, out_url, n, seed, route, engine_url, dump_dir, chu
 @click.command("ratio")
 @click.option("--run-url", required=True, help="The run's output folder: <out>/<run> (local path or fsspec URL).")
 @s3_options
-def ratio_cmd(run_url, s3_endpoint, s3_region) -> None:
+def ratio_cmd(run_url: str, s3_endpoint: str | None, s3_region: str | None) -> None:
     """How much smaller the run's codec stores its committed hidden states (from the index files alone)."""
     from harvest.ops.ratio import run_ratio
     from harvest.storage import Location

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -36,6 +37,9 @@ from harvest.node.modelcheck import check_engine
 from harvest.ops.audit import Unchecked
 from harvest.sample import Sample
 from harvest.settings import AuditSettings
+
+if TYPE_CHECKING:
+    import torch
 
 
 class AuditEngineDown(ServiceError, RuntimeError):
@@ -110,7 +114,7 @@ class EngineRoute:
                                   f"{self.settings.engine_wait_s:.0f}s: {_tail(self._log)}")
         return url, dumps
 
-    def recompute(self, sample: Sample):
+    def recompute(self, sample: Sample) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
         import torch
 
         from harvest.state.failures import SampleFailure

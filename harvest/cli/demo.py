@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 import os
 import random
+from typing import TYPE_CHECKING
 
 from harvest.atomic import atomic_folder
+
+if TYPE_CHECKING:
+    import torch
 
 DEMO_VERSION = "2"  # 2: random non-unit norm weights
 DEMO_CHUNKED_PREFILL = 64  # the reference engine's chunk in `harvest demo`: demo_rows' lengths straddle it
@@ -99,7 +103,7 @@ def build_tiny_model(path: str | None = None, *, layers: int = 8, hidden: int = 
     return path
 
 
-def _randomize_norms(model, seed: int) -> None:
+def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
     """Every RMSNorm weight (each layer's two and the final one) uniform in [0.3, 2.0], fixed seed."""
     import torch
 

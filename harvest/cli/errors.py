@@ -27,11 +27,15 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from harvest.errors import ConfigurationError, HarvestError, InputError, ServiceError, StorageError
 from harvest.settings import RedisSettings
+
+if TYPE_CHECKING:
+    import redis
 
 # harvest.state.connection imports redis (~70 ms): imported where used, so `harvest --help` and the
 # commands without Redis (export, engine) do not pay for it. tests/unit/test_connection.py holds
@@ -63,7 +67,7 @@ def redis_fix(url: str | None, cause: str = "") -> str:
             "(default from HARVEST_REDIS_URL)")
 
 
-def _ping(conn, wait_s: float) -> None:
+def _ping(conn: redis.Redis, wait_s: float) -> None:
     """First contact. A server still loading its data (a restart replays its append-only file,
     answering LOADING meanwhile) is running: it is waited for as an outage would be, up to
     `wait_s`, and then told as loading (`_redis_loading`), never as a Redis to start."""
@@ -82,7 +86,7 @@ def _ping(conn, wait_s: float) -> None:
             time.sleep(0.2)
 
 
-def connect(url: str, ping: bool = True, outage_s: float | None = None):
+def connect(url: str, ping: bool = True, outage_s: float | None = None) -> redis.Redis:
     """The client of a one-shot command for `url` (at most 5 s to connect; a Redis lost mid-command
     waited for `outage_s`, default ONE_SHOT_OUTAGE_S, then RedisLost, per call: the client is not
     latched, so a process that stays up, as the metrics exporter, answers again once Redis is
@@ -98,7 +102,7 @@ def connect(url: str, ping: bool = True, outage_s: float | None = None):
     return conn
 
 
-def connect_service(url: str, outage_s: float | None = None):
+def connect_service(url: str, outage_s: float | None = None) -> redis.Redis:
     """The client of a long-running process for `url`: reached now (or the command fails at once,
     naming the fix), then every outage up to `outage_s` (None: HARVEST_REDIS_OUTAGE_S, else
     RedisSettings.outage_s) waited out; past it RedisLost, and the client is latched (the process
@@ -235,18 +239,19 @@ class OwnExitCommand(click.Command):
     """A command with exit statuses of its own (`harvest node`): `exit_status_of(err)` for a
     HarvestError, and `usage_exit` for a bad flag or argument (click's UsageError)."""
 
-    def __init__(self, *args, exit_status_of: Callable[[HarvestError], int], usage_exit: int, **kw) -> None:
+    def __init__(self, *args: Any, exit_status_of: Callable[[HarvestError], int], usage_exit: int,
+                 **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.exit_status_of, self.usage_exit = exit_status_of, usage_exit
 
-    def make_context(self, *args, **kw) -> click.Context:
+    def make_context(self, *args: Any, **kw: Any) -> click.Context:
         try:
             return super().make_context(*args, **kw)
         except click.UsageError as e:
             e.exit_code = self.usage_exit
             raise
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx: click.Context) -> Any:
         ctx.meta[EXIT_STATUS_OF] = self.exit_status_of
         try:
             return super().invoke(ctx)
@@ -259,11 +264,12 @@ class HarvestGroup(click.Group):
     """The `harvest` group: a command's known failure becomes one line and its exit status (2;
     a Redis lost past its wait, 75: temporary, the same command resumes)."""
 
-    def resolve_command(self, ctx: click.Context, args: list[str]):
+    def resolve_command(self, ctx: click.Context,
+                        args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
         ctx.meta[_ARGS] = list(args)
         return super().resolve_command(ctx, args)
 
-    def invoke(self, ctx: click.Context):
+    def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.ClickException, click.Abort):

@@ -51,8 +51,9 @@ def _dump_dir(dump_dir: str | None, run: str | None) -> str:
               help="cpu: SGLang's CPU engine from HARVEST_SGLANG_VENV (scripts/sglang_venv.sh), as CI runs it.")
 @click.option("--dtype", default=EngineSettings.dtype, show_default=True,
               help="SGLang --dtype (float32 for exact CPU comparisons).")
-def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, tp_size, port, chunked_prefill_size,
-                    sglang_version, device, dtype) -> None:
+def sglang_args_cmd(model_path: str, layers: str, num_layers: int | None, run: str | None, redis_url: str,
+                    dump_dir: str | None, tp_size: int, port: int, chunked_prefill_size: int, sglang_version: str,
+                    device: str, dtype: str) -> None:
     """Print the SGLang launch command (with the plugin's environment) for a run."""
     from engines.sglang_launch import launch_command, venv_python
     from engines.venvs import VenvMissing
@@ -78,8 +79,9 @@ def sglang_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, tp
 @click.option("--kvcache-gib", default=EngineSettings.vllm_kvcache_gib, show_default=True, type=click.IntRange(1), help="VLLM_CPU_KVCACHE_SPACE.")
 @click.option("--python", "python", default=None, help="The vLLM venv's python (default: HARVEST_VLLM_VENV's, else 'python').")
 @click.option("--enforce-eager", is_flag=True, help="Skip torch.compile (faster start; what `harvest run --engine vllm` uses).")
-def vllm_args_cmd(model_path, layers, num_layers, run, redis_url, dump_dir, port, dtype, kvcache_gib, python,
-                  enforce_eager) -> None:
+def vllm_args_cmd(model_path: str, layers: str, num_layers: int | None, run: str | None, redis_url: str,
+                  dump_dir: str | None, port: int, dtype: str, kvcache_gib: int, python: str | None,
+                  enforce_eager: bool) -> None:
     """Print the vLLM server command (connector, capture layers, environment) for a run; vLLM
     writes its files into DUMP_DIR/.vllm."""
     from engines.venvs import VenvMissing

@@ -4,6 +4,7 @@ harvest.cli.nodeserve's, the node harvest.cli.node's)."""
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
@@ -20,8 +21,11 @@ from harvest.cli.options import (
 )
 from harvest.settings import NodeSettings
 
+if TYPE_CHECKING:
+    from harvest.errors import HarvestError
 
-def _node_exit_status(err) -> int:
+
+def _node_exit_status(err: HarvestError) -> int:
     from harvest.cli.nodeserve import node_exit_status
 
     return node_exit_status(err)
@@ -51,8 +55,9 @@ def _node_exit_status(err) -> int:
               help="Seconds to wait for Redis to answer and for the run to appear in it, and for a Redis that went "
                    "away to come back, before exiting 75.")
 @s3_endpoint_option
-def node_cmd(run, redis_url, engine, engine_url, model, tp_size, dp_size, workers, work, node, stop_grace, join_wait,
-             s3_endpoint) -> None:
+def node_cmd(run: str, redis_url: str, engine: str | None, engine_url: str | None, model: str | None, tp_size: int,
+             dp_size: int, workers: int, work: str | None, node: str | None, stop_grace: float, join_wait: float,
+             s3_endpoint: str | None) -> None:
     """Join run RUN as one node: start its engines, workers and collector, keep them until the run
     is done, stop them in order on SIGTERM.
 

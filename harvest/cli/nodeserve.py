@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import click
 
@@ -41,6 +42,9 @@ from harvest.ids import safe_id
 from harvest.ops.recovery import Recovery
 from harvest.settings import NodeSettings, RunnerSettings
 from harvest.state.connection import REDIS_LOST_EXIT
+
+if TYPE_CHECKING:
+    import redis
 
 DONE_EXIT = 0
 REQUEUE_EXIT = REDIS_LOST_EXIT  # 75: a signal, or Redis away past the join wait (77: harvest.errors.OutputRefused)
@@ -91,7 +95,7 @@ def join(redis_url: str, run: str, wait_s: float) -> tuple[object, RunConfig]:
         time.sleep(JOIN_POLL_S)
 
 
-def _done(conn, run: str) -> bool:
+def _done(conn: redis.Redis, run: str) -> bool:
     from harvest.state.ledger import Ledger
     from harvest.state.passes import produced
 
@@ -148,7 +152,7 @@ def _serve(run: str, redis_url: str, settings: NodeSettings, engine: str | None,
         locks.release()
 
 
-def _serve_locked(conn, cfg: RunConfig, redis_url: str, settings: NodeSettings, plan: EnginePlan | None,
+def _serve_locked(conn: redis.Redis, cfg: RunConfig, redis_url: str, settings: NodeSettings, plan: EnginePlan | None,
                   model: str, work: str, dumps: str) -> int:
     logs, spool = os.path.join(work, "logs"), os.path.join(work, "spool")
     os.makedirs(logs, exist_ok=True)

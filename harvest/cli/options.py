@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -25,6 +26,7 @@ REDIS_ENV = "HARVEST_REDIS_URL"
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
 # The engines `harvest run` can start itself when no --engine-url is given.
 LAUNCHABLE_ENGINES = ("reference", "sglang", "vllm")
+F = TypeVar("F", bound=Callable[..., Any])  # a command function, given options by a decorator
 
 
 def fail(msg: str) -> NoReturn:
@@ -132,7 +134,7 @@ on_length_option = click.option("--on-length", type=click.Choice(list(ON_LENGTH)
                                      "its sample (reason generation-length), or is kept cut short.")
 
 
-def regenerate_options(f):
+def regenerate_options(f: F) -> F:
     """The regeneration stage's options (`harvest run`, `harvest produce`)."""
     for opt in reversed((regenerate_flag, max_new_tokens_option, temperature_option, top_p_option, on_length_option)):
         f = opt(f)
@@ -151,7 +153,7 @@ def regenerate_settings(regenerate: bool, max_new_tokens: int, temperature: floa
     return Regeneration(max_new_tokens, temperature, top_p, on_length, found[0] if found else None).to_dict()
 
 
-def producer_options(f):
+def producer_options(f: F) -> F:
     """Every option of the producer's reading and tokenizing (not its run or Redis options)."""
     for opt in reversed((batch_samples_option, batch_tokens_option, fields_option, chat_template_option,
                          max_len_option, overlong_option, strict_option, processes_option)):
@@ -159,7 +161,8 @@ def producer_options(f):
     return f
 
 
-def producer_kwargs(fields, chat_template, max_len, overlong, strict, processes) -> dict:
+def producer_kwargs(fields: tuple[str, ...], chat_template: str | None, max_len: int | None, overlong: str,
+                    strict: bool, processes: int) -> dict:
     """`producer.producer.produce`'s keyword arguments from the shared producer options."""
     from producer.rowkinds import FieldMap
     from producer.templates import load_chat_template
@@ -171,7 +174,7 @@ def producer_kwargs(fields, chat_template, max_len, overlong, strict, processes)
                 chat_template=load_chat_template(chat_template) if chat_template else None, processes=processes)
 
 
-def engine_option(kinds: tuple[str, ...], help: str):
+def engine_option(kinds: tuple[str, ...], help: str) -> Callable[[F], F]:
     return click.option("--engine", "engine", default=IdentityDefaults.engine, show_default=True,
                         type=click.Choice(list(kinds)), help=help)
 
@@ -191,7 +194,7 @@ dp_option = click.option("--dp", "dp_size", default=EngineSettings.dp_size, show
                          help="Engine servers started, each on its own --tp GPUs and with its own --workers.")
 
 
-def s3_options(f):
+def s3_options(f: F) -> F:
     return s3_endpoint_option(s3_region_option(f))
 
 
@@ -208,7 +211,7 @@ launch_dump_dir_option = click.option("--dump-dir", default=None,
                                            f"{default_dump_dir()} without --run).")
 
 
-def launch_options(f):
+def launch_options(f: F) -> F:
     for opt in reversed((launch_model_option, layers_option, num_layers_option, launch_run_option, redis_option,
                          launch_dump_dir_option)):
         f = opt(f)

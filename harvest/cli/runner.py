@@ -47,7 +47,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -73,13 +73,16 @@ from harvest.state.ledger import Ledger
 from harvest.state.runstore import check_run, publish_run
 
 if TYPE_CHECKING:
+    import redis
+
     from harvest.cli.engineplan import EnginePlan
     from producer.producer import ProduceSummary
+    from producer.rows import BadRow
 
 AGAIN_PASSES = 3  # producer passes after the extraction for samples a Redis lost: each follows a Redis that lost more
 
 
-def _report_bad(row) -> None:
+def _report_bad(row: BadRow) -> None:
     tqdm.write(f"{row.kind} row {row}", file=sys.stderr)  # above the progress bar
 
 
@@ -154,7 +157,7 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
 
         from producer.producer import produce
 
-        def produce_pass(**kw) -> ProduceSummary:
+        def produce_pass(**kw: Any) -> ProduceSummary:
             return produce(conn, cfg, dataset, max_queued=settings.max_queued, progress=settings.progress,
                            on_wait=on_wait, **kw, **(produce_kw or {}))
 
@@ -203,7 +206,7 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
             children.note(f"redis-server stopped (exit status {server.proc.returncode})")
 
 
-def _finish(conn, cfg: RunConfig, ids: SampleIds, ledger: Ledger, recovery: Recovery, node: Node,
+def _finish(conn: redis.Redis, cfg: RunConfig, ids: SampleIds, ledger: Ledger, recovery: Recovery, node: Node,
             produce_pass: Callable[..., ProduceSummary], progress: bool) -> tuple[Coverage, int]:
     """Extract until nothing is queued or spooled; then, while samples of the dataset are in no
     state (a Redis that came back without them: the index files gave back the committed ones,

@@ -50,6 +50,8 @@ from harvest.storage import Location
 if TYPE_CHECKING:
     import torch
 
+    from harvest.read.shard_reader import ShardReader
+
 
 class Unchecked(ServiceError):
     """The route could not recompute this sample (the engine refused it, its dump failed the
@@ -186,7 +188,8 @@ class AuditReport:
         return out
 
 
-def _stored(reader, i: int, dtype, regenerated_id: str | None = None) -> tuple[Sample, torch.Tensor]:
+def _stored(reader: ShardReader, i: int, dtype: torch.dtype,
+            regenerated_id: str | None = None) -> tuple[Sample, torch.Tensor]:
     """The stored sample `i` and its states. Its id is the hash of its tokens, which the caller
     compares with the index; a --regenerate run's sample keeps its conversation's id
     (`regenerated_id`), which no hash of the regenerated tokens gives (its bytes are checked by

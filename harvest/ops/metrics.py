@@ -11,7 +11,8 @@ duration, engine latency) are fixed-bucket hashes each worker adds to at its hea
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -20,6 +21,12 @@ from harvest.ops.audit_record import last_audit
 from harvest.ops.runlist import discover_runs
 from harvest.state.keys import Keys
 from harvest.state.tally import BUCKETS, le
+
+if TYPE_CHECKING:
+    import threading
+    from wsgiref.simple_server import WSGIServer
+
+    from prometheus_client.metrics_core import Metric
 
 HISTOGRAMS = {
     "job_seconds": "Wall time of one RQ job (engine call, claim, verify, spool).",
@@ -66,10 +73,10 @@ class RedisCollector:
         self.conn = conn
         self.runs = list(runs) if runs else None
 
-    def describe(self):
+    def describe(self) -> list[Metric]:
         return []  # unchecked collector: the label sets depend on what Redis holds
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         from harvest.ops.status import eta
@@ -151,7 +158,8 @@ class CannotListen(ConfigurationError, OSError):
     """The exporter's address is taken or not this host's: another --port or --host."""
 
 
-def serve(conn: redis.Redis, port: int, addr: str = "127.0.0.1", runs: Iterable[str] | None = None):
+def serve(conn: redis.Redis, port: int, addr: str = "127.0.0.1",
+          runs: Iterable[str] | None = None) -> tuple[WSGIServer, threading.Thread]:
     """Start the HTTP exporter in a background thread; returns (server, thread). It listens on
     the loopback interface unless told otherwise: the counts name runs, models and hosts."""
     from prometheus_client import CollectorRegistry, start_http_server

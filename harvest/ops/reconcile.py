@@ -33,7 +33,7 @@ from harvest.config import RunConfig
 from harvest.formats.index import INDEX, committed_samples, parse_index
 from harvest.formats.runfile import read_run_json, run_location
 from harvest.formats.shard import SHARDS
-from harvest.formats.stformat import FormatError, header_length, parse_header, tensor_from_bytes
+from harvest.formats.stformat import FormatError, TensorSpan, header_length, parse_header, tensor_from_bytes
 from harvest.ids import job_id_for
 from harvest.sample import Sample, SampleError, split_jobs
 from harvest.state.jobs import enqueue_samples, run_queue
@@ -141,7 +141,7 @@ def _tokens_of(loc: Location, wanted: set[str], indexed: dict[str, dict],
     return found
 
 
-def _header(loc: Location, name: str):
+def _header(loc: Location, name: str) -> tuple[dict[str, TensorSpan], dict[str, str]]:
     n = header_length(loc.read_range(name, 0, 8), name)
     return parse_header(loc.read_range(name, 8, 8 + n), name)
 
