@@ -21,6 +21,7 @@ same samples, which has a name of its own. A decided record is only ever finishe
 
 from __future__ import annotations
 
+from functools import partial
 import logging
 from collections.abc import Callable
 
@@ -56,9 +57,9 @@ def remove_shard(out: Location, shard_id: str, retry: Retry) -> None:
     retry(lambda: out.abort_uploads(name), f"aborting unfinished uploads of {out.path(name)}")
     if retry(lambda: out.exists(index_file(shard_id)), f"checking {out.path(index_file(shard_id))}"):
         return
-    for name in (name, generated_file(shard_id)):  # a --regenerate run's conversations go with their shard
-        if retry(lambda: out.exists(name), f"checking {out.path(name)}"):
-            retry(lambda: out.delete(name), f"deleting {out.path(name)}")
+    for leftover in (name, generated_file(shard_id)):  # a --regenerate run's conversations go with their shard
+        if retry(partial(out.exists, leftover), f"checking {out.path(leftover)}"):
+            retry(partial(out.delete, leftover), f"deleting {out.path(leftover)}")
 
 
 def give_up_shard(out: Location, claimer: Claimer, shard_id: str, sample_ids: list[str], retry: Retry) -> None:

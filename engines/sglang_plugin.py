@@ -229,9 +229,7 @@ def prefill_graphs_on(server_args: ServerArgs) -> bool:
     if backend is not None:  # 0.5.23+: the resolved config is the truth
         return backend != "disabled"
     if hasattr(sa, "disable_prefill_cuda_graph"):  # 0.5.14-0.5.22: on by default
-        if sa.disable_prefill_cuda_graph or getattr(sa, "cuda_graph_backend_prefill", None) == "disabled":
-            return False
-        return True
+        return not (sa.disable_prefill_cuda_graph or getattr(sa, "cuda_graph_backend_prefill", None) == "disabled")
     if hasattr(sa, "disable_piecewise_cuda_graph"):  # 0.5.11-0.5.13: piecewise on by default
         return not sa.disable_piecewise_cuda_graph
     return bool(getattr(sa, "enable_piecewise_cuda_graph", False))

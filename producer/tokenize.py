@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -26,6 +26,7 @@ from producer.rows import OVERLONG_POLICIES, BadRow, Row, exception_reason
 from producer.templates import ChatRenderer, TemplateError, mask_from_spans
 
 if TYPE_CHECKING:
+    from tokenizers import Encoding
     from transformers import PreTrainedTokenizerBase
 
 ROW_ERRORS = (RowError, TemplateError, SampleError, ConversationError)  # harvest's own verdicts on a row, told as they are
@@ -174,25 +175,28 @@ class RowTokenizer:
             if refused:
                 out[i] = BadRow(rows[i].where, refused[0])
                 continue
-            encs = [texts.encoded[j] for texts, j in refs]
-            if what == "text":
-                ids = encs[0].ids
-                mask = [1] * len(ids)
-            elif what == "pc":
-                p, c = encs[0].ids, encs[1].ids
-                if self.eos_id is not None and (not c or c[-1] != self.eos_id):
-                    c = [*c, self.eos_id]  # the model must learn to stop after the completion
-                ids, mask = p + c, [0] * len(p) + [1] * len(c)
-            elif what == "conv":
-                try:
-                    out[i] = self._conversation(rows[i], encs, spans)
-                except ROW_ERRORS as e:
-                    out[i] = BadRow(rows[i].where, str(e))
-                continue
-            else:
-                ids, mask = encs[0].ids, mask_from_spans(encs[0], spans)
-            out[i] = self._finish(rows[i], ids, mask)
+            out[i] = self._assemble(rows[i], what, [texts.encoded[j] for texts, j in refs], spans)
         return out  # type: ignore[return-value]
+
+    def _assemble(self, row: Row, what: str, encs: list[Encoding], spans: Any) -> Sample | BadRow:
+        """A planned row's sample from its encoded texts: its token ids and loss mask. `spans`: a
+        chat's assistant spans, or a conversation's messages."""
+        if what == "conv":
+            try:
+                return self._conversation(row, encs, spans)
+            except ROW_ERRORS as e:
+                return BadRow(row.where, str(e))
+        if what == "text":
+            ids = encs[0].ids
+            mask = [1] * len(ids)
+        elif what == "pc":
+            p, c = encs[0].ids, encs[1].ids
+            if self.eos_id is not None and (not c or c[-1] != self.eos_id):
+                c = [*c, self.eos_id]  # the model must learn to stop after the completion
+            ids, mask = p + c, [0] * len(p) + [1] * len(c)
+        else:
+            ids, mask = encs[0].ids, mask_from_spans(encs[0], spans)
+        return self._finish(row, ids, mask)
 
     def _conversation_plan(self, kind: RowKind, plain: _Texts) -> tuple:
         """A chat row of a --regenerate run, cut for its turns to be written (harvest.state.conversation):

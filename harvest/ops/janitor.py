@@ -233,13 +233,13 @@ def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE
                     and not conn.exists(worker_key(name))):
                 shutil.rmtree(e.path, ignore_errors=True)
                 dirs.append(e.name)
-        elif e.is_file(follow_symlinks=False) and (e.name.startswith(RID_PREFIX) or is_temp(e.name)):
-            if age > stale_dump_s or (e.name in proven and age > proven_stale_s):
-                try:
-                    os.unlink(e.path)
-                    files += 1
-                except FileNotFoundError:
-                    pass
+        elif (e.is_file(follow_symlinks=False) and (e.name.startswith(RID_PREFIX) or is_temp(e.name))
+              and (age > stale_dump_s or (e.name in proven and age > proven_stale_s))):
+            try:
+                os.unlink(e.path)
+                files += 1
+            except FileNotFoundError:
+                pass
     return dirs, files
 
 

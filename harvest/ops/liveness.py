@@ -228,6 +228,40 @@ def _fail_samples_of(conn: redis.Redis, run: str, job: Job, message: str) -> Non
     record_failures(ledger, run, {s.id: s for s in todo}, {s.id: (WORKER_DIED, message) for s in todo})
 
 
+def _note(conn: redis.Redis, run: str, rep: LivenessReport, s: Started, outcome: str, times: int, max_reaps: int,
+          suspect_for: float) -> None:
+    """An execution taken back (or not: "raced"), in the report and the log."""
+    if outcome == "raced":
+        return
+    if outcome == "requeued" and s.verdict == DEAD:
+        log.warning("worker %s is dead: job %s back on the queue (%d of %d)", s.worker, s.job_id, times, max_reaps)
+        Ledger(conn, run).add_stats(jobs_reaped=1)
+        rep.reaped.append(s.job_id)
+    elif outcome == "requeued":
+        log.warning("execution %s: its worker %s is alive but has run something else for %.0fs: job back on the "
+                    "queue", s.entry, s.worker, suspect_for)
+        rep.suspects.append(s.entry)
+    elif outcome == "gave_up":
+        rep.gave_up.append(s.job_id)
+    else:
+        rep.dropped.append(s.entry)
+
+
+def _tend_dequeued(conn: redis.Redis, queue: Queue, job_id: str, stamps: dict[str, float], pending: dict[str, float],
+                   now: float, grace: float, rep: LivenessReport) -> None:
+    """A job dequeued with no execution: stamped the first time it is seen, put back on the queue
+    after `grace` (its worker died between the dequeue and the start)."""
+    f = f"{job_id}:{DEQUEUED}"
+    first = stamps.get(f)
+    if first is None or now - first < grace:
+        pending[f] = now if first is None else first
+        return
+    if scripts.put_back(queue.intermediate_queue_key, queue.key, Job.key_for(job_id), job_id).run(conn):
+        log.warning("job %s was dequeued %.0fs ago and never started (its worker died in between): back on "
+                    "the queue", job_id, now - first)
+        rep.dequeued.append(job_id)
+
+
 def tend_liveness(conn: redis.Redis, run: str, now: float, max_reaps: int = MAX_REAPS,
                   grace: float = SUSPECT_GRACE_S) -> LivenessReport:
     """One pass over the run's started and dequeued jobs (see the module docstring); `now` is
@@ -260,33 +294,11 @@ def tend_liveness(conn: redis.Redis, run: str, now: float, max_reaps: int = MAX_
         requeue = s.job_id not in runs_elsewhere
         count = s.verdict == DEAD and requeue
         outcome, times = _take_back(conn, run, queue, s, requeue=requeue, count=count, max_reaps=max_reaps)
-        if outcome == "raced":
-            continue
-        if outcome == "requeued" and s.verdict == DEAD:
-            log.warning("worker %s is dead: job %s back on the queue (%d of %d)", s.worker, s.job_id, times, max_reaps)
-            Ledger(conn, run).add_stats(jobs_reaped=1)
-            rep.reaped.append(s.job_id)
-        elif outcome == "requeued":
-            log.warning("execution %s: its worker %s is alive but has run something else for %.0fs: job back on the "
-                        "queue", s.entry, s.worker, now - stamps[s.entry])
-            rep.suspects.append(s.entry)
-        elif outcome == "gave_up":
-            rep.gave_up.append(s.job_id)
-        else:
-            rep.dropped.append(s.entry)
+        _note(conn, run, rep, s, outcome, times, max_reaps, now - stamps.get(s.entry, now))
     in_started = {s.job_id for s in started}
     for job_id in dict.fromkeys(v.decode() for v in dequeued_raw):
-        if job_id in in_started:
-            continue
-        f = f"{job_id}:{DEQUEUED}"
-        first = stamps.get(f)
-        if first is None or now - first < grace:
-            pending[f] = now if first is None else first
-            continue
-        if scripts.put_back(queue.intermediate_queue_key, queue.key, Job.key_for(job_id), job_id).run(conn):
-            log.warning("job %s was dequeued %.0fs ago and never started (its worker died in between): back on "
-                        "the queue", job_id, now - first)
-            rep.dequeued.append(job_id)
+        if job_id not in in_started:
+            _tend_dequeued(conn, queue, job_id, stamps, pending, now, grace, rep)
     with conn.pipeline(transaction=False) as pipe:
         for f, t in pending.items():
             if f not in stamps:

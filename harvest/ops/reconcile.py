@@ -20,6 +20,7 @@ for a lost one.
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import logging
 import time
@@ -79,7 +80,7 @@ def reconcile(conn: redis.Redis, cfg: RunConfig, keepalive: Callable[[], None] |
     committed: set[str] = set()
     indexed: dict[str, dict] = {}
     for name in retry(lambda: loc.list(INDEX, ".json"), f"listing {loc.path(INDEX)}"):
-        raw = retry(lambda: loc.read_json(f"{INDEX}/{name}"), f"reading {loc.path(INDEX, name)}")
+        raw = retry(partial(loc.read_json, f"{INDEX}/{name}"), f"reading {loc.path(INDEX, name)}")
         doc = parse_index(raw, loc.path(INDEX, name))
         indexed[doc["shard_id"]] = doc
         committed.update(committed_samples(doc))
@@ -129,7 +130,7 @@ def _tokens_of(loc: Location, wanted: set[str], indexed: dict[str, dict],
         if doc is not None and not (set(doc.get("excluded") or {}) & wanted):
             continue
         try:
-            samples = retry(lambda: _read_tokens(loc, f"{SHARDS}/{name}"), f"reading the tokens of {loc.path(SHARDS, name)}")
+            samples = retry(partial(_read_tokens, loc, f"{SHARDS}/{name}"), f"reading the tokens of {loc.path(SHARDS, name)}")
         except (FormatError, SampleError, ValueError, KeyError) as e:
             log.warning("%s: unreadable (%s); its samples cannot be rebuilt from it", loc.path(SHARDS, name), e)
             continue
