@@ -160,7 +160,7 @@ def mismatch_line(
     `found_path` (by `who`, e.g. an engine, when not by the command itself), and what differs."""
     if recorded is None:
         return (
-            f"run {run!r} records no model fingerprint in {where} (an older harvest): it cannot tell whether "
+            f"run {run!r} records no model fingerprint in {where}: it cannot tell whether "
             f"{found_path} (fingerprint {short(found)}) is its model; `harvest accept-model --run {run} --model "
             f"{found_path}` records it, if it is"
         )

@@ -54,10 +54,9 @@ class ShardIndex(TypedDict):
     # What the final capture point holds (harvest.config.FINAL_POST_NORM).
     final_state: str
     # Per sample (storage order), one zlib.crc32 per tensor named in `crc32_tensors` (every tensor but
-    # `offsets`, in the shard's order), over exactly that sample's rows as stored. Indexes written
-    # before them lack both, and are read unchecked.
-    crc32: NotRequired[list[list[int]]]
-    crc32_tensors: NotRequired[list[str]]
+    # `offsets`, in the shard's order), over exactly that sample's rows as stored.
+    crc32: list[list[int]]
+    crc32_tensors: list[str]
     # CODED_FORMAT only: the codec (harvest.formats.codec) and, per sample and then the total, the
     # byte offset of its coded hidden states within the `hidden_states` tensor. Their crc32 is the
     # raw bytes'.
@@ -150,13 +149,9 @@ def parse_index(doc: object, where: str) -> ShardIndex:
 
 
 def _check_crc32(doc: dict[str, Any], n: int, where: str) -> None:
-    if ("crc32" in doc) != ("crc32_tensors" in doc):
-        raise ShardError(
-            f"{where}: index has {'crc32' if 'crc32' in doc else 'crc32_tensors'} without "
-            f"{'crc32_tensors' if 'crc32' in doc else 'crc32'}"
-        )
-    if "crc32" not in doc:
-        return
+    for field in ("crc32", "crc32_tensors"):
+        if field not in doc:
+            raise ShardError(f"{where}: index lacks its field {field!r}")
     names, sums = doc["crc32_tensors"], doc["crc32"]
     if (
         not isinstance(names, list)
@@ -197,8 +192,6 @@ def _check_coded(doc: dict[str, Any], n: int, where: str) -> None:
         and all(a <= b for a, b in pairwise(at))
     ):
         raise ShardError(f"{where}: index field 'coded_offsets' is not {n + 1} ascending byte offsets from 0")
-    if "crc32" not in doc:
-        raise ShardError(f"{where}: a coded shard's index lacks its crc32s")
 
 
 def encode_index(doc: Mapping[str, Any]) -> bytes:

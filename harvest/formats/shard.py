@@ -56,7 +56,7 @@ class ShardSums:
     checksums readers verify on every ranged read (harvest.formats.index, `crc32`)."""
 
     sha256: str
-    crc32: list[list[int]] | None = None
+    crc32: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -106,10 +106,9 @@ class ShardPlan:
             dtype=dtype_name(self.dtype),
             capture_points=list(self.capture_points),
             final_state=FINAL_POST_NORM,  # every engine's final point is HF's post-norm state (harvest.config)
+            crc32=[list(c) for c in sums.crc32],
+            crc32_tensors=self.crc32_tensors,
         )
-        if sums.crc32 is not None:
-            doc["crc32"] = [list(c) for c in sums.crc32]
-            doc["crc32_tensors"] = self.crc32_tensors
         if self.coded:
             doc["codec"] = self.codec
             doc["coded_offsets"] = _offsets(c.nbytes for c in self.coded)

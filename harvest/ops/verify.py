@@ -2,9 +2,7 @@
 
 Readers check each sample they hand out (harvest.read.shard_reader), but only when it is read;
 `verify_run`, behind `harvest reconcile --verify`, reads them all: each committed sample's ranges
-against its crc32s (indexes that record them), else the whole shard against its size and
-sha256 (indexes written before per-sample checksums: a mismatch there cannot be placed, so every
-sample of that shard is reported). A shard that cannot be opened (its header or offsets damaged,
+against its crc32s. A shard that cannot be opened (its header or offsets damaged,
 its file gone) fails every sample it commits.
 
 With `exclude`, each corrupt sample is listed in its index's `excluded` (reason `corrupt: ...`),
@@ -15,7 +13,6 @@ the one read from then on. No Redis: it works on the output alone.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,8 +22,6 @@ from harvest.ops.dedupe import exclude_in_index, read_indexes
 from harvest.read.shard_reader import ShardReader, UnreadableShard, object_url
 from harvest.storage import Location
 
-READ = 8 << 20  # bytes per read of a whole shard (indexes without crc32)
-
 
 @dataclass(frozen=True)
 class Corruption:
@@ -34,7 +29,7 @@ class Corruption:
 
     shard_id: str
     sample_id: str
-    tensor: str | None  # None: the shard as a whole failed (no crc32 to place it, or unreadable)
+    tensor: str | None  # None: the shard as a whole failed (unreadable)
     begin: int
     end: int
     problem: str
@@ -66,8 +61,7 @@ class VerifyReport:
 def verify_run(loc: Location, exclude: bool = False,
                progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Check every committed sample of the run folder `loc` (`<out>/<run>`); with `exclude`, drop
-    each corrupt one from its index. `progress(checked, total)` is told after each sample (after
-    each shard, for indexes without crc32)."""
+    each corrupt one from its index. `progress(checked, total)` is told after each sample."""
     docs = read_indexes(loc)
     total = sum(len(committed_samples(d)) for d in docs)
     rep = VerifyReport()
@@ -76,11 +70,7 @@ def verify_run(loc: Location, exclude: bool = False,
         if not samples:
             continue
         rep.shards += 1
-        if "crc32" in doc:
-            bad = _check_samples(loc, doc, samples, lambda: _tick(rep, 1, progress, total))
-        else:
-            bad = _check_whole(loc, doc, samples)
-            _tick(rep, len(samples), progress, total)
+        bad = _check_samples(loc, doc, samples, lambda: _tick(rep, 1, progress, total))
         rep.corrupt += bad
         if exclude and bad:
             reasons: dict[str, str] = {}
@@ -113,22 +103,3 @@ def _check_samples(loc: Location, doc: ShardIndex, samples: list[str], tick: Cal
         tick()
     return bad
 
-
-def _shard_url(loc: Location, doc: ShardIndex) -> str:
-    return object_url(loc, shard_file(doc["shard_id"]))  # from the checked id, never a path read from storage
-
-
-def _check_whole(loc: Location, doc: ShardIndex, samples: list[str]) -> list[Corruption]:
-    h, n = hashlib.sha256(), 0
-    try:
-        with loc.fs.open(loc.path(shard_file(doc["shard_id"])), "rb") as f:
-            while chunk := f.read(READ):
-                h.update(chunk)
-                n += len(chunk)
-    except FileNotFoundError:
-        return _whole_shard(doc, samples, f"are missing: {_shard_url(loc, doc)} does not exist")
-    if n != doc["bytes"] or h.hexdigest() != doc["sha256"]:
-        return _whole_shard(doc, samples, f"are {n} bytes with sha256 {h.hexdigest()}, the index records "
-                                          f"{doc['bytes']} bytes with sha256 {doc['sha256']} (no per-sample "
-                                          "checksums to place the damage)")
-    return []

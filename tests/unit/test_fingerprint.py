@@ -154,7 +154,7 @@ def test_a_run_json_without_a_fingerprint_is_refused_with_the_way_to_record_one(
     with pytest.raises(ConfigurationError) as e:
         check_same_run(now, older, "RUNJSON")
     assert str(e.value) == (
-        f"run 'fp' records no model fingerprint in RUNJSON (an older harvest): it cannot tell whether {model} "
+        f"run 'fp' records no model fingerprint in RUNJSON: it cannot tell whether {model} "
         f"(fingerprint {short(now.model_fingerprint)}) is its model; `harvest accept-model --run fp --model {model}` "
         "records it, if it is")
 

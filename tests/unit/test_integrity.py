@@ -207,29 +207,6 @@ def test_a_sample_in_two_shards_is_read_once_everywhere_until_dedupe_excludes_th
     assert again.sample_ids == reader.sample_ids and again.shard_of(dup.id) == kept  # and reads the same copy
 
 
-def test_index_without_checksums_reads_unchecked_and_verify_falls_back_to_the_shard_sha256(tmp_path):
-    """Indexes from before per-sample checksums: reads are unchecked, `verify_run` checks the whole
-    shard's size and sha256 and, unable to place the damage, reports (and excludes) all of it."""
-    _, loc, samples, (a, _b) = make_run(tmp_path, [[0, 1, 2], [3, 4]])
-    old = loc.read_json(index_file(a))
-    del old["crc32"], old["crc32_tensors"]
-    loc.write_atomic(index_file(a), encode_index(old))
-    flip(loc, a, samples[1].id, "hidden_states")
-    got = RunReader(str(loc.root)).get(samples[1].id)  # read unchecked: the flipped byte comes back
-    assert not torch.equal(got["hidden_states"].view(torch.uint8), samples[1].hidden_states.view(torch.uint8))
-
-    import hashlib
-
-    data = raw(loc.path(shard_file(a)))
-    problem = (f"are {len(data)} bytes with sha256 {hashlib.sha256(data).hexdigest()}, the index records "
-               f"{old['bytes']} bytes with sha256 {old['sha256']} (no per-sample checksums to place the damage)")
-    rep = verify_run(loc, exclude=True)
-    assert rep.corrupt == [Corruption(a, s.id, None, 0, len(data), problem) for s in samples[:3]]
-    reason = f"corrupt: the whole shard, bytes [0, {len(data)}) {problem}"
-    assert loc.read_json(index_file(a))["excluded"] == {s.id: reason for s in samples[:3]}
-    assert sorted(RunReader(str(loc.root)).sample_ids) == sorted(s.id for s in samples[3:5])
-
-
 @pytest.mark.parametrize("damage", ["cut short", "header", "missing"])
 def test_a_shard_that_cannot_be_opened_is_skipped_by_the_iterable_dataset_and_reported_whole(tmp_path, caplog, damage):
     _, loc, samples, (_a, b) = make_run(tmp_path, [[0, 1, 2], [3, 4]])
@@ -272,8 +249,9 @@ def test_index_checksum_and_exclusion_fields_are_checked():
                 "dtype": "bfloat16", "capture_points": [2, 4, 5, 8], "final_state": "post-norm", **extra}
 
     names = ["hidden_states", "input_ids", "loss_mask"]
-    ok = parse_index(doc(crc32=[[1, 2, 3], [4, 5, 2**32 - 1]], crc32_tensors=names, excluded={"s1": "duplicate"}), "i")
-    assert committed_samples(ok) == ["s2"] and committed_samples(parse_index(doc(), "i")) == ["s1", "s2"]
+    sums = {"crc32": [[1, 2, 3], [4, 5, 2**32 - 1]], "crc32_tensors": names}
+    ok = parse_index(doc(**sums, excluded={"s1": "duplicate"}), "i")
+    assert committed_samples(ok) == ["s2"] and committed_samples(parse_index(doc(**sums), "i")) == ["s1", "s2"]
     assert encode_index(ok) == json.dumps(ok, indent=1).encode()
     for bad, message in [
         (doc(crc32=[[1, 2, 3]], crc32_tensors=names), "i: 2 samples but 1 crc32 entries"),
@@ -281,12 +259,13 @@ def test_index_checksum_and_exclusion_fields_are_checked():
          "i: crc32 of sample 1 is not 3 unsigned 32-bit ints (one per tensor of ['hidden_states', 'input_ids', 'loss_mask'])"),
         (doc(crc32=[[1, 2, 3], [4, 5, 2**32]], crc32_tensors=names), "i: crc32 of sample 1 is not 3 unsigned"),
         (doc(crc32=[[1, 2, 3], [4, 5, True]], crc32_tensors=names), "i: crc32 of sample 1 is not 3 unsigned"),
-        (doc(crc32=[[1], [2]]), "i: index has crc32 without crc32_tensors"),
-        (doc(crc32_tensors=names), "i: index has crc32_tensors without crc32"),
+        (doc(crc32=[[1], [2]]), "i: index lacks its field 'crc32_tensors'"),
+        (doc(crc32_tensors=names), "i: index lacks its field 'crc32'"),
+        (doc(), "i: index lacks its field 'crc32'"),
         (doc(crc32=[[1], [2]], crc32_tensors=["x", "x"]), "i: index field 'crc32_tensors' is not a list of distinct"),
-        (doc(excluded={"s3": "duplicate"}), "i: excludes 1 samples it does not hold (first s3)"),
-        (doc(excluded=["s1"]), "i: index field 'excluded' is not an object of sample id to reason"),
-        (doc(samples=["s1", "s1"]), "i: a sample is listed twice"),
+        (doc(**sums, excluded={"s3": "duplicate"}), "i: excludes 1 samples it does not hold (first s3)"),
+        (doc(**sums, excluded=["s1"]), "i: index field 'excluded' is not an object of sample id to reason"),
+        (doc(**sums, samples=["s1", "s1"]), "i: a sample is listed twice"),
     ]:
         with pytest.raises(ShardError, match=re.escape(message)):
             parse_index(bad, "i")
