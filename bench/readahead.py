@@ -59,9 +59,7 @@ def epoch(url: str, cap: int, step: float) -> float:
     """Seconds for one epoch of the feed with a `step`-second step after each sample."""
     feed = HiddenStateIterable(url, seed=0, readahead_bytes=cap)
     t0 = time.perf_counter()
-    n = 0
     for _ in feed:
-        n += 1
         if step:
             time.sleep(step)
     return time.perf_counter() - t0

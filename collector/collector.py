@@ -28,6 +28,8 @@ import glob
 import logging
 import os
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import redis
 
@@ -56,6 +58,7 @@ from harvest.state.tally import Tally
 from harvest.storage import TEMP_PREFIX, StorageError, retry
 
 log = logging.getLogger("harvest.collector")
+T = TypeVar("T")
 
 TEND_S = 10.0  # how often the run loop looks for the packing records of revoked spools
 BUSY_S = 10.0  # how long samples another collector is committing (claimed in storage) are left alone
@@ -122,7 +125,7 @@ class Collector:
         `own_keys`: this node's other packers' records, which they tend themselves."""
         return tend_revoked(self.conn, self.cfg.run, self.out, self._retry, own_keys | {self.packing_key})
 
-    def _retry(self, fn, what: str):
+    def _retry(self, fn: Callable[[], T], what: str) -> T:
         return retry(fn, what, attempts=self.retries, base_delay=self.retry_delay)
 
     def _temp_path(self, shard_id: str) -> str:

@@ -34,14 +34,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from engines.sglang_launch import cpu_pythonpath, launch_spec, venv_python  # noqa: E402
-from harvest.config import (
-    model_layers,  # noqa: E402
-    parse_layers,  # noqa: E402
-)
+from harvest.config import model_layers, parse_layers  # noqa: E402
 from harvest.health import wait_healthy  # noqa: E402
 from harvest.read.reader import RunReader  # noqa: E402
 
-WORDS = "the a model token layer state hidden draft speculative decode prefill batch queue shard".split()
+WORDS = ["the", "a", "model", "token", "layer", "state", "hidden", "draft", "speculative", "decode", "prefill", "batch",
+         "queue", "shard"]
 
 
 def dataset_rows(n: int, seed: int, long_words: int = 1500) -> list[dict]:

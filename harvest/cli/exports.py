@@ -44,7 +44,17 @@ from harvest.read.trainers import EXPORT_FORMATS
 )
 @no_progress_option
 @s3_options
-def export_cmd(run_url, fmt, dest, dtype, model, in_place, no_progress, s3_endpoint, s3_region) -> None:
+def export_cmd(
+    run_url: str,
+    fmt: str,
+    dest: str,
+    dtype: str | None,
+    model: str | None,
+    in_place: bool,
+    no_progress: bool,
+    s3_endpoint: str | None,
+    s3_region: str | None,
+) -> None:
     """Write a run in the layout a drafter trainer reads (idempotent; a grown run adds only its new samples)."""
     from harvest.formats.dtypes import storage_torch_dtype
     from harvest.read.export import export_run
@@ -90,7 +100,7 @@ def export_cmd(run_url, fmt, dest, dtype, model, in_place, no_progress, s3_endpo
 @click.option("--run-url", required=True, help="A --regenerate run's output folder: <out>/<run> (local path or URL).")
 @click.argument("dest", type=click.Path(dir_okay=False, allow_dash=True))
 @s3_options
-def generated_cmd(run_url, dest, s3_endpoint, s3_region) -> None:
+def generated_cmd(run_url: str, dest: str, s3_endpoint: str | None, s3_region: str | None) -> None:
     """Write a --regenerate run's committed conversations to DEST as JSON lines (`-`: stdout): one
     {"id", "messages", "turns"} per sample, the messages as the target model answered them."""
     import json

@@ -4,6 +4,7 @@ exporter `metrics`."""
 from __future__ import annotations
 
 import signal
+from typing import TYPE_CHECKING
 
 import click
 
@@ -14,6 +15,9 @@ from harvest.cli.options import (
 )
 from harvest.cli.reach import reach, work_dir_option
 from harvest.settings import MetricsSettings
+
+if TYPE_CHECKING:
+    import redis
 
 
 @click.command("status")
@@ -37,13 +41,13 @@ from harvest.settings import MetricsSettings
     help="Check the ledger's invariants (its counters and failures agree with its per-sample states) and "
     "that it knows every sample of the dataset `harvest run` read; exit 1 naming each disagreement.",
 )
-def status_cmd(run, redis_url, as_json, watch, work_dir, check) -> None:
+def status_cmd(run: str, redis_url: str, as_json: bool, watch: float | None, work_dir: str | None, check: bool) -> None:
     """Where RUN stands: counts, throughput, ETA, workers, spool backlog, failure reasons."""
     with reach(redis_url, work_dir) as url:
         _status(connect(url), run, as_json, watch, check)
 
 
-def _status(conn, run: str, as_json: bool, watch: float | None, check: bool) -> None:
+def _status(conn: redis.Redis, run: str, as_json: bool, watch: float | None, check: bool) -> None:
     import json
     import time
 
@@ -90,7 +94,7 @@ def _status(conn, run: str, as_json: bool, watch: float | None, check: bool) -> 
     help="Address to listen on; 0.0.0.0 exposes the metrics to other hosts (docker compose passes it).",
 )
 @click.option("--run", "runs", multiple=True, help="Export these runs (default: every run in Redis).")
-def metrics_cmd(redis_url, port, host, runs) -> None:
+def metrics_cmd(redis_url: str, port: int, host: str, runs: tuple[str, ...]) -> None:
     """Serve Prometheus metrics for the runs in Redis at http://HOST:PORT/metrics."""
     import threading
 
@@ -111,13 +115,13 @@ def metrics_cmd(redis_url, port, host, runs) -> None:
 @redis_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per run, one per line.")
 @work_dir_option
-def runs_cmd(redis_url, as_json, work_dir) -> None:
+def runs_cmd(redis_url: str, as_json: bool, work_dir: str | None) -> None:
     """List the runs in Redis with their progress."""
     with reach(redis_url, work_dir) as url:
         _runs(connect(url), as_json)
 
 
-def _runs(conn, as_json: bool) -> None:
+def _runs(conn: redis.Redis, as_json: bool) -> None:
     import json
 
     from harvest.ops.runlist import list_runs, render_runs

@@ -4,6 +4,7 @@ and `janitor`."""
 from __future__ import annotations
 
 import signal
+from typing import TYPE_CHECKING
 
 import click
 
@@ -19,6 +20,9 @@ from harvest.cli.options import (
     service_logging,
 )
 from harvest.cli.reach import reach, work_dir_option
+
+if TYPE_CHECKING:
+    import redis
 
 
 @click.command("reconcile")
@@ -45,7 +49,17 @@ from harvest.cli.reach import reach, work_dir_option
 @no_progress_option
 @s3_options
 @work_dir_option
-def reconcile_cmd(run, redis_url, out_url, dedupe, verify, no_progress, s3_endpoint, s3_region, work_dir) -> None:
+def reconcile_cmd(
+    run: str,
+    redis_url: str,
+    out_url: str | None,
+    dedupe: bool,
+    verify: bool,
+    no_progress: bool,
+    s3_endpoint: str | None,
+    s3_region: str | None,
+    work_dir: str | None,
+) -> None:
     """Bring the ledger of RUN in line with the index files in storage, both ways: committed samples
     done, samples done in the ledger but in no index back on the queue. First the ledger's own
     counters and side tables are rebuilt from its state hash where they disagree with it
@@ -56,7 +70,7 @@ def reconcile_cmd(run, redis_url, out_url, dedupe, verify, no_progress, s3_endpo
         _reconcile(connect(url), run, out_url, dedupe, verify, no_progress)
 
 
-def _reconcile(conn, run: str, out_url: str | None, dedupe: bool, verify: bool, no_progress: bool) -> None:
+def _reconcile(conn: redis.Redis, run: str, out_url: str | None, dedupe: bool, verify: bool, no_progress: bool) -> None:
     from harvest.ops.ledgercheck import check_ledger
 
     repaired = check_ledger(conn, run, repair=True)
@@ -107,7 +121,17 @@ def _reconcile(conn, run: str, out_url: str | None, dedupe: bool, verify: bool, 
 @work_dir_option
 @s3_options
 def requeue_cmd(
-    run, redis_url, reasons, samples, all_, dry_run, spools, nodes, work_dir, s3_endpoint, s3_region
+    run: str,
+    redis_url: str,
+    reasons: tuple[str, ...],
+    samples: tuple[str, ...],
+    all_: bool,
+    dry_run: bool,
+    spools: tuple[str, ...],
+    nodes: tuple[str, ...],
+    work_dir: str | None,
+    s3_endpoint: str | None,
+    s3_region: str | None,
 ) -> None:
     """Put failed samples of RUN back on the queue, exactly once; or reclaim a lost node's spool.
     A finished local run's requeued samples are extracted by running its `harvest run` again.
@@ -122,7 +146,16 @@ def requeue_cmd(
         _requeue(connect(url), run, reasons, samples, all_, dry_run, spools, nodes)
 
 
-def _requeue(conn, run: str, reasons, samples, all_: bool, dry_run: bool, spools, nodes) -> None:
+def _requeue(
+    conn: redis.Redis,
+    run: str,
+    reasons: tuple[str, ...],
+    samples: tuple[str, ...],
+    all_: bool,
+    dry_run: bool,
+    spools: tuple[str, ...],
+    nodes: tuple[str, ...],
+) -> None:
     from harvest.ops.requeue import requeue
     from harvest.state.runstore import load_run
 
@@ -153,7 +186,7 @@ def _requeue(conn, run: str, reasons, samples, all_: bool, dry_run: bool, spools
         )
 
 
-def _reclaim(conn, run: str, spools: tuple[str, ...], nodes: tuple[str, ...], dry_run: bool) -> None:
+def _reclaim(conn: redis.Redis, run: str, spools: tuple[str, ...], nodes: tuple[str, ...], dry_run: bool) -> None:
     from harvest.ids import check_id
     from harvest.ops.reclaim import reclaim_spool
     from harvest.state.runstore import load_run
@@ -193,7 +226,14 @@ def _reclaim(conn, run: str, spools: tuple[str, ...], nodes: tuple[str, ...], dr
 @click.option("--dump-dir", default=None, type=click.Path(), help="Also clean this node's dump dir.")
 @click.option("--interval", default=None, type=click.FloatRange(1), help="Repeat every N seconds (default: once).")
 @s3_options
-def janitor_cmd(run, redis_url, dump_dir, interval, s3_endpoint, s3_region) -> None:
+def janitor_cmd(
+    run: str,
+    redis_url: str,
+    dump_dir: str | None,
+    interval: float | None,
+    s3_endpoint: str | None,
+    s3_region: str | None,
+) -> None:
     """Take back dead workers' jobs, release due retries, clean dead claim dirs (workers do this too).
     Reclaim and the stranded sweep read job rows from the run's output: give it the S3 endpoint."""
     apply_s3_env(s3_endpoint, s3_region)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import Any
 
 import click
 
@@ -110,45 +111,45 @@ def _default_run_name(dataset: str) -> str:
     "were enqueued) instead of extracting them; committed samples are never deleted.",
 )
 def run_cmd(
-    dataset,
-    model,
-    out_url,
-    run,
-    layers,
-    storage_dtype,
-    codec,
-    workers,
-    redis_url,
-    engine_url,
-    chunked_prefill_size,
-    work_dir,
-    dump_dir,
-    max_queued,
-    shard_mb,
-    no_progress,
-    spool_grace,
-    s3_endpoint,
-    s3_region,
-    engine,
-    max_wait,
-    batch_samples,
-    batch_tokens,
-    fields,
-    chat_template,
-    max_len,
-    overlong,
-    strict,
-    processes,
-    regenerate,
-    max_new_tokens,
-    temperature,
-    top_p,
-    on_length,
-    redis_wait,
-    min_free_mb,
-    prune,
-    tp_size,
-    dp_size,
+    dataset: str,
+    model: str,
+    out_url: str,
+    run: str | None,
+    layers: str,
+    storage_dtype: str,
+    codec: str,
+    workers: int,
+    redis_url: str | None,
+    engine_url: str | None,
+    chunked_prefill_size: int,
+    work_dir: str | None,
+    dump_dir: str | None,
+    max_queued: int,
+    shard_mb: int,
+    no_progress: bool,
+    spool_grace: float,
+    s3_endpoint: str | None,
+    s3_region: str | None,
+    engine: str,
+    max_wait: float,
+    batch_samples: int | None,
+    batch_tokens: int | None,
+    fields: tuple[str, ...],
+    chat_template: str | None,
+    max_len: int | None,
+    overlong: str,
+    strict: bool,
+    processes: int,
+    regenerate: bool,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    on_length: str,
+    redis_wait: float | None,
+    min_free_mb: int,
+    prune: bool,
+    tp_size: int,
+    dp_size: int,
 ) -> None:
     """Extract hidden states for DATASET end to end on this machine.
 
@@ -205,7 +206,7 @@ def run_cmd(
     )
 
 
-def _run_here(dataset: str, settings: RunnerSettings, produce_kw: dict, **config) -> None:
+def _run_here(dataset: str, settings: RunnerSettings, produce_kw: dict[str, Any], **config: Any) -> None:
     """The run `harvest.config.build_config(**config)`, on this machine (harvest.cli.runner); prints
     its summary and exits with its status (`run`'s exit statuses)."""
     import dataclasses

@@ -55,35 +55,35 @@ from harvest.settings import (
 @s3_options
 @redis_wait_option
 def produce_cmd(
-    dataset,
-    run,
-    redis_url,
-    model,
-    out_url,
-    layers,
-    storage_dtype,
-    codec,
-    max_queued,
-    batch_samples,
-    batch_tokens,
-    fields,
-    chat_template,
-    max_len,
-    overlong,
-    regenerate,
-    max_new_tokens,
-    temperature,
-    top_p,
-    on_length,
-    dry_run,
-    strict,
-    progress,
-    processes,
-    engine,
-    spool_grace,
-    s3_endpoint,
-    s3_region,
-    redis_wait,
+    dataset: str,
+    run: str,
+    redis_url: str,
+    model: str | None,
+    out_url: str | None,
+    layers: str,
+    storage_dtype: str,
+    codec: str,
+    max_queued: int,
+    batch_samples: int | None,
+    batch_tokens: int | None,
+    fields: tuple[str, ...],
+    chat_template: str | None,
+    max_len: int | None,
+    overlong: str,
+    regenerate: bool,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    on_length: str,
+    dry_run: bool,
+    strict: bool,
+    progress: bool | None,
+    processes: int,
+    engine: str,
+    spool_grace: float,
+    s3_endpoint: str | None,
+    s3_region: str | None,
+    redis_wait: float | None,
 ) -> None:
     """Tokenize DATASET and enqueue its samples for run RUN (idempotent, bounded).
 
@@ -196,22 +196,22 @@ def produce_cmd(
 @s3_options
 @redis_wait_option
 def worker_cmd(
-    run,
-    redis_url,
-    engine_url,
-    dump_dir,
-    spool_dir,
-    burst,
-    dump_timeout,
-    retries,
-    retry_backoff,
-    max_jobs,
-    max_spool_mb,
-    engine_wait,
-    node,
-    s3_endpoint,
-    s3_region,
-    redis_wait,
+    run: str,
+    redis_url: str,
+    engine_url: str,
+    dump_dir: str,
+    spool_dir: str,
+    burst: bool,
+    dump_timeout: float,
+    retries: int,
+    retry_backoff: float,
+    max_jobs: int | None,
+    max_spool_mb: int,
+    engine_wait: float,
+    node: str | None,
+    s3_endpoint: str | None,
+    s3_region: str | None,
+    redis_wait: float | None,
 ) -> None:
     """Take jobs of RUN: engine call, claim dumps, verify, spool.
 
@@ -279,18 +279,18 @@ def worker_cmd(
 @s3_options
 @redis_wait_option
 def collect_cmd(
-    run,
-    redis_url,
-    spool_dir,
-    max_wait,
-    shard_mb,
-    part_mb,
-    pack_workers,
-    node,
-    burst,
-    s3_endpoint,
-    s3_region,
-    redis_wait,
+    run: str,
+    redis_url: str,
+    spool_dir: str,
+    max_wait: float,
+    shard_mb: int | None,
+    part_mb: int | None,
+    pack_workers: int | None,
+    node: str | None,
+    burst: bool,
+    s3_endpoint: str | None,
+    s3_region: str | None,
+    redis_wait: float | None,
 ) -> None:
     """Pack this node's spool into shards and commit them to the run's output.
 
@@ -344,7 +344,9 @@ def collect_cmd(
     type=click.IntRange(0),
     help="torch threads for the forward (0: torch's default, all cores).",
 )
-def engine_cmd(model, dump_dir, host, port, layers, chunked_prefill_size, threads) -> None:
+def engine_cmd(
+    model: str, dump_dir: str, host: str, port: int, layers: str, chunked_prefill_size: int, threads: int
+) -> None:
     """Serve the CPU reference engine (SGLang /generate subset, harvest dump contract)."""
     check_layers(model, layers)  # before torch loads: a wrong --layers is told at once
     import torch

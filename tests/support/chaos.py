@@ -44,8 +44,8 @@ from tests.support.aof import AofHistory
 from tests.support.chaos_freeze import Freezer
 from tests.support.chaos_result import TrialResult, killed_writers_temp
 from tests.support.cli import REPO
-from tests.support.ports import reserve_ports
 from tests.support.ops import reconcile_if_new
+from tests.support.ports import reserve_ports
 
 KINDS = ("worker", "engine", "collector", "producer", "redis", "rollback")
 ROLLBACK_LAGS = (1.0, 2.0)  # what `appendfsync everysec` may lose on a kill or a power cut: its last second(s)
@@ -257,75 +257,13 @@ class Trial:
         self.redis.start()
         conn = redis.Redis.from_url(self.redis.url)
         try:
-            for n in range(self.n_nodes):
-                self._start(f"engine{n}")
-            self._start("producer")
-            while not conn.exists(Keys(self.run).config) and self.procs["producer"].poll() is None:
-                time.sleep(0.1)  # workers and collector read the run from Redis: let the producer publish it
-            for n in range(self.n_nodes):
-                for name in self._node_procs(n)[1:]:
-                    self._start(name)
-            self._wait_nodes_up(conn)
-            t_start = time.monotonic() - t0  # kill while the pipeline runs, not while it starts
-            kill_at = sorted(t_start + self.rng.uniform(1.0, 15.0) for _ in range(self.n_kills))
-            commits = 0
-            while True:
-                self.aof.note()
-                if self.on_commit and kill_at:
-                    seen = self._commits()
-                    kill_at = [0.0] * len(kill_at) if seen > commits else [float("inf")] * len(kill_at)
-                    commits = seen
-                now = time.monotonic() - t0
-                if now > self.deadline_s:
-                    self.result.error = (f"not finished after {self.deadline_s:.0f}s: ledger "
-                                         f"{Ledger(conn, self.run).counts()}, producer done {self.producer_done}")
-                    break
-                if kill_at and now >= kill_at[0]:
-                    kill_at.pop(0)
-                    kind = self.rng.choice(self.kinds)
-                    self.result.timeline.append(f"{now:.1f}s kill {kind}")
-                    self._kill_one(kind, now)
-                self._bring_back(now)
-                self.freezer.tick(now, self.procs, [self._node_procs(n) for n in range(self.n_nodes)])
-                self._supervise()
-                if (not kill_at or self.on_commit) and not [a for a in self.down.values() if a is not None] \
-                        and not self.freezer.held and self._finished(conn):
-                    break
-                time.sleep(0.2)
+            self._start_pipeline(conn)
+            self._drive(conn, t0)
         finally:
-            for name in list(self.procs):
-                p = self.procs[name]
-                if p.poll() is None:
-                    p.send_signal(signal.SIGCONT)  # a frozen one, too, ends as told
-                    p.terminate()
-            for p in self.procs.values():
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            self._stop_processes()
         try:
             if not self.result.error:
-                # A claim dir goes once its worker's heartbeat expired (15 s), stale files after 2 s: wait those out
-                wait = 2.5
-                back = [n for n in range(self.n_nodes) if n not in self.never]
-                claims = any(x.startswith(".claimed-") for n in back if os.path.isdir(self.dump(n))
-                             for x in os.listdir(self.dump(n)))
-                if claims and self.last_worker_kill:
-                    wait = max(wait, self.last_worker_kill + HEARTBEAT_TTL_S + 1 - time.monotonic())
-                reconcile_if_new(conn, self.run)  # a Redis killed last: no process of the run reconciled it
-                time.sleep(wait)
-                for n in back:
-                    if self.n_nodes > 1:  # a node that came back deletes its copies of samples others committed
-                        self._harvest("collect", "--spool-dir", self.spool(n), "--node", f"node{n}", "--burst")
-                    self._janitor(n)
-                    # A worker killed just before the end leaves a claim dir: more passes, as live workers run them
-                    for _ in range(HEARTBEAT_TTL_S // 3):
-                        if not os.path.isdir(self.dump(n)) or not any(
-                                x.startswith(".claimed-") for x in os.listdir(self.dump(n))):
-                            break
-                        time.sleep(3)
-                        self._janitor(n)
+                self._final_passes(conn)
                 self.result.spools_reclaimed = Ledger(conn, self.run).stats().get("spools_reclaimed", 0)
                 self.result.spools_revoked = conn.scard(Keys(self.run).revoked_spools)
                 self._account(conn)
@@ -336,6 +274,85 @@ class Trial:
             self.ports.close()
             self.result.seconds = time.monotonic() - t0
         return self.result
+
+    def _start_pipeline(self, conn: redis.Redis) -> None:
+        """The engines and the producer, then each node's workers and collector once the run is published."""
+        for n in range(self.n_nodes):
+            self._start(f"engine{n}")
+        self._start("producer")
+        while not conn.exists(Keys(self.run).config) and self.procs["producer"].poll() is None:
+            time.sleep(0.1)  # workers and collector read the run from Redis: let the producer publish it
+        for n in range(self.n_nodes):
+            for name in self._node_procs(n)[1:]:
+                self._start(name)
+        self._wait_nodes_up(conn)
+
+    def _drive(self, conn: redis.Redis, t0: float) -> None:
+        """Kill, bring back and supervise processes until the run is finished (or past the deadline:
+        `result.error`)."""
+        t_start = time.monotonic() - t0  # kill while the pipeline runs, not while it starts
+        kill_at = sorted(t_start + self.rng.uniform(1.0, 15.0) for _ in range(self.n_kills))
+        commits = 0
+        while True:
+            self.aof.note()
+            if self.on_commit and kill_at:
+                seen = self._commits()
+                kill_at = [0.0] * len(kill_at) if seen > commits else [float("inf")] * len(kill_at)
+                commits = seen
+            now = time.monotonic() - t0
+            if now > self.deadline_s:
+                self.result.error = (f"not finished after {self.deadline_s:.0f}s: ledger "
+                                     f"{Ledger(conn, self.run).counts()}, producer done {self.producer_done}")
+                return
+            if kill_at and now >= kill_at[0]:
+                kill_at.pop(0)
+                kind = self.rng.choice(self.kinds)
+                self.result.timeline.append(f"{now:.1f}s kill {kind}")
+                self._kill_one(kind, now)
+            self._bring_back(now)
+            self.freezer.tick(now, self.procs, [self._node_procs(n) for n in range(self.n_nodes)])
+            self._supervise()
+            if (not kill_at or self.on_commit) and not [a for a in self.down.values() if a is not None] \
+                    and not self.freezer.held and self._finished(conn):
+                return
+            time.sleep(0.2)
+
+    def _stop_processes(self) -> None:
+        for name in list(self.procs):
+            p = self.procs[name]
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)  # a frozen one, too, ends as told
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _final_passes(self, conn: redis.Redis) -> None:
+        """What the fleet's live processes would still do: reconcile a new Redis, then on each node that
+        came back a last collect (several nodes) and janitor passes until its claim dirs are gone."""
+        # A claim dir goes once its worker's heartbeat expired (15 s), stale files after 2 s: wait those out
+        wait = 2.5
+        back = [n for n in range(self.n_nodes) if n not in self.never]
+        claims = any(x.startswith(".claimed-") for n in back if os.path.isdir(self.dump(n))
+                     for x in os.listdir(self.dump(n)))
+        if claims and self.last_worker_kill:
+            wait = max(wait, self.last_worker_kill + HEARTBEAT_TTL_S + 1 - time.monotonic())
+        reconcile_if_new(conn, self.run)  # a Redis killed last: no process of the run reconciled it
+        time.sleep(wait)
+        for n in back:
+            if self.n_nodes > 1:  # a node that came back deletes its copies of samples others committed
+                self._harvest("collect", "--spool-dir", self.spool(n), "--node", f"node{n}", "--burst")
+            self._janitor(n)
+            # A worker killed just before the end leaves a claim dir: more passes, as live workers run them
+            for _ in range(HEARTBEAT_TTL_S // 3):
+                if not os.path.isdir(self.dump(n)) or not any(
+                        x.startswith(".claimed-") for x in os.listdir(self.dump(n))):
+                    break
+                time.sleep(3)
+                self._janitor(n)
 
     def _janitor(self, n: int) -> None:
         out = self._harvest("janitor", "--dump-dir", self.dump(n)).stdout.decode().strip()

@@ -87,39 +87,10 @@ def soak(conn: redis.Redis, server, root: str, nodes: int, samples: int, kills: 
                 break
             if kill_at and now >= kill_at[0]:
                 kill_at.pop(0)
-                kind = rng.choice(KINDS)
-                res.kills[kind] += 1
-                up = [n for n in range(nodes) if n not in down]
-                if kind == "node" and len(up) > 1:
-                    n = rng.choice(up)
-                    back = rng.choice(RETURNS)
-                    res.node_returns[back] += 1
-                    for name in fleet.node_procs(n):
-                        fleet.kill(name)
-                        fleet.procs.pop(name, None)
-                    down[n] = {"within": now + 1.0, "after": now + GRACE_S + 10.0, "never": None}[back]
-                    never |= {n} if back == "never" else set()
-                    res.timeline.append(f"{now:.1f}s node{n} lost, back {back}")
-                elif kind != "node":
-                    n = rng.choice(up)
-                    name = f"worker{n}.0" if kind == "worker" else f"collector{n}"
-                    fleet.kill(name)
-                    fleet.start(name)
-                    res.timeline.append(f"{now:.1f}s kill {name}")
+                _kill(fleet, rng, res, nodes, down, never, now)
                 last_kill = time.monotonic()
-            for n, at in list(down.items()):
-                if at is not None and now >= at:
-                    del down[n]
-                    res.timeline.append(f"{now:.1f}s node{n} back")
-                    for name in fleet.node_procs(n):
-                        fleet.start(name)
-            for name, p in list(fleet.procs.items()):  # a process that exited on its own: restarted
-                if p.poll() is not None:
-                    res.restarts_on_exit[name.rstrip("0123456789.")] += 1
-                    if name == "engine":
-                        fleet.start_engine()
-                    else:
-                        fleet.start(name)
+            _bring_back(fleet, res, down, now)
+            _restart_exited(fleet, res)
             c = led.counts()
             if produced.is_set() and not kill_at and not [a for a in down.values() if a is not None] \
                     and c["queued"] == 0 and c["spooled"] == 0 and c["done"] + c["failed"] == len(expected):
@@ -130,15 +101,7 @@ def soak(conn: redis.Redis, server, root: str, nodes: int, samples: int, kills: 
         ports.close()
     seconds = time.monotonic() - t0
     if not res.error:
-        wait = max(2.5, last_kill + HEARTBEAT_TTL_S + 1 - time.monotonic())
-        time.sleep(wait)  # claim dirs of killed workers go once their heartbeat lapsed
-        for n in range(nodes):
-            if n in never:
-                continue
-            for args in (["collect", "--spool-dir", fleet.spool(n), "--node", f"node{n}", "--burst"],
-                         ["janitor", "--dump-dir", fleet.dump(n)]):
-                subprocess.run([sys.executable, "-m", "harvest.cli", args[0], "--run", run, "--redis", server.url,
-                                *args[1:]], cwd=REPO, capture_output=True, timeout=300, check=True)
+        _final_passes(fleet, run, server.url, nodes, never, last_kill)
         res.spools_reclaimed = led.stats().get("spools_reclaimed", 0)
         res.spools_revoked = conn.scard(Keys(run).revoked_spools)
         shim = SimpleNamespace(result=res, out=out, run=run, expected=expected, n_nodes=nodes, never=never,
@@ -159,3 +122,63 @@ def soak(conn: redis.Redis, server, root: str, nodes: int, samples: int, kills: 
         print("  " + line)
     return 0 if res.ok else 1
 
+
+
+def _kill(fleet: Fleet, rng: random.Random, res: TrialResult, nodes: int, down: dict[int, float | None],
+          never: set[int], now: float) -> None:
+    """One random kill: a worker or a collector (started again at once), or a whole node, lost with its
+    disk until the moment `down` holds for it (None: never back, and added to `never`)."""
+    kind = rng.choice(KINDS)
+    res.kills[kind] += 1
+    up = [n for n in range(nodes) if n not in down]
+    if kind == "node" and len(up) > 1:
+        n = rng.choice(up)
+        back = rng.choice(RETURNS)
+        res.node_returns[back] += 1
+        for name in fleet.node_procs(n):
+            fleet.kill(name)
+            fleet.procs.pop(name, None)
+        down[n] = {"within": now + 1.0, "after": now + GRACE_S + 10.0, "never": None}[back]
+        never |= {n} if back == "never" else set()
+        res.timeline.append(f"{now:.1f}s node{n} lost, back {back}")
+    elif kind != "node":
+        n = rng.choice(up)
+        name = f"worker{n}.0" if kind == "worker" else f"collector{n}"
+        fleet.kill(name)
+        fleet.start(name)
+        res.timeline.append(f"{now:.1f}s kill {name}")
+
+
+def _bring_back(fleet: Fleet, res: TrialResult, down: dict[int, float | None], now: float) -> None:
+    """Start again the processes of each lost node whose time to come back has come."""
+    for n, at in list(down.items()):
+        if at is not None and now >= at:
+            del down[n]
+            res.timeline.append(f"{now:.1f}s node{n} back")
+            for name in fleet.node_procs(n):
+                fleet.start(name)
+
+
+def _restart_exited(fleet: Fleet, res: TrialResult) -> None:
+    """A process that exited on its own: restarted, as a supervisor would."""
+    for name, p in list(fleet.procs.items()):
+        if p.poll() is not None:
+            res.restarts_on_exit[name.rstrip("0123456789.")] += 1
+            if name == "engine":
+                fleet.start_engine()
+            else:
+                fleet.start(name)
+
+
+def _final_passes(fleet: Fleet, run: str, redis_url: str, nodes: int, never: set[int], last_kill: float) -> None:
+    """Once killed workers' heartbeats lapsed (their claim dirs may go), a last collect and janitor pass on
+    each node that came back."""
+    wait = max(2.5, last_kill + HEARTBEAT_TTL_S + 1 - time.monotonic())
+    time.sleep(wait)  # claim dirs of killed workers go once their heartbeat lapsed
+    for n in range(nodes):
+        if n in never:
+            continue
+        for args in (["collect", "--spool-dir", fleet.spool(n), "--node", f"node{n}", "--burst"],
+                     ["janitor", "--dump-dir", fleet.dump(n)]):
+            subprocess.run([sys.executable, "-m", "harvest.cli", args[0], "--run", run, "--redis", redis_url,
+                            *args[1:]], cwd=REPO, capture_output=True, timeout=300, check=True)

@@ -97,34 +97,57 @@ def reference_problems(docs: list[dict[str, Any]]) -> list[str]:
     selector does not select its own pods, a StatefulSet without its headless Service, a
     ServiceMonitor selecting no Service or naming a port it lacks. [] if none."""
     out = []
-    pods = []  # (labels, container port names) of every pod template
+    pods: list[tuple[dict[str, str], set[str]]] = []  # (labels, container port names) of every pod template
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     for d in docs:
-        name = f"{d['kind']}/{d['metadata']['name']}"
-        selector = d.get("spec", {}).get("selector", {}).get("matchLabels") if d["kind"] != "Service" else None
-        for label, template in pod_templates(d):
-            labels, spec = template.get("metadata", {}).get("labels", {}), template["spec"]
-            if selector is not None and not _selects(selector, labels):
-                out.append(f"{name}: its selector does not select its pods")
-            volumes = {v["name"] for v in spec.get("volumes", [])}
-            for where in (d["spec"], d["spec"].get("leaderWorkerTemplate", {})):
-                volumes |= {c["metadata"]["name"] for c in where.get("volumeClaimTemplates", [])}
-            ports = set()
-            for c in containers(spec):
-                named = {p["name"] for p in c.get("ports", []) if "name" in p}
-                ports |= named
-                out += [f"{name} {label} {c['name']}: mounts {m['name']}, no such volume"
-                        for m in c.get("volumeMounts", []) if m["name"] not in volumes]
-                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                    for kind in ("httpGet", "tcpSocket"):
-                        port = c.get(probe, {}).get(kind, {}).get("port")
-                        if isinstance(port, str) and port not in named:
-                            out.append(f"{name} {label} {c['name']}: {probe} names port {port}, not its own")
-            pods.append((labels, ports))
-        if d["kind"] == "StatefulSet":
-            svc = services.get(d["spec"].get("serviceName", ""))
-            if svc is None or svc["spec"].get("clusterIP") != "None":
-                out.append(f"{name}: serviceName {d['spec'].get('serviceName')!r} is no headless Service here")
+        out += _workload_problems(d, services, pods)
+    out += _service_problems(services, pods)
+    out += _monitor_problems(docs, services)
+    return out
+
+
+def _workload_problems(d: dict[str, Any], services: dict[str, dict[str, Any]],
+                       pods: list[tuple[dict[str, str], set[str]]]) -> list[str]:
+    """The unresolved references of one object's pod templates (and a StatefulSet's Service); each
+    template's labels and port names are appended to `pods`."""
+    out = []
+    name = f"{d['kind']}/{d['metadata']['name']}"
+    selector = d.get("spec", {}).get("selector", {}).get("matchLabels") if d["kind"] != "Service" else None
+    for label, template in pod_templates(d):
+        labels, spec = template.get("metadata", {}).get("labels", {}), template["spec"]
+        if selector is not None and not _selects(selector, labels):
+            out.append(f"{name}: its selector does not select its pods")
+        volumes = {v["name"] for v in spec.get("volumes", [])}
+        for where in (d["spec"], d["spec"].get("leaderWorkerTemplate", {})):
+            volumes |= {c["metadata"]["name"] for c in where.get("volumeClaimTemplates", [])}
+        ports = set()
+        for c in containers(spec):
+            named = {p["name"] for p in c.get("ports", []) if "name" in p}
+            ports |= named
+            out += _container_problems(f"{name} {label} {c['name']}", c, volumes, named)
+        pods.append((labels, ports))
+    if d["kind"] == "StatefulSet":
+        svc = services.get(d["spec"].get("serviceName", ""))
+        if svc is None or svc["spec"].get("clusterIP") != "None":
+            out.append(f"{name}: serviceName {d['spec'].get('serviceName')!r} is no headless Service here")
+    return out
+
+
+def _container_problems(where: str, c: dict[str, Any], volumes: set[str], named: set[str]) -> list[str]:
+    """A container's mounts of no volume of its pod, and its probes naming a port it does not name."""
+    out = [f"{where}: mounts {m['name']}, no such volume"
+           for m in c.get("volumeMounts", []) if m["name"] not in volumes]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        for kind in ("httpGet", "tcpSocket"):
+            port = c.get(probe, {}).get(kind, {}).get("port")
+            if isinstance(port, str) and port not in named:
+                out.append(f"{where}: {probe} names port {port}, not its own")
+    return out
+
+
+def _service_problems(services: dict[str, dict[str, Any]], pods: list[tuple[dict[str, str], set[str]]]) -> list[str]:
+    """Services selecting no pod, or naming a target port none of their pods has."""
+    out = []
     for sname, svc in services.items():
         selected = [ports for labels, ports in pods if _selects(svc["spec"].get("selector", {}), labels)]
         if not selected:
@@ -132,6 +155,12 @@ def reference_problems(docs: list[dict[str, Any]]) -> list[str]:
         for p in svc["spec"]["ports"]:
             if isinstance(p.get("targetPort"), str) and not any(p["targetPort"] in ports for ports in selected):
                 out.append(f"Service/{sname}: targetPort {p['targetPort']} is no port of its pods")
+    return out
+
+
+def _monitor_problems(docs: list[dict[str, Any]], services: dict[str, dict[str, Any]]) -> list[str]:
+    """ServiceMonitors selecting no Service, or naming a port none of their Services has."""
+    out = []
     for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
         chosen = [s for s in services.values()
                   if _selects(sm["spec"]["selector"].get("matchLabels", {}), s["metadata"].get("labels", {}))]

@@ -131,7 +131,7 @@ def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(t
         res = result["res"]
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         got = []
-        for i, (o, p) in enumerate(zip(outs, readers)):
+        for o, p in zip(outs, readers):
             assert p.wait(120) == 0, p.stderr.read()[-3000:]
             got += json.loads(o.close().strip().splitlines()[-1])
     finally:

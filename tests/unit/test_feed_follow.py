@@ -129,7 +129,7 @@ def test_read_ahead_keeps_order_hands_errors_over_in_place_and_stays_under_its_c
     ahead = ReadAhead(range(8), fetch, len, cap_bytes=25)
     out = []
     for k, v in ahead:
-        wait_for(lambda: len(fetched) >= min(8, k + 4), 10, "the thread ahead of the consumer")
+        wait_for(lambda k=k: len(fetched) >= min(8, k + 4), 10, "the thread ahead of the consumer")
         time.sleep(0.01)  # the consumer's step: the thread, capped, fetches no further meanwhile
         out.append((k, v if isinstance(v, bytes) else str(v)))
     assert out == [(k, bytes(10)) if k != 3 else (3, "bad 3") for k in range(8)]
