@@ -1,18 +1,20 @@
 """RQ's own monitoring tools, run as an operator runs them against a harvest Redis: `rq info` (its
 raw output parsed) and rq-dashboard (a real server process, read through the JSON routes its
-pages poll)."""
+pages poll, and its pages as a headless Chromium renders them)."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 import subprocess
 import sys
+from html.parser import HTMLParser
 
 import httpx
 
 from harvest.cli.redisproc import free_port
-from tests.support.need import need_module
+from tests.support.need import need, need_module
 from tests.support.wait import wait_for
 
 
@@ -134,3 +136,66 @@ class Dashboard:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
+
+
+@dataclasses.dataclass
+class Row:
+    """A table row of a rendered page: its `data-*` attributes, its cells' text, the links in it."""
+
+    attrs: dict[str, str]
+    cells: list[str] = dataclasses.field(default_factory=list)
+    links: list[str] = dataclasses.field(default_factory=list)
+
+
+class _Rows(HTMLParser):
+    def __init__(self, role: str) -> None:
+        super().__init__()
+        self.role, self.rows, self._row, self._cell = role, [], None, None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "tr" and a.get("data-role") == self.role:
+            self._row = Row({k: v or "" for k, v in a.items()})
+        elif self._row is not None and tag == "td":
+            self._cell = []
+        elif self._row is not None and tag == "a" and a.get("href"):
+            self._row.links.append(a["href"])
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+    def handle_endtag(self, tag):
+        if tag == "td" and self._row is not None and self._cell is not None:
+            self._row.cells.append(" ".join("".join(self._cell).split()))
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            self.rows.append(self._row)
+            self._row = None
+
+
+class Browser:
+    """A real headless Chromium: a page's DOM once its scripts ran (they fill rq-dashboard's tables
+    from its JSON routes)."""
+
+    def __init__(self) -> None:
+        self.binary = next((b for b in map(shutil.which, BROWSERS) if b), None)
+        if self.binary is None:
+            need("a headless Chromium", f"none of {', '.join(BROWSERS)} on PATH (.ci/run installs "
+                 "Debian's chromium-headless-shell)")
+
+    def dom(self, url: str) -> str:
+        p = subprocess.run([self.binary, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                            "--virtual-time-budget=5000", "--dump-dom", url], capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 0 and "<html" in p.stdout, f"{self.binary} {url}: {p.returncode}\n{p.stderr[-2000:]}"
+        return p.stdout
+
+    def rows(self, url: str, role: str) -> list[Row]:
+        """The rows `<tr data-role=ROLE>` of the page at `url` as rendered."""
+        parser = _Rows(role)
+        parser.feed(self.dom(url))
+        return parser.rows

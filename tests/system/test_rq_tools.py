@@ -30,7 +30,7 @@ from harvest.state.heartbeat import read_workers
 from harvest.state.jobs import run_queue
 from harvest.state.keys import Keys
 from tests.support.ops import Procs, cli, new_run, wait_until
-from tests.support.rqtools import Dashboard, QueueLine, rq_info, rq_info_by_queue
+from tests.support.rqtools import Browser, Dashboard, QueueLine, rq_info, rq_info_by_queue
 
 SHOWN_WITHIN_S = 20  # a view the tools read may trail the run by a few of its writes, never by more
 
@@ -40,6 +40,11 @@ def procs(tmp_path):
     p = Procs(str(tmp_path / "logs"))
     yield p
     p.close()
+
+
+@pytest.fixture
+def browser():
+    return Browser()
 
 
 @pytest.fixture
@@ -97,7 +102,8 @@ def _states(conn, run: str) -> dict[str, str]:
     return {w["name"]: w["state"] for w in read_workers(conn, run)[0]}
 
 
-def test_rq_info_and_rq_dashboard_show_a_run_truthfully(tmp_path, conn, redis_server, tiny_model, procs, dashboard):
+def test_rq_info_and_rq_dashboard_show_a_run_truthfully(tmp_path, conn, redis_server, tiny_model, procs, dashboard,
+                                                        browser):
     run, url, out = "rqtools", redis_server.url, str(tmp_path / "out")
     qname = Keys(run).queue_name
     q = run_queue(conn, run)
@@ -118,6 +124,24 @@ def test_rq_info_and_rq_dashboard_show_a_run_truthfully(tmp_path, conn, redis_se
         return {n: (w["state"], tuple(w["queues"]), w["current_job"] if w["current_job"] == "idle"
                     else w["current_job"]["job_id"]) for n, w in dashboard.workers().items()}
 
+    def page_queue() -> tuple[int, ...] | None:
+        """The queues page's row of the run's queue, as a browser renders it: queued, deferred,
+        scheduled, started, finished, failed, canceled."""
+        rows = {r.cells[0]: r for r in browser.rows(f"{dashboard.base}/0/view/queues", "queue")}
+        return tuple(int(c) for c in rows[qname].cells[1:]) if qname in rows else None
+
+    def page_workers() -> dict[str, tuple]:
+        """The workers page, as a browser renders it: name -> (its current job's id or "idle", its queues)."""
+        seen = {}
+        for r in browser.rows(f"{dashboard.base}/0/view/workers", "worker"):
+            job = next((link.rsplit("/", 1)[-1] for link in r.links if "/view/job/" in link), r.cells[1])
+            seen[r.cells[0]] = (job, r.cells[2])
+        return seen
+
+    def page_jobs(registry: str) -> list[str]:
+        url = f"{dashboard.base}/0/view/jobs/{qname}/{registry}/8/asc/1"
+        return [r.attrs["data-job-id"] for r in browser.rows(url, "job")]
+
     new_run(conn, run, tiny_model, f"file://{out}", batch=3)
     jobs = _produce(conn, url, run, str(tmp_path / "a.jsonl"), demo_rows(9, seed=3))
     kept = _rows_objects(out, run)
@@ -133,6 +157,8 @@ def test_rq_info_and_rq_dashboard_show_a_run_truthfully(tmp_path, conn, redis_se
     c.shows("rq-dashboard queues.json: the queue before any worker", dash_queue, (total, 0, 0, 0))
     c.shows("rq-dashboard queued jobs", lambda: [j["id"] for j in dashboard.jobs(qname, "queued")], jobs + doomed)
     c.shows("rq info: workers before any", info_workers, {})
+    c.shows("rq-dashboard queues page: the queue before any worker", page_queue, (total, 0, 0, 0, 0, 0, 0))
+    c.shows("rq-dashboard queued jobs page", lambda: page_jobs("queued"), (jobs + doomed)[:8])
 
     # Two workers, each held inside a job.
     dumps, spool = str(tmp_path / "dumps"), str(tmp_path / "spool")
@@ -159,6 +185,10 @@ def test_rq_info_and_rq_dashboard_show_a_run_truthfully(tmp_path, conn, redis_se
             sorted(running.values()))
     c.shows("rq-dashboard workers.json: two busy workers and their jobs", dash_workers,
             {n: ("busy", (qname,), job) for n, job in running.items()})
+    c.shows("rq-dashboard queues page: two jobs running", page_queue, (total - 2, 0, 0, 2, 0, 0, 0))
+    c.shows("rq-dashboard started jobs page", lambda: sorted(page_jobs("started")), sorted(running.values()))
+    c.shows("rq-dashboard workers page: two busy workers and their jobs", page_workers,
+            {n: (job, qname) for n, job in running.items()})
 
     # One worker SIGKILLed: its heartbeat expires, the janitor (in the other worker) takes its job back.
     a.send_signal(signal.SIGKILL)
@@ -170,6 +200,9 @@ def test_rq_info_and_rq_dashboard_show_a_run_truthfully(tmp_path, conn, redis_se
     c.shows("rq-dashboard queues.json: the killed worker's job queued again", dash_queue, (total - 1, 1, 0, 0))
     c.shows("rq-dashboard workers.json: the killed worker gone", dash_workers,
             {alive: ("busy", (qname,), running[alive])})
+    c.shows("rq-dashboard workers page: the killed worker gone", page_workers, {alive: (running[alive], qname)})
+    c.shows("rq-dashboard queues page: the killed worker's job queued again", page_queue,
+            (total - 1, 0, 0, 1, 0, 0, 0))
 
     # Spool room again: the live worker runs every job; the one whose rows are gone fails in RQ.
     os.unlink(blocker)
@@ -185,6 +218,9 @@ def test_rq_info_and_rq_dashboard_show_a_run_truthfully(tmp_path, conn, redis_se
             [True])
     c.shows("rq-dashboard job.json of the failed job", lambda: dashboard.job(doomed[0])["status"], "failed")
     c.shows("rq-dashboard workers.json: the live worker idle", dash_workers, {alive: ("idle", (qname,), "idle")})
+    c.shows("rq-dashboard workers page: the live worker idle", page_workers, {alive: ("idle", qname)})
+    c.shows("rq-dashboard queues page: the queue drained, one job failed", page_queue, (0, 0, 0, 0, 0, 1, 0))
+    c.shows("rq-dashboard failed jobs page", lambda: page_jobs("failed"), doomed)
     # The live worker ran every produced job (the killed worker's too) and the failed one.
     c.shows("rq info: the live worker's job counts (finished, failed)",
             lambda: {n: (w.finished, w.failed) for n, w in rq_info(url).workers.items()},
@@ -192,10 +228,4 @@ def test_rq_info_and_rq_dashboard_show_a_run_truthfully(tmp_path, conn, redis_se
     c.shows("rq-dashboard workers.json: the live worker's job counts (successful, failed)",
             lambda: {n: (w["successful_job_count"], w["failed_job_count"]) for n, w in dashboard.workers().items()},
             {alive: (len(jobs), 1)})
-    # The pages themselves (their tables are filled from the JSON routes above by the page's script).
-    for page in ("view/queues", "view/workers"):
-        c.shows(f"rq-dashboard page {page} served", lambda p=page: "<html" in dashboard.page(p), True)
-    c.shows("rq-dashboard page of the failed jobs names the run's queue",
-            lambda: f'value="{qname}"' in dashboard.page(f"view/jobs/{qname}/failed/8/asc/1"), True)
-
     assert not c.broken, "RQ's tools show the run untruthfully:\n" + "\n".join(c.broken)
