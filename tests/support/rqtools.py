@@ -54,8 +54,12 @@ class RqInfo:
 def rq_info(url: str, *queues: str) -> RqInfo:
     """`rq info --url URL --raw [QUEUES]` (RQ's own CLI, in a subprocess), parsed line by line;
     a line of neither form fails the call, so a change of RQ's format cannot pass unnoticed."""
-    p = subprocess.run([sys.executable, "-m", "rq.cli", "info", "--url", url, "--raw", *queues],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "rq.cli", "info", "--url", url, "--raw", *queues],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     qs, ws = {}, {}
     for line in p.stdout.splitlines():
@@ -70,11 +74,15 @@ def rq_info(url: str, *queues: str) -> RqInfo:
 
 def rq_info_by_queue(url: str, queue: str) -> dict[str, str]:
     """`rq info --url URL -R QUEUE`: worker name -> its state symbol, as RQ lists the queue's workers."""
-    p = subprocess.run([sys.executable, "-m", "rq.cli", "info", "--url", url, "--raw", "-W", "-R", queue],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "rq.cli", "info", "--url", url, "--raw", "-W", "-R", queue],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith(f"{queue}:"))
-    rest = line[len(queue) + 1:].strip()
+    rest = line[len(queue) + 1 :].strip()
     if rest == "–":
         return {}
     return dict(re.fullmatch(r"(\S+) \((.+)\)", w.strip()).groups() for w in rest.split(", "))
@@ -90,8 +98,22 @@ class Dashboard:
         self.base = f"http://127.0.0.1:{self.port}"
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rq_dashboard", "--redis-url", redis_url, "--bind", "127.0.0.1",
-                 "--port", str(self.port), "--json"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                [
+                    sys.executable,
+                    "-m",
+                    "rq_dashboard",
+                    "--redis-url",
+                    redis_url,
+                    "--bind",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--json",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         self.log_path = log_path
 
         def up() -> bool:
@@ -184,13 +206,27 @@ class Browser:
     def __init__(self) -> None:
         self.binary = next((b for b in map(shutil.which, BROWSERS) if b), None)
         if self.binary is None:
-            need("a headless Chromium", f"none of {', '.join(BROWSERS)} on PATH (.ci/run installs "
-                 "Debian's chromium-headless-shell)")
+            need(
+                "a headless Chromium",
+                f"none of {', '.join(BROWSERS)} on PATH (.ci/run installs Debian's chromium-headless-shell)",
+            )
 
     def dom(self, url: str) -> str:
-        p = subprocess.run([self.binary, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                            "--virtual-time-budget=5000", "--dump-dom", url], capture_output=True, text=True,
-                           timeout=60)
+        p = subprocess.run(
+            [
+                self.binary,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--virtual-time-budget=5000",
+                "--dump-dom",
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert p.returncode == 0 and "<html" in p.stdout, f"{self.binary} {url}: {p.returncode}\n{p.stderr[-2000:]}"
         return p.stdout
 

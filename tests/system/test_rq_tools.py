@@ -19,9 +19,11 @@ recorded and the test goes on, so one run names every untrue view."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -32,7 +34,7 @@ from harvest.state.keys import Keys
 from tests.support.ops import Procs, cli, new_run, wait_until
 from tests.support.rqtools import Browser, Dashboard, QueueLine, rq_info, rq_info_by_queue
 
-SHOWN_WITHIN_S = 20  # a view the tools read may trail the run by a few of its writes, never by more
+SHOWN_WITHIN_S = 20  # RQ's counters of a worker's jobs may trail its jobs by a few writes, never by more
 
 
 @pytest.fixture
@@ -62,6 +64,17 @@ class Contract:
 
     def shows(self, what: str, read: Callable[[], object], truth: object, within: float = 0) -> None:
         """`read()` (a tool's view) equals `truth`, at once or within `within` s."""
+        if (wrong := self.mismatch(what, read, truth, within)) is not None:
+            self.broken.append(wrong)
+
+    def shows_all(self, checks: list[tuple[str, Callable[[], object], object]]) -> None:
+        """Each of `checks` (what, read, truth), read side by side (the views are independent and
+        the run holds still meanwhile), recorded in their order."""
+        with ThreadPoolExecutor(4) as pool:
+            self.broken += [w for w in pool.map(lambda ch: self.mismatch(*ch), checks) if w is not None]
+
+    @staticmethod
+    def mismatch(what: str, read: Callable[[], object], truth: object, within: float = 0) -> str | None:
         last: list[object] = []
 
         def matches() -> bool:
@@ -74,7 +87,97 @@ class Contract:
         try:
             wait_until(matches, within, what, poll=0.5)
         except AssertionError:
-            self.broken.append(f"{what}: shows {last[0]!r}, the run has {truth!r}")
+            return f"{what}: shows {last[0]!r}, the run has {truth!r}"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Truth:
+    """The run as it is, read from its own records: RQ's queue and registries through RQ's API, its
+    workers from harvest's heartbeats (name -> the job it runs, or "idle")."""
+
+    queued: list[str]
+    started: list[str]
+    failed: list[str]
+    workers: dict[str, str]
+
+    @classmethod
+    def read(cls, conn, run: str) -> Truth:
+        q = run_queue(conn, run)
+        alive, _ = read_workers(conn, run)
+        return cls(
+            q.job_ids,
+            sorted(q.started_job_registry.get_job_ids(cleanup=False)),
+            q.failed_job_registry.get_job_ids(cleanup=False),
+            {w["name"]: w["job"] if w["state"] == "busy" else "idle" for w in alive},
+        )
+
+
+@dataclasses.dataclass
+class Views:
+    """Every view of the run's queue and workers that the tools give: `rq info` (plain, and by
+    queue), rq-dashboard's JSON routes, and its pages as a headless browser renders them."""
+
+    url: str
+    queue: str
+    dashboard: Dashboard
+    browser: Browser
+
+    def check(self, c: Contract, stage: str, t: Truth) -> None:
+        q, d, state = self.queue, self.dashboard, {n: "idle" if j == "idle" else "busy" for n, j in t.workers.items()}
+        checks: list[tuple[str, Callable[[], object], object]] = [
+            (
+                "rq info: the queue",
+                lambda: rq_info(self.url, q).queues.get(q),
+                QueueLine(len(t.queued), len(t.started), 0, len(t.failed)),
+            ),
+            (
+                "rq info: the workers",
+                lambda: {w.name: (w.state, w.queues) for w in rq_info(self.url).workers.values()},
+                {n: (s, (q,)) for n, s in state.items()},
+            ),
+            ("rq info -R: the queue's workers", lambda: rq_info_by_queue(self.url, q), state),
+            ("rq-dashboard queues.json", self._dash_queue, (len(t.queued), len(t.started), 0, len(t.failed))),
+            ("rq-dashboard queued jobs", lambda: [j["id"] for j in d.jobs(q, "queued")], t.queued),
+            ("rq-dashboard started jobs", lambda: sorted(j["id"] for j in d.jobs(q, "started")), t.started),
+            ("rq-dashboard failed jobs", lambda: [j["id"] for j in d.jobs(q, "failed")], t.failed),
+            ("rq-dashboard workers.json", self._dash_workers, {n: (state[n], (q,), j) for n, j in t.workers.items()}),
+            ("rq-dashboard queues page", self._page_queue, (len(t.queued), 0, 0, len(t.started), 0, len(t.failed), 0)),
+            ("rq-dashboard queued jobs page", lambda: self._page_jobs("queued"), t.queued[:8]),
+            ("rq-dashboard started jobs page", lambda: sorted(self._page_jobs("started")), t.started),
+            ("rq-dashboard failed jobs page", lambda: self._page_jobs("failed"), t.failed[:8]),
+            ("rq-dashboard workers page", self._page_workers, {n: (j, q) for n, j in t.workers.items()}),
+        ]
+        c.shows_all([(f"{stage}: {what}", read, truth) for what, read, truth in checks])
+
+    def _dash_queue(self) -> tuple[int, int, int, int] | None:
+        d = self.dashboard.queues().get(self.queue)
+        keys = ("count", "started_job_registry_count", "finished_job_registry_count", "failed_job_registry_count")
+        return d and tuple(d[k] for k in keys)
+
+    def _dash_workers(self) -> dict[str, tuple]:
+        def job(w: dict) -> str:
+            return w["current_job"] if w["current_job"] == "idle" else w["current_job"]["job_id"]
+
+        return {n: (w["state"], tuple(w["queues"]), job(w)) for n, w in self.dashboard.workers().items()}
+
+    def _page_queue(self) -> tuple[int, ...] | None:
+        """The queues page's row of the queue: queued, deferred, scheduled, started, finished, failed, canceled."""
+        rows = {r.cells[0]: r for r in self.browser.rows(f"{self.dashboard.base}/0/view/queues", "queue")}
+        return tuple(int(n) for n in rows[self.queue].cells[1:]) if self.queue in rows else None
+
+    def _page_workers(self) -> dict[str, tuple]:
+        """The workers page: name -> (the id of the job it runs, or "idle"; its queues)."""
+        seen = {}
+        for r in self.browser.rows(f"{self.dashboard.base}/0/view/workers", "worker"):
+            job = next((link.rsplit("/", 1)[-1] for link in r.links if "/view/job/" in link), r.cells[1])
+            seen[r.cells[0]] = (job, r.cells[2])
+        return seen
+
+    def _page_jobs(self, registry: str) -> list[str]:
+        """A registry's first page (8 jobs, oldest first)."""
+        url = f"{self.dashboard.base}/0/view/jobs/{self.queue}/{registry}/8/asc/1"
+        return [r.attrs["data-job-id"] for r in self.browser.rows(url, "job")]
 
 
 def _produce(conn, url: str, run: str, path: str, rows: list[dict]) -> list[str]:
@@ -90,58 +193,11 @@ def _rows_objects(out: str, run: str) -> set[str]:
     return set(os.listdir(folder)) if os.path.isdir(folder) else set()
 
 
-def _busy(conn, run: str, n: int) -> dict[str, dict] | None:
-    """The run's live workers by name once exactly `n` are busy (harvest's heartbeats)."""
-    alive, _ = read_workers(conn, run)
-    busy = {w["name"]: w for w in alive if w["state"] == "busy"}
-    return busy if len(busy) == n == len(alive) else None
-
-
-def _states(conn, run: str) -> dict[str, str]:
-    """The run's live workers' states by name (harvest's heartbeats)."""
-    return {w["name"]: w["state"] for w in read_workers(conn, run)[0]}
-
-
-def test_rq_info_and_rq_dashboard_show_a_run_truthfully(tmp_path, conn, redis_server, tiny_model, procs, dashboard,
-                                                        browser):
+def test_rq_info_and_rq_dashboard_show_a_run_truthfully(
+    tmp_path, conn, redis_server, tiny_model, procs, dashboard, browser
+):
     run, url, out = "rqtools", redis_server.url, str(tmp_path / "out")
-    qname = Keys(run).queue_name
-    q = run_queue(conn, run)
-    c = Contract()
-
-    def info_queue() -> QueueLine | None:
-        return rq_info(url, qname).queues.get(qname)
-
-    def info_workers() -> dict[str, tuple]:
-        return {w.name: (w.state, w.queues) for w in rq_info(url).workers.values()}
-
-    def dash_queue() -> tuple[int, int, int, int] | None:
-        d = dashboard.queues().get(qname)
-        return d and (d["count"], d["started_job_registry_count"], d["finished_job_registry_count"],
-                      d["failed_job_registry_count"])
-
-    def dash_workers() -> dict[str, tuple]:
-        return {n: (w["state"], tuple(w["queues"]), w["current_job"] if w["current_job"] == "idle"
-                    else w["current_job"]["job_id"]) for n, w in dashboard.workers().items()}
-
-    def page_queue() -> tuple[int, ...] | None:
-        """The queues page's row of the run's queue, as a browser renders it: queued, deferred,
-        scheduled, started, finished, failed, canceled."""
-        rows = {r.cells[0]: r for r in browser.rows(f"{dashboard.base}/0/view/queues", "queue")}
-        return tuple(int(c) for c in rows[qname].cells[1:]) if qname in rows else None
-
-    def page_workers() -> dict[str, tuple]:
-        """The workers page, as a browser renders it: name -> (its current job's id or "idle", its queues)."""
-        seen = {}
-        for r in browser.rows(f"{dashboard.base}/0/view/workers", "worker"):
-            job = next((link.rsplit("/", 1)[-1] for link in r.links if "/view/job/" in link), r.cells[1])
-            seen[r.cells[0]] = (job, r.cells[2])
-        return seen
-
-    def page_jobs(registry: str) -> list[str]:
-        url = f"{dashboard.base}/0/view/jobs/{qname}/{registry}/8/asc/1"
-        return [r.attrs["data-job-id"] for r in browser.rows(url, "job")]
-
+    views, c = Views(url, Keys(run).queue_name, dashboard, browser), Contract()
     new_run(conn, run, tiny_model, f"file://{out}", batch=3)
     jobs = _produce(conn, url, run, str(tmp_path / "a.jsonl"), demo_rows(9, seed=3))
     kept = _rows_objects(out, run)
@@ -149,83 +205,71 @@ def test_rq_info_and_rq_dashboard_show_a_run_truthfully(tmp_path, conn, redis_se
     doomed = _produce(conn, url, run, str(tmp_path / "b.jsonl"), demo_rows(1, seed=21))
     for name in _rows_objects(out, run) - kept:
         os.unlink(os.path.join(out, run, "jobs", name))
-    total = len(jobs) + len(doomed)
-    assert len(doomed) == 1 and len(jobs) >= 3 and q.count == total
-
-    # Queued, nothing running.
-    c.shows("rq info: the queue before any worker", info_queue, QueueLine(total, 0, 0, 0))
-    c.shows("rq-dashboard queues.json: the queue before any worker", dash_queue, (total, 0, 0, 0))
-    c.shows("rq-dashboard queued jobs", lambda: [j["id"] for j in dashboard.jobs(qname, "queued")], jobs + doomed)
-    c.shows("rq info: workers before any", info_workers, {})
-    c.shows("rq-dashboard queues page: the queue before any worker", page_queue, (total, 0, 0, 0, 0, 0, 0))
-    c.shows("rq-dashboard queued jobs page", lambda: page_jobs("queued"), (jobs + doomed)[:8])
+    assert len(doomed) == 1 and len(jobs) >= 3
+    t = Truth.read(conn, run)
+    assert t == Truth(jobs + doomed, [], [], {})
+    views.check(c, "queued, no worker", t)
 
     # Two workers, each held inside a job.
     dumps, spool = str(tmp_path / "dumps"), str(tmp_path / "spool")
     os.makedirs(spool)
-    blocker = os.path.join(spool, "f" * 32 + ".safetensors")
-    with open(blocker, "wb") as f:
+    with open(os.path.join(spool, "f" * 32 + ".safetensors"), "wb") as f:
         f.write(b"\0" * (2 << 20))
     engine = procs.engine("engine", tiny_model, dumps)
-    worker_args = ["worker", "--run", run, "--redis", url, "--engine-url", engine, "--dump-dir", dumps,
-                   "--spool-dir", spool, "--max-spool-mb", "1"]
-    a = procs.start("worker-a", *worker_args)
-    procs.start("worker-b", *worker_args)
-    busy = wait_until(lambda: _busy(conn, run, 2), 90, "two workers busy in a job each")
-    running = {n: w["job"] for n, w in busy.items()}
-    assert sorted(q.started_job_registry.get_job_ids(cleanup=False)) == sorted(running.values())
-    dead = next(n for n, w in busy.items() if int(w["pid"]) == a.pid)
-    (alive,) = set(busy) - {dead}
+    args = ["--run", run, "--redis", url, "--engine-url", engine, "--dump-dir", dumps, "--spool-dir", spool]
+    a = procs.start("worker-a", "worker", *args, "--max-spool-mb", "1")
+    procs.start("worker-b", "worker", *args, "--max-spool-mb", "1")
 
-    c.shows("rq info: the queue with two jobs running", info_queue, QueueLine(total - 2, 2, 0, 0))
-    c.shows("rq info: two busy workers", info_workers, {n: ("busy", (qname,)) for n in busy})
-    c.shows("rq info -R: the queue's workers", lambda: rq_info_by_queue(url, qname), dict.fromkeys(busy, "busy"))
-    c.shows("rq-dashboard queues.json: two jobs running", dash_queue, (total - 2, 2, 0, 0))
-    c.shows("rq-dashboard started jobs", lambda: sorted(j["id"] for j in dashboard.jobs(qname, "started")),
-            sorted(running.values()))
-    c.shows("rq-dashboard workers.json: two busy workers and their jobs", dash_workers,
-            {n: ("busy", (qname,), job) for n, job in running.items()})
-    c.shows("rq-dashboard queues page: two jobs running", page_queue, (total - 2, 0, 0, 2, 0, 0, 0))
-    c.shows("rq-dashboard started jobs page", lambda: sorted(page_jobs("started")), sorted(running.values()))
-    c.shows("rq-dashboard workers page: two busy workers and their jobs", page_workers,
-            {n: (job, qname) for n, job in running.items()})
+    def two_busy() -> Truth | None:
+        t = Truth.read(conn, run)
+        return t if len(t.started) == 2 and sorted(t.workers.values()) == t.started else None
 
-    # One worker SIGKILLed: its heartbeat expires, the janitor (in the other worker) takes its job back.
+    t = wait_until(two_busy, 90, "two workers busy in a job each")
+    assert len(t.queued) == len(jobs) - 1
+    views.check(c, "two jobs running", t)
+    dead = next(w["name"] for w in read_workers(conn, run)[0] if int(w["pid"]) == a.pid)
+    (alive,) = set(t.workers) - {dead}
+    dead_job, alive_job = t.workers[dead], t.workers[alive]
+
+    # One worker SIGKILLed: once its heartbeat expires, the janitor (in the other worker) takes its job
+    # back and forgets it.
     a.send_signal(signal.SIGKILL)
     a.wait()
-    wait_until(lambda: q.started_job_registry.get_job_ids(cleanup=False) == [running[alive]]
-               and running[dead] in q.job_ids, 90, "the killed worker's job taken back into the queue")
-    c.shows("rq info: the killed worker gone", info_workers, {alive: ("busy", (qname,))}, within=SHOWN_WITHIN_S)
-    c.shows("rq info: the killed worker's job queued again", info_queue, QueueLine(total - 1, 1, 0, 0))
-    c.shows("rq-dashboard queues.json: the killed worker's job queued again", dash_queue, (total - 1, 1, 0, 0))
-    c.shows("rq-dashboard workers.json: the killed worker gone", dash_workers,
-            {alive: ("busy", (qname,), running[alive])})
-    c.shows("rq-dashboard workers page: the killed worker gone", page_workers, {alive: (running[alive], qname)})
-    c.shows("rq-dashboard queues page: the killed worker's job queued again", page_queue,
-            (total - 1, 0, 0, 1, 0, 0, 0))
+
+    def taken_back() -> Truth | None:
+        t = Truth.read(conn, run)
+        forgotten = read_workers(conn, run)[1] == []  # the janitor drops it from RQ's registry at once
+        return (
+            t
+            if t.started == [alive_job] and dead_job in t.queued and t.workers == {alive: alive_job} and forgotten
+            else None
+        )
+
+    t = wait_until(taken_back, 90, "the killed worker's job taken back into the queue, the worker forgotten")
+    views.check(c, "a worker killed", t)
 
     # Spool room again: the live worker runs every job; the one whose rows are gone fails in RQ.
-    os.unlink(blocker)
-    wait_until(lambda: q.count == 0 and q.started_job_registry.get_job_count(cleanup=False) == 0
-               and q.failed_job_registry.get_job_ids(cleanup=False) == doomed and _states(conn, run) == {alive: "idle"},
-               120, "every job run, the live worker idle")
-    c.shows("rq info: the queue drained, one job failed", info_queue, QueueLine(0, 0, 0, 1))
-    c.shows("rq-dashboard queues.json: the queue drained, one job failed", dash_queue, (0, 0, 0, 1))
-    failed = dashboard.jobs(qname, "failed")
-    c.shows("rq-dashboard failed jobs", lambda: [j["id"] for j in failed], doomed)
-    c.shows("rq-dashboard failed job's error names the missing rows",
-            lambda: [("are missing: deleted from the run's jobs/ folder" in (j["exc_info"] or "")) for j in failed],
-            [True])
-    c.shows("rq-dashboard job.json of the failed job", lambda: dashboard.job(doomed[0])["status"], "failed")
-    c.shows("rq-dashboard workers.json: the live worker idle", dash_workers, {alive: ("idle", (qname,), "idle")})
-    c.shows("rq-dashboard workers page: the live worker idle", page_workers, {alive: ("idle", qname)})
-    c.shows("rq-dashboard queues page: the queue drained, one job failed", page_queue, (0, 0, 0, 0, 0, 1, 0))
-    c.shows("rq-dashboard failed jobs page", lambda: page_jobs("failed"), doomed)
+    os.unlink(os.path.join(spool, "f" * 32 + ".safetensors"))
+    done = Truth([], [], doomed, {alive: "idle"})
+    wait_until(lambda: Truth.read(conn, run) == done, 120, "every job run, the live worker idle")
+    views.check(c, "all run", done)
+    c.shows(
+        "all run: rq-dashboard's failed job: its status and error",
+        lambda: (lambda j: (j["status"], "are missing: deleted from the run's jobs/ folder" in j["exc_info"]))(
+            dashboard.job(doomed[0])
+        ),
+        ("failed", True),
+    )
     # The live worker ran every produced job (the killed worker's too) and the failed one.
-    c.shows("rq info: the live worker's job counts (finished, failed)",
-            lambda: {n: (w.finished, w.failed) for n, w in rq_info(url).workers.items()},
-            {alive: (len(jobs), 1)}, within=SHOWN_WITHIN_S)
-    c.shows("rq-dashboard workers.json: the live worker's job counts (successful, failed)",
-            lambda: {n: (w["successful_job_count"], w["failed_job_count"]) for n, w in dashboard.workers().items()},
-            {alive: (len(jobs), 1)})
+    c.shows(
+        "all run: rq info: the live worker's job counts (finished, failed)",
+        lambda: {n: (w.finished, w.failed) for n, w in rq_info(url).workers.items()},
+        {alive: (len(jobs), 1)},
+        within=SHOWN_WITHIN_S,
+    )
+    c.shows(
+        "all run: rq-dashboard workers.json: the live worker's job counts (successful, failed)",
+        lambda: {n: (w["successful_job_count"], w["failed_job_count"]) for n, w in dashboard.workers().items()},
+        {alive: (len(jobs), 1)},
+    )
     assert not c.broken, "RQ's tools show the run untruthfully:\n" + "\n".join(c.broken)
