@@ -48,7 +48,6 @@ _WORKER = re.compile(r"^worker (\S+) \((\S+) (\S+) (\d+)\) (\S+) (.*)\. jobs: (\
 class RqInfo:
     queues: dict[str, QueueLine]
     workers: dict[str, WorkerLine]
-    text: str
 
 
 def rq_info(url: str, *queues: str) -> RqInfo:
@@ -69,7 +68,7 @@ def rq_info(url: str, *queues: str) -> RqInfo:
             ws[m[1]] = WorkerLine(m[1], int(m[4]), m[5], tuple(m[6].split(", ")), int(m[7]), int(m[8]))
         else:
             raise AssertionError(f"rq info printed a line of no known form: {line!r}\n{p.stdout}")
-    return RqInfo(qs, ws, p.stdout)
+    return RqInfo(qs, ws)
 
 
 def rq_info_by_queue(url: str, queue: str) -> dict[str, str]:
@@ -133,11 +132,6 @@ class Dashboard:
         r = httpx.get(f"{self.base}/0/{path}", timeout=10)
         assert r.status_code == 200, f"rq-dashboard {path}: {r.status_code}\n{r.text[:2000]}\n{self.log()[-3000:]}"
         return r.json()
-
-    def page(self, path: str) -> str:
-        r = httpx.get(f"{self.base}/0/{path}", timeout=10, follow_redirects=True)
-        assert r.status_code == 200, f"rq-dashboard {path}: {r.status_code}\n{self.log()[-3000:]}"
-        return r.text
 
     def queues(self) -> dict[str, dict]:
         """queues.json: name -> count and the registries' counts, as the queues page shows them."""

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harvest.cli.demo import demo_rows, write_jsonl
+from harvest.cli.redisproc import free_port
 from harvest.state.heartbeat import read_workers
 from harvest.state.jobs import run_queue
 from harvest.state.keys import Keys
@@ -198,6 +199,9 @@ def test_rq_info_and_rq_dashboard_show_a_run_truthfully(
 ):
     run, url, out = "rqtools", redis_server.url, str(tmp_path / "out")
     views, c = Views(url, Keys(run).queue_name, dashboard, browser), Contract()
+    dumps, spool = str(tmp_path / "dumps"), str(tmp_path / "spool")
+    port = free_port()  # the engine starts while the jobs are produced
+    procs.start("engine", "engine", "--model", tiny_model, "--dump-dir", dumps, "--port", str(port))
     new_run(conn, run, tiny_model, f"file://{out}", batch=3)
     jobs = _produce(conn, url, run, str(tmp_path / "a.jsonl"), demo_rows(9, seed=3))
     kept = _rows_objects(out, run)
@@ -211,12 +215,24 @@ def test_rq_info_and_rq_dashboard_show_a_run_truthfully(
     views.check(c, "queued, no worker", t)
 
     # Two workers, each held inside a job.
-    dumps, spool = str(tmp_path / "dumps"), str(tmp_path / "spool")
     os.makedirs(spool)
     with open(os.path.join(spool, "f" * 32 + ".safetensors"), "wb") as f:
         f.write(b"\0" * (2 << 20))
-    engine = procs.engine("engine", tiny_model, dumps)
-    args = ["--run", run, "--redis", url, "--engine-url", engine, "--dump-dir", dumps, "--spool-dir", spool]
+    engine = f"http://127.0.0.1:{port}"  # each worker waits for it to answer before it takes a job
+    args = [
+        "--run",
+        run,
+        "--redis",
+        url,
+        "--engine-url",
+        engine,
+        "--dump-dir",
+        dumps,
+        "--spool-dir",
+        spool,
+        "--engine-wait",
+        "120",
+    ]
     a = procs.start("worker-a", "worker", *args, "--max-spool-mb", "1")
     procs.start("worker-b", "worker", *args, "--max-spool-mb", "1")
 
