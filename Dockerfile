@@ -34,7 +34,9 @@ FROM python AS dashboard
 # rq must be the version the workers run (RQ's key layout changes between majors).
 RUN pip install rq-dashboard==0.9.0 rq==3.0.0
 ENV RQ_DASHBOARD_JSON_SERIALIZER=true
-ENTRYPOINT ["rq-dashboard"]
+# rq-dashboard's CLI, its Workers page reading jobs with that serializer (the file says why)
+COPY deploy/dashboard/rq_dashboard_json.py /opt/rq_dashboard_json.py
+ENTRYPOINT ["python3", "/opt/rq_dashboard_json.py"]
 
 FROM python AS harvest
 RUN apt-get update && apt-get install -y --no-install-recommends redis-tools && rm -rf /var/lib/apt/lists/*

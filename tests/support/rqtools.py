@@ -5,6 +5,7 @@ pages poll, and its pages as a headless Chromium renders them)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ from html.parser import HTMLParser
 import httpx
 
 from harvest.cli.redisproc import free_port
+from tests.support.cli import REPO
 from tests.support.need import need, need_module
 from tests.support.wait import wait_for
 
@@ -88,7 +90,8 @@ def rq_info_by_queue(url: str, queue: str) -> dict[str, str]:
 
 
 class Dashboard:
-    """rq-dashboard (`python -m rq_dashboard`, JSON serializer as harvest's jobs are) on a free port
+    """rq-dashboard as harvest deploys it (deploy/dashboard/rq_dashboard_json.py, JSON serializer as
+    harvest's jobs are) on a free port
     of 127.0.0.1, against `redis_url`; `close()` stops it."""
 
     def __init__(self, redis_url: str, log_path: str) -> None:
@@ -99,8 +102,7 @@ class Dashboard:
             self.proc = subprocess.Popen(
                 [
                     sys.executable,
-                    "-m",
-                    "rq_dashboard",
+                    os.path.join(REPO, "deploy", "dashboard", "rq_dashboard_json.py"),
                     "--redis-url",
                     redis_url,
                     "--bind",
