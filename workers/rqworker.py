@@ -86,7 +86,7 @@ from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
 from rq.utils import now
-from rq.worker import WorkerStatus
+from rq.worker import SimpleWorker, WorkerStatus
 
 from harvest.ids import new_attempt
 from harvest.state.heartbeat import WorkerBeat, live_beat
@@ -95,14 +95,13 @@ from harvest.state.ledger import state_letter
 from harvest.state.payload import batch_ids
 from harvest.state.spools import redis_time
 from workers.context import JobStart, WorkerContext, installed
-from workers.success import LateSuccess
 
 # How often RQ's suspension flag (`rq suspend`) is read: a suspend takes effect within this.
 SUSPENSION_CHECK_S = 5.0
 PUBSUB_POLL_S = 1.0  # how long RQ's command thread waits between looks at its stop flag
 
 
-class HarvestWorker(LateSuccess):
+class HarvestWorker(SimpleWorker):
     queue_class = RunQueue  # its dequeue in one round trip
 
     def __init__(self, *args, beat: WorkerBeat | None = None, **kwargs) -> None:

@@ -31,7 +31,6 @@ from harvest.state.keys import rq_execution_key, rq_job_prefix, rq_worker_key
 from tests.support.cli import REPO
 from workers.rqworker import HarvestWorker
 from workers.safejob import HarvestJob
-from workers.success import LateSuccess
 
 
 def test_rq_is_bounded_to_the_major_tested_here():
@@ -52,9 +51,6 @@ CLASSES = {
         "handle_execution_ended", "run_maintenance_tasks", "clean_registries", "clean_group_registries",
         "_start_scheduler", "prepare_execution", "prepare_job_execution", "cleanup_execution", "handle_job_retry",
         "queue_class"}, {"beat", "_start_of"}),
-    LateSuccess: (SimpleWorker, {
-        "__init__", "handle_job_success", "dequeue_job_and_maintain_ttl", "check_for_suspension", "register_death"},
-        {"_take_counts", "_queue_counts", "_send_outcome"}),
     RunQueue: (Queue, {"dequeue_any"}, {"_pop"}),
     PayloadJob: (Job, {"to_dict"}, set()),
     HarvestJob: (PayloadJob, {"func", "success_callback", "failure_callback", "stopped_callback"}, {"_refuse_callback"}),
