@@ -90,7 +90,7 @@ from rq.worker import SimpleWorker, WorkerStatus
 
 from harvest.ids import new_attempt
 from harvest.state.heartbeat import WorkerBeat, live_beat
-from harvest.state.jobs import JOB_FUNCTION, RunQueue
+from harvest.state.jobs import JOB_FUNCTION
 from harvest.state.ledger import state_letter
 from harvest.state.payload import batch_ids
 from harvest.state.spools import redis_time
@@ -102,8 +102,6 @@ PUBSUB_POLL_S = 1.0  # how long RQ's command thread waits between looks at its s
 
 
 class HarvestWorker(SimpleWorker):
-    queue_class = RunQueue  # its dequeue in one round trip
-
     def __init__(self, *args, beat: WorkerBeat | None = None, **kwargs) -> None:
         """`beat`: this worker's harvest heartbeat; by default the one this process started under
         the worker's name (harvest.state.heartbeat.live_beat)."""

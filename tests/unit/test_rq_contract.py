@@ -25,8 +25,7 @@ from rq.utils import parse_composite_key
 from rq.worker import SimpleWorker, Worker
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
-from harvest.state import scripts
-from harvest.state.jobs import JOB_FUNCTION, SERIALIZER, PayloadJob, RunQueue, popped_job
+from harvest.state.jobs import JOB_FUNCTION, SERIALIZER, PayloadJob
 from harvest.state.keys import rq_execution_key, rq_job_prefix, rq_worker_key
 from tests.support.cli import REPO
 from workers.rqworker import HarvestWorker
@@ -49,9 +48,7 @@ CLASSES = {
     HarvestWorker: (SimpleWorker, {
         "__init__", "request_force_stop", "subscribe", "heartbeat", "check_for_suspension", "set_state",
         "handle_execution_ended", "run_maintenance_tasks", "clean_registries", "clean_group_registries",
-        "_start_scheduler", "prepare_execution", "prepare_job_execution", "cleanup_execution", "handle_job_retry",
-        "queue_class"}, {"beat", "_start_of"}),
-    RunQueue: (Queue, {"dequeue_any"}, {"_pop"}),
+        "_start_scheduler", "prepare_execution", "prepare_job_execution", "cleanup_execution", "handle_job_retry"}, {"beat", "_start_of"}),
     PayloadJob: (Job, {"to_dict"}, set()),
     HarvestJob: (PayloadJob, {"func", "success_callback", "failure_callback", "stopped_callback"}, {"_refuse_callback"}),
 }
@@ -59,7 +56,7 @@ CLASSES = {
 
 def own_names(cls: type) -> set[str]:
     return {n for n, v in vars(cls).items()
-            if callable(v) or isinstance(v, (property, classmethod, staticmethod)) or n == "queue_class"}
+            if callable(v) or isinstance(v, (property, classmethod, staticmethod))}
 
 
 def params(f) -> list[tuple[str, object]]:
@@ -85,8 +82,8 @@ def test_harvest_overrides_exactly_these_rq_methods_with_rqs_parameters(cls):
     assert {n for n in names if not hasattr(base, n)} == own
     for name in overrides:
         ours, theirs = inspect.getattr_static(cls, name), inspect.getattr_static(base, name)
-        if isinstance(ours, property) or name == "queue_class":
-            assert isinstance(theirs, property) or name == "queue_class", name
+        if isinstance(ours, property):
+            assert isinstance(theirs, property), name
             continue
         assert takes_what_rq_passes(getattr(cls, name), getattr(base, name)), (cls.__name__, name)
 
@@ -144,7 +141,7 @@ def test_the_rq_attributes_harvest_reads_and_sets_exist(conn):
 
 
 def test_rqs_keys_are_where_harvest_and_rqs_tools_look(conn):
-    """Harvest's Lua reads a job's hash at `rq_job_prefix() + id` (pop_job.lua) and copies it
+    """Harvest's Lua reads a job's hash at `rq_job_prefix() + id` when it copies it
     (settle.lua); rq info and rq-dashboard list the same keys."""
     queue = Queue("run-x", connection=conn)
     assert rq_job_prefix() == Job.redis_job_namespace_prefix == "rq:job:"
@@ -175,18 +172,15 @@ def test_a_job_enqueued_as_harvest_does_is_a_hash_whose_data_the_job_copy_reads(
     assert list(Job.fetch("j1", connection=conn, serializer=SERIALIZER).args) == ['{"v": 2}']
 
 
-def test_rqs_dequeue_moves_the_job_to_the_intermediate_list_as_pop_job_does(conn):
+def test_rqs_dequeue_moves_the_job_to_the_intermediate_list_the_janitor_watches(conn):
+    """harvest.ops.liveness puts back a job left in the intermediate list without an execution."""
     queue = Queue("contract", connection=conn, serializer=SERIALIZER, job_class=PayloadJob)
     for j in ("j1", "j2"):
         queue.enqueue_call(JOB_FUNCTION, args=(j,), job_id=j)
     job, _ = Queue.dequeue_any([queue], None, connection=conn, job_class=PayloadJob, serializer=SERIALIZER)
     assert job.id == "j1" and conn.lrange(queue.intermediate_queue_key, 0, -1) == [b"j1"]
-    got = scripts.pop_job(queue.key, queue.intermediate_queue_key).run(conn)
-    assert conn.lrange(queue.intermediate_queue_key, 0, -1) == [b"j1", b"j2"] and conn.llen(queue.key) == 0
-    popped = popped_job(queue, conn, PayloadJob, SERIALIZER, got)
-    assert (popped.id, list(popped.args), popped.func_name) == ("j2", ["j2"], JOB_FUNCTION)
-    assert Queue.dequeue_any([queue], None, connection=conn) is None
-    assert scripts.pop_job(queue.key, queue.intermediate_queue_key).run(conn) is None
+    assert (list(job.args), job.func_name) == (["j1"], JOB_FUNCTION)
+    assert conn.lrange(queue.key, 0, -1) == [b"j2"]
 
 
 def test_an_execution_is_a_job_colon_execution_entry_and_a_hash_naming_its_worker(conn):
