@@ -107,7 +107,6 @@ class HarvestWorker(SimpleWorker):
         the worker's name (harvest.state.heartbeat.live_beat)."""
         super().__init__(*args, **kwargs)
         self._beat = beat
-        self._rq_beat_at = -math.inf  # monotonic time of RQ's last stand-alone worker heartbeat
         self._suspension_at = -math.inf
         self._cold_stop = False  # a cold stop (SystemExit) was raised: later signals change nothing
         self._starting: redis.client.Pipeline | None = None  # `prepare_execution`'s, sent by `prepare_job_execution`
@@ -138,19 +137,6 @@ class HarvestWorker(SimpleWorker):
         self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
         self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=PUBSUB_POLL_S, daemon=True,
                                                        exception_handler=self._pubsub_exception_handler)
-
-    # -- RQ's bookkeeping, without the round trips nobody reads (see the module docstring) ------
-    def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:
-        if pipeline is not None:  # rides in one of RQ's transactions: free
-            super().heartbeat(timeout, pipeline=pipeline)
-            return
-        t = time.monotonic()
-        if t - self._rq_beat_at < self.worker_ttl / 6:
-            return  # the worker key's TTL (worker_ttl + 60 s) is far from running out
-        with self.connection.pipeline(transaction=False) as pipe:
-            super().heartbeat(timeout, pipeline=pipe)
-            pipe.execute()
-        self._rq_beat_at = t
 
     def check_for_suspension(self, burst: bool) -> None:
         t = time.monotonic()
