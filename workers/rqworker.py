@@ -96,8 +96,6 @@ from harvest.state.payload import batch_ids
 from harvest.state.spools import redis_time
 from workers.context import JobStart, WorkerContext, installed
 
-# How often RQ's suspension flag (`rq suspend`) is read: a suspend takes effect within this.
-SUSPENSION_CHECK_S = 5.0
 PUBSUB_POLL_S = 1.0  # how long RQ's command thread waits between looks at its stop flag
 
 
@@ -107,7 +105,6 @@ class HarvestWorker(SimpleWorker):
         the worker's name (harvest.state.heartbeat.live_beat)."""
         super().__init__(*args, **kwargs)
         self._beat = beat
-        self._suspension_at = -math.inf
         self._cold_stop = False  # a cold stop (SystemExit) was raised: later signals change nothing
         self._starting: redis.client.Pipeline | None = None  # `prepare_execution`'s, sent by `prepare_job_execution`
         # the job's start queued in it, its states still to read: the context, the ids, their reply's index
@@ -137,12 +134,6 @@ class HarvestWorker(SimpleWorker):
         self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
         self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=PUBSUB_POLL_S, daemon=True,
                                                        exception_handler=self._pubsub_exception_handler)
-
-    def check_for_suspension(self, burst: bool) -> None:
-        t = time.monotonic()
-        if t - self._suspension_at >= SUSPENSION_CHECK_S:
-            super().check_for_suspension(burst)
-            self._suspension_at = time.monotonic()
 
     def set_state(self, state: str, pipeline=None) -> None:
         if pipeline is None and state == self._state:
