@@ -135,11 +135,6 @@ class HarvestWorker(SimpleWorker):
         self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=PUBSUB_POLL_S, daemon=True,
                                                        exception_handler=self._pubsub_exception_handler)
 
-    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
-        """RQ's, less the write of the job's `last_heartbeat`: the outcome's transaction follows."""
-        job.ended_at = now()
-        job.last_heartbeat = job.ended_at
-
     @property
     def beat(self) -> WorkerBeat | None:
         return self._beat if self._beat is not None else live_beat(self.name)
