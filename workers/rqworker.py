@@ -140,24 +140,12 @@ class HarvestWorker(SimpleWorker):
         return self._beat if self._beat is not None else live_beat(self.name)
 
     # -- maintenance: only what no clock decides -----------------------------------------------
-    def run_maintenance_tasks(self) -> None:
-        """No scheduler to restart and no group registries: only `clean_registries`, below."""
-        self.clean_registries()
-
     def clean_registries(self) -> None:
         """Only forget worker keys that expired (by Redis's TTL); see the module docstring for
         the registry, intermediate-list and group cleanups this leaves to harvest's janitor."""
         for queue in self.queues:
             worker_registration.clean_worker_registry(queue)
         self.last_cleaned_at = now()  # this process's own cadence, compared with nothing else
-
-    def clean_group_registries(self) -> None:
-        """Harvest enqueues no groups; RQ's cleanup would expire members by this node's clock."""
-
-    def _start_scheduler(self, *args, **kwargs) -> None:
-        """Harvest runs no RQ scheduler: due retries are the janitor's, by Redis's clock."""
-        self.log.warning("Worker %s: RQ's scheduler is not started: harvest's janitor releases due retries",
-                         self.name)
 
     # -- executions named in the heartbeat, in RQ's own transactions ----------------------------
     def prepare_execution(self, job: Job) -> Execution:
