@@ -1,83 +1,29 @@
-"""The RQ worker class harvest runs: RQ's SimpleWorker, with no liveness decided by this node's clock
-(and its successes recorded as workers.success does).
-
-Why. RQ 3.0 stamps a started execution with the starting worker's clock (score `now + job.timeout
-+ 60` in the queue's StartedJobRegistry) and lets any worker's maintenance compare that score
-with *its own* clock. A node whose clock ran 2 h ahead therefore moved another node's running
-job to the FailedJobRegistry; when that job's worker later died nobody took it back (it was no
-longer "started") and its samples stayed queued with no job. Harvest's janitor
-(harvest.ops.janitor, harvest.ops.liveness) decides liveness from heartbeat TTLs and Redis's
-`TIME` only, so this class leaves every decision of that kind to it.
+"""The RQ worker class harvest runs: RQ's SimpleWorker, with no liveness decided by this node's
+clock, and each execution it starts or ends named in its harvest heartbeat in the same transaction.
 
 Who owns what:
-- this worker: the executions it starts and ends (RQ's own bookkeeping, unchanged), and naming
-  them in its harvest heartbeat in the same transaction (`prepare_execution`,
-  `cleanup_execution`), so a started execution of a live worker is never unnamed;
-- harvest's janitor, on every worker, under a run lock: executions of dead workers (heartbeat
-  gone, by Redis's TTL) and suspect ones (a live worker naming another job for a grace, by
-  Redis's TIME); jobs stuck in RQ's intermediate list; due retries; registry expiry;
-  stranded samples (harvest.ops.stranded);
-- nobody: RQ's scheduler process (harvest runs none).
+- this worker: the executions it starts and ends, with RQ's own bookkeeping; its heartbeat names
+  an execution in the MULTI/EXEC that creates it (`prepare_execution`) and stops naming it in the
+  one that records the job's outcome (`cleanup_execution`), so no janitor pass sees them part;
+- harvest's janitor (harvest.ops.janitor, harvest.ops.liveness), under a run lock, by heartbeat
+  TTLs and Redis's `TIME` only: executions of dead or suspect workers, jobs left in RQ's
+  intermediate list, due retries, registry expiry, stranded samples (harvest.ops.stranded);
+- nobody: RQ's scheduler (harvest never starts it).
 
-RQ's comparisons of a stored time with the local clock, and what happens to each here:
+RQ 3.0's comparisons of a stored time with this node's clock, and what happens to each here:
+- `clean_registries`: the started, failed and finished registries' and the intermediate list's
+  cleanups are off (the janitor reaps and prunes by heartbeat TTL and Redis TIME); only
+  `clean_worker_registry` (worker keys expired by Redis's TTL) runs;
+- a job returning `Retry` is due at `now() + interval`: re-stamped by Redis TIME (`handle_job_retry`).
 
-| RQ 3.0 | what the local clock decided | here |
-|---|---|---|
-| `StartedJobRegistry.cleanup` (maintenance, `clean_registries`) | another node's running execution is abandoned: retried or failed | off; the janitor reaps by heartbeat TTL and takes suspects back after a grace by Redis TIME |
-| `FailedJobRegistry`, `FinishedJobRegistry.cleanup` (same) | failed jobs (requeue's and the stranded sweep's payload rows) dropped early | off; pruned by the janitor by Redis TIME |
-| `IntermediateQueue.cleanup` (same; first seen stamped with the local clock, kept 24 h) | a job another worker just dequeued is failed | off; the janitor puts back a job dequeued for a grace without an execution, by Redis TIME |
-| `clean_worker_registry` (same) | nothing: worker keys that expired (Redis TTL) | kept |
-| `Group.clean_registries`, `ReadyJobRegistry`, rate limits (same) | groups, dependencies, rate limits: harvest uses none | off |
-| `RQScheduler` (`with_scheduler`) | scheduled jobs due by the local clock | never started; the janitor promotes by Redis TIME |
-| `Job._handle_retry_result` (a job returning `Retry`) | the retry's due time, `now() + interval`: 2 h late from a node 2 h ahead | re-stamped by Redis TIME right after (`handle_job_retry`); the janitor also treats an absurdly distant due time as due |
-
-RQ's round trips, and the ones cut here. RQ 3.0's SimpleWorker made 27 round trips of its own a
-job (bench/fleet.py, tests/system/test_control_plane.py), the largest part of the control plane's Redis CPU per sample: one Redis runs the
-whole fleet's commands on one thread, and on a VM a round trip costs it 5-30 µs. Cut here, none
-of them read by harvest's liveness (which is its own heartbeat, harvest.state.heartbeat):
-- RQ's worker heartbeat (`last_heartbeat` and the TTLs of the worker's keys, three separate
-  commands each time, sent 3-4 times a job) goes at most every `worker_ttl / 6` s, in one
-  pipeline; a heartbeat riding in one of RQ's own transactions is kept;
-- `rq suspend`'s flag is read at most every SUSPENSION_CHECK_S, not before every job;
-- the worker's state is written when it changes, not again when it is the same;
-- its job counters (successful jobs, working time) are added up and written at most every
-  10 s, not with every job (workers.success);
-- the job's `last_heartbeat` at its end is kept in this process (the job is deleted or moved
-  right after, in the transaction that records its outcome), and at its start written once (RQ
-  wrote it twice in one transaction);
-- a finished job's transaction: RQ's `handle_job_success` watches the dependents set, reads
-  the job's status and reads every execution of the job (six reads) to delete what one
-  MULTI/EXEC deletes here. Harvest's jobs keep no result (harvest.state.jobs: result_ttl 0)
-  and have no repeats, rate limit or group; a job that has any of them goes RQ's own way.
-  Dependents are not checked (that is the WATCH and read saved): harvest enqueues no job with
-  `depends_on`, so no job of its queue has any.
-- RQ's two transactions starting an execution are sent as one (`prepare_execution`), and the
-  worker's idle state rides in the success's transaction;
-- a success's transaction is sent with the next dequeue (workers.success).
-What is left a job: the execution's transaction, and the dequeue (LMOVE and the job's hash in one
-script, harvest/state/lua/pop_job.lua) in one transaction with the last job's success (a failure or a
-retry goes RQ's own way, in a transaction of its own). Harvest's own start of the job (the
-heartbeat naming its attempt, the ledger's states of its samples: workers.job `BatchJob.choose`)
-rides in the execution's transaction (`_start_of`), so a job's round trips are those two and the
-settle's. A worker
-that returns late (its execution taken back by the janitor, the job queued again) deletes the
-job's hash as RQ's own success did; no sample depends on it: the ledger moves only queued samples
-(`Ledger.settle_job`), so the later run of the job skips what this one spooled, and a sample left
-queued in a job whose hash is gone is found by the stranded check (harvest.ops.stranded). A Redis
-that loses its last second of these writes brings back a job record or an execution that the
-janitor reaps, as before: nothing here decides a sample.
-
-Safe because: every disabled cleanup either removed records that the janitor now removes by
-Redis's clock, or decided liveness, which only harvest's heartbeats (TTL) decide. What remains
-on the local clock compares this process with itself (the maintenance cadence, the double
-signal within 1 s, the job's own timeout by SIGALRM) or is only recorded (`started_at`,
-`ended_at`, RQ's `last_heartbeat` fields), never compared by another node.
+Why: any worker's maintenance compares RQ's stamps with its own clock, so a node whose clock runs
+ahead fails other nodes' running jobs. What remains on the local clock compares this process with
+itself (maintenance cadence, the job's SIGALRM timeout) or is only recorded, never compared.
 """
 
 from __future__ import annotations
 
 import math
-import time
 
 import redis
 from rq import Retry, worker_registration

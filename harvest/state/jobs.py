@@ -43,10 +43,8 @@ DATA_ZLIB_LEVEL = 1
 
 class PayloadJob(Job):
     """RQ's job, with its data (the JSON payload) zlib-compressed at level 1 instead of RQ's
-    default 6: 4-5x faster for a few percent more bytes (measured on payload v1, base64 of int32:
-    0.78x instead of 0.72x the raw int32 bytes), where compressing had been the producer's
-    largest cost (bench/enqueue.py). Readers need nothing of it: RQ's `restore` decompresses
-    any level."""
+    default 6: several times faster for a few percent more bytes (bench/enqueue.py). Readers need
+    nothing of it: RQ's `restore` decompresses any level."""
 
     def to_dict(self, include_meta: bool = True, include_result: bool = True) -> dict:
         data = self.data
