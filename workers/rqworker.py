@@ -52,9 +52,6 @@ class HarvestWorker(SimpleWorker):
         super().__init__(*args, **kwargs)
         self._beat = beat
         self._cold_stop = False  # a cold stop (SystemExit) was raised: later signals change nothing
-        self._starting: redis.client.Pipeline | None = None  # `prepare_execution`'s, sent by `prepare_job_execution`
-        # the job's start queued in it, its states still to read: the context, the ids, their reply's index
-        self._taking: tuple[WorkerContext, JobStart, list[str], int] | None = None
 
     def request_force_stop(self, signum, frame) -> None:
         """RQ's cold stop, honoured once. `harvest run` repeats a hurried stop's SIGTERM until the
@@ -95,30 +92,32 @@ class HarvestWorker(SimpleWorker):
 
     # -- executions named in the heartbeat, in RQ's own transactions ----------------------------
     def prepare_execution(self, job: Job) -> Execution:
-        """RQ's `prepare_execution` (the execution, the started registry entry, the worker's busy
-        state), with the harvest heartbeat naming the execution, queued in the transaction that
-        `prepare_job_execution` sends right after with RQ's second one (the job started, out of the
-        intermediate list): one MULTI/EXEC where RQ sends two, so no pass of the janitor can see
-        the execution started and unnamed, nor started with its job still in the intermediate list.
-        A harvest job's start goes in it too (`_start_of`): its new attempt named by the heartbeat,
-        before the engine gets any request of it, and its samples' states read, which the job takes
-        up (WorkerContext.started). A Redis that loses its last second loses this transaction whole
-        (the execution, its naming, the start): the worker's next beat names the attempt again from
-        its memory (harvest.state.heartbeat), and the janitor puts back the job left dequeued with no
-        execution, whose samples the ledger and the claims keep from being committed twice."""
-        pipeline = self.connection.pipeline()
-        execution = Execution.create(job, self.get_heartbeat_ttl(job), pipeline=pipeline, worker_name=self.name)
-        self.executions[execution.id] = execution
-        self.set_state(WorkerStatus.BUSY, pipeline=pipeline)
+        """RQ's (the execution, its started-registry entry, the worker busy, in one MULTI/EXEC), with
+        the harvest heartbeat naming the execution in the same transaction, so no janitor pass sees
+        it started and unnamed. A harvest job's start goes in it too (`_start_of`): its new attempt
+        named by the heartbeat, before the engine gets any request of it, and its samples' states
+        read, which the job takes up (WorkerContext.started). A Redis that loses its last second
+        loses this transaction whole: the worker's next beat names the attempt again from its
+        memory, and the janitor puts back the job left dequeued with no execution."""
         beat = self.beat
         ctx, ids = self._start_of(job, beat)
         start = JobStart(new_attempt(), {}, ctx.recovery_generation()) if ctx is not None else None
-        if beat is not None:
-            beat.name_execution(job.id, execution.id, pipeline, start=(len(ids), start.attempt) if start else None)
-        if start is not None:
-            self._taking = (ctx, start, ids, len(pipeline.command_stack))
-            pipeline.hmget(ctx.ledger.keys.state, ids)
-        self._starting = pipeline
+        with self.connection.pipeline() as pipeline:
+            execution = Execution.create(job, self.get_heartbeat_ttl(job), pipeline=pipeline, worker_name=self.name)
+            self.executions[execution.id] = execution
+            self.set_state(WorkerStatus.BUSY, pipeline=pipeline)
+            if beat is not None:
+                beat.name_execution(job.id, execution.id, pipeline, start=(len(ids), start.attempt) if start else None)
+            if start is not None:
+                pipeline.hmget(ctx.ledger.keys.state, ids)
+            try:
+                replies = pipeline.execute()
+            except BaseException:
+                if start is not None and beat is not None:
+                    beat.drop_start()
+                raise
+        if ctx is not None and start is not None:
+            ctx.started[job.id] = start._replace(states=dict(zip(ids, map(state_letter, replies[-1]))))
         return execution
 
     def _start_of(self, job: Job, beat: WorkerBeat | None) -> tuple[WorkerContext | None, list[str]]:
@@ -140,30 +139,6 @@ class HarvestWorker(SimpleWorker):
         except Exception:  # noqa: BLE001  # undeserializable data, a payload naming no ids: RQ fails the job
             return None, []
         return (ctx, ids) if ids else (None, [])
-
-    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
-        """RQ's, in the transaction `prepare_execution` began (RQ's own when there is none)."""
-        pipeline, self._starting = self._starting, None
-        taking, self._taking = self._taking, None
-        if pipeline is None:
-            super().prepare_job_execution(job, remove_from_intermediate_queue)
-            return
-        with pipeline:
-            self.heartbeat(self.get_heartbeat_ttl(job), pipeline=pipeline)
-            job.prepare_for_execution(self.name, pipeline=pipeline)  # RQ's `job.heartbeat` before it wrote the same field
-            pipeline.persist(job.key)
-            if remove_from_intermediate_queue:
-                queue = next(q for q in self.queues if q.name == job.origin)  # RQ asks this of one queue only
-                pipeline.lrem(queue.intermediate_queue_key, 1, job.id)
-            try:
-                replies = pipeline.execute()
-            except BaseException:
-                if taking is not None and self.beat is not None:
-                    self.beat.drop_start()
-                raise
-        if taking is not None:
-            ctx, start, ids, at = taking
-            ctx.started[job.id] = start._replace(states=dict(zip(ids, map(state_letter, replies[at]))))
 
     def cleanup_execution(self, job: Job, pipeline, execution: Execution | None = None) -> None:
         """RQ removes the execution in `pipeline` (its success, failure or retry transaction); the

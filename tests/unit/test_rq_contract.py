@@ -47,7 +47,7 @@ def test_rq_is_bounded_to_the_major_tested_here():
 CLASSES = {
     HarvestWorker: (SimpleWorker, {
         "__init__", "request_force_stop", "subscribe",
-        "clean_registries", "prepare_execution", "prepare_job_execution", "cleanup_execution", "handle_job_retry"}, {"beat", "_start_of"}),
+        "clean_registries", "prepare_execution", "cleanup_execution", "handle_job_retry"}, {"beat", "_start_of"}),
     PayloadJob: (Job, {"to_dict"}, set()),
     HarvestJob: (PayloadJob, {"func", "success_callback", "failure_callback", "stopped_callback"}, {"_refuse_callback"}),
 }
