@@ -31,6 +31,7 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
+from rq.results import Result
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
@@ -147,6 +148,28 @@ class HarvestWorker(SimpleWorker):
         beat = self.beat
         if beat is not None and execution is not None:
             beat.clear_execution(execution.id, pipeline)
+
+    def handle_job_success(self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry,
+                           execution: Execution) -> None:
+        """RQ's writes for a harvest job's success, in one MULTI/EXEC without RQ's reads: RQ's
+        counters, the execution gone (and no longer named: `cleanup_execution`), the job and its
+        records deleted. Why: RQ's own watches the dependents and reads the job's executions first,
+        round trips a job that harvest's jobs (no result kept, no dependents, repeats, rate limit or
+        group) do not need; a job that has any of them goes RQ's own way."""
+        if (job.get_result_ttl(self.default_result_ttl) != 0 or job.repeats_left or job.has_rate_limit
+                or job.group_id):
+            super().handle_job_success(job, queue, started_job_registry, execution)
+            return
+        with self.connection.pipeline() as pipe:
+            self.increment_successful_job_count(pipeline=pipe)
+            self.increment_total_working_time(job.ended_at - job.started_at, pipe)
+            self.cleanup_execution(job, pipe, execution)
+            pipe.delete(job.key, job.dependents_key, job.dependencies_key, Result.get_key(job.id),
+                        job.execution_registry.key)
+            pipe.execute()
+        job._status = JobStatus.FINISHED
+        self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
+                      self.name)
 
     def handle_job_retry(self, job: Job, queue: Queue, retry: Retry, started_job_registry: StartedJobRegistry,
                          execution: Execution) -> None:

@@ -21,7 +21,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.registry import BaseRegistry, FailedJobRegistry
 from rq.results import Result
-from rq.utils import parse_composite_key
+from rq.utils import now, parse_composite_key
 from rq.worker import SimpleWorker, Worker
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
@@ -47,7 +47,8 @@ def test_rq_is_bounded_to_the_major_tested_here():
 CLASSES = {
     HarvestWorker: (SimpleWorker, {
         "__init__", "request_force_stop", "subscribe",
-        "clean_registries", "prepare_execution", "cleanup_execution", "handle_job_retry"}, {"beat", "_start_of"}),
+        "clean_registries", "prepare_execution", "cleanup_execution", "handle_job_retry",
+        "handle_job_success"}, {"beat", "_start_of"}),
     PayloadJob: (Job, {"to_dict"}, set()),
     HarvestJob: (PayloadJob, {"func", "success_callback", "failure_callback", "stopped_callback"}, {"_refuse_callback"}),
 }
@@ -111,6 +112,8 @@ CALLS = [
     (Worker.cleanup_execution, ["self", "job", "pipeline", "execution"]),
     (Worker.get_heartbeat_ttl, ["self", "job"]),
     (Worker.handle_job_success, ["self", "job", "queue", "started_job_registry", "execution"]),
+    (Worker.increment_successful_job_count, ["self", "pipeline"]),
+    (Worker.increment_total_working_time, ["self", "job_execution_time", "pipeline"]),
     (Worker.handle_job_retry, ["self", "job", "queue", "retry", "started_job_registry", "execution"]),
     (worker_registration.clean_worker_registry, ["queue"]),
     (Result.get_key, ["job_id"]),
@@ -219,3 +222,30 @@ def test_a_failed_job_is_counted_and_a_retry_waits_its_interval(conn):
     assert queue.failed_job_registry.get_job_count(cleanup=False) == 1
     assert [Retry.get_interval(n, [5, 10]) for n in (0, 1, 7)] == [5, 10, 10]
     assert Result.get_key("j1") == "rq:results:j1"
+
+
+def _after_success(conn, cls: type[SimpleWorker]) -> tuple[set[str], dict[bytes, bytes]]:
+    """A job of harvest's kind (result_ttl 0, no dependents) run to its success by a worker of
+    `cls`: the keys left, with the worker's and its queue's names made alike, and RQ's counters."""
+    conn.flushall()
+    queue = Queue("contract", connection=conn, serializer=SERIALIZER, job_class=PayloadJob)
+    queue.enqueue_call(JOB_FUNCTION, args=("p",), job_id="j1", result_ttl=0)
+    worker = cls([queue], connection=conn, serializer=SERIALIZER, job_class=PayloadJob, name="w1")
+    worker.register_birth()
+    job, _ = worker.dequeue_job_and_maintain_ttl(None)
+    execution = worker.prepare_execution(job)
+    worker.prepare_job_execution(job, remove_from_intermediate_queue=True)
+    job.started_at = job.ended_at = now()
+    worker.handle_job_success(job, queue, queue.started_job_registry, execution)
+    counters = {k: v for k, v in conn.hgetall(worker.key).items()
+                if k in (b"successful_job_count", b"failed_job_count", b"total_working_time")}
+    return {k.decode() for k in conn.keys("*")}, counters
+
+
+def test_harvests_success_leaves_what_rqs_own_leaves(conn):
+    """HarvestWorker.handle_job_success writes RQ's records of a success without RQ's reads: a
+    new RQ that records a success elsewhere, or keeps more of it, fails here."""
+    theirs, ours = _after_success(conn, SimpleWorker), _after_success(conn, HarvestWorker)
+    assert ours == theirs
+    assert not any(k.startswith(("rq:job:", "rq:execution")) for k in ours[0])
+    assert ours[1][b"successful_job_count"] == b"1"
