@@ -48,7 +48,7 @@ CLASSES = {
     HarvestWorker: (SimpleWorker, {
         "__init__", "request_force_stop", "subscribe",
         "clean_registries", "prepare_execution", "cleanup_execution", "handle_job_retry",
-        "handle_job_success"}, {"beat", "_start_of"}),
+        "handle_job_success"}, {"beat"}),
     PayloadJob: (Job, {"to_dict"}, set()),
     HarvestJob: (PayloadJob, {"func", "success_callback", "failure_callback", "stopped_callback"}, {"_refuse_callback"}),
 }
