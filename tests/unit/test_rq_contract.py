@@ -46,7 +46,7 @@ def test_rq_is_bounded_to_the_major_tested_here():
 # (which RQ must not define: a later RQ calling one of them would call harvest's).
 CLASSES = {
     HarvestWorker: (SimpleWorker, {
-        "__init__", "request_force_stop", "subscribe",
+        "__init__", "request_force_stop", "subscribe", "heartbeat",
         "clean_registries", "prepare_execution", "cleanup_execution", "handle_job_retry",
         "handle_job_success"}, {"beat"}),
     PayloadJob: (Job, {"to_dict"}, set()),
