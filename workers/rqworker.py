@@ -51,6 +51,7 @@ class HarvestWorker(SimpleWorker):
         self._rq_beat_at = -math.inf  # monotonic time of RQ's last worker heartbeat sent on its own
         self._cold_stop = False  # a cold stop (SystemExit) was raised: later signals change nothing
 
+    # RQ's signal handler: test_rq_contract test_harvest_overrides_exactly_these_rq_methods_with_rqs_parameters
     def request_force_stop(self, signum, frame) -> None:
         """RQ's cold stop, honoured once. `harvest run` repeats a hurried stop's SIGTERM until the
         worker exits (RQ ignores one within 1 s of handling the first, and the runner cannot tell
@@ -63,6 +64,7 @@ class HarvestWorker(SimpleWorker):
             self._cold_stop = True
             raise
 
+    # RQ's, for its poll (no setting): test_rq_contract test_the_rq_attributes_harvest_reads_and_sets_exist
     def subscribe(self) -> None:
         """RQ's, with its command thread polling every PUBSUB_POLL_S instead of RQ's 60 s (RQ 3.0;
         2.x blocks). redis-py 8's `PubSubWorkerThread.stop` waits for the thread, and a thread whose
@@ -76,6 +78,7 @@ class HarvestWorker(SimpleWorker):
         self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=PUBSUB_POLL_S, daemon=True,
                                                        exception_handler=self._pubsub_exception_handler)
 
+    # RQ's; the same records: test_rq_contract test_harvests_execution_start_and_heartbeat_write_what_rqs_do
     def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:
         """RQ's worker heartbeat: in RQ's own transaction as RQ sends it; on its own at most every
         `worker_ttl / 6` s, its three commands in one round trip. Why: RQ sends it three times a
@@ -97,6 +100,7 @@ class HarvestWorker(SimpleWorker):
         return self._beat if self._beat is not None else live_beat(self.name)
 
     # -- maintenance: only what no clock decides -----------------------------------------------
+    # RQ's; the worker registry it keeps: test_rq_contract test_a_worker_registers_where_the_janitor_forgets_it
     def clean_registries(self) -> None:
         """Only forget worker keys that expired (by Redis's TTL); see the module docstring for
         the registry, intermediate-list and group cleanups this leaves to harvest's janitor."""
@@ -105,6 +109,7 @@ class HarvestWorker(SimpleWorker):
         self.last_cleaned_at = now()  # this process's own cadence, compared with nothing else
 
     # -- executions named in the heartbeat, in RQ's own transactions ----------------------------
+    # RQ's; the same records: test_rq_contract test_harvests_execution_start_and_heartbeat_write_what_rqs_do
     def prepare_execution(self, job: Job) -> Execution:
         """RQ's (the execution, its started-registry entry, the worker busy, in one MULTI/EXEC), with
         the harvest heartbeat naming the execution in the same transaction, so no janitor pass sees
@@ -120,6 +125,7 @@ class HarvestWorker(SimpleWorker):
             pipeline.execute()
         return execution
 
+    # RQ's: test_rq_contract test_an_execution_is_a_job_colon_execution_entry_and_a_hash_naming_its_worker
     def cleanup_execution(self, job: Job, pipeline, execution: Execution | None = None) -> None:
         """RQ removes the execution in `pipeline` (its success, failure or retry transaction); the
         heartbeat stops naming it in the same one."""
@@ -128,6 +134,7 @@ class HarvestWorker(SimpleWorker):
         if beat is not None and execution is not None:
             beat.clear_execution(execution.id, pipeline)
 
+    # RQ's; the same records: test_rq_contract test_harvests_success_leaves_what_rqs_own_leaves
     def handle_job_success(self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry,
                            execution: Execution) -> None:
         """RQ's writes for a harvest job's success, in one MULTI/EXEC without RQ's reads: RQ's
@@ -150,6 +157,7 @@ class HarvestWorker(SimpleWorker):
         self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
                       self.name)
 
+    # RQ's; the retry's interval: test_rq_contract test_a_failed_job_is_counted_and_a_retry_waits_its_interval
     def handle_job_retry(self, job: Job, queue: Queue, retry: Retry, started_job_registry: StartedJobRegistry,
                          execution: Execution) -> None:
         """RQ schedules the retry at this node's `now() + interval`; stamp it again with Redis's

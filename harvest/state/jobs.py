@@ -46,6 +46,7 @@ class PayloadJob(Job):
     default 6: several times faster for a few percent more bytes (bench/enqueue.py). Readers need
     nothing of it: RQ's `restore` decompresses any level."""
 
+    # RQ's: test_rq_contract test_a_job_enqueued_as_harvest_does_is_a_hash_whose_data_the_job_copy_reads
     def to_dict(self, include_meta: bool = True, include_result: bool = True) -> dict:
         data = self.data
         self._data = b""  # RQ compresses `data` itself, at its level: give it nothing to compress

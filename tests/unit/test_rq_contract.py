@@ -249,3 +249,28 @@ def test_harvests_success_leaves_what_rqs_own_leaves(conn):
     assert ours == theirs
     assert not any(k.startswith(("rq:job:", "rq:execution")) for k in ours[0])
     assert ours[1][b"successful_job_count"] == b"1"
+
+
+def _after_start(conn, cls: type[SimpleWorker]) -> tuple[set[str], dict[bytes, bytes], int]:
+    """A job dequeued and its execution prepared by a worker of `cls`, then a heartbeat on its
+    own: the keys left, the worker's state and whether its heartbeat field is set, the key's TTL."""
+    conn.flushall()
+    queue = Queue("contract", connection=conn, serializer=SERIALIZER, job_class=PayloadJob)
+    queue.enqueue_call(JOB_FUNCTION, args=("p",), job_id="j1", result_ttl=0)
+    worker = cls([queue], connection=conn, serializer=SERIALIZER, job_class=PayloadJob, name="w1")
+    worker.register_birth()
+    conn.persist(worker.key)
+    job, _ = worker.dequeue_job_and_maintain_ttl(None)
+    worker.prepare_execution(job)
+    worker.heartbeat()
+    fields = {k: v for k, v in conn.hgetall(worker.key).items() if k == b"state"}
+    fields[b"beat"] = b"1" if conn.hget(worker.key, "last_heartbeat") else b"0"
+    keys = {k.decode().rsplit(":", 1)[0] if k.startswith(b"rq:execution:") else k.decode() for k in conn.keys("*")}
+    return keys, fields, conn.ttl(worker.key) > 0  # an execution's key named without its random id
+
+
+def test_harvests_execution_start_and_heartbeat_write_what_rqs_do(conn):
+    """HarvestWorker.prepare_execution and .heartbeat write RQ's records (the execution, the
+    started registry, the worker busy; its heartbeat field and TTL): a new RQ that records them
+    elsewhere fails here."""
+    assert _after_start(conn, HarvestWorker) == _after_start(conn, SimpleWorker)
