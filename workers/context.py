@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import redis
 
@@ -34,6 +35,15 @@ def backoff_intervals(base: float, retries: int, cap: float = MAX_RETRY_INTERVAL
     return [max(1, int(min(cap, base * 3**i))) for i in range(max(1, retries))]
 
 
+class JobStart(NamedTuple):
+    """A job's start made in RQ's transaction that starts its execution
+    (workers.rqworker.HarvestWorker.prepare_execution), taken up by the job (workers.job)."""
+
+    attempt: int  # named by the heartbeat in that transaction
+    states: dict[str, str | None]  # sample -> state letter, read in it
+    generation: int  # WorkerContext.recovery_generation() as it was read
+
+
 @dataclass
 class WorkerContext:
     conn: redis.Redis
@@ -51,6 +61,7 @@ class WorkerContext:
     node: str = "node"
     recovery: Recovery | None = None  # one per process: the job and the heartbeat thread share it
     spool_id: str = field(init=False)
+    started: dict[str, JobStart] = field(init=False, default_factory=dict)  # by job id
     # the jobs' throughput stats and latencies, written at the heartbeat (harvest.state.tally)
     tally: Tally = field(init=False)
     _recovery_lock: threading.Lock = field(init=False, default_factory=threading.Lock)

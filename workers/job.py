@@ -98,6 +98,8 @@ class BatchJob:
         self.generated: Regenerated | None = None  # the job's regeneration step, for its stats
         self.t0 = 0.0  # monotonic time the job was taken (`choose`)
         self.ended = False  # the heartbeat's end of job went (with the marks, `mark`)
+        # the job's start made in the transaction that started its execution (workers.rqworker)
+        self.started = ctx.started.pop(job.id, None) if job else None
         self.timed = False  # the job's duration went to the tally (at the marks)
 
     def run(self) -> JobResult | Retry:
@@ -153,12 +155,19 @@ class BatchJob:
 
     def choose(self) -> list[Sample]:
         """The job's samples still queued, read with the heartbeat's job line, which names the
-        job's new attempt (a fresh rid a sample: harvest.ids.new_attempt), in one round trip
-        (harvest.state.roundtrip; a connection error: nothing to undo)."""
-        ctx = self.ctx
-        attempt = new_attempt()
-        also = [ctx.beat.starting(self.job.id if self.job else "", len(self.samples), attempt)] if ctx.beat else []
-        states = ctx.ledger.take([s.id for s in self.samples], also=also)
+        job's new attempt (a fresh rid a sample: harvest.ids.new_attempt), as sent in the
+        transaction that started the job's execution (HarvestWorker.prepare_execution); sent in a
+        round trip of their own (harvest.state.roundtrip; a connection error: nothing to undo)
+        where the worker sent none, or the ledger was reconciled on a new Redis since (Recovery's
+        generation)."""
+        ctx, start = self.ctx, self.started
+        if (start is not None and start.generation == ctx.recovery_generation()
+                and all(s.id in start.states for s in self.samples)):
+            attempt, states = start.attempt, [start.states[s.id] for s in self.samples]
+        else:
+            attempt = new_attempt()
+            also = [ctx.beat.starting(self.job.id if self.job else "", len(self.samples), attempt)] if ctx.beat else []
+            states = ctx.ledger.take([s.id for s in self.samples], also=also)
         self.todo = [s for s, st in zip(self.samples, states) if st == QUEUED]
         self.attempt_id = attempt
         return self.todo

@@ -36,8 +36,13 @@ from rq.results import Result
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
+from harvest.ids import new_attempt
 from harvest.state.heartbeat import WorkerBeat, live_beat
+from harvest.state.jobs import JOB_FUNCTION
+from harvest.state.ledger import state_letter
+from harvest.state.payload import batch_ids
 from harvest.state.spools import redis_time
+from workers.context import JobStart, WorkerContext, installed
 
 PUBSUB_POLL_S = 1.0  # how long RQ's command thread waits between looks at its stop flag
 
@@ -113,17 +118,51 @@ class HarvestWorker(SimpleWorker):
     def prepare_execution(self, job: Job) -> Execution:
         """RQ's (the execution, its started-registry entry, the worker busy, in one MULTI/EXEC), with
         the harvest heartbeat naming the execution in the same transaction, so no janitor pass sees
-        it started and unnamed. A Redis that loses its last second loses the transaction whole: the
-        janitor puts back the job left dequeued with no execution."""
+        it started and unnamed. A harvest job's start goes in it too (`_start_of`): its new attempt
+        named by the heartbeat, before the engine gets any request of it, and its samples' states
+        read, which the job takes up (WorkerContext.started). A Redis that loses its last second
+        loses this transaction whole: the worker's next beat names the attempt again from its
+        memory, and the janitor puts back the job left dequeued with no execution."""
         beat = self.beat
+        ctx, ids = self._start_of(job, beat)
+        start = JobStart(new_attempt(), {}, ctx.recovery_generation()) if ctx is not None else None
         with self.connection.pipeline() as pipeline:
             execution = Execution.create(job, self.get_heartbeat_ttl(job), pipeline=pipeline, worker_name=self.name)
             self.executions[execution.id] = execution
             self.set_state(WorkerStatus.BUSY, pipeline=pipeline)
             if beat is not None:
-                beat.name_execution(job.id, execution.id, pipeline)
-            pipeline.execute()
+                beat.name_execution(job.id, execution.id, pipeline, start=(len(ids), start.attempt) if start else None)
+            if start is not None:
+                pipeline.hmget(ctx.ledger.keys.state, ids)
+            try:
+                replies = pipeline.execute()
+            except BaseException:
+                if start is not None and beat is not None:
+                    beat.drop_start()
+                raise
+        if ctx is not None and start is not None:
+            ctx.started[job.id] = start._replace(states=dict(zip(ids, map(state_letter, replies[-1]))))
         return execution
+
+    def _start_of(self, job: Job, beat: WorkerBeat | None) -> tuple[WorkerContext | None, list[str]]:
+        """The worker context and the sample ids of a harvest job whose start (its attempt named in
+        the heartbeat, its samples' states read: workers.job `BatchJob.choose`) rides in the
+        transaction that starts its execution: one round trip a job less. (None, []) where the job
+        does it itself: no context, another heartbeat than the context's, no sample, or a job whose
+        data cannot be read or that will be refused (workers.safejob): RQ's own path fails it, as
+        before. A SimpleWorker runs one job at a time: a start left by a job whose function never
+        ran (refused, a stop between) is dropped here."""
+        ctx = installed()
+        if ctx is None or beat is None or ctx.beat is not beat:
+            return None, []
+        ctx.started.clear()
+        try:
+            if job.func_name != JOB_FUNCTION or job.instance is not None:
+                return None, []
+            ids = batch_ids(job.args[0])
+        except Exception:  # noqa: BLE001  # undeserializable data, a payload naming no ids: RQ fails the job
+            return None, []
+        return (ctx, ids) if ids else (None, [])
 
     # RQ's: test_rq_contract test_an_execution_is_a_job_colon_execution_entry_and_a_hash_naming_its_worker
     def cleanup_execution(self, job: Job, pipeline, execution: Execution | None = None) -> None:

@@ -95,13 +95,20 @@ class WorkerBeat:
             self.doing["state"] = state
             self._send()
 
-    def name_execution(self, job_id: str, execution_id: str, pipe: redis.client.Pipeline) -> None:
+    def name_execution(self, job_id: str, execution_id: str, pipe: redis.client.Pipeline,
+                       start: tuple[int, int] | None = None) -> None:
         """Name the RQ execution this worker is starting, in `pipe`: the MULTI/EXEC in which RQ
-        creates it (workers.rqworker.HarvestWorker.prepare_execution); the worker busy."""
+        creates it (workers.rqworker.HarvestWorker.prepare_execution). `start`: (samples, attempt)
+        of the job, named as `starting` names them, in the same transaction. No EVALSHA: a script
+        called by its SHA in a transaction that meets a restarted Redis (no scripts loaded) fails
+        the transaction; the job's start is an EVAL of the script's text (a few hundred bytes)."""
         with self._lock:
-            self.doing.update(state=BUSY, job=job_id, execution=execution_id)
-            pipe.hset(self.key, mapping=self._changing())
-            pipe.expire(self.key, self.ttl)
+            self.doing.update(job=job_id, execution=execution_id)
+            if start is None:
+                pipe.hset(self.key, mapping=self._changing())
+                pipe.expire(self.key, self.ttl)
+                return
+            self._start_call(*start).queue(pipe)
 
     def clear_execution(self, execution_id: str, pipe: redis.client.Pipeline) -> None:
         """Name no execution any more, in `pipe`: the MULTI/EXEC in which RQ removes `execution_id`
@@ -148,6 +155,12 @@ class WorkerBeat:
         identity is written at its start and at every beat: a hash that Redis lost between two beats
         has it again within one (readers take a missing field for unknown)."""
         return {"name": self.name, **self.doing}
+
+    def drop_start(self) -> None:
+        """A job's start named in a transaction that failed (`name_execution`): this process's view
+        is idle again, as the next beat writes."""
+        with self._lock:
+            self.doing.update(_NO_JOB)
 
     def job_ended(self) -> None:
         """The job function returned. An execution HarvestWorker named stays named, busy with its

@@ -135,11 +135,11 @@ def test_one_job_and_its_shard_cost_the_same_commands_whatever_the_ledger_holds(
     assert big_shard == small_shard
     # a shard: the spool's states (a plain HMGET), the record with the spool's revocation test and
     # the ledger's id, the fence, done with its stats and the record cleared; a job: RQ's own
-    # bookkeeping (no script), the take (an EVALSHA of the heartbeat's job line with the ledger's
-    # HMGET), the settle (marks, failures; its stats and latencies at the heartbeat:
+    # bookkeeping, with the job's start in its execution's transaction (an EVAL of the heartbeat's
+    # job line, the ledger's HMGET), the settle (marks, failures; its stats and latencies at the heartbeat:
     # harvest.state.tally). One call each, whatever N; a shard reads its samples' states twice (the
     # view's HMGET, the fence's), and once more to move them (done).
-    assert small_shard["evalsha"] == 3 and small_job["evalsha"] == 2 and "eval" not in small_job
+    assert small_shard["evalsha"] == 3 and small_job["evalsha"] == 1 and small_job["eval"] == 1
     assert small_shard["hmget"] == 3 and small_shard["set"] == 2  # the record, the fence's: no SET of the ledger's id
 
 
@@ -181,9 +181,9 @@ def test_rqs_own_round_trips_a_job_are_a_few_whatever_the_jobs(server, r, fleet_
 
 
 def test_a_jobs_own_calls_are_one_round_trip_whatever_the_jobs(server, r, fleet_node):
-    """Harvest's calls a job (workers.job), on the worker context's client: the take (the
-    ledger's states read with the heartbeat's job line) and the settle, a round trip each (the
-    heartbeat's end of job rides in RQ's outcome transaction). RQ's calls go on another client,
+    """Harvest's calls a job (workers.job), on the worker context's client: the settle, in one
+    round trip (the job's start rides in RQ's transaction that starts its execution,
+    HarvestWorker.prepare_execution; its end in RQ's outcome transaction). RQ's calls go on another client,
     not counted here; as above, the difference between bursts of 2 and 6 jobs. The heartbeat reads
     as a finished job's: idle, no job, every job counted. The jobs' stats and durations wait in the
     worker's tally (harvest.state.tally) and one flush writes them all: each job's duration once."""
@@ -204,7 +204,7 @@ def test_a_jobs_own_calls_are_one_round_trip_whatever_the_jobs(server, r, fleet_
     finally:
         install(ctx)
     assert Ledger(r, cfg.run).counts()["spooled"] == 4 * 9
-    assert per_job == 2, per_job
+    assert per_job == 1, per_job
     assert int(r.hget(mine.key, "jobs_done")) == jobs_before + 8
     assert int(r.hget(hist, "count")) == observed  # nothing written by the jobs themselves
     assert counting.tally.flush() and not counting.tally.flush()

@@ -48,7 +48,7 @@ CLASSES = {
     HarvestWorker: (SimpleWorker, {
         "__init__", "request_force_stop", "subscribe", "heartbeat",
         "clean_registries", "prepare_execution", "cleanup_execution", "handle_job_retry",
-        "handle_job_success"}, {"beat"}),
+        "handle_job_success"}, {"beat", "_start_of"}),
     PayloadJob: (Job, {"to_dict"}, set()),
     HarvestJob: (PayloadJob, {"func", "success_callback", "failure_callback", "stopped_callback"}, {"_refuse_callback"}),
 }
