@@ -71,12 +71,9 @@ class HarvestWorker(SimpleWorker):
 
     # RQ's, for its poll (no setting): test_rq_contract test_the_rq_attributes_harvest_reads_and_sets_exist
     def subscribe(self) -> None:
-        """RQ's, with its command thread polling every PUBSUB_POLL_S instead of RQ's 60 s (RQ 3.0;
-        2.x blocks). redis-py 8's `PubSubWorkerThread.stop` waits for the thread, and a thread whose
-        unsubscribe reply it had already read sits in `get_message` for that long: a worker's exit
-        (a burst worker's end, a stopped worker's after its job) stalled a minute, its heartbeat
-        left meanwhile (seen under load: tests/system/test_control_plane.py). The poll sends
-        nothing to Redis."""
+        """RQ's, with its command thread polling every PUBSUB_POLL_S instead of RQ's 60 s. Why:
+        redis-py's `PubSubWorkerThread.stop` waits for the thread, so a worker's exit (and its
+        heartbeat's end) would wait that long. The poll sends nothing to Redis."""
         self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
         self.pubsub = self.connection.pubsub()
         self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
