@@ -2,6 +2,8 @@
 
     python bench/fleet.py [--nodes 1,4,16] [--per-node 300] [--tokens 1024] [--ledger 10000,100000,1000000] [--by-script]
                           [--job 32] [--shard-samples N] [--redis-core 0] [--redis-share 0.02]
+    python bench/fleet.py --quick --nodes 2 --per-node 1000 --idle 3   (one line a fleet: Redis µs per sample)
+    python bench/fleet.py --quick-rq 40 --idle 2   (one worker's jobs of 32: Redis µs a job, twice)
     python bench/fleet.py --soak [--soak-nodes 16] [--soak-samples 50000] [--seed 1]
 
 One private redis-server (AOF on, as harvest runs it) and, per fleet size, N simulated nodes of
@@ -281,6 +283,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--by-script", action="store_true", help="then the largest fleet again with its Redis µs by harvest "
                     "script (SLOWLOG; tests.support.scriptcost)")
+    ap.add_argument("--quick", action="store_true", help="only the --nodes fleets, one line each: Redis main-thread CPU "
+                    "µs per sample (an ablation's figure; give a short --idle)")
+    ap.add_argument("--quick-rq", type=int, metavar="JOBS", help="only one worker's JOBS jobs of --job 64-token "
+                    "samples, twice: Redis CPU µs a job, commands and round trips (an ablation's figure)")
     ap.add_argument("--soak", action="store_true", help="the fleet soak instead (see the module docstring)")
     ap.add_argument("--soak-nodes", type=int, default=16)
     ap.add_argument("--soak-samples", type=int, default=50_000)
@@ -327,6 +333,21 @@ def main() -> int:
         ping_us = ping_cost(conn, base_us_s)
         print(f"  the baseline, one PING round trip from one client: {ping_us:.1f} µs of Redis CPU (this machine's cost "
               f"of a round trip; the fleets' µs per sample are also given in PINGs)", flush=True)
+        if args.quick_rq:
+            for rep in range(2):
+                q = rq_cost(conn, root, new_run(conn, root, f"rq{rep}", 64, args.job, args.job * 64), args.quick_rq,
+                            base_us_s, lambda n: make_samples(n, 64, rng))
+                print(f"quick-rq: jobs of {args.job}: {q['cpu_us']:.0f} µs a job ({q['cpu_us'] / args.job:.1f} a sample), "
+                      f"{q['commands']:.0f} commands, {q['trips']:.0f} round trips", flush=True)
+            return 0
+        if args.quick:
+            for n in [int(x) for x in args.nodes.split(",")]:
+                r = measure_fleet(conn, server.url, root, n, max(600, n * args.per_node), args.tokens, args.job,
+                                  args.job * args.tokens, args.idle, base_us_s, rng, args.shard_samples)
+                print(f"quick: {n} nodes {r['samples']} samples {r['seconds']:.1f}s redis_us_per_sample "
+                      f"{r['cpu_us'] / r['samples']:.2f} busy {r['busy_cpu_us'] / r['samples']:.2f}", flush=True)
+                conn.flushall()
+            return 0
         mem_q = memory_per_queued(conn, root, args.tokens, args.job, 3000, rng)
         conn.flushall()
         res = []

@@ -1,77 +1,24 @@
-"""The RQ worker class harvest runs: RQ's SimpleWorker, with no liveness decided by this node's clock
-(and its successes recorded as workers.success does).
-
-Why. RQ 3.0 stamps a started execution with the starting worker's clock (score `now + job.timeout
-+ 60` in the queue's StartedJobRegistry) and lets any worker's maintenance compare that score
-with *its own* clock. A node whose clock ran 2 h ahead therefore moved another node's running
-job to the FailedJobRegistry; when that job's worker later died nobody took it back (it was no
-longer "started") and its samples stayed queued with no job. Harvest's janitor
-(harvest.ops.janitor, harvest.ops.liveness) decides liveness from heartbeat TTLs and Redis's
-`TIME` only, so this class leaves every decision of that kind to it.
+"""The RQ worker class harvest runs: RQ's SimpleWorker, with no liveness decided by this node's
+clock, and each execution it starts or ends named in its harvest heartbeat in the same transaction.
 
 Who owns what:
-- this worker: the executions it starts and ends (RQ's own bookkeeping, unchanged), and naming
-  them in its harvest heartbeat in the same transaction (`prepare_execution`,
-  `cleanup_execution`), so a started execution of a live worker is never unnamed;
-- harvest's janitor, on every worker, under a run lock: executions of dead workers (heartbeat
-  gone, by Redis's TTL) and suspect ones (a live worker naming another job for a grace, by
-  Redis's TIME); jobs stuck in RQ's intermediate list; due retries; registry expiry;
-  stranded samples (harvest.ops.stranded);
-- nobody: RQ's scheduler process (harvest runs none).
+- this worker: the executions it starts and ends, with RQ's own bookkeeping; its heartbeat names
+  an execution in the MULTI/EXEC that creates it (`prepare_execution`) and stops naming it in the
+  one that records the job's outcome (`cleanup_execution`), so no janitor pass sees them part;
+- harvest's janitor (harvest.ops.janitor, harvest.ops.liveness), under a run lock, by heartbeat
+  TTLs and Redis's `TIME` only: executions of dead or suspect workers, jobs left in RQ's
+  intermediate list, due retries, registry expiry, stranded samples (harvest.ops.stranded);
+- nobody: RQ's scheduler (harvest never starts it).
 
-RQ's comparisons of a stored time with the local clock, and what happens to each here:
+RQ 3.0's comparisons of a stored time with this node's clock, and what happens to each here:
+- `clean_registries`: the started, failed and finished registries' and the intermediate list's
+  cleanups are off (the janitor reaps and prunes by heartbeat TTL and Redis TIME); only
+  `clean_worker_registry` (worker keys expired by Redis's TTL) runs;
+- a job returning `Retry` is due at `now() + interval`: re-stamped by Redis TIME (`handle_job_retry`).
 
-| RQ 3.0 | what the local clock decided | here |
-|---|---|---|
-| `StartedJobRegistry.cleanup` (maintenance, `clean_registries`) | another node's running execution is abandoned: retried or failed | off; the janitor reaps by heartbeat TTL and takes suspects back after a grace by Redis TIME |
-| `FailedJobRegistry`, `FinishedJobRegistry.cleanup` (same) | failed jobs (requeue's and the stranded sweep's payload rows) dropped early | off; pruned by the janitor by Redis TIME |
-| `IntermediateQueue.cleanup` (same; first seen stamped with the local clock, kept 24 h) | a job another worker just dequeued is failed | off; the janitor puts back a job dequeued for a grace without an execution, by Redis TIME |
-| `clean_worker_registry` (same) | nothing: worker keys that expired (Redis TTL) | kept |
-| `Group.clean_registries`, `ReadyJobRegistry`, rate limits (same) | groups, dependencies, rate limits: harvest uses none | off |
-| `RQScheduler` (`with_scheduler`) | scheduled jobs due by the local clock | never started; the janitor promotes by Redis TIME |
-| `Job._handle_retry_result` (a job returning `Retry`) | the retry's due time, `now() + interval`: 2 h late from a node 2 h ahead | re-stamped by Redis TIME right after (`handle_job_retry`); the janitor also treats an absurdly distant due time as due |
-
-RQ's round trips, and the ones cut here. RQ 3.0's SimpleWorker made 27 round trips of its own a
-job (bench/fleet.py, tests/system/test_control_plane.py), the largest part of the control plane's Redis CPU per sample: one Redis runs the
-whole fleet's commands on one thread, and on a VM a round trip costs it 5-30 µs. Cut here, none
-of them read by harvest's liveness (which is its own heartbeat, harvest.state.heartbeat):
-- RQ's worker heartbeat (`last_heartbeat` and the TTLs of the worker's keys, three separate
-  commands each time, sent 3-4 times a job) goes at most every `worker_ttl / 6` s, in one
-  pipeline; a heartbeat riding in one of RQ's own transactions is kept;
-- `rq suspend`'s flag is read at most every SUSPENSION_CHECK_S, not before every job;
-- the worker's state is written when it changes, not again when it is the same;
-- its job counters (successful jobs, working time) are added up and written at most every
-  10 s, not with every job (workers.success);
-- the job's `last_heartbeat` at its end is kept in this process (the job is deleted or moved
-  right after, in the transaction that records its outcome), and at its start written once (RQ
-  wrote it twice in one transaction);
-- a finished job's transaction: RQ's `handle_job_success` watches the dependents set, reads
-  the job's status and reads every execution of the job (six reads) to delete what one
-  MULTI/EXEC deletes here. Harvest's jobs keep no result (harvest.state.jobs: result_ttl 0)
-  and have no repeats, rate limit or group; a job that has any of them goes RQ's own way.
-  Dependents are not checked (that is the WATCH and read saved): harvest enqueues no job with
-  `depends_on`, so no job of its queue has any.
-- RQ's two transactions starting an execution are sent as one (`prepare_execution`), and the
-  worker's idle state rides in the success's transaction;
-- a success's transaction is sent with the next dequeue (workers.success).
-What is left a job: the execution's transaction, and the dequeue (LMOVE and the job's hash in one
-script, harvest/state/lua/pop_job.lua) in one transaction with the last job's success (a failure or a
-retry goes RQ's own way, in a transaction of its own). Harvest's own start of the job (the
-heartbeat naming its attempt, the ledger's states of its samples: workers.job `BatchJob.choose`)
-rides in the execution's transaction (`_start_of`), so a job's round trips are those two and the
-settle's. A worker
-that returns late (its execution taken back by the janitor, the job queued again) deletes the
-job's hash as RQ's own success did; no sample depends on it: the ledger moves only queued samples
-(`Ledger.settle_job`), so the later run of the job skips what this one spooled, and a sample left
-queued in a job whose hash is gone is found by the stranded check (harvest.ops.stranded). A Redis
-that loses its last second of these writes brings back a job record or an execution that the
-janitor reaps, as before: nothing here decides a sample.
-
-Safe because: every disabled cleanup either removed records that the janitor now removes by
-Redis's clock, or decided liveness, which only harvest's heartbeats (TTL) decide. What remains
-on the local clock compares this process with itself (the maintenance cadence, the double
-signal within 1 s, the job's own timeout by SIGALRM) or is only recorded (`started_at`,
-`ended_at`, RQ's `last_heartbeat` fields), never compared by another node.
+Why: any worker's maintenance compares RQ's stamps with its own clock, so a node whose clock runs
+ahead fails other nodes' running jobs. What remains on the local clock compares this process with
+itself (maintenance cadence, the job's SIGALRM timeout) or is only recorded, never compared.
 """
 
 from __future__ import annotations
@@ -85,38 +32,31 @@ from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.registry import StartedJobRegistry
+from rq.results import Result
 from rq.utils import now
-from rq.worker import WorkerStatus
+from rq.worker import SimpleWorker, WorkerStatus
 
 from harvest.ids import new_attempt
 from harvest.state.heartbeat import WorkerBeat, live_beat
-from harvest.state.jobs import JOB_FUNCTION, RunQueue
+from harvest.state.jobs import JOB_FUNCTION
 from harvest.state.ledger import state_letter
 from harvest.state.payload import batch_ids
 from harvest.state.spools import redis_time
 from workers.context import JobStart, WorkerContext, installed
-from workers.success import LateSuccess
 
-# How often RQ's suspension flag (`rq suspend`) is read: a suspend takes effect within this.
-SUSPENSION_CHECK_S = 5.0
 PUBSUB_POLL_S = 1.0  # how long RQ's command thread waits between looks at its stop flag
 
 
-class HarvestWorker(LateSuccess):
-    queue_class = RunQueue  # its dequeue in one round trip
-
+class HarvestWorker(SimpleWorker):
     def __init__(self, *args, beat: WorkerBeat | None = None, **kwargs) -> None:
         """`beat`: this worker's harvest heartbeat; by default the one this process started under
         the worker's name (harvest.state.heartbeat.live_beat)."""
         super().__init__(*args, **kwargs)
         self._beat = beat
-        self._rq_beat_at = -math.inf  # monotonic time of RQ's last stand-alone worker heartbeat
-        self._suspension_at = -math.inf
+        self._rq_beat_at = -math.inf  # monotonic time of RQ's last worker heartbeat sent on its own
         self._cold_stop = False  # a cold stop (SystemExit) was raised: later signals change nothing
-        self._starting: redis.client.Pipeline | None = None  # `prepare_execution`'s, sent by `prepare_job_execution`
-        # the job's start queued in it, its states still to read: the context, the ids, their reply's index
-        self._taking: tuple[WorkerContext, JobStart, list[str], int] | None = None
 
+    # RQ's signal handler: test_rq_contract test_harvest_overrides_exactly_these_rq_methods_with_rqs_parameters
     def request_force_stop(self, signum, frame) -> None:
         """RQ's cold stop, honoured once. `harvest run` repeats a hurried stop's SIGTERM until the
         worker exits (RQ ignores one within 1 s of handling the first, and the runner cannot tell
@@ -129,57 +69,40 @@ class HarvestWorker(LateSuccess):
             self._cold_stop = True
             raise
 
+    # RQ's, for its poll (no setting): test_rq_contract test_the_rq_attributes_harvest_reads_and_sets_exist
     def subscribe(self) -> None:
-        """RQ's, with its command thread polling every PUBSUB_POLL_S instead of RQ's 60 s (RQ 3.0;
-        2.x blocks). redis-py 8's `PubSubWorkerThread.stop` waits for the thread, and a thread whose
-        unsubscribe reply it had already read sits in `get_message` for that long: a worker's exit
-        (a burst worker's end, a stopped worker's after its job) stalled a minute, its heartbeat
-        left meanwhile (seen under load: tests/system/test_control_plane.py). The poll sends
-        nothing to Redis."""
+        """RQ's, with its command thread polling every PUBSUB_POLL_S instead of RQ's 60 s. Why:
+        redis-py's `PubSubWorkerThread.stop` waits for the thread, so a worker's exit (and its
+        heartbeat's end) would wait that long. The poll sends nothing to Redis."""
         self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
         self.pubsub = self.connection.pubsub()
         self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
         self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=PUBSUB_POLL_S, daemon=True,
                                                        exception_handler=self._pubsub_exception_handler)
 
-    # -- RQ's bookkeeping, without the round trips nobody reads (see the module docstring) ------
+    # RQ's; the same records: test_rq_contract test_harvests_execution_start_and_heartbeat_write_what_rqs_do
     def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:
-        if pipeline is not None:  # rides in one of RQ's transactions: free
+        """RQ's worker heartbeat: in RQ's own transaction as RQ sends it; on its own at most every
+        `worker_ttl / 6` s, its three commands in one round trip. Why: RQ sends it three times a
+        job, a round trip a command; only `rq info` reads it, and the worker key's TTL
+        (worker_ttl + 60 s) is far from running out between two."""
+        if pipeline is not None:
             super().heartbeat(timeout, pipeline=pipeline)
             return
         t = time.monotonic()
         if t - self._rq_beat_at < self.worker_ttl / 6:
-            return  # the worker key's TTL (worker_ttl + 60 s) is far from running out
+            return
         with self.connection.pipeline(transaction=False) as pipe:
             super().heartbeat(timeout, pipeline=pipe)
             pipe.execute()
         self._rq_beat_at = t
-
-    def check_for_suspension(self, burst: bool) -> None:
-        t = time.monotonic()
-        if t - self._suspension_at >= SUSPENSION_CHECK_S:
-            super().check_for_suspension(burst)
-            self._suspension_at = time.monotonic()
-
-    def set_state(self, state: str, pipeline=None) -> None:
-        if pipeline is None and state == self._state:
-            return
-        super().set_state(state, pipeline=pipeline)
-
-    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
-        """RQ's, less the write of the job's `last_heartbeat`: the outcome's transaction follows."""
-        job.ended_at = now()
-        job.last_heartbeat = job.ended_at
 
     @property
     def beat(self) -> WorkerBeat | None:
         return self._beat if self._beat is not None else live_beat(self.name)
 
     # -- maintenance: only what no clock decides -----------------------------------------------
-    def run_maintenance_tasks(self) -> None:
-        """No scheduler to restart and no group registries: only `clean_registries`, below."""
-        self.clean_registries()
-
+    # RQ's; the worker registry it keeps: test_rq_contract test_a_worker_registers_where_the_janitor_forgets_it
     def clean_registries(self) -> None:
         """Only forget worker keys that expired (by Redis's TTL); see the module docstring for
         the registry, intermediate-list and group cleanups this leaves to harvest's janitor."""
@@ -187,40 +110,35 @@ class HarvestWorker(LateSuccess):
             worker_registration.clean_worker_registry(queue)
         self.last_cleaned_at = now()  # this process's own cadence, compared with nothing else
 
-    def clean_group_registries(self) -> None:
-        """Harvest enqueues no groups; RQ's cleanup would expire members by this node's clock."""
-
-    def _start_scheduler(self, *args, **kwargs) -> None:
-        """Harvest runs no RQ scheduler: due retries are the janitor's, by Redis's clock."""
-        self.log.warning("Worker %s: RQ's scheduler is not started: harvest's janitor releases due retries",
-                         self.name)
-
     # -- executions named in the heartbeat, in RQ's own transactions ----------------------------
+    # RQ's; the same records: test_rq_contract test_harvests_execution_start_and_heartbeat_write_what_rqs_do
     def prepare_execution(self, job: Job) -> Execution:
-        """RQ's `prepare_execution` (the execution, the started registry entry, the worker's busy
-        state), with the harvest heartbeat naming the execution, queued in the transaction that
-        `prepare_job_execution` sends right after with RQ's second one (the job started, out of the
-        intermediate list): one MULTI/EXEC where RQ sends two, so no pass of the janitor can see
-        the execution started and unnamed, nor started with its job still in the intermediate list.
-        A harvest job's start goes in it too (`_start_of`): its new attempt named by the heartbeat,
-        before the engine gets any request of it, and its samples' states read, which the job takes
-        up (WorkerContext.started). A Redis that loses its last second loses this transaction whole
-        (the execution, its naming, the start): the worker's next beat names the attempt again from
-        its memory (harvest.state.heartbeat), and the janitor puts back the job left dequeued with no
-        execution, whose samples the ledger and the claims keep from being committed twice."""
-        pipeline = self.connection.pipeline()
-        execution = Execution.create(job, self.get_heartbeat_ttl(job), pipeline=pipeline, worker_name=self.name)
-        self.executions[execution.id] = execution
-        self.set_state(WorkerStatus.BUSY, pipeline=pipeline)
+        """RQ's (the execution, its started-registry entry, the worker busy, in one MULTI/EXEC), with
+        the harvest heartbeat naming the execution in the same transaction, so no janitor pass sees
+        it started and unnamed. A harvest job's start goes in it too (`_start_of`): its new attempt
+        named by the heartbeat, before the engine gets any request of it, and its samples' states
+        read, which the job takes up (WorkerContext.started). A Redis that loses its last second
+        loses this transaction whole: the worker's next beat names the attempt again from its
+        memory, and the janitor puts back the job left dequeued with no execution."""
         beat = self.beat
         ctx, ids = self._start_of(job, beat)
         start = JobStart(new_attempt(), {}, ctx.recovery_generation()) if ctx is not None else None
-        if beat is not None:
-            beat.name_execution(job.id, execution.id, pipeline, start=(len(ids), start.attempt) if start else None)
-        if start is not None:
-            self._taking = (ctx, start, ids, len(pipeline.command_stack))
-            pipeline.hmget(ctx.ledger.keys.state, ids)
-        self._starting = pipeline
+        with self.connection.pipeline() as pipeline:
+            execution = Execution.create(job, self.get_heartbeat_ttl(job), pipeline=pipeline, worker_name=self.name)
+            self.executions[execution.id] = execution
+            self.set_state(WorkerStatus.BUSY, pipeline=pipeline)
+            if beat is not None:
+                beat.name_execution(job.id, execution.id, pipeline, start=(len(ids), start.attempt) if start else None)
+            if start is not None:
+                pipeline.hmget(ctx.ledger.keys.state, ids)
+            try:
+                replies = pipeline.execute()
+            except BaseException:
+                if start is not None and beat is not None:
+                    beat.drop_start()
+                raise
+        if ctx is not None and start is not None:
+            ctx.started[job.id] = start._replace(states=dict(zip(ids, map(state_letter, replies[-1]))))
         return execution
 
     def _start_of(self, job: Job, beat: WorkerBeat | None) -> tuple[WorkerContext | None, list[str]]:
@@ -243,30 +161,7 @@ class HarvestWorker(LateSuccess):
             return None, []
         return (ctx, ids) if ids else (None, [])
 
-    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
-        """RQ's, in the transaction `prepare_execution` began (RQ's own when there is none)."""
-        pipeline, self._starting = self._starting, None
-        taking, self._taking = self._taking, None
-        if pipeline is None:
-            super().prepare_job_execution(job, remove_from_intermediate_queue)
-            return
-        with pipeline:
-            self.heartbeat(self.get_heartbeat_ttl(job), pipeline=pipeline)
-            job.prepare_for_execution(self.name, pipeline=pipeline)  # RQ's `job.heartbeat` before it wrote the same field
-            pipeline.persist(job.key)
-            if remove_from_intermediate_queue:
-                queue = next(q for q in self.queues if q.name == job.origin)  # RQ asks this of one queue only
-                pipeline.lrem(queue.intermediate_queue_key, 1, job.id)
-            try:
-                replies = pipeline.execute()
-            except BaseException:
-                if taking is not None and self.beat is not None:
-                    self.beat.drop_start()
-                raise
-        if taking is not None:
-            ctx, start, ids, at = taking
-            ctx.started[job.id] = start._replace(states=dict(zip(ids, map(state_letter, replies[at]))))
-
+    # RQ's: test_rq_contract test_an_execution_is_a_job_colon_execution_entry_and_a_hash_naming_its_worker
     def cleanup_execution(self, job: Job, pipeline, execution: Execution | None = None) -> None:
         """RQ removes the execution in `pipeline` (its success, failure or retry transaction); the
         heartbeat stops naming it in the same one."""
@@ -275,6 +170,30 @@ class HarvestWorker(LateSuccess):
         if beat is not None and execution is not None:
             beat.clear_execution(execution.id, pipeline)
 
+    # RQ's; the same records: test_rq_contract test_harvests_success_leaves_what_rqs_own_leaves
+    def handle_job_success(self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry,
+                           execution: Execution) -> None:
+        """RQ's writes for a harvest job's success, in one MULTI/EXEC without RQ's reads: RQ's
+        counters, the execution gone (and no longer named: `cleanup_execution`), the job and its
+        records deleted. Why: RQ's own watches the dependents and reads the job's executions first,
+        round trips a job that harvest's jobs (no result kept, no dependents, repeats, rate limit or
+        group) do not need; a job that has any of them goes RQ's own way."""
+        if (job.get_result_ttl(self.default_result_ttl) != 0 or job.repeats_left or job.has_rate_limit
+                or job.group_id):
+            super().handle_job_success(job, queue, started_job_registry, execution)
+            return
+        with self.connection.pipeline() as pipe:
+            self.increment_successful_job_count(pipeline=pipe)
+            self.increment_total_working_time(job.ended_at - job.started_at, pipe)
+            self.cleanup_execution(job, pipe, execution)
+            pipe.delete(job.key, job.dependents_key, job.dependencies_key, Result.get_key(job.id),
+                        job.execution_registry.key)
+            pipe.execute()
+        job._status = JobStatus.FINISHED
+        self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
+                      self.name)
+
+    # RQ's; the retry's interval: test_rq_contract test_a_failed_job_is_counted_and_a_retry_waits_its_interval
     def handle_job_retry(self, job: Job, queue: Queue, retry: Retry, started_job_registry: StartedJobRegistry,
                          execution: Execution) -> None:
         """RQ schedules the retry at this node's `now() + interval`; stamp it again with Redis's

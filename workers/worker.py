@@ -175,8 +175,8 @@ def run_worker(
     given. Raises RedisLost when Redis stayed away past its limit."""
     # One intra-op thread: a worker's tensor work (the finiteness check, the dtype cast) is small
     # and memory-bound, and the cores belong to the engine and the other workers. With torch's
-    # default (all cores) each such op waited for an OpenMP thread that the busy engine had
-    # descheduled: aminmax of 2 MiB took 0.59 ms instead of 0.06 ms beside a busy core.
+    # default (all cores) each such op waits for an OpenMP thread that the busy engine has
+    # descheduled, several times its own time.
     torch.set_num_threads(1)
     host = check_id(settings.node, "node name") if settings.node else node_name()
     conn = conn if conn is not None else redis_client(redis_url)

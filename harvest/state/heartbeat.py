@@ -110,15 +110,13 @@ class WorkerBeat:
                 return
             self._start_call(*start).queue(pipe)
 
-    def clear_execution(self, execution_id: str, pipe: redis.client.Pipeline, now: bool = True) -> None:
+    def clear_execution(self, execution_id: str, pipe: redis.client.Pipeline) -> None:
         """Name no execution any more, in `pipe`: the MULTI/EXEC in which RQ removes `execution_id`
         (HarvestWorker.cleanup_execution) as it records the job's outcome, written again if RQ
         retries its transaction; the worker is idle, however the job ended (a job whose function
         raised before its end of job was named busy by its start: `name_execution`). This is the
         job's end of job too (`ending`): one job more done (where the execution was named), no job
-        started. Nothing if the heartbeat names another one. `now=False`: `pipe` is sent later
-        (workers.success), and this process's view, which every beat writes again, changes when it
-        is (`execution_cleared`): until then the beats say what RQ's records say, the job running."""
+        started. Nothing if the heartbeat names another one."""
         with self._lock:
             named = self.doing["execution"]
             if named not in (execution_id, ""):
@@ -127,16 +125,6 @@ class WorkerBeat:
             if named == execution_id:
                 pipe.hincrby(self.key, "jobs_done", 1)
             pipe.expire(self.key, self.ttl)
-            if now:
-                self._forget(execution_id)
-
-    def execution_cleared(self, execution_id: str) -> None:
-        """The transaction `clear_execution(..., now=False)` went in was sent."""
-        with self._lock:
-            self._forget(execution_id)
-
-    def _forget(self, execution_id: str) -> None:
-        if self.doing["execution"] in (execution_id, ""):
             self.doing.update(_NO_JOB, job="", execution="")
 
     def job_started(self, job_id: str, samples: int, attempt: int) -> None:

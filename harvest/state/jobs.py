@@ -16,10 +16,8 @@ import redis
 from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
-from rq.utils import as_text
 
 from harvest.sample import Sample
-from harvest.state import scripts
 from harvest.state.keys import Keys
 from harvest.state.payload import encode_batch, encode_ref
 
@@ -46,11 +44,10 @@ DATA_ZLIB_LEVEL = 1
 
 class PayloadJob(Job):
     """RQ's job, with its data (the JSON payload) zlib-compressed at level 1 instead of RQ's
-    default 6: 4-5x faster for a few percent more bytes (measured on payload v1, base64 of int32:
-    0.78x instead of 0.72x the raw int32 bytes), where compressing had been the producer's
-    largest cost (bench/enqueue.py). Readers need nothing of it: RQ's `restore` decompresses
-    any level."""
+    default 6: several times faster for a few percent more bytes (bench/enqueue.py). Readers need
+    nothing of it: RQ's `restore` decompresses any level."""
 
+    # RQ's: test_rq_contract test_a_job_enqueued_as_harvest_does_is_a_hash_whose_data_the_job_copy_reads
     def to_dict(self, include_meta: bool = True, include_result: bool = True) -> dict:
         data = self.data
         self._data = b""  # RQ compresses `data` itself, at its level: give it nothing to compress
@@ -62,52 +59,10 @@ class PayloadJob(Job):
         return obj
 
 
-class RunQueue(Queue):
-    """RQ's queue, whose dequeue takes one round trip where RQ's takes two (bench/fleet.py: a
-    round trip costs the fleet's one Redis more than most commands). The same moves as RQ's
-    `dequeue_any` for one queue, in one script: the job id to the intermediate list (which
-    harvest's janitor watches, harvest.ops.liveness), its hash read; a job whose hash is gone is
-    skipped, as RQ skips it. An empty queue goes RQ's own way for a blocking wait (`timeout`)."""
-
-    @classmethod
-    def dequeue_any(cls, queues, timeout, connection, job_class=None, serializer=None, death_penalty_class=None):
-        queues = list(queues)
-        if len(queues) == 1:
-            got = cls._pop(queues[0], connection, job_class or queues[0].job_class, serializer or queues[0].serializer)
-            if got is not None or timeout is None:  # RQ's non-blocking dequeue would find it empty too
-                return got
-        return super().dequeue_any(queues, timeout, connection, job_class=job_class, serializer=serializer,
-                                   death_penalty_class=death_penalty_class)
-
-    @staticmethod
-    def _pop(queue: Queue, conn: redis.Redis, job_class: type[Job], serializer) -> tuple[Job, Queue] | None:
-        while True:
-            got = scripts.pop_job(queue.key, queue.intermediate_queue_key).run(conn)
-            if not got:
-                return None
-            if (job := popped_job(queue, conn, job_class, serializer, got)) is not None:
-                return job, queue  # else RQ's NoSuchJobError: skipped
-
-
-def popped_job(queue: Queue, conn: redis.Redis, job_class: type[Job], serializer, got: list) -> Job | None:
-    """The job `scripts.pop_job`'s reply `got` (not nil) names, or None when its hash is gone (RQ skips such a
-    job). A job RQ cannot load raises, as RQ reports it."""
-    job_id, flat = as_text(got[0]), got[1]
-    if not flat:
-        return None
-    job = job_class(job_id, connection=conn, serializer=serializer)
-    try:
-        job.restore(dict(zip(flat[0::2], flat[1::2])))
-    except Exception as e:
-        e.job_id, e.queue = job_id, queue  # type: ignore[attr-defined]
-        raise
-    return job
-
-
-def run_queue(conn: redis.Redis, run: str, job_class: type[Job] = PayloadJob) -> RunQueue:
+def run_queue(conn: redis.Redis, run: str, job_class: type[Job] = PayloadJob) -> Queue:
     """The run's RQ queue. Workers pass their job class (workers.safejob, a PayloadJob);
     everyone else reads or enqueues with `PayloadJob`."""
-    return RunQueue(Keys(run).queue_name, connection=conn, serializer=SERIALIZER, job_class=job_class)
+    return Queue(Keys(run).queue_name, connection=conn, serializer=SERIALIZER, job_class=job_class)
 
 
 def enqueue_samples(queue: Queue, run: str, samples: list[Sample], job_id: str,

@@ -95,11 +95,11 @@ class Lua:
 TRANSITION, ADD_QUEUED, FORGET, SETTLE = Lua("transition"), Lua("add_queued"), Lua("forget"), Lua("settle")
 STATS, RECLAIM, FENCE, PUT_RECORD = Lua("stats"), Lua("reclaim"), Lua("fence"), Lua("put_record")
 FORGET_RECORD_IF_GONE, DELETE_RECORD_IF_SAME = Lua("forget_record_if_gone"), Lua("delete_record_if_same")
-RENEW_SPOOL, POP_JOB, HEARTBEAT, JOB_ENDED = Lua("renew_spool"), Lua("pop_job"), Lua("heartbeat"), Lua("job_ended")
+RENEW_SPOOL, HEARTBEAT, JOB_ENDED = Lua("renew_spool"), Lua("heartbeat"), Lua("job_ended")
 CHECK_LEDGER, RELEASE_LOCK, HOLD_REAPING, PUT_BACK = (Lua("check_ledger"), Lua("release_lock"), Lua("hold_reaping"),
                                                      Lua("put_back"))
 ALL = (TRANSITION, ADD_QUEUED, FORGET, SETTLE, STATS, RECLAIM, FENCE, PUT_RECORD, FORGET_RECORD_IF_GONE,
-       DELETE_RECORD_IF_SAME, RENEW_SPOOL, POP_JOB, HEARTBEAT, JOB_ENDED, CHECK_LEDGER, RELEASE_LOCK, HOLD_REAPING,
+       DELETE_RECORD_IF_SAME, RENEW_SPOOL, HEARTBEAT, JOB_ENDED, CHECK_LEDGER, RELEASE_LOCK, HOLD_REAPING,
        PUT_BACK)
 
 
@@ -216,11 +216,6 @@ def delete_record_if_same(k: Keys, record_key: str, raw: bytes | str) -> ScriptC
 def renew_spool(k: Keys, spool: str, node: str) -> ScriptCall:
     """`spool`'s lease renewed by `node`; replies 0 where the spool is revoked."""
     return RENEW_SPOOL.call([k.spool_leases, k.spool_nodes, k.revoked_spools], [spool, node])
-
-
-def pop_job(queue_key: str, intermediate_key: str) -> ScriptCall:
-    """RQ's dequeue of one queue; replies {job id, its hash's flat fields} or nil."""
-    return POP_JOB.call([queue_key, intermediate_key], [rq_job_prefix()])
 
 
 def heartbeat(key: str, ttl: int, stamp: str, fields: Mapping[str, str], join: tuple[str, str] | None = None

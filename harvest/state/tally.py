@@ -2,14 +2,10 @@
 Redis in one call at each heartbeat, not with every job or shard: a worker's (its jobs'), and a
 collector's (its commits', collector.packers: one tally for the node's packers).
 
-Why. A worker's job wrote four stats twice (the run's totals and the current rate bucket, with the
-bucket's TIME and EXPIRE) and two latency histograms of three commands each: 16 of the 73
-commands a job of 32 cost the fleet's one Redis, and a tenth of its Redis CPU (bench/job_cost.py,
-bench/fleet.py), all of them counters that decide nothing. A collector's commit wrote its four
-(samples, tokens, bytes, shards) the same way: 10 of the 20 commands of its commit call. Added up here,
-they cost one call per worker and heartbeat (HEARTBEAT_INTERVAL_S), and none of its own for a
-collector, whose stats ride in its beat's round trip (COLLECTOR_BEAT_S): O(nodes) a second, not
-O(jobs).
+Why: these counters decide nothing, and written with each job or commit they cost the fleet's
+one Redis a measured share of a sample's CPU (docs/reference/control-plane.md); added up here
+they cost one call per heartbeat
+(HEARTBEAT_INTERVAL_S), none of its own for a collector, whose stats ride in its beat's round trip.
 
 What that costs. The counters lag by up to one heartbeat (a collector's beat also waits while
 its first packer packs a shard), and a process that dies without a clean

@@ -39,7 +39,6 @@ from harvest.state.jobs import SERIALIZER, run_queue
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 from tests.support.ops import enqueue
-from workers import rqworker
 from workers.clients.sglang import SGLangClient
 from workers.context import WorkerContext, install
 from workers.rqworker import HarvestWorker
@@ -135,14 +134,12 @@ def test_one_job_and_its_shard_cost_the_same_commands_whatever_the_ledger_holds(
     assert big_job == small_job  # one for one: nothing of the job reads the ledger's size
     assert big_shard == small_shard
     # a shard: the spool's states (a plain HMGET), the record with the spool's revocation test and
-    # the ledger's id, the fence, done with its stats and the record cleared; a job: RQ's dequeue
-    # (harvest.state.jobs.RunQueue), the job started (an EVAL in RQ's transaction that starts the
-    # execution, with the take, a plain HMGET), settle (marks, failures; the job's end goes in RQ's
-    # transaction that records its success, its stats and latencies at the heartbeat:
-    # harvest.state.tally), then that transaction with the next dequeue (an EVAL: the burst's empty
-    # queue). One call each, whatever N; a shard reads its samples' states twice (the view's HMGET,
-    # the fence's), and once more to move them (done).
-    assert small_shard["evalsha"] == 3 and small_job["evalsha"] == 2 and small_job["eval"] == 2
+    # the ledger's id, the fence, done with its stats and the record cleared; a job: RQ's own
+    # bookkeeping, with the job's start in its execution's transaction (an EVAL of the heartbeat's
+    # job line, the ledger's HMGET), the settle (marks, failures; its stats and latencies at the heartbeat:
+    # harvest.state.tally). One call each, whatever N; a shard reads its samples' states twice (the
+    # view's HMGET, the fence's), and once more to move them (done).
+    assert small_shard["evalsha"] == 3 and small_job["evalsha"] == 1 and small_job["eval"] == 1
     assert small_shard["hmget"] == 3 and small_shard["set"] == 2  # the record, the fence's: no SET of the ledger's id
 
 
@@ -167,32 +164,29 @@ def _burst(r, cfg, rng, beat, rq_conn, jobs: int) -> int:
     return _CountingConnection.sends
 
 
-def test_rqs_own_round_trips_a_job_are_a_few_whatever_the_jobs(server, r, fleet_node, monkeypatch):
-    """RQ's bookkeeping a job (workers.rqworker): the dequeue (LMOVE and the job's hash in one
-    script, harvest.state.jobs.RunQueue) with the last job's success (the worker's state in it),
-    the execution's transaction: 2 round trips, where RQ's own SimpleWorker made 27 (its worker
-    heartbeat, three commands one by one, 3-4 times a job; the suspension flag; the reads of its
-    success). Harvest's calls go on the context's client, not counted here. Counted as the
-    difference between bursts of 2 and 6 jobs, so the worker's start and end cancel out; `rq
-    suspend`'s flag read once a burst (SUSPENSION_CHECK_S), however slow the machine."""
-    monkeypatch.setattr(rqworker, "SUSPENSION_CHECK_S", 3600.0)
+def test_rqs_own_round_trips_a_job_are_a_few_whatever_the_jobs(server, r, fleet_node):
+    """RQ's bookkeeping a job, as RQ's SimpleWorker sends it (the suspension flag, the idle state,
+    the dequeue's LMOVE and the job's hash, the execution's two transactions, the job's last
+    heartbeat, the success), less what workers.rqworker.HarvestWorker cuts: its worker heartbeat
+    (throttled) and its success's reads. Harvest's calls go on the context's client, not counted
+    here. Counted as the difference between bursts of 2 and 6 jobs, so the worker's start and end
+    cancel out."""
     cfg, _, beat, _ = fleet_node
     rq_conn = redis.Redis.from_url(server.url, connection_class=_CountingConnection)
     burst = functools.partial(_burst, r, cfg, np.random.default_rng(3), beat, rq_conn)
     burst(1)
     per_job = (burst(6) - burst(2)) / 4
     assert Ledger(r, cfg.run).counts()["spooled"] == 4 * 9
-    assert per_job == 2, per_job
+    assert per_job == 9, per_job
 
 
 def test_a_jobs_own_calls_are_one_round_trip_whatever_the_jobs(server, r, fleet_node):
     """Harvest's calls a job (workers.job), on the worker context's client: the settle, in one
-    round trip (the heartbeat's end of job rides in RQ's outcome transaction); the ledger's take and the
-    heartbeat's job line ride in RQ's transaction that starts the execution
-    (workers.rqworker.HarvestWorker.prepare_execution). RQ's calls go on another client, not counted here;
-    as above, the difference between bursts of 2 and 6 jobs. The heartbeat reads as a finished
-    job's: idle, no job, every job counted. The jobs' stats and durations wait in the worker's
-    tally (harvest.state.tally) and one flush writes them all: each job's duration once."""
+    round trip (the job's start rides in RQ's transaction that starts its execution,
+    HarvestWorker.prepare_execution; its end in RQ's outcome transaction). RQ's calls go on another client,
+    not counted here; as above, the difference between bursts of 2 and 6 jobs. The heartbeat reads
+    as a finished job's: idle, no job, every job counted. The jobs' stats and durations wait in the
+    worker's tally (harvest.state.tally) and one flush writes them all: each job's duration once."""
     cfg, ctx, beat, _ = fleet_node
     rng = np.random.default_rng(5)
     counted = redis.Redis.from_url(server.url, connection_class=_CountingConnection)

@@ -133,7 +133,6 @@ def wrapper_calls() -> dict[str, scripts.ScriptCall]:
         "forget_record_if_gone": scripts.forget_record_if_gone(K, K.packing("m")),
         "delete_record_if_same": scripts.delete_record_if_same(K, K.packing("n"), "{}"),
         "renew_spool": scripts.renew_spool(K, "sp", "node"),
-        "pop_job": scripts.pop_job("rq:queue:lua", "rq:queue:lua:intermediate"),
         "heartbeat": scripts.heartbeat("harvest:worker:w", 15, "seen", {"state": "idle"}, (K.workers, "w")),
         "job_ended": scripts.job_ended("harvest:worker:w", 15, {"state": "idle"}),
         "check_ledger": scripts.check_ledger(K, False, "{}", []),

@@ -21,17 +21,15 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.registry import BaseRegistry, FailedJobRegistry
 from rq.results import Result
-from rq.utils import parse_composite_key
+from rq.utils import now, parse_composite_key
 from rq.worker import SimpleWorker, Worker
 from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
-from harvest.state import scripts
-from harvest.state.jobs import JOB_FUNCTION, SERIALIZER, PayloadJob, RunQueue, popped_job
+from harvest.state.jobs import JOB_FUNCTION, SERIALIZER, PayloadJob
 from harvest.state.keys import rq_execution_key, rq_job_prefix, rq_worker_key
 from tests.support.cli import REPO
 from workers.rqworker import HarvestWorker
 from workers.safejob import HarvestJob
-from workers.success import LateSuccess
 
 
 def test_rq_is_bounded_to_the_major_tested_here():
@@ -48,14 +46,9 @@ def test_rq_is_bounded_to_the_major_tested_here():
 # (which RQ must not define: a later RQ calling one of them would call harvest's).
 CLASSES = {
     HarvestWorker: (SimpleWorker, {
-        "__init__", "request_force_stop", "subscribe", "heartbeat", "check_for_suspension", "set_state",
-        "handle_execution_ended", "run_maintenance_tasks", "clean_registries", "clean_group_registries",
-        "_start_scheduler", "prepare_execution", "prepare_job_execution", "cleanup_execution", "handle_job_retry",
-        "queue_class"}, {"beat", "_start_of"}),
-    LateSuccess: (SimpleWorker, {
-        "__init__", "handle_job_success", "dequeue_job_and_maintain_ttl", "check_for_suspension", "register_death"},
-        {"_take_counts", "_queue_counts", "_send_outcome"}),
-    RunQueue: (Queue, {"dequeue_any"}, {"_pop"}),
+        "__init__", "request_force_stop", "subscribe", "heartbeat",
+        "clean_registries", "prepare_execution", "cleanup_execution", "handle_job_retry",
+        "handle_job_success"}, {"beat", "_start_of"}),
     PayloadJob: (Job, {"to_dict"}, set()),
     HarvestJob: (PayloadJob, {"func", "success_callback", "failure_callback", "stopped_callback"}, {"_refuse_callback"}),
 }
@@ -63,7 +56,7 @@ CLASSES = {
 
 def own_names(cls: type) -> set[str]:
     return {n for n, v in vars(cls).items()
-            if callable(v) or isinstance(v, (property, classmethod, staticmethod)) or n == "queue_class"}
+            if callable(v) or isinstance(v, (property, classmethod, staticmethod))}
 
 
 def params(f) -> list[tuple[str, object]]:
@@ -89,8 +82,8 @@ def test_harvest_overrides_exactly_these_rq_methods_with_rqs_parameters(cls):
     assert {n for n in names if not hasattr(base, n)} == own
     for name in overrides:
         ours, theirs = inspect.getattr_static(cls, name), inspect.getattr_static(base, name)
-        if isinstance(ours, property) or name == "queue_class":
-            assert isinstance(theirs, property) or name == "queue_class", name
+        if isinstance(ours, property):
+            assert isinstance(theirs, property), name
             continue
         assert takes_what_rq_passes(getattr(cls, name), getattr(base, name)), (cls.__name__, name)
 
@@ -119,6 +112,8 @@ CALLS = [
     (Worker.cleanup_execution, ["self", "job", "pipeline", "execution"]),
     (Worker.get_heartbeat_ttl, ["self", "job"]),
     (Worker.handle_job_success, ["self", "job", "queue", "started_job_registry", "execution"]),
+    (Worker.increment_successful_job_count, ["self", "pipeline"]),
+    (Worker.increment_total_working_time, ["self", "job_execution_time", "pipeline"]),
     (Worker.handle_job_retry, ["self", "job", "queue", "retry", "started_job_registry", "execution"]),
     (worker_registration.clean_worker_registry, ["queue"]),
     (Result.get_key, ["job_id"]),
@@ -148,7 +143,7 @@ def test_the_rq_attributes_harvest_reads_and_sets_exist(conn):
 
 
 def test_rqs_keys_are_where_harvest_and_rqs_tools_look(conn):
-    """Harvest's Lua reads a job's hash at `rq_job_prefix() + id` (pop_job.lua) and copies it
+    """Harvest's Lua reads a job's hash at `rq_job_prefix() + id` when it copies it
     (settle.lua); rq info and rq-dashboard list the same keys."""
     queue = Queue("run-x", connection=conn)
     assert rq_job_prefix() == Job.redis_job_namespace_prefix == "rq:job:"
@@ -179,18 +174,15 @@ def test_a_job_enqueued_as_harvest_does_is_a_hash_whose_data_the_job_copy_reads(
     assert list(Job.fetch("j1", connection=conn, serializer=SERIALIZER).args) == ['{"v": 2}']
 
 
-def test_rqs_dequeue_moves_the_job_to_the_intermediate_list_as_pop_job_does(conn):
+def test_rqs_dequeue_moves_the_job_to_the_intermediate_list_the_janitor_watches(conn):
+    """harvest.ops.liveness puts back a job left in the intermediate list without an execution."""
     queue = Queue("contract", connection=conn, serializer=SERIALIZER, job_class=PayloadJob)
     for j in ("j1", "j2"):
         queue.enqueue_call(JOB_FUNCTION, args=(j,), job_id=j)
     job, _ = Queue.dequeue_any([queue], None, connection=conn, job_class=PayloadJob, serializer=SERIALIZER)
     assert job.id == "j1" and conn.lrange(queue.intermediate_queue_key, 0, -1) == [b"j1"]
-    got = scripts.pop_job(queue.key, queue.intermediate_queue_key).run(conn)
-    assert conn.lrange(queue.intermediate_queue_key, 0, -1) == [b"j1", b"j2"] and conn.llen(queue.key) == 0
-    popped = popped_job(queue, conn, PayloadJob, SERIALIZER, got)
-    assert (popped.id, list(popped.args), popped.func_name) == ("j2", ["j2"], JOB_FUNCTION)
-    assert Queue.dequeue_any([queue], None, connection=conn) is None
-    assert scripts.pop_job(queue.key, queue.intermediate_queue_key).run(conn) is None
+    assert (list(job.args), job.func_name) == (["j1"], JOB_FUNCTION)
+    assert conn.lrange(queue.key, 0, -1) == [b"j2"]
 
 
 def test_an_execution_is_a_job_colon_execution_entry_and_a_hash_naming_its_worker(conn):
@@ -230,3 +222,55 @@ def test_a_failed_job_is_counted_and_a_retry_waits_its_interval(conn):
     assert queue.failed_job_registry.get_job_count(cleanup=False) == 1
     assert [Retry.get_interval(n, [5, 10]) for n in (0, 1, 7)] == [5, 10, 10]
     assert Result.get_key("j1") == "rq:results:j1"
+
+
+def _after_success(conn, cls: type[SimpleWorker]) -> tuple[set[str], dict[bytes, bytes]]:
+    """A job of harvest's kind (result_ttl 0, no dependents) run to its success by a worker of
+    `cls`: the keys left, with the worker's and its queue's names made alike, and RQ's counters."""
+    conn.flushall()
+    queue = Queue("contract", connection=conn, serializer=SERIALIZER, job_class=PayloadJob)
+    queue.enqueue_call(JOB_FUNCTION, args=("p",), job_id="j1", result_ttl=0)
+    worker = cls([queue], connection=conn, serializer=SERIALIZER, job_class=PayloadJob, name="w1")
+    worker.register_birth()
+    job, _ = worker.dequeue_job_and_maintain_ttl(None)
+    execution = worker.prepare_execution(job)
+    worker.prepare_job_execution(job, remove_from_intermediate_queue=True)
+    job.started_at = job.ended_at = now()
+    worker.handle_job_success(job, queue, queue.started_job_registry, execution)
+    counters = {k: v for k, v in conn.hgetall(worker.key).items()
+                if k in (b"successful_job_count", b"failed_job_count", b"total_working_time")}
+    return {k.decode() for k in conn.keys("*")}, counters
+
+
+def test_harvests_success_leaves_what_rqs_own_leaves(conn):
+    """HarvestWorker.handle_job_success writes RQ's records of a success without RQ's reads: a
+    new RQ that records a success elsewhere, or keeps more of it, fails here."""
+    theirs, ours = _after_success(conn, SimpleWorker), _after_success(conn, HarvestWorker)
+    assert ours == theirs
+    assert not any(k.startswith(("rq:job:", "rq:execution")) for k in ours[0])
+    assert ours[1][b"successful_job_count"] == b"1"
+
+
+def _after_start(conn, cls: type[SimpleWorker]) -> tuple[set[str], dict[bytes, bytes], int]:
+    """A job dequeued and its execution prepared by a worker of `cls`, then a heartbeat on its
+    own: the keys left, the worker's state and whether its heartbeat field is set, the key's TTL."""
+    conn.flushall()
+    queue = Queue("contract", connection=conn, serializer=SERIALIZER, job_class=PayloadJob)
+    queue.enqueue_call(JOB_FUNCTION, args=("p",), job_id="j1", result_ttl=0)
+    worker = cls([queue], connection=conn, serializer=SERIALIZER, job_class=PayloadJob, name="w1")
+    worker.register_birth()
+    conn.persist(worker.key)
+    job, _ = worker.dequeue_job_and_maintain_ttl(None)
+    worker.prepare_execution(job)
+    worker.heartbeat()
+    fields = {k: v for k, v in conn.hgetall(worker.key).items() if k == b"state"}
+    fields[b"beat"] = b"1" if conn.hget(worker.key, "last_heartbeat") else b"0"
+    keys = {k.decode().rsplit(":", 1)[0] if k.startswith(b"rq:execution:") else k.decode() for k in conn.keys("*")}
+    return keys, fields, conn.ttl(worker.key) > 0  # an execution's key named without its random id
+
+
+def test_harvests_execution_start_and_heartbeat_write_what_rqs_do(conn):
+    """HarvestWorker.prepare_execution and .heartbeat write RQ's records (the execution, the
+    started registry, the worker busy; its heartbeat field and TTL): a new RQ that records them
+    elsewhere fails here."""
+    assert _after_start(conn, HarvestWorker) == _after_start(conn, SimpleWorker)
