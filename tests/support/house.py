@@ -30,8 +30,16 @@ def py_files() -> list[str]:
 
 
 def module_name(path: str) -> str:
-    mod = path[:-3].replace(os.sep, ".")
-    return mod.removesuffix(".__init__")
+    """The module a file of the repository is imported as: a wing's folder is a subpackage of
+    harvest (workers/job.py: harvest.workers.job)."""
+    mod = path[:-3].replace(os.sep, ".").removesuffix(".__init__")
+    return f"harvest.{mod}" if mod.split(".")[0] in WINGS else mod
+
+
+def package_of(module: str) -> str:
+    """The part of the house a module belongs to: a wing's name, "harvest" (the core), or "tests"."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "harvest" and len(parts) > 1 and parts[1] in WINGS else parts[0]
 
 
 def first_party(name: str) -> bool:
