@@ -59,7 +59,7 @@ COPY producer producer
 COPY workers workers
 COPY engines engines
 COPY collector collector
-RUN pip install --no-deps . && python3 -c "import harvest.cli, workers.worker, collector.collector, engines.reference"
+RUN pip install --no-deps . && python3 -c "import harvest.cli, harvest.workers.worker, harvest.collector.collector, harvest.engines.reference"
 ENTRYPOINT ["harvest"]
 
 FROM ${SGLANG_IMAGE} AS sglang

@@ -27,7 +27,7 @@ sys.path.insert(0, REPO)
 
 import redis  # noqa: E402
 
-from collector.collector import Collector  # noqa: E402
+from harvest.collector.collector import Collector  # noqa: E402
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.multipart import DEFAULT_PART_BYTES  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402

@@ -45,7 +45,7 @@ sys.path.insert(0, REPO)
 
 import redis  # noqa: E402
 
-from collector.packers import Packers  # noqa: E402
+from harvest.collector.packers import Packers  # noqa: E402
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
 from harvest.formats.dump import Chunk, write_chunk  # noqa: E402
@@ -56,7 +56,7 @@ from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
 from harvest.storage import Location  # noqa: E402
 from tests.support.moto import moto_server  # noqa: E402
-from workers.claim import assemble, claim  # noqa: E402
+from harvest.workers.claim import assemble, claim  # noqa: E402
 
 POINTS = [2, 16, 29, 32]
 

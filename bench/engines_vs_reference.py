@@ -25,7 +25,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from engines import sglang_launch, vllm_launch  # noqa: E402
+from harvest.engines import sglang_launch, vllm_launch  # noqa: E402
 from harvest.cli.demo import build_tiny_model, demo_rows, write_jsonl  # noqa: E402
 from harvest.cli.redisproc import free_port  # noqa: E402
 from harvest.config import eagle3_layers  # noqa: E402

@@ -31,7 +31,7 @@ import redis  # noqa: E402
 
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
-from producer.producer import produce  # noqa: E402
+from harvest.producer.producer import produce  # noqa: E402
 
 CHATML = (  # no {% generation %} markers: the mask comes from prefix rendering, the general path
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

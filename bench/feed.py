@@ -57,7 +57,7 @@ sys.path.insert(0, REPO)
 import redis  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from collector.collector import Collector  # noqa: E402
+from harvest.collector.collector import Collector  # noqa: E402
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from tests.support.moto import moto_server  # noqa: E402
 from harvest.read.export import export_run  # noqa: E402

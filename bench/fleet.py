@@ -63,7 +63,7 @@ from harvest.sample import Sample  # noqa: E402
 from harvest.state.heartbeat import read_collectors, read_workers  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
-from producer.enqueue import Enqueuer  # noqa: E402
+from harvest.producer.enqueue import Enqueuer  # noqa: E402
 from tests.support.cpushare import CpuShare  # noqa: E402
 from tests.support.ledgercost import ledger_cost, print_ledger  # noqa: E402
 from tests.support.fleet import TRIPS, Fleet, RedisStats, install_counter, rq_cost, sent_counts, tagged  # noqa: E402

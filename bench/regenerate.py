@@ -72,11 +72,11 @@ from harvest.health import wait_healthy  # noqa: E402
 from harvest.sample import Sample, split_jobs  # noqa: E402
 from harvest.state.conversation import turn_seed  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
-from producer.rows import Row  # noqa: E402
-from producer.tokenize import RowTokenizer  # noqa: E402
+from harvest.producer.rows import Row  # noqa: E402
+from harvest.producer.tokenize import RowTokenizer  # noqa: E402
 from tests.support.benchengine import start_pinned_engine  # noqa: E402
-from workers.clients.base import GenParams, Rejected  # noqa: E402
-from workers.clients.sglang import SGLangClient  # noqa: E402
+from harvest.workers.clients.base import GenParams, Rejected  # noqa: E402
+from harvest.workers.clients.sglang import SGLangClient  # noqa: E402
 
 WORDS = ("the model reads a long prompt and writes hidden states for every token so that a small draft network "
          "can learn to guess what the large target network will say next river mountain forest city code").split()
@@ -112,7 +112,7 @@ def conversations(model: str, chats: list[list[dict]]) -> list[Sample]:
 
 def direct(url: str, samples: list[Sample], threads: int, max_new: int, tag: str) -> tuple[int, float, dict[str, int]]:
     """(tokens, seconds, tokens per conversation): every conversation's turns written, `threads` at a
-    time, as workers.regenerate.write_turns writes them (a turn that ends at once drops its conversation)."""
+    time, as harvest.workers.regenerate.write_turns writes them (a turn that ends at once drops its conversation)."""
     client = SGLangClient(url)
 
     def write(i_s: tuple[int, Sample]) -> tuple[str, int]:

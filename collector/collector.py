@@ -13,7 +13,7 @@ a collector voids (the object, its uploads, the claims naming it) is only ever i
 never another collector's re-pack of the same samples.
 
 Tensor bytes are copied out of the spool files undecoded (with a codec, the hidden states are
-first coded into a scratch file in the spool: collector.pack), with no temporary shard on the
+first coded into a scratch file in the spool: harvest.collector.pack), with no temporary shard on the
 node's disk for object storage. To object storage, or to a local output on another filesystem,
 they are streamed through small buffers and hashed on that one pass (write_shard); to a local
 output on the spool's filesystem the kernel copies them, cloning blocks where the filesystem can,
@@ -33,13 +33,13 @@ from typing import TypeVar
 
 import redis
 
-from collector.due import QueuedCheck, may_be_due
-from collector.faults import CrashHook
-from collector.integrity import Damaged, checked, inspect_all, reject
-from collector.pack import Packed, clear_scratch, pack_shard, scratch_file, staging_dir
-from collector.records import Voided, give_up_shard, recorded_anywhere, tend_revoked, write_decided_index
-from collector.sweep import sweep_orphans
-from collector.unknown import take_up
+from harvest.collector.due import QueuedCheck, may_be_due
+from harvest.collector.faults import CrashHook
+from harvest.collector.integrity import Damaged, checked, inspect_all, reject
+from harvest.collector.pack import Packed, clear_scratch, pack_shard, scratch_file, staging_dir
+from harvest.collector.records import Voided, give_up_shard, recorded_anywhere, tend_revoked, write_decided_index
+from harvest.collector.sweep import sweep_orphans
+from harvest.collector.unknown import take_up
 from harvest.atomic import unlink_quiet
 from harvest.config import RunConfig
 from harvest.formats.claims import STALE_S, Claimer
@@ -85,7 +85,7 @@ class Collector:
         self.spool_id = spool_identity(spool_dir)
         self.node = check_id(node or node_name(), "node name")
         self.ledger = Ledger(conn, cfg.run)
-        # Packer `packer` of the node's `packers` (collector.packers): its own record, and only the
+        # Packer `packer` of the node's `packers` (harvest.collector.packers): its own record, and only the
         # spool files of its slice of the sample ids, so no two packers ever pick the same sample.
         self.packer, self.packers = packer, packers
         self.records = PackingRecords(conn, cfg.run)
@@ -98,8 +98,8 @@ class Collector:
         # Local output: build the shard in its final folder so committing is a rename.
         self.stage = staging_dir(self.out)  # a read-only or full output: a StorageError, told as one line
         self.shards_committed = 0
-        self.set_aside = 0  # spool files this collector moved aside (collector.integrity)
-        # The commits' stats, written at the node's beat (collector.packers), not with each commit;
+        self.set_aside = 0  # spool files this collector moved aside (harvest.collector.integrity)
+        # The commits' stats, written at the node's beat (harvest.collector.packers), not with each commit;
         # a Collector made without the node's tally keeps them until its owner flushes `tally`
         self.tally = tally or Tally(conn, cfg.run)
         self._recorded_spool: str | None = None  # the spool the record of the shard in flight names
@@ -112,7 +112,7 @@ class Collector:
             self.out, self.ledger.identity(), lambda shard: recorded_anywhere(conn, cfg.run, shard), self._retry
         )
         self.leases = SpoolLeases(conn, cfg.run)
-        self._queued = QueuedCheck(conn, self.ledger.keys.counts)  # collector.due
+        self._queued = QueuedCheck(conn, self.ledger.keys.counts)  # harvest.collector.due
         self._crash = CrashHook.from_env()
 
     def renew_lease(self) -> None:
@@ -121,7 +121,7 @@ class Collector:
         self.spool_id = self.leases.renew_or_rotate(self.spool_dir, self.spool_id, self.node)
 
     def tend_others(self, own_keys: frozenset[str] = frozenset()) -> int:
-        """Finish or clear the packing records of nodes whose spool was revoked (collector.records);
+        """Finish or clear the packing records of nodes whose spool was revoked (harvest.collector.records);
         `own_keys`: this node's other packers' records, which they tend themselves."""
         return tend_revoked(self.conn, self.cfg.run, self.out, self._retry, own_keys | {self.packing_key})
 
@@ -179,7 +179,7 @@ class Collector:
 
     def _reject(self, bad: dict[str, SpoolError]) -> int:
         """Spool files that will not be committed, once no shard in flight holds them: set aside,
-        their samples extracted again or failed (collector.integrity). Returns 0: nothing committed."""
+        their samples extracted again or failed (harvest.collector.integrity). Returns 0: nothing committed."""
         reject(self.conn, self.cfg, self.spool_id, {sid: spool_path(self.spool_dir, sid) for sid in bad}, bad)
         self.set_aside += len(bad)
         return 0
@@ -207,7 +207,7 @@ class Collector:
                 # committed already, given up on, or accepted from another node's spool (a retry
                 # of a job whose worker died between writing this file and marking it): not ours
                 unlink_quiet(path)
-            elif st is None:  # unknown to a ledger that forgot it: taken up (collector.unknown), packed later
+            elif st is None:  # unknown to a ledger that forgot it: taken up (harvest.collector.unknown), packed later
                 unknown.append((sid, path))
             elif st != QUEUED:  # queued: its worker died before marking it, and its job will run again
                 ready.append((sid, path, size))
@@ -362,7 +362,7 @@ class Collector:
 
     def pack(self, plan: ShardPlan) -> Packed:
         """The shard's bytes streamed out of the spool files into storage, not yet visible, each
-        sample's crc32s the ones its worker recorded; else `Damaged` (collector.integrity)."""
+        sample's crc32s the ones its worker recorded; else `Damaged` (harvest.collector.integrity)."""
         tmp = None if self.stage is None else self._temp_path(plan.shard_id)
         return checked(
             plan,

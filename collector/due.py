@@ -22,7 +22,7 @@ QUEUED_CHECK_S = 1.0
 
 class QueuedCheck:
     """Whether no sample of the run is queued, read at most every QUEUED_CHECK_S while some are.
-    Owned by one packer thread (collector.collector.Collector)."""
+    Owned by one packer thread (harvest.collector.collector.Collector)."""
 
     def __init__(self, conn: redis.Redis, counts_key: str) -> None:
         self.conn, self.counts_key = conn, counts_key

@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping
 
 import redis
 
-from collector.pack import Packed
-from collector.records import Voided
+from harvest.collector.pack import Packed
+from harvest.collector.records import Voided
 from harvest.config import RunConfig
 from harvest.formats.shard import ShardPlan
 from harvest.formats.spool import SpoolDamaged, SpoolEntry, SpoolError, inspect_sample

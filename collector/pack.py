@@ -25,7 +25,7 @@ from harvest.formats.shard_write import copy_shard, write_shard
 from harvest.multipart import MultipartWriter, Upload
 from harvest.storage import TEMP_PREFIX, Location, StorageError
 
-Crash = Callable[[str], None]  # collector.faults.CrashHook: the named kill points tests use
+Crash = Callable[[str], None]  # harvest.collector.faults.CrashHook: the named kill points tests use
 
 
 @dataclass(frozen=True)

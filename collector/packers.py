@@ -7,7 +7,7 @@ reads, hashing and uploads release the GIL). Packer i owns:
 - the spool files whose sample id falls in its slice (`int(id[:8], 16) % N == i`), so no two
   packers ever choose the same sample and no lock is needed between them;
 - its own packing record, `harvest:<run>:packing:<node>[:i]` (packer 0 keeps the node's plain
-  key), with the commit order and restart rules of `collector.collector` unchanged.
+  key), with the commit order and restart rules of `harvest.collector.collector` unchanged.
 
 A kill stops every packer at once, leaving at most one record each. At restart the first packer
 resumes alone (it clears the node's temporary shard files, renews the spool's lease, tends revoked
@@ -34,7 +34,7 @@ from typing import Any
 
 import redis
 
-from collector.collector import TEND_S, Collector
+from harvest.collector.collector import TEND_S, Collector
 from harvest.config import RunConfig
 from harvest.ops.recovery import Recovery
 from harvest.state.heartbeat import CollectorBeat

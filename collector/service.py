@@ -1,4 +1,4 @@
-"""`harvest collect`: a node's packers (collector.packers) on its spool, until stopped.
+"""`harvest collect`: a node's packers (harvest.collector.packers) on its spool, until stopped.
 
 The CLI reads the run, checks its output and maps a `StorageError` to its message; this is the
 process's work, with its tunables in one `harvest.settings.CollectorSettings`.
@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import redis
 
-from collector.packers import Packers
+from harvest.collector.packers import Packers
 from harvest.config import RunConfig
 from harvest.settings import CollectorSettings
 

@@ -29,10 +29,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-from engines import faults as fx
-from engines.batch import cut_batch
-from engines.dump_writer import DumpWriter
-from engines.generation import Sampling, eos_ids, parse_sampling, sample
+from harvest.engines import faults as fx
+from harvest.engines.batch import cut_batch
+from harvest.engines.dump_writer import DumpWriter
+from harvest.engines.generation import Sampling, eos_ids, parse_sampling, sample
 from harvest.config import parse_layers
 from harvest.formats.dump import Chunk
 from harvest.formats.fingerprint import model_fingerprint

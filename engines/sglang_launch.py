@@ -19,8 +19,8 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-from engines.sglang_plugin import ENV_CAPTURE, ENV_DUMP_DIR, ENV_FINGERPRINT, ENV_MODEL
-from engines.venvs import EngineVenv
+from harvest.engines.sglang_plugin import ENV_CAPTURE, ENV_DUMP_DIR, ENV_FINGERPRINT, ENV_MODEL
+from harvest.engines.venvs import EngineVenv
 from harvest.errors import ConfigurationError
 from harvest.settings import EngineSettings
 

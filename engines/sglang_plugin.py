@@ -13,7 +13,7 @@ environment, printed by `harvest sglang-args`:
 Index i < L is the residual stream entering decoder layer i: SGLang's inner model captures it
 when i is in `model.layers_to_capture` (what `set_eagle3_layers_to_capture(i - 1)` sets, hence
 the +1 of docs/architecture.md, capture points). Index L is the final post-norm state, the logits processor's input.
-Per forward, the rows of every `hv-` request are cut with `engines.batch.cut_batch` (the same
+Per forward, the rows of every `hv-` request are cut with `harvest.engines.batch.cut_batch` (the same
 code the reference engine runs) and written by a bounded background `DumpWriter` on TP rank 0.
 """
 
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engines.batch import cut_batch
-from engines.dump_writer import DumpWriter
+from harvest.engines.batch import cut_batch
+from harvest.engines.dump_writer import DumpWriter
 from harvest.formats.dump import Chunk
 from harvest.ids import RID_PREFIX
 from harvest.node.modelcheck import ENV_FINGERPRINT, check_digest

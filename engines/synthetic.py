@@ -17,9 +17,9 @@ directory, so a node's workers claim only their node's files as on a real node. 
 files are written whole (a temporary name, then a rename: `write_chunk`) before the response
 is sent, so a worker finds every chunk of its rids at its first look; what a worker does not
 claim is the janitor's, as with any engine. The HTTP side (routes, the per-call faults of
-`engines.faults`: `http500`, `hang`) is the reference engine's own handler.
+`harvest.engines.faults`: `http500`, `hang`) is the reference engine's own handler.
 
-    python -m engines.synthetic --serve 31000=/dev/shm/n0 --serve 31001=/dev/shm/n1 \
+    python -m harvest.engines.synthetic --serve 31000=/dev/shm/n0 --serve 31001=/dev/shm/n1 \
         --capture 2,4,5,8 --hidden 8 [--chunked-prefill-size 512] [--model-name synthetic]
 """
 
@@ -34,9 +34,9 @@ from collections.abc import Sequence
 
 import torch
 
-from engines import faults as fx
-from engines.generation import max_new_tokens
-from engines.reference import BadRequest, ReferenceEngine, serve
+from harvest.engines import faults as fx
+from harvest.engines.generation import max_new_tokens
+from harvest.engines.reference import BadRequest, ReferenceEngine, serve
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import RID_PREFIX
 from harvest.node.paths import private_dir
@@ -132,7 +132,7 @@ def _parse_serve(spec: str) -> tuple[int, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m engines.synthetic", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m harvest.engines.synthetic", description=__doc__.split("\n\n")[0])
     ap.add_argument("--serve", action="append", type=_parse_serve, required=True, metavar="PORT=DUMP_DIR",
                     help="one simulated node: its port and its dump dir (repeat for more nodes)")
     ap.add_argument("--capture", default="2,4,5,8", help="capture points, as the run's (comma-separated)")

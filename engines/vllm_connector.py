@@ -16,7 +16,7 @@ bytes (metadata `crc32`, JSON, as harvest.formats.crc writes it), which the work
 before it converts the file into harvest's dump. Harvest's generation requests (rids `hg-`, vLLM
 request ids `cmpl-hg-...`: regeneration) get no file and no lock: the stock connector saves every
 finished request, and nothing would ever read or delete those. Loaded by vLLM with
-`"kv_connector": "HarvestHiddenStatesConnector", "kv_connector_module_path": "engines.vllm_connector"`
+`"kv_connector": "HarvestHiddenStatesConnector", "kv_connector_module_path": "harvest.engines.vllm_connector"`
 (see engines/vllm_launch.py), so this module must import with nothing but vLLM installed:
 it imports nothing from harvest.
 """

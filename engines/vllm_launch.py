@@ -20,14 +20,14 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-from engines.venvs import EngineVenv
+from harvest.engines.venvs import EngineVenv
 from harvest.errors import ConfigurationError
 from harvest.node.dumpdir import vllm_dir
 from harvest.settings import EngineSettings
 
 VLLM_VERSION = "0.32.0"
 # engines/vllm_connector.py imports vLLM, so its name is repeated here rather than imported.
-CONNECTOR_MODULE = "engines.vllm_connector"
+CONNECTOR_MODULE = "harvest.engines.vllm_connector"
 CONNECTOR_NAME = "HarvestHiddenStatesConnector"
 ENV_VENV = "HARVEST_VLLM_VENV"
 

@@ -22,7 +22,7 @@ from harvest.settings import IdentityDefaults, RunTunables
 if TYPE_CHECKING:
     import torch
 
-# The engine kinds a run may name; workers pick their client by it (workers.clients).
+# The engine kinds a run may name; workers pick their client by it (harvest.workers.clients).
 ENGINE_KINDS = ("reference", "sglang", "vllm")
 # What capture point L holds in every run, whatever the engine: HF's `hidden_states[L]`, the state
 # after the model's final norm (the lm_head input). SGLang hands that state over; the vLLM client

@@ -29,12 +29,12 @@ raised or by RQ:
 
 - `harvest.state.failures.SampleFailure`: one sample's failure with its reason; the worker
   records it in the ledger, the job goes on.
-- `collector.records.Voided`: the commit fence refused a shard; the collector drops it.
-- `workers.safejob.RefusedJob`: raised inside RQ's job execution for a job naming another
+- `harvest.collector.records.Voided`: the commit fence refused a shard; the collector drops it.
+- `harvest.workers.safejob.RefusedJob`: raised inside RQ's job execution for a job naming another
   function; RQ marks that job failed, the worker goes on.
 - `harvest.formats.filecopy.ShortFile`: a kernel copy that met the end of its source; the
   shard writer falls back to writing from memory.
-- `engines.reference.BadRequest`: a request the reference engine answers with HTTP 400.
+- `harvest.engines.reference.BadRequest`: a request the reference engine answers with HTTP 400.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def new_shard_id() -> str:
 
 def new_attempt() -> int:
     """A job execution's attempt number: random (63 bits), drawn by the worker as it starts the
-    job's execution (workers.rqworker), or as it takes the job (workers.job). Every rid of the attempt ends with it (`rid_for`), so files of an earlier
+    job's execution (harvest.workers.rqworker), or as it takes the job (harvest.workers.job). Every rid of the attempt ends with it (`rid_for`), so files of an earlier
     attempt, timed out or of a worker that died, are never mistaken for this one's. Random, not
     counted a sample in Redis: a count cost the fleet's Redis a read and a write a sample at every
     job's start (bench/job_cost.py, "worker: take"), and a Redis that forgot its last second could

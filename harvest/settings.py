@@ -3,7 +3,7 @@ for what every process shares: storage calls, the Redis client).
 
 A default is written here and nowhere else: the CLI's options read theirs from these classes
 (`default=WorkerSettings.dump_timeout_s`), the entries take an instance (`run_worker`,
-`collector.service.run_collector`, `harvest.cli.runner.run_all`), and a module-level constant
+`harvest.collector.service.run_collector`, `harvest.cli.runner.run_all`), and a module-level constant
 elsewhere imports its value. tests/unit/test_house.py holds the literals to this module.
 
 What a run must agree on across nodes is not here: that is the run's identity,
@@ -50,12 +50,12 @@ class ProducerSettings:
 
     max_queued: int = 20000  # samples queued or in flight at most; the producer waits beyond
     processes: int = 1  # tokenizer processes
-    overlong: str = "skip"  # a sample over its limit: skipped (producer.rows.OVERLONG_POLICIES)
+    overlong: str = "skip"  # a sample over its limit: skipped (harvest.producer.rows.OVERLONG_POLICIES)
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """`harvest worker` (workers.worker.run_worker)."""
+    """`harvest worker` (harvest.workers.worker.run_worker)."""
 
     dump_timeout_s: float = 60.0  # wait for a request's dump files
     max_spool_bytes: int = 64 << 30  # backpressure while this node's spool holds more
@@ -87,7 +87,7 @@ class RedisSettings:
 
 @dataclass(frozen=True)
 class CollectorSettings:
-    """`harvest collect` (collector.service.run_collector) and each of its packers."""
+    """`harvest collect` (harvest.collector.service.run_collector) and each of its packers."""
 
     MAX_PACK_WORKERS: ClassVar[int] = 4  # the default packers: the cores, up to this many
 
@@ -115,7 +115,7 @@ class EngineSettings:
     sglang_chunked_prefill_size: int = 8192
     tp_size: int = 1  # tensor-parallel size (GPUs per server)
     dp_size: int = 1  # data-parallel size (servers per node, each on its own --tp GPUs)
-    sglang_version: str = "0.5.23"  # flag spellings follow it (engines.sglang_launch)
+    sglang_version: str = "0.5.23"  # flag spellings follow it (harvest.engines.sglang_launch)
     device: str = "cuda"  # SGLang's (cpu: its CPU engine, as CI runs it)
     dtype: str = "auto"  # SGLang's and vLLM's --dtype (auto: the model's own)
     vllm_kvcache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE

@@ -3,7 +3,7 @@
 HF `datasets.save_to_disk` writes Arrow IPC *stream* files (`data-00000-of-00001.arrow`);
 other tools write the IPC *file* format. Both are read here, a batch at a time; a row's place
 is `file:row N` with N counting from 0 across the whole file. A file pyarrow cannot read from
-some batch on ends with one bad row at the first row it could not give (producer.rows).
+some batch on ends with one bad row at the first row it could not give (harvest.producer.rows).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from producer.rows import BadRow, Row, exception_reason
+from harvest.producer.rows import BadRow, Row, exception_reason
 
 BATCH_ROWS = 1024
 _ARROW_FILE_MAGIC = b"ARROW1"

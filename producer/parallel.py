@@ -7,7 +7,7 @@ on a 2-core machine they do not). Batches are submitted through a bounded window
 reader never runs more than a few batches ahead of the enqueue (memory stays flat), and
 results come back in dataset order.
 
-A row is judged as in one process (producer.rows): each worker runs the same RowTokenizer. A
+A row is judged as in one process (harvest.producer.rows): each worker runs the same RowTokenizer. A
 batch the pool cannot take or give back (a row nested too deep to pickle, say) is tokenized in
 this process instead, by the same rules, so such a row is the same bad row as without
 --processes; an exception of harvest's own code is then raised here, with its traceback.
@@ -21,8 +21,8 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from harvest.sample import Sample
-from producer.rows import BadRow, Row
-from producer.tokenize import RowTokenizer
+from harvest.producer.rows import BadRow, Row
+from harvest.producer.tokenize import RowTokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -3,7 +3,7 @@
 Rows that give no sample are counted by kind: `bad` (broken input: it sets the exit status,
 and `--strict` stops at the first), `empty` and `overlong` (reported, never enqueued;
 `--overlong fail` stops at the first). A sample's length limit is `--max-len` or the model's
-context, the smaller (producer.tokenize.LengthPolicy): a row past what the engine can take is
+context, the smaller (harvest.producer.tokenize.LengthPolicy): a row past what the engine can take is
 handled here, before it is enqueued, not by a job that holds the engine for minutes.
 """
 
@@ -23,13 +23,13 @@ from harvest.formats.datasetids import SampleIds
 from harvest.progress import progress as progress_display
 from harvest.sample import Sample
 from harvest.settings import ProducerSettings
-from producer.enqueue import DEFAULT_MAX_QUEUED, Enqueuer
-from producer.parallel import ProcessTokenizer
-from producer.prefetch import prefetch
-from producer.rowkinds import FieldMap, RowError
-from producer.rows import BadRow
-from producer.sources import read_dataset
-from producer.tokenize import LengthPolicy, RowTokenizer
+from harvest.producer.enqueue import DEFAULT_MAX_QUEUED, Enqueuer
+from harvest.producer.parallel import ProcessTokenizer
+from harvest.producer.prefetch import prefetch
+from harvest.producer.rowkinds import FieldMap, RowError
+from harvest.producer.rows import BadRow
+from harvest.producer.sources import read_dataset
+from harvest.producer.tokenize import LengthPolicy, RowTokenizer
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -137,7 +137,7 @@ def produce_pass(
     `chat_template` is the template's text (overrides the tokenizer's). A dry run needs neither `conn`
     nor `cfg` when `tokenizer` is given. `on_wait(queued)` is called while the queue is full (the
     producer is waiting on the workers). `processes` > 1 tokenizes in that many worker processes
-    (see producer.parallel for when that pays); otherwise one thread tokenizes ahead of the enqueue.
+    (see harvest.producer.parallel for when that pays); otherwise one thread tokenizes ahead of the enqueue.
     `regenerate`: chat rows become conversations whose answers the workers write (default: as the
     run says, harvest.config.RunIdentity.regenerate; a dry run without a run says it here).
     `ids`: every sample's id is added to it (the dataset's samples, as `harvest run` keeps them).

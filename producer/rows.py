@@ -1,18 +1,18 @@
 """A dataset row with the place it came from, and a row that gives no sample.
 
-Every source (producer.sources for JSONL, producer.columnar for Parquet and Arrow) yields
+Every source (harvest.producer.sources for JSONL, harvest.producer.columnar for Parquet and Arrow) yields
 `Row`s, and every later stage reports a `BadRow` by that place, so a bad row can be named.
 
 Where the line runs between a bad row and a bug (one row never stops a dataset, and a bug in
 harvest is never passed off as bad data): a row's data meets other people's code at a few call
-sites only: the JSON parser (producer.sources), the chat template and transformers' copy of the
-messages (producer.templates), and the tokenizer (producer.tokenize). Whatever those raise for
+sites only: the JSON parser (harvest.producer.sources), the chat template and transformers' copy of the
+messages (harvest.producer.templates), and the tokenizer (harvest.producer.tokenize). Whatever those raise for
 one row is that row's: it becomes a BadRow naming the exception's type and message
 (`exception_reason`), and the dataset goes on. harvest's own checks of a row raise `RowError`,
 `TemplateError` or `SampleError` with messages of their own, told the same way. Any other
 exception raised in harvest's own code is a bug: it is not caught per row, and stops the
 producer with its traceback. Parquet and Arrow rows come from pyarrow a record batch at a time;
-a batch pyarrow cannot read is one bad row at the place it broke (producer.columnar).
+a batch pyarrow cannot read is one bad row at the place it broke (harvest.producer.columnar).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterator
 
 from harvest.errors import InputError
-from producer.rows import BadRow, Row, exception_reason
+from harvest.producer.rows import BadRow, Row, exception_reason
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 COLUMNAR_SUFFIXES = (".parquet", ".arrow")
@@ -69,7 +69,7 @@ def read_jsonl(path: str) -> Iterator[Row | BadRow]:
         except json.JSONDecodeError as e:
             yield BadRow(where, f"invalid JSON ({e.msg} at column {e.colno})")
             continue
-        except Exception as e:  # noqa: BLE001 - the parser on this line's data (see producer.rows): nested
+        except Exception as e:  # noqa: BLE001 - the parser on this line's data (see harvest.producer.rows): nested
             # too deep (RecursionError), an integer over Python's digit limit (ValueError), ...
             yield BadRow(where, exception_reason("JSON not parsed", e))
             continue
@@ -157,7 +157,7 @@ def _holds_a_row(path: str) -> bool:
     """Whether `path` yields anything at all: a row, or a bad row (an unreadable file counts, and is
     reported with its place when read)."""
     if path.endswith(COLUMNAR_SUFFIXES):
-        from producer.columnar import holds_a_row
+        from harvest.producer.columnar import holds_a_row
 
         return holds_a_row(path)
     lines = _lines(path)
@@ -169,7 +169,7 @@ def _holds_a_row(path: str) -> bool:
 
 def read_file(path: str) -> Iterator[Row | BadRow]:
     if path.endswith(COLUMNAR_SUFFIXES):
-        from producer.columnar import read_arrow, read_parquet
+        from harvest.producer.columnar import read_arrow, read_parquet
 
         return read_parquet(path) if path.endswith(".parquet") else read_arrow(path)
     return read_jsonl(path)

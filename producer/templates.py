@@ -77,7 +77,7 @@ class ChatRenderer:
             return messages
         try:
             return _alias_reasoning_fields(_plain_template_data(messages))
-        except Exception as e:  # noqa: BLE001 - transformers' copy of this row's messages (producer.rows)
+        except Exception as e:  # noqa: BLE001 - transformers' copy of this row's messages (harvest.producer.rows)
             raise TemplateError(f"chat template's data not prepared: {type(e).__name__}: {e}") from None
 
     def _render(self, chat: list[dict], gen_prompt: bool = False) -> str:

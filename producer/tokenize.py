@@ -4,7 +4,7 @@ Texts of a whole batch of rows go through the fast tokenizer's Rust `encode_batc
 (it parallelises across threads); chats are rendered to text and assistant spans first and
 their masks come from the token offsets. The length policy (`--max-len`, the model's context,
 `--overlong`) and the empty-sample check apply to every row kind alike. One row never stops a
-batch: see producer.rows for where the line runs between a bad row and a bug.
+batch: see harvest.producer.rows for where the line runs between a bad row and a bug.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from harvest.errors import ConfigurationError
 from harvest.sample import Sample, SampleError
 from harvest.settings import ProducerSettings
 from harvest.state.conversation import Conversation, ConversationError
-from producer.rowkinds import Chat, FieldMap, Pretokenized, PromptCompletion, RowError, RowKind, Text, classify
-from producer.rows import OVERLONG_POLICIES, BadRow, Row, exception_reason
-from producer.templates import ChatRenderer, TemplateError, mask_from_spans
+from harvest.producer.rowkinds import Chat, FieldMap, Pretokenized, PromptCompletion, RowError, RowKind, Text, classify
+from harvest.producer.rows import OVERLONG_POLICIES, BadRow, Row, exception_reason
+from harvest.producer.templates import ChatRenderer, TemplateError, mask_from_spans
 
 if TYPE_CHECKING:
     from tokenizers import Encoding
@@ -33,7 +33,7 @@ ROW_ERRORS = (RowError, TemplateError, SampleError, ConversationError)  # harves
 @dataclass(frozen=True)
 class LengthPolicy:
     """The longest sample: `max_len` (--max-len) and the model's `context` (`model_context`), the
-    smaller of the two; `overlong` says what a longer one becomes (producer.rows.OVERLONG_POLICIES)."""
+    smaller of the two; `overlong` says what a longer one becomes (harvest.producer.rows.OVERLONG_POLICIES)."""
 
     max_len: int | None = None
     # skip: report and drop; truncate: keep the first tokens; fail: stop the producer
@@ -86,7 +86,7 @@ class _Texts:
         try:
             self.encoded = backend.encode_batch(self.texts, add_special_tokens=special)
             return
-        except Exception:  # noqa: BLE001 - the tokenizer on rows' data (producer.rows); found per text below
+        except Exception:  # noqa: BLE001 - the tokenizer on rows' data (harvest.producer.rows); found per text below
             pass
         self.encoded = []
         for i, text in enumerate(self.texts):

@@ -33,7 +33,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from engines.sglang_launch import cpu_pythonpath, launch_spec, venv_python  # noqa: E402
+from harvest.engines.sglang_launch import cpu_pythonpath, launch_spec, venv_python  # noqa: E402
 from harvest.config import model_layers, parse_layers  # noqa: E402
 from harvest.health import wait_healthy  # noqa: E402
 from harvest.read.reader import RunReader  # noqa: E402

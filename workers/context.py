@@ -1,6 +1,6 @@
 """The worker process's context: what `harvest worker` knows that a job's JSON payload does not
 (the engine, the dump, claim and spool directories, the retry policy, the heartbeat), installed
-once before the worker takes jobs and read by every job (workers.job)."""
+once before the worker takes jobs and read by every job (harvest.workers.job)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from harvest.state.jobs import MAX_RETRY_INTERVAL_S
 from harvest.state.ledger import Ledger
 from harvest.state.spools import SpoolLeases
 from harvest.state.tally import Tally
-from workers.clients.base import Engine
+from harvest.workers.clients.base import Engine
 
 DEFAULT_RETRIES = WorkerSettings.retries
 
@@ -37,7 +37,7 @@ def backoff_intervals(base: float, retries: int, cap: float = MAX_RETRY_INTERVAL
 
 class JobStart(NamedTuple):
     """A job's start made in RQ's transaction that starts its execution
-    (workers.rqworker.HarvestWorker.prepare_execution), taken up by the job (workers.job)."""
+    (harvest.workers.rqworker.HarvestWorker.prepare_execution), taken up by the job (harvest.workers.job)."""
 
     attempt: int  # named by the heartbeat in that transaction
     states: dict[str, str | None]  # sample -> state letter, read in it

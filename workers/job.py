@@ -60,13 +60,13 @@ from harvest.state.failures import (
 )
 from harvest.state.ledger import QUEUED
 from harvest.state.payload import decode_batch, inline, payload_row, payload_rows
-from workers.claim import Claimed, assemble, clear_claims
-from workers.claim import claim as claim_dumps
-from workers.clients.base import EngineUnavailable, Rejected
-from workers.context import DEFAULT_RETRIES, WorkerContext, backoff_intervals, current, install
-from workers.regenerate import Regenerated
-from workers.regenerate import regenerate as regenerate_turns
-from workers.results import JobResult, Spooled
+from harvest.workers.claim import Claimed, assemble, clear_claims
+from harvest.workers.claim import claim as claim_dumps
+from harvest.workers.clients.base import EngineUnavailable, Rejected
+from harvest.workers.context import DEFAULT_RETRIES, WorkerContext, backoff_intervals, current, install
+from harvest.workers.regenerate import Regenerated
+from harvest.workers.regenerate import regenerate as regenerate_turns
+from harvest.workers.results import JobResult, Spooled
 
 __all__ = ["DEFAULT_RETRIES", "BatchJob", "JobResult", "WorkerContext", "backoff_intervals", "install", "process_batch"]
 
@@ -99,7 +99,7 @@ class BatchJob:
         self.generated: Regenerated | None = None  # the job's regeneration step, for its stats
         self.t0 = 0.0  # monotonic time the job was taken (`choose`)
         self.ended = False  # the heartbeat's end of job went (with the marks, `mark`)
-        # the job's start made in the transaction that started its execution (workers.rqworker)
+        # the job's start made in the transaction that started its execution (harvest.workers.rqworker)
         self.started = ctx.started.pop(job.id, None) if job else None
         self.timed = False  # the job's duration went to the tally (at the marks)
 
@@ -216,7 +216,7 @@ class BatchJob:
         return self.finish(spooled, marked)
 
     def regenerate(self) -> None:
-        """A --regenerate run's conversations written first (workers.regenerate); each is then
+        """A --regenerate run's conversations written first (harvest.workers.regenerate); each is then
         extracted as the sample it has become. One that fails is noted in `failures`."""
         self.extract = [s for s in self.todo if s.conv is None]
         if convs := [s for s in self.todo if s.conv is not None]:
@@ -259,7 +259,7 @@ class BatchJob:
         return wanted
 
     def claim(self, wanted: dict[str, int]) -> dict[str, Claimed]:
-        """The dumps of `wanted` moved into this worker's claim dir (workers.claim)."""
+        """The dumps of `wanted` moved into this worker's claim dir (harvest.workers.claim)."""
         claimed, missing = claim_dumps(self.ctx.dump_dir, self.ctx.claim_dir, wanted, self.ctx.dump_timeout)
         for rid, f in missing.items():
             self.failures.setdefault(self.by_rid[rid].id, (f.reason, f.message))

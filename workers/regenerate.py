@@ -8,7 +8,7 @@ node lost before the commit loses only work: the sample is still queued (or is r
 generating it again gives the same tokens (temperature 0, or the same per-turn seed). Nothing here
 changes who owns a sample: the ledger's states and its spool's lease do, as for any job. A worker
 that comes back late after its job was taken over writes its spool files and meets the ledger's
-refusal of a revoked spool at its marks (workers.job `finish`); its conversations are never
+refusal of a revoked spool at its marks (harvest.workers.job `finish`); its conversations are never
 committed because the collector packs only samples its own spool owns. Each execution of a job
 draws its own attempt number (harvest.ids.new_attempt), so two generations of a sample never share
 `hg-` rids (which no engine dumps anyway), and its extraction rids are claimed and verified as ever.
@@ -42,7 +42,7 @@ from harvest.state.failures import (
     PROMPT_LENGTH,
     SampleFailure,
 )
-from workers.clients.base import EngineUnavailable, GenParams, Rejected
+from harvest.workers.clients.base import EngineUnavailable, GenParams, Rejected
 
 log = logging.getLogger("harvest.worker")
 

@@ -42,7 +42,7 @@ from harvest.state.jobs import JOB_FUNCTION
 from harvest.state.ledger import state_letter
 from harvest.state.payload import batch_ids
 from harvest.state.spools import redis_time
-from workers.context import JobStart, WorkerContext, installed
+from harvest.workers.context import JobStart, WorkerContext, installed
 
 PUBSUB_POLL_S = 1.0  # how long RQ's command thread waits between looks at its stop flag
 
@@ -60,7 +60,7 @@ class HarvestWorker(SimpleWorker):
     def request_force_stop(self, signum, frame) -> None:
         """RQ's cold stop, honoured once. `harvest run` repeats a hurried stop's SIGTERM until the
         worker exits (RQ ignores one within 1 s of handling the first, and the runner cannot tell
-        when that ran); a repeat must not interrupt the job's hand-back (workers.job)."""
+        when that ran); a repeat must not interrupt the job's hand-back (harvest.workers.job)."""
         if self._cold_stop:
             return
         try:
@@ -143,10 +143,10 @@ class HarvestWorker(SimpleWorker):
 
     def _start_of(self, job: Job, beat: WorkerBeat | None) -> tuple[WorkerContext | None, list[str]]:
         """The worker context and the sample ids of a harvest job whose start (its attempt named in
-        the heartbeat, its samples' states read: workers.job `BatchJob.choose`) rides in the
+        the heartbeat, its samples' states read: harvest.workers.job `BatchJob.choose`) rides in the
         transaction that starts its execution: one round trip a job less. (None, []) where the job
         does it itself: no context, another heartbeat than the context's, no sample, or a job whose
-        data cannot be read or that will be refused (workers.safejob): RQ's own path fails it, as
+        data cannot be read or that will be refused (harvest.workers.safejob): RQ's own path fails it, as
         before. A SimpleWorker runs one job at a time: a start left by a job whose function never
         ran (refused, a stop between) is dropped here."""
         ctx = installed()

@@ -26,7 +26,7 @@ class HarvestJob(PayloadJob):
         name = self.func_name
         if name != JOB_FUNCTION or self.instance is not None:
             raise RefusedJob(f"job {self.id} names function {name!r}; this worker runs only {JOB_FUNCTION}: refused")
-        from workers.job import process_batch
+        from harvest.workers.job import process_batch
 
         return process_batch
 

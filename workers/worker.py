@@ -7,7 +7,7 @@ worker that died is back on the queue within seconds, due retries are released, 
 workers' claim dirs in this node's dump dir are removed.
 
 SIGTERM (docker stop) is RQ's warm shutdown: the current job finishes, then the worker exits;
-a second SIGTERM/SIGINT hands the current job back (see workers.job) and exits at once.
+a second SIGTERM/SIGINT hands the current job back (see harvest.workers.job) and exits at once.
 
 A Redis outage (harvest.state.connection) is waited out by every call, RQ's included: RQ 3.0's
 SimpleWorker has no outage handling of its own beyond its dequeue loop (which retries
@@ -45,11 +45,11 @@ from harvest.state.connection import RedisLost, is_connection_error, outage_of, 
 from harvest.state.heartbeat import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, WorkerBeat
 from harvest.state.jobs import SERIALIZER, run_queue
 from harvest.state.runstore import load_run
-from workers.clients import make_engine
-from workers.clients.base import Engine
-from workers.job import WorkerContext, backoff_intervals, install
-from workers.rqworker import HarvestWorker
-from workers.safejob import HarvestJob
+from harvest.workers.clients import make_engine
+from harvest.workers.clients.base import Engine
+from harvest.workers.job import WorkerContext, backoff_intervals, install
+from harvest.workers.rqworker import HarvestWorker
+from harvest.workers.safejob import HarvestJob
 
 log = logging.getLogger("harvest.worker")
 
@@ -147,7 +147,7 @@ def _flush_last(ctx: WorkerContext) -> None:
 
 def _first_check(ctx: WorkerContext) -> None:
     """A new Redis noticed before the first job, whose start is then read from a reconciled ledger
-    (workers.rqworker `_start_of`). A check that fails otherwise than by the connection is the first
+    (harvest.workers.rqworker `_start_of`). A check that fails otherwise than by the connection is the first
     job's to make again (it hands its job back if it fails too), not a reason to stop the worker."""
     try:
         ctx.check_recovery()

@@ -1,7 +1,7 @@
 """`harvest audit --against engine`: the run's own engine recomputes each audited sample.
 
 It lives in the composition root because it is the worker's path, reused rather than copied: the
-engine client the run's workers use (`workers.clients.make_engine`, by the run's engine kind:
+engine client the run's workers use (`harvest.workers.clients.make_engine`, by the run's engine kind:
 SGLang's native `/generate`, also the reference engine's, or vLLM's completions), and the worker's
 `claim` and `assemble` (workers/claim.py), so the recomputed states pass the very checks the
 extraction's did. The core (`harvest/`) may not import the wings; `harvest.cli` is the one
@@ -83,7 +83,7 @@ class EngineRoute:
                                       "pass the URL of one on this node")
             chunk, how = _chunk_of(engine_url.rstrip("/")), "given"
         check_engine(cfg, engine_url)  # the run's model, or the audit proves nothing
-        from workers.clients import make_engine
+        from harvest.workers.clients import make_engine
 
         self.url, self.dump_dir = engine_url.rstrip("/"), dump_dir
         os.makedirs(dump_dir, mode=0o700, exist_ok=True)
@@ -118,8 +118,8 @@ class EngineRoute:
         import torch
 
         from harvest.state.failures import SampleFailure
-        from workers.claim import assemble, claim
-        from workers.clients.base import Rejected
+        from harvest.workers.claim import assemble, claim
+        from harvest.workers.clients.base import Rejected
 
         rid = f"hv-{os.urandom(16).hex()}-0"
         got = self.client.generate([rid], [sample.input_ids.tolist()])[0]  # EngineUnavailable: the audit stops

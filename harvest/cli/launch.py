@@ -55,8 +55,8 @@ def sglang_args_cmd(model_path: str, layers: str, num_layers: int | None, run: s
                     dump_dir: str | None, tp_size: int, port: int, chunked_prefill_size: int, sglang_version: str,
                     device: str, dtype: str) -> None:
     """Print the SGLang launch command (with the plugin's environment) for a run."""
-    from engines.sglang_launch import launch_command, venv_python
-    from engines.venvs import VenvMissing
+    from harvest.engines.sglang_launch import launch_command, venv_python
+    from harvest.engines.venvs import VenvMissing
 
     n, points, digest = _capture_points(model_path, num_layers, run, redis_url, layers)
     python = "python"
@@ -84,8 +84,8 @@ def vllm_args_cmd(model_path: str, layers: str, num_layers: int | None, run: str
                   enforce_eager: bool) -> None:
     """Print the vLLM server command (connector, capture layers, environment) for a run; vLLM
     writes its files into DUMP_DIR/.vllm."""
-    from engines.venvs import VenvMissing
-    from engines.vllm_launch import launch_command, venv_python
+    from harvest.engines.venvs import VenvMissing
+    from harvest.engines.vllm_launch import launch_command, venv_python
 
     n, points, _ = _capture_points(model_path, num_layers, run, redis_url, layers)  # vLLM runs no check at load
     if python is None:

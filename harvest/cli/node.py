@@ -9,7 +9,7 @@ workers, and the stop order must run after the producer, all on the run's one `S
 until the run is done, and stops them in order on SIGTERM.
 
 The engines (harvest.cli.engineplan): the reference engine, or SGLang or vLLM servers with the
-plugin or connector and the flags extraction needs (engines.sglang_launch, engines.vllm_launch),
+plugin or connector and the flags extraction needs (harvest.engines.sglang_launch, harvest.engines.vllm_launch),
 `--dp` of them, each on its own `--tp` GPUs, each with its own dump dir and its `workers`
 workers; or, with an engine URL, the server there. With one engine the names are those of a
 single-engine node (`engine`, the dump dir itself); with more, `engine-1`... and `DUMPS/engine-1`...
@@ -115,13 +115,13 @@ class Node:
             return
         dtype = "float32" if cfg.storage_dtype == "fp32" else "auto"
         if plan.engine == "vllm":
-            from engines.vllm_launch import launch_spec
+            from harvest.engines.vllm_launch import launch_spec
 
             env, argv = launch_spec(self.model, cfg.capture_points, cfg.num_layers, dump_dir=slot.dump_dir, port=port,
                                     python=plan.python, dtype=dtype, enforce_eager=plan.device == "cpu",
                                     extra_args=["--tensor-parallel-size", str(plan.tp)] if plan.tp > 1 else ())
         else:
-            from engines.sglang_launch import launch_spec
+            from harvest.engines.sglang_launch import launch_spec
 
             digest = cfg.model_fingerprint["digest"] if cfg.model_fingerprint else None
             env, argv = launch_spec(self.model, cfg.capture_points, cfg.num_layers, dump_dir=slot.dump_dir, port=port,

@@ -18,7 +18,7 @@ from harvest.node.dumpdir import default_dump_dir
 from harvest.progress import PLAIN_INTERVAL_S
 from harvest.regeneration import ON_LENGTH, Regeneration
 from harvest.settings import EngineSettings, IdentityDefaults, ProducerSettings, RunTunables
-from producer.rows import OVERLONG_POLICIES
+from harvest.producer.rows import OVERLONG_POLICIES
 
 # --redis: the flag, else HARVEST_REDIS_URL (read by click when the command runs, and never shown
 # in --help: it may hold a password), else this.
@@ -163,10 +163,10 @@ def producer_options(f: F) -> F:
 
 def producer_kwargs(fields: tuple[str, ...], chat_template: str | None, max_len: int | None, overlong: str,
                     strict: bool, processes: int) -> dict:
-    """`producer.producer.produce`'s keyword arguments from the shared producer options."""
-    from producer.rowkinds import FieldMap
-    from producer.templates import load_chat_template
-    from producer.tokenize import LengthPolicy
+    """`harvest.producer.producer.produce`'s keyword arguments from the shared producer options."""
+    from harvest.producer.rowkinds import FieldMap
+    from harvest.producer.templates import load_chat_template
+    from harvest.producer.tokenize import LengthPolicy
 
     # A bad --field or length policy is a ConfigurationError, an unreadable --chat-template an OSError on a
     # path the user named: both told by harvest.cli.errors.HarvestGroup.

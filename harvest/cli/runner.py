@@ -77,8 +77,8 @@ if TYPE_CHECKING:
 
     from harvest.cli.engineplan import EnginePlan
     from harvest.storage import Location
-    from producer.producer import ProduceSummary
-    from producer.rows import BadRow
+    from harvest.producer.producer import ProduceSummary
+    from harvest.producer.rows import BadRow
 
 AGAIN_PASSES = 3  # producer passes after the extraction for samples a Redis lost: each follows a Redis that lost more
 
@@ -186,7 +186,7 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
             node.ensure()
             node.tend()
 
-        from producer.producer import produce
+        from harvest.producer.producer import produce
 
         def produce_pass(**kw: Any) -> ProduceSummary:
             return produce(conn, cfg, dataset, max_queued=settings.max_queued, progress=settings.progress,

@@ -100,7 +100,7 @@ def produce_cmd(
     from tqdm import tqdm
 
     from harvest.ops.runs import open_run
-    from producer.producer import load_tokenizer, produce
+    from harvest.producer.producer import load_tokenizer, produce
 
     kw.update(dry_run=dry_run, on_bad=lambda r: tqdm.write(f"{r.kind} row {r}", file=sys.stderr))  # above the bar
     progress = sys.stderr.isatty() if progress is None else progress
@@ -226,7 +226,7 @@ def worker_cmd(
     apply_s3_env(s3_endpoint, s3_region)
     conn = connect_service(redis_url, redis_wait)
     from harvest.state.runstore import load_run
-    from workers.worker import run_worker
+    from harvest.workers.worker import run_worker
 
     # its jobs' rows are in the output: without credentials every job would only be handed back
     check_output(load_run(conn, run).out_url, reach=False)
@@ -301,7 +301,7 @@ def collect_cmd(
     service_logging()
     apply_s3_env(s3_endpoint, s3_region)
     conn = connect_service(redis_url, redis_wait)
-    from collector.service import run_collector
+    from harvest.collector.service import run_collector
     from harvest.errors import OutputRefused, StorageError, refuses_writes
     from harvest.state.runstore import load_run
 
@@ -351,7 +351,7 @@ def engine_cmd(
     check_layers(model, layers)  # before torch loads: a wrong --layers is told at once
     import torch
 
-    from engines.reference import ReferenceEngine, serve
+    from harvest.engines.reference import ReferenceEngine, serve
 
     if threads:
         torch.set_num_threads(threads)

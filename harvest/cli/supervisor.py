@@ -261,7 +261,7 @@ class Supervisor:
                 # handler ran are one (signals do not queue), and the job would not be handed back.
                 # Repeated until the group exits: RQ ignores a second signal within 1 s of the
                 # moment its handler ran the first, which a loaded machine delays past our send
-                # (a worker honours one cold stop only: workers.rqworker).
+                # (a worker honours one cold stop only: harvest.workers.rqworker).
                 if self.hurried and not hurried_before and time.monotonic() >= next_at:
                     running = [n for n in live if self.children[n].proc.poll() is None]
                     if not repeated:

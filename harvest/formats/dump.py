@@ -5,8 +5,8 @@ For every prefill chunk of a request whose rid starts with `hv-`, the engine wri
 (engine dtype) and `input_ids` `[end-start]`, with the capture points, the model name and the
 crc32 of each tensor's bytes (harvest.formats.crc) in the metadata; a reader checks the sums
 before it accepts a value, so bytes changed between the engine and the worker are refused.
-Engines cut their flat forward batch into chunks with `engines.batch.cut_batch` and write them
-through `engines.dump_writer.DumpWriter`, which calls `write_chunk` here; the vLLM client writes
+Engines cut their flat forward batch into chunks with `harvest.engines.batch.cut_batch` and write them
+through `harvest.engines.dump_writer.DumpWriter`, which calls `write_chunk` here; the vLLM client writes
 the same files from vLLM's. Where the files live and what else the dump
 directory holds is `harvest.node.dumpdir`.
 """

@@ -12,7 +12,7 @@ Where the kernel refuses (files on different filesystems: kernels before 5.3 and
 refuse those; filesystems without the call; special files), or answers 0 bytes where there is
 data (some FUSE, overlay and network filesystems), the range is copied with `pread`/`pwrite`
 through one buffer instead: the same bytes, more slowly. Callers copy by the kernel only within
-one filesystem anyway (harvest.formats.spool, collector.collector).
+one filesystem anyway (harvest.formats.spool, harvest.collector.collector).
 """
 
 from __future__ import annotations

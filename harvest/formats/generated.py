@@ -55,7 +55,7 @@ def _text(v: object) -> str | None:
 
 
 def encode_generated(records: list[dict[str, Any]]) -> bytes:
-    """`records` (workers.regenerate's entries, in storage order) as one Parquet file's bytes."""
+    """`records` (harvest.workers.regenerate's entries, in storage order) as one Parquet file's bytes."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

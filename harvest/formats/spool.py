@@ -68,7 +68,7 @@ class SpooledSample:
     # the file's metadata: the collector commits it with the sample's hidden states, in one index.
     generation: str | None = None
     # The crc32 of `hidden_states`' bytes where the worker knows it from the engine's verified sums
-    # (workers.claim); None: summed from the tensor as the file is encoded.
+    # (harvest.workers.claim); None: summed from the tensor as the file is encoded.
     hidden_crc32: int | None = None
 
     @property

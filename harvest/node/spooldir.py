@@ -15,7 +15,7 @@ what in it:
   (harvest.state.spools). `.spool-id.<pid>.<random>`: that file in flight, removed when its
   writer's pid is gone.
 - `.bad-<name>`: a spool file that did not match the run or was damaged, set aside for a person
-  (collector.integrity); the listing skips it.
+  (harvest.collector.integrity); the listing skips it.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ done-set):
   index is written, and reconcile brings a Redis that lost writes back in line with the index
   files), failed (with a reason), queued, spooled, and in no state at all: what a Redis that came
   back without them (no persistence, a wipe) forgot. Nothing finishes those but a producer pass,
-  which enqueues every sample the ledger does not know (producer.enqueue). A run is done only
+  which enqueues every sample the ledger does not know (harvest.producer.enqueue). A run is done only
   when every sample of its dataset is committed or failed.
 - the ledger's samples the dataset no longer holds (rows edited or removed since they were
   enqueued), by state. `prune_queued` drops the queued ones (q -> absent: the worker of their

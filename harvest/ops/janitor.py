@@ -20,7 +20,7 @@ no job (harvest.ops.stranded).
 
 Clocks: every decision of the run-wide part is taken by Redis's clock (one `TIME` per pass) or
 by key TTLs, never by this node's clock, so a node whose clock is off cannot fail or strand
-another node's job (workers.rqworker turns off RQ's own node-clock cleanups). The node-local
+another node's job (harvest.workers.rqworker turns off RQ's own node-clock cleanups). The node-local
 part compares file times with this node's clock: both are the node's own. A Redis new to the run
 (restarted, rolled back, failed over) holds its live workers without heartbeats until they beat
 again: until `Keys.reap_after` (harvest.ops.liveness) no pass takes a worker for dead by that.
@@ -141,7 +141,7 @@ def promote_due_retries(conn: redis.Redis, run: str, now: float | None = None) -
 
 def prune_registries(conn: redis.Redis, run: str, now: float) -> None:
     """Drop failed and finished registry entries whose time ran out (by Redis's clock, `now`): what
-    RQ's maintenance did by the node's clock (workers.rqworker). Their job hashes expire by TTL."""
+    RQ's maintenance did by the node's clock (harvest.workers.rqworker). Their job hashes expire by TTL."""
     queue = run_queue(conn, run)
     with conn.pipeline(transaction=False) as pipe:
         pipe.zremrangebyscore(queue.failed_job_registry.key, 0, now)

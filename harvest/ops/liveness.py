@@ -4,7 +4,7 @@ RQ records a running job as an execution: an entry `<job>:<execution>` in the qu
 StartedJobRegistry, scored with the starting worker's clock, and a hash naming the worker. RQ's
 own maintenance compares those scores with the local clock of whichever worker runs it, so a
 skewed node fails another node's running job; harvest's workers run none of it
-(workers.rqworker.HarvestWorker). Here an execution is judged only by facts no node's clock
+(harvest.workers.rqworker.HarvestWorker). Here an execution is judged only by facts no node's clock
 writes:
 
 - its worker's harvest heartbeat exists (harvest.state.heartbeat: a key whose TTL runs on

@@ -47,7 +47,7 @@ STATS = {
     "jobs_reaped": ("harvest_jobs_reaped_total", "Jobs taken back from dead workers by the janitor."),
     "spools_reclaimed": ("harvest_spools_reclaimed_total", "Node spools given up for lost (lease silent past the grace)."),
     "samples_reclaimed": ("harvest_samples_reclaimed_total", "Spooled samples of lost spools put back on the queue."),
-    # a --regenerate run's stage (workers.regenerate); rate() of tokens_generated is its tokens/s
+    # a --regenerate run's stage (harvest.workers.regenerate); rate() of tokens_generated is its tokens/s
     "conversations_written": ("harvest_conversations_written_total",
                               "Conversations whose assistant turns the target model wrote (--regenerate)."),
     "tokens_generated": ("harvest_tokens_generated_total", "Tokens the target model generated (--regenerate)."),

@@ -3,7 +3,7 @@
 A chat row of a `--regenerate` run does not travel as finished tokens: the target model writes its
 assistant turns on the worker first. The producer renders the conversation with the chat template
 once, as it does for any chat row, and cuts the text at the assistant turns' spans (each span is a
-turn's content and its end-of-turn token, producer.templates). What lies between the spans is
+turn's content and its end-of-turn token, harvest.producer.templates). What lies between the spans is
 tokenized piece by piece and travels as the sample's tokens (the *skeleton*): `cuts` says where
 one piece ends. For a conversation of n assistant turns there are n + 1 pieces:
 
@@ -122,5 +122,5 @@ def turn_seed(sample_id: str, turn: int) -> int:
 
 def gen_rid(sample_id: str, attempt: int, turn: int) -> str:
     """The rid of turn `turn`'s generation request: unique per attempt, and not an `hv-` rid, so no
-    engine dumps it (engines.batch.cut_batch)."""
+    engine dumps it (harvest.engines.batch.cut_batch)."""
     return f"{GEN_RID_PREFIX}{sample_id}-{int(attempt)}-{int(turn)}"

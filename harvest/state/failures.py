@@ -17,7 +17,7 @@ from harvest.sample import Sample
 from harvest.state.ledger import Ledger
 from harvest.state.payload import payload_row
 
-# The engine call (workers.job)
+# The engine call (harvest.workers.job)
 ENGINE_UNAVAILABLE = "engine-unavailable"  # transient: unreachable, timeouts, 5xx after retries
 ENGINE_REJECTED = "engine-rejected"  # the engine refused the request (4xx), or vLLM's file was unusable
 PROMPT_LENGTH = "prompt-length"  # the engine saw another prompt length than was sent
@@ -26,11 +26,11 @@ JOB_TIMEOUT = "job-timeout"  # transient: RQ's time limit for the job
 WORKER_STOPPED = "worker-stopped"  # transient: a second stop signal during the job
 WORKER_ERROR = "worker-error"  # an unexpected exception in the job
 STORAGE_ERROR = "storage-error"  # transient: writing the node's spool failed
-# Generating a conversation's turns (workers.regenerate), in a --regenerate run
+# Generating a conversation's turns (harvest.workers.regenerate), in a --regenerate run
 GENERATION_EMPTY = "generation-empty"  # the model ended a turn before writing anything
 GENERATION_LENGTH = "generation-length"  # a turn hit --max-new-tokens (failed only with --on-length fail)
 CONTEXT_LENGTH = "context-length"  # a turn's prompt with --max-new-tokens, or the whole, past the model's context
-# Claiming and verifying dumps (workers.claim)
+# Claiming and verifying dumps (harvest.workers.claim)
 INCOMPLETE_DUMP = "incomplete-dump"
 BAD_CHUNKS = "bad-chunks"
 BAD_DUMP = "bad-dump"

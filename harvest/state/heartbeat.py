@@ -13,7 +13,7 @@ heartbeat of the fleet is stamped by one clock; they are shown by `harvest statu
 nothing.
 
 What a worker runs. `job` and `execution` name the RQ execution the worker is running (empty
-when idle). workers.rqworker.HarvestWorker writes them in the same MULTI/EXEC in which RQ creates
+when idle). harvest.workers.rqworker.HarvestWorker writes them in the same MULTI/EXEC in which RQ creates
 the execution (`name_execution`), so there is no moment at which RQ's started registry holds an
 execution of a live worker whose heartbeat names another; the janitor takes an execution back
 when its live worker's heartbeat names another job for longer than a grace (a Redis that rolled
@@ -98,7 +98,7 @@ class WorkerBeat:
     def name_execution(self, job_id: str, execution_id: str, pipe: redis.client.Pipeline,
                        start: tuple[int, int] | None = None) -> None:
         """Name the RQ execution this worker is starting, in `pipe`: the MULTI/EXEC in which RQ
-        creates it (workers.rqworker.HarvestWorker.prepare_execution). `start`: (samples, attempt)
+        creates it (harvest.workers.rqworker.HarvestWorker.prepare_execution). `start`: (samples, attempt)
         of the job, named as `starting` names them, in the same transaction. No EVALSHA: a script
         called by its SHA in a transaction that meets a restarted Redis (no scripts loaded) fails
         the transaction; the job's start is an EVAL of the script's text (a few hundred bytes)."""
@@ -199,7 +199,7 @@ def keep_alive() -> None:
 
 
 def live_beat(name: str) -> WorkerBeat | None:
-    """The started heartbeat of this process's worker `name` (workers.rqworker finds its own)."""
+    """The started heartbeat of this process's worker `name` (harvest.workers.rqworker finds its own)."""
     return _LIVE.get(name)
 
 

@@ -2,7 +2,7 @@
 
 A harvest job is one RQ job per batch of samples: the function `JOB_FUNCTION` (named by string,
 so enqueuers never import the workers) called with one JSON payload (harvest.state.payload).
-JSON, never pickle, crosses Redis, and a worker runs no other function (workers.safejob).
+JSON, never pickle, crosses Redis, and a worker runs no other function (harvest.workers.safejob).
 
 The producer's first enqueue, `harvest requeue` and the janitor's re-enqueues all go through
 here, so a requeued job can never carry other options than a produced one.
@@ -21,13 +21,13 @@ from harvest.sample import Sample
 from harvest.state.keys import Keys
 from harvest.state.payload import encode_batch, encode_ref
 
-JOB_FUNCTION = "workers.job.process_batch"
+JOB_FUNCTION = "harvest.workers.job.process_batch"
 SERIALIZER = JSONSerializer
 JOB_FAILURE_TTL = 7 * 24 * 3600  # RQ's failed registry keeps a failed job this long (for requeue)
 RESULT_TTL = 0  # results are in the ledger; RQ keeps none
 
 
-MAX_RETRY_INTERVAL_S = 300  # the longest backoff between a job's retries (workers.job.backoff_intervals)
+MAX_RETRY_INTERVAL_S = 300  # the longest backoff between a job's retries (harvest.workers.job.backoff_intervals)
 
 
 TURN_TIMEOUT_S = 600  # a --regenerate job's allowance per turn: its conversations' turns are written at once
@@ -60,7 +60,7 @@ class PayloadJob(Job):
 
 
 def run_queue(conn: redis.Redis, run: str, job_class: type[Job] = PayloadJob) -> Queue:
-    """The run's RQ queue. Workers pass their job class (workers.safejob, a PayloadJob);
+    """The run's RQ queue. Workers pass their job class (harvest.workers.safejob, a PayloadJob);
     everyone else reads or enqueues with `PayloadJob`."""
     return Queue(Keys(run).queue_name, connection=conn, serializer=SERIALIZER, job_class=job_class)
 

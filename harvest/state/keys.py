@@ -105,7 +105,7 @@ class Keys:
     @property
     def spool_damaged(self) -> str:
         """Hash sample_id -> times a collector found its spool file damaged and sent it back to the
-        queue (collector.integrity); bounded, and removed when the sample fails for it."""
+        queue (harvest.collector.integrity); bounded, and removed when the sample fails for it."""
         return f"{self.prefix}:spool-damaged"
 
     @property
@@ -168,7 +168,7 @@ class Keys:
 
     @property
     def enqueues(self) -> str:
-        """Counter every producer transaction increments and WATCHes (producer.enqueue): two producers
+        """Counter every producer transaction increments and WATCHes (harvest.producer.enqueue): two producers
         racing on the same samples abort one another instead of enqueueing a sample twice."""
         return f"{self.prefix}:enqueues"
 

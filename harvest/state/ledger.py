@@ -13,7 +13,7 @@ Cost (bench/fleet.py). The control plane's budget is per sample: a worker's job 
 samples in one call (`settle_job`: the spooled ones, the failed ones with their rows), a
 collector's shard in one (`mark_done`; both harvest/state/lua/settle.lua; their stats go at the
 heartbeat, harvest.state.tally), and a job's samples' states are read with one plain HMGET, sent
-in RQ's transaction that starts the job (workers.rqworker; `take` where it is not)."""
+in RQ's transaction that starts the job (harvest.workers.rqworker; `take` where it is not)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class Ledger:
 
     def take(self, ids: list[str], also: Sequence[ScriptCall] = ()) -> list[str | None]:
         """A job's samples' states as the worker starts it, with `also` (the heartbeat's job line,
-        which names the job's attempt: workers.job) in the same round trip (harvest.state.roundtrip).
+        which names the job's attempt: harvest.workers.job) in the same round trip (harvest.state.roundtrip).
         A plain HMGET: the attempt (each rid's tail) is the worker's own random number, not a counter
         kept a sample (harvest.ids.new_attempt), so the take decides nothing and writes nothing."""
         if not ids:

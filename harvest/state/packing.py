@@ -1,7 +1,7 @@
 """The packing record: `harvest:<run>:packing:<node>[:<packer>]`, the shard one packer of a node's
 collector is committing, and `PackingRecords`, the one store that reads, writes and removes it.
 
-Collectors write and finish it (collector.collector; collector.records says who owns it and what
+Collectors write and finish it (harvest.collector.collector; harvest.collector.records says who owns it and what
 fences a late one); the janitor's reclaim reads it to leave decided commits alone, and the orphan
 sweep and the claims to tell a shard in flight from an abandoned one. The commit fence, which
 writes the record with the shard's index document only while the spool still owns every sample,

@@ -2,7 +2,7 @@
 that an empty queue is the end of the run rather than a pause before more samples are enqueued.
 
 The producer deletes `Keys.produced` when a pass starts and sets it (to Redis's time) when the
-pass ended on the server it began on (producer.producer.produce). A Redis that came back without
+pass ended on the server it began on (harvest.producer.producer.produce). A Redis that came back without
 the key holds the run as unfinished until a producer passes over the dataset again.
 """
 

@@ -6,7 +6,7 @@ measures a PING round trip's Redis CPU). A worker's job made
 two pairs of calls that need no answer from each other: the ledger's take and the heartbeat's
 job line, then the ledger's `SETTLE` and the heartbeat's end of job. Each pair goes as one
 pipeline here (where HarvestWorker runs the job, both heartbeat calls ride in RQ's transactions
-instead: workers.rqworker). A plain read (`Command`: the take's HMGET of the job's states) goes with them the
+instead: harvest.workers.rqworker). A plain read (`Command`: the take's HMGET of the job's states) goes with them the
 same way: a read needs no script, and carrying its ids into Lua and its values out cost the
 server more than the read (bench/job_cost.py).
 

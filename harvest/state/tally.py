@@ -1,6 +1,6 @@
 """A process's throughput stats and latency observations, added up in its memory and written to
 Redis in one call at each heartbeat, not with every job or shard: a worker's (its jobs'), and a
-collector's (its commits', collector.packers: one tally for the node's packers).
+collector's (its commits', harvest.collector.packers: one tally for the node's packers).
 
 Why: these counters decide nothing, and written with each job or commit they cost the fleet's
 one Redis a measured share of a sample's CPU (docs/reference/control-plane.md); added up here
@@ -17,10 +17,10 @@ committed is the ledger's `d` count and, in the end, the output's indexes (`harv
 `harvest run`'s summary reads them). What is exact stays written with the move it counts: the
 ledger's state counts, `samples_failed` (harvest.state.ledger.Ledger.settle_job), `job_retries`,
 the janitor's, and the commits of a revoked node's shards that another collector finishes
-(collector.records.tend_revoked).
+(harvest.collector.records.tend_revoked).
 
 Who owns it: the process that adds to it. The job loop adds, the heartbeat thread flushes
-(workers.worker); the packers add, the node's beat flushes (collector.packers); a clean exit
+(harvest.workers.worker); the packers add, the node's beat flushes (harvest.collector.packers); a clean exit
 flushes last. A flush that raises gives back what it took, so the next flush sends it again (one whose
 reply was lost after the script ran, an outage the client rode out, harvest.state.connection,
 may then count it twice, as any call retried that way); one Redis answered with an error drops it,

@@ -2,7 +2,7 @@
 a long stall or a partition that heals, then resumed where it stopped.
 
 Arming a node restarts its collector with `HARVEST_COLLECTOR_CRASH_AT=<random point>:<n>:stop`
-(collector.faults), so it stops itself (SIGSTOP) at a random commit step. Once it has, the node's
+(harvest.collector.faults), so it stops itself (SIGSTOP) at a random commit step. Once it has, the node's
 other processes (engine, workers) are stopped too, so its spool lease goes silent; all are resumed
 (SIGCONT) at a random time, within the spool grace or past it (then its spool is revoked and its
 samples re-extracted and committed elsewhere meanwhile). Nothing is restarted: the processes carry
@@ -16,7 +16,7 @@ import signal
 import subprocess
 from collections.abc import Callable
 
-from collector.faults import CRASH_ENV, CRASH_POINTS
+from harvest.collector.faults import CRASH_ENV, CRASH_POINTS
 from tests.support.freeze import process_state
 
 

@@ -10,8 +10,8 @@ import boto3
 import redis
 import torch
 
-from collector.faults import CRASH_ENV
-from collector.packers import Packers
+from harvest.collector.faults import CRASH_ENV
+from harvest.collector.packers import Packers
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
 from harvest.node.spooldir import list_spooled, spool_identity

@@ -133,13 +133,13 @@ def sent_counts() -> Counter:
 def _tag_roles(role: str) -> None:
     """Name the activities of a worker or a collector by wrapping their entry points."""
     if role == "worker":
-        import workers.job
-        import workers.worker
+        import harvest.workers.job
+        import harvest.workers.worker
 
-        workers.job.process_batch = _wrap(workers.job.process_batch, "worker.job")
-        workers.worker.janitor_pass = _wrap(workers.worker.janitor_pass, "worker.janitor")
+        harvest.workers.job.process_batch = _wrap(harvest.workers.job.process_batch, "worker.job")
+        harvest.workers.worker.janitor_pass = _wrap(harvest.workers.worker.janitor_pass, "worker.janitor")
     elif role == "collector":
-        from collector.collector import Collector
+        from harvest.collector.collector import Collector
 
         Collector.step = _wrap(Collector.step, "collector.commit")
 
@@ -259,7 +259,7 @@ class Fleet:
 
     def start_engine(self) -> None:
         serve = [x for n in range(self.nodes) for x in ("--serve", f"{self.base_port + n}={self.dump(n)}")]
-        self._popen("engine", [sys.executable, "-m", "engines.synthetic", *serve, "--capture", self.capture,
+        self._popen("engine", [sys.executable, "-m", "harvest.engines.synthetic", *serve, "--capture", self.capture,
                                "--hidden", str(self.hidden)])
 
     def start(self, name: str) -> None:
@@ -349,18 +349,18 @@ def rq_cost(conn: redis.Redis, root: str, cfg, jobs: int, base_us_s: float, make
     inner calls included) and how much the rest, RQ's own."""
     import threading
 
-    from engines.reference import serve
-    from engines.synthetic import SyntheticEngine
+    from harvest.engines.reference import serve
+    from harvest.engines.synthetic import SyntheticEngine
     from harvest.cli.redisproc import free_port
     from harvest.node.dumpdir import claim_dir
     from harvest.node.paths import private_dir
     from harvest.state.heartbeat import WorkerBeat
     from harvest.state.jobs import SERIALIZER, run_queue
     from tests.support.ops import enqueue
-    from workers.clients.sglang import SGLangClient
-    from workers.context import WorkerContext, install
-    from workers.rqworker import HarvestWorker
-    from workers.safejob import HarvestJob
+    from harvest.workers.clients.sglang import SGLangClient
+    from harvest.workers.context import WorkerContext, install
+    from harvest.workers.rqworker import HarvestWorker
+    from harvest.workers.safejob import HarvestJob
 
     job = cfg.max_batch_samples
     dump = private_dir(os.path.join(root, f"{cfg.run}-dump"), "dump dir")

@@ -30,7 +30,7 @@ from harvest.state.heartbeat import HEARTBEAT_TTL_S
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
-from producer.enqueue import Enqueuer
+from harvest.producer.enqueue import Enqueuer
 from tests.support.chaos import RETURNS, Trial
 from tests.support.chaos_result import TrialResult
 from tests.support.cli import REPO

@@ -3,7 +3,7 @@ revoked and another collector re-packs and commits its samples, then resumed (SI
 exact end state every such interleaving must leave.
 
 Node A's collector runs in a forked child that stops itself at a named point
-(`HARVEST_COLLECTOR_CRASH_AT=point[:n]:stop`, collector.faults), as a paused VM or a long stall
+(`HARVEST_COLLECTOR_CRASH_AT=point[:n]:stop`, harvest.collector.faults), as a paused VM or a long stall
 would. While it is stopped its spool is reclaimed (`reclaim_spool`, what the janitor does once the
 spool is silent past its grace), the reclaimed samples are spooled again on node B (copies of
 their files, marked spooled by B's spool, as B's worker would), and B's collector starts (its
@@ -32,9 +32,9 @@ import boto3
 import redis
 import torch
 
-from collector.faults import CRASH_ENV
-from collector.packers import Packers
-from collector.records import tend_revoked
+from harvest.collector.faults import CRASH_ENV
+from harvest.collector.packers import Packers
+from harvest.collector.records import tend_revoked
 from harvest.formats.claims import CLAIMS, claim_file
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS, shard_file

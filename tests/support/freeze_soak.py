@@ -20,7 +20,7 @@ import uuid
 
 import redis
 
-from collector.faults import CRASH_POINTS
+from harvest.collector.faults import CRASH_POINTS
 from tests.support.freeze import ORDERS, FreezeTrial
 
 B_POINTS = ("recorded", "claimed", "packing", "uploaded")  # where the other collector waits for A, before its fence

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from safetensors import safe_open
 
-from engines.sglang_launch import launch_spec, venv_python
+from harvest.engines.sglang_launch import launch_spec, venv_python
 from harvest.cli.demo import build_tiny_model
 from harvest.cli.redisproc import free_port
 from harvest.health import wait_healthy

@@ -139,7 +139,7 @@ def test_structural_promises(spec):
 
 def test_sglang_flags_match_harvest_sglang_args(spec):
     """The compose command is what `harvest sglang-args` prints for the same run (one source of truth)."""
-    from engines.sglang_launch import launch_spec
+    from harvest.engines.sglang_launch import launch_spec
 
     env, args = launch_spec("/models/m", eagle3_layers(8), 8, dump_dir="/dumps", port=30000, sglang_version="0.5.23")
     compose_args = spec["services"]["sglang"]["command"].split()

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 import redis
 
-from collector.collector import Collector
-from engines.reference import serve
-from engines.synthetic import SyntheticEngine
+from harvest.collector.collector import Collector
+from harvest.engines.reference import serve
+from harvest.engines.synthetic import SyntheticEngine
 from harvest.cli.redisproc import RedisServer, free_port
 from harvest.config import RunConfig
 from harvest.node.dumpdir import claim_dir
@@ -39,10 +39,10 @@ from harvest.state.jobs import SERIALIZER, run_queue
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 from tests.support.ops import enqueue
-from workers.clients.sglang import SGLangClient
-from workers.context import WorkerContext, install
-from workers.rqworker import HarvestWorker
-from workers.safejob import HarvestJob
+from harvest.workers.clients.sglang import SGLangClient
+from harvest.workers.context import WorkerContext, install
+from harvest.workers.rqworker import HarvestWorker
+from harvest.workers.safejob import HarvestJob
 
 N = 32  # samples a job: the issue's target is per job of 32
 POINTS, HIDDEN = [2, 4, 5, 8], 4
@@ -167,7 +167,7 @@ def _burst(r, cfg, rng, beat, rq_conn, jobs: int) -> int:
 def test_rqs_own_round_trips_a_job_are_a_few_whatever_the_jobs(server, r, fleet_node):
     """RQ's bookkeeping a job, as RQ's SimpleWorker sends it (the suspension flag, the idle state,
     the dequeue's LMOVE and the job's hash, the execution's two transactions, the job's last
-    heartbeat, the success), less what workers.rqworker.HarvestWorker cuts: its worker heartbeat
+    heartbeat, the success), less what harvest.workers.rqworker.HarvestWorker cuts: its worker heartbeat
     (throttled) and its success's reads. Harvest's calls go on the context's client, not counted
     here. Counted as the difference between bursts of 2 and 6 jobs, so the worker's start and end
     cancel out."""
@@ -181,7 +181,7 @@ def test_rqs_own_round_trips_a_job_are_a_few_whatever_the_jobs(server, r, fleet_
 
 
 def test_a_jobs_own_calls_are_one_round_trip_whatever_the_jobs(server, r, fleet_node):
-    """Harvest's calls a job (workers.job), on the worker context's client: the settle, in one
+    """Harvest's calls a job (harvest.workers.job), on the worker context's client: the settle, in one
     round trip (the job's start rides in RQ's transaction that starts its execution,
     HarvestWorker.prepare_execution; its end in RQ's outcome transaction). RQ's calls go on another client,
     not counted here; as above, the difference between bursts of 2 and 6 jobs. The heartbeat reads

@@ -15,7 +15,7 @@ from collections import Counter
 import boto3
 import pytest
 
-from collector.faults import CRASH_POINTS
+from harvest.collector.faults import CRASH_POINTS
 from harvest.formats.claims import CLAIMS, claim_file
 from harvest.formats.index import index_file
 from harvest.formats.shard import SHARDS, shard_file

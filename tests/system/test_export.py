@@ -12,7 +12,7 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from collector.collector import Collector
+from harvest.collector.collector import Collector
 from harvest.cli.demo import build_tiny_model
 from harvest.read.reader import RunReader
 from harvest.read.specforge import sample_file

@@ -5,7 +5,7 @@ commits it, no shard without index, the ledger done (tests/support/freeze.py).""
 
 import pytest
 
-from collector.faults import CRASH_POINTS
+from harvest.collector.faults import CRASH_POINTS
 from tests.support.freeze import FreezeTrial
 from tests.support.freeze_soak import soak
 

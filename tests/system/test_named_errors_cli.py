@@ -4,7 +4,7 @@ on S3, where the object is named by its URL)."""
 
 import pytest
 
-from collector.collector import Collector
+from harvest.collector.collector import Collector
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 from harvest.storage import Location

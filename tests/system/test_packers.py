@@ -1,4 +1,4 @@
-"""Several packers share one node's spool (collector.packers): disjoint slices of the samples,
+"""Several packers share one node's spool (harvest.collector.packers): disjoint slices of the samples,
 one packing record each, and the crash rules of one collector hold for every one of them.
 
 Real Redis, real files, real moto S3; kills are real SIGKILLs of a forked collector process
@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from collector.packers import Packers
+from harvest.collector.packers import Packers
 from tests.support.crash import NODE, Trial
 
 LENGTHS = [9, 14, 3, 22, 7, 11, 5, 18, 12, 6, 15, 8, 4, 10, 16, 13]

@@ -10,9 +10,9 @@ from rq.serializers import JSONSerializer
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from harvest.state.payload import decode_batch
-from producer.rowkinds import FieldMap
-from producer.rows import Row
-from producer.tokenize import LengthPolicy, RowTokenizer
+from harvest.producer.rowkinds import FieldMap
+from harvest.producer.rows import Row
+from harvest.producer.tokenize import LengthPolicy, RowTokenizer
 from tests.support.cli import harvest_cli
 from tests.support.templates import CHATML
 

@@ -23,7 +23,7 @@ from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from harvest.state.payload import decode_batch
 from harvest.state.runstore import publish_run
-from producer.producer import produce
+from harvest.producer.producer import produce
 from tests.support.cli import REPO
 from tests.support.wait import wait_for
 

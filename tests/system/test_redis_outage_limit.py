@@ -92,7 +92,7 @@ def test_a_worker_past_its_limit_stops_and_its_job_is_done_by_another(tmp_path, 
 
 
 def _worker_name(log: str) -> str:
-    """Worker a's name, from its start line (workers.worker)."""
+    """Worker a's name, from its start line (harvest.workers.worker)."""
     line = next(ln for ln in log.splitlines() if "worker started: " in ln)
     return line.split("worker started: ", 1)[1].split(",", 1)[0]
 

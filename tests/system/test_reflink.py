@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from collector.collector import Collector
+from harvest.collector.collector import Collector
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import rid_for
 from harvest.node.spooldir import SpoolBatch
@@ -27,7 +27,7 @@ from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 from tests.support.need import need
 from tests.support.synth import make_config
-from workers.claim import assemble, claim
+from harvest.workers.claim import assemble, claim
 
 POINTS, HIDDEN, TOKENS = [2, 4, 5, 8], 1024, 256  # 2 MiB of bf16 hidden states a sample
 

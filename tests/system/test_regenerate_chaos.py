@@ -72,8 +72,8 @@ def chat_samples(model: str, rows: list[dict]) -> dict:
     """Sample id -> the sample (skeleton and conversation) a `--regenerate` producer makes of each row."""
     from transformers import AutoTokenizer
 
-    from producer.rows import BadRow, Row
-    from producer.tokenize import LengthPolicy, RowTokenizer
+    from harvest.producer.rows import BadRow, Row
+    from harvest.producer.tokenize import LengthPolicy, RowTokenizer
 
     tok = RowTokenizer(AutoTokenizer.from_pretrained(model), length=LengthPolicy().with_model(model), regenerate=True)
     samples = tok([Row(r, f"row {i}") for i, r in enumerate(rows)])
@@ -100,7 +100,7 @@ def check_generated(sample, g: dict, ids: np.ndarray, mask: np.ndarray) -> str:
 
 
 def _written(log: str, job: str) -> bool:
-    """Whether a worker's log says job `job`'s conversations were all written (workers.regenerate)."""
+    """Whether a worker's log says job `job`'s conversations were all written (harvest.workers.regenerate)."""
     return any(f"job {job}: " in line and " conversations written, " in line for line in log.splitlines())
 
 

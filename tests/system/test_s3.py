@@ -8,8 +8,8 @@ import boto3
 import pytest
 import torch
 
-from collector.collector import Collector
-from collector.packers import Packers
+from harvest.collector.collector import Collector
+from harvest.collector.packers import Packers
 from harvest.formats.index import INDEX, index_file
 from harvest.formats.shard import SHARDS, shard_file
 from harvest.node.spooldir import list_spooled, spool_identity

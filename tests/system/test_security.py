@@ -48,7 +48,7 @@ def test_a_job_naming_another_function_never_runs(tmp_path, conn, redis_server, 
     assert not flag.exists()
     assert conn.hget("rq:job:evil", "status") == b"failed"
     if serializer == "json":
-        assert "job evil names function 'os.system'; this worker runs only workers.job.process_batch: refused" in log
+        assert "job evil names function 'os.system'; this worker runs only harvest.workers.job.process_batch: refused" in log
     else:
         assert "DeserializationError" in log
 

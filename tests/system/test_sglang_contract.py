@@ -17,7 +17,7 @@ import zipfile
 
 import pytest
 
-from engines import sglang_plugin as sp
+from harvest.engines import sglang_plugin as sp
 from tests.support.need import need
 
 PLUGIN_VERSIONS = ["0.5.23", "0.5.18", "0.5.11"]

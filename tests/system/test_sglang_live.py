@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 import pytest
 
-from engines.sglang_launch import default_venv
+from harvest.engines.sglang_launch import default_venv
 from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.ids import rid_for, sample_id
 from harvest.read.reader import RunReader

@@ -16,9 +16,9 @@ import boto3
 import pytest
 import torch
 
-from collector.collector import Collector
-from collector.integrity import DAMAGED_RETRIES
-from collector.packers import Packers
+from harvest.collector.collector import Collector
+from harvest.collector.integrity import DAMAGED_RETRIES
+from harvest.collector.packers import Packers
 from harvest.formats.claims import claim_file
 from harvest.formats.index import index_file
 from harvest.formats.shard import SHARDS

@@ -20,7 +20,7 @@ import os
 import numpy as np
 import torch
 
-from engines.vllm_launch import default_venv, venv_python
+from harvest.engines.vllm_launch import default_venv, venv_python
 from harvest.cli.demo import demo_rows, write_jsonl
 from harvest.ids import sample_id
 from harvest.read.reader import RunReader, hidden_at

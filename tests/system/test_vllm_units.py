@@ -17,14 +17,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engines.vllm_launch import launch_spec, needs_final_norm, vllm_layer_ids
+from harvest.engines.vllm_launch import launch_spec, needs_final_norm, vllm_layer_ids
 from harvest.config import RunConfig
 from harvest.formats.dump import chunk_name, read_chunk
 from harvest.formats.stformat import read_file_header
 from harvest.node.dumpdir import vllm_dir as storage_dir
 from harvest.read.final_norm import FinalNorm, FinalNormError
 from tests.support.cli import REPO, harvest_cli
-from workers.clients.vllm import (
+from harvest.workers.clients.vllm import (
     CONNECTOR_FORMAT,
     VllmClient,
     VllmDumpError,
@@ -205,7 +205,7 @@ def test_launch_spec_names_connector_layers_and_storage():
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5, 8]
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert kv == {"kv_connector": "HarvestHiddenStatesConnector", "kv_connector_module_path": "engines.vllm_connector",
+    assert kv == {"kv_connector": "HarvestHiddenStatesConnector", "kv_connector_module_path": "harvest.engines.vllm_connector",
                   "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": "/dev/shm/h/.vllm"}}
     # The connector module really defines the class the config names (checked without importing vLLM).
     src = open(os.path.join(REPO, "engines", "vllm_connector.py")).read()
@@ -242,7 +242,7 @@ def test_sweep_removes_only_old_harvest_files_in_vllm_storage(tmp_path, tiny_mod
 
 def test_produce_records_the_vllm_engine_kind_for_workers(tmp_path, tiny_model, redis_server, conn):
     from harvest.state.runstore import load_run
-    from workers.clients import make_engine
+    from harvest.workers.clients import make_engine
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": "hello world"}) + "\n")
@@ -260,7 +260,7 @@ def test_produce_records_the_vllm_engine_kind_for_workers(tmp_path, tiny_model, 
 
 def test_unreachable_server_is_transient(tmp_path, tiny_model):
     from harvest.cli.redisproc import free_port
-    from workers.clients.base import EngineUnavailable
+    from harvest.workers.clients.base import EngineUnavailable
 
     client = VllmClient(f"http://127.0.0.1:{free_port()}", _cfg(tiny_model), str(tmp_path / "dump"),
                         retries=1, backoff=0.01)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines import faults as fx
-from engines.reference import ReferenceEngine
+from harvest.engines import faults as fx
+from harvest.engines.reference import ReferenceEngine
 from harvest.ids import rid_for
 from harvest.ops.audit import Picked, pick
 from harvest.ops.audit_compare import (
@@ -23,7 +23,7 @@ from harvest.ops.audit_compare import (
 )
 from harvest.ops.audit_record import status_line
 from harvest.sample import Sample
-from workers.claim import assemble, claim
+from harvest.workers.claim import assemble, claim
 
 
 def _committed(lengths: list[int]) -> list[Picked]:

@@ -10,11 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import producer.tokenize as tokenize
-from producer.parallel import ProcessTokenizer
-from producer.rows import BadRow, Row
-from producer.sources import EmptyDataset, dataset_files, read_dataset
-from producer.tokenize import LengthPolicy, RowTokenizer
+import harvest.producer.tokenize as tokenize
+from harvest.producer.parallel import ProcessTokenizer
+from harvest.producer.rows import BadRow, Row
+from harvest.producer.sources import EmptyDataset, dataset_files, read_dataset
+from harvest.producer.tokenize import LengthPolicy, RowTokenizer
 
 DEEP = "[" * 100_000 + "]" * 100_000
 NESTED_900 = "[" * 900 + "]" * 900  # parses, but is too deep to pickle to a worker process

@@ -8,7 +8,7 @@ import os
 import pytest
 import redis
 
-from collector.collector import Collector
+from harvest.collector.collector import Collector
 from harvest.formats.claims import STALE_S, Claim, claim_file
 from harvest.formats.index import INDEX, index_file
 from harvest.formats.shard import SHARDS
@@ -171,7 +171,7 @@ def test_recovery_reconciles_once_per_redis_server(conn, tmp_path):
 def test_after_a_redis_wipe_a_collector_takes_its_spool_files_up_and_commits_each_once(conn, tmp_path):
     cfg, spool, ids, ledger, c = _node(conn, tmp_path, "a")
     conn.flushdb()  # a Redis without persistence restarted: the ledger knows none of the spooled samples
-    assert c.step(force=True) == 0  # taken up (collector.unknown): spooled by this spool, rows from the files
+    assert c.step(force=True) == 0  # taken up (harvest.collector.unknown): spooled by this spool, rows from the files
     assert ledger.states(ids) == ["s"] * len(ids) and ledger.spool_owners(ids) == [c.spool_id] * len(ids)
     assert c.step(force=True) == len(ids)
     assert sorted(s for v in _indexed(c.out).values() for s in v) == sorted(ids)  # each committed once

@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from collector.collector import Collector
+from harvest.collector.collector import Collector
 from harvest.formats import codec
 from harvest.formats.index import CODED_FORMAT, FORMAT, INDEX, index_file, parse_index
 from harvest.formats.settled import write_settled

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from collector.collector import Collector
-from collector.packers import Packers
+from harvest.collector.collector import Collector
+from harvest.collector.packers import Packers
 from harvest.formats.index import INDEX
 from harvest.formats.shard import SHARDS
 from harvest.node.spooldir import list_spooled
@@ -63,7 +63,7 @@ def test_packs_by_target_bytes_and_commits_in_order(conn, tmp_path):
     for d in indexes:
         assert d["bytes"] == os.path.getsize(out / d["shard"])
     assert ledger.counts() == {"queued": 0, "spooled": 0, "done": 10, "failed": 0, "total": 10}
-    assert ledger.stats() == {}  # counted in the tally, written at the node's beat (collector.packers)
+    assert ledger.stats() == {}  # counted in the tally, written at the node's beat (harvest.collector.packers)
     assert c.tally.flush()
     assert ledger.stats() == {"samples_done": 10, "tokens_done": sum(lengths), "shards": len(expected_groups),
                               "bytes_done": sum(d["bytes"] for d in indexes)}
@@ -248,7 +248,7 @@ def test_every_shard_recorded_gets_a_name_of_its_own(conn, tmp_path):
 
 def test_spool_files_of_samples_the_ledger_forgot_are_taken_up_and_committed(conn, tmp_path):
     # A rollback forgot a job's enqueue and its worker's settle: the files are on the spool, the
-    # ledger knows nothing of them (collector.unknown). One queued file stays its worker's.
+    # ledger knows nothing of them (harvest.collector.unknown). One queued file stays its worker's.
     cfg = publish_run(conn, make_config(f"file://{tmp_path / 'out'}"))
     spool = str(tmp_path / "spool")
     samples = spool_samples(spool, cfg, [12, 7, 30])

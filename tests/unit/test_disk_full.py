@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from engines.dump_writer import DumpWriter
+from harvest.engines.dump_writer import DumpWriter
 from harvest.formats.dump import Chunk, parse_chunk_name, read_chunk
 from harvest.ids import rid_for
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engines.batch import cut_batch
+from harvest.engines.batch import cut_batch
 from harvest.formats.dump import DumpError, parse_chunk_name, read_chunk, write_chunk
 
 R1 = "hv-" + "1" * 32 + "-1"

@@ -13,7 +13,7 @@ from harvest.ids import rid_for
 from harvest.sample import Sample
 from harvest.state.failures import SampleFailure
 from tests.support.need import need
-from workers.claim import assemble, claim
+from harvest.workers.claim import assemble, claim
 
 SAMPLE = Sample.build(list(range(10, 20)))
 RID = rid_for(SAMPLE.id, 1)
@@ -84,7 +84,7 @@ def test_verification_failures(dirs, kwargs, reason, text):
 def test_finiteness_check_by_bits_agrees_with_isfinite(dtype, monkeypatch):
     """The bit test behind the NaN/Inf check, against torch.isfinite on the edge values of each
     engine dtype: the largest finite value, the smallest subnormal, -0, and every kind of NaN."""
-    from workers.claim import _all_finite
+    from harvest.workers.claim import _all_finite
 
     info = torch.finfo(dtype)
     edges = [info.max, -info.max, info.tiny, info.smallest_normal / 4, -0.0, 0.0, 1.0]
@@ -97,7 +97,7 @@ def test_finiteness_check_by_bits_agrees_with_isfinite(dtype, monkeypatch):
     assert _all_finite(t) and _all_finite(t[:, :, ::2])  # a strided view takes the min/max path
     t[17, 1, 5] = float("nan")
     assert not _all_finite(t) and not _all_finite(t[:, :, 1::2])
-    monkeypatch.setattr("workers.claim._FINITE_BLOCK", 100)  # blocks of 100 values, the last one short
+    monkeypatch.setattr("harvest.workers.claim._FINITE_BLOCK", 100)  # blocks of 100 values, the last one short
     assert not _all_finite(t)
     t[17, 1, 5] = 0.0
     t[-1, -1, -1] = float("inf")  # in the short last block

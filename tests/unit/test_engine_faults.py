@@ -9,12 +9,12 @@ import httpx
 import pytest
 import torch
 
-from engines import faults as fx
-from engines.reference import ReferenceEngine, serve
+from harvest.engines import faults as fx
+from harvest.engines.reference import ReferenceEngine, serve
 from harvest.ids import rid_for
 from harvest.sample import Sample
 from harvest.state.failures import SampleFailure
-from workers.claim import assemble, claim
+from harvest.workers.claim import assemble, claim
 
 
 def _engine(tiny_model, tmp_path, monkeypatch, spec: str, chunk: int = 8) -> ReferenceEngine:

@@ -25,7 +25,7 @@ def test_the_kinds_at_runtime():
     from harvest.ids import InvalidId
     from harvest.state.connection import REDIS_LOST_EXIT, RedisLost
     from harvest.storage import StorageError as StorageStorageError
-    from producer.rowkinds import RowError
+    from harvest.producer.rowkinds import RowError
 
     assert issubclass(ConfigurationError, ValueError)
     assert issubclass(InvalidId, InputError) and issubclass(RowError, InputError)
@@ -136,7 +136,7 @@ def small_inputs(tmp_path) -> tuple[str, str]:
 
 
 def test_a_value_error_inside_produce_is_not_a_mistake(small_inputs, monkeypatch):
-    import producer.producer as pp
+    import harvest.producer.producer as pp
     from harvest.cli import main
 
     data, model = small_inputs

@@ -4,7 +4,7 @@ whole path dump -> assemble -> spool -> shard -> reader with the exact scales ca
 import numpy as np
 import torch
 
-from collector.collector import Collector
+from harvest.collector.collector import Collector
 from harvest.formats.dump import Chunk, write_chunk
 from harvest.formats.fp8 import FP8, FP8_MAX, dequantize, quantize
 from harvest.formats.spool import read_sample
@@ -15,7 +15,7 @@ from harvest.sample import Sample
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 from tests.support.synth import POINTS, make_config
-from workers.claim import assemble, claim
+from harvest.workers.claim import assemble, claim
 
 
 def _hidden(t=37, h=64, seed=0):

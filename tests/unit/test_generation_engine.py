@@ -17,11 +17,11 @@ import httpx
 import pytest
 import torch
 
-from engines.reference import BadRequest, ReferenceEngine, serve
+from harvest.engines.reference import BadRequest, ReferenceEngine, serve
 from harvest.config import RunConfig
-from workers.clients.base import Completion, EngineUnavailable, GenParams, Rejected
-from workers.clients.sglang import SGLangClient
-from workers.clients.vllm import VllmClient
+from harvest.workers.clients.base import Completion, EngineUnavailable, GenParams, Rejected
+from harvest.workers.clients.sglang import SGLangClient
+from harvest.workers.clients.vllm import VllmClient
 
 PROMPT = [5, 6, 7, 8, 9]  # greedy on the tiny model: three different tokens first (the stop test needs it)
 PROMPTS = [PROMPT, [3, 40, 41, 42, 100, 200], list(range(10, 60))]
@@ -97,7 +97,7 @@ def test_seeded_sampling_repeats_and_seeds_differ(client):
 
 def test_top_p_keeps_only_the_nucleus():
     """top_p tiny leaves only the most likely token: sampling then is greedy, whatever the seed."""
-    from engines.generation import Sampling, sample
+    from harvest.engines.generation import Sampling, sample
 
     logits = torch.tensor([0.1, 3.0, 0.5, 2.9])
     nucleus = Sampling(1, temperature=1.0, top_p=1e-3)
@@ -151,7 +151,7 @@ def test_generation_dumps_only_hv_rids(client, engine):
 
 
 def test_synthetic_engine_still_refuses_generation(tmp_path):
-    from engines.synthetic import SyntheticEngine
+    from harvest.engines.synthetic import SyntheticEngine
 
     eng = SyntheticEngine(str(tmp_path / "dump"), [2, 4], 8)
     with pytest.raises(BadRequest, match="at most 1 new token"):

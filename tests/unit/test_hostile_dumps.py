@@ -15,7 +15,7 @@ from harvest.ids import rid_for
 from harvest.node.paths import UnsafePath, private_dir
 from harvest.sample import Sample
 from harvest.state.failures import SampleFailure
-from workers.claim import assemble, claim
+from harvest.workers.claim import assemble, claim
 
 SAMPLE = Sample.build(list(range(10, 20)))
 RID = rid_for(SAMPLE.id, 1)

@@ -43,6 +43,7 @@ from tests.support.house import (
     is_exception,
     literals,
     module_name,
+    package_of,
     py_files,
     read,
     source_files,
@@ -61,9 +62,9 @@ def graph() -> dict[str, set[str]]:
 def test_wings_import_only_the_core(graph):
     bad = []
     for mod, deps in graph.items():
-        top = mod.split(".")[0]
+        top = package_of(mod)
         for dep in deps:
-            other = dep.split(".")[0]
+            other = package_of(dep)
             if top in WINGS and other in WINGS and other != top:
                 bad.append(f"{mod} -> {dep}")
             if top == "harvest" and not mod.startswith(ROOT) and other in WINGS:

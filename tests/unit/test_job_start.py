@@ -1,5 +1,5 @@
 """A job's start rides in RQ's transaction that starts its execution
-(workers.rqworker.HarvestWorker.prepare_execution): the heartbeat names the job's attempt and the
+(harvest.workers.rqworker.HarvestWorker.prepare_execution): the heartbeat names the job's attempt and the
 ledger's states of its samples are read there, and the job takes both up without a round trip of
 its own, unless this process found a new Redis since and the ledger was reconciled on it: then it
 reads the states again under a new attempt. RQ's outcome leaves the heartbeat idle however the job
@@ -16,10 +16,10 @@ from harvest.state.jobs import SERIALIZER, fetch_job, run_queue
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 from tests.support.ops import enqueue
-from workers.context import WorkerContext, install
-from workers.job import BatchJob
-from workers.rqworker import HarvestWorker
-from workers.safejob import HarvestJob
+from harvest.workers.context import WorkerContext, install
+from harvest.workers.job import BatchJob
+from harvest.workers.rqworker import HarvestWorker
+from harvest.workers.safejob import HarvestJob
 
 
 @pytest.fixture

@@ -27,9 +27,9 @@ from harvest.state.ledger import Ledger
 from harvest.state.payload import PayloadError, batch_ids, decode_batch, inline, payload_row
 from harvest.state.runstore import publish_run
 from harvest.state.spools import SpoolLeases, redis_time
-from producer.enqueue import Enqueuer
-from workers.context import WorkerContext
-from workers.job import BatchJob
+from harvest.producer.enqueue import Enqueuer
+from harvest.workers.context import WorkerContext
+from harvest.workers.job import BatchJob
 
 
 def _samples(n: int, tokens: int = 700, seed: int = 0) -> list[Sample]:

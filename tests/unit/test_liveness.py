@@ -29,8 +29,8 @@ from harvest.state.spools import redis_time
 from tests.support.ops import enqueue
 from tests.support.synth import make_config
 from tests.support.wait import wait_for
-from workers.rqworker import PUBSUB_POLL_S, HarvestWorker
-from workers.safejob import HarvestJob
+from harvest.workers.rqworker import PUBSUB_POLL_S, HarvestWorker
+from harvest.workers.safejob import HarvestJob
 
 RUN = "r"
 
@@ -149,7 +149,7 @@ def test_a_stale_execution_beside_the_one_its_worker_runs_is_dropped_without_a_s
         beat.clear_execution(stale.id, pipe)
         pipe.execute()
     current = w.prepare_execution(job)
-    w.prepare_job_execution(job)  # sends the transaction prepare_execution began (workers.rqworker)
+    w.prepare_job_execution(job)  # sends the transaction prepare_execution began (harvest.workers.rqworker)
     assert _named(conn, "w-1") == [jobs[0], current.id]
     t = redis_time(conn)
     tend_liveness(conn, RUN, t)

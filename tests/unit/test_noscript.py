@@ -11,7 +11,7 @@ import pytest
 import redis
 from redis.client import Pipeline
 
-from collector.collector import Collector
+from harvest.collector.collector import Collector
 from harvest.cli.redisproc import RedisServer
 from harvest.formats.index import index_file
 from harvest.ops.reclaim import reclaim_spool

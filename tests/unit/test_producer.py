@@ -12,9 +12,9 @@ from harvest.ids import sample_id
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from harvest.state.payload import PAYLOAD_VERSION, decode_batch
-from producer.producer import produce
-from producer.rows import BadRow, Row
-from producer.tokenize import RowTokenizer
+from harvest.producer.producer import produce
+from harvest.producer.rows import BadRow, Row
+from harvest.producer.tokenize import RowTokenizer
 from tests.support.wait import wait_for
 
 
@@ -117,7 +117,7 @@ def test_enqueue_waits_while_queue_is_full(conn, tiny_model, tokenizer, tmp_path
 def test_prefetch_keeps_order_raises_errors_and_stops_early():
     import threading
 
-    from producer.prefetch import prefetch
+    from harvest.producer.prefetch import prefetch
 
     assert list(prefetch(iter(range(100)), depth=3)) == list(range(100))
 
@@ -144,7 +144,7 @@ def test_prefetch_keeps_order_raises_errors_and_stops_early():
 def test_strict_stops_at_first_bad_row(conn, tiny_model, tokenizer, tmp_path):
     import pytest
 
-    from producer.rowkinds import RowError
+    from harvest.producer.rowkinds import RowError
 
     path = tmp_path / "d.jsonl"
     path.write_bytes(b'{"text": "the model"}\n{"foo": 1}\n{"text": "the data"}\n')
@@ -159,7 +159,7 @@ def test_strict_stops_at_first_bad_row(conn, tiny_model, tokenizer, tmp_path):
 
 def test_worker_processes_give_the_same_samples_in_the_same_order(conn, tiny_model, tokenizer, tmp_path):
     from harvest.cli.demo import demo_rows, write_jsonl
-    from producer import producer as producer_mod
+    from harvest.producer import producer as producer_mod
 
     rows = demo_rows(600) + [{"foo": 1}, {"text": ""}]
     path = write_jsonl(str(tmp_path / "d.jsonl"), rows)

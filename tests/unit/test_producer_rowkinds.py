@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from harvest.ids import sample_id
-from producer.rowkinds import FieldMap
-from producer.rows import BadRow, Row
-from producer.tokenize import LengthPolicy, RowTokenizer
+from harvest.producer.rowkinds import FieldMap
+from harvest.producer.rows import BadRow, Row
+from harvest.producer.tokenize import LengthPolicy, RowTokenizer
 
 
 def enc(tok, text, special=False):

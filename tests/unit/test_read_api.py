@@ -13,7 +13,7 @@ import textwrap
 import torch
 
 import harvest.read
-from collector.collector import Collector
+from harvest.collector.collector import Collector
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 from tests.support.cli import REPO

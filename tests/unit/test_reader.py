@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from collector.collector import Collector
+from harvest.collector.collector import Collector
 from harvest.config import RunConfig
 from harvest.formats.fp8 import dequantize
 from harvest.read.dataset import HiddenStateDataset

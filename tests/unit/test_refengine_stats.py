@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from engines.reference import ReferenceEngine, serve
+from harvest.engines.reference import ReferenceEngine, serve
 
 
 def test_server_info_counts_requests_tokens_and_busy_time(tiny_model, tmp_path):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from harvest.regeneration import Regeneration
 from harvest.sample import Sample
-from producer.rows import Row
-from producer.tokenize import RowTokenizer
-from workers.clients.base import Completion
-from workers.regenerate import write_turns
+from harvest.producer.rows import Row
+from harvest.producer.tokenize import RowTokenizer
+from harvest.workers.clients.base import Completion
+from harvest.workers.regenerate import write_turns
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first question"},
         {"role": "assistant", "content": "old one"}, {"role": "user", "content": "second question"},

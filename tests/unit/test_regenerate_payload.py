@@ -16,8 +16,8 @@ from harvest.formats.index import ShardError
 from harvest.sample import Sample
 from harvest.state.conversation import Conversation, ConversationError, turn_seed
 from harvest.state.payload import PayloadError, decode_batch, encode_batch, payload_rows
-from producer.rows import BadRow, Row
-from producer.tokenize import RowTokenizer
+from harvest.producer.rows import BadRow, Row
+from harvest.producer.tokenize import RowTokenizer
 from tests.support.cli import REPO
 
 CHAT = [{"role": "system", "content": "short"}, {"role": "user", "content": "first question"},

@@ -15,8 +15,8 @@ from harvest.sample import Sample
 from harvest.state.conversation import Conversation
 from harvest.state.failures import ENGINE_UNAVAILABLE, SampleFailure
 from tests.support.synth import make_config
-from workers.clients.base import Completion, EngineUnavailable
-from workers.regenerate import regenerate
+from harvest.workers.clients.base import Completion, EngineUnavailable
+from harvest.workers.regenerate import regenerate
 
 
 class _DownAfter:

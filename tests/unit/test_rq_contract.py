@@ -28,8 +28,8 @@ from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 from harvest.state.jobs import JOB_FUNCTION, SERIALIZER, PayloadJob
 from harvest.state.keys import rq_execution_key, rq_job_prefix, rq_worker_key
 from tests.support.cli import REPO
-from workers.rqworker import HarvestWorker
-from workers.safejob import HarvestJob
+from harvest.workers.rqworker import HarvestWorker
+from harvest.workers.safejob import HarvestJob
 
 
 def test_rq_is_bounded_to_the_major_tested_here():

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from engines import sglang_launch as sl
+from harvest.engines import sglang_launch as sl
 from tests.support.cli import REPO
 
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from engines import sglang_plugin as sp
+from harvest.engines import sglang_plugin as sp
 from harvest.ids import rid_for
 from harvest.sample import Sample
-from workers.claim import assemble, claim
+from harvest.workers.claim import assemble, claim
 
 L, H = 8, 6
 POINTS = [2, 4, 5, 8]  # eagle3 for 8 layers: aux 2, 4, 5 and the final post-norm state

@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from producer.rows import BadRow, Row
-from producer.sources import dataset_files, read_dataset
+from harvest.producer.rows import BadRow, Row
+from harvest.producer.sources import dataset_files, read_dataset
 from tests.support.need import need_module
 
 ROWS = [{"text": "the model"}, {"input_ids": [5, 6]}, {"messages": [{"role": "user", "content": "hi"}]}]
@@ -46,7 +46,7 @@ def test_jsonl_bad_lines_name_file_and_line(tmp_path):
 
 
 def test_parquet_streams_by_record_batch(tmp_path, monkeypatch):
-    import producer.columnar as columnar
+    import harvest.producer.columnar as columnar
 
     monkeypatch.setattr(columnar, "BATCH_ROWS", 2)
     rows = [{"text": f"row {i}", "input_ids": None} for i in range(5)]

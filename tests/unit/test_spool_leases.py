@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from collector.collector import Collector
-from collector.records import Voided, tend_revoked
+from harvest.collector.collector import Collector
+from harvest.collector.records import Voided, tend_revoked
 from harvest.formats.index import INDEX, index_file
 from harvest.formats.shard import SHARDS, shard_file
 from harvest.node.spooldir import list_spooled, rotate_spool_identity, spool_identity
@@ -158,7 +158,7 @@ def test_a_restarted_collector_voids_the_shard_of_its_reclaimed_spool(conn, tmp_
 
 def test_the_fence_checks_the_spool_the_record_names_not_one_set_mid_commit(conn, tmp_path):
     """With several packers, packer 0 renews the lease for all and may hand a packer a new spool id
-    while it is mid-commit (collector.packers); its fence must still check the recorded spool."""
+    while it is mid-commit (harvest.collector.packers); its fence must still check the recorded spool."""
     cfg, (a_dir, a, a_ids, _), _ = _setup(conn, tmp_path)
     out, c, plan, packed = _packing(conn, cfg, a_dir)
     c.spool_id = "f" * 32  # as `Packers._share_lease` would, between record and publish

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from collector.collector import Collector
+from harvest.collector.collector import Collector
 from harvest.node.spooldir import list_spooled, spool_identity
 from harvest.read.reader import RunReader
 from harvest.state.ledger import Ledger

@@ -9,9 +9,9 @@ whole conversation must have, and the mask every one of those tokens must carry.
 import pytest
 from transformers import AutoTokenizer
 
-from producer.rows import BadRow, Row
-from producer.templates import ChatRenderer, mask_from_spans
-from producer.tokenize import RowTokenizer
+from harvest.producer.rows import BadRow, Row
+from harvest.producer.templates import ChatRenderer, mask_from_spans
+from harvest.producer.tokenize import RowTokenizer
 from tests.support.templates import CHATML
 
 LLAMA3 = (
@@ -199,7 +199,7 @@ def test_prefix_renders_match_transformers_public_path(tok, template, monkeypatc
     conversation: every prefix (with and without the generation prompt) must be the text
     transformers' `render_jinja_template` gives, and the public-path fallback (a transformers
     without the private helpers) must give the same samples."""
-    import producer.templates as templates
+    import harvest.producer.templates as templates
     from transformers.utils.chat_template_utils import render_jinja_template
 
     msgs = REASONING_CHAT if template in (THINKING, CHATML, QWEN_DEFAULT_SYSTEM) else [SYS, *TWO_TURNS]

@@ -89,7 +89,7 @@ def finished(rid: str, tokens: list[int], text: str, kind: object, matched: obje
 
 
 class Engine(Protocol):
-    """What workers.job needs of an engine client."""
+    """What harvest.workers.job needs of an engine client."""
 
     url: str
 

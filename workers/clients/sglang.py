@@ -34,7 +34,7 @@ import logging
 import httpx
 
 from harvest.health import healthy
-from workers.clients.base import (
+from harvest.workers.clients.base import (
     Completion,
     EngineUnavailable,
     Generated,

@@ -14,7 +14,7 @@ dump dir, with vLLM's token ids and the layers vLLM really captured; then it del
 files. From there the usual claim -> verify -> spool path (workers/claim.py) runs unchanged, so
 token ids, coverage and capture points are verified exactly as for SGLang.
 
-The interface is `workers.clients.base.Engine`'s (`generate(rids, prompts)`, `health`,
+The interface is `harvest.workers.clients.base.Engine`'s (`generate(rids, prompts)`, `health`,
 `close`, `url`), with its error semantics: timeouts, connection errors and 5xx are retried with
 backoff and then raise `EngineUnavailable`; a 4xx rejects that sample only.
 
@@ -55,7 +55,7 @@ from harvest.formats.dump import Chunk, write_chunk
 from harvest.health import healthy
 from harvest.node.dumpdir import vllm_dir
 from harvest.read.final_norm import FinalNorm
-from workers.clients.base import (
+from harvest.workers.clients.base import (
     Completion,
     EngineUnavailable,
     Generated,
