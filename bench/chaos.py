@@ -46,8 +46,14 @@ def s3_server() -> tuple[object, str]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     url = f"http://127.0.0.1:{port}"
-    os.environ.update({"HARVEST_S3_ENDPOINT": url, "AWS_ACCESS_KEY_ID": "chaos", "AWS_SECRET_ACCESS_KEY": "chaos",
-                       "AWS_REGION": "us-east-1"})
+    os.environ.update(
+        {
+            "HARVEST_S3_ENDPOINT": url,
+            "AWS_ACCESS_KEY_ID": "chaos",
+            "AWS_SECRET_ACCESS_KEY": "chaos",
+            "AWS_REGION": "us-east-1",
+        }
+    )
     boto3.client("s3", endpoint_url=url, region_name="us-east-1").create_bucket(Bucket="chaos")
     return server, "s3://chaos"
 
@@ -60,12 +66,22 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=4)
     ap.add_argument("--workers", type=int, default=2, help="workers per node")
     ap.add_argument("--nodes", type=int, default=1, help="nodes per trial; 2 or more adds node faults")
-    ap.add_argument("--s3-every", type=int, default=3, help="every Nth trial writes to S3 with engine faults on (0: never)")
-    ap.add_argument("--s3-phase", type=int, default=0,
-                    help="the first trial counts as trial K of a longer soak (rerun a slice of it with the same backends)")
+    ap.add_argument(
+        "--s3-every", type=int, default=3, help="every Nth trial writes to S3 with engine faults on (0: never)"
+    )
+    ap.add_argument(
+        "--s3-phase",
+        type=int,
+        default=0,
+        help="the first trial counts as trial K of a longer soak (rerun a slice of it with the same backends)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the folders of failed trials")
-    ap.add_argument("--deadline", type=float, default=240.0,
-                    help="seconds a trial may take before it counts as stalled (more on a loaded machine; +60 per extra node)")
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=240.0,
+        help="seconds a trial may take before it counts as stalled (more on a loaded machine; +60 per extra node)",
+    )
     args = ap.parse_args()
 
     model = build_tiny_model()
@@ -78,9 +94,18 @@ def main() -> int:
             seed = args.first_seed + i
             s3 = bool(args.s3_every) and (i + args.s3_phase) % args.s3_every == args.s3_every - 1
             root = tempfile.mkdtemp(prefix=f"chaos-{seed}-")
-            r = Trial(root, model, seed, samples=args.samples, kills=args.kills, workers=args.workers,
-                      out_url=bucket if s3 else None, env={"HARVEST_ENGINE_FAULTS": FAULTS} if s3 else None,
-                      nodes=args.nodes, deadline_s=args.deadline + 60 * (args.nodes - 1)).execute()
+            r = Trial(
+                root,
+                model,
+                seed,
+                samples=args.samples,
+                kills=args.kills,
+                workers=args.workers,
+                out_url=bucket if s3 else None,
+                env={"HARVEST_ENGINE_FAULTS": FAULTS} if s3 else None,
+                nodes=args.nodes,
+                deadline_s=args.deadline + 60 * (args.nodes - 1),
+            ).execute()
             print(("s3  " if s3 else "file ") + r.summary(), flush=True)
             kills.update(r.kills)
             exits.update(r.restarts_on_exit)
@@ -105,10 +130,14 @@ def main() -> int:
     print(f"kills by process: {dict(sorted(kills.items()))} (total {sum(kills.values())})")
     print(f"restarts after a process exited on its own: {dict(sorted(exits.items()))}")
     if args.nodes > 1:
-        print(f"lost nodes came back: {dict(sorted(returns.items()))}; spools revoked: {revoked}, "
-              f"of which reclaimed with samples: {reclaimed}")
-    print(f"samples: done {done}, failed with reason {failed} {dict(reasons)}, lost {lost}, doubled {doubled}; "
-          f"runs unreadable {unreadable}")
+        print(
+            f"lost nodes came back: {dict(sorted(returns.items()))}; spools revoked: {revoked}, "
+            f"of which reclaimed with samples: {reclaimed}"
+        )
+    print(
+        f"samples: done {done}, failed with reason {failed} {dict(reasons)}, lost {lost}, doubled {doubled}; "
+        f"runs unreadable {unreadable}"
+    )
     return 1 if bad_trials else 0
 
 

@@ -27,8 +27,8 @@ sys.path.insert(0, REPO)
 
 import redis  # noqa: E402
 
-from harvest.collector.collector import Collector  # noqa: E402
 from harvest.cli.redisproc import RedisServer  # noqa: E402
+from harvest.collector.collector import Collector  # noqa: E402
 from harvest.multipart import DEFAULT_PART_BYTES  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
@@ -39,13 +39,20 @@ def _moto() -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     url = f"http://127.0.0.1:{port}"
     import boto3
 
-    os.environ.update({"HARVEST_S3_ENDPOINT": url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                       "AWS_REGION": "us-east-1"})
+    os.environ.update(
+        {
+            "HARVEST_S3_ENDPOINT": url,
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_REGION": "us-east-1",
+        }
+    )
     s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
     for _ in range(100):
         try:
@@ -90,8 +97,10 @@ def main() -> int:
     args = ap.parse_args()
     shard_mb = args.samples * args.tokens * 4 * args.hidden * 2 / 2**20
     parts = -(-int(shard_mb * 2**20) // DEFAULT_PART_BYTES)
-    print(f"{args.shards} shards of {args.samples} samples x {args.tokens} tokens x 4 x {args.hidden} bf16 "
-          f"= {shard_mb:.0f} MiB a shard")
+    print(
+        f"{args.shards} shards of {args.samples} samples x {args.tokens} tokens x 4 x {args.hidden} bf16 "
+        f"= {shard_mb:.0f} MiB a shard"
+    )
     moto, s3_url = _moto()
     try:
         with tempfile.TemporaryDirectory() as root, RedisServer(os.path.join(root, "redis")) as server:
@@ -99,10 +108,15 @@ def main() -> int:
             for name, url in (("file", f"file://{root}/out"), ("s3 (moto)", s3_url)):
                 claim_s, rest_s = _measure(conn, os.path.join(root, name.split()[0]), url, args)
                 c, r = statistics.median(claim_s), statistics.median(rest_s)
-                reqs = f"{args.samples} claim PUTs vs {parts} part PUTs + 2" if name != "file" else \
-                    f"{args.samples} links vs 1 shard file"
-                print(f"  {name:10s} claims {c * 1e3:7.1f} ms   rest of the commit {r * 1e3:8.1f} ms   "
-                      f"claims / commit {c / (c + r):6.1%}   ({reqs})")
+                reqs = (
+                    f"{args.samples} claim PUTs vs {parts} part PUTs + 2"
+                    if name != "file"
+                    else f"{args.samples} links vs 1 shard file"
+                )
+                print(
+                    f"  {name:10s} claims {c * 1e3:7.1f} ms   rest of the commit {r * 1e3:8.1f} ms   "
+                    f"claims / commit {c / (c + r):6.1%}   ({reqs})"
+                )
     finally:
         moto.terminate()
         moto.wait()

@@ -60,8 +60,15 @@ def _blosc2(bytedelta: bool) -> tuple[Callable[[np.ndarray], bytes], Callable[[b
     filters = [blosc2.Filter.SHUFFLE] + ([blosc2.Filter.BYTEDELTA] if bytedelta else [])
 
     def enc(a: np.ndarray) -> bytes:
-        return blosc2.compress2(a, typesize=a.itemsize, clevel=1, codec=blosc2.Codec.ZSTD, filters=filters,
-                                filters_meta=[0] * len(filters), nthreads=1)
+        return blosc2.compress2(
+            a,
+            typesize=a.itemsize,
+            clevel=1,
+            codec=blosc2.Codec.ZSTD,
+            filters=filters,
+            filters_meta=[0] * len(filters),
+            nthreads=1,
+        )
 
     def dec(b: bytes, like: np.ndarray) -> np.ndarray:
         return np.frombuffer(blosc2.decompress2(b, nthreads=1), dtype=like.dtype)
@@ -97,8 +104,12 @@ def _pcodec() -> tuple[Callable, Callable]:
     return enc, dec
 
 
-CODECS = {"blosc2-zstd": lambda: _blosc2(False), "blosc2-bdelta": lambda: _blosc2(True),
-          "zstd-planes": _zstd_planes, "pcodec": _pcodec}
+CODECS = {
+    "blosc2-zstd": lambda: _blosc2(False),
+    "blosc2-bdelta": lambda: _blosc2(True),
+    "zstd-planes": _zstd_planes,
+    "pcodec": _pcodec,
+}
 
 
 def tiny_states(tokens: int, hidden: int, layers: int, seed: int) -> tuple[torch.Tensor, list[int]]:
@@ -106,8 +117,15 @@ def tiny_states(tokens: int, hidden: int, layers: int, seed: int) -> tuple[torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(4096, tokens))
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max(4096, tokens),
+    )
     model = LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 512, (1, tokens))
     with torch.no_grad():
@@ -134,7 +152,7 @@ def trained_states(tokens: int, hidden: int, layers: int, seed: int) -> tuple[to
         grow = min(1.0, p / 3)  # massive activations appear in the first layers and then stay
         x[:, massive] = med * massive_gain * grow
         x[0, massive] *= 4  # the attention sink
-        x = x / x.pow(2).mean(-1, keepdim=True).sqrt() * 40.0 ** depth
+        x = x / x.pow(2).mean(-1, keepdim=True).sqrt() * 40.0**depth
         if p == layers:  # post-norm final state
             x = x / x.pow(2).mean(-1, keepdim=True).sqrt() * norm_weight
         out.append(x)
@@ -172,16 +190,19 @@ def measure(codec: str, arrays: list[np.ndarray], repeats: int) -> tuple[list[fl
         except (TypeError, ValueError, RuntimeError):
             return None
         t1 = time.perf_counter()
-        back = [dec(b, a) for b, a in zip(coded, arrays)]
+        back = [dec(b, a) for b, a in zip(coded, arrays, strict=False)]
         t2 = time.perf_counter()
-        for a, b in zip(arrays, back):
+        for a, b in zip(arrays, back, strict=False):
             if a.view(np.uint8).tobytes() != np.asarray(b).view(np.uint8).tobytes():
                 raise AssertionError(f"{codec}: not lossless")
         enc_t.append(t1 - t0)
         dec_t.append(t2 - t1)
         sizes = [len(b) for b in coded]
-    return ([a.nbytes / s for a, s in zip(arrays, sizes)] + [raw / sum(sizes)],
-            raw / statistics.median(enc_t) / 1e6, raw / statistics.median(dec_t) / 1e6)
+    return (
+        [a.nbytes / s for a, s in zip(arrays, sizes, strict=False)] + [raw / sum(sizes)],
+        raw / statistics.median(enc_t) / 1e6,
+        raw / statistics.median(dec_t) / 1e6,
+    )
 
 
 def main() -> None:
@@ -196,8 +217,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    kinds = {"tiny": tiny_states(args.tokens, args.tiny_hidden, args.tiny_layers, args.seed),
-             "trained": trained_states(args.tokens, args.hidden, args.layers, args.seed)}
+    kinds = {
+        "tiny": tiny_states(args.tokens, args.tiny_hidden, args.tiny_layers, args.seed),
+        "trained": trained_states(args.tokens, args.hidden, args.layers, args.seed),
+    }
     for kind, (states, points) in kinds.items():
         print(f"\n{kind}: [T={states.shape[0]}, K={states.shape[1]}, H={states.shape[2]}], points {points}")
         cols = " ".join(f"{'p' + str(p):>6}" for p in points)

@@ -45,8 +45,8 @@ sys.path.insert(0, REPO)
 
 import redis  # noqa: E402
 
-from harvest.collector.packers import Packers  # noqa: E402
 from harvest.cli.redisproc import RedisServer  # noqa: E402
+from harvest.collector.packers import Packers  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
 from harvest.formats.dump import Chunk, write_chunk  # noqa: E402
 from harvest.ids import rid_for  # noqa: E402
@@ -55,8 +55,8 @@ from harvest.sample import Sample  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
 from harvest.storage import Location  # noqa: E402
-from tests.support.moto import moto_server  # noqa: E402
 from harvest.workers.claim import assemble, claim  # noqa: E402
+from tests.support.moto import moto_server  # noqa: E402
 
 POINTS = [2, 16, 29, 32]
 
@@ -110,9 +110,19 @@ class Trial:
             os.makedirs(d)
         made = make_dumps(self.dumps, args.samples, args.tokens, args.hidden, seed)
         self.samples, self.wanted, self.hidden_bytes = made
-        self.cfg = publish_run(conn, RunConfig(run=f"bench{seed}", model="bench", capture_points=POINTS,
-                                               hidden_size=args.hidden, out_url=out_url, storage_dtype="bf16",
-                                               shard_bytes=args.shard_mb << 20, codec=codec))
+        self.cfg = publish_run(
+            conn,
+            RunConfig(
+                run=f"bench{seed}",
+                model="bench",
+                capture_points=POINTS,
+                hidden_size=args.hidden,
+                out_url=out_url,
+                storage_dtype="bf16",
+                shard_bytes=args.shard_mb << 20,
+                codec=codec,
+            ),
+        )
         self.conn, self.args = conn, args
         self.ledger = Ledger(conn, self.cfg.run)
         self.ledger.add_queued([s.id for s in self.samples])
@@ -150,15 +160,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--packers", default="1,2,4", help="pack-workers counts to compare (file:// output)")
     ap.add_argument("--codecs", default="none,blosc2-zstd", help="codecs of the file:// and s3:// paths (none first)")
-    ap.add_argument("--dir", default=None,
-                    help="Where to work (default: a temp dir); dumps, spool, output and cp share it.")
+    ap.add_argument(
+        "--dir", default=None, help="Where to work (default: a temp dir); dumps, spool, output and cp share it."
+    )
     args = ap.parse_args()
 
     base = tempfile.mkdtemp(prefix="harvest-datapath-", dir=args.dir)
     server = RedisServer(os.path.join(base, "redis"), appendonly=False).start()
     moto, endpoint = moto_server()
-    os.environ.update(HARVEST_S3_ENDPOINT=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_REGION="us-east-1")
+    os.environ.update(
+        HARVEST_S3_ENDPOINT=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1"
+    )
     rows: dict[str, list[float]] = {}
     seed = 0
 
@@ -240,9 +252,11 @@ def main() -> None:
                 shutil.rmtree(t.dir)
                 shutil.rmtree(os.path.join(base, f"out{seed}"))
             print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
-        print(f"{args.samples} samples of [{args.tokens}, {len(POINTS)}, {args.hidden}] bf16 "
-              f"({args.samples * args.tokens * len(POINTS) * args.hidden * 2 / 2**20:.0f} MiB of hidden states), "
-              f"jobs of {args.job_size}, shards of {args.shard_mb} MiB; medians of {args.repeats}:")
+        print(
+            f"{args.samples} samples of [{args.tokens}, {len(POINTS)}, {args.hidden}] bf16 "
+            f"({args.samples * args.tokens * len(POINTS) * args.hidden * 2 / 2**20:.0f} MiB of hidden states), "
+            f"jobs of {args.job_size}, shards of {args.shard_mb} MiB; medians of {args.repeats}:"
+        )
         for key, vals in rows.items():
             print(f"  {key:50s} {statistics.median(vals):9.2f}   (runs: {', '.join(f'{v:.2f}' for v in vals)})")
         codecs = args.codecs.split(",")

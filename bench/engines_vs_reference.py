@@ -25,18 +25,19 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from harvest.engines import sglang_launch, vllm_launch  # noqa: E402
 from harvest.cli.demo import build_tiny_model, demo_rows, write_jsonl  # noqa: E402
 from harvest.cli.redisproc import free_port  # noqa: E402
 from harvest.config import eagle3_layers  # noqa: E402
+from harvest.engines import sglang_launch, vllm_launch  # noqa: E402
 from harvest.health import wait_healthy  # noqa: E402
 
 
 def _start(argv: list[str], env: dict[str, str], log: str, url: str) -> tuple[subprocess.Popen, float]:
     t0 = time.monotonic()
     with open(log, "wb") as f:
-        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=REPO,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=REPO, start_new_session=True
+        )
 
     def running() -> None:
         if p.poll() is not None:
@@ -47,9 +48,32 @@ def _start(argv: list[str], env: dict[str, str], log: str, url: str) -> tuple[su
 
 
 def _run(work: str, tag: str, dataset: str, model: str, url: str, dump: str, workers: int, engine: str) -> float:
-    args = [sys.executable, "-m", "harvest.cli", "run", dataset, "--model", model, "--out", f"file://{work}/out-{tag}",
-            "--run", tag, "--dtype", "fp32", "--workers", str(workers), "--engine-url", url, "--dump-dir", dump,
-            "--work-dir", f"{work}/work-{tag}", "--no-progress", "--engine", engine]
+    args = [
+        sys.executable,
+        "-m",
+        "harvest.cli",
+        "run",
+        dataset,
+        "--model",
+        model,
+        "--out",
+        f"file://{work}/out-{tag}",
+        "--run",
+        tag,
+        "--dtype",
+        "fp32",
+        "--workers",
+        str(workers),
+        "--engine-url",
+        url,
+        "--dump-dir",
+        dump,
+        "--work-dir",
+        f"{work}/work-{tag}",
+        "--no-progress",
+        "--engine",
+        engine,
+    ]
     res = subprocess.run(args, capture_output=True, text=True, cwd=REPO)
     m = re.search(r"samples: (\d+) done, (\d+) failed.*seconds: ([0-9.]+)", res.stdout, re.S)
     if res.returncode != 0 or not m or int(m.group(2)):
@@ -70,8 +94,12 @@ def main() -> None:
     points = eagle3_layers(8)
     engines: dict[str, tuple[list[str], dict[str, str], str, str]] = {}  # name -> argv, env, url, dump dir
     port, dump = free_port(), os.path.join(work, "dump-reference")
-    engines["reference"] = ([sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dump,
-                             "--port", str(port)], {}, f"http://127.0.0.1:{port}", dump)
+    engines["reference"] = (
+        [sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dump, "--port", str(port)],
+        {},
+        f"http://127.0.0.1:{port}",
+        dump,
+    )
     launchers = {  # name -> launcher module, its own launch options, PYTHONPATH for this checkout
         "sglang": (sglang_launch, {"device": "cpu"}, sglang_launch.cpu_pythonpath(REPO)),
         "vllm": (vllm_launch, {"enforce_eager": a.eager}, REPO),
@@ -83,8 +111,9 @@ def main() -> None:
             print(f"{name} skipped: {e}")
             continue
         port, dump = free_port(), os.path.join(work, f"dump-{name}")
-        env, argv = launch.launch_spec(model, points, 8, dump_dir=dump, port=port, python=python, dtype="float32",
-                                       **extra)
+        env, argv = launch.launch_spec(
+            model, points, 8, dump_dir=dump, port=port, python=python, dtype="float32", **extra
+        )
         env["PYTHONPATH"] = path
         engines[name] = (argv, env, f"http://127.0.0.1:{port}", dump)
     procs = []
@@ -102,7 +131,7 @@ def main() -> None:
         base = rates["reference"]
         for name in engines:
             if name != "reference":
-                ratio = statistics.median(x / b for x, b in zip(rates[name], base))
+                ratio = statistics.median(x / b for x, b in zip(rates[name], base, strict=False))
                 print(f"median {name}/reference: {ratio:.2f} ({a.samples} rows, {a.workers} workers)")
     finally:
         for p in procs:

@@ -53,11 +53,22 @@ def build_tokenizer(rng: random.Random, vocab: list[str]):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=32000, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    ))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   additional_special_tokens=specials[3:])
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=32000,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=specials[3:],
+    )
     fast.chat_template = CHATML
     return fast
 
@@ -139,10 +150,17 @@ def bench(kind: str, n: int, tok, vocab, conn: redis.Redis, tmp: str, rounds: in
         assert s.enqueued == n, s.text()
     raw = 4 * s.tokens / n
     return {
-        "kind": kind, "rows": n, "tokens/sample": s.tokens / n,
-        "tokenizer samples/s": n / t_tok, "producer samples/s": n / t_all, "ratio": t_tok / t_all,
-        "cpu ratio": c_tok / c_all, "tokenizer cpu s": c_tok, "producer cpu s": c_all,
-        "raw int32 B/sample": raw, "redis B/sample (used_memory)": delta / n,
+        "kind": kind,
+        "rows": n,
+        "tokens/sample": s.tokens / n,
+        "tokenizer samples/s": n / t_tok,
+        "producer samples/s": n / t_all,
+        "ratio": t_tok / t_all,
+        "cpu ratio": c_tok / c_all,
+        "tokenizer cpu s": c_tok,
+        "producer cpu s": c_all,
+        "raw int32 B/sample": raw,
+        "redis B/sample (used_memory)": delta / n,
         "redis B/sample (MEMORY USAGE)": redis_bytes(conn, cfg.run) / n,
     }
 
@@ -165,14 +183,22 @@ def main() -> None:
                 r = bench(kind, args.rows, tok, vocab, conn, tmp, args.rounds, args.processes)
                 print(f"[{r['kind']}] {r['rows']} rows, {r['tokens/sample']:.0f} tokens/sample")
                 print(f"  tokenizer alone   {r['tokenizer samples/s']:9.0f} samples/s")
-                print(f"  producer          {r['producer samples/s']:9.0f} samples/s   ratio {r['ratio']:.2f} (goal >= 0.8)")
-                print(f"  CPU seconds       {r['tokenizer cpu s']:9.2f} tokenizer, {r['producer cpu s']:.2f} producer "
-                      f"(incl. redis-server): ratio {r['cpu ratio']:.2f}")
-                print(f"  redis per sample  {r['redis B/sample (used_memory)']:9.0f} B (used_memory delta), "
-                      f"{r['redis B/sample (MEMORY USAGE)']:.0f} B (MEMORY USAGE of the run's keys)")
-                print(f"  raw int32 tokens  {r['raw int32 B/sample']:9.0f} B   ratio "
-                      f"{r['redis B/sample (used_memory)'] / r['raw int32 B/sample']:.2f} / "
-                      f"{r['redis B/sample (MEMORY USAGE)'] / r['raw int32 B/sample']:.2f} (goal <= 1.2)")
+                print(
+                    f"  producer          {r['producer samples/s']:9.0f} samples/s   ratio {r['ratio']:.2f} (goal >= 0.8)"
+                )
+                print(
+                    f"  CPU seconds       {r['tokenizer cpu s']:9.2f} tokenizer, {r['producer cpu s']:.2f} producer "
+                    f"(incl. redis-server): ratio {r['cpu ratio']:.2f}"
+                )
+                print(
+                    f"  redis per sample  {r['redis B/sample (used_memory)']:9.0f} B (used_memory delta), "
+                    f"{r['redis B/sample (MEMORY USAGE)']:.0f} B (MEMORY USAGE of the run's keys)"
+                )
+                print(
+                    f"  raw int32 tokens  {r['raw int32 B/sample']:9.0f} B   ratio "
+                    f"{r['redis B/sample (used_memory)'] / r['raw int32 B/sample']:.2f} / "
+                    f"{r['redis B/sample (MEMORY USAGE)'] / r['raw int32 B/sample']:.2f} (goal <= 1.2)"
+                )
         finally:
             server.stop()
 

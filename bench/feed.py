@@ -57,14 +57,14 @@ sys.path.insert(0, REPO)
 import redis  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from harvest.collector.collector import Collector  # noqa: E402
 from harvest.cli.redisproc import RedisServer  # noqa: E402
-from tests.support.moto import moto_server  # noqa: E402
+from harvest.collector.collector import Collector  # noqa: E402
 from harvest.read.export import export_run  # noqa: E402
 from harvest.read.reader import RunReader  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
 from harvest.storage import Location  # noqa: E402
+from tests.support.moto import moto_server  # noqa: E402
 from tests.support.synth import make_config, spool_samples  # noqa: E402
 
 
@@ -108,6 +108,7 @@ def plain(url: str) -> Callable[[], int]:
 
     def read() -> int:
         return sum(len(loc.fs.cat_file(loc.path("shards", name))) for name in loc.list("shards", ".safetensors"))
+
     return read
 
 
@@ -125,6 +126,7 @@ def crc_ceiling(url: str) -> Callable[[], int]:
             zlib.crc32(data)
             n += len(data)
         return n
+
     return read
 
 
@@ -140,6 +142,7 @@ def harvest_feed(url: str, seed: int | None) -> Callable[[], int]:
                 t = item[key].clone()
                 n += t.numel() * t.element_size()
         return n
+
     return feed
 
 
@@ -152,19 +155,22 @@ def speculators_feed(dest: str, run_url: str, rows: int, workers: int) -> Callab
         def one(i: int) -> int:
             hs = transfer.get_cached(i)["hidden_states"].clone()  # the collator's copy
             return hs.numel() * hs.element_size()
+
         if workers == 1:
             return sum(one(i) for i in range(rows))
         with ThreadPoolExecutor(workers) as pool:
             return sum(pool.map(one, range(rows)))
+
     return feed
 
 
 def specforge_files(dest: str) -> Callable[[], int]:
     """SpecForge's loader over `dest`: pointer files (hidden states fetched) or the export's .ckpt
     files (memory-mapped: cloned, as its FeatureDataLoader clones on fetch)."""
-    import harvest.read.specforge_feed as feed_mod
     from specforge.runtime.data_plane.feature_store import load_feature_file
     from specforge.runtime.data_plane.offline_reader import list_feature_files
+
+    import harvest.read.specforge_feed as feed_mod
 
     def feed() -> int:
         feed_mod._readers.clear()  # a fresh reader each time, as for the other feeds
@@ -175,6 +181,7 @@ def specforge_files(dest: str) -> Callable[[], int]:
                 t = raw[key].clone()
                 n += t.numel() * t.element_size()
         return n
+
     return feed
 
 
@@ -190,6 +197,7 @@ def export_files(dest: str, rows: int) -> Callable[[], int]:
             hs = transfer.get_cached(i)["hidden_states"].clone()  # memory-mapped: read here, as the collator copies
             n += hs.numel() * hs.element_size()
         return n
+
     return feed
 
 
@@ -208,8 +216,9 @@ def main() -> None:
 
     base = tempfile.mkdtemp(prefix="harvest-feed-", dir=args.dir)
     moto, endpoint = moto_server()
-    os.environ.update(HARVEST_S3_ENDPOINT=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_REGION="us-east-1")
+    os.environ.update(
+        HARVEST_S3_ENDPOINT=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1"
+    )
     try:
         local = make_run(base, args)
         import boto3
@@ -238,28 +247,46 @@ def main() -> None:
             dests["coded", where] = os.path.join(base, f"speculators-in-place-coded-{where}")
             export_run(url, "speculators", dests["coded", where], progress=False, model=model, in_place=True)
         shard_bytes = reader.total_bytes()
-        print(f"run: {rows} samples of [{args.tokens}, 4, {args.hidden}] bf16 "
-              f"({rows and reader.total_bytes() / rows / 1e6:.1f} MB each), {len(reader.shard_ids())} shards, "
-              f"{shard_bytes / 1e6:.0f} MB; {args.repeats} repeats, medians", flush=True)
+        print(
+            f"run: {rows} samples of [{args.tokens}, 4, {args.hidden}] bf16 "
+            f"({rows and reader.total_bytes() / rows / 1e6:.1f} MB each), {len(reader.shard_ids())} shards, "
+            f"{shard_bytes / 1e6:.0f} MB; {args.repeats} repeats, medians",
+            flush=True,
+        )
 
         cases: list[tuple[str, str, Callable[[], int]]] = []
         for where, url in (("local", local), ("s3", s3.url())):
-            cases += [(where, "plain read of the shards (cat_file)", plain(url)),
-                      (where, "  the same with crc32 of every byte", crc_ceiling(url)),
-                      (where, "harvest feed (HiddenStateIterable)", harvest_feed(url, None)),
-                      (where, "harvest feed, shuffled (seed 0)", harvest_feed(url, 0)),
-                      (where, "speculators in place (harvest backend)", speculators_feed(
-                          dests["speculators", where], url, rows, 1)),
-                      (where, f"speculators in place, {args.workers} threads", speculators_feed(
-                          dests["speculators", where], url, rows, args.workers)),
-                      (where, "SpecForge in place (pointer files)", specforge_files(dests["specforge", where]))]
+            cases += [
+                (where, "plain read of the shards (cat_file)", plain(url)),
+                (where, "  the same with crc32 of every byte", crc_ceiling(url)),
+                (where, "harvest feed (HiddenStateIterable)", harvest_feed(url, None)),
+                (where, "harvest feed, shuffled (seed 0)", harvest_feed(url, 0)),
+                (
+                    where,
+                    "speculators in place (harvest backend)",
+                    speculators_feed(dests["speculators", where], url, rows, 1),
+                ),
+                (
+                    where,
+                    f"speculators in place, {args.workers} threads",
+                    speculators_feed(dests["speculators", where], url, rows, args.workers),
+                ),
+                (where, "SpecForge in place (pointer files)", specforge_files(dests["specforge", where])),
+            ]
         for where, url in coded.items():  # the same samples, coded: against the rows above of the same name
-            cases += [(where, f"harvest feed (HiddenStateIterable), {args.codec}", harvest_feed(url, None)),
-                      (where, f"harvest feed, shuffled (seed 0), {args.codec}", harvest_feed(url, 0)),
-                      (where, f"speculators in place (harvest backend), {args.codec}", speculators_feed(
-                          dests["coded", where], url, rows, 1))]
-        cases += [("local", "speculators export files (FileTransfer)", export_files(dests["speculators"], rows)),
-                  ("local", "SpecForge export files (load_feature_file)", specforge_files(dests["specforge"]))]
+            cases += [
+                (where, f"harvest feed (HiddenStateIterable), {args.codec}", harvest_feed(url, None)),
+                (where, f"harvest feed, shuffled (seed 0), {args.codec}", harvest_feed(url, 0)),
+                (
+                    where,
+                    f"speculators in place (harvest backend), {args.codec}",
+                    speculators_feed(dests["coded", where], url, rows, 1),
+                ),
+            ]
+        cases += [
+            ("local", "speculators export files (FileTransfer)", export_files(dests["speculators"], rows)),
+            ("local", "SpecForge export files (load_feature_file)", specforge_files(dests["specforge"])),
+        ]
         times: dict[tuple[str, str], list[float]] = {}
         nbytes: dict[tuple[str, str], int] = {}
         for _ in range(args.repeats):

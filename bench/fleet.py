@@ -59,14 +59,14 @@ import redis  # noqa: E402
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.config import RunConfig  # noqa: E402
 from harvest.errors import ConfigurationError  # noqa: E402
+from harvest.producer.enqueue import Enqueuer  # noqa: E402
 from harvest.sample import Sample  # noqa: E402
 from harvest.state.heartbeat import read_collectors, read_workers  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
 from harvest.state.runstore import publish_run  # noqa: E402
-from harvest.producer.enqueue import Enqueuer  # noqa: E402
 from tests.support.cpushare import CpuShare  # noqa: E402
-from tests.support.ledgercost import ledger_cost, print_ledger  # noqa: E402
 from tests.support.fleet import TRIPS, Fleet, RedisStats, install_counter, rq_cost, sent_counts, tagged  # noqa: E402
+from tests.support.ledgercost import ledger_cost, print_ledger  # noqa: E402
 from tests.support.ports import reserve_ports  # noqa: E402
 from tests.support.scriptcost import ScriptLog  # noqa: E402
 from tests.support.wait import wait_for  # noqa: E402
@@ -105,12 +105,22 @@ def executed(r: RedisStats, bench: Counter) -> dict[str, int]:
     return {k: v for k, v in out.items() if v > 0}
 
 
-def new_run(conn: redis.Redis, root: str, run: str, tokens: int, job: int, job_tokens: int,
-            shard_samples: int | None = None) -> RunConfig:
+def new_run(
+    conn: redis.Redis, root: str, run: str, tokens: int, job: int, job_tokens: int, shard_samples: int | None = None
+) -> RunConfig:
     per_shard = shard_samples or max(1, REAL_SHARD // (tokens * REAL_ROW))
-    cfg = RunConfig(run=run, model="synthetic", capture_points=POINTS, hidden_size=HIDDEN, out_url=os.path.join(root, "out"),
-                    storage_dtype="fp32", max_batch_samples=job, max_batch_tokens=job_tokens,
-                    shard_bytes=per_shard * sample_bytes(tokens), num_layers=8)
+    cfg = RunConfig(
+        run=run,
+        model="synthetic",
+        capture_points=POINTS,
+        hidden_size=HIDDEN,
+        out_url=os.path.join(root, "out"),
+        storage_dtype="fp32",
+        max_batch_samples=job,
+        max_batch_tokens=job_tokens,
+        shard_bytes=per_shard * sample_bytes(tokens),
+        num_layers=8,
+    )
     return publish_run(conn, cfg)
 
 
@@ -120,15 +130,28 @@ def wait_ready(conn: redis.Redis, fleet: Fleet, timeout: float = 900) -> None:
             if p.poll() is not None:
                 raise RuntimeError(f"{name} exited ({p.returncode}); see {fleet.root}/logs/{name}.log")
         with tagged("bench.poll"):
-            return (len(read_workers(conn, fleet.run)[0]) == fleet.nodes * fleet.workers
-                    and len(read_collectors(conn, fleet.run)[0]) == fleet.nodes)
+            return (
+                len(read_workers(conn, fleet.run)[0]) == fleet.nodes * fleet.workers
+                and len(read_collectors(conn, fleet.run)[0]) == fleet.nodes
+            )
 
     wait_for(ready, timeout, f"{fleet.nodes} nodes of {fleet.run} up", poll=0.5)
 
 
-def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: int, tokens: int, job: int,
-                  job_tokens: int, idle_s: float, base_us_s: float, rng: np.random.Generator,
-                  shard_samples: int | None = None) -> dict:
+def measure_fleet(
+    conn: redis.Redis,
+    url: str,
+    root: str,
+    nodes: int,
+    samples: int,
+    tokens: int,
+    job: int,
+    job_tokens: int,
+    idle_s: float,
+    base_us_s: float,
+    rng: np.random.Generator,
+    shard_samples: int | None = None,
+) -> dict:
     run = f"fleet{nodes}t{tokens}"
     cfg = new_run(conn, root, run, tokens, job, job_tokens, shard_samples)
     todo = make_samples(samples, tokens, rng)
@@ -167,14 +190,28 @@ def measure_fleet(conn: redis.Redis, url: str, root: str, nodes: int, samples: i
     ex, idle_ex = executed(run_r, b1 - b0), executed(idle_r, b2 - b1)
     idle_cpu_us_s = max(0.0, idle_r.cpu_s * 1e6 / idle_s - base_us_s)  # the fleet's, beyond an idle server's own
     return {
-        "nodes": nodes, "samples": samples, "tokens": tokens, "job": job, "failed": failed, "seconds": t1 - t0,
-        "jobs": enq.stats.jobs, "shards": stats.get("shards", 0),
-        "executed": ex, "sent": sent, "idle_executed": sum(idle_ex.values()) / idle_s,
-        "idle_sent": commands(idle_sent) / idle_s, "idle_trips": trips(idle_sent) / idle_s, "idle_cpu_us_s": idle_cpu_us_s,
+        "nodes": nodes,
+        "samples": samples,
+        "tokens": tokens,
+        "job": job,
+        "failed": failed,
+        "seconds": t1 - t0,
+        "jobs": enq.stats.jobs,
+        "shards": stats.get("shards", 0),
+        "executed": ex,
+        "sent": sent,
+        "idle_executed": sum(idle_ex.values()) / idle_s,
+        "idle_sent": commands(idle_sent) / idle_s,
+        "idle_trips": trips(idle_sent) / idle_s,
+        "idle_cpu_us_s": idle_cpu_us_s,
         # what the run cost beyond the fleet's idle background over the same seconds
-        "cpu_us": run_r.cpu_s * 1e6, "busy_cpu_us": run_r.cpu_s * 1e6 - (idle_cpu_us_s + base_us_s) * (t1 - t0),
-        "usec": run_r.usec, "mem_done": RedisStats.read(conn).memory - r0.memory, "sys_us": run_r.sys_s * 1e6,
-        "net_in": run_r.net_in, "net_out": run_r.net_out,
+        "cpu_us": run_r.cpu_s * 1e6,
+        "busy_cpu_us": run_r.cpu_s * 1e6 - (idle_cpu_us_s + base_us_s) * (t1 - t0),
+        "usec": run_r.usec,
+        "mem_done": RedisStats.read(conn).memory - r0.memory,
+        "sys_us": run_r.sys_s * 1e6,
+        "net_in": run_r.net_in,
+        "net_out": run_r.net_out,
         "cpu": {k: c1[k] - c0.get(k, 0) for k in c1},
     }
 
@@ -208,23 +245,31 @@ ROLES = ("producer", "worker.job", "worker.rq", "worker.beat", "worker.janitor",
 
 def print_fleets(res: list[dict], mem_q: float, ping_us: float) -> None:
     base = res[0]
-    print(f"\n{'fleet':>18} {'samples':>8} {'s/s':>7} {'x':>5} {'exec/s':>7} {'sent/s':>7} {'trips/s':>7} {'cpu µs/s':>9} "
-          f"{'busy µs/s':>9} {'PINGs/s':>7} {'KB/done':>8} {'worker ms/s':>11} {'coll ms/s':>9}   idle/node: trips/s  µs/s")
+    print(
+        f"\n{'fleet':>18} {'samples':>8} {'s/s':>7} {'x':>5} {'exec/s':>7} {'sent/s':>7} {'trips/s':>7} {'cpu µs/s':>9} "
+        f"{'busy µs/s':>9} {'PINGs/s':>7} {'KB/done':>8} {'worker ms/s':>11} {'coll ms/s':>9}   idle/node: trips/s  µs/s"
+    )
     for r in res:
         n = r["samples"]
         sps = n / r["seconds"]
-        print(f"{r['nodes']:>4} nodes {r['tokens']:>5} tok {n:>8} {sps:>7.0f} {sps / (base['samples'] / base['seconds']):>5.2f} "
-              f"{sum(r['executed'].values()) / n:>7.2f} {commands(r['sent']) / n:>7.2f} {trips(r['sent']) / n:>7.2f} "
-              f"{r['cpu_us'] / n:>9.1f} {r['busy_cpu_us'] / n:>9.1f} {r['busy_cpu_us'] / n / max(ping_us, 1e-9):>7.1f} "
-              f"{r['mem_done'] / n / 1e3:>8.2f} "
-              f"{r['cpu'].get('worker', 0) * 1e3 / n:>11.2f} {r['cpu'].get('collector', 0) * 1e3 / n:>9.2f}   "
-              f"{r['idle_trips'] / r['nodes']:>14.1f} {r['idle_cpu_us_s'] / r['nodes']:>5.0f}")
-    print(f"  (s/s: samples/s end to end; x: against {base['nodes']} node(s); exec/s, sent/s: Redis commands per sample "
-          f"executed (Lua's inner ones included) and sent by clients; trips/s: round trips (a pipeline is one); cpu: Redis "
-          f"main-thread µs per sample, busy: less the idle fleet's; PINGs/s: busy in PING round trips measured in "
-          f"this run; KB/done: Redis memory left per done sample; worker/coll ms/s: their own CPU per sample)")
-    print(f"  Redis memory per queued sample ({base['tokens']}-token samples, jobs of {base['job']}): "
-          f"{mem_q / 1e3:.1f} KB")
+        print(
+            f"{r['nodes']:>4} nodes {r['tokens']:>5} tok {n:>8} {sps:>7.0f} {sps / (base['samples'] / base['seconds']):>5.2f} "
+            f"{sum(r['executed'].values()) / n:>7.2f} {commands(r['sent']) / n:>7.2f} {trips(r['sent']) / n:>7.2f} "
+            f"{r['cpu_us'] / n:>9.1f} {r['busy_cpu_us'] / n:>9.1f} {r['busy_cpu_us'] / n / max(ping_us, 1e-9):>7.1f} "
+            f"{r['mem_done'] / n / 1e3:>8.2f} "
+            f"{r['cpu'].get('worker', 0) * 1e3 / n:>11.2f} {r['cpu'].get('collector', 0) * 1e3 / n:>9.2f}   "
+            f"{r['idle_trips'] / r['nodes']:>14.1f} {r['idle_cpu_us_s'] / r['nodes']:>5.0f}"
+        )
+    print(
+        f"  (s/s: samples/s end to end; x: against {base['nodes']} node(s); exec/s, sent/s: Redis commands per sample "
+        f"executed (Lua's inner ones included) and sent by clients; trips/s: round trips (a pipeline is one); cpu: Redis "
+        f"main-thread µs per sample, busy: less the idle fleet's; PINGs/s: busy in PING round trips measured in "
+        f"this run; KB/done: Redis memory left per done sample; worker/coll ms/s: their own CPU per sample)"
+    )
+    print(
+        f"  Redis memory per queued sample ({base['tokens']}-token samples, jobs of {base['job']}): "
+        f"{mem_q / 1e3:.1f} KB"
+    )
     for r in res:
         n, jobs, shards = r["samples"], r["jobs"], max(1, r["shards"])
         by_role, by_trips, by_cmd = Counter(), Counter(), {}
@@ -234,21 +279,29 @@ def print_fleets(res: list[dict], mem_q: float, ping_us: float) -> None:
                 continue
             by_role[act] += v
             by_cmd.setdefault(act, Counter())[cmd] += v
-        print(f"\n  {r['nodes']} nodes, {r['tokens']}-token samples: {n} samples, {jobs} jobs ({n / max(1, jobs):.1f} "
-              f"samples/job), {shards} shards ({n / shards:.1f} samples/shard), {r['failed']} failed; commands sent per "
-              f"sample by activity [per job] (round trips per sample) top commands:")
+        print(
+            f"\n  {r['nodes']} nodes, {r['tokens']}-token samples: {n} samples, {jobs} jobs ({n / max(1, jobs):.1f} "
+            f"samples/job), {shards} shards ({n / shards:.1f} samples/shard), {r['failed']} failed; commands sent per "
+            f"sample by activity [per job] (round trips per sample) top commands:"
+        )
         for act in sorted(by_role, key=lambda a: (a not in ROLES, ROLES.index(a) if a in ROLES else 0, a)):
             top = ", ".join(f"{c} {v / n:.2f}" for c, v in by_cmd[act].most_common(6))
-            print(f"    {act:<18} {by_role[act] / n:6.2f}  [{by_role[act] / max(1, jobs):6.1f}]  ({by_trips[act] / n:5.2f})  "
-                  f"{top}")
+            print(
+                f"    {act:<18} {by_role[act] / n:6.2f}  [{by_role[act] / max(1, jobs):6.1f}]  ({by_trips[act] / n:5.2f})  "
+                f"{top}"
+            )
         top = sorted(r["executed"].items(), key=lambda kv: -kv[1])[:10]
         print("    executed per sample: " + ", ".join(f"{k} {v / n:.2f}" for k, v in top))
         cpu = sorted(r["usec"].items(), key=lambda kv: -kv[1])[:6]
-        print("    Redis µs per sample by command (commandstats; a script's include its inner calls): "
-              + ", ".join(f"{k} {v / n:.1f}" for k, v in cpu if v > 0))
-        print(f"    of the Redis CPU, in the kernel (client reads and writes, AOF writes, page faults): "
-              f"{r['sys_us'] / n:.1f} µs per sample of {r['cpu_us'] / n:.1f}; bytes per sample from clients "
-              f"{r['net_in'] / n / 1e3:.2f} KB, to them {r['net_out'] / n / 1e3:.2f} KB")
+        print(
+            "    Redis µs per sample by command (commandstats; a script's include its inner calls): "
+            + ", ".join(f"{k} {v / n:.1f}" for k, v in cpu if v > 0)
+        )
+        print(
+            f"    of the Redis CPU, in the kernel (client reads and writes, AOF writes, page faults): "
+            f"{r['sys_us'] / n:.1f} µs per sample of {r['cpu_us'] / n:.1f}; bytes per sample from clients "
+            f"{r['net_in'] / n / 1e3:.2f} KB, to them {r['net_out'] / n / 1e3:.2f} KB"
+        )
 
 
 def project(short: dict, long: dict) -> None:
@@ -260,42 +313,16 @@ def project(short: dict, long: dict) -> None:
         c_idle = r["idle_cpu_us_s"] / r["nodes"]  # a simulated node: one worker and one collector
         gpus = 1e6 / (per_gpu * c_s + c_idle)
         cmds = commands(r["sent"]) / r["samples"] * per_gpu * gpus
-        print(f"  {r['tokens']:>5}-token samples ({per_gpu:.1f} samples/s per GPU, {c_s:.1f} µs per sample, "
-              f"{c_idle:.0f} µs/s idle per GPU): {gpus:,.0f} GPUs ({per_gpu * gpus:,.0f} samples/s, {cmds:,.0f} commands/s "
-              f"sent)")
+        print(
+            f"  {r['tokens']:>5}-token samples ({per_gpu:.1f} samples/s per GPU, {c_s:.1f} µs per sample, "
+            f"{c_idle:.0f} µs/s idle per GPU): {gpus:,.0f} GPUs ({per_gpu * gpus:,.0f} samples/s, {cmds:,.0f} commands/s "
+            f"sent)"
+        )
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", default="1,4,16")
-    ap.add_argument("--per-node", type=int, default=300, help="samples per node (at least 600 a fleet)")
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--job", type=int, default=32, help="samples a job in the fleets of --tokens samples (and the "
-                    "in-process worker's queued-memory measure)")
-    ap.add_argument("--shard-samples", type=int, help="samples a shard holds at most in the fleets of --tokens samples "
-                    "(default: as many as a 1 GiB shard of an 8B model: 32 of 1k tokens), to measure what a shard's "
-                    "calls cost")
-    ap.add_argument("--long-tokens", type=int, default=8192)
-    ap.add_argument("--long-per-node", type=int, default=40)
-    ap.add_argument("--ledger", default="10000,100000,1000000")
-    ap.add_argument("--idle", type=float, default=20.0, help="seconds of idle fleet measured after each run (two of the "
-                    "fleet's longest periods, 10 s: a shorter window catches some periodic calls and misses others)")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--by-script", action="store_true", help="then the largest fleet again with its Redis µs by harvest "
-                    "script (SLOWLOG; tests.support.scriptcost)")
-    ap.add_argument("--quick", action="store_true", help="only the --nodes fleets, one line each: Redis main-thread CPU "
-                    "µs per sample (an ablation's figure; give a short --idle)")
-    ap.add_argument("--quick-rq", type=int, metavar="JOBS", help="only one worker's JOBS jobs of --job 64-token "
-                    "samples, twice: Redis CPU µs a job, commands and round trips (an ablation's figure)")
-    ap.add_argument("--soak", action="store_true", help="the fleet soak instead (see the module docstring)")
-    ap.add_argument("--soak-nodes", type=int, default=16)
-    ap.add_argument("--soak-samples", type=int, default=50_000)
-    ap.add_argument("--soak-kills", type=int, default=12)
-    ap.add_argument("--redis-core", type=int, help="pin redis-server to this core, the fleet to the others")
-    ap.add_argument("--redis-share", type=float, help="hold redis-server to this share of one core (a CPU cgroup: root), "
-                    "so the fleet waits on it as on a saturated Redis (tests.support.cpushare)")
-    args = ap.parse_args()
-    try:  # a bad share or no cgroup to write: one line, before anything is started
+def _checked(ap: argparse.ArgumentParser, args: argparse.Namespace) -> CpuShare | None:
+    """The options checked before anything starts (a bad one: one line, exit 2); the Redis CPU share."""
+    try:  # a bad share or no cgroup to write
         share = CpuShare(args.redis_share) if args.redis_share is not None else None
     except ConfigurationError as e:
         ap.exit(2, f"fleet.py: {e}\n")
@@ -303,8 +330,74 @@ def main() -> int:
         ap.exit(2, f"fleet.py: --shard-samples {args.shard_samples}: give at least 1\n")
     cores = os.sched_getaffinity(0)
     if args.redis_core is not None and (args.redis_core not in cores or len(cores) < 2):
-        ap.exit(2, f"fleet.py: --redis-core {args.redis_core}: give one of this process's cores {sorted(cores)}, "
-                   "with another left for the fleet\n")
+        ap.exit(
+            2,
+            f"fleet.py: --redis-core {args.redis_core}: give one of this process's cores {sorted(cores)}, "
+            "with another left for the fleet\n",
+        )
+    return share
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", default="1,4,16")
+    ap.add_argument("--per-node", type=int, default=300, help="samples per node (at least 600 a fleet)")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument(
+        "--job",
+        type=int,
+        default=32,
+        help="samples a job in the fleets of --tokens samples (and the in-process worker's queued-memory measure)",
+    )
+    ap.add_argument(
+        "--shard-samples",
+        type=int,
+        help="samples a shard holds at most in the fleets of --tokens samples "
+        "(default: as many as a 1 GiB shard of an 8B model: 32 of 1k tokens), to measure what a shard's "
+        "calls cost",
+    )
+    ap.add_argument("--long-tokens", type=int, default=8192)
+    ap.add_argument("--long-per-node", type=int, default=40)
+    ap.add_argument("--ledger", default="10000,100000,1000000")
+    ap.add_argument(
+        "--idle",
+        type=float,
+        default=20.0,
+        help="seconds of idle fleet measured after each run (two of the "
+        "fleet's longest periods, 10 s: a shorter window catches some periodic calls and misses others)",
+    )
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--by-script",
+        action="store_true",
+        help="then the largest fleet again with its Redis µs by harvest script (SLOWLOG; tests.support.scriptcost)",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the --nodes fleets, one line each: Redis main-thread CPU "
+        "µs per sample (an ablation's figure; give a short --idle)",
+    )
+    ap.add_argument(
+        "--quick-rq",
+        type=int,
+        metavar="JOBS",
+        help="only one worker's JOBS jobs of --job 64-token "
+        "samples, twice: Redis CPU µs a job, commands and round trips (an ablation's figure)",
+    )
+    ap.add_argument("--soak", action="store_true", help="the fleet soak instead (see the module docstring)")
+    ap.add_argument("--soak-nodes", type=int, default=16)
+    ap.add_argument("--soak-samples", type=int, default=50_000)
+    ap.add_argument("--soak-kills", type=int, default=12)
+    ap.add_argument("--redis-core", type=int, help="pin redis-server to this core, the fleet to the others")
+    ap.add_argument(
+        "--redis-share",
+        type=float,
+        help="hold redis-server to this share of one core (a CPU cgroup: root), "
+        "so the fleet waits on it as on a saturated Redis (tests.support.cpushare)",
+    )
+    args = ap.parse_args()
+    share = _checked(ap, args)
     sys.stdout.reconfigure(line_buffering=True)  # each table shows as it is printed, also into a log
     install_counter("bench", "other")
     rng = np.random.default_rng(args.seed)
@@ -322,30 +415,63 @@ def main() -> int:
             from tests.support.fleet_soak import soak
 
             return soak(conn, server, root, args.soak_nodes, args.soak_samples, args.soak_kills, args.seed)
-        print(f"redis-server {conn.info('server')['redis_version']} (AOF everysec), {os.cpu_count()} cores"
-              f"{'' if args.redis_core is None else f' (Redis alone on core {args.redis_core})'}"
-              f"{'' if share is None else f', Redis held to {share.share:.1%} of a core'}; "
-              f"simulated samples: {len(POINTS)} x {HIDDEN} fp32 per token", flush=True)
+        print(
+            f"redis-server {conn.info('server')['redis_version']} (AOF everysec), {os.cpu_count()} cores"
+            f"{'' if args.redis_core is None else f' (Redis alone on core {args.redis_core})'}"
+            f"{'' if share is None else f', Redis held to {share.share:.1%} of a core'}; "
+            f"simulated samples: {len(POINTS)} x {HIDDEN} fp32 per token",
+            flush=True,
+        )
         r0 = RedisStats.read(conn)
         time.sleep(args.idle)
         base_us_s = RedisStats.read(conn).since(r0).cpu_s * 1e6 / args.idle  # serverCron and the rest, no client
-        print(f"  an idle redis-server's own CPU: {base_us_s:.0f} µs/s (taken out of the fleets' idle figures)", flush=True)
+        print(
+            f"  an idle redis-server's own CPU: {base_us_s:.0f} µs/s (taken out of the fleets' idle figures)",
+            flush=True,
+        )
         ping_us = ping_cost(conn, base_us_s)
-        print(f"  the baseline, one PING round trip from one client: {ping_us:.1f} µs of Redis CPU (this machine's cost "
-              f"of a round trip; the fleets' µs per sample are also given in PINGs)", flush=True)
+        print(
+            f"  the baseline, one PING round trip from one client: {ping_us:.1f} µs of Redis CPU (this machine's cost "
+            f"of a round trip; the fleets' µs per sample are also given in PINGs)",
+            flush=True,
+        )
         if args.quick_rq:
             for rep in range(2):
-                q = rq_cost(conn, root, new_run(conn, root, f"rq{rep}", 64, args.job, args.job * 64), args.quick_rq,
-                            base_us_s, lambda n: make_samples(n, 64, rng))
-                print(f"quick-rq: jobs of {args.job}: {q['cpu_us']:.0f} µs a job ({q['cpu_us'] / args.job:.1f} a sample), "
-                      f"{q['commands']:.0f} commands, {q['trips']:.0f} round trips", flush=True)
+                q = rq_cost(
+                    conn,
+                    root,
+                    new_run(conn, root, f"rq{rep}", 64, args.job, args.job * 64),
+                    args.quick_rq,
+                    base_us_s,
+                    lambda n: make_samples(n, 64, rng),
+                )
+                print(
+                    f"quick-rq: jobs of {args.job}: {q['cpu_us']:.0f} µs a job ({q['cpu_us'] / args.job:.1f} a sample), "
+                    f"{q['commands']:.0f} commands, {q['trips']:.0f} round trips",
+                    flush=True,
+                )
             return 0
         if args.quick:
             for n in [int(x) for x in args.nodes.split(",")]:
-                r = measure_fleet(conn, server.url, root, n, max(600, n * args.per_node), args.tokens, args.job,
-                                  args.job * args.tokens, args.idle, base_us_s, rng, args.shard_samples)
-                print(f"quick: {n} nodes {r['samples']} samples {r['seconds']:.1f}s redis_us_per_sample "
-                      f"{r['cpu_us'] / r['samples']:.2f} busy {r['busy_cpu_us'] / r['samples']:.2f}", flush=True)
+                r = measure_fleet(
+                    conn,
+                    server.url,
+                    root,
+                    n,
+                    max(600, n * args.per_node),
+                    args.tokens,
+                    args.job,
+                    args.job * args.tokens,
+                    args.idle,
+                    base_us_s,
+                    rng,
+                    args.shard_samples,
+                )
+                print(
+                    f"quick: {n} nodes {r['samples']} samples {r['seconds']:.1f}s redis_us_per_sample "
+                    f"{r['cpu_us'] / r['samples']:.2f} busy {r['busy_cpu_us'] / r['samples']:.2f}",
+                    flush=True,
+                )
                 conn.flushall()
             return 0
         mem_q = memory_per_queued(conn, root, args.tokens, args.job, 3000, rng)
@@ -353,39 +479,101 @@ def main() -> int:
         res = []
         for n in [int(x) for x in args.nodes.split(",")]:
             samples = max(600, n * args.per_node)
-            res.append(measure_fleet(conn, server.url, root, n, samples, args.tokens, args.job, args.job * args.tokens,
-                                     args.idle, base_us_s, rng, args.shard_samples))
-            print(f"  fleet of {n}: {samples} samples in {res[-1]['seconds']:.1f}s, Redis "
-                  f"{res[-1]['cpu_us'] / res[-1]['seconds'] / 1e4:.1f}% busy", flush=True)
+            res.append(
+                measure_fleet(
+                    conn,
+                    server.url,
+                    root,
+                    n,
+                    samples,
+                    args.tokens,
+                    args.job,
+                    args.job * args.tokens,
+                    args.idle,
+                    base_us_s,
+                    rng,
+                    args.shard_samples,
+                )
+            )
+            print(
+                f"  fleet of {n}: {samples} samples in {res[-1]['seconds']:.1f}s, Redis "
+                f"{res[-1]['cpu_us'] / res[-1]['seconds'] / 1e4:.1f}% busy",
+                flush=True,
+            )
             conn.flushall()
         big = max(int(x) for x in args.nodes.split(","))
-        long = measure_fleet(conn, server.url, root, big, big * args.long_per_node, args.long_tokens, 32,
-                             RunConfig.__dataclass_fields__["max_batch_tokens"].default, args.idle, base_us_s, rng)
-        print(f"  fleet of {big}, {args.long_tokens}-token samples: {long['samples']} in {long['seconds']:.1f}s", flush=True)
+        long = measure_fleet(
+            conn,
+            server.url,
+            root,
+            big,
+            big * args.long_per_node,
+            args.long_tokens,
+            32,
+            RunConfig.__dataclass_fields__["max_batch_tokens"].default,
+            args.idle,
+            base_us_s,
+            rng,
+        )
+        print(
+            f"  fleet of {big}, {args.long_tokens}-token samples: {long['samples']} in {long['seconds']:.1f}s",
+            flush=True,
+        )
         conn.flushall()
         print_fleets(res + [long], mem_q, ping_us)  # each stage's table as soon as it is measured
         project(res[-1], long)
         print("\none worker's jobs (64-token samples; in this process): Redis CPU per job and per sample", flush=True)
         for j in (8, 32, 128):
-            q = rq_cost(conn, root, new_run(conn, root, f"rq{j}", 64, j, j * 64), 100, base_us_s,
-                        lambda n: make_samples(n, 64, rng))
-            split = "" if share else (  # a held server's command times are wall times, its waits for the CPU in them
-                f", of which harvest's scripts {q['scripts_us']:6.0f} ({q['scripts_us'] / q['job']:4.1f} a sample) and "
-                f"the rest, RQ's, {q['rq_us']:6.0f} ({q['rq_us'] / q['job']:4.1f} a sample)")
-            print(f"  jobs of {q['job']:>3}: {q['cpu_us']:7.0f} µs a job ({q['cpu_us'] / q['job']:5.1f} a sample){split}; "
-                  f"{q['commands']:.0f} commands executed and {q['trips']:.0f} round trips a job", flush=True)
+            q = rq_cost(
+                conn,
+                root,
+                new_run(conn, root, f"rq{j}", 64, j, j * 64),
+                100,
+                base_us_s,
+                lambda n: make_samples(n, 64, rng),
+            )
+            split = (
+                ""
+                if share
+                # a held server's command times are wall times, its waits for the CPU in them
+                else (
+                    f", of which harvest's scripts {q['scripts_us']:6.0f} ({q['scripts_us'] / q['job']:4.1f} a sample) and "
+                    f"the rest, RQ's, {q['rq_us']:6.0f} ({q['rq_us'] / q['job']:4.1f} a sample)"
+                )
+            )
+            print(
+                f"  jobs of {q['job']:>3}: {q['cpu_us']:7.0f} µs a job ({q['cpu_us'] / q['job']:5.1f} a sample){split}; "
+                f"{q['commands']:.0f} commands executed and {q['trips']:.0f} round trips a job",
+                flush=True,
+            )
         conn.flushall()
         print_ledger(ledger_cost(conn, [int(x) for x in args.ledger.split(",")], POINTS, HIDDEN))
         if args.by_script:
             conn.flushall()
             with ScriptLog(conn) as log:
-                r = measure_fleet(conn, server.url, root, big, big * args.per_node, args.tokens, args.job,
-                                  args.job * args.tokens, args.idle, base_us_s, rng, args.shard_samples)
+                r = measure_fleet(
+                    conn,
+                    server.url,
+                    root,
+                    big,
+                    big * args.per_node,
+                    args.tokens,
+                    args.job,
+                    args.job * args.tokens,
+                    args.idle,
+                    base_us_s,
+                    rng,
+                    args.shard_samples,
+                )
                 usec, calls, entries = log.read()
-            print(f"\n{big} nodes again, every command logged ({entries} entries; the log slows the server): Redis µs "
-                  f"per sample by script [calls per sample, µs a call]")
+            print(
+                f"\n{big} nodes again, every command logged ({entries} entries; the log slows the server): Redis µs "
+                f"per sample by script [calls per sample, µs a call]"
+            )
             for name, v in usec.most_common(12):
-                print(f"  {name:<38} {v / r['samples']:6.1f}  [{calls[name] / r['samples']:.3f}, {v / calls[name]:6.1f}]")
+                print(
+                    f"  {name:<38} {v / r['samples']:6.1f}  [{calls[name] / r['samples']:.3f}, {v / calls[name]:6.1f}]"
+                )
         print(f"\n{time.monotonic() - t0:.0f}s in all")
     finally:
         server.stop()

@@ -53,8 +53,15 @@ from harvest.state.runstore import publish_run  # noqa: E402
 from tests.support.fleet import RedisStats, install_counter, rq_cost  # noqa: E402
 from tests.support.ops import enqueue  # noqa: E402
 
-STEPS = ("producer: to queued", "worker: take", "worker: settle", "collector: view", "collector: record",
-         "collector: fence", "collector: done")
+STEPS = (
+    "producer: to queued",
+    "worker: take",
+    "worker: settle",
+    "collector: view",
+    "collector: record",
+    "collector: fence",
+    "collector: done",
+)
 
 
 def commandstats(conn: redis.Redis) -> Counter:
@@ -94,16 +101,19 @@ def fill(led: Ledger, size: int) -> list[str]:
     return ids
 
 
-def baselines(conn: redis.Redis, led: Ledger, ids: list[str], job: int, n: int = 60,
-              rounds: int = 7) -> dict[str, float]:
+def baselines(
+    conn: redis.Redis, led: Ledger, ids: list[str], job: int, n: int = 60, rounds: int = 7
+) -> dict[str, float]:
     """µs a call, the median of `rounds` rounds of `n` calls (a round that met a neighbour's burst is dropped)."""
     one, state = conn.register_script("return 1"), led.keys.state
     hm = conn.register_script("return #redis.call('HMGET', KEYS[1], unpack(ARGV))")
     out = {}
-    for name, fn in (("EVALSHA of `return 1`", lambda: one()),
-                     (f"HMGET of {job} random fields, cold", lambda: conn.hmget(state, random.sample(ids, job))),
-                     ("the same HMGET in a script", lambda: hm(keys=[state], args=random.sample(ids, job))),
-                     (f"HMGET of {job} fields, warm", lambda: conn.hmget(state, ids[:job]))):
+    for name, fn in (
+        ("EVALSHA of `return 1`", lambda: one()),
+        (f"HMGET of {job} random fields, cold", lambda: conn.hmget(state, random.sample(ids, job))),
+        ("the same HMGET in a script", lambda: hm(keys=[state], args=random.sample(ids, job))),
+        (f"HMGET of {job} fields, warm", lambda: conn.hmget(state, ids[:job])),
+    ):
         per_call = []
         for _ in range(rounds):
             before = commandstats(conn)
@@ -121,8 +131,10 @@ def baselines(conn: redis.Redis, led: Ledger, ids: list[str], job: int, n: int =
     return out
 
 
-def idle_us_s(conn: redis.Redis, seconds: float = 1.0, _memo: dict = {}) -> float:
+def idle_us_s(conn: redis.Redis, seconds: float = 1.0, _memo: dict = None) -> float:
     """The server's own CPU per second with no client (serverCron), measured once."""
+    if _memo is None:
+        _memo = {}
     if "v" not in _memo:
         r0 = RedisStats.read(conn)
         time.sleep(seconds)
@@ -143,17 +155,37 @@ def life(conn: redis.Redis, cfg: RunConfig, records: PackingRecords, job: int, j
     job_ids = [enqueue(conn, cfg, b) for b in batches]
     ids = [[s.id for s in b] for b in batches]
     cost.measure(STEPS[1], [lambda i=i: led.take(i) for i in ids])
-    refs = [{sid: jobcopy.ref(j, n) for n, sid in enumerate(i)} for i, j in zip(ids, job_ids)]
-    cost.measure(STEPS[2], [lambda i=i, r=r: led.settle_job(i, "spool-a", {}, {}, refs=r) for i, r in zip(ids, refs)])
+    refs = [{sid: jobcopy.ref(j, n) for n, sid in enumerate(i)} for i, j in zip(ids, job_ids, strict=False)]
+    cost.measure(
+        STEPS[2],
+        [lambda i=i, r=r: led.settle_job(i, "spool-a", {}, {}, refs=r) for i, r in zip(ids, refs, strict=False)],
+    )
     cost.measure(STEPS[3], [lambda i=i: led.states_and_owners(i) for i in ids])
     keys = [f"{led.keys.prefix}:packing:bench-{n}" for n in range(jobs)]
-    raws = cost.measure(STEPS[4], [lambda i=i, k=k, n=n: records.put_owned(
-        k, PackingRecord(f"shard-{n}", i, "spool-a"), "bench", samples=False) for n, (i, k) in enumerate(zip(ids, keys))])
+    raws = cost.measure(
+        STEPS[4],
+        [
+            lambda i=i, k=k, n=n: records.put_owned(
+                k, PackingRecord(f"shard-{n}", i, "spool-a"), "bench", samples=False
+            )
+            for n, (i, k) in enumerate(zip(ids, keys, strict=False))
+        ],
+    )
     recs = [PackingRecord(f"shard-{n}", i, "spool-a", index={"shard": "x" * 2000}).to_json() for n, i in enumerate(ids)]
-    cost.measure(STEPS[5], [lambda i=i, k=k, rec=rec, raw=raw: led.fence_commit("spool-a", i, k, rec, raw[0])
-                            for i, k, rec, raw in zip(ids, keys, recs, raws)])
-    cost.measure(STEPS[6], [lambda i=i, k=k: led.mark_done(i, clear=records.ended(k), counted=False)
-                            for i, k in zip(ids, keys)])
+    cost.measure(
+        STEPS[5],
+        [
+            lambda i=i, k=k, rec=rec, raw=raw: led.fence_commit("spool-a", i, k, rec, raw[0])
+            for i, k, rec, raw in zip(ids, keys, recs, raws, strict=False)
+        ],
+    )
+    cost.measure(
+        STEPS[6],
+        [
+            lambda i=i, k=k: led.mark_done(i, clear=records.ended(k), counted=False)
+            for i, k in zip(ids, keys, strict=False)
+        ],
+    )
     return cost
 
 
@@ -168,8 +200,11 @@ def main() -> int:
         ap.exit(2, "job_cost.py: --job and --jobs must be at least 1, and --ledger at least --job\n")
     cores = os.sched_getaffinity(0)
     if args.redis_core is not None and (args.redis_core not in cores or len(cores) < 2):
-        ap.exit(2, f"job_cost.py: --redis-core {args.redis_core}: give one of this process's cores "
-                   f"{sorted(cores)}, with another left for it\n")
+        ap.exit(
+            2,
+            f"job_cost.py: --redis-core {args.redis_core}: give one of this process's cores "
+            f"{sorted(cores)}, with another left for it\n",
+        )
     random.seed(1)
     install_counter("bench", "other")
     root = tempfile.mkdtemp(prefix="harvest-jobcost-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -179,37 +214,61 @@ def main() -> int:
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {args.redis_core})
     conn = redis.Redis.from_url(server.url)
     try:
-        cfg = publish_run(conn, RunConfig(run="jobcost", model="synthetic", capture_points=[2, 4, 5, 8], hidden_size=4,
-                                          out_url=os.path.join(root, "out"), storage_dtype="fp32",
-                                          max_batch_samples=args.job, max_batch_tokens=args.job * 64, num_layers=8))
+        cfg = publish_run(
+            conn,
+            RunConfig(
+                run="jobcost",
+                model="synthetic",
+                capture_points=[2, 4, 5, 8],
+                hidden_size=4,
+                out_url=os.path.join(root, "out"),
+                storage_dtype="fp32",
+                max_batch_samples=args.job,
+                max_batch_tokens=args.job * 64,
+                num_layers=8,
+            ),
+        )
         led, records = Ledger(conn, cfg.run), PackingRecords(conn, cfg.run)
         t0 = time.monotonic()
         ids = fill(led, args.ledger)
-        print(f"redis-server {conn.info('server')['redis_version']} (AOF everysec); a ledger of {args.ledger} samples "
-              f"({time.monotonic() - t0:.0f} s to fill); jobs of {args.job}")
+        print(
+            f"redis-server {conn.info('server')['redis_version']} (AOF everysec); a ledger of {args.ledger} samples "
+            f"({time.monotonic() - t0:.0f} s to fill); jobs of {args.job}"
+        )
         base = baselines(conn, led, ids, args.job)
         print("baselines (µs of Redis CPU a call):")
         for name, us in base.items():
             print(f"  {name:42s} {us:8.1f}")
         life(conn, cfg, records, args.job, 3)  # scripts loaded
         cost = life(conn, cfg, records, args.job, args.jobs)
-        print(f"\n{'step (one call a job)':24s} {'step µs':>10} {'its commands':>13} {'the rest':>9}  "
-              f"{'µs a sample':>11}")
+        print(
+            f"\n{'step (one call a job)':24s} {'step µs':>10} {'its commands':>13} {'the rest':>9}  {'µs a sample':>11}"
+        )
         for step in STEPS:
             s, i, n = cost.script[step] / args.jobs, cost.inner[step] / args.jobs, args.job
             print(f"{step:24s} {s:10.1f} {i:13.1f} {s - i:9.1f}  {s / n:11.2f}")
         s, i = sum(cost.script.values()) / args.jobs, sum(cost.inner.values()) / args.jobs
         print(f"{'all steps':24s} {s:10.1f} {i:13.1f} {s - i:9.1f}  {s / args.job:11.2f}")
         cold = base[f"HMGET of {args.job} random fields, cold"] / args.job
-        print(f"  (a cold field read costs {cold:.2f} µs here; the steps cost {s / args.job / cold:.1f} cold reads a "
-              f"sample; a script call's floor is {base['EVALSHA of `return 1`']:.1f} µs)")
-        q = rq_cost(conn, root, cfg, args.jobs, idle_us_s(conn), lambda n: [Sample.build(np.random.randint(0, 1000, 64))
-                                                                          for _ in range(n)])
+        print(
+            f"  (a cold field read costs {cold:.2f} µs here; the steps cost {s / args.job / cold:.1f} cold reads a "
+            f"sample; a script call's floor is {base['EVALSHA of `return 1`']:.1f} µs)"
+        )
+        q = rq_cost(
+            conn,
+            root,
+            cfg,
+            args.jobs,
+            idle_us_s(conn),
+            lambda n: [Sample.build(np.random.randint(0, 1000, 64)) for _ in range(n)],
+        )
         n = q["job"]
-        print(f"\none worker's jobs of {n} (in this process): {q['cpu_us']:.0f} µs a job ({q['cpu_us'] / n:.1f} a "
-              f"sample), of which harvest's scripts {q['scripts_us']:.0f} ({q['scripts_us'] / n:.1f} a sample) and the "
-              f"rest, RQ's commands and every round trip's system calls, {q['rq_us']:.0f} ({q['rq_us'] / n:.1f} a "
-              f"sample); {q['commands']:.0f} commands and {q['trips']:.0f} round trips a job")
+        print(
+            f"\none worker's jobs of {n} (in this process): {q['cpu_us']:.0f} µs a job ({q['cpu_us'] / n:.1f} a "
+            f"sample), of which harvest's scripts {q['scripts_us']:.0f} ({q['scripts_us'] / n:.1f} a sample) and the "
+            f"rest, RQ's commands and every round trip's system calls, {q['rq_us']:.0f} ({q['rq_us'] / n:.1f} a "
+            f"sample); {q['commands']:.0f} commands and {q['trips']:.0f} round trips a job"
+        )
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)

@@ -51,7 +51,9 @@ from tests.support.benchengine import start_pinned_engine  # noqa: E402
 
 def make_rows(n: int, mean_tokens: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(5, vocab) for _ in range(rng.randint(mean_tokens // 2, mean_tokens * 3 // 2))] for _ in range(n)]
+    return [
+        [rng.randrange(5, vocab) for _ in range(rng.randint(mean_tokens // 2, mean_tokens * 3 // 2))] for _ in range(n)
+    ]
 
 
 def batches(rows: list[list[int]], max_samples: int, max_tokens: int) -> list[list[list[int]]]:
@@ -82,10 +84,17 @@ def direct(url: str, dump_dir: str, work: list[list[list[int]]], threads: int, a
                     return
                 batch = todo.pop()
             rids = [rid_for(sample_id(np.array(ids, np.int32), np.ones(len(ids), np.uint8)), attempt) for ids in batch]
-            r = client.post(f"{url}/generate", json={"input_ids": batch, "rid": rids, "extra_key": rids,
-                                                    "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+            r = client.post(
+                f"{url}/generate",
+                json={
+                    "input_ids": batch,
+                    "rid": rids,
+                    "extra_key": rids,
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                },
+            )
             r.raise_for_status()
-            want = {rid: len(ids) for rid, ids in zip(rids, batch)}
+            want = {rid: len(ids) for rid, ids in zip(rids, batch, strict=False)}
             while want:
                 for name in os.listdir(dump_dir):
                     p = parse_chunk_name(name)
@@ -128,8 +137,13 @@ class EngineWatch(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(0.2):
             i = self.info()
-            self.points.append((time.perf_counter() - self.t0, i["requests"] - self.base["requests"],
-                                i["busy_seconds"] - self.base["busy_seconds"]))
+            self.points.append(
+                (
+                    time.perf_counter() - self.t0,
+                    i["requests"] - self.base["requests"],
+                    i["busy_seconds"] - self.base["busy_seconds"],
+                )
+            )
 
     def finish(self) -> dict:
         self.stop.set()
@@ -145,14 +159,37 @@ class EngineWatch(threading.Thread):
         return {"busy": busy, "startup": first, "tail": end - last, "steady": last - first}
 
 
-def pipeline(url: str, dump_dir: str, model: str, data: str, out: str, workers: int, run: str,
-             profile: str | None = None) -> float:
+def pipeline(
+    url: str, dump_dir: str, model: str, data: str, out: str, workers: int, run: str, profile: str | None = None
+) -> float:
     t0 = time.perf_counter()
     p = subprocess.Popen(
-        [sys.executable, "-m", "harvest.cli", "run", data, "--model", model, "--out", out, "--run", run,
-         "--engine-url", url, "--dump-dir", dump_dir, "--workers", str(workers), "--no-progress",
-         "--work-dir", out + "-work"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "harvest.cli",
+            "run",
+            data,
+            "--model",
+            model,
+            "--out",
+            out,
+            "--run",
+            run,
+            "--engine-url",
+            url,
+            "--dump-dir",
+            dump_dir,
+            "--workers",
+            str(workers),
+            "--no-progress",
+            "--work-dir",
+            out + "-work",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     spies = attach_profilers(p.pid, profile, run) if profile else []
     stdout, stderr = p.communicate()
@@ -183,14 +220,43 @@ def attach_profilers(run_pid: int, folder: str, tag: str) -> list[subprocess.Pop
         if len(found) == 2:
             break
         time.sleep(0.1)
-    return [subprocess.Popen(["py-spy", "record", "--format", "raw", "--rate", "50", "--pid", str(pid),
-                              "-o", os.path.join(folder, f"{tag}-{role}.txt")],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for role, pid in found.items()]
+    return [
+        subprocess.Popen(
+            [
+                "py-spy",
+                "record",
+                "--format",
+                "raw",
+                "--rate",
+                "50",
+                "--pid",
+                str(pid),
+                "-o",
+                os.path.join(folder, f"{tag}-{role}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for role, pid in found.items()
+    ]
 
 
 # Innermost frames that are a thread waiting (py-spy's idle detection misses them on this VM).
-WAITING = ("Condition.wait", "_read_from_socket", "SyncStream.read", "sleep", "select", "Event.wait", "Thread.join",
-           "Collector.run", "_worker (concurrent", "Overlap.wait", "_wait_for_tstate_lock", "poll", "accept")
+WAITING = (
+    "Condition.wait",
+    "_read_from_socket",
+    "SyncStream.read",
+    "sleep",
+    "select",
+    "Event.wait",
+    "Thread.join",
+    "Collector.run",
+    "_worker (concurrent",
+    "Overlap.wait",
+    "_wait_for_tstate_lock",
+    "poll",
+    "accept",
+)
 
 
 def profile_summary(path: str, n: int = 6) -> tuple[dict[str, float], list[tuple[float, str]]]:
@@ -213,8 +279,10 @@ def profile_summary(path: str, n: int = 6) -> tuple[dict[str, float], list[tuple
                 c[leaf] += k
     if not total:
         return {}, []
-    return ({p: shares[p] / total for p in ("waiting", "importing", "working")},
-            [(v / total, frame) for frame, v in c.most_common(n)])
+    return (
+        {p: shares[p] / total for p in ("waiting", "importing", "working")},
+        [(v / total, frame) for frame, v in c.most_common(n)],
+    )
 
 
 def main() -> None:
@@ -226,32 +294,49 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--max-batch-samples", type=int, default=32)
     ap.add_argument("--max-batch-tokens", type=int, default=16384)
-    ap.add_argument("--engine-cores", type=int, default=max(1, len(os.sched_getaffinity(0)) // 2),
-                    help="cores the engine is pinned to (its torch threads); everything else (the direct client, "
-                         "the pipeline, Redis) is pinned to the other cores, as on a GPU node where the forward "
-                         "does not run on the host CPU. Default: half the cores (1 of 2 here)")
+    ap.add_argument(
+        "--engine-cores",
+        type=int,
+        default=max(1, len(os.sched_getaffinity(0)) // 2),
+        help="cores the engine is pinned to (its torch threads); everything else (the direct client, "
+        "the pipeline, Redis) is pinned to the other cores, as on a GPU node where the forward "
+        "does not run on the host CPU. Default: half the cores (1 of 2 here)",
+    )
     ap.add_argument("--no-pin", action="store_true", help="share all cores; the engine gets --engine-cores threads")
     ap.add_argument("--repeat", type=int, default=1, help="alternate direct and pipeline runs this many times; medians")
     ap.add_argument("--profile", metavar="DIR", help="py-spy the first worker and the collector of each pipeline run")
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="harvest-bench-")
-    model = build_tiny_model(os.path.join(os.path.expanduser("~/.cache/harvest"), f"bench-model-{args.layers}x{args.hidden}"),
-                             layers=args.layers, hidden=args.hidden)
+    model = build_tiny_model(
+        os.path.join(os.path.expanduser("~/.cache/harvest"), f"bench-model-{args.layers}x{args.hidden}"),
+        layers=args.layers,
+        hidden=args.hidden,
+    )
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)
     import torch
     from safetensors.torch import load_file
 
-    params = sum(t.numel() for name in os.listdir(model) if name.endswith(".safetensors")
-                 for t in load_file(os.path.join(model, name)).values())
+    params = sum(
+        t.numel()
+        for name in os.listdir(model)
+        if name.endswith(".safetensors")
+        for t in load_file(os.path.join(model, name)).values()
+    )
     del torch
-    print(f"model: Llama {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, {params / 1e6:.1f}M params; "
-          f"{args.samples} samples of ~{args.tokens} tokens", flush=True)
+    print(
+        f"model: Llama {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, {params / 1e6:.1f}M params; "
+        f"{args.samples} samples of ~{args.tokens} tokens",
+        flush=True,
+    )
     bench_engine = start_pinned_engine(model, tmp, "pipeline", args.engine_cores, pin=not args.no_pin)
     engine, url, dump_dir = bench_engine.proc, bench_engine.url, bench_engine.dump_dir
     if not args.no_pin:
-        print(f"engine pinned to cores {bench_engine.cores}, direct client and pipeline to {bench_engine.rest}", flush=True)
+        print(
+            f"engine pinned to cores {bench_engine.cores}, direct client and pipeline to {bench_engine.rest}",
+            flush=True,
+        )
     try:
         wait_engine(url, engine)
         results = []
@@ -272,25 +357,41 @@ def main() -> None:
                 da = watch.finish()
                 watch = EngineWatch(url)
                 watch.start()
-                b = pipeline(url, dump_dir, model, data, os.path.join(tmp, f"out-{w}-{rep}"), w, f"bench{w}r{rep}",
-                             args.profile if rep == 0 else None)
+                b = pipeline(
+                    url,
+                    dump_dir,
+                    model,
+                    data,
+                    os.path.join(tmp, f"out-{w}-{rep}"),
+                    w,
+                    f"bench{w}r{rep}",
+                    args.profile if rep == 0 else None,
+                )
                 pb = watch.finish()
                 steady = n / pb["steady"] if pb["steady"] > 0 else float("nan")
                 reps.append((n / a, n / b, steady))
-                print(f"workers {w} run {rep + 1}: direct {n / a:.2f} samples/s (engine {1000 * da['busy'] / n:.1f} ms/sample, "
-                      f"busy {da['busy'] / a:.0%}); pipeline {n / b:.2f} samples/s end to end (ratio {a / b:.3f}): "
-                      f"start-up {pb['startup']:.1f} s, tail {pb['tail']:.1f} s, steady {steady:.2f} samples/s "
-                      f"(ratio {steady * a / n:.3f}; engine {1000 * pb['busy'] / n:.1f} ms/sample, "
-                      f"busy {pb['busy'] / max(pb['steady'], 1e-9):.0%})", flush=True)
+                print(
+                    f"workers {w} run {rep + 1}: direct {n / a:.2f} samples/s (engine {1000 * da['busy'] / n:.1f} ms/sample, "
+                    f"busy {da['busy'] / a:.0%}); pipeline {n / b:.2f} samples/s end to end (ratio {a / b:.3f}): "
+                    f"start-up {pb['startup']:.1f} s, tail {pb['tail']:.1f} s, steady {steady:.2f} samples/s "
+                    f"(ratio {steady * a / n:.3f}; engine {1000 * pb['busy'] / n:.1f} ms/sample, "
+                    f"busy {pb['busy'] / max(pb['steady'], 1e-9):.0%})",
+                    flush=True,
+                )
             results.append((w, *(statistics.median(x[k] for x in reps) for k in range(3))))
         if args.profile:
             for name in sorted(os.listdir(args.profile)):
                 parts, top = profile_summary(os.path.join(args.profile, name))
-                print(f"\nprofile {name}: " + ", ".join(f"{p} {v:.0%}" for p, v in parts.items())
-                      + "; top working frames (share of all samples):")
+                print(
+                    f"\nprofile {name}: "
+                    + ", ".join(f"{p} {v:.0%}" for p, v in parts.items())
+                    + "; top working frames (share of all samples):"
+                )
                 for share, frame in top:
                     print(f"  {share:6.1%}  {frame}")
-        print(f"\nmedians of {args.repeat} run(s) each\nworkers  direct_sps  pipeline_sps  ratio  steady_sps  steady_ratio")
+        print(
+            f"\nmedians of {args.repeat} run(s) each\nworkers  direct_sps  pipeline_sps  ratio  steady_sps  steady_ratio"
+        )
         for w, da, pb, st in results:
             print(f"{w:7d}  {da:10.2f}  {pb:12.2f}  {pb / da:5.3f}  {st:10.2f}  {st / da:12.3f}")
     finally:

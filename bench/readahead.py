@@ -42,8 +42,11 @@ def moto_server() -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    p = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(200):
         try:
@@ -72,8 +75,10 @@ def measure(name: str, url: str, samples: int, cap: int, step: float | None, rep
     inline = min(epoch(url, 0, s) for _ in range(repeats))
     ahead = min(epoch(url, cap, s) for _ in range(repeats))
     bound = (read + s * samples) / max(read, s * samples)
-    print(f"{name}: read alone {read:.2f}s ({samples / read:.0f} samples/s); step {s * 1e3:.1f} ms/sample; "
-          f"in line {inline:.2f}s, read-ahead {ahead:.2f}s: ratio {inline / ahead:.2f} (bound {bound:.2f})")
+    print(
+        f"{name}: read alone {read:.2f}s ({samples / read:.0f} samples/s); step {s * 1e3:.1f} ms/sample; "
+        f"in line {inline:.2f}s, read-ahead {ahead:.2f}s: ratio {inline / ahead:.2f} (bound {bound:.2f})"
+    )
 
 
 def main() -> None:
@@ -93,8 +98,10 @@ def main() -> None:
     sizes = [args.shard_samples] * (args.samples // args.shard_samples)
     n = sum(sizes)
     mb = n * args.tokens * 4 * args.hidden * 2 / 1e6
-    print(f"{n} samples x {args.tokens} tokens x 4 x {args.hidden} bf16: {mb:.0f} MB of hidden states, "
-          f"{len(sizes)} shards; read-ahead cap {args.cap_mb} MiB")
+    print(
+        f"{n} samples x {args.tokens} tokens x 4 x {args.hidden} bf16: {mb:.0f} MB of hidden states, "
+        f"{len(sizes)} shards; read-ahead cap {args.cap_mb} MiB"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         local = FeedRun(Path(tmp) / "local", n, hidden=args.hidden, tokens=args.tokens)
         local.commit_sizes(sizes)
@@ -104,8 +111,14 @@ def main() -> None:
             try:
                 import boto3
 
-                os.environ.update({"HARVEST_S3_ENDPOINT": endpoint, "AWS_ACCESS_KEY_ID": "bench",
-                                   "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"})
+                os.environ.update(
+                    {
+                        "HARVEST_S3_ENDPOINT": endpoint,
+                        "AWS_ACCESS_KEY_ID": "bench",
+                        "AWS_SECRET_ACCESS_KEY": "bench",
+                        "AWS_REGION": "us-east-1",
+                    }
+                )
                 boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
                 remote = FeedRun(Path(tmp) / "s3", n, hidden=args.hidden, tokens=args.tokens, out_url="s3://bench/out")
                 remote.commit_sizes(sizes)

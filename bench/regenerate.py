@@ -69,17 +69,53 @@ import redis  # noqa: E402
 from harvest.cli.demo import build_tiny_model  # noqa: E402
 from harvest.cli.redisproc import RedisServer  # noqa: E402
 from harvest.health import wait_healthy  # noqa: E402
+from harvest.producer.rows import Row  # noqa: E402
+from harvest.producer.tokenize import RowTokenizer  # noqa: E402
 from harvest.sample import Sample, split_jobs  # noqa: E402
 from harvest.state.conversation import turn_seed  # noqa: E402
 from harvest.state.ledger import Ledger  # noqa: E402
-from harvest.producer.rows import Row  # noqa: E402
-from harvest.producer.tokenize import RowTokenizer  # noqa: E402
-from tests.support.benchengine import start_pinned_engine  # noqa: E402
 from harvest.workers.clients.base import GenParams, Rejected  # noqa: E402
 from harvest.workers.clients.sglang import SGLangClient  # noqa: E402
+from tests.support.benchengine import start_pinned_engine  # noqa: E402
 
-WORDS = ("the model reads a long prompt and writes hidden states for every token so that a small draft network "
-         "can learn to guess what the large target network will say next river mountain forest city code").split()
+WORDS = [
+    "the",
+    "model",
+    "reads",
+    "a",
+    "long",
+    "prompt",
+    "and",
+    "writes",
+    "hidden",
+    "states",
+    "for",
+    "every",
+    "token",
+    "so",
+    "that",
+    "a",
+    "small",
+    "draft",
+    "network",
+    "can",
+    "learn",
+    "to",
+    "guess",
+    "what",
+    "the",
+    "large",
+    "target",
+    "network",
+    "will",
+    "say",
+    "next",
+    "river",
+    "mountain",
+    "forest",
+    "city",
+    "code",
+]
 
 
 def make_chats(n: int, seed: int) -> list[list[dict]]:
@@ -120,8 +156,11 @@ def direct(url: str, samples: list[Sample], threads: int, max_new: int, tag: str
         pieces, generated = s.conv.pieces(s.input_ids), []
         for k in range(s.conv.turns):
             prompt, _ = s.conv.splice(pieces, generated)
-            r = client.complete(f"hg-bench-{tag}-{i}-{k}", prompt.tolist(),
-                                GenParams(max_new, 0.0, 1.0, turn_seed(s.id, k), s.conv.stop))
+            r = client.complete(
+                f"hg-bench-{tag}-{i}-{k}",
+                prompt.tolist(),
+                GenParams(max_new, 0.0, 1.0, turn_seed(s.id, k), s.conv.stop),
+            )
             if isinstance(r, Rejected):
                 raise SystemExit(f"engine rejected a direct request: {r.message}")
             if not (r.tokens[:-1] if r.finish_reason == "stop" else r.tokens):
@@ -140,7 +179,9 @@ def direct(url: str, samples: list[Sample], threads: int, max_new: int, tag: str
     return sum(per.values()), dt, per
 
 
-JOB_GEN = re.compile(r"^(\S+ \S+) harvest\.worker INFO job (\S+): (\d+) conversations written, (\d+) tokens in ([\d.]+)s")
+JOB_GEN = re.compile(
+    r"^(\S+ \S+) harvest\.worker INFO job (\S+): (\d+) conversations written, (\d+) tokens in ([\d.]+)s"
+)
 JOB_END = re.compile(r"^(\S+ \S+) harvest\.worker INFO job (\S+): (\d+) samples, \d+ tokens, ([\d.]+)s: spooled")
 
 
@@ -179,10 +220,37 @@ def union(intervals: list[tuple[float, float]]) -> float:
 
 def harvest_run(args, url: str, dump_dir: str, model: str, data: str, base: str, redis_url: str, run: str) -> dict:
     work = os.path.join(base, f"work-{run}")
-    cmd = [sys.executable, "-m", "harvest.cli", "run", data, "--model", model, "--out", f"file://{base}/out",
-           "--run", run, "--engine-url", url, "--dump-dir", dump_dir, "--workers", str(args.workers),
-           "--redis", redis_url, "--work-dir", work, "--no-progress", "--batch-samples", str(args.batch_samples),
-           "--regenerate", "--max-new-tokens", str(args.max_new_tokens), "--on-length", "keep"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "harvest.cli",
+        "run",
+        data,
+        "--model",
+        model,
+        "--out",
+        f"file://{base}/out",
+        "--run",
+        run,
+        "--engine-url",
+        url,
+        "--dump-dir",
+        dump_dir,
+        "--workers",
+        str(args.workers),
+        "--redis",
+        redis_url,
+        "--work-dir",
+        work,
+        "--no-progress",
+        "--batch-samples",
+        str(args.batch_samples),
+        "--regenerate",
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--on-length",
+        "keep",
+    ]
     start, t0 = time.time(), time.perf_counter()
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0
@@ -191,9 +259,16 @@ def harvest_run(args, url: str, dump_dir: str, model: str, data: str, base: str,
     stats = Ledger(redis.Redis.from_url(redis_url), run).stats()
     jobs = job_lines(os.path.join(work, "logs"))
     gen = [j["gen"] for j in jobs.values() if "gen" in j]
-    return {"start": start, "wall": wall, "tokens": stats.get("tokens_generated", 0), "gen_ms": stats.get("generation_ms", 0),
-            "convs": stats.get("conversations_written", 0), "gen_union": union(gen), "jobs": jobs,
-            "cmd": " ".join(cmd[1:])}
+    return {
+        "start": start,
+        "wall": wall,
+        "tokens": stats.get("tokens_generated", 0),
+        "gen_ms": stats.get("generation_ms", 0),
+        "convs": stats.get("conversations_written", 0),
+        "gen_union": union(gen),
+        "jobs": jobs,
+        "cmd": " ".join(cmd[1:]),
+    }
 
 
 class EngineWatch(threading.Thread):
@@ -227,7 +302,7 @@ class EngineWatch(threading.Thread):
     def busy_within(self, intervals: list[tuple[float, float]]) -> float:
         """Busy seconds inside the intervals (each poll period's busy time spread evenly over it)."""
         total = 0.0
-        for (t0, b0), (t1, b1) in zip(self.points, self.points[1:]):
+        for (t0, b0), (t1, b1) in zip(self.points, self.points[1:], strict=False):
             if t1 > t0:
                 inside = sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in merged(intervals))
                 total += (b1 - b0) * inside / (t1 - t0)
@@ -255,8 +330,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=1, help="(a), (b), (a) this many times; medians")
     ap.add_argument("--quick", action="store_true", help="48 chats, jobs of 16, 8 new tokens a turn (~1 min a repeat)")
-    ap.add_argument("--engine-cores", type=int, default=max(1, len(os.sched_getaffinity(0)) // 2),
-                    help="cores the engine is pinned to (its torch threads); the rest get everything else")
+    ap.add_argument(
+        "--engine-cores",
+        type=int,
+        default=max(1, len(os.sched_getaffinity(0)) // 2),
+        help="cores the engine is pinned to (its torch threads); the rest get everything else",
+    )
     ap.add_argument("--no-pin", action="store_true", help="share all cores; the engine gets --engine-cores threads")
     args = ap.parse_args()
     if args.quick:
@@ -265,17 +344,23 @@ def main() -> None:
     threads = args.threads or min(64, args.batch_samples)
 
     base = tempfile.mkdtemp(prefix="harvest-bench-regen-")
-    model = build_tiny_model(os.path.join(os.path.expanduser("~/.cache/harvest"), f"bench-model-{args.layers}x{args.hidden}"),
-                             layers=args.layers, hidden=args.hidden)
+    model = build_tiny_model(
+        os.path.join(os.path.expanduser("~/.cache/harvest"), f"bench-model-{args.layers}x{args.hidden}"),
+        layers=args.layers,
+        hidden=args.hidden,
+    )
     chats = make_chats(args.chats, seed=7)
     data = os.path.join(base, "chats.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps({"messages": m}) + "\n" for m in chats)
     samples = conversations(model, chats)
     turns = sum(s.conv.turns for s in samples)
-    print(f"model: Llama {args.layers} layers, hidden {args.hidden} (random); {len(samples)} chats, {turns} turns, "
-          f"<= {args.max_new_tokens} new tokens a turn; harvest: {args.workers} workers, jobs of {args.batch_samples}; "
-          f"direct: {threads} threads", flush=True)
+    print(
+        f"model: Llama {args.layers} layers, hidden {args.hidden} (random); {len(samples)} chats, {turns} turns, "
+        f"<= {args.max_new_tokens} new tokens a turn; harvest: {args.workers} workers, jobs of {args.batch_samples}; "
+        f"direct: {threads} threads",
+        flush=True,
+    )
 
     bench_engine = start_pinned_engine(model, base, "regen", args.engine_cores, pin=not args.no_pin)
     engine, url, dump_dir = bench_engine.proc, bench_engine.url, bench_engine.dump_dir
@@ -283,6 +368,7 @@ def main() -> None:
         print(f"engine pinned to cores {bench_engine.cores}, the rest to {bench_engine.rest}", flush=True)
     server = RedisServer(os.path.join(base, "redis"), appendonly=False).start()
     try:
+
         def running() -> None:
             if engine.poll() is not None:
                 raise SystemExit("engine exited")
@@ -310,37 +396,56 @@ def main() -> None:
             gen = [j["gen"] for j in h["jobs"].values() if "gen" in j]
             gen_wall = h["gen_union"] or h["gen_ms"] / 1000
             h_busy = wh.busy_within(gen) / gen_wall if gen else float("nan")
-            g_tps, s_tps, e2e_tps = h["tokens"] / gen_wall, h["tokens"] * 1000 / max(h["gen_ms"], 1), h["tokens"] / h["wall"]
+            g_tps, s_tps, e2e_tps = (
+                h["tokens"] / gen_wall,
+                h["tokens"] * 1000 / max(h["gen_ms"], 1),
+                h["tokens"] / h["wall"],
+            )
             reps.append((d_tps, g_tps, s_tps, e2e_tps, d_busy, h_busy))
             print(f"\nrun {rep + 1}: {h['cmd']}", flush=True)
-            print(f"  direct  {a1[0] / a1[1]:6.1f} and {a2[0] / a2[1]:6.1f} tokens/s ({tokens} tokens in {a1[1]:.1f} s and "
-                  f"{a2[1]:.1f} s; engine busy {w1.busy / a1[1]:.0%} and {w2.busy / a2[1]:.0%}, "
-                  f"{1000 * w1.busy / max(tokens, 1):.1f} and {1000 * w2.busy / max(tokens, 1):.1f} ms of forward a token)",
-                  flush=True)
-            print(f"  harvest {h['tokens']} tokens, {h['convs']} conversations; generation stage {gen_wall:.1f} s (union of the "
-                  f"jobs' steps; generation_ms sums {h['gen_ms'] / 1000:.1f} s), whole run {h['wall']:.1f} s; engine busy "
-                  f"{h_busy:.0%} during the generation stage, {wh.busy / h['wall']:.0%} of the run", flush=True)
+            print(
+                f"  direct  {a1[0] / a1[1]:6.1f} and {a2[0] / a2[1]:6.1f} tokens/s ({tokens} tokens in {a1[1]:.1f} s and "
+                f"{a2[1]:.1f} s; engine busy {w1.busy / a1[1]:.0%} and {w2.busy / a2[1]:.0%}, "
+                f"{1000 * w1.busy / max(tokens, 1):.1f} and {1000 * w2.busy / max(tokens, 1):.1f} ms of forward a token)",
+                flush=True,
+            )
+            print(
+                f"  harvest {h['tokens']} tokens, {h['convs']} conversations; generation stage {gen_wall:.1f} s (union of the "
+                f"jobs' steps; generation_ms sums {h['gen_ms'] / 1000:.1f} s), whole run {h['wall']:.1f} s; engine busy "
+                f"{h_busy:.0%} during the generation stage, {wh.busy / h['wall']:.0%} of the run",
+                flush=True,
+            )
             t0 = h["start"]
             for name, j in sorted(h["jobs"].items(), key=lambda kv: kv[1].get("job", kv[1].get("gen", (0, 0)))[0]):
                 g, w = j.get("gen", (t0, t0)), j.get("job", (t0, t0))
-                print(f"    job ..{name[-6:]} {j['worker'][:-4]}: {j.get('convs', 0):3d} convs, {j.get('tokens', 0):5d} tokens; "
-                      f"starts {w[0] - t0:5.1f} s, generates {g[1] - g[0]:5.1f} s, extracts {w[1] - g[1]:4.1f} s, "
-                      f"ends {w[1] - t0:5.1f} s", flush=True)
+                print(
+                    f"    job ..{name[-6:]} {j['worker'][:-4]}: {j.get('convs', 0):3d} convs, {j.get('tokens', 0):5d} tokens; "
+                    f"starts {w[0] - t0:5.1f} s, generates {g[1] - g[0]:5.1f} s, extracts {w[1] - g[1]:4.1f} s, "
+                    f"ends {w[1] - t0:5.1f} s",
+                    flush=True,
+                )
             first = min((a for a, _ in gen), default=t0)
             last = max((b for _, b in gen), default=t0)
-            print(f"    run start to first generation {first - t0:.1f} s; last generation to run exit {t0 + h['wall'] - last:.1f} s",
-                  flush=True)
+            print(
+                f"    run start to first generation {first - t0:.1f} s; last generation to run exit {t0 + h['wall'] - last:.1f} s",
+                flush=True,
+            )
             occ = occupancy(samples, per, args.batch_samples)
-            print("  job slot occupancy (tokens / (job size x longest conversation)): "
-                  + ", ".join(f"{o:.2f}" for o in occ), flush=True)
+            print(
+                "  job slot occupancy (tokens / (job size x longest conversation)): "
+                + ", ".join(f"{o:.2f}" for o in occ),
+                flush=True,
+            )
         d, g, s, e, db, hb = (statistics.median(r[k] for r in reps) for k in range(6))
         print(f"\nmedians of {len(reps)} run(s), generated tokens/s")
         print(f"  direct client ({threads} threads)                   {d:7.1f}")
         print(f"  harvest, generation stage (union of job steps)   {g:7.1f}   ratio {g / d:.3f}   <- the goal (>= 0.9)")
         print(f"  harvest, over generation_ms (summed over jobs)   {s:7.1f}   ratio {s / d:.3f}")
         print(f"  harvest, end to end (whole harvest run)          {e:7.1f}   ratio {e / d:.3f}")
-        print(f"  engine busy: direct {db:.0%}, harvest's generation stage {hb:.0%} (ratio {hb / db:.3f}: "
-              "the same comparison, insensitive to the engine's step cost drifting between phases)")
+        print(
+            f"  engine busy: direct {db:.0%}, harvest's generation stage {hb:.0%} (ratio {hb / db:.3f}: "
+            "the same comparison, insensitive to the engine's step cost drifting between phases)"
+        )
     finally:
         engine.terminate()
         engine.wait()

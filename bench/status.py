@@ -33,8 +33,9 @@ from harvest.state.runstore import publish_run  # noqa: E402
 def first_output(argv: list[str]) -> float:
     """Seconds from spawn to the first byte of stdout (the process then runs to its end)."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                         env={**os.environ, "PYTHONPATH": REPO})
+    p = subprocess.Popen(
+        argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": REPO}
+    )
     p.stdout.read(1)
     t = time.perf_counter() - t0
     p.stdout.read()
@@ -51,8 +52,16 @@ def main() -> None:
         server = RedisServer(os.path.join(tmp, "redis")).start()
         try:
             conn = redis.Redis.from_url(server.url)
-            publish_run(conn, RunConfig(run="bench", model="m", capture_points=[2, 4, 5, 8], hidden_size=64,
-                                        out_url=os.path.join(tmp, "out")))
+            publish_run(
+                conn,
+                RunConfig(
+                    run="bench",
+                    model="m",
+                    capture_points=[2, 4, 5, 8],
+                    hidden_size=64,
+                    out_url=os.path.join(tmp, "out"),
+                ),
+            )
             conn.hset("harvest:bench:counts", mapping={"q": 3000, "s": 200, "d": 1800})
             base = [sys.executable, "-c", "import sys; sys.stdout.write('x')"]
             status = [sys.executable, "-m", "harvest.cli", "status", "--run", "bench", "--redis", server.url]
@@ -65,8 +74,10 @@ def main() -> None:
             server.stop()
     p, s = statistics.median(pas), statistics.median(sts)
     print(f"python -c (baseline)    median {p * 1000:7.1f} ms  (n={args.n})")
-    print(f"harvest status (first)  median {s * 1000:7.1f} ms  (n={args.n}; min {min(sts) * 1000:.1f}, "
-          f"max {max(sts) * 1000:.1f})")
+    print(
+        f"harvest status (first)  median {s * 1000:7.1f} ms  (n={args.n}; min {min(sts) * 1000:.1f}, "
+        f"max {max(sts) * 1000:.1f})"
+    )
     print(f"status - baseline       {(s - p) * 1000:7.1f} ms   ratio {s / p:.1f}x   target: first output <= 500 ms")
 
 

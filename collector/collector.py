@@ -33,6 +33,7 @@ from typing import TypeVar
 
 import redis
 
+from harvest.atomic import unlink_quiet
 from harvest.collector.due import QueuedCheck, may_be_due
 from harvest.collector.faults import CrashHook
 from harvest.collector.integrity import Damaged, checked, inspect_all, reject
@@ -40,7 +41,6 @@ from harvest.collector.pack import Packed, clear_scratch, pack_shard, scratch_fi
 from harvest.collector.records import Voided, give_up_shard, recorded_anywhere, tend_revoked, write_decided_index
 from harvest.collector.sweep import sweep_orphans
 from harvest.collector.unknown import take_up
-from harvest.atomic import unlink_quiet
 from harvest.config import RunConfig
 from harvest.formats.claims import STALE_S, Claimer
 from harvest.formats.generated import generated_file, store_generated

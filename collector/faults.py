@@ -23,8 +23,19 @@ CRASH_ENV = "HARVEST_COLLECTOR_CRASH_AT"
 # not renamed); local: about to rename; shard visible (not fenced yet); commit fence passed (the
 # record holds the index document, no index file yet); index written (ledger not yet done);
 # ledger done (spool files still there); some spool files deleted.
-CRASH_POINTS = ("recorded", "claimed", "packing", "header-sent", "uploading", "packed", "uploaded", "fenced", "indexed",
-                "marked", "unlinking")
+CRASH_POINTS = (
+    "recorded",
+    "claimed",
+    "packing",
+    "header-sent",
+    "uploading",
+    "packed",
+    "uploaded",
+    "fenced",
+    "indexed",
+    "marked",
+    "unlinking",
+)
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 
 
@@ -47,8 +58,9 @@ class CrashHook:
             if not n.isdigit() and not action:  # point:stop
                 n, action = "", n
             if point not in CRASH_POINTS or action not in ("", *ACTIONS) or (n and not n.isdigit()):
-                raise ValueError(f"{CRASH_ENV}={spec!r}: expected point[:n][:kill|stop], point one of "
-                                 f"{', '.join(CRASH_POINTS)}")
+                raise ValueError(
+                    f"{CRASH_ENV}={spec!r}: expected point[:n][:kill|stop], point one of {', '.join(CRASH_POINTS)}"
+                )
             self.point, self.at, self.signal = point, int(n or 1), ACTIONS[action or "kill"]
 
     @classmethod

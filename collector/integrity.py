@@ -89,8 +89,9 @@ def checked(plan: ShardPlan, pack: Callable[[], Packed]) -> Packed:
     raise Damaged(found)
 
 
-def reject(conn: redis.Redis, cfg: RunConfig, spool: str, paths: Mapping[str, str],
-           found: Mapping[str, SpoolError]) -> None:
+def reject(
+    conn: redis.Redis, cfg: RunConfig, spool: str, paths: Mapping[str, str], found: Mapping[str, SpoolError]
+) -> None:
     """Spool files (sample id -> its path, and what is wrong) that will not be committed, after any
     shard holding them was voided: each sample back on the queue or failed, then each file aside
     (see the module docstring). `spool`: the spool id its samples must be owned by."""
@@ -101,28 +102,39 @@ def reject(conn: redis.Redis, cfg: RunConfig, spool: str, paths: Mapping[str, st
     if damaged:
         states, owners = ledger.states_and_owners(damaged)
         # its owner: this spool, or none (spooled without one, which a move of owner '' takes)
-        ours = {sid: o or "" for sid, st, o in zip(damaged, states, owners) if st == SPOOLED and o in (None, spool)}
-        seen = dict(zip(ours, (int(n or 0) for n in conn.hmget(key, list(ours))))) if ours else {}
+        ours = {
+            sid: o or ""
+            for sid, st, o in zip(damaged, states, owners, strict=False)
+            if st == SPOOLED and o in (None, spool)
+        }
+        seen = dict(zip(ours, (int(n or 0) for n in conn.hmget(key, list(ours))), strict=False)) if ours else {}
         again = [sid for sid in ours if seen[sid] < DAMAGED_RETRIES]
         requeued, lost = [], []
         for owner in sorted({ours[sid] for sid in again}):
             ids = [sid for sid in again if ours[sid] == owner]
-            moved, _, kept_none = enqueue_again(conn, cfg, owner, ids,
-                                                also=lambda pipe, ids=ids: [pipe.hincrby(key, sid, 1) for sid in ids])
+            moved, _, kept_none = enqueue_again(
+                conn, cfg, owner, ids, also=lambda pipe, ids=ids: [pipe.hincrby(key, sid, 1) for sid in ids]
+            )
             requeued, lost = requeued + moved, lost + kept_none
         for sid in requeued:
-            told[sid] = (f"{found[sid]}: its sample goes back to the queue to be extracted again "
-                         f"(retry {seen[sid] + 1} of {DAMAGED_RETRIES})")
+            told[sid] = (
+                f"{found[sid]}: its sample goes back to the queue to be extracted again "
+                f"(retry {seen[sid] + 1} of {DAMAGED_RETRIES})"
+            )
         spent = [sid for sid in ours if sid not in requeued]
         for sid in spent:
-            why = ("no payload row was kept to extract it again" if sid in lost else f"damaged each of the "
-                   f"{DAMAGED_RETRIES + 1} times it was extracted: check the node's disk and memory")
+            why = (
+                "no payload row was kept to extract it again"
+                if sid in lost
+                else f"damaged each of the "
+                f"{DAMAGED_RETRIES + 1} times it was extracted: check the node's disk and memory"
+            )
             failures[sid] = (SPOOL_DAMAGED, f"{found[sid]}; {why}")
             told[sid] = f"{found[sid]}: failed ({SPOOL_DAMAGED}: {why})"
         for sid in set(damaged) - set(ours):
             told[sid] = f"{found[sid]}: its sample is not this spool's to extract again (left as it is)"
     if failures:
-        rows = dict(zip(failures, ledger.spooled_payloads(list(failures))))
+        rows = dict(zip(failures, ledger.spooled_payloads(list(failures)), strict=False))
         ledger.mark_failed(failures, rows={sid: r for sid, r in rows.items() if r is not None})
         conn.hdel(key, *failures)
     for sid, path in paths.items():

@@ -50,8 +50,17 @@ def clear_scratch(spool_dir: str, node: str) -> None:
         unlink_quiet(p)
 
 
-def pack_shard(out: Location, plan: ShardPlan, tmp: str | None, scratch: str, spool_dir: str, part_bytes: int | None,
-               retries: int, retry_delay: float, crash: Crash) -> Packed:
+def pack_shard(
+    out: Location,
+    plan: ShardPlan,
+    tmp: str | None,
+    scratch: str,
+    spool_dir: str,
+    part_bytes: int | None,
+    retries: int,
+    retry_delay: float,
+    crash: Crash,
+) -> Packed:
     """The shard stored, not yet visible: as the temporary file `tmp` of a local output
     (`pack_local`), else as a multipart upload (`pack_upload`); with a codec, its hidden states
     coded into `scratch` first (`coded`)."""
@@ -73,8 +82,9 @@ def coded(plan: ShardPlan, scratch: str) -> Iterator[ShardPlan]:
         try:
             ready = encode_shard(plan, scratch)
         except OSError as e:
-            raise StorageError(f"coding the hidden states of shard {plan.shard_id} into {scratch} failed: "
-                               f"{type(e).__name__}: {e}") from e
+            raise StorageError(
+                f"coding the hidden states of shard {plan.shard_id} into {scratch} failed: {type(e).__name__}: {e}"
+            ) from e
         yield ready
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -127,8 +137,9 @@ def pack_local(plan: ShardPlan, tmp: str, spool_dir: str, crash: Crash) -> Packe
     return Packed(sums, plan, tmp=tmp)
 
 
-def pack_upload(out: Location, plan: ShardPlan, part_bytes: int | None, retries: int, retry_delay: float,
-                crash: Crash) -> Packed:
+def pack_upload(
+    out: Location, plan: ShardPlan, part_bytes: int | None, retries: int, retry_delay: float, crash: Crash
+) -> Packed:
     """The shard as a multipart upload of `out` with every part stored, not yet completed."""
     name = shard_file(plan.shard_id)
 
@@ -137,8 +148,9 @@ def pack_upload(out: Location, plan: ShardPlan, part_bytes: int | None, retries:
             crash("header-sent")  # the first part holds the safetensors header
         crash("uploading")
 
-    w = MultipartWriter(out, name, f"upload of {out.path(name)}", part_bytes, on_part=stored,
-                        attempts=retries, retry_delay=retry_delay)
+    w = MultipartWriter(
+        out, name, f"upload of {out.path(name)}", part_bytes, on_part=stored, attempts=retries, retry_delay=retry_delay
+    )
     try:
         sums = write_shard(plan, w, progress=_progress(plan, False, crash))
         upload = w.finish()

@@ -51,8 +51,9 @@ class Packers:
         # The packers' commit stats, added up here and written at the node's beat (harvest.state.tally)
         self.tally = Tally(conn, cfg.run)
         self.conn, self.cfg, self.spool_dir, self.kw = conn, cfg, spool_dir, {**kw, "tally": self.tally}
-        self.packers = [Collector(conn, cfg, spool_dir, packer=i, packers=pack_workers, **self.kw)
-                        for i in range(pack_workers)]
+        self.packers = [
+            Collector(conn, cfg, spool_dir, packer=i, packers=pack_workers, **self.kw) for i in range(pack_workers)
+        ]
         self.first = self.packers[0]
         self.keys = frozenset(p.packing_key for p in self.packers)
         self.recovery = Recovery(conn, cfg)  # one per process, shared by the packers' threads
@@ -94,9 +95,18 @@ class Packers:
         """Resume, then pack until `should_stop`, then commit what is left. An error in any packer
         stops them all and is raised here (each record stays for the restart)."""
         f = self.first
-        log.info("collector started: run %s, node %s, spool %s (id %s), output %s, shards of %d MiB, max wait %.0fs, "
-                 "%d packer(s)", self.cfg.run, f.node, self.spool_dir, f.spool_id, f.out.url(), f.shard_bytes >> 20,
-                 f.max_wait, len(self.packers))
+        log.info(
+            "collector started: run %s, node %s, spool %s (id %s), output %s, shards of %d MiB, max wait %.0fs, "
+            "%d packer(s)",
+            self.cfg.run,
+            f.node,
+            self.spool_dir,
+            f.spool_id,
+            f.out.url(),
+            f.shard_bytes >> 20,
+            f.max_wait,
+            len(self.packers),
+        )
         self.check_recovery()  # a ledger restored from storage before any record is finished
         self.resume()
         failed: list[BaseException] = []
@@ -111,8 +121,10 @@ class Packers:
             except BaseException as e:  # raised again on the calling thread
                 failed.append(e)
 
-        threads = [threading.Thread(target=loop, args=(p,), name=f"harvest-packer-{p.packer}", daemon=True)
-                   for p in self.packers[1:]]
+        threads = [
+            threading.Thread(target=loop, args=(p,), name=f"harvest-packer-{p.packer}", daemon=True)
+            for p in self.packers[1:]
+        ]
         for t in threads:
             t.start()
         beat = CollectorBeat(self.conn, self.cfg.run, self.first.node, self.spool_dir)  # for `harvest status`

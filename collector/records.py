@@ -21,9 +21,9 @@ same samples, which has a name of its own. A decided record is only ever finishe
 
 from __future__ import annotations
 
-from functools import partial
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import redis
 
@@ -93,16 +93,18 @@ def tend_revoked(conn: redis.Redis, run: str, out: Location, retry: Retry, own_k
         rec, raw = got
         if rec.index is not None:
             write_decided_index(out, rec, retry)
-            tokens = dict(zip(rec.index["samples"], rec.index["tokens"]))
+            tokens = dict(zip(rec.index["samples"], rec.index["tokens"], strict=False))
             changed = ledger.mark_done(rec.sample_ids, tokens=[tokens.get(s, 0) for s in rec.sample_ids])
             if changed:
                 ledger.add_stats(bytes_done=rec.index["bytes"], shards=1)
             done += len(changed)
-            log.warning("finished shard %s of revoked spool %s (%s): %d samples", rec.shard_id, rec.spool, key,
-                        len(changed))
+            log.warning(
+                "finished shard %s of revoked spool %s (%s): %d samples", rec.shard_id, rec.spool, key, len(changed)
+            )
         else:
-            give_up_shard(out, Claimer(out, ledger.identity(), lambda _: True, retry), rec.shard_id, rec.sample_ids,
-                          retry)
+            give_up_shard(
+                out, Claimer(out, ledger.identity(), lambda _: True, retry), rec.shard_id, rec.sample_ids, retry
+            )
             log.warning("removed void shard %s of revoked spool %s (%s)", rec.shard_id, rec.spool, key)
         records.clear_if_same(key, raw)
     return done

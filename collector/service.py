@@ -16,14 +16,27 @@ from harvest.config import RunConfig
 from harvest.settings import CollectorSettings
 
 
-def run_collector(conn: redis.Redis, cfg: RunConfig, spool_dir: str,
-                  settings: CollectorSettings = CollectorSettings(),
-                  stop: Callable[[], bool] = lambda: False) -> None:
+def run_collector(
+    conn: redis.Redis,
+    cfg: RunConfig,
+    spool_dir: str,
+    settings: CollectorSettings = CollectorSettings(),
+    stop: Callable[[], bool] = lambda: False,
+) -> None:
     """Pack `spool_dir` into shards of the run until `stop()` (with `settings.burst`: what is
     spooled now). Raises StorageError when storage errors persist (the spool and the record stay)."""
     os.makedirs(spool_dir, mode=0o700, exist_ok=True)
-    packers = Packers(conn, cfg, spool_dir, settings.packers(), node=settings.node, max_wait=settings.max_wait_s,
-                      shard_bytes=settings.shard_bytes, part_bytes=settings.part_bytes,
-                      retries=settings.storage_retries, retry_delay=settings.retry_delay_s,
-                      orphan_age=settings.orphan_age_s)
+    packers = Packers(
+        conn,
+        cfg,
+        spool_dir,
+        settings.packers(),
+        node=settings.node,
+        max_wait=settings.max_wait_s,
+        shard_bytes=settings.shard_bytes,
+        part_bytes=settings.part_bytes,
+        retries=settings.storage_retries,
+        retry_delay=settings.retry_delay_s,
+        orphan_age=settings.orphan_age_s,
+    )
     packers.run(lambda: settings.burst or stop())

@@ -53,8 +53,9 @@ def sweep_orphans(out: Location, conn: redis.Redis, cfg: RunConfig, min_age: flo
         if m is not None and now - m >= min_age:
             out.delete(f"{GENERATED}/{name}")
             removed.append(name)
-            log.warning("removed orphan generated file %s (no index file, %.0f s old)", out.path(GENERATED, name),
-                        now - m)
+            log.warning(
+                "removed orphan generated file %s (no index file, %.0f s old)", out.path(GENERATED, name), now - m
+            )
     old = [(n, m) for n in candidates if (m := out.modified(f"{SHARDS}/{n}")) is not None and now - m >= min_age]
     ledger = Ledger(conn, cfg.run)
     if any(DONE in ledger.states(shard_sample_ids(out, f"{SHARDS}/{n}")) for n, _ in old):

@@ -39,8 +39,13 @@ def take_up(ledger: Ledger, run: str, spool_id: str, files: list[tuple[str, str]
     rows = [_row(run, sid, path) for sid, path in files]
     marked = ledger.mark_spooled([sid for sid, _ in files], owner=spool_id, rows=rows)
     if marked:
-        log.warning("%d spool files of samples the ledger did not know (a Redis that forgot their job and its "
-                    "settle), e.g. %s: marked spooled by spool %s, to be packed", len(marked), marked[0], spool_id)
+        log.warning(
+            "%d spool files of samples the ledger did not know (a Redis that forgot their job and its "
+            "settle), e.g. %s: marked spooled by spool %s, to be packed",
+            len(marked),
+            marked[0],
+            spool_id,
+        )
     return marked
 
 

@@ -51,7 +51,9 @@ ENV_PURPOSE = {
     "AWS_SESSION_TOKEN": "S3 credentials: a temporary session's token.",
 }
 
-_ENV_READ = re.compile(r"""(?:environ\.get\(|environ\[|getenv\(|environ\.setdefault\(|\w*ENV\w*\s*=\s*)["']([A-Z][A-Z0-9_]+)["']""")
+_ENV_READ = re.compile(
+    r"""(?:environ\.get\(|environ\[|getenv\(|environ\.setdefault\(|\w*ENV\w*\s*=\s*)["']([A-Z][A-Z0-9_]+)["']"""
+)
 
 
 def _python_files():

@@ -26,14 +26,16 @@ def cut_batch(
     foreign traffic) are skipped. The chunk's positions come from the prefix length, so
     chunked prefill yields consecutive chunks of one prompt."""
     if not (len(rids) == len(prefix_lens) == len(seq_lens)):
-        raise DumpError(f"batch layout mismatch: {len(rids)} rids, {len(prefix_lens)} prefix lens, {len(seq_lens)} seq lens")
+        raise DumpError(
+            f"batch layout mismatch: {len(rids)} rids, {len(prefix_lens)} prefix lens, {len(seq_lens)} seq lens"
+        )
     total = int(sum(seq_lens))
     if input_ids.shape[0] != total or hidden_states.shape[0] != total:
         raise DumpError(
             f"batch has {total} extend tokens but input_ids {tuple(input_ids.shape)} and hidden_states {tuple(hidden_states.shape)}"
         )
     chunks, loc = [], 0
-    for rid, pre, n in zip(rids, prefix_lens, seq_lens):
+    for rid, pre, n in zip(rids, prefix_lens, seq_lens, strict=False):
         pre, n = int(pre), int(n)
         if isinstance(rid, str) and rid.startswith(RID_PREFIX) and n > 0:
             try:

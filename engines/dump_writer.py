@@ -28,8 +28,14 @@ class DumpWriter:
 
     FULL_POLL_S = 0.2
 
-    def __init__(self, dump_dir: str, capture_points: Sequence[int], model: str, max_pending: int = 64,
-                 full_wait_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        dump_dir: str,
+        capture_points: Sequence[int],
+        model: str,
+        max_pending: int = 64,
+        full_wait_s: float = 600.0,
+    ) -> None:
         import queue
         import threading
 
@@ -52,7 +58,9 @@ class DumpWriter:
     def submit(self, chunks: Sequence[Chunk]) -> None:
         if not chunks:
             return
-        staged = [Chunk(c.rid, c.start, c.end, self._to_host(c.input_ids), self._to_host(c.hidden_states)) for c in chunks]
+        staged = [
+            Chunk(c.rid, c.start, c.end, self._to_host(c.input_ids), self._to_host(c.hidden_states)) for c in chunks
+        ]
         event = None
         if any(c.hidden_states.device.type == "cuda" for c in chunks):
             event = torch.cuda.Event()

@@ -51,8 +51,9 @@ def max_new_tokens(sp: dict) -> int:
     return int(v)
 
 
-def parse_sampling(body: dict, rids: list[str], prompts: list[list[int]], vocab_size: int,
-                   context: int) -> list[Sampling] | None:
+def parse_sampling(
+    body: dict, rids: list[str], prompts: list[list[int]], vocab_size: int, context: int
+) -> list[Sampling] | None:
     """Each request's `Sampling` when the body asks for generation (an `hg-` rid, or
     max_new_tokens > 1), else None (extraction: one greedy token). `context`: the model's
     max_position_embeddings (0: unknown, unchecked)."""
@@ -63,13 +64,15 @@ def parse_sampling(body: dict, rids: list[str], prompts: list[list[int]], vocab_
     if not any(r.startswith(GEN_RID_PREFIX) for r in rids) and all(max_new_tokens(x) <= 1 for x in sps):
         return None
     out = []
-    for i, (x, p) in enumerate(zip(sps, prompts)):
+    for i, (x, p) in enumerate(zip(sps, prompts, strict=False)):
         s = sampling(x)
         if context and len(p) >= context:
             raise ValueError(f"input_ids[{i}]: prompt of {len(p)} tokens reaches the model's context of {context}")
         if context and len(p) + s.max_new_tokens > context:
-            raise ValueError(f"input_ids[{i}]: prompt of {len(p)} tokens + max_new_tokens {s.max_new_tokens} "
-                             f"exceeds the model's context of {context}")
+            raise ValueError(
+                f"input_ids[{i}]: prompt of {len(p)} tokens + max_new_tokens {s.max_new_tokens} "
+                f"exceeds the model's context of {context}"
+            )
         bad = [t for t in s.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab_size})")

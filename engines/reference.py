@@ -29,11 +29,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from harvest.config import parse_layers
 from harvest.engines import faults as fx
 from harvest.engines.batch import cut_batch
 from harvest.engines.dump_writer import DumpWriter
 from harvest.engines.generation import Sampling, eos_ids, parse_sampling, sample
-from harvest.config import parse_layers
 from harvest.formats.dump import Chunk
 from harvest.formats.fingerprint import model_fingerprint
 from harvest.ids import RID_PREFIX
@@ -107,9 +107,14 @@ class ReferenceEngine:
         }
 
     def server_info(self) -> dict:
-        return {**self.info(), "busy_seconds": self.busy_seconds, "prefill_tokens": self.prefill_tokens,
-                "requests": self.requests, "generated_tokens": self.generated_tokens,
-                "threads": torch.get_num_threads()}
+        return {
+            **self.info(),
+            "busy_seconds": self.busy_seconds,
+            "prefill_tokens": self.prefill_tokens,
+            "requests": self.requests,
+            "generated_tokens": self.generated_tokens,
+            "threads": torch.get_num_threads(),
+        }
 
     def _forward(self, req: _Request, n: int, wrong_layer: bool = False) -> torch.Tensor:
         from transformers.cache_utils import DynamicCache
@@ -123,16 +128,20 @@ class ReferenceEngine:
         if wrong_layer:  # test-only fault: the first capture point read from the next layer
             points[0] = min(points[0] + 1, self.num_layers)
             if req.done == 0:
-                log.warning("injected fault %s: %s capture point %d taken from layer %d", fx.WRONG_LAYER, req.rid,
-                            self.capture_points[0], points[0])
+                log.warning(
+                    "injected fault %s: %s capture point %d taken from layer %d",
+                    fx.WRONG_LAYER,
+                    req.rid,
+                    self.capture_points[0],
+                    points[0],
+                )
         return torch.stack([out.hidden_states[p][0] for p in points], dim=1)  # [n, K, H]
 
     @torch.inference_mode()
-    def generate(self, rids: list[str], prompts: list[list[int]],
-                 sampling: list[Sampling] | None = None) -> list[dict]:
+    def generate(self, rids: list[str], prompts: list[list[int]], sampling: list[Sampling] | None = None) -> list[dict]:
         """Prefill (and dump the `hv-` rids); then one greedy token each, or with `sampling`
         (from `parse_sampling`) a generation for each request."""
-        reqs = [_Request(r, p) for r, p in zip(rids, prompts)]
+        reqs = [_Request(r, p) for r, p in zip(rids, prompts, strict=False)]
         hit: dict[str, set[str]] = {}
         if self.faults:
             hv = [r.rid for r in reqs if r.rid.startswith(RID_PREFIX)]
@@ -171,7 +180,7 @@ class ReferenceEngine:
             self.prefill_tokens += sum(len(r.ids) for r in reqs)
             self.requests += len(reqs)
         if sampling is not None:
-            return [self._decode(r, sp) for r, sp in zip(reqs, sampling)]
+            return [self._decode(r, sp) for r, sp in zip(reqs, sampling, strict=False)]
         out = []
         for r in reqs:
             tok = int(torch.argmax(r.last_logits))
@@ -224,8 +233,9 @@ class ReferenceEngine:
         with self._lock:
             self.generated_tokens += len(ids)
         shown = ids[:-1] if reason["type"] == "stop" and not sp.no_stop_trim else ids
-        text = "" if self.tokenizer is None else self.tokenizer.decode(
-            shown, skip_special_tokens=sp.skip_special_tokens)
+        text = (
+            "" if self.tokenizer is None else self.tokenizer.decode(shown, skip_special_tokens=sp.skip_special_tokens)
+        )
         r.cache = None  # free the KV cache now, not when the response is sent
         return {
             "text": text,
@@ -256,12 +266,23 @@ class ReferenceEngine:
             if c.rid in hit[fx.SHIFT_CHUNK] and c.start > 0:
                 hit[fx.SHIFT_CHUNK].discard(c.rid)  # one chunk of the request: its second
                 c = replace(c, hidden_states=torch.cat([c.hidden_states[:1], c.hidden_states[:-1]]))
-                log.warning("injected fault %s: %s rows [%d, %d) hold the states of the position before them",
-                            fx.SHIFT_CHUNK, c.rid, c.start + 1, c.end)
+                log.warning(
+                    "injected fault %s: %s rows [%d, %d) hold the states of the position before them",
+                    fx.SHIFT_CHUNK,
+                    c.rid,
+                    c.start + 1,
+                    c.end,
+                )
             if c.rid in hit[fx.PERTURB] and c.end > lengths[c.rid] // 2:
                 first = max(0, lengths[c.rid] // 2 - c.start)
-                log.warning("injected fault %s: %s rows [%d, %d) perturbed by %g of their RMS", fx.PERTURB, c.rid,
-                            c.start + first, c.end, fx.PERTURB_SCALE)
+                log.warning(
+                    "injected fault %s: %s rows [%d, %d) perturbed by %g of their RMS",
+                    fx.PERTURB,
+                    c.rid,
+                    c.start + first,
+                    c.end,
+                    fx.PERTURB_SCALE,
+                )
                 hs = c.hidden_states.clone()
                 rows = hs[first:]
                 g = torch.Generator().manual_seed(c.start)
@@ -286,7 +307,9 @@ class ReferenceEngine:
                 raise BadRequest(f"input_ids[{i}] must be a non-empty list of integers")
             bad = [t for t in p if t < 0 or t >= self.vocab_size]
             if bad:
-                raise BadRequest(f"input_ids[{i}] holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+                raise BadRequest(
+                    f"input_ids[{i}] holds token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+                )
         rid = body.get("rid")
         if rid is None:
             rids = [f"req-{os.urandom(8).hex()}" for _ in prompts]
@@ -325,7 +348,10 @@ def _handler(engine: ReferenceEngine) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             try:
                 self.wfile.write(data)
-            except (BrokenPipeError, ConnectionResetError):  # the client timed out and left; its dumps stay for the janitor
+            except (
+                BrokenPipeError,
+                ConnectionResetError,
+            ):  # the client timed out and left; its dumps stay for the janitor
                 log.info("client %s went away before the response", self.address_string())
 
         def do_GET(self) -> None:

@@ -71,10 +71,14 @@ def launch_spec(
     v = _version(sglang_version)
     bad = [p for p in capture_points if not 0 <= int(p) <= num_layers]
     if bad or not capture_points:
-        raise ConfigurationError(f"capture points {list(capture_points)} must be non-empty and lie in [0, {num_layers}]")
+        raise ConfigurationError(
+            f"capture points {list(capture_points)} must be non-empty and lie in [0, {num_layers}]"
+        )
     if v < _version(SUPPORTED[0]):
-        raise ConfigurationError(f"SGLang {sglang_version} is not supported: the plugin needs SGLang's plugin framework "
-                         f"({SUPPORTED[0]} or newer)")
+        raise ConfigurationError(
+            f"SGLang {sglang_version} is not supported: the plugin needs SGLang's plugin framework "
+            f"({SUPPORTED[0]} or newer)"
+        )
     if device not in DEVICES:
         raise ConfigurationError(f"device {device!r}: choose one of {', '.join(DEVICES)}")
     env = {
@@ -85,9 +89,23 @@ def launch_spec(
     }
     if fingerprint:
         env[ENV_FINGERPRINT] = fingerprint
-    args = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--tp-size", str(tp_size),
-            "--host", host, "--port", str(port), "--trust-remote-code",
-            "--disable-radix-cache", "--chunked-prefill-size", str(chunked_prefill_size)]
+    args = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--tp-size",
+        str(tp_size),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--trust-remote-code",
+        "--disable-radix-cache",
+        "--chunked-prefill-size",
+        str(chunked_prefill_size),
+    ]
     args.append("--disable-prefill-cuda-graph" if v >= (0, 5, 14) else "--disable-piecewise-cuda-graph")
     if skip_warmup:
         args.append("--skip-server-warmup")
@@ -95,8 +113,14 @@ def launch_spec(
         args += ["--dtype", dtype]
     if device == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-        args += ["--device", "cpu", "--attention-backend", "torch_native",
-                 "--max-total-tokens", str(max_total_tokens or 16384)]
+        args += [
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "torch_native",
+            "--max-total-tokens",
+            str(max_total_tokens or 16384),
+        ]
     elif max_total_tokens:
         args += ["--max-total-tokens", str(max_total_tokens)]
     args += list(extra_args)

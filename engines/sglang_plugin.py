@@ -83,15 +83,20 @@ def stack_states(
         elif isinstance(aux, (list, tuple)) and len(aux) == num_aux:
             parts.extend(a[:rows] for a in aux)
         else:
-            got = "none" if aux is None else f"{type(aux).__name__} of {len(aux) if isinstance(aux, (list, tuple)) else '?'}"
+            got = (
+                "none"
+                if aux is None
+                else f"{type(aux).__name__} of {len(aux) if isinstance(aux, (list, tuple)) else '?'}"
+            )
             raise ValueError(f"expected {num_aux} aux hidden states, got {got}: is aux capture configured?")
     if include_final:
         parts.append(hidden_states[:rows])
     return torch.stack(parts, dim=1)
 
 
-def chunks_for_forward(forward_batch: ForwardBatch, hidden_states: torch.Tensor, aux: object, num_aux: int,
-                       include_final: bool) -> list[Chunk]:
+def chunks_for_forward(
+    forward_batch: ForwardBatch, hidden_states: torch.Tensor, aux: object, num_aux: int, include_final: bool
+) -> list[Chunk]:
     """The chunk files of one forward: nothing for decode, speculative verify, or batches
     without an `hv-` request (warmup, health checks, foreign traffic)."""
     mode = forward_batch.forward_mode
@@ -179,12 +184,17 @@ class Capture:
             raise ValueError(f"{type(lm).__name__} has no inner .model to capture layers from")
         if list(getattr(inner, "layers_to_capture", [])) != self.aux_layers:
             inner.layers_to_capture = list(self.aux_layers)
-        log.info("harvest: capturing layers %s (+ final: %s) into %s", self.aux_layers, self.include_final, self.cfg.dump_dir)
+        log.info(
+            "harvest: capturing layers %s (+ final: %s) into %s", self.aux_layers, self.include_final, self.cfg.dump_dir
+        )
 
     def writer(self) -> DumpWriter | None:
         if self._writes is None:
             self._writes = _tp_writer()
-            log.info("harvest: %s", "this rank writes the dumps" if self._writes else "not TP rank 0: this rank writes no dumps")
+            log.info(
+                "harvest: %s",
+                "this rank writes the dumps" if self._writes else "not TP rank 0: this rank writes no dumps",
+            )
         if not self._writes:
             return None
         if self._writer is None:
@@ -197,7 +207,11 @@ class Capture:
             self.warn_once("unconfigured", "the model was never configured for capture; no dumps will be written")
             return
         if not hasattr(forward_batch, "forward_mode") or not hasattr(forward_batch, "rids"):
-            self.warn_once("metadata", "the logits processor got %s, not a ForwardBatch with rids; cannot dump", type(forward_batch).__name__)
+            self.warn_once(
+                "metadata",
+                "the logits processor got %s, not a ForwardBatch with rids; cannot dump",
+                type(forward_batch).__name__,
+            )
             return
         chunks = chunks_for_forward(forward_batch, hidden_states, aux, len(self.aux_layers), self.include_final)
         if chunks:
@@ -240,10 +254,16 @@ def check_server_args(server_args: ServerArgs | None, warn: Callable[[str, str],
     if server_args is None:
         return
     if prefill_graphs_on(server_args):
-        warn("prefill-graph", "prefill CUDA graphs are on and can bypass the capture hooks: restart with "
-             "--disable-prefill-cuda-graph (0.5.14+) or --disable-piecewise-cuda-graph (0.5.11-0.5.13)")
+        warn(
+            "prefill-graph",
+            "prefill CUDA graphs are on and can bypass the capture hooks: restart with "
+            "--disable-prefill-cuda-graph (0.5.14+) or --disable-piecewise-cuda-graph (0.5.11-0.5.13)",
+        )
     if getattr(server_args, "enable_dp_attention", False) or (getattr(server_args, "attn_dp_size", 1) or 1) > 1:
-        warn("dp-attention", "DP attention is on: dumps come from attention-TP rank 0 of each DP group; this mode is untested")
+        warn(
+            "dp-attention",
+            "DP attention is on: dumps come from attention-TP rank 0 of each DP group; this mode is untested",
+        )
 
 
 _capture: Capture | None = None
@@ -257,16 +277,22 @@ def _after_load_model(result: object, runner: ModelRunner, *args: object, **kwar
     if _capture.cfg.fingerprint:  # the run's model, or no server: another checkpoint's states would be committed
         sa = getattr(runner, "server_args", None)
         check_digest(_capture.cfg.fingerprint, getattr(sa, "model_path", None) or getattr(mc, "model_path", ""))
-    num_layers = getattr(mc, "num_hidden_layers", None) or getattr(mc.hf_text_config, "num_hidden_layers")
+    num_layers = getattr(mc, "num_hidden_layers", None) or mc.hf_text_config.num_hidden_layers
     _capture.configure_model(runner.model, int(num_layers))
     check_server_args(getattr(runner, "server_args", None), _capture.warn_once)
     return result
 
 
-def _around_logits(orig: Callable[..., LogitsProcessorOutput], processor: LogitsProcessor, input_ids: torch.Tensor,
-                   hidden_states: torch.Tensor, lm_head: VocabParallelEmbedding,
-                   logits_metadata: LogitsMetadata | ForwardBatch, *args: object,
-                   **kwargs: object) -> LogitsProcessorOutput:
+def _around_logits(
+    orig: Callable[..., LogitsProcessorOutput],
+    processor: LogitsProcessor,
+    input_ids: torch.Tensor,
+    hidden_states: torch.Tensor,
+    lm_head: VocabParallelEmbedding,
+    logits_metadata: LogitsMetadata | ForwardBatch,
+    *args: object,
+    **kwargs: object,
+) -> LogitsProcessorOutput:
     aux = args[0] if args else kwargs.get("aux_hidden_states")
     if _capture is not None:
         _capture.on_logits(logits_metadata, hidden_states, aux)

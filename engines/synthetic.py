@@ -51,9 +51,15 @@ class SyntheticEngine:
     """The reference engine's interface (`parse`, `parse_sampling`, `generate`, `info`, `server_info`, `faults`)
     with no model: every request is answered as soon as its chunk files are on disk."""
 
-    def __init__(self, dump_dir: str, capture_points: Sequence[int], hidden_size: int,
-                 model_name: str = "synthetic", chunked_prefill_size: int = EngineSettings.chunked_prefill_size,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        dump_dir: str,
+        capture_points: Sequence[int],
+        hidden_size: int,
+        model_name: str = "synthetic",
+        chunked_prefill_size: int = EngineSettings.chunked_prefill_size,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         if hidden_size < 1 or not capture_points:
             raise ValueError("a synthetic engine needs a hidden size >= 1 and at least one capture point")
         self.dump_dir = private_dir(dump_dir, "dump dir")
@@ -71,13 +77,24 @@ class SyntheticEngine:
         self._lock = threading.Lock()  # counters and the shared zero buffer; files are written outside it
 
     def info(self) -> dict:
-        return {"model_path": self.model_name, "model_name": self.model_name, "num_layers": max(self.capture_points),
-                "hidden_size": self.hidden_size, "capture_points": self.capture_points,
-                "chunked_prefill_size": self.chunk, "engine": "harvest-synthetic"}
+        return {
+            "model_path": self.model_name,
+            "model_name": self.model_name,
+            "num_layers": max(self.capture_points),
+            "hidden_size": self.hidden_size,
+            "capture_points": self.capture_points,
+            "chunked_prefill_size": self.chunk,
+            "engine": "harvest-synthetic",
+        }
 
     def server_info(self) -> dict:
-        return {**self.info(), "busy_seconds": self.busy_seconds, "prefill_tokens": self.prefill_tokens,
-                "requests": self.requests, "threads": 1}
+        return {
+            **self.info(),
+            "busy_seconds": self.busy_seconds,
+            "prefill_tokens": self.prefill_tokens,
+            "requests": self.requests,
+            "threads": 1,
+        }
 
     def parse(self, body: object) -> tuple[list[str], list[list[int]], bool]:
         """The reference engine's request rules (they read only `vocab_size`), and no generation."""
@@ -100,23 +117,36 @@ class SyntheticEngine:
         """`n` finite rows [n, K, H], from one zero buffer grown as needed (never written to)."""
         with self._lock:
             if self._zeros.shape[0] < n:
-                self._zeros = torch.zeros(max(n, 2 * self._zeros.shape[0]), len(self.capture_points),
-                                          self.hidden_size, dtype=self.dtype)
+                self._zeros = torch.zeros(
+                    max(n, 2 * self._zeros.shape[0]), len(self.capture_points), self.hidden_size, dtype=self.dtype
+                )
             return self._zeros[:n]
 
     def generate(self, rids: list[str], prompts: list[list[int]], sampling: None = None) -> list[dict]:
         t0 = time.perf_counter()
         out = []
-        for rid, ids in zip(rids, prompts):
+        for rid, ids in zip(rids, prompts, strict=False):
             if rid.startswith(RID_PREFIX):
                 step = self.chunk or len(ids)
                 for start in range(0, len(ids), step):
                     end = min(len(ids), start + step)
-                    chunk = Chunk(rid, start, end, torch.tensor(ids[start:end], dtype=torch.int64), self._rows(end - start))
+                    chunk = Chunk(
+                        rid, start, end, torch.tensor(ids[start:end], dtype=torch.int64), self._rows(end - start)
+                    )
                     write_chunk(self.dump_dir, chunk, self.capture_points, self.model_name)
-            out.append({"text": "", "output_ids": [0],
-                        "meta_info": {"id": rid, "prompt_tokens": len(ids), "completion_tokens": 1, "cached_tokens": 0,
-                                      "finish_reason": {"type": "length", "length": 1}}})
+            out.append(
+                {
+                    "text": "",
+                    "output_ids": [0],
+                    "meta_info": {
+                        "id": rid,
+                        "prompt_tokens": len(ids),
+                        "completion_tokens": 1,
+                        "cached_tokens": 0,
+                        "finish_reason": {"type": "length", "length": 1},
+                    },
+                }
+            )
         with self._lock:
             self.requests += len(rids)
             self.prefill_tokens += sum(len(p) for p in prompts)
@@ -133,11 +163,22 @@ def _parse_serve(spec: str) -> tuple[int, str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m harvest.engines.synthetic", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--serve", action="append", type=_parse_serve, required=True, metavar="PORT=DUMP_DIR",
-                    help="one simulated node: its port and its dump dir (repeat for more nodes)")
+    ap.add_argument(
+        "--serve",
+        action="append",
+        type=_parse_serve,
+        required=True,
+        metavar="PORT=DUMP_DIR",
+        help="one simulated node: its port and its dump dir (repeat for more nodes)",
+    )
     ap.add_argument("--capture", default="2,4,5,8", help="capture points, as the run's (comma-separated)")
     ap.add_argument("--hidden", type=int, default=8, help="hidden size, as the run's")
-    ap.add_argument("--chunked-prefill-size", type=int, default=EngineSettings.chunked_prefill_size, help="rows per dump chunk (0: one chunk a request)")
+    ap.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=EngineSettings.chunked_prefill_size,
+        help="rows per dump chunk (0: one chunk a request)",
+    )
     ap.add_argument("--model-name", default="synthetic")
     ap.add_argument("--host", default="127.0.0.1")
     args = ap.parse_args(argv)
@@ -152,8 +193,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"synthetic engine: {len(servers)} node(s) on ports {[p for p, _ in args.serve]}, capture {points}, "
-          f"hidden {args.hidden}", flush=True)
+    print(
+        f"synthetic engine: {len(servers)} node(s) on ports {[p for p, _ in args.serve]}, capture {points}, "
+        f"hidden {args.hidden}",
+        flush=True,
+    )
     stop.wait()
     for s in servers:
         s.shutdown()

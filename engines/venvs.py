@@ -31,6 +31,8 @@ class EngineVenv:
         venv = venv or self.default()
         python = os.path.join(venv, "bin", "python")
         if not (os.path.isfile(os.path.join(venv, ".harvest-complete")) and os.access(python, os.X_OK)):
-            raise VenvMissing(f"no complete {self.engine} venv at {venv}: build it with {self.script} "
-                                    f"({self.cost}), or point {self.env_var} at one")
+            raise VenvMissing(
+                f"no complete {self.engine} venv at {venv}: build it with {self.script} "
+                f"({self.cost}), or point {self.env_var} at one"
+            )
         return python

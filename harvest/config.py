@@ -59,13 +59,16 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
     try:
         pts = sorted({int(x) for x in spec.split(",") if x.strip()})
     except ValueError:
-        raise ConfigurationError(f"--layers {spec!r}: expected 'eagle3', comma-separated integers like 2,4,7, "
-                          "or a draft model's config.json") from None
+        raise ConfigurationError(
+            f"--layers {spec!r}: expected 'eagle3', comma-separated integers like 2,4,7, or a draft model's config.json"
+        ) from None
     if not pts:
         raise ConfigurationError("--layers is empty")
     bad = [p for p in pts if p < 0 or p > num_layers]
     if bad:
-        raise ConfigurationError(f"--layers {bad}: capture points must lie in [0, {num_layers}] for a {num_layers}-layer model")
+        raise ConfigurationError(
+            f"--layers {bad}: capture points must lie in [0, {num_layers}] for a {num_layers}-layer model"
+        )
     return pts
 
 
@@ -96,27 +99,39 @@ def draft_layers(path: str, num_layers: int) -> list[int]:
     if sglang_ids is not None:
         found.append(("eagle_config.eagle_aux_hidden_state_layer_ids", _aux_ids(where, sglang_ids, 1)))
     if len({tuple(hf) for _, hf in found}) > 1:
-        raise ConfigurationError(f"{where}: {found[0][0]} {vllm_ids} (vLLM ids) and {found[1][0]} {sglang_ids} (SGLang ids, "
-                          "+1) name different layers; fix the config or pass the HF indices, e.g. --layers 2,4,5,8")
+        raise ConfigurationError(
+            f"{where}: {found[0][0]} {vllm_ids} (vLLM ids) and {found[1][0]} {sglang_ids} (SGLang ids, "
+            "+1) name different layers; fix the config or pass the HF indices, e.g. --layers 2,4,5,8"
+        )
     if found:
         aux = found[0][1]
     elif _is_eagle3_draft(doc):
         aux = [2, num_layers // 2, num_layers - 3]
     else:
-        raise ConfigurationError(f"{where}: not an EAGLE-3 draft config (no eagle_aux_hidden_state_layer_ids, "
-                          "no eagle_config, no Eagle3 architecture)")
+        raise ConfigurationError(
+            f"{where}: not an EAGLE-3 draft config (no eagle_aux_hidden_state_layer_ids, "
+            "no eagle_config, no Eagle3 architecture)"
+        )
     if aux != sorted(aux):
-        raise ConfigurationError(f"{where}: aux layers {aux} (HF indices) are not ascending; harvest stores them ascending, "
-                          "the order the draft's fc layer would then read: list them ascending")
+        raise ConfigurationError(
+            f"{where}: aux layers {aux} (HF indices) are not ascending; harvest stores them ascending, "
+            "the order the draft's fc layer would then read: list them ascending"
+        )
     bad = [p for p in aux if not 0 <= p < num_layers]
     if bad or len(set(aux)) != 3:
-        raise ConfigurationError(f"{where}: aux layers {aux} (HF indices) must be 3 distinct indices in [0, {num_layers}) "
-                          f"for a {num_layers}-layer model: is it this model's draft?")
+        raise ConfigurationError(
+            f"{where}: aux layers {aux} (HF indices) must be 3 distinct indices in [0, {num_layers}) "
+            f"for a {num_layers}-layer model: is it this model's draft?"
+        )
     return aux + [num_layers]
 
 
 def _aux_ids(where: str, ids: object, offset: int) -> list[int]:
-    if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if (
+        not isinstance(ids, list)
+        or len(ids) != 3
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    ):
         raise ConfigurationError(f"{where}: aux layer ids {ids!r}: expected a list of three integers")
     return [i + offset for i in ids]
 
@@ -282,7 +297,7 @@ def absolute_model(model: str) -> str:
 def absolute_location(url: str) -> str:
     """An output given as a local path (or `file://` one) made absolute; other URLs as given."""
     if url.startswith("file://"):
-        path = url[len("file://"):]
+        path = url[len("file://") :]
         return "file://" + os.path.abspath(os.path.expanduser(path)) if path else url
     if "://" in url:
         return url
@@ -321,8 +336,11 @@ def model_context(model_dir: str) -> tuple[int, str] | None:
         return None
     n, why = c[key], key
     rs = c.get("rope_scaling")
-    if isinstance(rs, dict) and "original_max_position_embeddings" not in rs \
-            and (rs.get("rope_type") or rs.get("type")) != "llama3":
+    if (
+        isinstance(rs, dict)
+        and "original_max_position_embeddings" not in rs
+        and (rs.get("rope_type") or rs.get("type")) != "llama3"
+    ):
         factor = rs.get("factor")
         if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
             n, why = int(n * factor), f"{key} {n} x rope_scaling factor {factor:g}"

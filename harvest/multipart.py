@@ -45,9 +45,14 @@ class Upload:
 
     def complete(self, what: str) -> None:
         """Make the object visible, whole (retried: completing twice is harmless)."""
-        retry(lambda: self._call("complete_multipart_upload", UploadId=self.upload_id,
-                                 MultipartUpload={"Parts": self.parts}), what,
-              attempts=self.attempts, base_delay=self.retry_delay)
+        retry(
+            lambda: self._call(
+                "complete_multipart_upload", UploadId=self.upload_id, MultipartUpload={"Parts": self.parts}
+            ),
+            what,
+            attempts=self.attempts,
+            base_delay=self.retry_delay,
+        )
 
     def abort(self) -> None:
         """Best effort: a restart aborts by name whatever this leaves."""
@@ -63,9 +68,16 @@ class MultipartWriter:
     `on_part(n)` is told after each part is stored, with that part's number (parts finish out of
     order: part 1, the one holding the header, may not be the first stored)."""
 
-    def __init__(self, loc: Location, name: str, what: str, part_bytes: int | None = None,
-                 on_part: Callable[[int], None] | None = None, attempts: int = StorageSettings.attempts,
-                 retry_delay: float = StorageSettings.retry_delay_s) -> None:
+    def __init__(
+        self,
+        loc: Location,
+        name: str,
+        what: str,
+        part_bytes: int | None = None,
+        on_part: Callable[[int], None] | None = None,
+        attempts: int = StorageSettings.attempts,
+        retry_delay: float = StorageSettings.retry_delay_s,
+    ) -> None:
         self.part_bytes = max(MIN_PART_BYTES, part_bytes or DEFAULT_PART_BYTES)
         self.what, self.on_part = what, on_part
         self.attempts, self.retry_delay = attempts, retry_delay
@@ -93,8 +105,9 @@ class MultipartWriter:
             self._sent[-IN_FLIGHT].result()
 
         def put() -> dict:
-            r = self._retry(lambda: self.upload._call("upload_part", UploadId=self.upload.upload_id,
-                                                      PartNumber=number, Body=body))
+            r = self._retry(
+                lambda: self.upload._call("upload_part", UploadId=self.upload.upload_id, PartNumber=number, Body=body)
+            )
             return {"PartNumber": number, "ETag": r["ETag"]}
 
         fut = self._pool.submit(put)

@@ -19,8 +19,14 @@ if TYPE_CHECKING:
 PLAIN_INTERVAL_S = 30.0  # between two plain progress lines; a log line more often is noise
 
 
-def progress(desc: str, unit: str = " it", total: int | None = None, enabled: bool = True,
-             stream: IO[str] | None = None, interval: float = PLAIN_INTERVAL_S) -> tqdm | PlainProgress:
+def progress(
+    desc: str,
+    unit: str = " it",
+    total: int | None = None,
+    enabled: bool = True,
+    stream: IO[str] | None = None,
+    interval: float = PLAIN_INTERVAL_S,
+) -> tqdm | PlainProgress:
     """A progress display with tqdm's interface (`update`, `n`, `total`, `set_postfix`,
     `set_postfix_str`, `refresh`, `close`, a context manager): a tqdm bar when `stream` (default
     stderr) is a terminal, `PlainProgress` lines otherwise, nothing when not `enabled`."""
@@ -45,8 +51,15 @@ class PlainProgress:
     """Progress as whole lines, `desc: 1200 rows of 5000 (24%), 40.0 rows/s, bad=0, enqueued=1100`, at most
     one per `interval` seconds (and the last one at `close`), for streams that are no terminal."""
 
-    def __init__(self, desc: str, unit: str, total: int | None, stream: IO[str], interval: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        desc: str,
+        unit: str,
+        total: int | None,
+        stream: IO[str],
+        interval: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.desc, self.unit, self.total, self.stream, self.interval = desc, unit, total, stream, interval
         self.n = 0
         self.postfix = ""

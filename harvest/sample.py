@@ -36,8 +36,9 @@ class Sample:
     conv: Conversation | None = None
 
     @classmethod
-    def build(cls, input_ids: ArrayLike, loss_mask: ArrayLike | None = None,
-              conv: Conversation | None = None) -> Sample:
+    def build(
+        cls, input_ids: ArrayLike, loss_mask: ArrayLike | None = None, conv: Conversation | None = None
+    ) -> Sample:
         ids = np.asarray(input_ids, dtype=np.int64)
         if ids.ndim != 1:
             raise SampleError(f"input_ids must be a flat list, got shape {ids.shape}")

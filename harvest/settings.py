@@ -156,10 +156,16 @@ class RunnerSettings:
 
     def node(self) -> NodeSettings:
         """The settings of the run's one node (harvest.cli.node.Node)."""
-        return NodeSettings(workers=self.workers, engine_url=self.engine_url, tp_size=self.tp_size,
-                            dp_size=self.dp_size, chunked_prefill_size=self.chunked_prefill_size,
-                            max_wait_s=self.max_wait_s, worker_engine_wait_s=self.worker_engine_wait_s,
-                            outage_s=self.outage_s)
+        return NodeSettings(
+            workers=self.workers,
+            engine_url=self.engine_url,
+            tp_size=self.tp_size,
+            dp_size=self.dp_size,
+            chunked_prefill_size=self.chunked_prefill_size,
+            max_wait_s=self.max_wait_s,
+            worker_engine_wait_s=self.worker_engine_wait_s,
+            outage_s=self.outage_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -174,11 +180,15 @@ class NodeSettings:
     chunked_prefill_size: int = EngineSettings.chunked_prefill_size  # 0: the engine's own (sglang: 8192)
     max_wait_s: float = CollectorSettings.max_wait_s  # the collector's
     worker_engine_wait_s: float = 1800.0  # its workers wait this long for the engines it starts
-    engine_start_s: float = 1800.0  # an engine it starts must answer /health within this (a large model loads for minutes)
+    engine_start_s: float = (
+        1800.0  # an engine it starts must answer /health within this (a large model loads for minutes)
+    )
     outage_s: float | None = None  # how long Redis may be away (None: harvest.state.connection's)
     node: str | None = None  # node name (None: the host's, harvest.ids.node_name)
     stop_grace_s: float = 100.0  # SIGTERM: workers, then the collector, then the engines stop within this
-    join_wait_s: float = 600.0  # wait this long for Redis and for the run to appear in it (and for a Redis that went away)
+    join_wait_s: float = (
+        600.0  # wait this long for Redis and for the run to appear in it (and for a Redis that went away)
+    )
 
 
 @dataclass(frozen=True)

@@ -101,11 +101,18 @@ def is_transient(e: BaseException) -> bool:
         return True
     # botocore/aiohttp errors that s3fs did not translate (endpoint unreachable, read timeouts)
     name = type(e).__name__
-    return any(k in name for k in ("Connection", "Timeout", "EndpointConnection", "ClientPayload", "ServerDisconnected"))
+    return any(
+        k in name for k in ("Connection", "Timeout", "EndpointConnection", "ClientPayload", "ServerDisconnected")
+    )
 
 
-def retry(fn: Callable[[], T], what: str, attempts: int = StorageSettings.attempts,
-          base_delay: float = StorageSettings.retry_delay_s, max_delay: float = StorageSettings.max_retry_delay_s) -> T:
+def retry(
+    fn: Callable[[], T],
+    what: str,
+    attempts: int = StorageSettings.attempts,
+    base_delay: float = StorageSettings.retry_delay_s,
+    max_delay: float = StorageSettings.max_retry_delay_s,
+) -> T:
     """`fn()` with transient failures retried (exponential backoff); a persistent storage
     failure (OSError), or the last transient one, raised as a StorageError naming `what`."""
     for i in range(1, attempts + 1):

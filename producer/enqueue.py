@@ -113,11 +113,13 @@ class Enqueuer:
                 pipe.watch(self.counter)
                 ids = list(self._pending)
                 states = pipe.hmget(self.keys.state, ids)
-                failed = [i for i, st in zip(ids, states) if st == b"f"]
+                failed = [i for i, st in zip(ids, states, strict=False) if st == b"f"]
                 reasons = pipe.hmget(self.keys.failed, failed) if failed else []
                 # failed because their tokens were kept nowhere: this dataset has them again
-                self._revive |= {i for i, r in zip(failed, reasons) if r and json.loads(r).get("reason") in TOKENS_LOST}
-                known = [i for i, st in zip(ids, states) if st is not None and i not in self._revive]
+                self._revive |= {
+                    i for i, r in zip(failed, reasons, strict=False) if r and json.loads(r).get("reason") in TOKENS_LOST
+                }
+                known = [i for i, st in zip(ids, states, strict=False) if st is not None and i not in self._revive]
                 for i in known:
                     del self._pending[i]
                 self.stats.skipped += len(known)
@@ -139,9 +141,10 @@ class Enqueuer:
                 pipe.multi()
                 pipe.incr(self.counter)
                 self._move(pipe, [s.id for job in sending for s in job])
-                for job, ref in zip(sending, refs):
-                    enqueue_samples(self.queue, self.cfg.run, job, job_id_for(self.cfg.run, [s.id for s in job]), pipe,
-                                    rows=ref)
+                for job, ref in zip(sending, refs, strict=False):
+                    enqueue_samples(
+                        self.queue, self.cfg.run, job, job_id_for(self.cfg.run, [s.id for s in job]), pipe, rows=ref
+                    )
                 pipe.execute()
             except redis.WatchError:
                 return True  # another producer enqueued meanwhile: read the ledger again
@@ -159,7 +162,9 @@ class Enqueuer:
         any of these jobs has a sample not yet written (so a group's later transactions, and a
         transaction read again after a race, reuse it), and a job names one object only."""
         if any(self._rows.get(s.id) is None for job in jobs for s in job):
-            written = jobrows.write(self._run_loc, ((s.id, payload_row(self.cfg.run, s)) for s in self._pending.values()))
+            written = jobrows.write(
+                self._run_loc, ((s.id, payload_row(self.cfg.run, s)) for s in self._pending.values())
+            )
             self._rows = dict.fromkeys(self._pending, written)
         return [self._rows[job[0].id].ref([s.id for s in job]) for job in jobs]  # a write maps all pending at once
 

@@ -20,9 +20,9 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from harvest.sample import Sample
 from harvest.producer.rows import BadRow, Row
 from harvest.producer.tokenize import RowTokenizer
+from harvest.sample import Sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

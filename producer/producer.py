@@ -20,9 +20,6 @@ import redis
 from harvest.config import RunConfig
 from harvest.errors import ConfigurationError
 from harvest.formats.datasetids import SampleIds
-from harvest.progress import progress as progress_display
-from harvest.sample import Sample
-from harvest.settings import ProducerSettings
 from harvest.producer.enqueue import DEFAULT_MAX_QUEUED, Enqueuer
 from harvest.producer.parallel import ProcessTokenizer
 from harvest.producer.prefetch import prefetch
@@ -30,6 +27,9 @@ from harvest.producer.rowkinds import FieldMap, RowError
 from harvest.producer.rows import BadRow
 from harvest.producer.sources import read_dataset
 from harvest.producer.tokenize import LengthPolicy, RowTokenizer
+from harvest.progress import progress as progress_display
+from harvest.sample import Sample
+from harvest.settings import ProducerSettings
 
 if TYPE_CHECKING:
     from tqdm import tqdm
@@ -83,8 +83,9 @@ def _batches(rows: Iterable, n: int) -> Iterator[list]:
         yield batch
 
 
-def produce(conn: redis.Redis | None, cfg: RunConfig | None, dataset: str, *args: Any, dry_run: bool = False,
-            **kw: Any) -> ProduceSummary:
+def produce(
+    conn: redis.Redis | None, cfg: RunConfig | None, dataset: str, *args: Any, dry_run: bool = False, **kw: Any
+) -> ProduceSummary:
     """Tokenize DATASET and enqueue its samples for the run (or only count them, with dry_run);
     the arguments are `produce_pass`'s.
 
@@ -107,8 +108,11 @@ def produce(conn: redis.Redis | None, cfg: RunConfig | None, dataset: str, *args
         if server_id(conn) == before:
             pass_finished(conn, cfg.run)
             return s
-        log.warning("Redis restarted while %s was enqueued (a new server run_id): its last writes may be lost, so "
-                    "the dataset is enqueued again (samples Redis knows are skipped)", dataset)
+        log.warning(
+            "Redis restarted while %s was enqueued (a new server run_id): its last writes may be lost, so "
+            "the dataset is enqueued again (samples Redis knows are skipped)",
+            dataset,
+        )
         earlier = s
 
 
@@ -151,6 +155,7 @@ def produce_pass(
     bar = progress_display("produce", " rows", enabled=progress)
     enq = None
     if not dry_run:
+
         def waiting(q: int) -> None:
             bar.set_postfix_str(f"waiting: {q} queued")
             if on_wait:
@@ -184,7 +189,12 @@ def produce_pass(
         bar.close()
     s.truncated = to_samples.truncated
     if enq:
-        s.enqueued, s.skipped, s.tokens, s.jobs = enq.stats.enqueued, enq.stats.skipped, enq.stats.tokens, enq.stats.jobs
+        s.enqueued, s.skipped, s.tokens, s.jobs = (
+            enq.stats.enqueued,
+            enq.stats.skipped,
+            enq.stats.tokens,
+            enq.stats.jobs,
+        )
     return s
 
 
@@ -196,8 +206,14 @@ def _postfix(bar: tqdm | PlainProgress, s: ProduceSummary, enq: Enqueuer | None,
         bar.set_postfix(samples=s.samples, bad=s.bad, refresh=refresh)
 
 
-def _count(s: ProduceSummary, result: Sample | BadRow, enq: Enqueuer | None, strict: bool, fail_overlong: bool,
-           on_bad: Callable[[BadRow], None] | None) -> None:
+def _count(
+    s: ProduceSummary,
+    result: Sample | BadRow,
+    enq: Enqueuer | None,
+    strict: bool,
+    fail_overlong: bool,
+    on_bad: Callable[[BadRow], None] | None,
+) -> None:
     if isinstance(result, Sample):
         s.samples += 1
         s.sample_tokens += result.num_tokens
@@ -217,4 +233,3 @@ def _count(s: ProduceSummary, result: Sample | BadRow, enq: Enqueuer | None, str
 
 def _log_bad(r: BadRow) -> None:
     log.warning("%s row %s", r.kind, r)
-

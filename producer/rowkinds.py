@@ -14,15 +14,32 @@ from dataclasses import dataclass, field
 from harvest.errors import ConfigurationError, InputError
 
 FIELDS = (
-    "input_ids", "loss_mask", "text", "prompt", "completion", "response", "messages", "conversations", "system",
+    "input_ids",
+    "loss_mask",
+    "text",
+    "prompt",
+    "completion",
+    "response",
+    "messages",
+    "conversations",
+    "system",
 )
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT `from` values -> OpenAI roles.
 SHAREGPT_ROLES = {
     "system": "system",
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "model": "assistant", "chatgpt": "assistant", "bard": "assistant",
-    "tool": "tool", "function": "tool", "observation": "tool", "function_response": "tool", "ipython": "tool",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+    "ipython": "tool",
 }
 
 
@@ -51,7 +68,9 @@ class FieldMap:
             if not sep or not actual:
                 raise ConfigurationError(f"--field {spec!r}: expected LOGICAL=COLUMN, e.g. text=content")
             if logical not in FIELDS:
-                raise ConfigurationError(f"--field {spec!r}: unknown field {logical!r}; expected one of {', '.join(FIELDS)}")
+                raise ConfigurationError(
+                    f"--field {spec!r}: unknown field {logical!r}; expected one of {', '.join(FIELDS)}"
+                )
             names[logical] = actual
         return cls(names)
 
@@ -93,7 +112,9 @@ def _unicode(v: str, where: str) -> str:
     try:
         v.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise RowError(f"{where} is not valid Unicode: a lone surrogate {v[e.start]!r} at character {e.start}") from None
+        raise RowError(
+            f"{where} is not valid Unicode: a lone surrogate {v[e.start]!r} at character {e.start}"
+        ) from None
     return v
 
 
@@ -108,14 +129,18 @@ def _content(v: object, where: str) -> str:
     """A message's content: a string, or a list of `{"type": "text", "text": ...}` parts (joined)."""
     if isinstance(v, str):
         return _unicode(v, f"{where} content")
-    if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
+    if isinstance(v, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v
+    ):
         return _unicode("".join(p["text"] for p in v), f"{where} content")
     raise RowError(f"{where} content must be a string, got {_type(v)}")
 
 
 def _messages(v: object, key: str) -> list[dict]:
     if not isinstance(v, list) or not v:
-        raise RowError(f"'{key}' must be a non-empty list of messages, got {_type(v) if not isinstance(v, list) else 'an empty list'}")
+        raise RowError(
+            f"'{key}' must be a non-empty list of messages, got {_type(v) if not isinstance(v, list) else 'an empty list'}"
+        )
     out = []
     for i, m in enumerate(v):
         if not isinstance(m, dict):
@@ -129,7 +154,9 @@ def _messages(v: object, key: str) -> list[dict]:
 
 def _sharegpt(v: object, key: str) -> list[dict]:
     if not isinstance(v, list) or not v:
-        raise RowError(f"'{key}' must be a non-empty list of turns, got {_type(v) if not isinstance(v, list) else 'an empty list'}")
+        raise RowError(
+            f"'{key}' must be a non-empty list of turns, got {_type(v) if not isinstance(v, list) else 'an empty list'}"
+        )
     out = []
     for i, t in enumerate(v):
         if not isinstance(t, dict):

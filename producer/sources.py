@@ -139,7 +139,9 @@ def dataset_files(path: str) -> list[str]:
     else:
         files = _walk(path)
         if not files:
-            raise DatasetError(f"dataset {path}: no {', '.join(JSONL_SUFFIXES + COLUMNAR_SUFFIXES)} files or saved datasets in it")
+            raise DatasetError(
+                f"dataset {path}: no {', '.join(JSONL_SUFFIXES + COLUMNAR_SUFFIXES)} files or saved datasets in it"
+            )
     if not any(map(_holds_a_row, files)):
         raise EmptyDataset(path, len(files))
     return files
@@ -149,7 +151,9 @@ class EmptyDataset(DatasetError):
     """A dataset path whose files hold no row (empty, or blank lines only)."""
 
     def __init__(self, path: str, files: int) -> None:
-        what = "the file is empty or blank" if os.path.isfile(path) else f"its {files} file{'s' * (files != 1)} hold none"
+        what = (
+            "the file is empty or blank" if os.path.isfile(path) else f"its {files} file{'s' * (files != 1)} hold none"
+        )
         super().__init__(f"dataset {path} holds no rows ({what}): nothing to extract; check the DATASET argument")
 
 

@@ -84,11 +84,13 @@ class ChatRenderer:
         """`chat`: prepared messages (`_prepare`), or a prefix of them."""
         try:
             if self._compiled is None:
-                text, _ = render_jinja_template([chat], chat_template=self.template, add_generation_prompt=gen_prompt,
-                                                **self._vars)
+                text, _ = render_jinja_template(
+                    [chat], chat_template=self.template, add_generation_prompt=gen_prompt, **self._vars
+                )
                 return text[0]
-            return self._compiled.render(messages=chat, tools=None, documents=None, add_generation_prompt=gen_prompt,
-                                         **self._plain_vars)
+            return self._compiled.render(
+                messages=chat, tools=None, documents=None, add_generation_prompt=gen_prompt, **self._plain_vars
+            )
         except Exception as e:  # the template's own raise_exception, or a Jinja error
             raise TemplateError(f"chat template failed: {e}") from None
 

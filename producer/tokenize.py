@@ -18,18 +18,25 @@ from tokenizers import Tokenizer
 
 from harvest.config import model_context
 from harvest.errors import ConfigurationError
-from harvest.sample import Sample, SampleError
-from harvest.settings import ProducerSettings
-from harvest.state.conversation import Conversation, ConversationError
 from harvest.producer.rowkinds import Chat, FieldMap, Pretokenized, PromptCompletion, RowError, RowKind, Text, classify
 from harvest.producer.rows import OVERLONG_POLICIES, BadRow, Row, exception_reason
 from harvest.producer.templates import ChatRenderer, TemplateError, mask_from_spans
+from harvest.sample import Sample, SampleError
+from harvest.settings import ProducerSettings
+from harvest.state.conversation import Conversation, ConversationError
 
 if TYPE_CHECKING:
     from tokenizers import Encoding
     from transformers import PreTrainedTokenizerBase
 
-ROW_ERRORS = (RowError, TemplateError, SampleError, ConversationError)  # harvest's own verdicts on a row, told as they are
+ROW_ERRORS = (
+    RowError,
+    TemplateError,
+    SampleError,
+    ConversationError,
+)  # harvest's own verdicts on a row, told as they are
+
+
 @dataclass(frozen=True)
 class LengthPolicy:
     """The longest sample: `max_len` (--max-len) and the model's `context` (`model_context`), the
@@ -103,8 +110,10 @@ def _refusal(text: str, e: Exception) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as u:
-        return (f"the row's text as rendered is not valid Unicode: a lone surrogate {text[u.start]!r} at character "
-                f"{u.start}; the tokenizer cannot encode it")
+        return (
+            f"the row's text as rendered is not valid Unicode: a lone surrogate {text[u.start]!r} at character "
+            f"{u.start}; the tokenizer cannot encode it"
+        )
     return exception_reason("the tokenizer cannot encode this row's text", e)
 
 
@@ -204,8 +213,10 @@ class RowTokenizer:
         template's end-of-turn token), queued for the batch's tokenizer call. A chat that ends on another
         role gets one more assistant turn: the answer to its last message."""
         if not isinstance(kind, Chat):
-            raise RowError(f"--regenerate writes the assistant turns of chat rows ('{self.fields['messages']}' or "
-                           f"'{self.fields['conversations']}'); this row is {type(kind).__name__.lower()}, with none")
+            raise RowError(
+                f"--regenerate writes the assistant turns of chat rows ('{self.fields['messages']}' or "
+                f"'{self.fields['conversations']}'); this row is {type(kind).__name__.lower()}, with none"
+            )
         messages = [dict(m) for m in kind.messages]
         if not messages or messages[-1].get("role") != "assistant":
             messages.append({"role": "assistant", "content": ""})
@@ -215,30 +226,38 @@ class RowTokenizer:
         text, spans = self.chat.render(placeholder)
         turns = sum(1 for m in messages if m.get("role") == "assistant")
         if len(spans) != turns:
-            raise TemplateError(f"the chat template rendered {len(spans)} assistant turns of {turns}: "
-                                "it cannot be regenerated turn by turn")
+            raise TemplateError(
+                f"the chat template rendered {len(spans)} assistant turns of {turns}: "
+                "it cannot be regenerated turn by turn"
+            )
         edges = [0, *[x for span in spans for x in span], len(text)]
-        pieces = [text[edges[2 * k]: edges[2 * k + 1]] for k in range(turns + 1)]
+        pieces = [text[edges[2 * k] : edges[2 * k + 1]] for k in range(turns + 1)]
         refs = [(plain, plain.add(p)) for p in pieces] + [(plain, plain.add(text[a:b])) for a, b in spans]
         stored = [{**m, "content": None} if m.get("role") == "assistant" else m for m in messages]
         return ("conv", refs, stored)
 
     def _conversation(self, row: Row, encs: list, messages: list[dict]) -> Sample | BadRow:
         turns = len(encs) // 2
-        pieces, answers = [e.ids for e in encs[: turns + 1]], [e.ids for e in encs[turns + 1:]]
+        pieces, answers = [e.ids for e in encs[: turns + 1]], [e.ids for e in encs[turns + 1 :]]
         ends = [a[-1] for a in answers if a and a[-1] in self.special_ids]  # the template's end-of-turn
         stop = {*ends, *([] if self.eos_id is None else [self.eos_id])}
         if not stop:
-            raise TemplateError("the chat template ends an assistant turn with no special token and the tokenizer "
-                                "has no EOS: nothing tells where a generated turn ends")
+            raise TemplateError(
+                "the chat template ends an assistant turn with no special token and the tokenizer "
+                "has no EOS: nothing tells where a generated turn ends"
+            )
         close = ends[0] if ends else self.eos_id  # what closes a turn cut at --max-new-tokens
         skeleton = [t for p in pieces for t in p]
         conv = Conversation(tuple(len(p) for p in pieces), tuple(sorted(stop)), tuple(messages), close)
         limit, what, source = self.length.limit()
         if limit is not None and len(skeleton) > limit:
             why = f"{source}; " if source else ""
-            return BadRow(row.where, f"{len(skeleton)} tokens before any answer is written, over {what} ({why}"
-                          "a conversation to regenerate is never truncated)", "overlong")
+            return BadRow(
+                row.where,
+                f"{len(skeleton)} tokens before any answer is written, over {what} ({why}"
+                "a conversation to regenerate is never truncated)",
+                "overlong",
+            )
         return Sample.build(skeleton, [0] * len(skeleton), conv)
 
     def _pretokenized(self, kind: Pretokenized) -> tuple[np.ndarray, np.ndarray | None]:
@@ -250,7 +269,9 @@ class RowTokenizer:
             lo, hi = min(ids), max(ids)
             if lo < 0 or hi >= self.vocab_size:
                 i = next(i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size)
-                raise RowError(f"token id {ids[i]} ('{f['input_ids']}'[{i}]) outside the vocabulary [0, {self.vocab_size})")
+                raise RowError(
+                    f"token id {ids[i]} ('{f['input_ids']}'[{i}]) outside the vocabulary [0, {self.vocab_size})"
+                )
         if kind.loss_mask is None:
             return np.array(ids, np.int64), None
         mask = _int_list(kind.loss_mask, f["loss_mask"], "a list of 0 and 1", {int, bool}, {0, 1})
@@ -266,7 +287,9 @@ class RowTokenizer:
         if limit is not None and n > limit:
             if self.length.overlong != "truncate":
                 why = f"{source}; " if source else ""
-                return BadRow(row.where, f"{n} tokens, over {what} ({why}--overlong {self.length.overlong})", "overlong")
+                return BadRow(
+                    row.where, f"{n} tokens, over {what} ({why}--overlong {self.length.overlong})", "overlong"
+                )
             ids = ids[:limit]
             mask = None if mask is None else mask[:limit]
             self.truncated += 1
@@ -296,7 +319,7 @@ def _show(v: object) -> str:
     if v is None:
         return "null"
     if isinstance(v, int):
-        text = str(v) if abs(v) < 10 ** 24 else f"an integer of {len(str(abs(v)))} digits"
+        text = str(v) if abs(v) < 10**24 else f"an integer of {len(str(abs(v)))} digits"
         return text
     if isinstance(v, float):
         return f"{v!r} (a number with a fraction)" if len(repr(v)) <= 24 else "a number with a fraction"

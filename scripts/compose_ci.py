@@ -43,14 +43,17 @@ def host_constraints(freeze: str | None = None) -> str:
     names no version), so a host with another moto builds images with that one; a host without
     moto is refused, naming the fix."""
     if freeze is None:
-        freeze = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True,
-                                text=True, check=True).stdout
+        freeze = subprocess.run(
+            [sys.executable, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True, text=True, check=True
+        ).stdout
     pins = [line for line in freeze.splitlines() if "==" in line and not line.startswith("-")]
     names = {re.split(r"[=\[ ]", line, maxsplit=1)[0].lower().replace("_", "-") for line in pins}
     missing = [p for p in IMAGE_PINNED_BY_HOST if p not in names]
     if missing:
-        raise SystemExit(f"compose_ci.py: {', '.join(missing)} not installed here: the CI images take its version from "
-                         "this host; pip install -e '.[dev]' first")
+        raise SystemExit(
+            f"compose_ci.py: {', '.join(missing)} not installed here: the CI images take its version from "
+            "this host; pip install -e '.[dev]' first"
+        )
     return "".join(line + "\n" for line in pins)
 
 
@@ -146,8 +149,14 @@ def workers(containers: dict[str, int]) -> list[dict]:
             pids = [pid]
         name = next((pid_name[p] for p in pids if p in pid_name), None)
         w = by_name.get(name) if name else None
-        out.append({"container": container, "worker": name, "state": w.get_state() if w else None,
-                    "job": w.get_current_job_id() if w else None})
+        out.append(
+            {
+                "container": container,
+                "worker": name,
+                "state": w.get_state() if w else None,
+                "job": w.get_current_job_id() if w else None,
+            }
+        )
     return out
 
 
@@ -208,12 +217,14 @@ def verify(model: str, dataset: str, out_url: str) -> dict:
             if (s["input_ids"].tolist(), s["loss_mask"].tolist()) != expected.get(sid, (None, None)):
                 wrong.append(sid)
     rep = {
-        "rows": sum(1 for _ in open(dataset)), "samples": len(expected),
+        "rows": sum(1 for _ in open(dataset)),
+        "samples": len(expected),
         "done": sum(1 for sid in expected if copies[sid]),
         "doubled": sum(1 for sid in expected if copies[sid] > 1) + sum(1 for sid in copies if sid not in expected),
         "lost": sum(1 for sid in expected if not copies[sid] and sid not in failures),
         "failed": sum(1 for sid in expected if sid in failures and not copies[sid]),
-        "wrong_tokens": len(wrong), "shards": len(loc.list("index", ".json")),
+        "wrong_tokens": len(wrong),
+        "shards": len(loc.list("index", ".json")),
         "tokens": sum(len(expected[sid][0]) for sid in expected if copies[sid]),
     }
     rep["ok"] = rep["done"] == rep["samples"] and not (rep["doubled"] or rep["lost"] or rep["failed"] or wrong)

@@ -33,13 +33,27 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from harvest.engines.sglang_launch import cpu_pythonpath, launch_spec, venv_python  # noqa: E402
 from harvest.config import model_layers, parse_layers  # noqa: E402
+from harvest.engines.sglang_launch import cpu_pythonpath, launch_spec, venv_python  # noqa: E402
 from harvest.health import wait_healthy  # noqa: E402
 from harvest.read.reader import RunReader  # noqa: E402
 
-WORDS = ["the", "a", "model", "token", "layer", "state", "hidden", "draft", "speculative", "decode", "prefill", "batch",
-         "queue", "shard"]
+WORDS = [
+    "the",
+    "a",
+    "model",
+    "token",
+    "layer",
+    "state",
+    "hidden",
+    "draft",
+    "speculative",
+    "decode",
+    "prefill",
+    "batch",
+    "queue",
+    "shard",
+]
 
 
 def dataset_rows(n: int, seed: int, long_words: int = 1500) -> list[dict]:
@@ -73,7 +87,9 @@ def side_traffic(url: str, dump_dir: str) -> list[str]:
     """Plain requests (no hv- rid) must leave no dump file; the plugin must ignore decode steps."""
     problems = []
     before = set(os.listdir(dump_dir)) if os.path.isdir(dump_dir) else set()
-    r = httpx.post(f"{url}/generate", json={"text": "hello there", "sampling_params": {"max_new_tokens": 16}}, timeout=120)
+    r = httpx.post(
+        f"{url}/generate", json={"text": "hello there", "sampling_params": {"max_new_tokens": 16}}, timeout=120
+    )
     r.raise_for_status()
     time.sleep(1)
     after = set(os.listdir(dump_dir)) if os.path.isdir(dump_dir) else set()
@@ -118,15 +134,23 @@ def main() -> int:
     ap.add_argument("--chunked-prefill-size", type=int, default=512)
     ap.add_argument("--work", default="/tmp/harvest-sglang-check")
     ap.add_argument("--startup-timeout", type=float, default=900)
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                    help="cpu: SGLang's CPU engine from HARVEST_SGLANG_VENV (scripts/sglang_venv.sh), fp32")
+    ap.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: SGLang's CPU engine from HARVEST_SGLANG_VENV (scripts/sglang_venv.sh), fp32",
+    )
     ap.add_argument("--long-words", type=int, default=1500, help="words per assistant turn of every 10th sample")
     args = ap.parse_args()
 
     if args.device == "cpu":
         python = venv_python()
-        sgl_version = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
-                                     capture_output=True, text=True, check=True).stdout.strip()
+        sgl_version = subprocess.run(
+            [python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     else:
         from importlib.metadata import version
 
@@ -142,9 +166,19 @@ def main() -> int:
         for row in dataset_rows(args.samples, seed=0, long_words=args.long_words):
             f.write(json.dumps(row) + "\n")
 
-    env, argv = launch_spec(args.model, points, n_layers, dump_dir=dump_dir, tp_size=args.tp, port=args.port,
-                            chunked_prefill_size=args.chunked_prefill_size, sglang_version=sgl_version,
-                            device=args.device, python=python, dtype="float32" if args.device == "cpu" else "auto")
+    env, argv = launch_spec(
+        args.model,
+        points,
+        n_layers,
+        dump_dir=dump_dir,
+        tp_size=args.tp,
+        port=args.port,
+        chunked_prefill_size=args.chunked_prefill_size,
+        sglang_version=sgl_version,
+        device=args.device,
+        python=python,
+        dtype="float32" if args.device == "cpu" else "auto",
+    )
     if args.device == "cpu":  # this checkout's plugin and kernel stand-in, whichever checkout built the venv
         env["PYTHONPATH"] = cpu_pythonpath(REPO)
     url = f"http://127.0.0.1:{args.port}"
@@ -160,11 +194,35 @@ def main() -> int:
         out = os.path.join(args.work, "out")
         t0 = time.monotonic()
         run = subprocess.run(
-            [sys.executable, "-m", "harvest.cli", "run", data, "--model", args.model, "--out", out, "--run", "check",
-             "--engine-url", url, "--dump-dir", dump_dir, "--dtype", "fp32" if args.device == "cpu" else "bf16",
-             "--layers", ",".join(map(str, points)), "--workers", "2",
-             "--work-dir", os.path.join(args.work, "state"), "--no-progress"],
-            cwd=REPO, capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "harvest.cli",
+                "run",
+                data,
+                "--model",
+                args.model,
+                "--out",
+                out,
+                "--run",
+                "check",
+                "--engine-url",
+                url,
+                "--dump-dir",
+                dump_dir,
+                "--dtype",
+                "fp32" if args.device == "cpu" else "bf16",
+                "--layers",
+                ",".join(map(str, points)),
+                "--workers",
+                "2",
+                "--work-dir",
+                os.path.join(args.work, "state"),
+                "--no-progress",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
         )
         report["run_s"] = round(time.monotonic() - t0, 1)
         print(run.stdout[-3000:], run.stderr[-3000:], sep="\n", flush=True)

@@ -58,8 +58,12 @@ SLOW_FIRST = [
 # Files whose tests must stay on one xdist worker (--dist loadgroup): they share module-scoped
 # fixtures that are costly or not safe to run twice at once (an SGLang server, a `harvest run`,
 # wheels downloaded into one cache folder).
-ONE_WORKER = ["system/test_sglang_live.py", "system/test_sglang_servers.py", "system/test_trainers.py",
-              "system/test_sglang_contract.py"]
+ONE_WORKER = [
+    "system/test_sglang_live.py",
+    "system/test_sglang_servers.py",
+    "system/test_trainers.py",
+    "system/test_sglang_contract.py",
+]
 
 
 @pytest.hookimpl(optionalhook=True)

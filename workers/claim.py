@@ -43,7 +43,9 @@ def _coverage(spans: list[tuple[int, int]], total: int) -> str | None:
             return f"positions [{pos}, {a}) missing"
         pos = b
     if pos != total:
-        return f"positions [{pos}, {total}) missing" if pos < total else f"chunks run past the prompt end {total} to {pos}"
+        return (
+            f"positions [{pos}, {total}) missing" if pos < total else f"chunks run past the prompt end {total} to {pos}"
+        )
     return None
 
 
@@ -191,7 +193,8 @@ def assemble(
         scale,
         hidden_from=tuple((c.path, *c.hidden_span) for c in chunks) if same else (),
         hidden_crc32=combine_all((c.hidden_crc32, c.hidden_span[1] - c.hidden_span[0]) for c in chunks)
-        if same else None,
+        if same
+        else None,
     )
 
 

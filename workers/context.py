@@ -56,7 +56,8 @@ class WorkerContext:
     max_spool_bytes: int = WorkerSettings.max_spool_bytes
     retries: int = DEFAULT_RETRIES
     retry_intervals: list[int] = field(
-        default_factory=lambda: backoff_intervals(WorkerSettings.retry_backoff_s, DEFAULT_RETRIES))
+        default_factory=lambda: backoff_intervals(WorkerSettings.retry_backoff_s, DEFAULT_RETRIES)
+    )
     beat: WorkerBeat | None = None  # None only where no janitor cleans the dump dir: it names the job's attempt
     node: str = "node"
     recovery: Recovery | None = None  # one per process: the job and the heartbeat thread share it

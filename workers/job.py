@@ -162,14 +162,17 @@ class BatchJob:
         where the worker sent none, or the ledger was reconciled on a new Redis since (Recovery's
         generation)."""
         ctx, start = self.ctx, self.started
-        if (start is not None and start.generation == ctx.recovery_generation()
-                and all(s.id in start.states for s in self.samples)):
+        if (
+            start is not None
+            and start.generation == ctx.recovery_generation()
+            and all(s.id in start.states for s in self.samples)
+        ):
             attempt, states = start.attempt, [start.states[s.id] for s in self.samples]
         else:
             attempt = new_attempt()
             also = [ctx.beat.starting(self.job.id if self.job else "", len(self.samples), attempt)] if ctx.beat else []
             states = ctx.ledger.take([s.id for s in self.samples], also=also)
-        self.todo = [s for s, st in zip(self.samples, states) if st == QUEUED]
+        self.todo = [s for s, st in zip(self.samples, states, strict=False) if st == QUEUED]
         self.attempt_id = attempt
         return self.todo
 
@@ -189,8 +192,9 @@ class BatchJob:
             return self.retry_or_fail(WORKER_STOPPED, "the worker was stopped during the job", interval=0)
         except redis.RedisError as e:  # Redis's condition, never the samples' (see the module docstring)
             if is_connection_error(e):
-                log.error("job %s: Redis connection lost (%s): the worker stops; the janitor puts the job back",
-                          self.name, e)
+                log.error(
+                    "job %s: Redis connection lost (%s): the worker stops; the janitor puts the job back", self.name, e
+                )
                 raise give_up(ctx.conn, e) from e
             log.exception("job %s: Redis answered with an error", self.name)
             return self.hand_back(f"Redis: {type(e).__name__}: {e}")
@@ -200,13 +204,22 @@ class BatchJob:
             return JobResult(failed=len(todo), skipped=len(self.samples) - len(todo))
         else:
             out.skipped = len(self.samples) - len(todo)
-            log.info("job %s: %d samples, %d tokens, %.2fs: spooled %d, failed %d%s", self.name, len(todo),
-                     sum(s.num_tokens for s in todo), time.monotonic() - t0, out.spooled, out.failed,
-                     "".join(f", {r} {n}" for r, n in sorted(out.reasons.items())))
+            log.info(
+                "job %s: %d samples, %d tokens, %.2fs: spooled %d, failed %d%s",
+                self.name,
+                len(todo),
+                sum(s.num_tokens for s in todo),
+                time.monotonic() - t0,
+                out.spooled,
+                out.failed,
+                "".join(f", {r} {n}" for r, n in sorted(out.reasons.items())),
+            )
             return out
 
     def work(self) -> JobResult:
-        rows = dict(zip((s.id for s in self.samples), payload_rows(self.payload)))  # kept if failed, or no job to copy
+        rows = dict(
+            zip((s.id for s in self.samples), payload_rows(self.payload), strict=False)
+        )  # kept if failed, or no job to copy
         outages = self.ctx.outages()
         self.ctx.wait_for_spool_room()
         self.regenerate()
@@ -247,13 +260,17 @@ class BatchJob:
                 self.failures[s.id] = (ENGINE_REJECTED, r.message)
                 continue
             if r.prompt_tokens not in (-1, s.num_tokens):
-                self.failures[s.id] = (PROMPT_LENGTH,
-                                       f"engine saw {r.prompt_tokens} prompt tokens, sent {s.num_tokens}")
+                self.failures[s.id] = (
+                    PROMPT_LENGTH,
+                    f"engine saw {r.prompt_tokens} prompt tokens, sent {s.num_tokens}",
+                )
             elif r.cached_tokens:
                 self.failures[s.id] = (
                     PREFIX_CACHED,
-                    (f"engine served {r.cached_tokens} prompt tokens from its prefix cache, so their hidden states "
-                     "were never computed: run SGLang with --disable-radix-cache, or a version that honours extra_key"),
+                    (
+                        f"engine served {r.cached_tokens} prompt tokens from its prefix cache, so their hidden states "
+                        "were never computed: run SGLang with --disable-radix-cache, or a version that honours extra_key"
+                    ),
                 )
             wanted[r.rid] = s.num_tokens
         return wanted
@@ -320,14 +337,18 @@ class BatchJob:
             except Exception as e:
                 if is_connection_error(e):
                     raise
-                raise SampleFailure(STORAGE_ERROR, f"reconciling the ledger after Redis came back: "
-                                    f"{type(e).__name__}: {e}", transient=True) from e
+                raise SampleFailure(
+                    STORAGE_ERROR,
+                    f"reconciling the ledger after Redis came back: {type(e).__name__}: {e}",
+                    transient=True,
+                ) from e
         self.owner = ctx.spool_id
         # Failed samples not in this job's payload keep no row (none to keep); a sample spooled
         # meanwhile by a duplicate of this job is not failed (the script moves only q or absent).
         # A spooled one keeps a ref to its first row in this job's copy (harvest.state.jobcopy).
-        refs = {s.id: jobcopy.ref(self.job.id, i) for i, s in reversed(list(enumerate(self.samples)))
-                } if self.job else {}
+        refs = (
+            {s.id: jobcopy.ref(self.job.id, i) for i, s in reversed(list(enumerate(self.samples)))} if self.job else {}
+        )
         ctx.tally.observe("job_seconds", time.monotonic() - self.t0)
         self.timed = True
         also = [c for c in [ctx.beat and ctx.beat.ending()] if c]  # end of job, unless RQ's outcome writes it
@@ -337,9 +358,15 @@ class BatchJob:
             self.ended = bool(also)
             raise
         self.ended = bool(also)
-        ctx.tally.add({"samples_spooled": len(spooled.ids), "tokens_spooled": spooled.tokens,
-                       "bytes_spooled": spooled.nbytes, "dump_bytes": spooled.dump_bytes,
-                       **(self.generated.stats() if self.generated else {})})
+        ctx.tally.add(
+            {
+                "samples_spooled": len(spooled.ids),
+                "tokens_spooled": spooled.tokens,
+                "bytes_spooled": spooled.nbytes,
+                "dump_bytes": spooled.dump_bytes,
+                **(self.generated.stats() if self.generated else {}),
+            }
+        )
         for sid in failed:
             log.warning("sample %s failed: %s: %s", sid, *self.failures[sid])
         return marked
@@ -353,10 +380,16 @@ class BatchJob:
             # The ledger refused a revoked owner: those samples are still queued, and this job retries
             # them under the spool's new id.
             ctx.renew_lease()
-            raise SampleFailure(SPOOL_REVOKED, f"spool {self.owner} was reclaimed during the job; retrying as "
-                                f"{ctx.spool_id}", transient=True)
-        return JobResult(spooled=len(spooled.ids), failed=len(self.failures),
-                         reasons=dict(Counter(r for r, _ in self.failures.values())))
+            raise SampleFailure(
+                SPOOL_REVOKED,
+                f"spool {self.owner} was reclaimed during the job; retrying as {ctx.spool_id}",
+                transient=True,
+            )
+        return JobResult(
+            spooled=len(spooled.ids),
+            failed=len(self.failures),
+            reasons=dict(Counter(r for r, _ in self.failures.values())),
+        )
 
     def fail(self, failures: dict[str, tuple[str, str]]) -> None:
         """Fail those of `failures` still queued (a retried job may find some already spooled), or
@@ -373,8 +406,9 @@ class BatchJob:
         ctx, job = self.ctx, self.job
         done = (job.number_of_retries or 0) if job is not None else 0
         wait = ctx.retry_intervals[min(done, len(ctx.retry_intervals) - 1)]
-        log.warning("job %s: %s; handing it back, retry %d of %d in %ds", self.name, message,
-                    done + 1, ctx.retries, wait)
+        log.warning(
+            "job %s: %s; handing it back, retry %d of %d in %ds", self.name, message, done + 1, ctx.retries, wait
+        )
         return Retry(max=ctx.retries, interval=[wait])
 
     def retry_or_fail(self, reason: str, message: str, interval: int | None = None) -> JobResult | Retry:

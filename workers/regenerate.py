@@ -75,12 +75,16 @@ class Regenerated:
     def stats(self) -> dict[str, int]:
         """The stage's counters for the status and the metrics (added to the worker's tally with the
         job's marks: harvest.state.tally)."""
-        return {"conversations_written": len(self.written), "tokens_generated": self.tokens,
-                "generation_ms": int(self.seconds * 1000)}
+        return {
+            "conversations_written": len(self.written),
+            "tokens_generated": self.tokens,
+            "generation_ms": int(self.seconds * 1000),
+        }
 
 
-def regenerate(engine, samples: list[Sample], attempt: int, cfg: RunConfig, job: str = "?",
-               in_flight: int = MAX_IN_FLIGHT) -> Regenerated:
+def regenerate(
+    engine, samples: list[Sample], attempt: int, cfg: RunConfig, job: str = "?", in_flight: int = MAX_IN_FLIGHT
+) -> Regenerated:
     """Every conversation of `samples` (of job `job`) written, at most `in_flight` at once, with the
     run's settings, under rids of the job's `attempt` (harvest.state.conversation.gen_rid). A
     sample-level failure (see `write_turns`) is returned; an unreachable engine raises
@@ -93,8 +97,14 @@ def regenerate(engine, samples: list[Sample], attempt: int, cfg: RunConfig, job:
         out = _regenerate(engine, samples, attempt, reg, in_flight)
     except EngineUnavailable as e:
         raise SampleFailure(ENGINE_UNAVAILABLE, str(e), transient=True) from None
-    log.info("job %s: %d conversations written, %d tokens in %.2fs%s", job, len(out.written), out.tokens,
-             out.seconds, f", {len(out.failures)} failed" if out.failures else "")
+    log.info(
+        "job %s: %d conversations written, %d tokens in %.2fs%s",
+        job,
+        len(out.written),
+        out.tokens,
+        out.seconds,
+        f", {len(out.failures)} failed" if out.failures else "",
+    )
     return out
 
 
@@ -103,8 +113,7 @@ class _Stopped(Exception):
     a bug, RQ's job timeout), and whatever it wrote would be thrown away."""
 
 
-def _regenerate(engine, samples: list[Sample], attempt: int, reg: Regeneration,
-                in_flight: int) -> Regenerated:
+def _regenerate(engine, samples: list[Sample], attempt: int, reg: Regeneration, in_flight: int) -> Regenerated:
     """The first error that is not a sample's own (EngineUnavailable, a bug, RQ's timeout in this
     thread) stops the step: conversations not started are cancelled, those in flight stop before
     their next turn, and it is raised once they have (each holds one request at most)."""
@@ -162,31 +171,49 @@ def write_turns(engine, s: Sample, attempt: int, reg: Regeneration, stop: thread
         prompt, _ = conv.splice(pieces, generated)
         where = f"turn {k + 1} of {n}"
         if reg.context is not None and prompt.size + reg.max_new_tokens > reg.context:
-            raise SampleFailure(CONTEXT_LENGTH, f"{where}: its prompt of {prompt.size} tokens and --max-new-tokens "
-                                f"{reg.max_new_tokens} exceed the model's context of {reg.context}")
+            raise SampleFailure(
+                CONTEXT_LENGTH,
+                f"{where}: its prompt of {prompt.size} tokens and --max-new-tokens "
+                f"{reg.max_new_tokens} exceed the model's context of {reg.context}",
+            )
         seed = turn_seed(s.id, k)
         params = GenParams(reg.max_new_tokens, reg.temperature, reg.top_p, seed, conv.stop)
         r = engine.complete(gen_rid(s.id, attempt, k), prompt.tolist(), params)
         if isinstance(r, Rejected):
             raise SampleFailure(ENGINE_REJECTED, f"{where}: {r.message}")
         if r.prompt_tokens not in (-1, prompt.size):
-            raise SampleFailure(PROMPT_LENGTH, f"{where}: engine saw {r.prompt_tokens} prompt tokens, sent {prompt.size}")
+            raise SampleFailure(
+                PROMPT_LENGTH, f"{where}: engine saw {r.prompt_tokens} prompt tokens, sent {prompt.size}"
+            )
         content = r.tokens[:-1] if r.finish_reason == "stop" else r.tokens
         if not content:
             raise SampleFailure(GENERATION_EMPTY, f"{where}: the model ended the turn before writing anything")
         if r.finish_reason == "length" and reg.on_length == "fail":
-            raise SampleFailure(GENERATION_LENGTH, f"{where} reached --max-new-tokens {reg.max_new_tokens} without "
-                                "ending (--on-length keep keeps such turns)")
+            raise SampleFailure(
+                GENERATION_LENGTH,
+                f"{where} reached --max-new-tokens {reg.max_new_tokens} without "
+                "ending (--on-length keep keeps such turns)",
+            )
         generated.append(list(r.tokens))
         texts.append(r.text)
-        turns.append({"tokens": list(r.tokens), "finish_reason": r.finish_reason, "seed": seed,
-                      "prompt_tokens": int(prompt.size)})
+        turns.append(
+            {
+                "tokens": list(r.tokens),
+                "finish_reason": r.finish_reason,
+                "seed": seed,
+                "prompt_tokens": int(prompt.size),
+            }
+        )
     ids, mask = conv.splice(pieces, generated)
     if reg.context is not None and ids.size > reg.context:
-        raise SampleFailure(CONTEXT_LENGTH, f"the regenerated conversation has {ids.size} tokens, over the model's "
-                            f"context of {reg.context}")
+        raise SampleFailure(
+            CONTEXT_LENGTH,
+            f"the regenerated conversation has {ids.size} tokens, over the model's context of {reg.context}",
+        )
     answers = iter(texts)
-    messages = [{"role": m["role"], "content": next(answers) if m["role"] == "assistant" else m.get("content")}
-                for m in conv.messages]
+    messages = [
+        {"role": m["role"], "content": next(answers) if m["role"] == "assistant" else m.get("content")}
+        for m in conv.messages
+    ]
     record = {"id": s.id, "messages": messages, "turns": turns}
     return Written(s.regenerated(ids, mask), record, sum(len(g) for g in generated))

@@ -77,8 +77,9 @@ class HarvestWorker(SimpleWorker):
         self.log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
         self.pubsub = self.connection.pubsub()
         self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
-        self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=PUBSUB_POLL_S, daemon=True,
-                                                       exception_handler=self._pubsub_exception_handler)
+        self.pubsub_thread = self.pubsub.run_in_thread(
+            sleep_time=PUBSUB_POLL_S, daemon=True, exception_handler=self._pubsub_exception_handler
+        )
 
     # RQ's; the same records: test_rq_contract test_harvests_execution_start_and_heartbeat_write_what_rqs_do
     def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:
@@ -138,7 +139,7 @@ class HarvestWorker(SimpleWorker):
                     beat.drop_start()
                 raise
         if ctx is not None and start is not None:
-            ctx.started[job.id] = start._replace(states=dict(zip(ids, map(state_letter, replies[-1]))))
+            ctx.started[job.id] = start._replace(states=dict(zip(ids, map(state_letter, replies[-1]), strict=False)))
         return execution
 
     def _start_of(self, job: Job, beat: WorkerBeat | None) -> tuple[WorkerContext | None, list[str]]:
@@ -171,31 +172,34 @@ class HarvestWorker(SimpleWorker):
             beat.clear_execution(execution.id, pipeline)
 
     # RQ's; the same records: test_rq_contract test_harvests_success_leaves_what_rqs_own_leaves
-    def handle_job_success(self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry,
-                           execution: Execution) -> None:
+    def handle_job_success(
+        self, job: Job, queue: Queue, started_job_registry: StartedJobRegistry, execution: Execution
+    ) -> None:
         """RQ's writes for a harvest job's success, in one MULTI/EXEC without RQ's reads: RQ's
         counters, the execution gone (and no longer named: `cleanup_execution`), the job and its
         records deleted. Why: RQ's own watches the dependents and reads the job's executions first,
         round trips a job that harvest's jobs (no result kept, no dependents, repeats, rate limit or
         group) do not need; a job that has any of them goes RQ's own way."""
-        if (job.get_result_ttl(self.default_result_ttl) != 0 or job.repeats_left or job.has_rate_limit
-                or job.group_id):
+        if job.get_result_ttl(self.default_result_ttl) != 0 or job.repeats_left or job.has_rate_limit or job.group_id:
             super().handle_job_success(job, queue, started_job_registry, execution)
             return
         with self.connection.pipeline() as pipe:
             self.increment_successful_job_count(pipeline=pipe)
             self.increment_total_working_time(job.ended_at - job.started_at, pipe)
             self.cleanup_execution(job, pipe, execution)
-            pipe.delete(job.key, job.dependents_key, job.dependencies_key, Result.get_key(job.id),
-                        job.execution_registry.key)
+            pipe.delete(
+                job.key, job.dependents_key, job.dependencies_key, Result.get_key(job.id), job.execution_registry.key
+            )
             pipe.execute()
         job._status = JobStatus.FINISHED
-        self.log.info("Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at,
-                      self.name)
+        self.log.info(
+            "Successfully completed job %s in %ss on worker %s", job.id, job.ended_at - job.started_at, self.name
+        )
 
     # RQ's; the retry's interval: test_rq_contract test_a_failed_job_is_counted_and_a_retry_waits_its_interval
-    def handle_job_retry(self, job: Job, queue: Queue, retry: Retry, started_job_registry: StartedJobRegistry,
-                         execution: Execution) -> None:
+    def handle_job_retry(
+        self, job: Job, queue: Queue, retry: Retry, started_job_registry: StartedJobRegistry, execution: Execution
+    ) -> None:
         """RQ schedules the retry at this node's `now() + interval`; stamp it again with Redis's
         TIME, so a node whose clock runs ahead does not hold the job (and its samples) back for
         hours, nor one that runs behind release it at once. Between the two writes the janitor

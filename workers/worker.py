@@ -204,14 +204,30 @@ def run_worker(
     ctx.renew_lease()  # the spool is alive from now on (harvest.state.spools)
     install(ctx)
     queue = run_queue(conn, run, job_class=HarvestJob)
-    worker = HarvestWorker([queue], connection=conn, serializer=SERIALIZER, name=name, worker_ttl=RQ_WORKER_TTL,
-                          job_class=HarvestJob, beat=beat)
+    worker = HarvestWorker(
+        [queue],
+        connection=conn,
+        serializer=SERIALIZER,
+        name=name,
+        worker_ttl=RQ_WORKER_TTL,
+        job_class=HarvestJob,
+        beat=beat,
+    )
     background = _Background(ctx, beat, HEARTBEAT_INTERVAL_S)
     background.start()
     logging.getLogger("rq.worker").addFilter(_NoTracebackForLost())
     threading.excepthook = _quiet_thread_exit
-    log.info("worker started: %s, run %s, node %s, engine %s at %s, spool %s (id %s), dump dir %s", name, run, host,
-             cfg.engine, engine_url, ctx.spool_dir, ctx.spool_id, dump_dir)
+    log.info(
+        "worker started: %s, run %s, node %s, engine %s at %s, spool %s (id %s), dump dir %s",
+        name,
+        run,
+        host,
+        cfg.engine,
+        engine_url,
+        ctx.spool_dir,
+        ctx.spool_id,
+        dump_dir,
+    )
     try:
         # RQ installs its stop handlers only in work(): until then a SIGTERM (docker stop) must still
         # run the cleanup below, or the claim dir and heartbeat outlive the process.

@@ -23,6 +23,16 @@ def main(verbose: bool) -> None:
     setup_logging(verbose)
 
 
-for _cmd in (*pipeline.COMMANDS, *services.COMMANDS, *nodecmd.COMMANDS, *operate.COMMANDS, *observe.COMMANDS,
-             *exports.COMMANDS, *launch.COMMANDS, *trainers.COMMANDS, *audit.COMMANDS, *accept.COMMANDS):
+for _cmd in (
+    *pipeline.COMMANDS,
+    *services.COMMANDS,
+    *nodecmd.COMMANDS,
+    *operate.COMMANDS,
+    *observe.COMMANDS,
+    *exports.COMMANDS,
+    *launch.COMMANDS,
+    *trainers.COMMANDS,
+    *audit.COMMANDS,
+    *accept.COMMANDS,
+):
     main.add_command(_cmd)

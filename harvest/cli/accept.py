@@ -17,15 +17,28 @@ from harvest.cli.reach import reach, work_dir_option
 
 @click.command("accept-model")
 @run_option
-@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False),
-              help="The run's checkpoint, saved again: a local folder.")
+@click.option(
+    "--model",
+    "model_dir",
+    required=True,
+    type=click.Path(exists=True, file_okay=False),
+    help="The run's checkpoint, saved again: a local folder.",
+)
 @redis_option
-@click.option("--out", "out_url", default=None,
-              help="The run's output URL (default: the one the run in Redis records).")
+@click.option(
+    "--out", "out_url", default=None, help="The run's output URL (default: the one the run in Redis records)."
+)
 @s3_options
 @work_dir_option
-def accept_model_cmd(run: str, model_dir: str, redis_url: str, out_url: str | None, s3_endpoint: str | None,
-                     s3_region: str | None, work_dir: str | None) -> None:
+def accept_model_cmd(
+    run: str,
+    model_dir: str,
+    redis_url: str,
+    out_url: str | None,
+    s3_endpoint: str | None,
+    s3_region: str | None,
+    work_dir: str | None,
+) -> None:
     """Record MODEL as RUN's checkpoint in its run.json and in Redis: for the same model saved again,
     whose fingerprint changed. Checks its shape (layers, width) only: the states it computes are
     yours to vouch for (`harvest audit` compares a sample of them). Stop the run first."""
@@ -40,9 +53,11 @@ def accept_model_cmd(run: str, model_dir: str, redis_url: str, out_url: str | No
         click.echo(f"run {run} already records {model_dir}'s fingerprint {short(new.model_fingerprint)}: nothing to do")
         return
     diff = differing(old.model_fingerprint, new.model_fingerprint)
-    click.echo(f"run {run} now records model {new.model} (fingerprint {short(new.model_fingerprint)}), was "
-               f"{old.model} (fingerprint {short(old.model_fingerprint)}); files that differ: "
-               f"{', '.join(diff) or 'none'}")
+    click.echo(
+        f"run {run} now records model {new.model} (fingerprint {short(new.model_fingerprint)}), was "
+        f"{old.model} (fingerprint {short(old.model_fingerprint)}); files that differ: "
+        f"{', '.join(diff) or 'none'}"
+    )
 
 
 COMMANDS = (accept_model_cmd,)

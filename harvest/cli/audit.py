@@ -18,34 +18,83 @@ ROUTES = ("engine", "hf")
 @click.command("audit")
 @run_option
 @redis_option
-@click.option("--out", "out_url", default=None,
-              help="The run's output URL; needed when Redis lost the run (its run.json is read from there).")
-@click.option("--samples", "n", default=AuditSettings.samples, show_default=True, type=click.IntRange(1),
-              help="Committed samples to recompute, at random, stratified by length.")
+@click.option(
+    "--out",
+    "out_url",
+    default=None,
+    help="The run's output URL; needed when Redis lost the run (its run.json is read from there).",
+)
+@click.option(
+    "--samples",
+    "n",
+    default=AuditSettings.samples,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Committed samples to recompute, at random, stratified by length.",
+)
 @click.option("--seed", default=None, type=click.IntRange(0), help="The choice's seed (default: random, printed).")
-@click.option("--against", "route", default="engine", show_default=True, type=click.Choice(ROUTES),
-              help="engine: the run's engine, each sample alone, a fresh rid, other chunk boundaries; hf: an "
-                   "independent transformers forward of the run's model on this machine.")
-@click.option("--engine-url", default=None,
-              help="A server of the run's engine kind on this node (default: the audit starts a reference engine, "
-                   "for reference runs).")
+@click.option(
+    "--against",
+    "route",
+    default="engine",
+    show_default=True,
+    type=click.Choice(ROUTES),
+    help="engine: the run's engine, each sample alone, a fresh rid, other chunk boundaries; hf: an "
+    "independent transformers forward of the run's model on this machine.",
+)
+@click.option(
+    "--engine-url",
+    default=None,
+    help="A server of the run's engine kind on this node (default: the audit starts a reference engine, "
+    "for reference runs).",
+)
 @click.option("--dump-dir", default=None, type=click.Path(), help="Where that server writes its dump files.")
-@click.option("--chunked-prefill-size", default=AuditSettings.chunked_prefill_size, show_default=True,
-              type=click.IntRange(1), help="Prefill chunk of the reference engine the audit starts.")
-@click.option("--model", default=None, type=click.Path(),
-              help="The run's checkpoint on this machine (default: the run's model path).")
+@click.option(
+    "--chunked-prefill-size",
+    default=AuditSettings.chunked_prefill_size,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Prefill chunk of the reference engine the audit starts.",
+)
+@click.option(
+    "--model",
+    default=None,
+    type=click.Path(),
+    help="The run's checkpoint on this machine (default: the run's model path).",
+)
 @click.option("--device", default=None, help="Device of the transformers forward (default: cuda if any, else cpu).")
-@click.option("--tolerance", default=None, type=click.FloatRange(min=0, min_open=True),
-              help="Largest relative error of a row that passes (default: the storage dtype's, see docs).")
-@click.option("--requeue-bad", is_flag=True,
-              help="Exclude the failing samples' copies from their index files and put them back on the queue, to "
-                   "be extracted and committed again, once.")
+@click.option(
+    "--tolerance",
+    default=None,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Largest relative error of a row that passes (default: the storage dtype's, see docs).",
+)
+@click.option(
+    "--requeue-bad",
+    is_flag=True,
+    help="Exclude the failing samples' copies from their index files and put them back on the queue, to "
+    "be extracted and committed again, once.",
+)
 @no_progress_option
 @s3_options
-def audit_cmd(run: str, redis_url: str, out_url: str | None, n: int, seed: int | None, route: str,
-              engine_url: str | None, dump_dir: str | None, chunked_prefill_size: int, model: str | None,
-              device: str | None, tolerance: float | None, requeue_bad: bool, no_progress: bool,
-              s3_endpoint: str | None, s3_region: str | None) -> None:
+def audit_cmd(
+    run: str,
+    redis_url: str,
+    out_url: str | None,
+    n: int,
+    seed: int | None,
+    route: str,
+    engine_url: str | None,
+    dump_dir: str | None,
+    chunked_prefill_size: int,
+    model: str | None,
+    device: str | None,
+    tolerance: float | None,
+    requeue_bad: bool,
+    no_progress: bool,
+    s3_endpoint: str | None,
+    s3_region: str | None,
+) -> None:
     """Recompute N committed samples of RUN by a second route and compare them with what is stored,
     per capture point; exit 1 if any differs beyond the storage dtype's bound or is corrupt."""
     import secrets
@@ -77,6 +126,7 @@ def audit_cmd(run: str, redis_url: str, out_url: str | None, n: int, seed: int |
         engine = EngineRoute(cfg, engine_url, dump_dir, model, chunked_prefill_size)
     try:
         with tqdm(desc="audit", unit=" samples", disable=no_progress, file=sys.stderr) as bar:
+
             def progress(done: int, total: int) -> None:
                 bar.total = total
                 bar.update(done - bar.n)
@@ -90,8 +140,9 @@ def audit_cmd(run: str, redis_url: str, out_url: str | None, n: int, seed: int |
         excluded, rewritten = exclude_bad(loc, rep)
         rec = reconcile(conn, cfg)
         rep.requeued = sorted(set(rec.requeued) & set(excluded))
-        rep.requeue_line = (f"requeue-bad: excluded {len(excluded)} samples from {len(rewritten)} index files; "
-                            f"{rec.line()}")
+        rep.requeue_line = (
+            f"requeue-bad: excluded {len(excluded)} samples from {len(rewritten)} index files; {rec.line()}"
+        )
     elif requeue_bad:
         rep.requeue_line = "requeue-bad: nothing to requeue"
     record = rep.to_dict()

@@ -61,26 +61,39 @@ def _chunk_of(url: str) -> int | None:
 class EngineRoute:
     name = "engine"
 
-    def __init__(self, cfg: RunConfig, engine_url: str | None, dump_dir: str | None, model: str | None,
-                 chunked_prefill_size: int, settings: AuditSettings = AuditSettings()) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        engine_url: str | None,
+        dump_dir: str | None,
+        model: str | None,
+        chunked_prefill_size: int,
+        settings: AuditSettings = AuditSettings(),
+    ) -> None:
         self.cfg, self.settings = cfg, settings
         self.engine_points = list(cfg.capture_points)  # what the engine dumps: the run's, or every layer
         self._proc: subprocess.Popen | None = None
         self._own_dumps: str | None = None
         if engine_url is None:
             if cfg.engine != "reference":
-                raise ConfigurationError(f"run {cfg.run} was extracted by {cfg.engine}: pass --engine-url URL and --dump-dir "
-                                  f"DIR of a {cfg.engine} server on this node (harvest {cfg.engine}-args --run "
-                                  f"{cfg.run} prints its command), or --against hf")
+                raise ConfigurationError(
+                    f"run {cfg.run} was extracted by {cfg.engine}: pass --engine-url URL and --dump-dir "
+                    f"DIR of a {cfg.engine} server on this node (harvest {cfg.engine}-args --run "
+                    f"{cfg.run} prints its command), or --against hf"
+                )
             engine_url, dump_dir = self._start_reference(model or cfg.model, chunked_prefill_size)
             chunk, how = chunked_prefill_size, "started by the audit"
         else:
             if dump_dir is None:
-                raise ConfigurationError("--engine-url needs --dump-dir: the folder that server writes its dump files to "
-                                  "(its HARVEST_DUMP_DIR)")
+                raise ConfigurationError(
+                    "--engine-url needs --dump-dir: the folder that server writes its dump files to "
+                    "(its HARVEST_DUMP_DIR)"
+                )
             if not wait_healthy(engine_url.rstrip("/"), 10.0):
-                raise AuditEngineDown(f"no engine answers at {engine_url.rstrip('/')}/health: start the server, or "
-                                      "pass the URL of one on this node")
+                raise AuditEngineDown(
+                    f"no engine answers at {engine_url.rstrip('/')}/health: start the server, or "
+                    "pass the URL of one on this node"
+                )
             chunk, how = _chunk_of(engine_url.rstrip("/")), "given"
         check_engine(cfg, engine_url)  # the run's model, or the audit proves nothing
         from harvest.workers.clients import make_engine
@@ -89,7 +102,7 @@ class EngineRoute:
         os.makedirs(dump_dir, mode=0o700, exist_ok=True)
         self.client = make_engine(cfg, self.url, dump_dir)
         chunking = f"chunked prefill {chunk}" if chunk else "chunked prefill as launched"
-        self.detail = (f"{cfg.engine} engine at {self.url} ({how}), {chunking}, each sample alone with a fresh rid")
+        self.detail = f"{cfg.engine} engine at {self.url} ({how}), {chunking}, each sample alone with a fresh rid"
 
     def _start_reference(self, model: str, chunk: int) -> tuple[str, str]:
         self._own_dumps = tempfile.mkdtemp(prefix="audit-", dir=_dump_base())
@@ -99,19 +112,37 @@ class EngineRoute:
         dumps = os.path.join(self._own_dumps, "dumps")
         if self.cfg.num_layers:  # every layer, so a capture point taken from the wrong one is named
             self.engine_points = list(range(self.cfg.num_layers + 1))
-        argv = [sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dumps, "--port",
-                str(port), "--layers", ",".join(map(str, self.engine_points)), "--chunked-prefill-size", str(chunk)]
+        argv = [
+            sys.executable,
+            "-m",
+            "harvest.cli",
+            "engine",
+            "--model",
+            model,
+            "--dump-dir",
+            dumps,
+            "--port",
+            str(port),
+            "--layers",
+            ",".join(map(str, self.engine_points)),
+            "--chunked-prefill-size",
+            str(chunk),
+        ]
         with open(self._log, "ab") as log:
             self._proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
         def alive() -> None:
             if self._proc.poll() is not None:
-                raise AuditEngineDown(f"the reference engine the audit started exited with status "
-                                      f"{self._proc.returncode}: {_tail(self._log)}")
+                raise AuditEngineDown(
+                    f"the reference engine the audit started exited with status "
+                    f"{self._proc.returncode}: {_tail(self._log)}"
+                )
 
         if not wait_healthy(url, self.settings.engine_wait_s, interval=0.2, check=alive):
-            raise AuditEngineDown(f"the reference engine the audit started at {url} did not answer /health within "
-                                  f"{self.settings.engine_wait_s:.0f}s: {_tail(self._log)}")
+            raise AuditEngineDown(
+                f"the reference engine the audit started at {url} did not answer /health within "
+                f"{self.settings.engine_wait_s:.0f}s: {_tail(self._log)}"
+            )
         return url, dumps
 
     def recompute(self, sample: Sample) -> tuple[torch.Tensor, dict[int, torch.Tensor] | None]:
@@ -126,8 +157,10 @@ class EngineRoute:
         if isinstance(got, Rejected):
             raise Unchecked(got.message)
         if got.cached_tokens:
-            raise Unchecked(f"the engine served {got.cached_tokens} of its tokens from its prefix cache: relaunch it "
-                            "with the cache off (harvest sglang-args)")
+            raise Unchecked(
+                f"the engine served {got.cached_tokens} of its tokens from its prefix cache: relaunch it "
+                "with the cache off (harvest sglang-args)"
+            )
         mine = claim_dir(self.dump_dir, f"audit-{os.getpid()}-{rid[3:11]}")  # made now, gone in a second
         os.makedirs(mine, mode=0o700)
         try:

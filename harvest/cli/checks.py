@@ -45,27 +45,37 @@ def check_model(model: str | None, local_only: bool = False) -> None:
         return
     path = os.path.expanduser(model)
     if looks_local(model) and not os.path.isdir(path):
-        fail(f"model folder {model!r} does not exist (a local path, so it is not looked up on the model hub): "
-             "check --model")
+        fail(
+            f"model folder {model!r} does not exist (a local path, so it is not looked up on the model hub): "
+            "check --model"
+        )
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             fail(f"model folder {model!r} has no config.json: --model must be a Hugging Face model folder")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         return
     if local_only:
-        fail(f"model {model!r} is not a folder on this machine, and the reference engine loads only local models: "
-             "pass --model PATH, a Hugging Face model folder")
+        fail(
+            f"model {model!r} is not a folder on this machine, and the reference engine loads only local models: "
+            "pass --model PATH, a Hugging Face model folder"
+        )
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        fail(f"model {model!r} is not a folder on this machine, and the model hub is off (HF_HUB_OFFLINE): "
-             "pass --model PATH, a local Hugging Face model folder")
+        fail(
+            f"model {model!r} is not a folder on this machine, and the model hub is off (HF_HUB_OFFLINE): "
+            "pass --model PATH, a local Hugging Face model folder"
+        )
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     answer = _probe_hub(f"{endpoint}/api/models/{model}")
     if answer == 404:
-        fail(f"model {model!r} is not a folder on this machine, nor a model on the hub ({endpoint}): "
-             "pass --model PATH, a local Hugging Face model folder, or the hub id org/name")
+        fail(
+            f"model {model!r} is not a folder on this machine, nor a model on the hub ({endpoint}): "
+            "pass --model PATH, a local Hugging Face model folder, or the hub id org/name"
+        )
     if isinstance(answer, str):
-        fail(f"model {model!r} is not a folder on this machine, and the model hub ({endpoint}) cannot be reached "
-             f"({answer}): pass --model PATH, a local Hugging Face model folder")
+        fail(
+            f"model {model!r} is not a folder on this machine, and the model hub ({endpoint}) cannot be reached "
+            f"({answer}): pass --model PATH, a local Hugging Face model folder"
+        )
 
 
 def _probe_hub(url: str) -> int | str:
@@ -98,8 +108,10 @@ def check_output(url: str | None, reach: bool = True) -> None:
     written. A collector checks only the credentials: its storage errors stop it with the shard
     in progress recorded, to be finished once the storage is fixed."""
     if url and "://" in url and not url.startswith(("s3://", "s3a://", "file://")):
-        fail(f"output {url}: harvest writes to a local folder, file:// or s3:// (S3-compatible stores too: MinIO, "
-             "Ceph; --s3-endpoint): its shards are streamed as S3 multipart uploads")
+        fail(
+            f"output {url}: harvest writes to a local folder, file:// or s3:// (S3-compatible stores too: MinIO, "
+            "Ceph; --s3-endpoint): its shards are streamed as S3 multipart uploads"
+        )
     if not url or not url.startswith(("s3://", "s3a://")):
         return
     import botocore.session
@@ -119,20 +131,28 @@ def check_output(url: str | None, reach: bool = True) -> None:
     endpoint = client_kw.get("endpoint_url", "AWS S3")
     try:
         client = session.create_client(
-            "s3", aws_access_key_id=opts.get("key"), aws_secret_access_key=opts.get("secret"),
+            "s3",
+            aws_access_key_id=opts.get("key"),
+            aws_secret_access_key=opts.get("secret"),
             aws_session_token=opts.get("token"),
-            config=Config(connect_timeout=3, read_timeout=10, retries={"max_attempts": 1}), **client_kw)
+            config=Config(connect_timeout=3, read_timeout=10, retries={"max_attempts": 1}),
+            **client_kw,
+        )
         client.head_bucket(Bucket=bucket)
     except NoCredentialsError:
         fail(f"no S3 credentials for {url}: {S3_CREDENTIALS_FIX}")
     except ClientError as e:
         code = str(e.response.get("Error", {}).get("Code", ""))
         if code in ("404", "NoSuchBucket"):
-            fail(f"bucket {bucket!r} does not exist at {redact(endpoint)}: create it, or fix --out "
-                 "(and HARVEST_S3_ENDPOINT / --s3-endpoint)")
+            fail(
+                f"bucket {bucket!r} does not exist at {redact(endpoint)}: create it, or fix --out "
+                "(and HARVEST_S3_ENDPOINT / --s3-endpoint)"
+            )
         if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            fail(f"S3 at {redact(endpoint)} denied access to bucket {bucket!r} ({code}): check AWS_ACCESS_KEY_ID / "
-                 "AWS_SECRET_ACCESS_KEY and the bucket's policy")
+            fail(
+                f"S3 at {redact(endpoint)} denied access to bucket {bucket!r} ({code}): check AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY and the bucket's policy"
+            )
         fail(f"S3 at {redact(endpoint)} answered {code} for bucket {bucket!r}: {e}")
     except BotoCoreError as e:
         fail(f"cannot reach S3 at {redact(endpoint)} for {url} ({e}): check --s3-endpoint / HARVEST_S3_ENDPOINT")

@@ -34,13 +34,84 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_WORDS = (
-    "the model reads a long prompt and writes hidden states for every token so that a small "
-    "draft network can learn to guess what the large target network will say next while the "
-    "queue holds batches of samples and workers claim dump files from the engine then the "
-    "collector packs shards into object storage with an index file that commits each shard "
-    "alpha beta gamma delta river mountain forest city code data token layer number seven"
-).split()
+_WORDS = [
+    "the",
+    "model",
+    "reads",
+    "a",
+    "long",
+    "prompt",
+    "and",
+    "writes",
+    "hidden",
+    "states",
+    "for",
+    "every",
+    "token",
+    "so",
+    "that",
+    "a",
+    "small",
+    "draft",
+    "network",
+    "can",
+    "learn",
+    "to",
+    "guess",
+    "what",
+    "the",
+    "large",
+    "target",
+    "network",
+    "will",
+    "say",
+    "next",
+    "while",
+    "the",
+    "queue",
+    "holds",
+    "batches",
+    "of",
+    "samples",
+    "and",
+    "workers",
+    "claim",
+    "dump",
+    "files",
+    "from",
+    "the",
+    "engine",
+    "then",
+    "the",
+    "collector",
+    "packs",
+    "shards",
+    "into",
+    "object",
+    "storage",
+    "with",
+    "an",
+    "index",
+    "file",
+    "that",
+    "commits",
+    "each",
+    "shard",
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "river",
+    "mountain",
+    "forest",
+    "city",
+    "code",
+    "data",
+    "token",
+    "layer",
+    "number",
+    "seven",
+]
 
 
 def _sentence(rng: random.Random, n: int) -> str:
@@ -68,11 +139,18 @@ def build_tiny_model(path: str | None = None, *, layers: int = 8, hidden: int = 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=512,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", additional_special_tokens=specials[3:]
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=specials[3:],
     )
     fast.chat_template = CHAT_TEMPLATE
 

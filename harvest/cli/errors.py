@@ -43,14 +43,20 @@ if TYPE_CHECKING:
 
 _tried: dict[str, str] = {}  # "redis" -> the last URL the CLI connected to (password removed)
 
-S3_CREDENTIALS_FIX = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and HARVEST_S3_ENDPOINT "
-                      "or --s3-endpoint for MinIO/Ceph")
+S3_CREDENTIALS_FIX = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and HARVEST_S3_ENDPOINT "
+    "or --s3-endpoint for MinIO/Ceph"
+)
 
 
 redis_wait_option = click.option(
-    "--redis-wait", "redis_wait", default=None, type=click.FloatRange(0),
+    "--redis-wait",
+    "redis_wait",
+    default=None,
+    type=click.FloatRange(0),
     help="Seconds to wait for a Redis that went away (after it answered once) before stopping with exit status 75 "
-         f"[default: HARVEST_REDIS_OUTAGE_S, else {RedisSettings.outage_s:.0f}].")
+    f"[default: HARVEST_REDIS_OUTAGE_S, else {RedisSettings.outage_s:.0f}].",
+)
 
 
 def redact(url: str) -> str:
@@ -63,8 +69,10 @@ def redact(url: str) -> str:
 def redis_fix(url: str | None, cause: str = "") -> str:
     where = f" at {redact(url)}" if url else ""
     why = f" ({cause})" if cause else ""
-    return (f"cannot reach Redis{where}{why}: start redis-server there, or pass --redis URL "
-            "(default from HARVEST_REDIS_URL)")
+    return (
+        f"cannot reach Redis{where}{why}: start redis-server there, or pass --redis URL "
+        "(default from HARVEST_REDIS_URL)"
+    )
 
 
 def _ping(conn: redis.Redis, wait_s: float) -> None:
@@ -137,8 +145,10 @@ def _redis_down(e: BaseException) -> str:
 
 
 def _redis_loading(e: BaseException) -> str:
-    return (f"Redis at {redact(_tried.get('redis', '?'))} is running but still loading its data (a restarted server "
-            "replays its append-only file first): run the command again once it has loaded")
+    return (
+        f"Redis at {redact(_tried.get('redis', '?'))} is running but still loading its data (a restarted server "
+        "replays its append-only file first): run the command again once it has loaded"
+    )
 
 
 def _s3_credentials(e: BaseException) -> str:
@@ -181,9 +191,14 @@ FOREIGN: tuple[Foreign, ...] = (
 # An OSError on a path the user named (an argument of the command, or a file under one) is told
 # as the OS tells it ("[Errno 2] No such file or directory: 'x'"); on any other path it is a bug.
 OS_ERRORS: dict[int, type[HarvestError]] = {
-    errno.ENOENT: InputError, errno.ENOTDIR: InputError, errno.EISDIR: InputError,
-    errno.EACCES: StorageError, errno.EPERM: StorageError, errno.EROFS: StorageError,
-    errno.ENOSPC: StorageError, errno.EDQUOT: StorageError,
+    errno.ENOENT: InputError,
+    errno.ENOTDIR: InputError,
+    errno.EISDIR: InputError,
+    errno.EACCES: StorageError,
+    errno.EPERM: StorageError,
+    errno.EROFS: StorageError,
+    errno.ENOSPC: StorageError,
+    errno.EDQUOT: StorageError,
 }
 
 
@@ -239,8 +254,7 @@ class OwnExitCommand(click.Command):
     """A command with exit statuses of its own (`harvest node`): `exit_status_of(err)` for a
     HarvestError, and `usage_exit` for a bad flag or argument (click's UsageError)."""
 
-    def __init__(self, *args: Any, exit_status_of: Callable[[HarvestError], int], usage_exit: int,
-                 **kw: Any) -> None:
+    def __init__(self, *args: Any, exit_status_of: Callable[[HarvestError], int], usage_exit: int, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.exit_status_of, self.usage_exit = exit_status_of, usage_exit
 
@@ -264,8 +278,9 @@ class HarvestGroup(click.Group):
     """The `harvest` group: a command's known failure becomes one line and its exit status (2;
     a Redis lost past its wait, 75: temporary, the same command resumes)."""
 
-    def resolve_command(self, ctx: click.Context,
-                        args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
         ctx.meta[_ARGS] = list(args)
         return super().resolve_command(ctx, args)
 

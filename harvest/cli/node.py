@@ -66,18 +66,33 @@ class Node:
     """The node's children, started once each, when there is work for them (`start_workers`, then
     `start_collector` once reconcile rebuilt the done-set); `tend` keeps them, `stop` stops them in order."""
 
-    def __init__(self, children: Supervisor, cfg: RunConfig, settings: NodeSettings, plan: EnginePlan | None,
-                 redis_url: str, dumps: str, spool: str, disk: DiskWatch, model: str | None = None) -> None:
+    def __init__(
+        self,
+        children: Supervisor,
+        cfg: RunConfig,
+        settings: NodeSettings,
+        plan: EnginePlan | None,
+        redis_url: str,
+        dumps: str,
+        spool: str,
+        disk: DiskWatch,
+        model: str | None = None,
+    ) -> None:
         self.children, self.cfg, self.settings, self.plan = children, cfg, settings, plan
         self.redis_url, self.dumps, self.spool, self.disk = redis_url, dumps, spool, disk
         self.model = model or cfg.model
         self.workers = self.collector = False
         n = 1 if plan is None else plan.dp
         per = settings.workers
-        self.slots = [EngineSlot("engine" if n == 1 else f"engine-{i + 1}",
-                                 dumps if n == 1 else os.path.join(dumps, f"engine-{i + 1}"),
-                                 [f"worker-{i * per + j + 1}" for j in range(per)],
-                                 url=settings.engine_url) for i in range(n)]
+        self.slots = [
+            EngineSlot(
+                "engine" if n == 1 else f"engine-{i + 1}",
+                dumps if n == 1 else os.path.join(dumps, f"engine-{i + 1}"),
+                [f"worker-{i * per + j + 1}" for j in range(per)],
+                url=settings.engine_url,
+            )
+            for i in range(n)
+        ]
 
     @property
     def names(self) -> list[str]:
@@ -95,7 +110,10 @@ class Node:
     def _common(self) -> list[str]:
         common = ["--redis", self.redis_url, "--run", self.cfg.run]
         if self.settings.outage_s is not None:
-            common += ["--redis-wait", str(self.settings.outage_s)]  # the children wait for Redis as long as this process
+            common += [
+                "--redis-wait",
+                str(self.settings.outage_s),
+            ]  # the children wait for Redis as long as this process
         if self.settings.node:
             common += ["--node", self.settings.node]
         return common
@@ -107,8 +125,19 @@ class Node:
         plan, cfg = self.plan, self.cfg
         chunk = self.settings.chunked_prefill_size
         if plan.engine == "reference":
-            args = ["engine", "--model", self.model, "--dump-dir", slot.dump_dir, "--port", str(port),
-                    "--layers", ",".join(map(str, cfg.capture_points)), "--chunked-prefill-size", str(chunk)]
+            args = [
+                "engine",
+                "--model",
+                self.model,
+                "--dump-dir",
+                slot.dump_dir,
+                "--port",
+                str(port),
+                "--layers",
+                ",".join(map(str, cfg.capture_points)),
+                "--chunked-prefill-size",
+                str(chunk),
+            ]
             if plan.threads:
                 args += ["--threads", str(plan.threads)]
             self.children.start(slot.name, args)
@@ -117,17 +146,35 @@ class Node:
         if plan.engine == "vllm":
             from harvest.engines.vllm_launch import launch_spec
 
-            env, argv = launch_spec(self.model, cfg.capture_points, cfg.num_layers, dump_dir=slot.dump_dir, port=port,
-                                    python=plan.python, dtype=dtype, enforce_eager=plan.device == "cpu",
-                                    extra_args=["--tensor-parallel-size", str(plan.tp)] if plan.tp > 1 else ())
+            env, argv = launch_spec(
+                self.model,
+                cfg.capture_points,
+                cfg.num_layers,
+                dump_dir=slot.dump_dir,
+                port=port,
+                python=plan.python,
+                dtype=dtype,
+                enforce_eager=plan.device == "cpu",
+                extra_args=["--tensor-parallel-size", str(plan.tp)] if plan.tp > 1 else (),
+            )
         else:
             from harvest.engines.sglang_launch import launch_spec
 
             digest = cfg.model_fingerprint["digest"] if cfg.model_fingerprint else None
-            env, argv = launch_spec(self.model, cfg.capture_points, cfg.num_layers, dump_dir=slot.dump_dir, port=port,
-                                    device=plan.device, python=plan.python, dtype=dtype, tp_size=plan.tp,
-                                    sglang_version=plan.version, fingerprint=digest,
-                                    chunked_prefill_size=chunk or EngineSettings.sglang_chunked_prefill_size)
+            env, argv = launch_spec(
+                self.model,
+                cfg.capture_points,
+                cfg.num_layers,
+                dump_dir=slot.dump_dir,
+                port=port,
+                device=plan.device,
+                python=plan.python,
+                dtype=dtype,
+                tp_size=plan.tp,
+                sglang_version=plan.version,
+                fingerprint=digest,
+                chunked_prefill_size=chunk or EngineSettings.sglang_chunked_prefill_size,
+            )
         slot.argv = argv
         self.children.start(slot.name, [], cmd=argv, env={**env, **plan.env(i)})
 
@@ -143,26 +190,44 @@ class Node:
         held = self.disk.full()
         for slot in self.slots:
             for name in slot.workers:
-                self.children.start(name, ["worker", *self._common(), "--engine-url", slot.url, "--dump-dir",
-                                           slot.dump_dir, "--spool-dir", self.spool, "--engine-wait",
-                                           f"{self.settings.worker_engine_wait_s:g}"], held=held)
+                self.children.start(
+                    name,
+                    [
+                        "worker",
+                        *self._common(),
+                        "--engine-url",
+                        slot.url,
+                        "--dump-dir",
+                        slot.dump_dir,
+                        "--spool-dir",
+                        self.spool,
+                        "--engine-wait",
+                        f"{self.settings.worker_engine_wait_s:g}",
+                    ],
+                    held=held,
+                )
         self.workers = True
 
     def start_collector(self) -> None:
         """After reconcile has rebuilt the done-set (a committed sample must not be taken for new)."""
         if not self.collector:
-            self.children.start("collector", ["collect", *self._common(), "--spool-dir", self.spool,
-                                              "--max-wait", str(self.settings.max_wait_s)])
+            self.children.start(
+                "collector",
+                ["collect", *self._common(), "--spool-dir", self.spool, "--max-wait", str(self.settings.max_wait_s)],
+            )
             self.collector = True
 
     def wait_engine(self) -> None:
         """Until every engine it started answered /health once, keeping the children meanwhile."""
         for slot in self.slots:
             if slot.health:
-                if not wait_healthy(slot.health, self.settings.engine_start_s, interval=0.2, probe_timeout=2.0,
-                                    check=self.poll):
-                    raise EngineNotHealthy(f"{slot.name} at {slot.health} not healthy after "
-                                           f"{self.settings.engine_start_s:.0f}s (its log: {slot.name}.log)")
+                if not wait_healthy(
+                    slot.health, self.settings.engine_start_s, interval=0.2, probe_timeout=2.0, check=self.poll
+                ):
+                    raise EngineNotHealthy(
+                        f"{slot.name} at {slot.health} not healthy after "
+                        f"{self.settings.engine_start_s:.0f}s (its log: {slot.name}.log)"
+                    )
                 slot.health = None
 
     def ensure(self) -> None:
@@ -177,8 +242,10 @@ class Node:
             self.children.poll()
         except ChildKeepsDying as e:
             if e.child in {s.name for s in self.slots}:
-                raise EngineFailed(f"{e.child} keeps exiting at start: {self.children.last_error(e.child)} "
-                                   f"(its log: {os.path.join(self.children.log_dir, e.child + '.log')})") from e
+                raise EngineFailed(
+                    f"{e.child} keeps exiting at start: {self.children.last_error(e.child)} "
+                    f"(its log: {os.path.join(self.children.log_dir, e.child + '.log')})"
+                ) from e
             raise
 
     def tend(self) -> None:

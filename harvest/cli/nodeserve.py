@@ -87,8 +87,10 @@ def join(redis_url: str, run: str, wait_s: float) -> tuple[object, RunConfig]:
         except redis.exceptions.ConnectionError as e:
             why = f"Redis at {redact(redis_url)} does not answer ({' '.join(str(e).split())[:120]})"
         if time.monotonic() > deadline:
-            raise JoinTimedOut(f"{why} after --join-wait {wait_s:.0f}s: start the node again once the run's Redis "
-                               "is up and the run is produced into it")
+            raise JoinTimedOut(
+                f"{why} after --join-wait {wait_s:.0f}s: start the node again once the run's Redis "
+                "is up and the run is produced into it"
+            )
         if why != told:
             click.echo(f"harvest node: waiting up to {wait_s:.0f}s: {why}", err=True)
             told = why
@@ -108,16 +110,24 @@ def _check_engine(cfg: RunConfig, engine: str | None, model: str, plan: EnginePl
     from harvest.node.modelcheck import check_model_dir
 
     if engine is not None and engine != cfg.engine:
-        raise ConfigurationError(f"--engine {engine}: run {cfg.run} extracts with {cfg.engine}; pass --engine "
-                                 f"{cfg.engine} or leave --engine out")
+        raise ConfigurationError(
+            f"--engine {engine}: run {cfg.run} extracts with {cfg.engine}; pass --engine "
+            f"{cfg.engine} or leave --engine out"
+        )
     if plan is not None:
         check_model(model, local_only=plan.engine == "reference")
         if os.path.isdir(model):
             check_model_dir(cfg, model, "--model")
 
 
-def serve(run: str, redis_url: str, settings: NodeSettings, engine: str | None = None, model: str | None = None,
-          work: str | None = None) -> int:
+def serve(
+    run: str,
+    redis_url: str,
+    settings: NodeSettings,
+    engine: str | None = None,
+    model: str | None = None,
+    work: str | None = None,
+) -> int:
     """Join `run` and extract until it is done (DONE_EXIT) or a signal stops the node (REQUEUE_EXIT);
     errors raise (their status: `node_exit_status`)."""
     early = plan_engines(engine, settings.tp_size, settings.dp_size, settings.engine_url) if engine else None
@@ -128,8 +138,15 @@ def serve(run: str, redis_url: str, settings: NodeSettings, engine: str | None =
         return REQUEUE_EXIT
 
 
-def _serve(run: str, redis_url: str, settings: NodeSettings, engine: str | None, model: str | None,
-           work: str | None, early: EnginePlan | None) -> int:
+def _serve(
+    run: str,
+    redis_url: str,
+    settings: NodeSettings,
+    engine: str | None,
+    model: str | None,
+    work: str | None,
+    early: EnginePlan | None,
+) -> int:
     from harvest.cli.checks import check_output
     from harvest.node.dumpdir import default_dump_dir
 
@@ -152,8 +169,16 @@ def _serve(run: str, redis_url: str, settings: NodeSettings, engine: str | None,
         locks.release()
 
 
-def _serve_locked(conn: redis.Redis, cfg: RunConfig, redis_url: str, settings: NodeSettings, plan: EnginePlan | None,
-                  model: str, work: str, dumps: str) -> int:
+def _serve_locked(
+    conn: redis.Redis,
+    cfg: RunConfig,
+    redis_url: str,
+    settings: NodeSettings,
+    plan: EnginePlan | None,
+    model: str,
+    work: str,
+    dumps: str,
+) -> int:
     logs, spool = os.path.join(work, "logs"), os.path.join(work, "spool")
     os.makedirs(logs, exist_ok=True)
     children = Supervisor(logs)
@@ -182,11 +207,13 @@ def _serve_locked(conn: redis.Redis, cfg: RunConfig, redis_url: str, settings: N
     except KeyboardInterrupt:
         hurry_on_signals(children)
         stopped = True
-        children.note(f"stopping within {settings.stop_grace_s:.0f}s (a signal): workers, then the collector, "
-                      "then the engines")
+        children.note(
+            f"stopping within {settings.stop_grace_s:.0f}s (a signal): workers, then the collector, then the engines"
+        )
         node.stop(settings.stop_grace_s)
-        click.echo(f"harvest node: stopped by a signal; the spool in {spool} is kept: start the node again to go on",
-                   err=True)
+        click.echo(
+            f"harvest node: stopped by a signal; the spool in {spool} is kept: start the node again to go on", err=True
+        )
         return REQUEUE_EXIT
     finally:
         if not stopped:

@@ -51,7 +51,9 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, data_dir: str, port: int | None = None, password: str | None = None, appendonly: bool = True) -> None:
+    def __init__(
+        self, data_dir: str, port: int | None = None, password: str | None = None, appendonly: bool = True
+    ) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise RedisNotInstalled(
@@ -73,23 +75,38 @@ class RedisServer:
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         args = [
             self.binary,
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--dir", self.data_dir,
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
-            "--save", "",
-            "--maxmemory-policy", "noeviction",
-            "--logfile", os.path.join(self.data_dir, "redis.log"),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            self.data_dir,
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--maxmemory-policy",
+            "noeviction",
+            "--logfile",
+            os.path.join(self.data_dir, "redis.log"),
         ]
         if self.password:
             args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     preexec_fn=detached(signal.SIGTERM))
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=detached(signal.SIGTERM),
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RedisServerFailed(f"redis-server exited with {self.proc.returncode}; see {self.data_dir}/redis.log")
+                raise RedisServerFailed(
+                    f"redis-server exited with {self.proc.returncode}; see {self.data_dir}/redis.log"
+                )
             try:
                 with redis.Redis.from_url(self.url, socket_connect_timeout=1, socket_timeout=5) as probe:
                     probe.ping()  # a server still loading its AOF answers LOADING: a ConnectionError
@@ -137,8 +154,10 @@ class RedisKeeper(threading.Thread):
             if proc is None or proc.poll() is None:
                 self.stopped.wait(0.2)
                 continue
-            self._say(f"redis-server on port {self.server.port} exited with status {proc.returncode}: starting it "
-                      f"again with its data ({self.server.data_dir})")
+            self._say(
+                f"redis-server on port {self.server.port} exited with status {proc.returncode}: starting it "
+                f"again with its data ({self.server.data_dir})"
+            )
             failures = 0
             while not self.stopped.is_set():
                 try:
@@ -148,8 +167,10 @@ class RedisKeeper(threading.Thread):
                     wait = RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S) - 1)]
                     failures += 1
                     if failures == 1 or failures % 12 == 0:
-                        self._say(f"redis-server did not start again ({e}): trying again, every "
-                                  f"{RESTART_BACKOFF_S[-1]:.0f}s at most")
+                        self._say(
+                            f"redis-server did not start again ({e}): trying again, every "
+                            f"{RESTART_BACKOFF_S[-1]:.0f}s at most"
+                        )
                     self.stopped.wait(wait)
                     continue
                 self.restarts += 1

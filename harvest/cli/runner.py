@@ -76,9 +76,9 @@ if TYPE_CHECKING:
     import redis
 
     from harvest.cli.engineplan import EnginePlan
-    from harvest.storage import Location
     from harvest.producer.producer import ProduceSummary
     from harvest.producer.rows import BadRow
+    from harvest.storage import Location
 
 AGAIN_PASSES = 3  # producer passes after the extraction for samples a Redis lost: each follows a Redis that lost more
 
@@ -92,8 +92,9 @@ def _where(work: str, redis_url: str | None) -> str:
     return f"--redis {shlex.quote(redact(redis_url))}" if redis_url else f"--work-dir {shlex.quote(work)}"
 
 
-def run_all(cfg: RunConfig, dataset: str, settings: RunnerSettings = RunnerSettings(),
-            produce_kw: dict | None = None) -> RunSummary:
+def run_all(
+    cfg: RunConfig, dataset: str, settings: RunnerSettings = RunnerSettings(), produce_kw: dict | None = None
+) -> RunSummary:
     """`settings`: where and how (harvest.settings.RunnerSettings; its `outage_s`: how long this
     process and its children wait for a Redis that went away, None: the default,
     harvest.state.connection.outage_limit); `produce_kw`: the producer's options
@@ -113,8 +114,18 @@ def run_all(cfg: RunConfig, dataset: str, settings: RunnerSettings = RunnerSetti
         locks.release()  # last: the private Redis is stopped by now
 
 
-def _summary(cfg: RunConfig, ledger: Ledger, produced: ProduceSummary, cov: Coverage, pruned: int, again: int,
-             seconds: float, restarts: dict[str, int], where: str, started: bool) -> RunSummary:
+def _summary(
+    cfg: RunConfig,
+    ledger: Ledger,
+    produced: ProduceSummary,
+    cov: Coverage,
+    pruned: int,
+    again: int,
+    seconds: float,
+    restarts: dict[str, int],
+    where: str,
+    started: bool,
+) -> RunSummary:
     """What `harvest run` reports: the ledger's counts, the committed output's totals (the collectors'
     counters where the output cannot be read just now), the failures by reason."""
     c = ledger.counts()
@@ -122,15 +133,37 @@ def _summary(cfg: RunConfig, ledger: Ledger, produced: ProduceSummary, cov: Cove
     totals = committed_totals(cfg) or (stats.get("tokens_done", 0), stats.get("bytes_done", 0))
     reasons = Counter(f["reason"] for f in ledger.failures().values())
     return RunSummary(
-        run=cfg.run, out=cfg.out_url, enqueued=produced.enqueued, skipped=produced.skipped, bad_rows=produced.bad,
-        done=c["done"], failed=c["failed"], tokens=totals[0], bytes=totals[1], seconds=seconds,
-        failure_reasons=dict(reasons), restarts=restarts, produced=produced.text(), where=where, started=started,
-        missing=cov.missing_line(), stray=cov.stray_line(pruned), again=again,
-        generated=(stats.get("conversations_written", 0), stats.get("tokens_generated", 0)) if cfg.regenerate else None)
+        run=cfg.run,
+        out=cfg.out_url,
+        enqueued=produced.enqueued,
+        skipped=produced.skipped,
+        bad_rows=produced.bad,
+        done=c["done"],
+        failed=c["failed"],
+        tokens=totals[0],
+        bytes=totals[1],
+        seconds=seconds,
+        failure_reasons=dict(reasons),
+        restarts=restarts,
+        produced=produced.text(),
+        where=where,
+        started=started,
+        missing=cov.missing_line(),
+        stray=cov.stray_line(pruned),
+        again=again,
+        generated=(stats.get("conversations_written", 0), stats.get("tokens_generated", 0)) if cfg.regenerate else None,
+    )
 
 
-def _produce(conn: redis.Redis, cfg: RunConfig, out: Location, dataset: str, ids: SampleIds,
-             produce_pass: Callable[..., ProduceSummary], prune: bool) -> tuple[ProduceSummary, int]:
+def _produce(
+    conn: redis.Redis,
+    cfg: RunConfig,
+    out: Location,
+    dataset: str,
+    ids: SampleIds,
+    produce_pass: Callable[..., ProduceSummary],
+    prune: bool,
+) -> tuple[ProduceSummary, int]:
     """The producer's pass over the dataset: its ids written beside the output (the manifest), the
     queued samples it no longer holds dropped with `prune` (how many), the others it lacks told."""
     summary = produce_pass(on_bad=_report_bad, ids=ids)
@@ -143,8 +176,16 @@ def _produce(conn: redis.Redis, cfg: RunConfig, out: Location, dataset: str, ids
     return summary, pruned
 
 
-def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_kw: dict | None, work: str,
-                dumps: str, locks: RunnerLocks, plan: EnginePlan | None) -> RunSummary:
+def _run_locked(
+    cfg: RunConfig,
+    dataset: str,
+    settings: RunnerSettings,
+    produce_kw: dict | None,
+    work: str,
+    dumps: str,
+    locks: RunnerLocks,
+    plan: EnginePlan | None,
+) -> RunSummary:
     t0 = time.monotonic()
     redis_url, outage_s = settings.redis_url, settings.outage_s
     logs, spool = os.path.join(work, "logs"), os.path.join(work, "spool")
@@ -165,8 +206,7 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
         recovery = Recovery(conn, cfg)
         ledger = Ledger(conn, cfg.run)
         disk = DiskWatch(work, spool, server.data_dir if server else None, settings.min_free_bytes)
-        node = Node(children, cfg, settings.node(), plan, server.url if server else redis_url, dumps, spool,
-                    disk)
+        node = Node(children, cfg, settings.node(), plan, server.url if server else redis_url, dumps, spool, disk)
         before = ledger.counts()
         if before["queued"] or before["spooled"]:
             unsettle(out)
@@ -189,8 +229,16 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
         from harvest.producer.producer import produce
 
         def produce_pass(**kw: Any) -> ProduceSummary:
-            return produce(conn, cfg, dataset, max_queued=settings.max_queued, progress=settings.progress,
-                           on_wait=on_wait, **kw, **(produce_kw or {}))
+            return produce(
+                conn,
+                cfg,
+                dataset,
+                max_queued=settings.max_queued,
+                progress=settings.progress,
+                on_wait=on_wait,
+                **kw,
+                **(produce_kw or {}),
+            )
 
         ids = SampleIds()
         summary, pruned = _produce(conn, cfg, out, dataset, ids, produce_pass, settings.prune)
@@ -199,17 +247,29 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
         c = ledger.counts()
         if c["queued"] == 0 and c["spooled"] == 0 and not cov.missing:  # every index is written: followers may end
             settle(out, cfg.run, c["done"], c["failed"])
-        return _summary(cfg, ledger, summary, cov, pruned, again, time.monotonic() - t0, children.restarts(),
-                        _where(work, settings.redis_url), node.started)
+        return _summary(
+            cfg,
+            ledger,
+            summary,
+            cov,
+            pruned,
+            again,
+            time.monotonic() - t0,
+            children.restarts(),
+            _where(work, settings.redis_url),
+            node.started,
+        )
     except RedisLost as e:
         if keeper is not None and keeper.last_error:
             e.hint = f"its private redis-server did not start again: {keeper.last_error}"
         raise
     except KeyboardInterrupt:
         hurry_on_signals(children)
-        tqdm.write("harvest: stopping: the workers finish their jobs, the collector commits what is spooled, then "
-                   "the engine and Redis stop (Ctrl-C again: the workers hand their jobs back at once)",
-                   file=sys.stderr)
+        tqdm.write(
+            "harvest: stopping: the workers finish their jobs, the collector commits what is spooled, then "
+            "the engine and Redis stop (Ctrl-C again: the workers hand their jobs back at once)",
+            file=sys.stderr,
+        )
         raise
     finally:
         hurry_on_signals(children)
@@ -223,8 +283,16 @@ def _run_locked(cfg: RunConfig, dataset: str, settings: RunnerSettings, produce_
             children.note(f"redis-server stopped (exit status {server.proc.returncode})")
 
 
-def _finish(conn: redis.Redis, cfg: RunConfig, ids: SampleIds, ledger: Ledger, recovery: Recovery, node: Node,
-            produce_pass: Callable[..., ProduceSummary], progress: bool) -> tuple[Coverage, int]:
+def _finish(
+    conn: redis.Redis,
+    cfg: RunConfig,
+    ids: SampleIds,
+    ledger: Ledger,
+    recovery: Recovery,
+    node: Node,
+    produce_pass: Callable[..., ProduceSummary],
+    progress: bool,
+) -> tuple[Coverage, int]:
     """Extract until nothing is queued or spooled; then, while samples of the dataset are in no
     state (a Redis that came back without them: the index files gave back the committed ones,
     nothing the queued ones), a producer pass enqueues them again and the extraction goes on, at
@@ -240,8 +308,10 @@ def _finish(conn: redis.Redis, cfg: RunConfig, ids: SampleIds, ledger: Ledger, r
         cov = coverage(conn, cfg.run, ids)
         if not cov.by_state["absent"] or n == AGAIN_PASSES:
             return cov, again
-        line = (f"harvest: {cov.by_state['absent']} samples of the dataset are in no state (a Redis that came back "
-                "without them): enqueuing them again")
+        line = (
+            f"harvest: {cov.by_state['absent']} samples of the dataset are in no state (a Redis that came back "
+            "without them): enqueuing them again"
+        )
         node.children.note(line)
         tqdm.write(line, file=sys.stderr)
         again += produce_pass(on_bad=lambda _: None).enqueued  # its bad rows were reported by the first pass

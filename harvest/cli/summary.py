@@ -41,7 +41,7 @@ def committed_totals(cfg: RunConfig) -> tuple[int, int] | None:
     kept = kept_copies(docs).kept
     tokens = nbytes = 0
     for d in docs:
-        mine = sum(t for s, t in zip(d["samples"], d["tokens"]) if kept.get(s) == d["shard_id"])
+        mine = sum(t for s, t in zip(d["samples"], d["tokens"], strict=False) if kept.get(s) == d["shard_id"])
         tokens += mine
         nbytes += d["bytes"] * mine // max(1, sum(d["tokens"]))
     return tokens, nbytes
@@ -90,13 +90,17 @@ class RunSummary:
         if self.produced:
             out.append(f"  produced: {self.produced}")
         if self.again:
-            out.append(f"  enqueued again: {self.again} samples of the dataset that Redis had lost (a producer pass "
-                       "after the extraction)")
+            out.append(
+                f"  enqueued again: {self.again} samples of the dataset that Redis had lost (a producer pass "
+                "after the extraction)"
+            )
         if self.stray:
             out.append(f"  not in the dataset: {self.stray}")
         if self.generated is not None:
-            out.append(f"  generated: {self.generated[0]} conversations written, {self.generated[1]} tokens (the "
-                       "engine's work: a conversation failed after its turns and requeued is written again)")
+            out.append(
+                f"  generated: {self.generated[0]} conversations written, {self.generated[1]} tokens (the "
+                "engine's work: a conversation failed after its turns and requeued is written again)"
+            )
         if not self.started:
             out.append("  nothing to extract: no engine or worker was started")
         for reason, n in sorted(self.failure_reasons.items(), key=lambda kv: -kv[1]):
@@ -107,6 +111,8 @@ class RunSummary:
         if self.missing:
             out.append(f"  unfinished: {self.missing}: run the same `harvest run` command again to finish them")
         if self.failed:
-            out.append(f"  requeue the failed: harvest requeue --run {self.run} {self.where} --all  (then run the "
-                       "same `harvest run` again)")
+            out.append(
+                f"  requeue the failed: harvest requeue --run {self.run} {self.where} --all  (then run the "
+                "same `harvest run` again)"
+            )
         return out

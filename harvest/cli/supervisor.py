@@ -99,8 +99,9 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, log_dir: str, max_deaths: int = 5, window_s: float = 60.0,
-                 backoff_s: tuple[float, ...] = BACKOFF_S) -> None:
+    def __init__(
+        self, log_dir: str, max_deaths: int = 5, window_s: float = 60.0, backoff_s: tuple[float, ...] = BACKOFF_S
+    ) -> None:
         self.log_dir = log_dir
         self.max_deaths, self.window_s, self.backoff_s = max_deaths, window_s, backoff_s
         self.children: dict[str, Child] = {}
@@ -110,8 +111,14 @@ class Supervisor:
         self._dropped = 0
         self._note_lock = threading.Lock()  # the Redis keeper notes from its own thread
 
-    def start(self, name: str, args: list[str], cmd: list[str] | None = None,
-              env: dict[str, str] | None = None, held: bool = False) -> subprocess.Popen | None:
+    def start(
+        self,
+        name: str,
+        args: list[str],
+        cmd: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        held: bool = False,
+    ) -> subprocess.Popen | None:
         """`harvest <args>` as a child; or `cmd` (a whole argv, e.g. the vLLM server) with `env` added.
         `held`: known but not started until `release` (a work dir whose disk is full at the start)."""
         child = Child(name, cmd or [sys.executable, "-m", "harvest.cli", *args], env, held=held)
@@ -126,9 +133,14 @@ class Supervisor:
                 raise
             log = open(os.devnull, "wb")
             self.note(f"{child.name}: its log cannot be opened ({e.strerror}): its output is dropped until it restarts")
-        child.proc = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env={**os.environ, **child.env} if child.env else None,
-                                      preexec_fn=detached(signal.SIGKILL))
+        child.proc = subprocess.Popen(
+            child.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **child.env} if child.env else None,
+            preexec_fn=detached(signal.SIGKILL),
+        )
         log.close()
         child.restart_at = None
         return child.proc
@@ -145,11 +157,13 @@ class Supervisor:
                     raise ChildRefused(f"the run stopped because its {child.name} stopped: {said}")
                 child.deaths = [t for t in child.deaths if now - t < self.window_s] + [now]
                 if self.tolerant:
-                    child.deaths = child.deaths[-(self.max_deaths - 1):]
+                    child.deaths = child.deaths[-(self.max_deaths - 1) :]
                 if len(child.deaths) >= self.max_deaths:
                     raise ChildKeepsDying(
                         f"{child.name} died {len(child.deaths)} times within {self.window_s:.0f}s (last exit status "
-                        f"{child.proc.returncode}); last lines of its log:\n{self.tail(child.name)}", child.name)
+                        f"{child.proc.returncode}); last lines of its log:\n{self.tail(child.name)}",
+                        child.name,
+                    )
                 wait = self.backoff_s[min(len(child.deaths) - 1, len(self.backoff_s) - 1)]
                 child.restart_at = now + wait
                 self.note(f"{child.name} exited with status {child.proc.returncode}: restarting it in {wait:.0f}s")

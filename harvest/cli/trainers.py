@@ -17,8 +17,11 @@ from harvest.cli.options import fail
 INSTALL = "install speculators 0.9.0 and hs-connectors 0.9.0 (scripts/trainer_pkgs.sh)"
 
 
-@click.command("speculators-train", add_help_option=False,
-               context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.command(
+    "speculators-train",
+    add_help_option=False,
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def speculators_train_cmd(args: tuple[str, ...]) -> None:
     """`speculators train ARGS` with harvest's hidden-states backend: pass `--hidden-states-backend

@@ -70,10 +70,15 @@ class DirLock:
         except BlockingIOError:
             os.close(fd)
             holder = read_holder(self.path)
-            who = (f"pid {holder.get('pid', '?')} (`{holder.get('command', '?')}`)" if holder
-                   else "another process (it has not said which yet)")
-            raise WorkDirBusy(f"{self.what} is in use by {who}: one runner at a time; wait for it to finish or stop "
-                              f"it (Ctrl-C in its terminal, or kill -INT {holder.get('pid', 'PID')})") from None
+            who = (
+                f"pid {holder.get('pid', '?')} (`{holder.get('command', '?')}`)"
+                if holder
+                else "another process (it has not said which yet)"
+            )
+            raise WorkDirBusy(
+                f"{self.what} is in use by {who}: one runner at a time; wait for it to finish or stop "
+                f"it (Ctrl-C in its terminal, or kill -INT {holder.get('pid', 'PID')})"
+            ) from None
         self.fd = fd
         self.update(**info)
         return self
@@ -110,8 +115,10 @@ class RunnerLocks:
     """The locks of one `harvest run`: its work dir and its dump dir."""
 
     def __init__(self, work: str, dumps: str, run: str) -> None:
-        self.locks = [DirLock(os.path.join(work, LOCK_FILE), f"work dir {work} (run {run})"),
-                      DirLock(dumps.rstrip(os.sep) + ".lock", f"dump dir {dumps} (run {run})")]
+        self.locks = [
+            DirLock(os.path.join(work, LOCK_FILE), f"work dir {work} (run {run})"),
+            DirLock(dumps.rstrip(os.sep) + ".lock", f"dump dir {dumps} (run {run})"),
+        ]
 
     def acquire(self, **info: object) -> RunnerLocks:
         taken = []
@@ -144,8 +151,10 @@ def work_dir_redis(work_dir: str) -> Iterator[str]:
     work = os.path.abspath(os.path.expanduser(work_dir))
     data = os.path.join(work, REDIS_SUBDIR)
     if not os.path.isdir(data):
-        raise ConfigurationError(f"--work-dir {work_dir}: no local run's state there (no {REDIS_SUBDIR}/ folder): "
-                                 "pass the work dir `harvest run` printed, or --redis URL for a shared Redis")
+        raise ConfigurationError(
+            f"--work-dir {work_dir}: no local run's state there (no {REDIS_SUBDIR}/ folder): "
+            "pass the work dir `harvest run` printed, or --redis URL for a shared Redis"
+        )
     lock = DirLock(os.path.join(work, LOCK_FILE), f"work dir {work}")
     try:
         lock.acquire()

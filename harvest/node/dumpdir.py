@@ -32,7 +32,7 @@ def claim_dir(dump_dir: str, worker: str) -> str:
 
 def claim_dir_owner(name: str) -> str | None:
     """The worker name of a claim dir's entry name, None for any other entry."""
-    return name[len(CLAIM_PREFIX):] if name.startswith(CLAIM_PREFIX) else None
+    return name[len(CLAIM_PREFIX) :] if name.startswith(CLAIM_PREFIX) else None
 
 
 def vllm_dir(dump_dir: str) -> str:

@@ -44,7 +44,9 @@ def check_model_dir(cfg: RunConfig, model_dir: str, who: str = "") -> None:
         return
     found = model_fingerprint(model_dir)
     if not same_model(cfg.model_fingerprint, found):
-        raise ConfigurationError(mismatch_line(cfg.run, cfg.model_fingerprint, cfg.model, found, model_dir, RUN_CONFIG, who))
+        raise ConfigurationError(
+            mismatch_line(cfg.run, cfg.model_fingerprint, cfg.model, found, model_dir, RUN_CONFIG, who)
+        )
 
 
 def check_digest(expected: str, model_dir: str) -> None:
@@ -52,9 +54,11 @@ def check_digest(expected: str, model_dir: str) -> None:
     run's, as `sglang-args --run` passes it to the plugin)."""
     found = model_fingerprint(model_dir)
     if found is None or found["digest"] != expected:
-        raise ConfigurationError(f"{model_dir} has model fingerprint {short(found)}, not the run's "
-                          f"{expected[:len(short(found))]} ({ENV_FINGERPRINT}): another checkpoint, or the same path with other weights; start the "
-                          "engine on the run's checkpoint, or see `harvest accept-model`")
+        raise ConfigurationError(
+            f"{model_dir} has model fingerprint {short(found)}, not the run's "
+            f"{expected[: len(short(found))]} ({ENV_FINGERPRINT}): another checkpoint, or the same path with other weights; start the "
+            "engine on the run's checkpoint, or see `harvest accept-model`"
+        )
 
 
 @dataclass(frozen=True)
@@ -96,18 +100,31 @@ def check_engine(cfg: RunConfig, url: str) -> None:
     url = url.rstrip("/")
     seen = engine_model(url, cfg.engine)
     if cfg.engine_version and seen.version and seen.version != cfg.engine_version:
-        log.warning("the engine at %s is %s %s, the run was started with %s: its states may differ within the "
-                    "storage dtype's tolerance (`harvest audit` measures it)", url, cfg.engine, seen.version,
-                    cfg.engine_version)
+        log.warning(
+            "the engine at %s is %s %s, the run was started with %s: its states may differ within the "
+            "storage dtype's tolerance (`harvest audit` measures it)",
+            url,
+            cfg.engine,
+            seen.version,
+            cfg.engine_version,
+        )
     if cfg.model_fingerprint is None:
         return
     who = f"the engine at {url} serves"
     if seen.fingerprint is not None:
         if not same_model(cfg.model_fingerprint, seen.fingerprint):
-            raise ConfigurationError(mismatch_line(cfg.run, cfg.model_fingerprint, cfg.model, seen.fingerprint,
-                                            seen.path or "?", RUN_CONFIG, who))
+            raise ConfigurationError(
+                mismatch_line(
+                    cfg.run, cfg.model_fingerprint, cfg.model, seen.fingerprint, seen.path or "?", RUN_CONFIG, who
+                )
+            )
     elif seen.path and os.path.isdir(seen.path):
         check_model_dir(cfg, seen.path, who)
     else:
-        log.warning("cannot check the model of the engine at %s against the run's (fingerprint %s): it names %s, "
-                    "no folder on this node", url, short(cfg.model_fingerprint), seen.path or "none")
+        log.warning(
+            "cannot check the model of the engine at %s against the run's (fingerprint %s): it names %s, "
+            "no folder on this node",
+            url,
+            short(cfg.model_fingerprint),
+            seen.path or "none",
+        )

@@ -149,27 +149,44 @@ class AuditReport:
 
     def to_dict(self) -> dict:
         worst = self.worst()
-        return {"format": FORMAT, "harvest": __version__, "run": self.cfg.run, "at": self.at,
-                "at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.at)), "route": self.route,
-                "route_detail": self.route_detail, "seed": self.seed, "samples": len(self.results),
-                "requested": self.requested, "committed": self.committed, "dtype": self.cfg.storage_dtype,
-                "capture_points": list(self.cfg.capture_points), "tolerance": self.tolerance,
-                "verdict": self.verdict, "outcomes": self.outcomes,
-                "worst_rel": max((p.rel for p in worst), default=0.0),
-                "points": [p.to_dict() for p in worst], "requeued": self.requeued,
-                "results": [r.to_dict() for r in self.results]}
+        return {
+            "format": FORMAT,
+            "harvest": __version__,
+            "run": self.cfg.run,
+            "at": self.at,
+            "at_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.at)),
+            "route": self.route,
+            "route_detail": self.route_detail,
+            "seed": self.seed,
+            "samples": len(self.results),
+            "requested": self.requested,
+            "committed": self.committed,
+            "dtype": self.cfg.storage_dtype,
+            "capture_points": list(self.cfg.capture_points),
+            "tolerance": self.tolerance,
+            "verdict": self.verdict,
+            "outcomes": self.outcomes,
+            "worst_rel": max((p.rel for p in worst), default=0.0),
+            "points": [p.to_dict() for p in worst],
+            "requeued": self.requeued,
+            "results": [r.to_dict() for r in self.results],
+        }
 
     def lines(self) -> list[str]:
         """What `harvest audit` prints."""
         cfg, n = self.cfg, len(self.results)
         lengths = [r.tokens for r in self.results]
-        out = [f"audit of run {cfg.run}: {n} of {self.committed} committed samples (seed {self.seed}, stratified by "
-               f"length: {min(lengths, default=0)}-{max(lengths, default=0)} tokens), {cfg.storage_dtype}, capture "
-               f"points {', '.join(map(str, cfg.capture_points))}",
-               f"against {self.route}: {self.route_detail}"]
+        out = [
+            f"audit of run {cfg.run}: {n} of {self.committed} committed samples (seed {self.seed}, stratified by "
+            f"length: {min(lengths, default=0)}-{max(lengths, default=0)} tokens), {cfg.storage_dtype}, capture "
+            f"points {', '.join(map(str, cfg.capture_points))}",
+            f"against {self.route}: {self.route_detail}",
+        ]
         corrupt = sum(r.outcome == CORRUPT for r in self.results)
-        out.append(f"stored bytes: {n - corrupt} of {n} samples match their index's crc32s"
-                   + (f"; {corrupt} corrupt at rest (not recomputed)" if corrupt else ""))
+        out.append(
+            f"stored bytes: {n - corrupt} of {n} samples match their index's crc32s"
+            + (f"; {corrupt} corrupt at rest (not recomputed)" if corrupt else "")
+        )
         out.append(f"bound ({cfg.storage_dtype}): relative error per row <= {self.tolerance:.2e}")
         out += [f"  {p.line()}" for p in self.worst()]
         for r in self.results:
@@ -188,8 +205,9 @@ class AuditReport:
         return out
 
 
-def _stored(reader: ShardReader, i: int, dtype: torch.dtype,
-            regenerated_id: str | None = None) -> tuple[Sample, torch.Tensor]:
+def _stored(
+    reader: ShardReader, i: int, dtype: torch.dtype, regenerated_id: str | None = None
+) -> tuple[Sample, torch.Tensor]:
     """The stored sample `i` and its states. Its id is the hash of its tokens, which the caller
     compares with the index; a --regenerate run's sample keeps its conversation's id
     (`regenerated_id`), which no hash of the regenerated tokens gives (its bytes are checked by
@@ -201,8 +219,15 @@ def _stored(reader: ShardReader, i: int, dtype: torch.dtype,
     return Sample.build(ids, mask), got["hidden_states"]
 
 
-def audit_run(loc: Location, cfg: RunConfig, route: Route, n: int, seed: int, tolerance: float,
-              progress: Callable[[int, int], None] | None = None) -> AuditReport:
+def audit_run(
+    loc: Location,
+    cfg: RunConfig,
+    route: Route,
+    n: int,
+    seed: int,
+    tolerance: float,
+    progress: Callable[[int, int], None] | None = None,
+) -> AuditReport:
     """Audit `n` committed samples of the run folder `loc` (`<out>/<run>`) against `route`."""
     import torch
 
@@ -230,8 +255,9 @@ def audit_run(loc: Location, cfg: RunConfig, route: Route, n: int, seed: int, to
         elif bad := reader.check(p.position):
             e = bad[0]
             res.outcome = CORRUPT
-            res.detail = (f"tensor {e.tensor}, bytes [{e.begin}, {e.end}) of the shard {e.problem}: corruption at "
-                          "rest, not drift")
+            res.detail = (
+                f"tensor {e.tensor}, bytes [{e.begin}, {e.end}) of the shard {e.problem}: corruption at rest, not drift"
+            )
         else:
             sample, stored = _stored(reader, p.position, torch.float32, p.sample_id if cfg.regenerate else None)
             if sample.id != p.sample_id:  # sound bytes, other tokens: packed under the wrong id

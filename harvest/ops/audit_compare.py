@@ -35,7 +35,7 @@ TOLERANCE: dict[str, float] = {
     "fp16": 2e-2,  # u = 2^-11 = 4.9e-4 stored, plus ~1e-2 of half-precision recompute variation
     "bf16": 5e-2,  # u = 2^-8 = 3.9e-3 stored, plus 1-4e-2 of bf16 recompute variation at depth
     "fp8_e4m3": 1.25e-1,  # the quantizer: 3 mantissa bits, u = 2^-4 = 6.25e-2 per element (per-row
-                          # scales, harvest.formats.fp8), plus the bf16 pass it was computed by
+    # scales, harvest.formats.fp8), plus the bf16 pass it was computed by
 }
 WORST_ROWS = 3  # positions named per capture point
 OK, DRIFT, MISALIGNED, WRONG_LAYER = "ok", "drift", "misaligned", "wrong-layer"
@@ -59,12 +59,21 @@ class PointStats:
 
     def line(self) -> str:
         rows = ", ".join(map(str, self.worst_rows))
-        return (f"point {self.point}: max abs {self.max_abs:.2e}  rel {self.rel:.2e}  cos {self.cos:.6f}  "
-                f"worst rows {rows}")
+        return (
+            f"point {self.point}: max abs {self.max_abs:.2e}  rel {self.rel:.2e}  cos {self.cos:.6f}  worst rows {rows}"
+        )
 
     def to_dict(self) -> dict:
-        return {"point": self.point, "max_abs": self.max_abs, "rel": self.rel, "cos": self.cos,
-                "worst_rows": self.worst_rows, "bad_rows": self.bad_rows, "reason": self.reason, "detail": self.detail}
+        return {
+            "point": self.point,
+            "max_abs": self.max_abs,
+            "rel": self.rel,
+            "cos": self.cos,
+            "worst_rows": self.worst_rows,
+            "bad_rows": self.bad_rows,
+            "reason": self.reason,
+            "detail": self.detail,
+        }
 
 
 def _rows(s: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,8 +109,13 @@ def _shifted(s: torch.Tensor, r: torch.Tensor, bad: torch.Tensor, tol: float) ->
     return 0
 
 
-def compare_point(point: int, stored: torch.Tensor, recomputed: torch.Tensor, tol: float,
-                  others: Mapping[int, torch.Tensor] | None = None) -> PointStats:
+def compare_point(
+    point: int,
+    stored: torch.Tensor,
+    recomputed: torch.Tensor,
+    tol: float,
+    others: Mapping[int, torch.Tensor] | None = None,
+) -> PointStats:
     """One capture point: `stored` and `recomputed` [T, H] (any float dtype); `others`: recomputed
     states of other layers (HF index -> [T, H]) that a wrong-layer capture may match."""
     import torch
@@ -110,15 +124,18 @@ def compare_point(point: int, stored: torch.Tensor, recomputed: torch.Tensor, to
     rel, cos, abs_ = _rows(s, r)
     order = torch.argsort(rel, descending=True, stable=True)[:WORST_ROWS]
     bad = rel > tol
-    st = PointStats(point, float(abs_.max()), float(rel.max()), float(cos.min()), [int(i) for i in order],
-                    int(bad.sum()))
+    st = PointStats(
+        point, float(abs_.max()), float(rel.max()), float(cos.min()), [int(i) for i in order], int(bad.sum())
+    )
     if not st.bad_rows:
         return st
     d = _shifted(s, r, bad, tol)
     if d:
         st.reason = MISALIGNED
-        st.detail = (f"rows {_ranges(bad.nonzero().flatten().tolist())} hold the states of the position "
-                     f"{'before' if d > 0 else 'after'} them")
+        st.detail = (
+            f"rows {_ranges(bad.nonzero().flatten().tolist())} hold the states of the position "
+            f"{'before' if d > 0 else 'after'} them"
+        )
         return st
     for q, other in sorted((others or {}).items()):
         if q != point and other.shape == r.shape and bool((_rows(s, other.to(torch.float32))[0] <= tol).all()):
@@ -146,12 +163,24 @@ class SampleResult:
         return self.outcome in (DRIFT, MISALIGNED, WRONG_LAYER, CORRUPT)
 
     def to_dict(self) -> dict:
-        return {"sample": self.sample_id, "shard": self.shard_id, "tokens": self.tokens, "outcome": self.outcome,
-                "detail": self.detail, "points": [p.to_dict() for p in self.points]}
+        return {
+            "sample": self.sample_id,
+            "shard": self.shard_id,
+            "tokens": self.tokens,
+            "outcome": self.outcome,
+            "detail": self.detail,
+            "points": [p.to_dict() for p in self.points],
+        }
 
 
-def compare_sample(result: SampleResult, points: Sequence[int], stored: torch.Tensor, recomputed: torch.Tensor,
-                   tol: float, layers: Mapping[int, torch.Tensor] | None = None) -> SampleResult:
+def compare_sample(
+    result: SampleResult,
+    points: Sequence[int],
+    stored: torch.Tensor,
+    recomputed: torch.Tensor,
+    tol: float,
+    layers: Mapping[int, torch.Tensor] | None = None,
+) -> SampleResult:
     """Fill `result` from `stored` and `recomputed` [T, K, H] (K = `points`); `layers`: every
     recomputed layer the route has (HF: all of them; else the capture points themselves)."""
     if stored.shape != recomputed.shape:
@@ -164,8 +193,11 @@ def compare_sample(result: SampleResult, points: Sequence[int], stored: torch.Te
     if failing:
         reason = next(r for r in _SPECIFIC if any(p.reason == r for p in failing))
         these = [p for p in failing if p.reason == reason]
-        where = "every capture point" if len(these) == len(points) else \
-            "capture point" + "s" * (len(these) > 1) + " " + ", ".join(str(p.point) for p in these)
+        where = (
+            "every capture point"
+            if len(these) == len(points)
+            else "capture point" + "s" * (len(these) > 1) + " " + ", ".join(str(p.point) for p in these)
+        )
         result.outcome = reason
         result.detail = f"{these[0].detail} ({where})" if reason != WRONG_LAYER else these[0].detail
     return result
@@ -179,6 +211,14 @@ def worst_by_point(results: Sequence[SampleResult], points: Sequence[int]) -> li
         if not got:
             continue
         worst = max(got, key=lambda s: s.rel)
-        out.append(PointStats(p, max(s.max_abs for s in got), worst.rel, min(s.cos for s in got), worst.worst_rows,
-                              sum(s.bad_rows for s in got)))
+        out.append(
+            PointStats(
+                p,
+                max(s.max_abs for s in got),
+                worst.rel,
+                min(s.cos for s in got),
+                worst.worst_rows,
+                sum(s.bad_rows for s in got),
+            )
+        )
     return out

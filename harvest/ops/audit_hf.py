@@ -45,24 +45,32 @@ class HFRoute:
         from transformers import AutoModelForCausalLM
 
         if cfg.final_state != FINAL_POST_NORM:
-            raise ConfigurationError(f"run {cfg.run} stores its final state {cfg.final_state!r}; the transformers route "
-                              f"compares {FINAL_POST_NORM} only")
+            raise ConfigurationError(
+                f"run {cfg.run} stores its final state {cfg.final_state!r}; the transformers route "
+                f"compares {FINAL_POST_NORM} only"
+            )
         self.points = list(cfg.capture_points)
         self.device = device or default_device()
         self.dtype = torch.float32 if cfg.storage_dtype == "fp32" else torch.bfloat16
         try:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
         except OSError as e:
-            raise ConfigurationError(f"cannot load the run's model from {model_dir!r} ({e}): pass --model DIR, its "
-                              "checkpoint on this machine") from None
+            raise ConfigurationError(
+                f"cannot load the run's model from {model_dir!r} ({e}): pass --model DIR, its "
+                "checkpoint on this machine"
+            ) from None
         layers = self.model.config.get_text_config().num_hidden_layers
         if cfg.num_layers and layers != cfg.num_layers:
-            raise ConfigurationError(f"{model_dir} has {layers} layers, run {cfg.run} was extracted from {cfg.num_layers}: "
-                              "pass --model DIR, the run's checkpoint")
+            raise ConfigurationError(
+                f"{model_dir} has {layers} layers, run {cfg.run} was extracted from {cfg.num_layers}: "
+                "pass --model DIR, the run's checkpoint"
+            )
         # lm_head on the last position only, where the model takes it: the logits are not compared
         self._kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
-        self.detail = (f"transformers {transformers.__version__} forward of {model_dir} on {self.device} in "
-                       f"{str(self.dtype).removeprefix('torch.')}, each sample whole")
+        self.detail = (
+            f"transformers {transformers.__version__} forward of {model_dir} on {self.device} in "
+            f"{str(self.dtype).removeprefix('torch.')}, each sample whole"
+        )
 
     def recompute(self, sample: Sample) -> tuple[torch.Tensor, Mapping[int, torch.Tensor]]:
         import torch

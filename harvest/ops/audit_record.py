@@ -49,8 +49,22 @@ def write_record(loc: Location, record: dict) -> str:
 
 def summary(record: dict) -> dict:
     """What status and metrics show: when, how, on how much, the verdict, the counts."""
-    keys = ("format", "run", "at", "route", "route_detail", "seed", "samples", "committed", "dtype", "tolerance",
-            "verdict", "outcomes", "worst_rel", "requeued")
+    keys = (
+        "format",
+        "run",
+        "at",
+        "route",
+        "route_detail",
+        "seed",
+        "samples",
+        "committed",
+        "dtype",
+        "tolerance",
+        "verdict",
+        "outcomes",
+        "worst_rel",
+        "requeued",
+    )
     return {k: record[k] for k in keys if k in record}
 
 
@@ -77,9 +91,11 @@ def status_line(doc: dict | None, run: str) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc.get("at", 0)))
     outcomes = doc.get("outcomes") or {}
     bad = {k: v for k, v in sorted(outcomes.items()) if k != "ok" and v}
-    text = (f"  audit    {doc.get('verdict', '?')} {when}, against {doc.get('route', '?')}, {doc.get('samples', '?')} "
-            f"samples (seed {doc.get('seed', '?')}), worst relative error {doc.get('worst_rel', 0.0):.1e} "
-            f"(bound {doc.get('tolerance', 0.0):.2e})")
+    text = (
+        f"  audit    {doc.get('verdict', '?')} {when}, against {doc.get('route', '?')}, {doc.get('samples', '?')} "
+        f"samples (seed {doc.get('seed', '?')}), worst relative error {doc.get('worst_rel', 0.0):.1e} "
+        f"(bound {doc.get('tolerance', 0.0):.2e})"
+    )
     if bad:
         text += ": " + ", ".join(f"{v} {k}" for k, v in bad.items())
     if doc.get("requeued"):

@@ -61,8 +61,10 @@ class Coverage:
         """The samples the run holds that its dataset no longer does ("" when none, nothing pruned)."""
         parts = []
         if self.stray["done"]:
-            parts.append(f"{self.stray['done']} committed (kept: harvest deletes no committed sample; a run that "
-                         "must hold exactly this dataset is a new --run)")
+            parts.append(
+                f"{self.stray['done']} committed (kept: harvest deletes no committed sample; a run that "
+                "must hold exactly this dataset is a new --run)"
+            )
         if pruned:
             parts.append(f"{pruned} queued, dropped (--prune)")
         left = self.stray["queued"] + self.stray["spooled"]
@@ -83,7 +85,7 @@ def coverage(conn: redis.Redis, run: str, ids: SampleIds) -> Coverage:
     def flush() -> None:
         nonlocal seen
         inside = ids.contains([k for k, _ in batch])
-        for (_, v), held in zip(batch, inside):
+        for (_, v), held in zip(batch, inside, strict=False):
             name = STATE_NAMES.get(state_letter(v) or "", "absent")
             if held:
                 cov.by_state[name] += 1
@@ -106,9 +108,8 @@ def prune_queued(conn: redis.Redis, run: str, ids: SampleIds) -> int:
     Returns how many were dropped."""
     ledger = Ledger(conn, run)
     stray = [k.decode() for k, v in conn.hscan_iter(ledger.keys.state, count=SCAN) if v == QUEUED.encode()]
-    stray = [k for k, held in zip(stray, ids.contains(stray)) if not held]
+    stray = [k for k, held in zip(stray, ids.contains(stray), strict=False) if not held]
     return sum(len(ledger.forget_done(stray[i : i + CHUNK], state=QUEUED)) for i in range(0, len(stray), CHUNK))
-
 
 
 def dataset_check(conn: redis.Redis, cfg: RunConfig) -> list[str]:
@@ -122,6 +123,8 @@ def dataset_check(conn: redis.Redis, cfg: RunConfig) -> list[str]:
     lost = coverage(conn, cfg.run, ids).by_state["absent"]
     if not lost:
         return []
-    return [f"dataset of run {cfg.run}: {lost} of {len(ids)} samples are in no state (neither queued, spooled, "
-            "committed nor failed: a Redis that came back without them); run the same `harvest run` command again: "
-            "its producer pass enqueues them"]
+    return [
+        f"dataset of run {cfg.run}: {lost} of {len(ids)} samples are in no state (neither queued, spooled, "
+        "committed nor failed: a Redis that came back without them); run the same `harvest run` command again: "
+        "its producer pass enqueues them"
+    ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from harvest.formats.claims import Claim, claim_file
 from harvest.formats.index import (
     INDEX,
     ShardIndex,
@@ -27,7 +28,6 @@ from harvest.formats.index import (
     parse_index,
     with_excluded,
 )
-from harvest.formats.claims import Claim, claim_file
 from harvest.storage import Location, retry
 
 
@@ -37,15 +37,21 @@ class DedupeReport:
     rewritten: list[str] = field(default_factory=list)  # shard ids whose index now excludes a copy
 
     def line(self) -> str:
-        return (f"deduplicated {len(self.samples)} samples committed by more than one shard "
-                f"({len(self.rewritten)} index files rewritten)")
+        return (
+            f"deduplicated {len(self.samples)} samples committed by more than one shard "
+            f"({len(self.rewritten)} index files rewritten)"
+        )
 
 
 def read_indexes(loc: Location) -> list[ShardIndex]:
     """Every index file of the run folder `loc`, parsed, by shard id."""
     names = retry(lambda: loc.list(INDEX, ".json"), f"listing {loc.path(INDEX)}")
-    return [parse_index(retry(lambda n=n: loc.read_json(f"{INDEX}/{n}"), f"reading {loc.path(INDEX, n)}"),
-                        loc.path(INDEX, n)) for n in names]
+    return [
+        parse_index(
+            retry(lambda n=n: loc.read_json(f"{INDEX}/{n}"), f"reading {loc.path(INDEX, n)}"), loc.path(INDEX, n)
+        )
+        for n in names
+    ]
 
 
 def exclude_in_index(loc: Location, shard_id: str, reasons: Mapping[str, str]) -> bool:

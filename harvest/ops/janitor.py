@@ -79,24 +79,45 @@ class JanitorReport:
     stranded: StrandedReport = field(default_factory=StrandedReport)  # samples queued in no job
 
     def any(self) -> bool:
-        return bool(self.reaped or self.gave_up or self.suspects or self.dequeued or self.promoted
-                    or self.forgotten_workers or self.claim_dirs_removed or self.stale_dumps_removed
-                    or any(r.samples for r in self.reclaimed) or self.stranded.requeued or self.stranded.lost)
+        return bool(
+            self.reaped
+            or self.gave_up
+            or self.suspects
+            or self.dequeued
+            or self.promoted
+            or self.forgotten_workers
+            or self.claim_dirs_removed
+            or self.stale_dumps_removed
+            or any(r.samples for r in self.reclaimed)
+            or self.stranded.requeued
+            or self.stranded.lost
+        )
 
     def line(self) -> str:
         """One line for logs and `harvest janitor`."""
         st = self.stranded
-        return (f"reaped {len(self.reaped)} jobs, gave up {len(self.gave_up)}, released {len(self.promoted)} retries, "
-                f"forgot {len(self.forgotten_workers)} dead workers, removed {len(self.claim_dirs_removed)} claim dirs "
-                f"and {self.stale_dumps_removed} stale dump files"
-                + (f"; took back {len(self.suspects)} executions of live workers running other work"
-                   if self.suspects else "")
-                + (f"; put back {len(self.dequeued)} jobs dequeued and never started" if self.dequeued else "")
-                + "".join(f"; reclaimed spool {r.spool} of node {r.node}: {len(r.samples)} samples"
-                          for r in self.reclaimed if r.samples)
-                + (f"; {len(st.requeued)} samples queued in no job back on the queue in {len(st.jobs)} jobs"
-                   if st.requeued else "")
-                + (f"; {len(st.lost)} samples queued in no job, tokens kept nowhere: failed" if st.lost else ""))
+        return (
+            f"reaped {len(self.reaped)} jobs, gave up {len(self.gave_up)}, released {len(self.promoted)} retries, "
+            f"forgot {len(self.forgotten_workers)} dead workers, removed {len(self.claim_dirs_removed)} claim dirs "
+            f"and {self.stale_dumps_removed} stale dump files"
+            + (
+                f"; took back {len(self.suspects)} executions of live workers running other work"
+                if self.suspects
+                else ""
+            )
+            + (f"; put back {len(self.dequeued)} jobs dequeued and never started" if self.dequeued else "")
+            + "".join(
+                f"; reclaimed spool {r.spool} of node {r.node}: {len(r.samples)} samples"
+                for r in self.reclaimed
+                if r.samples
+            )
+            + (
+                f"; {len(st.requeued)} samples queued in no job back on the queue in {len(st.jobs)} jobs"
+                if st.requeued
+                else ""
+            )
+            + (f"; {len(st.lost)} samples queued in no job, tokens kept nowhere: failed" if st.lost else "")
+        )
 
 
 def _acquire(conn: redis.Redis, key: str, ttl_ms: int) -> str | None:
@@ -161,7 +182,7 @@ def forget_dead_workers(conn: redis.Redis, run: str) -> list[str]:
             pipe.exists(worker_key(name))
         alive = pipe.execute()
     gone = []
-    for name, live in zip(names, alive):
+    for name, live in zip(names, alive, strict=False):
         if live:
             continue
         rq_key = rq_worker_key(name)
@@ -196,10 +217,16 @@ class UnnamedDumps:
         return {n for n, t in self._since.items() if now - t >= CONFIRM_UNNAMED_S}
 
 
-def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE_DUMP_S,
-                   now: float | None = None, run: str | None = None,
-                   proven_stale_s: float = PROVEN_STALE_S, keep_claim_dirs: bool = False,
-                   unnamed: UnnamedDumps | None = None) -> tuple[list[str], int]:
+def clean_dump_dir(
+    conn: redis.Redis,
+    dump_dir: str,
+    stale_dump_s: float = STALE_DUMP_S,
+    now: float | None = None,
+    run: str | None = None,
+    proven_stale_s: float = PROVEN_STALE_S,
+    keep_claim_dirs: bool = False,
+    unnamed: UnnamedDumps | None = None,
+) -> tuple[list[str], int]:
     """Node-local: remove the claim dirs of workers with no heartbeat (any run: the dump dir may be
     shared) and unclaimed dump files older than `stale_dump_s` (a request that timed out, or a
     worker that died before claiming). With `run`, files nobody will claim go after only
@@ -229,12 +256,19 @@ def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE
             # A worker announces itself before it creates its claim dir; the age check covers a
             # Redis that lost its keys (restart without AOF) while the worker lives on, and
             # `keep_claim_dirs` such a Redis until its workers have beaten again.
-            if (not keep_claim_dirs and ID_PATTERN.fullmatch(name) and age > HEARTBEAT_TTL_S
-                    and not conn.exists(worker_key(name))):
+            if (
+                not keep_claim_dirs
+                and ID_PATTERN.fullmatch(name)
+                and age > HEARTBEAT_TTL_S
+                and not conn.exists(worker_key(name))
+            ):
                 shutil.rmtree(e.path, ignore_errors=True)
                 dirs.append(e.name)
-        elif (e.is_file(follow_symlinks=False) and (e.name.startswith(RID_PREFIX) or is_temp(e.name))
-              and (age > stale_dump_s or (e.name in proven and age > proven_stale_s))):
+        elif (
+            e.is_file(follow_symlinks=False)
+            and (e.name.startswith(RID_PREFIX) or is_temp(e.name))
+            and (age > stale_dump_s or (e.name in proven and age > proven_stale_s))
+        ):
             try:
                 os.unlink(e.path)
                 files += 1
@@ -243,20 +277,24 @@ def clean_dump_dir(conn: redis.Redis, dump_dir: str, stale_dump_s: float = STALE
     return dirs, files
 
 
-def _proven_stale(conn: redis.Redis, run: str, names: list[str], dump_dir: str, held: bool,
-                  unnamed: UnnamedDumps | None) -> set[str]:
+def _proven_stale(
+    conn: redis.Redis, run: str, names: list[str], dump_dir: str, held: bool, unnamed: UnnamedDumps | None
+) -> set[str]:
     parsed = {}
     for n in names:
         p = parse_chunk_name(n)
         if p is not None:
             parsed[n] = parse_rid(p[0])
     sids = sorted({sid for sid, _ in parsed.values()})
-    states = dict(zip(sids, Ledger(conn, run).states(sids))) if sids else {}
+    states = dict(zip(sids, Ledger(conn, run).states(sids), strict=False)) if sids else {}
     out = {n for n, (sid, _) in parsed.items() if states[sid] in (DONE, FAILED)}
     running = None if held or unnamed is None or not parsed else _running_attempts(conn, dump_dir)
     if unnamed is not None:  # a pass that reads no attempt (reaping held, a heartbeat naming none) forgets
-        out |= unnamed.confirm(set() if running is None else {
-            n for n, (sid, attempt) in parsed.items() if states[sid] is not None and attempt not in running})
+        out |= unnamed.confirm(
+            set()
+            if running is None
+            else {n for n, (sid, attempt) in parsed.items() if states[sid] is not None and attempt not in running}
+        )
     return out
 
 
@@ -293,9 +331,15 @@ def _stored_run(conn: redis.Redis, run: str) -> RunConfig | None:
         return None
 
 
-def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_reaps: int = MAX_REAPS,
-                 stale_dump_s: float = STALE_DUMP_S, hold_s: float = 0.0,
-                 unnamed: UnnamedDumps | None = None) -> JanitorReport:
+def janitor_pass(
+    conn: redis.Redis,
+    run: str,
+    dump_dir: str | None = None,
+    max_reaps: int = MAX_REAPS,
+    stale_dump_s: float = STALE_DUMP_S,
+    hold_s: float = 0.0,
+    unnamed: UnnamedDumps | None = None,
+) -> JanitorReport:
     """One pass: the run-wide part if this caller wins the lock, then the node-local part
     (`unnamed`: the caller's memory for `clean_dump_dir`, kept across its passes).
 
@@ -311,7 +355,12 @@ def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_r
         try:
             now = redis_time(conn)  # the one clock of every run-wide decision
             live = tend_liveness(conn, run, now, max_reaps)
-            rep.reaped, rep.gave_up, rep.suspects, rep.dequeued = live.reaped, live.gave_up, live.suspects, live.dequeued
+            rep.reaped, rep.gave_up, rep.suspects, rep.dequeued = (
+                live.reaped,
+                live.gave_up,
+                live.suspects,
+                live.dequeued,
+            )
             held = live.reap_held
             rep.promoted = promote_due_retries(conn, run, now)
             if not held:  # a live worker not yet beaten again on a new Redis stays in the run's set
@@ -327,6 +376,7 @@ def janitor_pass(conn: redis.Redis, run: str, dump_dir: str | None = None, max_r
     if dump_dir:
         if held is None:
             held = reaping_held_now(conn, run)
-        rep.claim_dirs_removed, rep.stale_dumps_removed = clean_dump_dir(conn, dump_dir, stale_dump_s, run=run,
-                                                                         keep_claim_dirs=held, unnamed=unnamed)
+        rep.claim_dirs_removed, rep.stale_dumps_removed = clean_dump_dir(
+            conn, dump_dir, stale_dump_s, run=run, keep_claim_dirs=held, unnamed=unnamed
+        )
     return rep

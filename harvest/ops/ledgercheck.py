@@ -40,8 +40,10 @@ class LedgerCheck:
         counts = ", ".join(f"{STATE_NAMES[s]} {self.by_state.get(s, 0)}" for s in STATE_NAMES)
         if self.ok:
             return [f"ledger of run {self.run}: consistent ({self.total} samples: {counts})"]
-        return ([f"ledger of run {self.run}: {len(self.problems)} inconsistencies ({self.total} samples in the state "
-                 f"hash: {counts})"] + [f"  {p}" for p in self.problems])
+        return [
+            f"ledger of run {self.run}: {len(self.problems)} inconsistencies ({self.total} samples in the state "
+            f"hash: {counts})"
+        ] + [f"  {p}" for p in self.problems]
 
 
 def _examples(ids: list[str]) -> str:
@@ -51,8 +53,9 @@ def _examples(ids: list[str]) -> str:
 def check_ledger(conn: redis.Redis, run: str, repair: bool = False) -> LedgerCheck:
     """What disagrees with the state hash (and, with `repair`, rebuilt from it) in one snapshot."""
     k = Keys(run)
-    why = json.dumps({"reason": WORKER_ERROR, "message": "failed without a recorded reason (found by the ledger "
-                                                         "check; requeue it)"})
+    why = json.dumps(
+        {"reason": WORKER_ERROR, "message": "failed without a recorded reason (found by the ledger check; requeue it)"}
+    )
     skip = len(k.job_copy_prefix)
     copies = [c.decode()[skip:] for c in conn.scan_iter(match=k.job_copies_match, count=1000)]
     raw = scripts.check_ledger(k, repair, why, copies).run(conn)
@@ -63,9 +66,13 @@ def check_ledger(conn: redis.Redis, run: str, repair: bool = False) -> LedgerChe
         if want != got:
             rep.problems.append(f"count of {STATE_NAMES[s]}: the counters say {got}, the state hash holds {want}")
     n = doc["n"]
-    for key, what in (("fws", "failed_without_state"), ("fwr", "failed_without_reason"),
-                      ("ows", "owner_without_spooled"), ("swo", "spooled_without_owner"),
-                      ("pws", "payload_without_spooled")):
+    for key, what in (
+        ("fws", "failed_without_state"),
+        ("fwr", "failed_without_reason"),
+        ("ows", "owner_without_spooled"),
+        ("swo", "spooled_without_owner"),
+        ("pws", "payload_without_spooled"),
+    ):
         if n[key]:
             rep.problems.append(f"{what.replace('_', ' ')}: {n[key]} (e.g. {_examples(doc[what])})")
     spool_counts = doc["spool_counts"] if isinstance(doc["spool_counts"], dict) else {}

@@ -72,6 +72,7 @@ DEQUEUED = "dequeued"  # the execution part of a suspect field: dequeued, no exe
 
 HEALTHY, DEAD, SUSPECT, ORPHAN = "healthy", "dead", "suspect", "orphan"
 
+
 def hold_reaping(conn: redis.Redis, run: str, seconds: float = HEARTBEAT_TTL_S) -> float:
     """Take no worker for dead by a missing heartbeat for `seconds` from now by Redis's TIME
     (see the module docstring: harvest.ops.recovery calls it for a new server). Returns the Redis
@@ -116,8 +117,12 @@ class LivenessReport:
     gave_up: list[str] = field(default_factory=list)  # jobs whose samples failed with worker-died
     suspects: list[str] = field(default_factory=list)  # `job:execution` of live workers running other work: taken back
     dequeued: list[str] = field(default_factory=list)  # jobs moved back to the queue from RQ's intermediate list
-    dropped: list[str] = field(default_factory=list)  # entries removed, nothing enqueued (no job left, or it runs elsewhere)
-    held: list[str] = field(default_factory=list)  # `job:execution` of workers without a heartbeat, left to a new Redis's hold
+    dropped: list[str] = field(
+        default_factory=list
+    )  # entries removed, nothing enqueued (no job left, or it runs elsewhere)
+    held: list[str] = field(
+        default_factory=list
+    )  # `job:execution` of workers without a heartbeat, left to a new Redis's hold
     reap_held: bool = False  # Keys.reap_after held reaping in this pass
 
 
@@ -134,13 +139,13 @@ def read_started(conn: redis.Redis, entries: list[bytes]) -> list[Started]:
     pipe = conn.pipeline(transaction=False)
     for job_id, exec_id in pairs:
         pipe.hget(rq_execution_key(job_id, exec_id), "worker_name")
-    out = [Started(j, e, _text(w)) for (j, e), w in zip(pairs, pipe.execute())]
+    out = [Started(j, e, _text(w)) for (j, e), w in zip(pairs, pipe.execute(), strict=False)]
     expired = [s for s in out if s.worker is None]
     if expired:
         pipe = conn.pipeline(transaction=False)
         for s in expired:
             pipe.hget(Job.key_for(s.job_id), "worker_name")
-        for s, w in zip(expired, pipe.execute()):
+        for s, w in zip(expired, pipe.execute(), strict=False):
             s.worker = _text(w)
     names = []
     for s in out:
@@ -171,8 +176,9 @@ def read_started(conn: redis.Redis, entries: list[bytes]) -> list[Started]:
     return out
 
 
-def _take_back(conn: redis.Redis, run: str, queue: Queue, s: Started, requeue: bool, count: bool,
-               max_reaps: int) -> tuple[str, int]:
+def _take_back(
+    conn: redis.Redis, run: str, queue: Queue, s: Started, requeue: bool, count: bool, max_reaps: int
+) -> tuple[str, int]:
     """Remove the execution and (with `requeue`) put its job back, or give it up past `max_reaps`
     deaths (with `count`): one WATCHed MULTI/EXEC. Returns (requeued | gave_up | dropped | raced,
     the deaths counted so far)."""
@@ -202,8 +208,11 @@ def _take_back(conn: redis.Redis, run: str, queue: Queue, s: Started, requeue: b
             elif count and times > max_reaps:
                 job.set_status(JobStatus.FAILED, pipeline=pipe)
                 FailedJobRegistry(queue=queue).add(
-                    job, ttl=job.failure_ttl, pipeline=pipe,
-                    exc_string=f"worker {s.worker} died while running this job {times} times: given up")
+                    job,
+                    ttl=job.failure_ttl,
+                    pipeline=pipe,
+                    exc_string=f"worker {s.worker} died while running this job {times} times: given up",
+                )
                 outcome = "gave_up"
             else:
                 queue.enqueue_job(job, pipeline=pipe)
@@ -212,8 +221,13 @@ def _take_back(conn: redis.Redis, run: str, queue: Queue, s: Started, requeue: b
         except redis.WatchError:
             return "raced", 0  # the registry moved under us: the next pass looks again
     if outcome == "gave_up" and job is not None:
-        _fail_samples_of(conn, run, job, f"the worker running this sample's job died {times} times "
-                         f"(last: {s.worker}); does the sample crash the engine or the worker?")
+        _fail_samples_of(
+            conn,
+            run,
+            job,
+            f"the worker running this sample's job died {times} times "
+            f"(last: {s.worker}); does the sample crash the engine or the worker?",
+        )
     return outcome, times
 
 
@@ -224,12 +238,20 @@ def _fail_samples_of(conn: redis.Redis, run: str, job: Job, message: str) -> Non
         log.error("job %s holds no valid payload (%s); its samples cannot be failed by id", job.id, e)
         return
     ledger = Ledger(conn, run)
-    todo = [s for s, st in zip(samples, ledger.states([s.id for s in samples])) if st == QUEUED]
+    todo = [s for s, st in zip(samples, ledger.states([s.id for s in samples]), strict=False) if st == QUEUED]
     record_failures(ledger, run, {s.id: s for s in todo}, {s.id: (WORKER_DIED, message) for s in todo})
 
 
-def _note(conn: redis.Redis, run: str, rep: LivenessReport, s: Started, outcome: str, times: int, max_reaps: int,
-          suspect_for: float) -> None:
+def _note(
+    conn: redis.Redis,
+    run: str,
+    rep: LivenessReport,
+    s: Started,
+    outcome: str,
+    times: int,
+    max_reaps: int,
+    suspect_for: float,
+) -> None:
     """An execution taken back (or not: "raced"), in the report and the log."""
     if outcome == "raced":
         return
@@ -238,8 +260,12 @@ def _note(conn: redis.Redis, run: str, rep: LivenessReport, s: Started, outcome:
         Ledger(conn, run).add_stats(jobs_reaped=1)
         rep.reaped.append(s.job_id)
     elif outcome == "requeued":
-        log.warning("execution %s: its worker %s is alive but has run something else for %.0fs: job back on the "
-                    "queue", s.entry, s.worker, suspect_for)
+        log.warning(
+            "execution %s: its worker %s is alive but has run something else for %.0fs: job back on the queue",
+            s.entry,
+            s.worker,
+            suspect_for,
+        )
         rep.suspects.append(s.entry)
     elif outcome == "gave_up":
         rep.gave_up.append(s.job_id)
@@ -247,8 +273,16 @@ def _note(conn: redis.Redis, run: str, rep: LivenessReport, s: Started, outcome:
         rep.dropped.append(s.entry)
 
 
-def _tend_dequeued(conn: redis.Redis, queue: Queue, job_id: str, stamps: dict[str, float], pending: dict[str, float],
-                   now: float, grace: float, rep: LivenessReport) -> None:
+def _tend_dequeued(
+    conn: redis.Redis,
+    queue: Queue,
+    job_id: str,
+    stamps: dict[str, float],
+    pending: dict[str, float],
+    now: float,
+    grace: float,
+    rep: LivenessReport,
+) -> None:
     """A job dequeued with no execution: stamped the first time it is seen, put back on the queue
     after `grace` (its worker died between the dequeue and the start)."""
     f = f"{job_id}:{DEQUEUED}"
@@ -257,13 +291,17 @@ def _tend_dequeued(conn: redis.Redis, queue: Queue, job_id: str, stamps: dict[st
         pending[f] = now if first is None else first
         return
     if scripts.put_back(queue.intermediate_queue_key, queue.key, Job.key_for(job_id), job_id).run(conn):
-        log.warning("job %s was dequeued %.0fs ago and never started (its worker died in between): back on "
-                    "the queue", job_id, now - first)
+        log.warning(
+            "job %s was dequeued %.0fs ago and never started (its worker died in between): back on the queue",
+            job_id,
+            now - first,
+        )
         rep.dequeued.append(job_id)
 
 
-def tend_liveness(conn: redis.Redis, run: str, now: float, max_reaps: int = MAX_REAPS,
-                  grace: float = SUSPECT_GRACE_S) -> LivenessReport:
+def tend_liveness(
+    conn: redis.Redis, run: str, now: float, max_reaps: int = MAX_REAPS, grace: float = SUSPECT_GRACE_S
+) -> LivenessReport:
     """One pass over the run's started and dequeued jobs (see the module docstring); `now` is
     Redis's TIME. In the common case (every execution named by its live worker) three round
     trips of 3 + executions + 2 x workers commands; one round trip when nothing runs."""
@@ -308,6 +346,10 @@ def tend_liveness(conn: redis.Redis, run: str, now: float, max_reaps: int = MAX_
             pipe.hdel(keys.suspect_executions, *gone)
         pipe.execute()
     if rep.held:
-        log.info("%d executions of workers without a heartbeat left until Redis time %s: Redis is new, its workers "
-                 "may not have beaten again yet", len(rep.held), reap_after.decode())
+        log.info(
+            "%d executions of workers without a heartbeat left until Redis time %s: Redis is new, its workers "
+            "may not have beaten again yet",
+            len(rep.held),
+            reap_after.decode(),
+        )
     return rep

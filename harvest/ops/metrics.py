@@ -38,21 +38,31 @@ STATS = {
     "tokens_spooled": ("harvest_tokens_spooled_total", "Tokens of the samples spooled by workers."),
     "bytes_spooled": ("harvest_spool_bytes_total", "Bytes written to node spools."),
     "dump_bytes": ("harvest_dump_bytes_total", "Bytes of engine dump files claimed by workers."),
-    "samples_failed": ("harvest_samples_failed_total", "Samples failed by workers (each failure, including ones later requeued)."),
+    "samples_failed": (
+        "harvest_samples_failed_total",
+        "Samples failed by workers (each failure, including ones later requeued).",
+    ),
     "samples_done": ("harvest_samples_done_total", "Samples committed in shards by collectors."),
     "tokens_done": ("harvest_tokens_done_total", "Tokens committed in shards."),
     "bytes_done": ("harvest_shard_bytes_total", "Shard bytes committed to storage."),
     "shards": ("harvest_shards_total", "Shards committed."),
     "job_retries": ("harvest_job_retries_total", "Jobs put back for a transient error (engine, storage)."),
     "jobs_reaped": ("harvest_jobs_reaped_total", "Jobs taken back from dead workers by the janitor."),
-    "spools_reclaimed": ("harvest_spools_reclaimed_total", "Node spools given up for lost (lease silent past the grace)."),
+    "spools_reclaimed": (
+        "harvest_spools_reclaimed_total",
+        "Node spools given up for lost (lease silent past the grace).",
+    ),
     "samples_reclaimed": ("harvest_samples_reclaimed_total", "Spooled samples of lost spools put back on the queue."),
     # a --regenerate run's stage (harvest.workers.regenerate); rate() of tokens_generated is its tokens/s
-    "conversations_written": ("harvest_conversations_written_total",
-                              "Conversations whose assistant turns the target model wrote (--regenerate)."),
+    "conversations_written": (
+        "harvest_conversations_written_total",
+        "Conversations whose assistant turns the target model wrote (--regenerate).",
+    ),
     "tokens_generated": ("harvest_tokens_generated_total", "Tokens the target model generated (--regenerate)."),
-    "generation_ms": ("harvest_generation_milliseconds_total",
-                      "Wall time of the jobs' generation step, summed (--regenerate)."),
+    "generation_ms": (
+        "harvest_generation_milliseconds_total",
+        "Wall time of the jobs' generation step, summed (--regenerate).",
+    ),
 }
 
 
@@ -88,21 +98,42 @@ class RedisCollector:
         samples = GaugeMetricFamily("harvest_samples", "Samples of the run by ledger state.", labels=["run", "state"])
         queue = GaugeMetricFamily("harvest_queue_jobs", "RQ jobs of the run by registry.", labels=["run", "registry"])
         failed = GaugeMetricFamily("harvest_failed_samples", "Samples now failed, by reason.", labels=["run", "reason"])
-        workers = GaugeMetricFamily("harvest_workers", "Workers with a live heartbeat, by host.", labels=["run", "host", "state"])
-        spool = GaugeMetricFamily("harvest_spool_bytes", "Spool backlog by node (collector heartbeat).", labels=["run", "node"])
-        spool_files = GaugeMetricFamily("harvest_spool_files", "Spooled samples waiting on each node (collector "
-                                        "heartbeat).", labels=["run", "node"])
-        eta_s = GaugeMetricFamily("harvest_eta_seconds", "Seconds until the run's queued and spooled samples are "
-                                  "committed, as `harvest status` says (from the spool rate before the first commit); "
-                                  "absent while nothing moves.", labels=["run"])
-        audited = GaugeMetricFamily("harvest_audit_timestamp_seconds", "When the run was last audited (`harvest "
-                                    "audit`), by route and verdict.", labels=["run", "route", "verdict"])
-        audit_samples = GaugeMetricFamily("harvest_audit_samples", "Samples of the last audit by outcome (ok, drift, "
-                                          "misaligned, wrong-layer, corrupt, unchecked).", labels=["run", "outcome"])
-        audit_worst = GaugeMetricFamily("harvest_audit_worst_relative_error", "The last audit's largest relative "
-                                        "error of a row (its bound: harvest_audit_tolerance).", labels=["run"])
-        audit_bound = GaugeMetricFamily("harvest_audit_tolerance", "The last audit's bound on a row's relative "
-                                        "error (the storage dtype's).", labels=["run"])
+        workers = GaugeMetricFamily(
+            "harvest_workers", "Workers with a live heartbeat, by host.", labels=["run", "host", "state"]
+        )
+        spool = GaugeMetricFamily(
+            "harvest_spool_bytes", "Spool backlog by node (collector heartbeat).", labels=["run", "node"]
+        )
+        spool_files = GaugeMetricFamily(
+            "harvest_spool_files", "Spooled samples waiting on each node (collector heartbeat).", labels=["run", "node"]
+        )
+        eta_s = GaugeMetricFamily(
+            "harvest_eta_seconds",
+            "Seconds until the run's queued and spooled samples are "
+            "committed, as `harvest status` says (from the spool rate before the first commit); "
+            "absent while nothing moves.",
+            labels=["run"],
+        )
+        audited = GaugeMetricFamily(
+            "harvest_audit_timestamp_seconds",
+            "When the run was last audited (`harvest audit`), by route and verdict.",
+            labels=["run", "route", "verdict"],
+        )
+        audit_samples = GaugeMetricFamily(
+            "harvest_audit_samples",
+            "Samples of the last audit by outcome (ok, drift, misaligned, wrong-layer, corrupt, unchecked).",
+            labels=["run", "outcome"],
+        )
+        audit_worst = GaugeMetricFamily(
+            "harvest_audit_worst_relative_error",
+            "The last audit's largest relative error of a row (its bound: harvest_audit_tolerance).",
+            labels=["run"],
+        )
+        audit_bound = GaugeMetricFamily(
+            "harvest_audit_tolerance",
+            "The last audit's bound on a row's relative error (the storage dtype's).",
+            labels=["run"],
+        )
         counters = {f: CounterMetricFamily(m.removesuffix("_total"), h, labels=["run"]) for f, (m, h) in STATS.items()}
         hists = {n: HistogramMetricFamily(f"harvest_{n}", h, labels=["run"]) for n, h in HISTOGRAMS.items()}
         for run in runs:
@@ -125,13 +156,18 @@ class RedisCollector:
                 spool.add_metric([run, c.get("node", "?")], int(c.get("spool_bytes", 0)))
                 spool_files.add_metric([run, c.get("node", "?")], int(c.get("spool_files", 0)))
             rates, window = led.rates()
-            left, _ = eta(counts["queued"] + counts["spooled"], rates.get("samples_done", 0) / window,
-                          rates.get("samples_spooled", 0) / window)
+            left, _ = eta(
+                counts["queued"] + counts["spooled"],
+                rates.get("samples_done", 0) / window,
+                rates.get("samples_spooled", 0) / window,
+            )
             if left is not None:
                 eta_s.add_metric([run], left)
             audit = last_audit(self.conn, run)
             if audit:
-                audited.add_metric([run, str(audit.get("route", "")), str(audit.get("verdict", ""))], audit.get("at", 0))
+                audited.add_metric(
+                    [run, str(audit.get("route", "")), str(audit.get("verdict", ""))], audit.get("at", 0)
+                )
                 for outcome, n in (audit.get("outcomes") or {}).items():
                     audit_samples.add_metric([run, outcome], n)
                 audit_worst.add_metric([run], audit.get("worst_rel", 0.0))
@@ -142,8 +178,21 @@ class RedisCollector:
             for n, fam in hists.items():
                 buckets, total, _ = read_histogram(self.conn, run, n)
                 fam.add_metric([run], buckets, total)
-        yield from (samples, queue, failed, workers, spool, spool_files, eta_s, audited, audit_samples, audit_worst,
-                    audit_bound, *counters.values(), *hists.values())
+        yield from (
+            samples,
+            queue,
+            failed,
+            workers,
+            spool,
+            spool_files,
+            eta_s,
+            audited,
+            audit_samples,
+            audit_worst,
+            audit_bound,
+            *counters.values(),
+            *hists.values(),
+        )
 
 
 def failure_reasons(conn: redis.Redis, run: str) -> Counter:
@@ -158,8 +207,9 @@ class CannotListen(ConfigurationError, OSError):
     """The exporter's address is taken or not this host's: another --port or --host."""
 
 
-def serve(conn: redis.Redis, port: int, addr: str = "127.0.0.1",
-          runs: Iterable[str] | None = None) -> tuple[WSGIServer, threading.Thread]:
+def serve(
+    conn: redis.Redis, port: int, addr: str = "127.0.0.1", runs: Iterable[str] | None = None
+) -> tuple[WSGIServer, threading.Thread]:
     """Start the HTTP exporter in a background thread; returns (server, thread). It listens on
     the loopback interface unless told otherwise: the counts name runs, models and hosts."""
     from prometheus_client import CollectorRegistry, start_http_server
@@ -169,5 +219,6 @@ def serve(conn: redis.Redis, port: int, addr: str = "127.0.0.1",
     try:
         return start_http_server(port, addr=addr, registry=registry)
     except OSError as e:
-        raise CannotListen(f"cannot listen on {addr}:{port} ({e.strerror}): pass another --port, or stop what "
-                           "holds it") from e
+        raise CannotListen(
+            f"cannot listen on {addr}:{port} ({e.strerror}): pass another --port, or stop what holds it"
+        ) from e

@@ -40,10 +40,12 @@ class Ratio:
     def line(self) -> str:
         if not self.shards:
             return f"run {self.run} (codec {self.codec}): no shard committed yet"
-        return (f"run {self.run} (codec {self.codec}, {self.dtype}): {self.shards} shards, {self.tokens} tokens; "
-                f"hidden states {self.hidden_raw / 1e6:.1f} MB raw, {self.hidden_stored / 1e6:.1f} MB stored: "
-                f"{self.hidden_ratio:.2f}x; shards {self.shard_bytes / 1e6:.1f} MB: {self.shard_ratio:.2f}x smaller "
-                "than without the codec")
+        return (
+            f"run {self.run} (codec {self.codec}, {self.dtype}): {self.shards} shards, {self.tokens} tokens; "
+            f"hidden states {self.hidden_raw / 1e6:.1f} MB raw, {self.hidden_stored / 1e6:.1f} MB stored: "
+            f"{self.hidden_ratio:.2f}x; shards {self.shard_bytes / 1e6:.1f} MB: {self.shard_ratio:.2f}x smaller "
+            "than without the codec"
+        )
 
 
 def run_ratio(loc: Location) -> Ratio:
@@ -54,5 +56,6 @@ def run_ratio(loc: Location) -> Ratio:
     docs = read_indexes(loc)
     tokens = sum(d["offsets"][-1] for d in docs)
     stored = sum(d["coded_offsets"][-1] if "coded_offsets" in d else d["offsets"][-1] * width for d in docs)
-    return Ratio(cfg.run, cfg.codec, cfg.storage_dtype, len(docs), tokens, tokens * width, stored,
-                 sum(d["bytes"] for d in docs))
+    return Ratio(
+        cfg.run, cfg.codec, cfg.storage_dtype, len(docs), tokens, tokens * width, stored, sum(d["bytes"] for d in docs)
+    )

@@ -67,25 +67,44 @@ def reclaim_spool(conn: redis.Redis, cfg: RunConfig, spool: str) -> ReclaimRepor
         rep.samples += samples
         rep.jobs += job_ids
         if lost:
-            rep.lost += ledger.mark_failed({sid: (SPOOL_LOST, f"spool {spool} of node {node} was reclaimed and this "
-                                                  "sample's tokens were not kept: produce the dataset again")
-                                            for sid in lost})
+            rep.lost += ledger.mark_failed(
+                {
+                    sid: (
+                        SPOOL_LOST,
+                        f"spool {spool} of node {node} was reclaimed and this "
+                        "sample's tokens were not kept: produce the dataset again",
+                    )
+                    for sid in lost
+                }
+            )
     if rep.samples or rep.lost:  # a spool revoked empty (its node shut down cleanly) is no loss to count
         ledger.add_stats(spools_reclaimed=int(first), samples_reclaimed=len(rep.samples))
-        log.warning("spool %s of node %s reclaimed: %d samples back on the queue in %d jobs, %d lost, %d left to a "
-                    "decided commit", spool, node, len(rep.samples), len(rep.jobs), len(rep.lost), len(rep.decided))
+        log.warning(
+            "spool %s of node %s reclaimed: %d samples back on the queue in %d jobs, %d lost, %d left to a "
+            "decided commit",
+            spool,
+            node,
+            len(rep.samples),
+            len(rep.jobs),
+            len(rep.lost),
+            len(rep.decided),
+        )
     return rep
 
 
-def enqueue_again(conn: redis.Redis, cfg: RunConfig, spool: str, ids: list[str],
-                  also: Callable[[redis.client.Pipeline], None] | None = None
-                  ) -> tuple[list[str], list[str], list[str]]:
+def enqueue_again(
+    conn: redis.Redis,
+    cfg: RunConfig,
+    spool: str,
+    ids: list[str],
+    also: Callable[[redis.client.Pipeline], None] | None = None,
+) -> tuple[list[str], list[str], list[str]]:
     """Those of `ids` that `spool` owns moved `s -> q`, with new jobs built from their kept payload
     rows, in one MULTI/EXEC (with what `also` adds to it). Returns (the samples with a row, the
     jobs' ids, the samples without a row: left as they are)."""
     ledger = Ledger(conn, cfg.run)
     samples, lost = [], []
-    for sid, row in zip(ids, ledger.spooled_payloads(ids)):
+    for sid, row in zip(ids, ledger.spooled_payloads(ids), strict=False):
         try:
             _, (s,) = decode_batch({"v": PAYLOAD_VERSION, "run": cfg.run, "samples": [json.loads(row)]})
             samples.append(s)
@@ -97,7 +116,7 @@ def enqueue_again(conn: redis.Redis, cfg: RunConfig, spool: str, ids: list[str],
     with conn.pipeline(transaction=True) as pipe:
         pipe.multi()
         ledger.reclaim(spool, [s.id for s in samples], pipe=pipe)
-        for b, job_id in zip(batches, job_ids):
+        for b, job_id in zip(batches, job_ids, strict=False):
             enqueue_samples(queue, cfg.run, b, job_id, pipe)
         if also is not None:
             also(pipe)

@@ -20,12 +20,12 @@ for a lost one.
 
 from __future__ import annotations
 
-from functools import partial
 import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import redis
@@ -56,11 +56,20 @@ class ReconcileReport:
     jobs: list[str] = field(default_factory=list)
 
     def line(self) -> str:
-        return (f"marked {self.marked_done} samples done from storage"
-                + (f"; {len(self.requeued)} done in the ledger but committed by no index went back to the queue"
-                   if self.requeued else "")
-                + (f"; {len(self.forgotten)} done in the ledger whose tokens are in no shard were forgotten (run the "
-                   "producer again to enqueue them)" if self.forgotten else ""))
+        return (
+            f"marked {self.marked_done} samples done from storage"
+            + (
+                f"; {len(self.requeued)} done in the ledger but committed by no index went back to the queue"
+                if self.requeued
+                else ""
+            )
+            + (
+                f"; {len(self.forgotten)} done in the ledger whose tokens are in no shard were forgotten (run the "
+                "producer again to enqueue them)"
+                if self.forgotten
+                else ""
+            )
+        )
 
 
 def restore_run(conn: redis.Redis, run: str, out_url: str) -> RunConfig:
@@ -98,8 +107,13 @@ def reconcile(conn: redis.Redis, cfg: RunConfig, keepalive: Callable[[], None] |
         for i in range(0, len(gone), CHUNK):
             rep.forgotten += ledger.forget_done(gone[i : i + CHUNK])
     if rep.requeued or rep.forgotten:
-        log.warning("run %s: %d samples were done in the ledger but committed by no index: %d back on the queue, "
-                    "%d forgotten", cfg.run, len(lost), len(rep.requeued), len(rep.forgotten))
+        log.warning(
+            "run %s: %d samples were done in the ledger but committed by no index: %d back on the queue, %d forgotten",
+            cfg.run,
+            len(lost),
+            len(rep.requeued),
+            len(rep.forgotten),
+        )
     return rep
 
 
@@ -111,15 +125,16 @@ def _requeue(conn: redis.Redis, cfg: RunConfig, ledger: Ledger, samples: list[Sa
         with conn.pipeline(transaction=True) as pipe:
             pipe.multi()
             ledger.requeue_done([s.id for b in batches for s in b], pipe=pipe)
-            for b, job_id in zip(batches, job_ids):
+            for b, job_id in zip(batches, job_ids, strict=False):
                 enqueue_samples(queue, cfg.run, b, job_id, pipe)
             pipe.execute()
         rep.requeued += [s.id for b in batches for s in b]
         rep.jobs += job_ids
 
 
-def _tokens_of(loc: Location, wanted: set[str], indexed: dict[str, dict],
-               keepalive: Callable[[], None] | None) -> dict[str, Sample]:
+def _tokens_of(
+    loc: Location, wanted: set[str], indexed: dict[str, dict], keepalive: Callable[[], None] | None
+) -> dict[str, Sample]:
     """The samples of `wanted` whose tokens a stored shard still holds (unindexed, or indexed
     but excluding them), each checked against its id (the hash of its tokens and mask)."""
     found: dict[str, Sample] = {}
@@ -130,7 +145,9 @@ def _tokens_of(loc: Location, wanted: set[str], indexed: dict[str, dict],
         if doc is not None and not (set(doc.get("excluded") or {}) & wanted):
             continue
         try:
-            samples = retry(partial(_read_tokens, loc, f"{SHARDS}/{name}"), f"reading the tokens of {loc.path(SHARDS, name)}")
+            samples = retry(
+                partial(_read_tokens, loc, f"{SHARDS}/{name}"), f"reading the tokens of {loc.path(SHARDS, name)}"
+            )
         except (FormatError, SampleError, ValueError, KeyError) as e:
             log.warning("%s: unreadable (%s); its samples cannot be rebuilt from it", loc.path(SHARDS, name), e)
             continue

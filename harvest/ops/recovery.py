@@ -52,7 +52,6 @@ LOCK_MS = 60_000  # the reconciling process renews it while it reads the index f
 WAIT_S = 3600.0  # how long a process waits for another to reconcile before it does so itself
 
 
-
 def server_id(conn: redis.Redis) -> str:
     """The run_id of the Redis server answering: new at every start of a redis-server process."""
     return str(conn.info("server")["run_id"])
@@ -140,8 +139,12 @@ class Recovery:
         return rep
 
     def _ensure(self, sid: str) -> bool:
-        return self._locked(lambda token: self._reconcile(sid, token),
-                            skip=lambda: reconciled_on(self.conn, self.cfg.run, sid)) is not None
+        return (
+            self._locked(
+                lambda token: self._reconcile(sid, token), skip=lambda: reconciled_on(self.conn, self.cfg.run, sid)
+            )
+            is not None
+        )
 
     def _locked(self, fn: Callable[[str], T], skip: Callable[[], bool] = lambda: False) -> T | None:
         """fn(token) under `Keys.reconcile_lock`, waiting while another process holds it; None, and
@@ -157,8 +160,10 @@ class Recovery:
                 finally:
                     scripts.release_lock(self.keys.reconcile_lock, token).run(self.conn)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"run {self.cfg.run}: the ledger was not reconciled within {WAIT_S:.0f} s "
-                                   f"(lock {self.keys.reconcile_lock} held)")
+                raise RuntimeError(
+                    f"run {self.cfg.run}: the ledger was not reconciled within {WAIT_S:.0f} s "
+                    f"(lock {self.keys.reconcile_lock} held)"
+                )
             time.sleep(0.2)  # another process is reconciling: its lock expires if it dies
 
     def _reconcile(self, sid: str, token: str) -> ReconcileReport:
@@ -173,14 +178,23 @@ class Recovery:
         # import this module for `hold_on_new_server`
 
         t0 = time.monotonic()
-        rep = reconcile(self.conn, self.cfg,
-                        keepalive=lambda: scripts.release_lock(self.keys.reconcile_lock, token, LOCK_MS).run(self.conn))
+        rep = reconcile(
+            self.conn,
+            self.cfg,
+            keepalive=lambda: scripts.release_lock(self.keys.reconcile_lock, token, LOCK_MS).run(self.conn),
+        )
         if new_server:
             hold_reaping(self.conn, self.cfg.run)
         self.conn.set(self.keys.ledger_epoch, sid)
         changed = rep.marked_done or rep.requeued or rep.forgotten
-        log.log(logging.WARNING if changed or new_server else logging.INFO,
-                "Redis server %s %s run %s%s: ledger reconciled from storage in %.1fs: %s", sid[:12],
-                "of" if _reconciled_on(epoch, sid) else "is new to", self.cfg.run, " (a restart, a rollback or a failover)" if new_server
-                else "", time.monotonic() - t0, rep.line())
+        log.log(
+            logging.WARNING if changed or new_server else logging.INFO,
+            "Redis server %s %s run %s%s: ledger reconciled from storage in %.1fs: %s",
+            sid[:12],
+            "of" if _reconciled_on(epoch, sid) else "is new to",
+            self.cfg.run,
+            " (a restart, a rollback or a failover)" if new_server else "",
+            time.monotonic() - t0,
+            rep.line(),
+        )
         return rep

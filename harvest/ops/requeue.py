@@ -47,8 +47,9 @@ class RequeueResult:
     dry_run: bool = False
 
 
-def select_failed(ledger: Ledger, reasons: Iterable[str] = (), sample_ids: Iterable[str] = (),
-                  all_: bool = False) -> dict[str, dict]:
+def select_failed(
+    ledger: Ledger, reasons: Iterable[str] = (), sample_ids: Iterable[str] = (), all_: bool = False
+) -> dict[str, dict]:
     """The failed samples the selectors name: all of them, those with one of `reasons`, and/or `sample_ids`."""
     reasons, wanted = set(reasons), {check_id(s, "sample id") for s in sample_ids}
     out = {}
@@ -68,7 +69,7 @@ def _requeue_chunk(conn: redis.Redis, cfg: RunConfig, ids: list[str], res: Reque
                 states = [v.decode() if v else None for v in pipe.hmget(keys.state, ids)]
                 rows = [v.decode() if v else None for v in pipe.hmget(keys.failed_payload, ids)]
                 samples, missing = [], []
-                for sid, st, row in zip(ids, states, rows):
+                for sid, st, row in zip(ids, states, rows, strict=False):
                     if st != FAILED:
                         continue  # requeued by someone else meanwhile, or done
                     if row is None:
@@ -83,7 +84,7 @@ def _requeue_chunk(conn: redis.Redis, cfg: RunConfig, ids: list[str], res: Reque
                 batches = split_jobs(samples, cfg.max_batch_samples, cfg.max_batch_tokens)
                 job_ids = [f"{job_id_for(cfg.run, [s.id for s in b])}-r{time.time_ns()}" for b in batches]
                 pipe.multi()
-                for b, job_id in zip(batches, job_ids):
+                for b, job_id in zip(batches, job_ids, strict=False):
                     bids = [s.id for s in b]
                     ledger.requeue(bids, pipe=pipe)
                     enqueue_samples(queue, cfg.run, b, job_id, pipe)
@@ -146,8 +147,14 @@ def _rq_failed_jobs(conn: redis.Redis, run: str, res: RequeueResult) -> None:
         (res.rq_jobs_requeued if holds_queued else res.rq_jobs_dropped).append(job_id)
 
 
-def requeue(conn: redis.Redis, cfg: RunConfig, reasons: Iterable[str] = (), sample_ids: Iterable[str] = (),
-            all_: bool = False, dry_run: bool = False) -> RequeueResult:
+def requeue(
+    conn: redis.Redis,
+    cfg: RunConfig,
+    reasons: Iterable[str] = (),
+    sample_ids: Iterable[str] = (),
+    all_: bool = False,
+    dry_run: bool = False,
+) -> RequeueResult:
     """Put the selected failed samples back (and, with `all_`, RQ's failed jobs of the run)."""
     ledger = Ledger(conn, cfg.run)
     res = RequeueResult(dry_run=dry_run)
@@ -158,8 +165,8 @@ def requeue(conn: redis.Redis, cfg: RunConfig, reasons: Iterable[str] = (), samp
     chosen = select_failed(ledger, reasons, sample_ids, all_)
     if dry_run:
         kept = ledger.failed_payloads(list(chosen))
-        res.samples = [sid for sid, row in zip(chosen, kept) if row is not None]
-        res.no_payload = [sid for sid, row in zip(chosen, kept) if row is None]
+        res.samples = [sid for sid, row in zip(chosen, kept, strict=False) if row is not None]
+        res.no_payload = [sid for sid, row in zip(chosen, kept, strict=False) if row is None]
     else:
         ids = list(chosen)
         for i in range(0, len(ids), CHUNK):

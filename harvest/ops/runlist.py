@@ -52,9 +52,21 @@ def list_runs(conn: redis.Redis) -> list[RunRow]:
         c = led.counts()
         rates, window = led.rates()
         alive, _ = read_workers(conn, run)
-        rows.append(RunRow(run=run, model=cfg.model, engine=cfg.engine, out=cfg.out_url, total=c["total"],
-                           queued=c["queued"], spooled=c["spooled"], done=c["done"], failed=c["failed"],
-                           workers=len(alive), samples_per_s=round(rates.get("samples_done", 0) / window, 2)))
+        rows.append(
+            RunRow(
+                run=run,
+                model=cfg.model,
+                engine=cfg.engine,
+                out=cfg.out_url,
+                total=c["total"],
+                queued=c["queued"],
+                spooled=c["spooled"],
+                done=c["done"],
+                failed=c["failed"],
+                workers=len(alive),
+                samples_per_s=round(rates.get("samples_done", 0) / window, 2),
+            )
+        )
     return rows
 
 
@@ -62,8 +74,17 @@ def render_runs(rows: list[RunRow]) -> str:
     if not rows:
         return "no runs in Redis (start one with `harvest run` or `harvest produce`)"
     head = ("run", "settled", "total", "queued", "spooled", "done", "failed", "workers", "samples/s", "engine", "out")
-    table = [head] + [(r.run, f"{r.settled_pct:.1f}%", *map(str, (r.total, r.queued, r.spooled, r.done, r.failed,
-                                                                  r.workers, r.samples_per_s)), r.engine, r.out)
-                      for r in rows]
+    table = [head] + [
+        (
+            r.run,
+            f"{r.settled_pct:.1f}%",
+            *map(str, (r.total, r.queued, r.spooled, r.done, r.failed, r.workers, r.samples_per_s)),
+            r.engine,
+            r.out,
+        )
+        for r in rows
+    ]
     widths = [max(len(row[i]) for row in table) for i in range(len(head) - 1)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in table)
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1] for row in table
+    )

@@ -173,11 +173,19 @@ def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: i
         busy = w.get("state") == "busy"
         n = int(_f(w, "job_samples")) if busy else 0
         in_flight += n
-        workers[w.get("host", "?")].append(WorkerView(
-            name=w.get("name", "?"), host=w.get("host", "?"), engine=w.get("engine", "?"), state=w.get("state", "?"),
-            job=w.get("job", "") if busy else "", job_samples=n,
-            job_seconds=round(seen_now - _f(w, "job_started"), 1) if busy and w.get("job_started") else None,
-            jobs_done=int(_f(w, "jobs_done")), seen_seconds_ago=round(seen_now - _f(w, "seen", seen_now), 1)))
+        workers[w.get("host", "?")].append(
+            WorkerView(
+                name=w.get("name", "?"),
+                host=w.get("host", "?"),
+                engine=w.get("engine", "?"),
+                state=w.get("state", "?"),
+                job=w.get("job", "") if busy else "",
+                job_samples=n,
+                job_seconds=round(seen_now - _f(w, "job_started"), 1) if busy and w.get("job_started") else None,
+                jobs_done=int(_f(w, "jobs_done")),
+                seen_seconds_ago=round(seen_now - _f(w, "seen", seen_now), 1),
+            )
+        )
     in_flight = min(in_flight, counts["queued"])
     cols, dead_cols = read_collectors(conn, run)
     q = run_queue(conn, run)
@@ -187,39 +195,69 @@ def compute_status(conn: redis.Redis, run: str, now: float | None = None, top: i
     counted, examples = led.failure_counts()  # the ledger's counters: O(reasons)
     reasons: Counter = Counter(counted)
     return RunStatus(
-        run=run, at=now, total=counts["total"], queued=counts["queued"] - in_flight, in_flight=in_flight,
-        spooled=counts["spooled"], done=counts["done"], failed=counts["failed"],
-        tokens_done=stats.get("tokens_done", 0), bytes_done=stats.get("bytes_done", 0),
-        window_seconds=window, window_counts=rates, samples_per_s=samples_per_s,
-        tokens_per_s=rates.get("tokens_done", 0) / window, mb_per_s=rates.get("bytes_done", 0) / window / 1e6,
-        spooled_per_s=spooled_per_s, eta_seconds=eta_s, eta_basis=eta_basis,
-        jobs={"queued": q.count, "started": q.started_job_registry.get_job_count(cleanup=False),
-              "scheduled": q.scheduled_job_registry.get_job_count(cleanup=False),
-              "failed": q.failed_job_registry.get_job_count(cleanup=False)},
-        workers=dict(sorted(workers.items())), dead_workers=dead,
-        collectors=[CollectorView(node=c.get("node", "?"), spool_files=int(_f(c, "spool_files")),
-                                  spool_bytes=int(_f(c, "spool_bytes")), shards_committed=int(_f(c, "shards_committed")),
-                                  seen_seconds_ago=round(seen_now - _f(c, "seen", seen_now), 1)) for c in cols],
+        run=run,
+        at=now,
+        total=counts["total"],
+        queued=counts["queued"] - in_flight,
+        in_flight=in_flight,
+        spooled=counts["spooled"],
+        done=counts["done"],
+        failed=counts["failed"],
+        tokens_done=stats.get("tokens_done", 0),
+        bytes_done=stats.get("bytes_done", 0),
+        window_seconds=window,
+        window_counts=rates,
+        samples_per_s=samples_per_s,
+        tokens_per_s=rates.get("tokens_done", 0) / window,
+        mb_per_s=rates.get("bytes_done", 0) / window / 1e6,
+        spooled_per_s=spooled_per_s,
+        eta_seconds=eta_s,
+        eta_basis=eta_basis,
+        jobs={
+            "queued": q.count,
+            "started": q.started_job_registry.get_job_count(cleanup=False),
+            "scheduled": q.scheduled_job_registry.get_job_count(cleanup=False),
+            "failed": q.failed_job_registry.get_job_count(cleanup=False),
+        },
+        workers=dict(sorted(workers.items())),
+        dead_workers=dead,
+        collectors=[
+            CollectorView(
+                node=c.get("node", "?"),
+                spool_files=int(_f(c, "spool_files")),
+                spool_bytes=int(_f(c, "spool_bytes")),
+                shards_committed=int(_f(c, "shards_committed")),
+                seen_seconds_ago=round(seen_now - _f(c, "seen", seen_now), 1),
+            )
+            for c in cols
+        ],
         dead_collectors=dead_cols,
-        spools=_spools(conn, run, grace), spool_grace_s=grace,
-        spools_reclaimed=stats.get("spools_reclaimed", 0), samples_reclaimed=stats.get("samples_reclaimed", 0),
+        spools=_spools(conn, run, grace),
+        spool_grace_s=grace,
+        spools_reclaimed=stats.get("spools_reclaimed", 0),
+        samples_reclaimed=stats.get("samples_reclaimed", 0),
         failures=[Failure(r, n, examples.get(r, "")) for r, n in reasons.most_common(top)],
         audit=last_audit(conn, run),
         regeneration=_regeneration(cfg.regenerate if cfg is not None else None, stats, rates, window, counts),
     )
 
 
-def _regeneration(regenerate: dict | None, stats: dict[str, int], rates: dict[str, int], window: float,
-                  counts: dict[str, int]) -> dict | None:
+def _regeneration(
+    regenerate: dict | None, stats: dict[str, int], rates: dict[str, int], window: float, counts: dict[str, int]
+) -> dict | None:
     """The regeneration stage's figures, for a --regenerate run."""
     if not regenerate:
         return None
     ms = stats.get("generation_ms", 0)
-    return {"conversations_written": stats.get("conversations_written", 0),
-            "tokens_generated": stats.get("tokens_generated", 0),
-            "tokens_per_s": rates.get("tokens_generated", 0) / window,
-            "generation_seconds": ms / 1000,
-            "to_generate": counts["queued"], "to_commit": counts["spooled"], "settings": regenerate}
+    return {
+        "conversations_written": stats.get("conversations_written", 0),
+        "tokens_generated": stats.get("tokens_generated", 0),
+        "tokens_per_s": rates.get("tokens_generated", 0) / window,
+        "generation_seconds": ms / 1000,
+        "to_generate": counts["queued"],
+        "to_commit": counts["spooled"],
+        "settings": regenerate,
+    }
 
 
 def _size(n: float) -> str:
@@ -239,8 +277,10 @@ def _duration(s: float | None) -> str:
     return f"{h}h{m:02d}m{sec:02d}s" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
 
 
-_ETA_NOTE = {"spooled": "   (from the spool rate: nothing committed yet; a partial shard commits once its oldest "
-                        "sample is the collector's --max-wait old)"}
+_ETA_NOTE = {
+    "spooled": "   (from the spool rate: nothing committed yet; a partial shard commits once its oldest "
+    "sample is the collector's --max-wait old)"
+}
 
 
 def render(st: RunStatus, width: int = 100) -> str:
@@ -259,27 +299,40 @@ def render(st: RunStatus, width: int = 100) -> str:
     ]
     if st.regeneration is not None:
         g = st.regeneration
-        lines.append(f"  generate {g['conversations_written']} conversations written, {g['tokens_generated']} tokens "
-                     f"({g['tokens_per_s']:.0f} tokens/s in the last {st.window_seconds:.0f}s)   backlog: "
-                     f"{g['to_generate']} to generate and extract, {g['to_commit']} written and spooled, to commit")
+        lines.append(
+            f"  generate {g['conversations_written']} conversations written, {g['tokens_generated']} tokens "
+            f"({g['tokens_per_s']:.0f} tokens/s in the last {st.window_seconds:.0f}s)   backlog: "
+            f"{g['to_generate']} to generate and extract, {g['to_commit']} written and spooled, to commit"
+        )
     lines.append(status_line(st.audit, st.run))
     n_alive = sum(len(ws) for ws in st.workers.values())
-    lines.append(f"  workers  {n_alive} alive" + (f", {len(st.dead_workers)} dead (janitor will take back their jobs)"
-                                                    if st.dead_workers else ""))
+    lines.append(
+        f"  workers  {n_alive} alive"
+        + (f", {len(st.dead_workers)} dead (janitor will take back their jobs)" if st.dead_workers else "")
+    )
     for host, ws in st.workers.items():
         lines.append(f"    {host}: {len(ws)} ({sum(w.state == 'busy' for w in ws)} busy)")
         for w in ws:
             doing = f"job {w.job} ({w.job_samples} samples, {w.job_seconds:.0f}s)" if w.state == "busy" else "idle"
             lines.append(f"      {w.name}  {w.engine}  {doing}  [{w.jobs_done} jobs done]")
-    lines.append("  spool    " + ("   ".join(f"{c.node}: {c.spool_files} files, {_size(c.spool_bytes)}" for c in st.collectors)
-                                  or "no collector heartbeat")
-                 + (f"   (collector gone on {', '.join(st.dead_collectors)})" if st.dead_collectors else ""))
+    lines.append(
+        "  spool    "
+        + (
+            "   ".join(f"{c.node}: {c.spool_files} files, {_size(c.spool_bytes)}" for c in st.collectors)
+            or "no collector heartbeat"
+        )
+        + (f"   (collector gone on {', '.join(st.dead_collectors)})" if st.dead_collectors else "")
+    )
     if st.spools:
-        lines.append(f"  spools   (lost after {st.spool_grace_s:.0f}s silent; reclaimed so far: {st.spools_reclaimed} spools, "
-                     f"{st.samples_reclaimed} samples)")
+        lines.append(
+            f"  spools   (lost after {st.spool_grace_s:.0f}s silent; reclaimed so far: {st.spools_reclaimed} spools, "
+            f"{st.samples_reclaimed} samples)"
+        )
         for sp in st.spools:
-            lines.append(f"    {sp.spool}  node {sp.node}  {sp.state}, seen {_duration(sp.seen_seconds_ago)} ago, "
-                         f"{sp.samples} spooled")
+            lines.append(
+                f"    {sp.spool}  node {sp.node}  {sp.state}, seen {_duration(sp.seen_seconds_ago)} ago, "
+                f"{sp.samples} spooled"
+            )
     if st.failures:
         lines.append("  failures (reason: count, e.g.)")
         for f in st.failures:

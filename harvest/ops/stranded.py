@@ -106,7 +106,7 @@ def job_sizes(conn: redis.Redis, job_ids: list[str]) -> int:
         pipe = conn.pipeline(transaction=False)
         for j in missing:
             pipe.hget(Job.key_for(j), "description")
-        for j, d in zip(missing, pipe.execute()):
+        for j, d in zip(missing, pipe.execute(), strict=False):
             m = _SIZE.search(d.decode(errors="replace")) if d else None
             if m:
                 _sizes[j] = int(m.group(1))
@@ -153,26 +153,30 @@ def _find_rows(conn: redis.Redis, run: str, want: set[str]) -> dict[str, str]:
     """Payload rows of `want`, from wherever Redis still keeps one (see the module docstring)."""
     keys, queue = Keys(run), run_queue(conn, run)
     rows: dict[str, str] = {}
-    regs = (queue.failed_job_registry, queue.canceled_job_registry, queue.finished_job_registry,
-            queue.deferred_job_registry)
+    regs = (
+        queue.failed_job_registry,
+        queue.canceled_job_registry,
+        queue.finished_job_registry,
+        queue.deferred_job_registry,
+    )
     kept = [j.decode() for r in regs for j in conn.zrange(r.key, 0, -1)]
     rows.update((sid, row) for sid, row in _jobs_rows(conn, dict.fromkeys(kept)) if sid in want)
     for h in (keys.failed_payload, keys.spooled_payload):
         rest = sorted(want - rows.keys())
         if rest:
-            kept = {sid: v.decode() for sid, v in zip(rest, conn.hmget(h, rest)) if v is not None}
+            kept = {sid: v.decode() for sid, v in zip(rest, conn.hmget(h, rest), strict=False) if v is not None}
             rows.update((sid, r) for sid, r in resolve(conn, keys, kept).items() if r is not None)
     if want - rows.keys():  # any other job hash of this queue: O(keys), and only for what is still missing
         prefix = Job.redis_job_namespace_prefix
         others = []
         for k in conn.scan_iter(match=prefix + "*", count=1000):
-            j = k.decode()[len(prefix):]
+            j = k.decode()[len(prefix) :]
             if ":" not in j and j not in kept:
                 others.append(j)
         pipe = conn.pipeline(transaction=False)
         for j in others:
             pipe.hget(Job.key_for(j), "origin")
-        mine = [j for j, o in zip(others, pipe.execute()) if o is not None and o.decode() == queue.name]
+        mine = [j for j, o in zip(others, pipe.execute(), strict=False) if o is not None and o.decode() == queue.name]
         rows.update((sid, row) for sid, row in _jobs_rows(conn, mine) if sid in want and sid not in rows)
     return rows
 
@@ -198,7 +202,7 @@ def _requeue(conn: redis.Redis, cfg: RunConfig, due: list[str], grace: float, re
         job_ids = [f"{job_id_for(cfg.run, [s.id for s in b])}-s{time.time_ns()}" for b in batches]
         with conn.pipeline(transaction=True) as pipe:
             pipe.multi()
-            for b, job_id in zip(batches, job_ids):
+            for b, job_id in zip(batches, job_ids, strict=False):
                 enqueue_samples(queue, cfg.run, b, job_id, pipe)
             pipe.zrem(keys.stranded, *[s.id for s in chunk])
             pipe.execute()
@@ -206,19 +210,32 @@ def _requeue(conn: redis.Redis, cfg: RunConfig, due: list[str], grace: float, re
         rep.jobs += job_ids
     if rep.requeued:
         ledger.add_stats(samples_stranded=len(rep.requeued))
-        log.warning("%d queued samples were in no job for %.0fs or more (RQ failed or dropped their jobs): back on "
-                    "the queue in %d new jobs", len(rep.requeued), grace, len(rep.jobs))
+        log.warning(
+            "%d queued samples were in no job for %.0fs or more (RQ failed or dropped their jobs): back on "
+            "the queue in %d new jobs",
+            len(rep.requeued),
+            grace,
+            len(rep.jobs),
+        )
     if lost:
-        why = (f"queued, but in no job for {grace:.0f}s or more, and its tokens are kept nowhere in Redis (no job, "
-               "no failed or spooled payload row): produce the dataset again")
+        why = (
+            f"queued, but in no job for {grace:.0f}s or more, and its tokens are kept nowhere in Redis (no job, "
+            "no failed or spooled payload row): produce the dataset again"
+        )
         rep.lost = ledger.mark_failed(dict.fromkeys(lost, (JOB_LOST, why)))
         conn.zrem(keys.stranded, *lost)
-        log.warning("%d queued samples are in no job and their tokens are kept nowhere in Redis: failed as %s "
-                    "(first: %s); produce the dataset again to redo them", len(lost), JOB_LOST, lost[0])
+        log.warning(
+            "%d queued samples are in no job and their tokens are kept nowhere in Redis: failed as %s "
+            "(first: %s); produce the dataset again to redo them",
+            len(lost),
+            JOB_LOST,
+            lost[0],
+        )
 
 
-def sweep(conn: redis.Redis, cfg: RunConfig, now: float, stamps: dict[str, float],
-          grace: float = STRANDED_GRACE_S) -> StrandedReport:
+def sweep(
+    conn: redis.Redis, cfg: RunConfig, now: float, stamps: dict[str, float], grace: float = STRANDED_GRACE_S
+) -> StrandedReport:
     """The O(samples) pass: stamp the stranded samples (Redis time `now`), forget stamps that
     resolved, and enqueue again those stranded for `grace` (see the module docstring)."""
     keys = Keys(cfg.run)
@@ -236,7 +253,7 @@ def sweep(conn: redis.Redis, cfg: RunConfig, now: float, stamps: dict[str, float
     covered = _jobs_ids(conn, job_ids)
     candidates = [s for s in queued if s not in covered]
     states = Ledger(conn, cfg.run).states(candidates)
-    rep.stranded = [s for s, st in zip(candidates, states) if st == QUEUED]
+    rep.stranded = [s for s, st in zip(candidates, states, strict=False) if st == QUEUED]
     mine = set(rep.stranded)
     new = {s: now for s in rep.stranded if s not in stamps}
     resolved = [s for s in stamps if s not in mine and s not in (CHECK, SWEEP)]
@@ -252,8 +269,14 @@ def sweep(conn: redis.Redis, cfg: RunConfig, now: float, stamps: dict[str, float
     return rep
 
 
-def tend_stranded(conn: redis.Redis, cfg: RunConfig, now: float, grace: float = STRANDED_GRACE_S,
-                  check_interval: float = CHECK_INTERVAL_S, sweep_interval: float = SWEEP_INTERVAL_S) -> StrandedReport:
+def tend_stranded(
+    conn: redis.Redis,
+    cfg: RunConfig,
+    now: float,
+    grace: float = STRANDED_GRACE_S,
+    check_interval: float = CHECK_INTERVAL_S,
+    sweep_interval: float = SWEEP_INTERVAL_S,
+) -> StrandedReport:
     """The janitor's part (run-wide, under its lock): the cheap check when due, a sweep when it
     proves a stall or a stamp is due. `now` is Redis's TIME."""
     keys = Keys(cfg.run)

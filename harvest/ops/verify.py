@@ -17,9 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harvest.formats.index import ShardIndex, committed_samples
-from harvest.formats.shard import shard_file
 from harvest.ops.dedupe import exclude_in_index, read_indexes
-from harvest.read.shard_reader import ShardReader, UnreadableShard, object_url
+from harvest.read.shard_reader import ShardReader, UnreadableShard
 from harvest.storage import Location
 
 
@@ -58,8 +57,9 @@ class VerifyReport:
         return text
 
 
-def verify_run(loc: Location, exclude: bool = False,
-               progress: Callable[[int, int], None] | None = None) -> VerifyReport:
+def verify_run(
+    loc: Location, exclude: bool = False, progress: Callable[[int, int], None] | None = None
+) -> VerifyReport:
     """Check every committed sample of the run folder `loc` (`<out>/<run>`); with `exclude`, drop
     each corrupt one from its index. `progress(checked, total)` is told after each sample."""
     docs = read_indexes(loc)
@@ -102,4 +102,3 @@ def _check_samples(loc: Location, doc: ShardIndex, samples: list[str], tick: Cal
         bad += [Corruption(doc["shard_id"], s, e.tensor, e.begin, e.end, e.problem) for e in reader.check(position[s])]
         tick()
     return bad
-

@@ -123,23 +123,30 @@ class RedisLost(ServiceError, redis.exceptions.RedisError):
 
     exit_status = REDIS_LOST_EXIT
 
-    def __init__(self, url: str, waited_s: float, limit_s: float, cause: str, hint: str = "",
-                 refused: bool = False) -> None:
+    def __init__(
+        self, url: str, waited_s: float, limit_s: float, cause: str, hint: str = "", refused: bool = False
+    ) -> None:
         self.url, self.waited_s, self.limit_s, self.cause, self.hint = redact(url), waited_s, limit_s, cause, hint
         self.refused = refused  # Redis answered throughout, refusing writes (`hint`: the fix)
         super().__init__(self.line())
 
     def line(self) -> str:
         if self.refused:
-            return (f"Redis at {self.url} refused writes for {self.limit_s:.0f} s (waited {self.waited_s:.0f} s): "
-                    f"{self.cause}; {self.hint}")
-        return (f"lost Redis at {self.url}: it answered, then went away ({self.cause}) and did not come back within "
-                f"{self.limit_s:.0f} s (waited {self.waited_s:.0f} s)" + (f"; {self.hint}" if self.hint else ""))
+            return (
+                f"Redis at {self.url} refused writes for {self.limit_s:.0f} s (waited {self.waited_s:.0f} s): "
+                f"{self.cause}; {self.hint}"
+            )
+        return (
+            f"lost Redis at {self.url}: it answered, then went away ({self.cause}) and did not come back within "
+            f"{self.limit_s:.0f} s (waited {self.waited_s:.0f} s)" + (f"; {self.hint}" if self.hint else "")
+        )
 
     def for_user(self) -> str:
         first = "Once it takes writes" if self.refused else "Start Redis again (with its data: AOF) and"
-        return (f"{self.line()}. {first} run the same command: the spool, the packing records and the jobs in "
-                f"flight resume (--redis-wait or {OUTAGE_ENV} waits longer)")
+        return (
+            f"{self.line()}. {first} run the same command: the spool, the packing records and the jobs in "
+            f"flight resume (--redis-wait or {OUTAGE_ENV} waits longer)"
+        )
 
 
 class Outage:
@@ -185,8 +192,13 @@ class Outage:
         with self._lock:
             if self.since is None:
                 self.since, self.cause = now, _short(error)
-                log.warning("Redis at %s went away (%s): waiting up to %.0f s for it to come back (%s)",
-                            redact(self.url), self.cause, self.limit_s, OUTAGE_ENV)
+                log.warning(
+                    "Redis at %s went away (%s): waiting up to %.0f s for it to come back (%s)",
+                    redact(self.url),
+                    self.cause,
+                    self.limit_s,
+                    OUTAGE_ENV,
+                )
             return self.limit_s - (now - self.since)
 
     def succeeded(self) -> None:
@@ -240,9 +252,13 @@ class OutageRetry(Retry):
     def __deepcopy__(self, memo: dict) -> OutageRetry:
         return self
 
-    def call_with_retry(self, do: Callable[[], T], fail: Callable[..., Any],
-                        is_retryable: Callable[[Exception], bool] | None = None,
-                        with_failure_count: bool = False) -> T:
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
         o = self.outage
         o.check()
         depth = o.enter()
@@ -326,15 +342,25 @@ def _connection_class(url: str) -> type:
     return _CLASSES[base]
 
 
-def redis_client(url: str, outage_s: float | None = None, *, latch: bool = True,
-                 socket_timeout: float = SOCKET_TIMEOUT_S, socket_connect_timeout: float = CONNECT_TIMEOUT_S,
-                 ) -> redis.Redis:
+def redis_client(
+    url: str,
+    outage_s: float | None = None,
+    *,
+    latch: bool = True,
+    socket_timeout: float = SOCKET_TIMEOUT_S,
+    socket_connect_timeout: float = CONNECT_TIMEOUT_S,
+) -> redis.Redis:
     """The client for `url` that waits out an outage of up to `outage_limit(outage_s)` seconds
     and then raises RedisLost; with `latch` (a process that stops on it) it then sends nothing
     more (see the module docstring). Nothing is sent until the first command."""
     outage = Outage(url, outage_limit(outage_s), latch)
-    return redis.Redis.from_url(url, retry=OutageRetry(outage), socket_timeout=socket_timeout,
-                                socket_connect_timeout=socket_connect_timeout, connection_class=_connection_class(url))
+    return redis.Redis.from_url(
+        url,
+        retry=OutageRetry(outage),
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=socket_connect_timeout,
+        connection_class=_connection_class(url),
+    )
 
 
 def outage_of(conn: redis.Redis) -> Outage | None:
@@ -357,8 +383,9 @@ def give_up(conn: redis.Redis, error: BaseException) -> RedisLost:
     outage = outage_of(conn)
     if outage is None:
         kw = conn.connection_pool.connection_kwargs
-        return RedisLost(f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}", 0.0, 0.0,
-                         _short(error))
+        return RedisLost(
+            f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}", 0.0, 0.0, _short(error)
+        )
     return outage.give_up(error)
 
 

@@ -66,8 +66,9 @@ class Conversation:
         if not self.stop or any(not isinstance(t, int) or t < 0 for t in self.stop):
             raise ConversationError(f"stop tokens must be token ids, got {list(self.stop)}")
         if self.close not in self.stop:
-            raise ConversationError(f"the end-of-turn token {self.close!r} is not one of the stop tokens "
-                                    f"{list(self.stop)}")
+            raise ConversationError(
+                f"the end-of-turn token {self.close!r} is not one of the stop tokens {list(self.stop)}"
+            )
         roles = [m.get("role") for m in self.messages if isinstance(m, dict)]
         if len(roles) != len(self.messages) or roles.count("assistant") != self.turns:
             raise ConversationError(f"{roles.count('assistant')} assistant messages for {self.turns} turns")
@@ -94,9 +95,11 @@ class Conversation:
 
     def pieces(self, skeleton: np.ndarray) -> list[np.ndarray]:
         if sum(self.cuts) != skeleton.size:
-            raise ConversationError(f"cuts {list(self.cuts)} add up to {sum(self.cuts)}, the skeleton has {skeleton.size} tokens")
+            raise ConversationError(
+                f"cuts {list(self.cuts)} add up to {sum(self.cuts)}, the skeleton has {skeleton.size} tokens"
+            )
         bounds = np.cumsum([0, *self.cuts])
-        return [skeleton[bounds[i]: bounds[i + 1]] for i in range(len(self.cuts))]
+        return [skeleton[bounds[i] : bounds[i + 1]] for i in range(len(self.cuts))]
 
     def splice(self, pieces: list[np.ndarray], generated: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids, loss_mask) of the regenerated conversation: the pieces with the generated turns

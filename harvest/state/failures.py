@@ -45,10 +45,31 @@ SPOOL_LOST = "spool-lost"  # its spool was reclaimed and no payload row was kept
 SPOOL_REVOKED = "spool-revoked"  # transient: the worker's spool was reclaimed during the job
 JOB_LOST = "job-lost"  # queued, in no job for the janitor's grace, and its tokens kept nowhere in Redis
 
-REASONS = (ENGINE_UNAVAILABLE, ENGINE_REJECTED, PROMPT_LENGTH, PREFIX_CACHED, JOB_TIMEOUT, WORKER_STOPPED,
-           WORKER_ERROR, STORAGE_ERROR, INCOMPLETE_DUMP, BAD_CHUNKS, BAD_DUMP, CAPTURE_MISMATCH, TOKEN_MISMATCH,
-           NONFINITE, WORKER_DIED, BAD_SPOOL, SPOOL_DAMAGED, SPOOL_LOST, SPOOL_REVOKED, JOB_LOST, GENERATION_EMPTY,
-           GENERATION_LENGTH, CONTEXT_LENGTH)
+REASONS = (
+    ENGINE_UNAVAILABLE,
+    ENGINE_REJECTED,
+    PROMPT_LENGTH,
+    PREFIX_CACHED,
+    JOB_TIMEOUT,
+    WORKER_STOPPED,
+    WORKER_ERROR,
+    STORAGE_ERROR,
+    INCOMPLETE_DUMP,
+    BAD_CHUNKS,
+    BAD_DUMP,
+    CAPTURE_MISMATCH,
+    TOKEN_MISMATCH,
+    NONFINITE,
+    WORKER_DIED,
+    BAD_SPOOL,
+    SPOOL_DAMAGED,
+    SPOOL_LOST,
+    SPOOL_REVOKED,
+    JOB_LOST,
+    GENERATION_EMPTY,
+    GENERATION_LENGTH,
+    CONTEXT_LENGTH,
+)
 
 
 class SampleFailure(Exception):
@@ -60,8 +81,13 @@ class SampleFailure(Exception):
         self.reason, self.message, self.transient = reason, message, transient
 
 
-def record_failures(ledger: Ledger, run: str, samples: Mapping[str, Sample],
-                    failures: Mapping[str, tuple[str, str]], forgotten: bool = False) -> list[str]:
+def record_failures(
+    ledger: Ledger,
+    run: str,
+    samples: Mapping[str, Sample],
+    failures: Mapping[str, tuple[str, str]],
+    forgotten: bool = False,
+) -> list[str]:
     """Mark samples failed (sample id -> (reason, message)), keeping their payload rows first so
     they can be requeued later. Returns the samples that moved to failed. `forgotten`: see
     Ledger.mark_failed."""

@@ -63,7 +63,9 @@ class WorkerBeat:
     Thread-safe: the job loop (job_started, job_ended, name_execution) and the heartbeat thread
     (beat) share it; what the worker is doing is kept here and written again at every beat."""
 
-    def __init__(self, conn: redis.Redis, run: str, name: str, host: str, engine: str, ttl: int = HEARTBEAT_TTL_S) -> None:
+    def __init__(
+        self, conn: redis.Redis, run: str, name: str, host: str, engine: str, ttl: int = HEARTBEAT_TTL_S
+    ) -> None:
         self.conn, self.run, self.name, self.ttl = conn, run, name, ttl
         self.key = worker_key(name)
         self.keys = Keys(run)
@@ -74,8 +76,9 @@ class WorkerBeat:
 
     def _send(self, stamp: str = "", extra: dict[str, str] | None = None, join: bool = False) -> None:
         fields = {**self.identity, **self.doing, **(extra or {})}
-        scripts.heartbeat(self.key, self.ttl, stamp, fields, (self.keys.workers, self.name) if join else None
-                          ).run(self.conn)
+        scripts.heartbeat(self.key, self.ttl, stamp, fields, (self.keys.workers, self.name) if join else None).run(
+            self.conn
+        )
 
     def start(self) -> None:
         """Announce the worker; must happen before it creates its claim dir (the janitor removes the
@@ -95,8 +98,9 @@ class WorkerBeat:
             self.doing["state"] = state
             self._send()
 
-    def name_execution(self, job_id: str, execution_id: str, pipe: redis.client.Pipeline,
-                       start: tuple[int, int] | None = None) -> None:
+    def name_execution(
+        self, job_id: str, execution_id: str, pipe: redis.client.Pipeline, start: tuple[int, int] | None = None
+    ) -> None:
         """Name the RQ execution this worker is starting, in `pipe`: the MULTI/EXEC in which RQ
         creates it (harvest.workers.rqworker.HarvestWorker.prepare_execution). `start`: (samples, attempt)
         of the job, named as `starting` names them, in the same transaction. No EVALSHA: a script
@@ -210,7 +214,7 @@ def read_workers(conn: redis.Redis, run: str) -> tuple[list[dict[str, str]], lis
     for n in names:
         pipe.hgetall(worker_key(n))
     alive, dead = [], []
-    for n, h in zip(names, pipe.execute()):
+    for n, h in zip(names, pipe.execute(), strict=False):
         (alive.append(_text(h)) if h else dead.append(n))
     return alive, dead
 
@@ -238,8 +242,13 @@ class CollectorBeat:
         self._last = now
         files = list_spooled(self.spool_dir)
         keys = Keys(self.run)
-        fields = {"node": self.node, "pid": str(os.getpid()), "spool_files": str(len(files)),
-                  "spool_bytes": str(sum(size for _, _, size in files)), "shards_committed": str(shards_committed)}
+        fields = {
+            "node": self.node,
+            "pid": str(os.getpid()),
+            "spool_files": str(len(files)),
+            "spool_bytes": str(sum(size for _, _, size in files)),
+            "shards_committed": str(shards_committed),
+        }
         call = scripts.heartbeat(keys.collector(self.node), self.ttl, "seen", fields, (keys.collectors, self.node))
         if send is None:
             send_together(self.conn, [call])
@@ -256,6 +265,6 @@ def read_collectors(conn: redis.Redis, run: str) -> tuple[list[dict[str, str]], 
     for n in nodes:
         pipe.hgetall(keys.collector(n))
     alive, dead = [], []
-    for n, h in zip(nodes, pipe.execute()):
+    for n, h in zip(nodes, pipe.execute(), strict=False):
         (alive.append(_text(h)) if h else dead.append(n))
     return alive, dead

@@ -91,7 +91,7 @@ def resolve(conn: redis.Redis, keys: Keys, rows: Mapping[str, str | None]) -> di
     pipe = conn.pipeline(transaction=False)
     for j in jobs:
         pipe.hget(keys.job_copy(j), "data")
-    for j, data in zip(jobs, pipe.execute()):
+    for j, data in zip(jobs, pipe.execute(), strict=False):
         samples = _payload_rows(data)
         for sid, i in wanted[j]:
             row = samples[i] if samples is not None and i < len(samples) else None

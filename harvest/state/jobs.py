@@ -65,8 +65,9 @@ def run_queue(conn: redis.Redis, run: str, job_class: type[Job] = PayloadJob) ->
     return Queue(Keys(run).queue_name, connection=conn, serializer=SERIALIZER, job_class=job_class)
 
 
-def enqueue_samples(queue: Queue, run: str, samples: list[Sample], job_id: str,
-                    pipe: redis.client.Pipeline, rows: dict | None = None) -> None:
+def enqueue_samples(
+    queue: Queue, run: str, samples: list[Sample], job_id: str, pipe: redis.client.Pipeline, rows: dict | None = None
+) -> None:
     """Add one job for `samples` to `pipe` (the caller's MULTI/EXEC, with its ledger moves).
     `rows`: where the samples' rows are in storage (the producer's jobs, harvest.formats.jobrows),
     named instead of carried. The description is given: RQ's default is the repr of the call, the

@@ -60,8 +60,16 @@ class Ledger:
         self.conn = conn
         self.keys = Keys(run)
 
-    def _move(self, ids: list[str], to: str, allowed: str, infos: list[str] | None = None, pipe=None,
-              rows: list[str] | None = None, keep: bool = False) -> list[str]:
+    def _move(
+        self,
+        ids: list[str],
+        to: str,
+        allowed: str,
+        infos: list[str] | None = None,
+        pipe=None,
+        rows: list[str] | None = None,
+        keep: bool = False,
+    ) -> list[str]:
         """`ids` to `to` from any of `allowed`: the moved ids (none in `pipe`: known at its EXEC)."""
         if not ids:
             return []
@@ -101,14 +109,20 @@ class Ledger:
             raw = [v for part in pipe.execute() for v in part]
         states, parts = [state_letter(v) for v in raw], [spooled_parts(v) for v in raw]
         owners = [p[0] or None if p else None for p in parts]
-        if bare := [i for i, (st, p) in enumerate(zip(states, parts)) if st == SPOOLED and p is None]:
-            for i, o in zip(bare, self.conn.hmget(self.keys.spool_owner, [ids[i] for i in bare])):
+        if bare := [i for i, (st, p) in enumerate(zip(states, parts, strict=False)) if st == SPOOLED and p is None]:
+            for i, o in zip(bare, self.conn.hmget(self.keys.spool_owner, [ids[i] for i in bare]), strict=False):
                 owners[i] = o.decode() if o else None
         return states, owners
 
-    def settle_job(self, spooled: list[str], owner: str, rows: Mapping[str, str],
-                   failures: Mapping[str, tuple[str, str]], refs: Mapping[str, str] | None = None,
-                   also: Sequence[ScriptCall] = ()) -> tuple[list[str], list[str]]:
+    def settle_job(
+        self,
+        spooled: list[str],
+        owner: str,
+        rows: Mapping[str, str],
+        failures: Mapping[str, tuple[str, str]],
+        refs: Mapping[str, str] | None = None,
+        also: Sequence[ScriptCall] = (),
+    ) -> tuple[list[str], list[str]]:
         """A worker's job, written in one call: `spooled` q or absent -> s, owned by `owner` with
         their payload rows kept (as `mark_spooled`); `failures` (id -> (reason, message)) q or
         absent -> f with their rows kept as failed payloads (as `record_failures`, for samples this
@@ -128,9 +142,20 @@ class Ledger:
 
         def segments(kept: Mapping[str, str]) -> list[Segment]:
             job, spool_rows = jobcopy.one_job(r := [kept.get(i) or rows.get(i, "") for i in spooled]) or ("", r)
-            return [Segment("s", QUEUED + ABSENT, False, "", "", job, list(spooled), [owner] * len(spooled), spool_rows),
-                    Segment("f", QUEUED + ABSENT, True, "samples_failed", "", "", fail_ids, infos,
-                            [rows.get(i, "") for i in fail_ids])]
+            return [
+                Segment("s", QUEUED + ABSENT, False, "", "", job, list(spooled), [owner] * len(spooled), spool_rows),
+                Segment(
+                    "f",
+                    QUEUED + ABSENT,
+                    True,
+                    "samples_failed",
+                    "",
+                    "",
+                    fail_ids,
+                    infos,
+                    [rows.get(i, "") for i in fail_ids],
+                ),
+            ]
 
         try:
             out = self._settle(segments(refs or {}), {}, also=also)
@@ -140,11 +165,18 @@ class Ledger:
             out = self._settle(segments({}), {})
         return out[0], out[1]
 
-    def _settle(self, segments: list[Segment], stats: dict[str, int], clear: tuple[str, str] | None = None,
-                also: Sequence[ScriptCall] = ()) -> list[list[str]]:
+    def _settle(
+        self,
+        segments: list[Segment],
+        stats: dict[str, int],
+        clear: tuple[str, str] | None = None,
+        also: Sequence[ScriptCall] = (),
+    ) -> list[list[str]]:
         res = send_together(self.conn, [scripts.settle(self.keys, segments, stats, clear), *also])[0]
-        return [list(seg.ids) if isinstance(got, int) else [r.decode() if isinstance(r, bytes) else r for r in got]
-                for seg, got in zip(segments, res)]  # a count: every id moved
+        return [
+            list(seg.ids) if isinstance(got, int) else [r.decode() if isinstance(r, bytes) else r for r in got]
+            for seg, got in zip(segments, res, strict=False)
+        ]  # a count: every id moved
 
     def add_queued(self, ids: list[str], pipe=None) -> list[str]:
         """New samples only: an id with any state is left as it is (idempotent enqueue). Its own
@@ -225,8 +257,10 @@ class Ledger:
             pipe.hmget(self.keys.state, ids)
             pipe.hmget(self.keys.spooled_payload, ids)
             values, rows = pipe.execute()
-        kept = {i: (spooled_parts(v) or ("", None))[1] or (r.decode() if r is not None else None)
-                for i, v, r in zip(ids, values, rows)}
+        kept = {
+            i: (spooled_parts(v) or ("", None))[1] or (r.decode() if r is not None else None)
+            for i, v, r in zip(ids, values, rows, strict=False)
+        }
         rows = jobcopy.resolve(self.conn, self.keys, kept)
         return [rows[i] for i in ids]
 
@@ -243,26 +277,44 @@ class Ledger:
                 tick()
         bare = [k.decode() for k, v in self.conn.hscan_iter(self.keys.spool_owner, count=1000) if v.decode() == spool]
         if bare:
-            owned += [sid for sid, st in zip(bare, self.conn.hmget(self.keys.state, bare)) if st == SPOOLED.encode()]
+            owned += [
+                sid
+                for sid, st in zip(bare, self.conn.hmget(self.keys.state, bare), strict=False)
+                if st == SPOOLED.encode()
+            ]
         return owned
 
     def spool_owners(self, ids: list[str]) -> list[str | None]:
         """The spool that owns each of `ids` (None where not spooled, or spooled without an owner)."""
         return self.states_and_owners(ids)[1]
 
-    def mark_failed(self, failures: Mapping[str, tuple[str, str]], forgotten: bool = False,
-                    rows: Mapping[str, str] | None = None) -> list[str]:
+    def mark_failed(
+        self, failures: Mapping[str, tuple[str, str]], forgotten: bool = False, rows: Mapping[str, str] | None = None
+    ) -> list[str]:
         """q or s -> f. `forgotten`: also absent -> f, for a worker that holds the samples' rows
         (kept first, harvest.state.failures) while a rollback made the ledger forget them, as in
         `mark_spooled`; without it they would be nowhere, and `requeue` could not find them.
         `rows`: payload rows kept as failed payloads in the same call (`keep_failed_payloads`)."""
         ids = list(failures)
         infos = [json.dumps({"reason": r, "message": m}) for r, m in failures.values()]
-        return self._move(ids, FAILED, QUEUED + SPOOLED + (ABSENT if forgotten else ""), infos,
-                          rows=[(rows or {}).get(i, "") for i in ids] if rows else None, keep=bool(rows))
+        return self._move(
+            ids,
+            FAILED,
+            QUEUED + SPOOLED + (ABSENT if forgotten else ""),
+            infos,
+            rows=[(rows or {}).get(i, "") for i in ids] if rows else None,
+            keep=bool(rows),
+        )
 
-    def mark_done(self, ids: list[str], pipe=None, tokens: list[int] | None = None, stats: Mapping[str, int] | None = None,
-                  clear: tuple[str, str] | None = None, counted: bool = True) -> list[str]:
+    def mark_done(
+        self,
+        ids: list[str],
+        pipe=None,
+        tokens: list[int] | None = None,
+        stats: Mapping[str, int] | None = None,
+        clear: tuple[str, str] | None = None,
+        counted: bool = True,
+    ) -> list[str]:
         """Only the collector (after its index file is written) and reconcile call this. Samples
         that changed state count in the `samples_done` stat, with `tokens` (per id, sent as one
         argument) in `tokens_done`, and `stats` are added, in the same call; not with `counted=False`
@@ -277,8 +329,17 @@ class Ledger:
             raise ValueError("mark_done(counted=False) takes no tokens or stats")
         counts = [int(t) for t in tokens or []]  # one info for all: lua/settle.lua's sum
         infos = [f"{sum(counts)}/{','.join(map(str, counts))}"] if tokens is not None else []
-        seg = Segment(DONE, ABSENT + QUEUED + SPOOLED + FAILED, False, "samples_done" if counted else "",
-                      "tokens_done" if tokens is not None else "", "", list(ids), infos, [""] * len(ids))
+        seg = Segment(
+            DONE,
+            ABSENT + QUEUED + SPOOLED + FAILED,
+            False,
+            "samples_done" if counted else "",
+            "tokens_done" if tokens is not None else "",
+            "",
+            list(ids),
+            infos,
+            [""] * len(ids),
+        )
         return self._settle([seg], dict(stats or {}), clear=clear)[0]
 
     def counts(self) -> dict[str, int]:

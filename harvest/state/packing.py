@@ -98,12 +98,13 @@ class PackingRecords:
             keys |= {k.decode() for k in self.conn.scan_iter(match=self.keys.packing_pattern, count=1000)}
         return sorted(keys)
 
-    def items(self, skip: frozenset[str] = frozenset(),
-              complete: bool = True) -> Iterator[tuple[str, PackingRecord, bytes]]:
+    def items(
+        self, skip: frozenset[str] = frozenset(), complete: bool = True
+    ) -> Iterator[tuple[str, PackingRecord, bytes]]:
         """(key, record, the record as stored) of every record of the run, but those at `skip`.
         `complete=False`: the indexed records only, O(records), for a periodic pass."""
         keys = [k for k in self._keys(complete) if k not in skip]
-        for key, raw in zip(keys, self.conn.mget(keys) if keys else []):
+        for key, raw in zip(keys, self.conn.mget(keys) if keys else [], strict=False):
             if raw:
                 yield key, PackingRecord.from_json(raw), raw
             else:  # cleared by a harvest before the index (or just now): out of the index unless written again

@@ -43,14 +43,21 @@ class Refusal:
 
 
 _REFUSALS = {
-    "OOM": Refusal("OOM", "Redis is out of memory (used memory over maxmemory, policy noeviction)",
-                   "raise its maxmemory (redis-cli CONFIG SET maxmemory ...) or free memory on it; keep the policy "
-                   "noeviction, harvest's keys must not be evicted"),
-    "MISCONF": Refusal("MISCONF", "Redis cannot save to disk (its last RDB save failed, stop-writes-on-bgsave-error)",
-                       "free or fix the disk under Redis's dir (its log says why the save failed); writes resume "
-                       "once a save succeeds (redis-cli BGSAVE)"),
-    "READONLY": Refusal("READONLY", "Redis is a read-only replica",
-                        "point harvest at the primary (--redis URL, HARVEST_REDIS_URL)"),
+    "OOM": Refusal(
+        "OOM",
+        "Redis is out of memory (used memory over maxmemory, policy noeviction)",
+        "raise its maxmemory (redis-cli CONFIG SET maxmemory ...) or free memory on it; keep the policy "
+        "noeviction, harvest's keys must not be evicted",
+    ),
+    "MISCONF": Refusal(
+        "MISCONF",
+        "Redis cannot save to disk (its last RDB save failed, stop-writes-on-bgsave-error)",
+        "free or fix the disk under Redis's dir (its log says why the save failed); writes resume "
+        "once a save succeeds (redis-cli BGSAVE)",
+    ),
+    "READONLY": Refusal(
+        "READONLY", "Redis is a read-only replica", "point harvest at the primary (--redis URL, HARVEST_REDIS_URL)"
+    ),
 }
 
 
@@ -106,8 +113,14 @@ class RefusedWrites:
         with self._lock:
             if self.since is None and (self.ended_at is None or seen_at > self.ended_at):
                 self.refusal, self.since = refusal, time.monotonic()
-                log.warning("Redis at %s refuses writes (%s: %s): waiting up to %.0f s for it to take them again; "
-                            "fix: %s", self.shown_url, refusal.code, refusal.cause, self.limit_s, refusal.fix)
+                log.warning(
+                    "Redis at %s refuses writes (%s: %s): waiting up to %.0f s for it to take them again; fix: %s",
+                    self.shown_url,
+                    refusal.code,
+                    refusal.cause,
+                    self.limit_s,
+                    refusal.fix,
+                )
 
     def left(self) -> float | None:
         """Seconds left before the limit while writes are refused; None once they are taken again."""
@@ -123,9 +136,12 @@ class RefusedWrites:
         """Whether the server takes writes now; if so the refusal is over, and its end is said once."""
         with self._lock:
             if self._probe is None:  # retries nothing: a probe that fails is asked again by the caller
-                self._probe = redis.Redis.from_url(self._probe_url, retry=Retry(NoBackoff(), 0),
-                                                   socket_timeout=self._timeout_s,
-                                                   socket_connect_timeout=self._timeout_s)
+                self._probe = redis.Redis.from_url(
+                    self._probe_url,
+                    retry=Retry(NoBackoff(), 0),
+                    socket_timeout=self._timeout_s,
+                    socket_connect_timeout=self._timeout_s,
+                )
             probe = self._probe
         if not accepts_writes(probe):
             return False
@@ -136,8 +152,9 @@ class RefusedWrites:
                 self.refusal, self.since, self.ended_at = None, None, now
         return True
 
-    def wait(self, refusal: Refusal, seen_at: float, backoff: Callable[[int], float],
-             check: Callable[[], None]) -> bool:
+    def wait(
+        self, refusal: Refusal, seen_at: float, backoff: Callable[[int], float], check: Callable[[], None]
+    ) -> bool:
         """Block until the server takes writes again (True), or until the limit (False), for a
         refusal read at monotonic `seen_at`. `check` raises if the client was given up meanwhile."""
         self.note(refusal, seen_at)

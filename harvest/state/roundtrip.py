@@ -68,7 +68,7 @@ def send_together(conn: redis.Redis, calls: list[ScriptCall | Command]) -> list[
                 pipe.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
         replies = pipe.execute(raise_on_error=False)
     out = []
-    for c, r in zip(calls, replies):
+    for c, r in zip(calls, replies, strict=False):
         if isinstance(r, redis.exceptions.NoScriptError) and isinstance(c, ScriptCall):  # not run: loaded, sent alone
             try:
                 r = c.script(keys=c.keys, args=c.args, client=conn)

@@ -53,8 +53,9 @@ def load_run(conn: redis.Redis, run: str) -> RunConfig:
     return RunConfig.from_json(raw)
 
 
-def accept_model(conn: redis.Redis, run: str, model_dir: str,
-                 out_url: str | None = None) -> tuple[RunConfig, RunConfig]:
+def accept_model(
+    conn: redis.Redis, run: str, model_dir: str, out_url: str | None = None
+) -> tuple[RunConfig, RunConfig]:
     """Record the checkpoint in `model_dir` as the run's model: run.json and Redis's copy (when it
     holds the run) get its fingerprint and path; (before, after). For a model saved again (copied,
     converted, re-sharded) whose fingerprint changed while it computes the same states: the
@@ -73,8 +74,10 @@ def accept_model(conn: redis.Redis, run: str, model_dir: str,
     old = read_run_json(loc)
     shaped = build_config(run, model_dir, old.out_url, layers=",".join(map(str, old.capture_points)))
     if shaped.hidden_size != old.hidden_size or old.num_layers not in (0, shaped.num_layers):
-        raise ConfigurationError(f"{model_dir} has {shaped.num_layers} layers of width {shaped.hidden_size}, run {run!r} was "
-                          f"extracted from {old.num_layers} of width {old.hidden_size}: not its model")
+        raise ConfigurationError(
+            f"{model_dir} has {shaped.num_layers} layers of width {shaped.hidden_size}, run {run!r} was "
+            f"extracted from {old.num_layers} of width {old.hidden_size}: not its model"
+        )
     if shaped.model_fingerprint is None:
         raise ConfigurationError(f"{model_dir}: no checkpoint there to fingerprint (config, tokenizer, weights)")
     if not differing(old.model_fingerprint, shaped.model_fingerprint) and old.model_fingerprint is not None:

@@ -87,8 +87,9 @@ class Lua:
 
     def call(self, keys: list[str], args: list[Any]) -> ScriptCall:
         if not (self.keys.fits(len(keys)) and self.args.fits(len(args))):
-            raise ValueError(f"{self.name}.lua takes {self.keys} KEYS and {self.args} ARGV, not {len(keys)} and "
-                             f"{len(args)}")
+            raise ValueError(
+                f"{self.name}.lua takes {self.keys} KEYS and {self.args} ARGV, not {len(keys)} and {len(args)}"
+            )
         return ScriptCall(self.script, keys, args)
 
 
@@ -96,17 +97,47 @@ TRANSITION, ADD_QUEUED, FORGET, SETTLE = Lua("transition"), Lua("add_queued"), L
 STATS, RECLAIM, FENCE, PUT_RECORD = Lua("stats"), Lua("reclaim"), Lua("fence"), Lua("put_record")
 FORGET_RECORD_IF_GONE, DELETE_RECORD_IF_SAME = Lua("forget_record_if_gone"), Lua("delete_record_if_same")
 RENEW_SPOOL, HEARTBEAT, JOB_ENDED = Lua("renew_spool"), Lua("heartbeat"), Lua("job_ended")
-CHECK_LEDGER, RELEASE_LOCK, HOLD_REAPING, PUT_BACK = (Lua("check_ledger"), Lua("release_lock"), Lua("hold_reaping"),
-                                                     Lua("put_back"))
-ALL = (TRANSITION, ADD_QUEUED, FORGET, SETTLE, STATS, RECLAIM, FENCE, PUT_RECORD, FORGET_RECORD_IF_GONE,
-       DELETE_RECORD_IF_SAME, RENEW_SPOOL, HEARTBEAT, JOB_ENDED, CHECK_LEDGER, RELEASE_LOCK, HOLD_REAPING,
-       PUT_BACK)
+CHECK_LEDGER, RELEASE_LOCK, HOLD_REAPING, PUT_BACK = (
+    Lua("check_ledger"),
+    Lua("release_lock"),
+    Lua("hold_reaping"),
+    Lua("put_back"),
+)
+ALL = (
+    TRANSITION,
+    ADD_QUEUED,
+    FORGET,
+    SETTLE,
+    STATS,
+    RECLAIM,
+    FENCE,
+    PUT_RECORD,
+    FORGET_RECORD_IF_GONE,
+    DELETE_RECORD_IF_SAME,
+    RENEW_SPOOL,
+    HEARTBEAT,
+    JOB_ENDED,
+    CHECK_LEDGER,
+    RELEASE_LOCK,
+    HOLD_REAPING,
+    PUT_BACK,
+)
 
 
 def move_keys(k: Keys) -> list[str]:
     """The 10 keys of a move (lib/move.lua `move_keys`), in their order."""
-    return [k.state, k.counts, k.failed, k.spool_owner, k.spooled_payload, k.spool_counts, k.revoked_spools,
-            k.failed_reasons, k.failed_examples, k.failed_payload]
+    return [
+        k.state,
+        k.counts,
+        k.failed,
+        k.spool_owner,
+        k.spooled_payload,
+        k.spool_counts,
+        k.revoked_spools,
+        k.failed_reasons,
+        k.failed_examples,
+        k.failed_payload,
+    ]
 
 
 def shaped(values: Sequence[str]) -> list[str]:
@@ -117,12 +148,33 @@ def shaped(values: Sequence[str]) -> list[str]:
     return list(values)
 
 
-def transition(k: Keys, to: str, allowed: str, ids: Sequence[str], infos: Sequence[str] = (),
-               rows: Sequence[str] = (), keep: bool = False) -> ScriptCall:
+def transition(
+    k: Keys,
+    to: str,
+    allowed: str,
+    ids: Sequence[str],
+    infos: Sequence[str] = (),
+    rows: Sequence[str] = (),
+    keep: bool = False,
+) -> ScriptCall:
     """`ids` to state `to` from any of `allowed`, with their infos and rows (lib/move.lua `move`)."""
     infos, rows = shaped(infos), shaped(rows)
-    return TRANSITION.call(move_keys(k), [k.job_copy_prefix, rq_job_prefix(), to, allowed, "1" if keep else "0",
-                                          len(ids), len(infos), len(rows), *ids, *infos, *rows])
+    return TRANSITION.call(
+        move_keys(k),
+        [
+            k.job_copy_prefix,
+            rq_job_prefix(),
+            to,
+            allowed,
+            "1" if keep else "0",
+            len(ids),
+            len(infos),
+            len(rows),
+            *ids,
+            *infos,
+            *rows,
+        ],
+    )
 
 
 def add_queued(k: Keys, ids: Sequence[str]) -> ScriptCall:
@@ -149,15 +201,28 @@ class Segment(NamedTuple):
     rows: list[str]
 
 
-def settle(k: Keys, segments: Sequence[Segment], stats: Mapping[str, int],
-           clear: tuple[str, str] | None = None) -> ScriptCall:
+def settle(
+    k: Keys, segments: Sequence[Segment], stats: Mapping[str, int], clear: tuple[str, str] | None = None
+) -> ScriptCall:
     """Several moves and the run's stats in one call; `clear`: (a record, the set indexing it),
     both removed in the same call."""
     args: list[Any] = [k.job_copy_prefix, rq_job_prefix(), RATE_TTL_S, k.rate_prefix, RATE_BUCKET_S, len(segments)]
     for to, allowed, keep, count, total, job, ids, infos, rows in segments:
         infos, rows = shaped(infos), rows if job else shaped(rows)
-        args += [to, allowed, "1" if keep else "0", count, total, job, len(ids), len(infos), len(rows), *ids, *infos,
-                 *rows]
+        args += [
+            to,
+            allowed,
+            "1" if keep else "0",
+            count,
+            total,
+            job,
+            len(ids),
+            len(infos),
+            len(rows),
+            *ids,
+            *infos,
+            *rows,
+        ]
     args += [len(stats), *(x for kv in stats.items() for x in (kv[0], int(kv[1])))]
     return SETTLE.call([*move_keys(k), k.stats, *(clear or ())], args)
 
@@ -188,8 +253,9 @@ def add_stats(k: Keys, stats: Mapping[str, int], histograms: Mapping[str, Histog
 
 def reclaim(k: Keys, spool: str, ids: Sequence[str]) -> ScriptCall:
     """s -> q for those of `ids` that `spool` still owns; replies with the ids moved."""
-    return RECLAIM.call([k.state, k.counts, k.spool_owner, k.spooled_payload, k.spool_counts],
-                        [k.job_copy_prefix, spool, *ids])
+    return RECLAIM.call(
+        [k.state, k.counts, k.spool_owner, k.spooled_payload, k.spool_counts], [k.job_copy_prefix, spool, *ids]
+    )
 
 
 def fence(k: Keys, spool: str, ids: Sequence[str], record_key: str, record: str, before: str) -> ScriptCall:
@@ -201,8 +267,10 @@ def fence(k: Keys, spool: str, ids: Sequence[str], record_key: str, record: str,
 def put_record(k: Keys, record_key: str, record: str, spool: str, ids: Sequence[str], ledger_id: str) -> ScriptCall:
     """A packing record written and indexed, whether `spool` owns `ids`, and the ledger's id in
     force; replies {owned, id}."""
-    return PUT_RECORD.call([k.state, k.spool_owner, k.revoked_spools, record_key, k.packing_index, k.ledger_id],
-                           [record, spool, ledger_id, *ids])
+    return PUT_RECORD.call(
+        [k.state, k.spool_owner, k.revoked_spools, record_key, k.packing_index, k.ledger_id],
+        [record, spool, ledger_id, *ids],
+    )
 
 
 def forget_record_if_gone(k: Keys, record_key: str) -> ScriptCall:
@@ -218,8 +286,9 @@ def renew_spool(k: Keys, spool: str, node: str) -> ScriptCall:
     return RENEW_SPOOL.call([k.spool_leases, k.spool_nodes, k.revoked_spools], [spool, node])
 
 
-def heartbeat(key: str, ttl: int, stamp: str, fields: Mapping[str, str], join: tuple[str, str] | None = None
-              ) -> ScriptCall:
+def heartbeat(
+    key: str, ttl: int, stamp: str, fields: Mapping[str, str], join: tuple[str, str] | None = None
+) -> ScriptCall:
     """A heartbeat hash's `fields`, the fields named in `stamp` (space-separated) stamped with
     Redis's TIME, its TTL; `join`: (a set, the member to add to it)."""
     keys = [key] if join is None else [key, join[0]]
@@ -235,8 +304,10 @@ def job_ended(key: str, ttl: int, fields: Mapping[str, str]) -> ScriptCall:
 def check_ledger(k: Keys, repair: bool, why: str, copies: Sequence[str]) -> ScriptCall:
     """The ledger's invariants checked (and with `repair`, rebuilt); `why`: the failure JSON for a
     failed sample without one; `copies`: the job ids of the job copies found."""
-    return CHECK_LEDGER.call([k.state, k.counts, k.failed, k.spool_owner, k.spooled_payload, k.spool_counts],
-                             ["1" if repair else "0", why, k.job_copy_prefix, *copies])
+    return CHECK_LEDGER.call(
+        [k.state, k.counts, k.failed, k.spool_owner, k.spooled_payload, k.spool_counts],
+        ["1" if repair else "0", why, k.job_copy_prefix, *copies],
+    )
 
 
 def release_lock(key: str, token: str, hold_ms: int = 0) -> ScriptCall:

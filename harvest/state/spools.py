@@ -27,6 +27,7 @@ from harvest.state.keys import Keys
 
 log = logging.getLogger("harvest.spool")
 
+
 def redis_time(conn: redis.Redis) -> float:
     sec, usec = conn.time()
     return sec + usec / 1e6
@@ -68,7 +69,7 @@ class SpoolLeases:
         if not ids:
             return set()
         flags = self.conn.smismember(self.keys.revoked_spools, ids)
-        return {s for s, f in zip(ids, flags) if f}
+        return {s for s, f in zip(ids, flags, strict=False) if f}
 
     def node_of(self, spool: str) -> str:
         """The node that last renewed `spool`'s lease ("?" if none ever did)."""
@@ -86,11 +87,19 @@ class SpoolLeases:
         now = redis_time(self.conn)
         leases = [(m.decode(), score) for m, score in self.conn.zrange(self.keys.spool_leases, 0, -1, withscores=True)]
         ids = [s for s, _ in leases]
-        nodes = dict(zip(ids, self.conn.hmget(self.keys.spool_nodes, ids))) if ids else {}
-        counts = dict(zip(ids, self.conn.hmget(self.keys.spool_counts, ids))) if ids else {}
+        nodes = dict(zip(ids, self.conn.hmget(self.keys.spool_nodes, ids), strict=False)) if ids else {}
+        counts = dict(zip(ids, self.conn.hmget(self.keys.spool_counts, ids), strict=False)) if ids else {}
         revoked = self.revoked(ids)
-        return [SpoolView(spool=s, node=(nodes[s] or b"?").decode(), seen_seconds_ago=round(now - t, 1),
-                          samples=int(counts[s] or 0), revoked=s in revoked) for s, t in leases]
+        return [
+            SpoolView(
+                spool=s,
+                node=(nodes[s] or b"?").decode(),
+                seen_seconds_ago=round(now - t, 1),
+                samples=int(counts[s] or 0),
+                revoked=s in revoked,
+            )
+            for s, t in leases
+        ]
 
 
 @dataclass

@@ -104,8 +104,9 @@ class Tally:
             if also:
                 send_together(self.conn, list(also))
             return False
-        call = scripts.add_stats(self.keys, stats, {name: scripts.Histogram(h.buckets, h.count, h.sum)
-                                                    for name, h in hists.items()})
+        call = scripts.add_stats(
+            self.keys, stats, {name: scripts.Histogram(h.buckets, h.count, h.sum) for name, h in hists.items()}
+        )
         try:
             send_together(self.conn, [call, *also])
         except redis.ResponseError:

@@ -29,9 +29,25 @@ def start_pinned_engine(model: str, tmp: str, tag: str, engine_cores: int, pin: 
     port = free_port()
     cores = sorted(os.sched_getaffinity(0))
     mine, rest = set(cores[:engine_cores]), set(cores[engine_cores:]) or set(cores)
-    proc = subprocess.Popen([sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dump_dir,
-                             "--port", str(port), "--threads", str(len(mine))], cwd=REPO, stderr=subprocess.DEVNULL,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, mine)) if pin else None)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "harvest.cli",
+            "engine",
+            "--model",
+            model,
+            "--dump-dir",
+            dump_dir,
+            "--port",
+            str(port),
+            "--threads",
+            str(len(mine)),
+        ],
+        cwd=REPO,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=(lambda: os.sched_setaffinity(0, mine)) if pin else None,
+    )
     if pin:
         os.sched_setaffinity(0, rest)  # this process and every child it starts from now on
     return BenchEngine(proc, f"http://127.0.0.1:{port}", dump_dir, sorted(mine), sorted(rest))

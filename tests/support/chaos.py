@@ -57,11 +57,25 @@ def make_rows(n: int, vocab: int, rng: random.Random) -> list[list[int]]:
 
 
 class Trial:
-    def __init__(self, root: str, model: str, seed: int, samples: int = 60, workers: int = 2, kills: int = 4,
-                 chunk: int = 48, out_url: str | None = None, env: dict | None = None, deadline_s: float = 420,
-                 nodes: int = 1, grace_s: float | None = None, kinds: tuple[str, ...] | None = None,
-                 returns: tuple[str, ...] | None = None, on_commit: bool = False,
-                 rollback_lags: tuple[float, ...] = ROLLBACK_LAGS) -> None:
+    def __init__(
+        self,
+        root: str,
+        model: str,
+        seed: int,
+        samples: int = 60,
+        workers: int = 2,
+        kills: int = 4,
+        chunk: int = 48,
+        out_url: str | None = None,
+        env: dict | None = None,
+        deadline_s: float = 420,
+        nodes: int = 1,
+        grace_s: float | None = None,
+        kinds: tuple[str, ...] | None = None,
+        returns: tuple[str, ...] | None = None,
+        on_commit: bool = False,
+        rollback_lags: tuple[float, ...] = ROLLBACK_LAGS,
+    ) -> None:
         """`kinds`: what may be killed (default: every kind, `node` too with several nodes);
         `returns`: the order in which lost nodes come back (default: at random); `on_commit`: the
         faults strike right after a collector commits a shard (an index file appears), not at
@@ -108,29 +122,86 @@ class Trial:
     def _cmd(self, name: str) -> list[str]:
         h = [sys.executable, "-m", "harvest.cli", "-v"]
         url = self.redis.url
-        kind, n = name.rstrip("0123456789."), int((name[len(name.rstrip("0123456789.")):] or "0").split(".")[0])
+        kind, n = name.rstrip("0123456789."), int((name[len(name.rstrip("0123456789.")) :] or "0").split(".")[0])
         port = self.port + n
         if kind == "engine":
-            return h + ["engine", "--model", self.model, "--dump-dir", self.dump(n), "--port", str(port),
-                        "--chunked-prefill-size", str(self.chunk)]
+            return h + [
+                "engine",
+                "--model",
+                self.model,
+                "--dump-dir",
+                self.dump(n),
+                "--port",
+                str(port),
+                "--chunked-prefill-size",
+                str(self.chunk),
+            ]
         if kind == "worker":
-            return h + ["worker", "--run", self.run, "--redis", url, "--engine-url", f"http://127.0.0.1:{port}",
-                        "--dump-dir", self.dump(n), "--spool-dir", self.spool(n), "--dump-timeout", "5",
-                        "--retry-backoff", "1", "--retries", "20", "--node", f"node{n}", "--engine-wait", "60"]
+            return h + [
+                "worker",
+                "--run",
+                self.run,
+                "--redis",
+                url,
+                "--engine-url",
+                f"http://127.0.0.1:{port}",
+                "--dump-dir",
+                self.dump(n),
+                "--spool-dir",
+                self.spool(n),
+                "--dump-timeout",
+                "5",
+                "--retry-backoff",
+                "1",
+                "--retries",
+                "20",
+                "--node",
+                f"node{n}",
+                "--engine-wait",
+                "60",
+            ]
         if kind == "collector":
-            return h + ["collect", "--run", self.run, "--redis", url, "--spool-dir", self.spool(n), "--max-wait", "1",
-                        "--node", f"node{n}"]
+            return h + [
+                "collect",
+                "--run",
+                self.run,
+                "--redis",
+                url,
+                "--spool-dir",
+                self.spool(n),
+                "--max-wait",
+                "1",
+                "--node",
+                f"node{n}",
+            ]
         if kind == "producer":
-            return h + ["produce", self.data, "--run", self.run, "--redis", url, "--model", self.model,
-                        "--out", self.out, "--dtype", "fp32", "--max-queued", "16", "--no-progress",
-                        "--spool-grace", str(self.grace_s)]
+            return h + [
+                "produce",
+                self.data,
+                "--run",
+                self.run,
+                "--redis",
+                url,
+                "--model",
+                self.model,
+                "--out",
+                self.out,
+                "--dtype",
+                "fp32",
+                "--max-queued",
+                "16",
+                "--no-progress",
+                "--spool-grace",
+                str(self.grace_s),
+            ]
         raise ValueError(name)
 
     def _start(self, name: str) -> None:
         with open(os.path.join(self.logs, f"{name}.log"), "ab") as log:
             env = {**self.env, **self.freezer.env_for(name)}
-            self.procs[name] = subprocess.Popen(self._cmd(name), cwd=REPO, env=env, stdout=log, stderr=log,
-                                                stdin=subprocess.DEVNULL)
+            self.procs[name] = subprocess.Popen(
+                self._cmd(name), cwd=REPO, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL
+            )
 
     def _restart(self, name: str) -> None:
         self._kill(name)
@@ -301,8 +372,10 @@ class Trial:
                 commits = seen
             now = time.monotonic() - t0
             if now > self.deadline_s:
-                self.result.error = (f"not finished after {self.deadline_s:.0f}s: ledger "
-                                     f"{Ledger(conn, self.run).counts()}, producer done {self.producer_done}")
+                self.result.error = (
+                    f"not finished after {self.deadline_s:.0f}s: ledger "
+                    f"{Ledger(conn, self.run).counts()}, producer done {self.producer_done}"
+                )
                 return
             if kill_at and now >= kill_at[0]:
                 kill_at.pop(0)
@@ -312,8 +385,12 @@ class Trial:
             self._bring_back(now)
             self.freezer.tick(now, self.procs, [self._node_procs(n) for n in range(self.n_nodes)])
             self._supervise()
-            if (not kill_at or self.on_commit) and not [a for a in self.down.values() if a is not None] \
-                    and not self.freezer.held and self._finished(conn):
+            if (
+                (not kill_at or self.on_commit)
+                and not [a for a in self.down.values() if a is not None]
+                and not self.freezer.held
+                and self._finished(conn)
+            ):
                 return
             time.sleep(0.2)
 
@@ -336,8 +413,9 @@ class Trial:
         # A claim dir goes once its worker's heartbeat expired (15 s), stale files after 2 s: wait those out
         wait = 2.5
         back = [n for n in range(self.n_nodes) if n not in self.never]
-        claims = any(x.startswith(".claimed-") for n in back if os.path.isdir(self.dump(n))
-                     for x in os.listdir(self.dump(n)))
+        claims = any(
+            x.startswith(".claimed-") for n in back if os.path.isdir(self.dump(n)) for x in os.listdir(self.dump(n))
+        )
         if claims and self.last_worker_kill:
             wait = max(wait, self.last_worker_kill + HEARTBEAT_TTL_S + 1 - time.monotonic())
         reconcile_if_new(conn, self.run)  # a Redis killed last: no process of the run reconciled it
@@ -349,7 +427,8 @@ class Trial:
             # A worker killed just before the end leaves a claim dir: more passes, as live workers run them
             for _ in range(HEARTBEAT_TTL_S // 3):
                 if not os.path.isdir(self.dump(n)) or not any(
-                        x.startswith(".claimed-") for x in os.listdir(self.dump(n))):
+                    x.startswith(".claimed-") for x in os.listdir(self.dump(n))
+                ):
                     break
                 time.sleep(3)
                 self._janitor(n)
@@ -359,8 +438,14 @@ class Trial:
         self.result.janitor_lines.append(f"{time.monotonic():.1f} node{n}: {out}")
 
     def _harvest(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "harvest.cli", args[0], "--run", self.run, "--redis",
-                               self.redis.url, *args[1:]], cwd=REPO, env=self.env, capture_output=True, timeout=120, check=True)
+        return subprocess.run(
+            [sys.executable, "-m", "harvest.cli", args[0], "--run", self.run, "--redis", self.redis.url, *args[1:]],
+            cwd=REPO,
+            env=self.env,
+            capture_output=True,
+            timeout=120,
+            check=True,
+        )
 
     def _account(self, conn: redis.Redis) -> None:
         from harvest.read.reader import RunReader
@@ -397,8 +482,11 @@ class Trial:
         for d in [f(n) for n in range(self.n_nodes) if n not in self.never for f in (self.spool, self.dump)]:
             if os.path.isdir(d):
                 for dirpath, dirnames, files in os.walk(d):
-                    left = [os.path.join(dirpath, x) for x in files + [n for n in dirnames if n.startswith(".claimed")]
-                            if x not in (".spool-id", ".spool-id.lock")]
+                    left = [
+                        os.path.join(dirpath, x)
+                        for x in files + [n for n in dirnames if n.startswith(".claimed")]
+                        if x not in (".spool-id", ".spool-id.lock")
+                    ]
                     res.killed_temps += sum(map(killed_writers_temp, left))
                     res.leftovers += [self._leftover(conn, p) for p in left if not killed_writers_temp(p)]
 

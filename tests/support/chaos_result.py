@@ -52,19 +52,32 @@ class TrialResult:
 
     @property
     def ok(self) -> bool:
-        return not (self.error or self.lost or self.doubled or self.wrong_tokens or self.failed_without_reason
-                    or self.shards_without_index or self.leftovers or self.unreadable)
+        return not (
+            self.error
+            or self.lost
+            or self.doubled
+            or self.wrong_tokens
+            or self.failed_without_reason
+            or self.shards_without_index
+            or self.leftovers
+            or self.unreadable
+        )
 
     def summary(self) -> str:
-        return (f"seed {self.seed}: {'OK' if self.ok else 'FAIL'} {self.samples} samples, done {self.done}, failed "
-                f"{self.failed} {dict(self.failure_reasons)}, kills {dict(self.kills)}, exits {dict(self.restarts_on_exit)}, "
-                + (f"nodes back {dict(self.node_returns)}, spools revoked {self.spools_revoked} "
-                   f"({self.spools_reclaimed} with samples), "
-                   if self.node_returns else "") +
-                f"lost {len(self.lost)}, doubled {len(self.doubled)}, wrong {len(self.wrong_tokens)}, "
-                f"unexplained failures {len(self.failed_without_reason)}, shards without index "
-                f"{len(self.shards_without_index)}, leftovers {len(self.leftovers)} {self.leftovers[:5]} (and "
-                f"{self.killed_temps} spool files in flight of killed workers)"
-                + (f" after final janitor passes {self.janitor_lines}" if self.leftovers else "") + f", unreadable {self.unreadable or 0}, "
-                f"{self.seconds:.0f}s"
-                + (f"; error: {self.error}" if self.error else ""))
+        return (
+            f"seed {self.seed}: {'OK' if self.ok else 'FAIL'} {self.samples} samples, done {self.done}, failed "
+            f"{self.failed} {dict(self.failure_reasons)}, kills {dict(self.kills)}, exits {dict(self.restarts_on_exit)}, "
+            + (
+                f"nodes back {dict(self.node_returns)}, spools revoked {self.spools_revoked} "
+                f"({self.spools_reclaimed} with samples), "
+                if self.node_returns
+                else ""
+            )
+            + f"lost {len(self.lost)}, doubled {len(self.doubled)}, wrong {len(self.wrong_tokens)}, "
+            f"unexplained failures {len(self.failed_without_reason)}, shards without index "
+            f"{len(self.shards_without_index)}, leftovers {len(self.leftovers)} {self.leftovers[:5]} (and "
+            f"{self.killed_temps} spool files in flight of killed workers)"
+            + (f" after final janitor passes {self.janitor_lines}" if self.leftovers else "")
+            + f", unreadable {self.unreadable or 0}, "
+            f"{self.seconds:.0f}s" + (f"; error: {self.error}" if self.error else "")
+        )

@@ -17,8 +17,15 @@ def harvest_cli(*args: str, timeout: float = 300, env: dict | None = None) -> su
     timeout), everything it started goes too; a `harvest run` killed alone would leave its engine
     and workers running, and on a shared machine they slow every test after it."""
     argv = [sys.executable, "-m", "harvest.cli", *args]
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                         env={**os.environ, **(env or {})}, start_new_session=True)
+    p = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     try:
         stdout, stderr = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -41,15 +41,19 @@ class CpuShare:
             os.makedirs(self.dir, exist_ok=True)
             _write(os.path.join(self.dir, "cpu.cfs_period_us"), str(period))
             _write(os.path.join(self.dir, "cpu.cfs_quota_us"), str(quota))
-        elif os.access(os.path.join(V2, "cgroup.subtree_control"), os.W_OK) and "cpu" in open(
-                os.path.join(V2, "cgroup.controllers")).read().split():
+        elif (
+            os.access(os.path.join(V2, "cgroup.subtree_control"), os.W_OK)
+            and "cpu" in open(os.path.join(V2, "cgroup.controllers")).read().split()
+        ):
             self.root, self.dir = V2, os.path.join(V2, name)
             _write(os.path.join(V2, "cgroup.subtree_control"), "+cpu")
             os.makedirs(self.dir, exist_ok=True)
             _write(os.path.join(self.dir, "cpu.max"), f"{quota} {period}")
         else:
-            raise ConfigurationError("--redis-share needs a CPU cgroup this process may write (cgroup v1 at "
-                              f"{V1}, or v2 at {V2} with the cpu controller): run the bench as root on Linux")
+            raise ConfigurationError(
+                "--redis-share needs a CPU cgroup this process may write (cgroup v1 at "
+                f"{V1}, or v2 at {V2} with the cpu controller): run the bench as root on Linux"
+            )
         self.share = quota / period
 
     def attach(self, pid: int) -> CpuShare:

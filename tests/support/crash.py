@@ -32,8 +32,16 @@ def _collect(redis_url, cfg, spool, crash, shard_bytes, part_bytes, pack_workers
         os.environ[CRASH_ENV] = crash
     else:
         os.environ.pop(CRASH_ENV, None)
-    c = Packers(redis.Redis.from_url(redis_url), cfg, spool, pack_workers, node=NODE, shard_bytes=shard_bytes,
-                part_bytes=part_bytes, retry_delay=0.05)
+    c = Packers(
+        redis.Redis.from_url(redis_url),
+        cfg,
+        spool,
+        pack_workers,
+        node=NODE,
+        shard_bytes=shard_bytes,
+        part_bytes=part_bytes,
+        retry_delay=0.05,
+    )
     c.resume()
     c.drain()
     os._exit(0)
@@ -75,7 +83,10 @@ class Trial:
         return _run(self.redis_url, self.cfg, self.spool, self.shard_bytes, **kw)
 
     def committed(self) -> dict[str, list[str]]:
-        return {n.removesuffix(".json"): self.loc.read_json(f"{INDEX}/{n}")["samples"] for n in self.loc.list(INDEX, ".json")}
+        return {
+            n.removesuffix(".json"): self.loc.read_json(f"{INDEX}/{n}")["samples"]
+            for n in self.loc.list(INDEX, ".json")
+        }
 
     def check_invariants(self) -> None:
         """True after any kill: nothing doubled, nothing lost, done only when committed."""
@@ -83,7 +94,7 @@ class Trial:
         count = Counter(s for ids in committed.values() for s in ids)
         assert all(n == 1 for n in count.values()), f"sample in two shards: {count}"
         spooled = {sid for sid, _, _ in list_spooled(self.spool)}
-        states = dict(zip(self.order, self.ledger.states(self.order)))
+        states = dict(zip(self.order, self.ledger.states(self.order), strict=False))
         for sid in self.order:
             assert sid in count or sid in spooled, f"sample {sid} lost"
             assert states[sid] in ("s", "d")

@@ -8,13 +8,17 @@ def expected_tokens(tokenizer, row):
         ids = row["input_ids"]
         return ids, [1] * len(ids)
     if "messages" in row:
-        enc = tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        enc = tokenizer.apply_chat_template(
+            row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         return list(enc["input_ids"]), list(enc["assistant_masks"])
     ids = tokenizer(row["text"])["input_ids"]
     return ids, [1] * len(ids)
 
 
-def expected_regenerated(tokenizer, model, messages: list[dict], max_new: int) -> tuple[list[int], list[int], list[list[int]]]:
+def expected_regenerated(
+    tokenizer, model, messages: list[dict], max_new: int
+) -> tuple[list[int], list[int], list[list[int]]]:
     """The regenerated conversation by transformers alone: each turn's prompt is the template's
     rendering of the conversation so far with its generation prompt, where the earlier answers are
     the model's own tokens, each closed by the template's <|im_end|> (the model's own stop token when
@@ -33,13 +37,19 @@ def expected_regenerated(tokenizer, model, messages: list[dict], max_new: int) -
     done_text = ""  # the template's rendering of the turns before, as far as they are written
     for i in slots:
         head = render(messages[:i], gen=True)
-        piece = encode(head[len(done_text):])
+        piece = encode(head[len(done_text) :])
         ids += piece
         mask += [0] * len(piece)
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 do_sample=False, max_new_tokens=max_new, eos_token_id=stop, pad_token_id=0)
-        g = out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_new,
+                eos_token_id=stop,
+                pad_token_id=0,
+            )
+        g = out[0, len(ids) :].tolist()
         turns.append(g)
         ids += g
         mask += [1] * len(g)
@@ -47,5 +57,5 @@ def expected_regenerated(tokenizer, model, messages: list[dict], max_new: int) -
             ids.append(stop[0])
             mask.append(0)
         done_text = render(messages[: i + 1])  # whatever the answer, the template goes on after its <|im_end|>
-    tail = encode(render(messages)[len(done_text):])
+    tail = encode(render(messages)[len(done_text) :])
     return ids + tail, mask + [0] * len(tail), turns

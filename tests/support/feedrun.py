@@ -21,8 +21,16 @@ from tests.support.synth import HIDDEN, POINTS, make_config, spool_samples
 class FeedRun:
     """A run at `<tmp>/out/r` whose samples are spooled once and committed in shards on demand."""
 
-    def __init__(self, tmp_path, n: int, dtype: str = "bf16", hidden: int = HIDDEN, tokens: int | None = None,
-                 out_url: str | None = None, codec: str = "none") -> None:
+    def __init__(
+        self,
+        tmp_path,
+        n: int,
+        dtype: str = "bf16",
+        hidden: int = HIDDEN,
+        tokens: int | None = None,
+        out_url: str | None = None,
+        codec: str = "none",
+    ) -> None:
         """`n` samples of 1..11 tokens (or `tokens` each), hidden size `hidden`, committed into
         `out_url` (default: the folder `<tmp_path>/out`), their hidden states coded by `codec`."""
         self.cfg: RunConfig = make_config(out_url or str(tmp_path / "out"), dtype=dtype, hidden=hidden, codec=codec)
@@ -36,8 +44,16 @@ class FeedRun:
 
     def commit(self, indices: Sequence[int]) -> str:
         """One shard of these samples, then its index (the commit); returns the shard id."""
-        entries = [inspect_sample(spool_path(self.spool, self.samples[i].id), self.samples[i].id, len(POINTS),
-                                  self.cfg.hidden_size, self.cfg.torch_dtype) for i in indices]
+        entries = [
+            inspect_sample(
+                spool_path(self.spool, self.samples[i].id),
+                self.samples[i].id,
+                len(POINTS),
+                self.cfg.hidden_size,
+                self.cfg.torch_dtype,
+            )
+            for i in indices
+        ]
         plan = plan_shard(entries, self.cfg.run, self.cfg.capture_points, self.cfg.torch_dtype, codec=self.cfg.codec)
         if plan.needs_encoding:
             plan = encode_shard(plan, os.path.join(self.spool, f".coded-{plan.shard_id}"))

@@ -197,15 +197,27 @@ class RedisStats:
         """One `INFO all`: the next reading's delta holds this very INFO (counted once it ended)."""
         info = conn.info("all")
         cs = {k.removeprefix("cmdstat_"): v for k, v in info.items() if k.startswith("cmdstat_")}
-        return cls({k: v["calls"] for k, v in cs.items()}, {k: v["usec"] for k, v in cs.items()},
-                   info["used_cpu_user_main_thread"] + info["used_cpu_sys_main_thread"], info["used_memory"],
-                   info["used_cpu_sys_main_thread"], info["total_net_input_bytes"], info["total_net_output_bytes"])
+        return cls(
+            {k: v["calls"] for k, v in cs.items()},
+            {k: v["usec"] for k, v in cs.items()},
+            info["used_cpu_user_main_thread"] + info["used_cpu_sys_main_thread"],
+            info["used_memory"],
+            info["used_cpu_sys_main_thread"],
+            info["total_net_input_bytes"],
+            info["total_net_output_bytes"],
+        )
 
     def since(self, before: RedisStats) -> RedisStats:
         calls = {k: v - before.calls.get(k, 0) for k, v in self.calls.items()}
-        return RedisStats({k: v for k, v in calls.items() if v}, {k: v - before.usec.get(k, 0) for k, v in self.usec.items()},
-                          self.cpu_s - before.cpu_s, self.memory - before.memory, self.sys_s - before.sys_s,
-                          self.net_in - before.net_in, self.net_out - before.net_out)
+        return RedisStats(
+            {k: v for k, v in calls.items() if v},
+            {k: v - before.usec.get(k, 0) for k, v in self.usec.items()},
+            self.cpu_s - before.cpu_s,
+            self.memory - before.memory,
+            self.sys_s - before.sys_s,
+            self.net_in - before.net_in,
+            self.net_out - before.net_out,
+        )
 
     @property
     def total(self) -> int:
@@ -254,23 +266,56 @@ class Fleet:
     def _popen(self, name: str, argv: list[str]) -> None:
         os.makedirs(os.path.join(self.root, "logs"), exist_ok=True)
         with open(os.path.join(self.root, "logs", f"{name}.log"), "ab") as log:
-            self.procs[name] = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.procs[name] = subprocess.Popen(
+                argv,
+                cwd=REPO,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
 
     def start_engine(self) -> None:
         serve = [x for n in range(self.nodes) for x in ("--serve", f"{self.base_port + n}={self.dump(n)}")]
-        self._popen("engine", [sys.executable, "-m", "harvest.engines.synthetic", *serve, "--capture", self.capture,
-                               "--hidden", str(self.hidden)])
+        self._popen(
+            "engine",
+            [
+                sys.executable,
+                "-m",
+                "harvest.engines.synthetic",
+                *serve,
+                "--capture",
+                self.capture,
+                "--hidden",
+                str(self.hidden),
+            ],
+        )
 
     def start(self, name: str) -> None:
         os.makedirs(os.path.join(self.root, "stats"), exist_ok=True)
         role = name.rstrip("0123456789.")
-        n = int(name[len(role):].split(".")[0])
+        n = int(name[len(role) :].split(".")[0])
         common = ["--run", self.run, "--redis", self.redis_url, "--node", f"node{n}"]
         if role == "worker":
-            args = ["worker", *common, "--engine-url", f"http://127.0.0.1:{self.base_port + n}", "--dump-dir",
-                    self.dump(n), "--spool-dir", self.spool(n), "--dump-timeout", "10", "--retry-backoff", "1",
-                    "--retries", "20", "--engine-wait", "60", *self.worker_args]
+            args = [
+                "worker",
+                *common,
+                "--engine-url",
+                f"http://127.0.0.1:{self.base_port + n}",
+                "--dump-dir",
+                self.dump(n),
+                "--spool-dir",
+                self.spool(n),
+                "--dump-timeout",
+                "10",
+                "--retry-backoff",
+                "1",
+                "--retries",
+                "20",
+                "--engine-wait",
+                "60",
+                *self.worker_args,
+            ]
         else:
             args = ["collect", *common, "--spool-dir", self.spool(n), *self.collector_args]
         self._popen(name, [sys.executable, "-m", "tests.support.fleet", role, self.stats_file(name), "--", *args])
@@ -349,18 +394,18 @@ def rq_cost(conn: redis.Redis, root: str, cfg, jobs: int, base_us_s: float, make
     inner calls included) and how much the rest, RQ's own."""
     import threading
 
+    from harvest.cli.redisproc import free_port
     from harvest.engines.reference import serve
     from harvest.engines.synthetic import SyntheticEngine
-    from harvest.cli.redisproc import free_port
     from harvest.node.dumpdir import claim_dir
     from harvest.node.paths import private_dir
     from harvest.state.heartbeat import WorkerBeat
     from harvest.state.jobs import SERIALIZER, run_queue
-    from tests.support.ops import enqueue
     from harvest.workers.clients.sglang import SGLangClient
     from harvest.workers.context import WorkerContext, install
     from harvest.workers.rqworker import HarvestWorker
     from harvest.workers.safejob import HarvestJob
+    from tests.support.ops import enqueue
 
     job = cfg.max_batch_samples
     dump = private_dir(os.path.join(root, f"{cfg.run}-dump"), "dump dir")
@@ -370,8 +415,18 @@ def rq_cost(conn: redis.Redis, root: str, cfg, jobs: int, base_us_s: float, make
     beat = WorkerBeat(conn, cfg.run, "bench-1-aaaaaa", "bench", f"http://127.0.0.1:{port}")
     beat.start()
     claims = private_dir(claim_dir(dump, beat.name), "claim dir")
-    install(WorkerContext(conn=conn, cfg=cfg, engine=SGLangClient(f"http://127.0.0.1:{port}"), dump_dir=dump,
-                          spool_dir=os.path.join(root, f"{cfg.run}-spool"), claim_dir=claims, beat=beat, node="bench"))
+    install(
+        WorkerContext(
+            conn=conn,
+            cfg=cfg,
+            engine=SGLangClient(f"http://127.0.0.1:{port}"),
+            dump_dir=dump,
+            spool_dir=os.path.join(root, f"{cfg.run}-spool"),
+            claim_dir=claims,
+            beat=beat,
+            node="bench",
+        )
+    )
 
     def work(n: int) -> tuple[RedisStats, float, int]:
         with tagged("bench.rq"):
@@ -379,8 +434,14 @@ def rq_cost(conn: redis.Redis, root: str, cfg, jobs: int, base_us_s: float, make
                 enqueue(conn, cfg, make_samples(job))
         r0, t0, sends = RedisStats.read(conn), time.monotonic(), counts().get("bench.rqwork", {}).get(TRIPS, 0)
         with tagged("bench.rqwork"):
-            HarvestWorker([run_queue(conn, cfg.run, job_class=HarvestJob)], connection=conn, serializer=SERIALIZER,
-                          name=beat.name, job_class=HarvestJob, beat=beat).work(burst=True, logging_level="WARNING")
+            HarvestWorker(
+                [run_queue(conn, cfg.run, job_class=HarvestJob)],
+                connection=conn,
+                serializer=SERIALIZER,
+                name=beat.name,
+                job_class=HarvestJob,
+                beat=beat,
+            ).work(burst=True, logging_level="WARNING")
         sends = counts()["bench.rqwork"].get(TRIPS, 0) - sends
         return RedisStats.read(conn).since(r0), time.monotonic() - t0, sends
 
@@ -389,8 +450,14 @@ def rq_cost(conn: redis.Redis, root: str, cfg, jobs: int, base_us_s: float, make
     httpd.shutdown()
     cpu = (r.cpu_s * 1e6 - base_us_s * seconds) / jobs
     scripts = r.usec.get("evalsha", 0) / jobs
-    return {"job": job, "cpu_us": cpu, "scripts_us": scripts, "rq_us": cpu - scripts, "commands": (r.total - 1) / jobs,
-            "trips": sends / jobs}
+    return {
+        "job": job,
+        "cpu_us": cpu,
+        "scripts_us": scripts,
+        "rq_us": cpu - scripts,
+        "commands": (r.total - 1) / jobs,
+        "trips": sends / jobs,
+    }
 
 
 if __name__ == "__main__":

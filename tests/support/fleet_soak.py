@@ -25,12 +25,12 @@ import redis
 
 from harvest.config import RunConfig
 from harvest.ids import sample_id
+from harvest.producer.enqueue import Enqueuer
 from harvest.sample import Sample
 from harvest.state.heartbeat import HEARTBEAT_TTL_S
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
-from harvest.producer.enqueue import Enqueuer
 from tests.support.chaos import RETURNS, Trial
 from tests.support.chaos_result import TrialResult
 from tests.support.cli import REPO
@@ -41,21 +41,39 @@ KINDS = ("worker", "collector", "node")
 GRACE_S = 15.0
 
 
-def soak(conn: redis.Redis, server, root: str, nodes: int, samples: int, kills: int, seed: int,
-         deadline_s: float = 1500) -> int:
+def soak(
+    conn: redis.Redis, server, root: str, nodes: int, samples: int, kills: int, seed: int, deadline_s: float = 1500
+) -> int:
     rng = random.Random(seed)
     nrng = np.random.default_rng(seed)
     run = f"soak{seed}"
     out = os.path.join(root, "out")
-    cfg = publish_run(conn, RunConfig(run=run, model="synthetic", capture_points=[2, 4, 5, 8], hidden_size=4,
-                                      out_url=out, storage_dtype="fp32", num_layers=8, spool_grace_s=GRACE_S,
-                                      shard_bytes=1 << 20))
+    cfg = publish_run(
+        conn,
+        RunConfig(
+            run=run,
+            model="synthetic",
+            capture_points=[2, 4, 5, 8],
+            hidden_size=4,
+            out_url=out,
+            storage_dtype="fp32",
+            num_layers=8,
+            spool_grace_s=GRACE_S,
+            shard_bytes=1 << 20,
+        ),
+    )
     rows = [nrng.integers(5, 128_000, int(nrng.integers(16, 200))).tolist() for _ in range(samples)]
     rows += rows[: samples // 100]  # repeated rows: the same sample, to be stored once
     expected = {sample_id(np.array(r, np.int32), np.ones(len(r), np.uint8)): r for r in rows}
     ports = reserve_ports(nodes)  # tests.support.ports: held until the fleet stops
-    fleet = Fleet(os.path.join(root, run), server.url, run, nodes, base_port=ports.first,
-                  collector_args=("--max-wait", "1", "--pack-workers", "1"))
+    fleet = Fleet(
+        os.path.join(root, run),
+        server.url,
+        run,
+        nodes,
+        base_port=ports.first,
+        collector_args=("--max-wait", "1", "--pack-workers", "1"),
+    )
     res = TrialResult(seed, len(expected))
     down: dict[int, float | None] = {}
     never: set[int] = set()
@@ -92,8 +110,14 @@ def soak(conn: redis.Redis, server, root: str, nodes: int, samples: int, kills: 
             _bring_back(fleet, res, down, now)
             _restart_exited(fleet, res)
             c = led.counts()
-            if produced.is_set() and not kill_at and not [a for a in down.values() if a is not None] \
-                    and c["queued"] == 0 and c["spooled"] == 0 and c["done"] + c["failed"] == len(expected):
+            if (
+                produced.is_set()
+                and not kill_at
+                and not [a for a in down.values() if a is not None]
+                and c["queued"] == 0
+                and c["spooled"] == 0
+                and c["done"] + c["failed"] == len(expected)
+            ):
                 break
             time.sleep(0.5)
     finally:
@@ -104,28 +128,44 @@ def soak(conn: redis.Redis, server, root: str, nodes: int, samples: int, kills: 
         _final_passes(fleet, run, server.url, nodes, never, last_kill)
         res.spools_reclaimed = led.stats().get("spools_reclaimed", 0)
         res.spools_revoked = conn.scard(Keys(run).revoked_spools)
-        shim = SimpleNamespace(result=res, out=out, run=run, expected=expected, n_nodes=nodes, never=never,
-                               spool=fleet.spool, dump=fleet.dump)
+        shim = SimpleNamespace(
+            result=res,
+            out=out,
+            run=run,
+            expected=expected,
+            n_nodes=nodes,
+            never=never,
+            spool=fleet.spool,
+            dump=fleet.dump,
+        )
         shim._leftover = lambda c, path: Trial._leftover(shim, c, path)  # Trial's methods _account calls
         Trial._account(shim, conn)
     res.seconds = seconds
     print(res.summary())
-    print(f"soak: {nodes} nodes, {len(expected)} distinct samples ({len(rows)} rows), {seconds:.0f}s to the last "
-          f"sample settled ({len(expected) / seconds:.0f} samples/s), kills {dict(res.kills)}, nodes back "
-          f"{dict(res.node_returns)}, restarts on exit {dict(res.restarts_on_exit)}, spools revoked "
-          f"{res.spools_revoked} ({res.spools_reclaimed} with samples); done {res.done}, failed {res.failed} "
-          f"{dict(res.failure_reasons)}; lost {len(res.lost)}, doubled {len(res.doubled)}, wrong tokens "
-          f"{len(res.wrong_tokens)}, shards without index {len(res.shards_without_index)}, leftovers "
-          f"{len(res.leftovers)} (and {res.killed_temps} spool files in flight of killed workers, removed after "
-          f"an hour): {'OK' if res.ok else 'FAIL'}")
+    print(
+        f"soak: {nodes} nodes, {len(expected)} distinct samples ({len(rows)} rows), {seconds:.0f}s to the last "
+        f"sample settled ({len(expected) / seconds:.0f} samples/s), kills {dict(res.kills)}, nodes back "
+        f"{dict(res.node_returns)}, restarts on exit {dict(res.restarts_on_exit)}, spools revoked "
+        f"{res.spools_revoked} ({res.spools_reclaimed} with samples); done {res.done}, failed {res.failed} "
+        f"{dict(res.failure_reasons)}; lost {len(res.lost)}, doubled {len(res.doubled)}, wrong tokens "
+        f"{len(res.wrong_tokens)}, shards without index {len(res.shards_without_index)}, leftovers "
+        f"{len(res.leftovers)} (and {res.killed_temps} spool files in flight of killed workers, removed after "
+        f"an hour): {'OK' if res.ok else 'FAIL'}"
+    )
     for line in res.timeline:
         print("  " + line)
     return 0 if res.ok else 1
 
 
-
-def _kill(fleet: Fleet, rng: random.Random, res: TrialResult, nodes: int, down: dict[int, float | None],
-          never: set[int], now: float) -> None:
+def _kill(
+    fleet: Fleet,
+    rng: random.Random,
+    res: TrialResult,
+    nodes: int,
+    down: dict[int, float | None],
+    never: set[int],
+    now: float,
+) -> None:
     """One random kill: a worker or a collector (started again at once), or a whole node, lost with its
     disk until the moment `down` holds for it (None: never back, and added to `never`)."""
     kind = rng.choice(KINDS)
@@ -178,7 +218,14 @@ def _final_passes(fleet: Fleet, run: str, redis_url: str, nodes: int, never: set
     for n in range(nodes):
         if n in never:
             continue
-        for args in (["collect", "--spool-dir", fleet.spool(n), "--node", f"node{n}", "--burst"],
-                     ["janitor", "--dump-dir", fleet.dump(n)]):
-            subprocess.run([sys.executable, "-m", "harvest.cli", args[0], "--run", run, "--redis", redis_url,
-                            *args[1:]], cwd=REPO, capture_output=True, timeout=300, check=True)
+        for args in (
+            ["collect", "--spool-dir", fleet.spool(n), "--node", f"node{n}", "--burst"],
+            ["janitor", "--dump-dir", fleet.dump(n)],
+        ):
+            subprocess.run(
+                [sys.executable, "-m", "harvest.cli", args[0], "--run", run, "--redis", redis_url, *args[1:]],
+                cwd=REPO,
+                capture_output=True,
+                timeout=300,
+                check=True,
+            )

@@ -54,16 +54,26 @@ ORDERS = ("first", "before-fence", "after-commit")
 TIMEOUT_S = 60.0
 
 
-def _collect(redis_url: str, cfg, spool: str, node: str, freeze: str | None, shard_bytes: int,
-             part_bytes: int | None) -> None:
+def _collect(
+    redis_url: str, cfg, spool: str, node: str, freeze: str | None, shard_bytes: int, part_bytes: int | None
+) -> None:
     """A node's collector in a forked child: resume, commit everything spooled, exit 0 (3 on an error)."""
     if freeze:
         os.environ[CRASH_ENV] = freeze
     else:
         os.environ.pop(CRASH_ENV, None)
     try:
-        c = Packers(redis.Redis.from_url(redis_url), cfg, spool, 1, node=node, shard_bytes=shard_bytes,
-                    part_bytes=part_bytes, retry_delay=0.05, retries=3)
+        c = Packers(
+            redis.Redis.from_url(redis_url),
+            cfg,
+            spool,
+            1,
+            node=node,
+            shard_bytes=shard_bytes,
+            part_bytes=part_bytes,
+            retry_delay=0.05,
+            retries=3,
+        )
         c.resume()
         c.drain()
     except BaseException:  # noqa: BLE001 - told on stderr, the exit status says it
@@ -82,14 +92,18 @@ class Node:
     """One node's collector process, which may stop itself at a point."""
 
     def __init__(self, trial: FreezeTrial, spool: str, name: str, freeze: str | None) -> None:
-        self.p = FORK.Process(target=_collect, args=(trial.redis_url, trial.cfg, spool, name, freeze,
-                                                     trial.shard_bytes, trial.part_bytes))
+        self.p = FORK.Process(
+            target=_collect, args=(trial.redis_url, trial.cfg, spool, name, freeze, trial.shard_bytes, trial.part_bytes)
+        )
         self.p.start()
 
     def stopped_or_exited(self) -> bool:
         """Wait until it stops itself (True) or exits (False: its point was never reached)."""
-        wait_for(lambda: not self.p.is_alive() or process_state(self.p.pid) == "T", TIMEOUT_S,
-                 "the collector to stop itself or exit")
+        wait_for(
+            lambda: not self.p.is_alive() or process_state(self.p.pid) == "T",
+            TIMEOUT_S,
+            "the collector to stop itself or exit",
+        )
         return self.p.is_alive()
 
     def resume(self) -> None:
@@ -102,8 +116,18 @@ class Node:
 
 
 class FreezeTrial:
-    def __init__(self, conn: redis.Redis, redis_url: str, root: str, out_url: str, lengths: list[int],
-                 hidden: int = 16, run: str = "r", shard_samples: int = 3, part_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        conn: redis.Redis,
+        redis_url: str,
+        root: str,
+        out_url: str,
+        lengths: list[int],
+        hidden: int = 16,
+        run: str = "r",
+        shard_samples: int = 3,
+        part_bytes: int | None = None,
+    ) -> None:
         self.conn, self.redis_url, self.root = conn, redis_url, root
         self.cfg = publish_run(conn, make_config(out_url, run=run, hidden=hidden))
         self.part_bytes = part_bytes
@@ -112,8 +136,9 @@ class FreezeTrial:
         self.order = [sid for sid, _, _ in list_spooled(self.spool_a)]
         self.shard_bytes = sum(size for _, _, size in list_spooled(self.spool_a)[:shard_samples])
         self.ledger = Ledger(conn, run)
-        self.rows = {s.id: payload_row(run, Sample.build(s.input_ids.numpy(), s.loss_mask.numpy()))
-                     for s in self.samples}
+        self.rows = {
+            s.id: payload_row(run, Sample.build(s.input_ids.numpy(), s.loss_mask.numpy())) for s in self.samples
+        }
         ids = [s.id for s in self.samples]
         self.ledger.add_queued(ids)
         self.ledger.mark_spooled(ids, owner=spool_identity(self.spool_a), rows=[self.rows[s] for s in ids])
@@ -124,11 +149,13 @@ class FreezeTrial:
 
     def tend(self) -> int:
         """A tend pass of a third collector (every collector runs one every 10 s)."""
-        return tend_revoked(self.conn, self.cfg.run, self.loc, lambda fn, what: retry(fn, what, base_delay=0.05),
-                            frozenset())
+        return tend_revoked(
+            self.conn, self.cfg.run, self.loc, lambda fn, what: retry(fn, what, base_delay=0.05), frozenset()
+        )
 
-    def execute(self, point: str, order: str, at: int = 1, b_point: str = "uploaded",
-                tend_at: str | None = None) -> None:
+    def execute(
+        self, point: str, order: str, at: int = 1, b_point: str = "uploaded", tend_at: str | None = None
+    ) -> None:
         """A frozen at the `at`-th `point`; its spool reclaimed and re-spooled on B; A resumed per
         `order`; `tend_at` ('frozen', 'resumed'): a third collector's tend pass right after the
         reclaim, or right after A resumed."""
@@ -176,16 +203,19 @@ class FreezeTrial:
 
     # -- the end state ------------------------------------------------------------------------
     def committed(self) -> dict[str, list[str]]:
-        return {n.removesuffix(".json"): self.loc.read_json(f"{INDEX}/{n}")["samples"]
-                for n in self.loc.list(INDEX, ".json")}
+        return {
+            n.removesuffix(".json"): self.loc.read_json(f"{INDEX}/{n}")["samples"]
+            for n in self.loc.list(INDEX, ".json")
+        }
 
     def problems(self) -> dict[str, list]:
         """What the end state gets wrong, by kind (lost, doubled, unreadable, wrong, ...); empty lists when exact."""
         committed = self.committed()
         copies = Counter(s for ids in committed.values() for s in ids)
         holder = {s: shard for shard, ids in committed.items() for s in ids}
-        found: dict[str, list] = {k: [] for k in ("lost", "doubled", "unreadable", "wrong", "claims", "leftovers",
-                                                  "ledger", "exits")}
+        found: dict[str, list] = {
+            k: [] for k in ("lost", "doubled", "unreadable", "wrong", "claims", "leftovers", "ledger", "exits")
+        }
         found["lost"] = [s for s in self.order if not copies[s]]
         found["doubled"] = [s for s in self.order if copies[s] > 1] + [s for s in copies if s not in self.order]
         reader = RunReader(self.loc.url())
@@ -197,8 +227,11 @@ class FreezeTrial:
             except Exception as e:  # noqa: BLE001 - counted, the caller asserts
                 found["unreadable"].append(f"{s.id}: {type(e).__name__}: {e}")
                 continue
-            if not (torch.equal(got["input_ids"], s.input_ids) and torch.equal(got["loss_mask"], s.loss_mask)
-                    and torch.equal(got["hidden_states"], s.hidden_states)):
+            if not (
+                torch.equal(got["input_ids"], s.input_ids)
+                and torch.equal(got["loss_mask"], s.loss_mask)
+                and torch.equal(got["hidden_states"], s.hidden_states)
+            ):
                 found["wrong"].append(s.id)
         claims = {n.removesuffix(".json") for n in self.loc.list(CLAIMS, ".json")}
         for s in self.order:
@@ -212,12 +245,15 @@ class FreezeTrial:
         else:
             bucket, _, prefix = self.loc.root.partition("/")
             s3 = boto3.client("s3", endpoint_url=os.environ["HARVEST_S3_ENDPOINT"], region_name="us-east-1")
-            found["leftovers"] += [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix)
-                                   .get("Uploads", [])]
+            found["leftovers"] += [
+                u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+            ]
         for d in (self.spool_a, self.spool_b):
-            found["leftovers"] += [os.path.join(d, f) for f in os.listdir(d)
-                                   if f not in (".spool-id", ".spool-id.lock")] \
-                if os.path.isdir(d) else []
+            found["leftovers"] += (
+                [os.path.join(d, f) for f in os.listdir(d) if f not in (".spool-id", ".spool-id.lock")]
+                if os.path.isdir(d)
+                else []
+            )
         n = len(self.order)
         counts = self.ledger.counts()
         if counts != {"queued": 0, "spooled": 0, "done": n, "failed": 0, "total": n}:

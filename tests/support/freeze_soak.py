@@ -26,8 +26,9 @@ from tests.support.freeze import ORDERS, FreezeTrial
 B_POINTS = ("recorded", "claimed", "packing", "uploaded")  # where the other collector waits for A, before its fence
 
 
-def soak(conn: redis.Redis, redis_url: str, root: str, trials: int, seed: int, s3_url: str,
-         log=lambda line: None) -> dict[str, float]:
+def soak(
+    conn: redis.Redis, redis_url: str, root: str, trials: int, seed: int, s3_url: str, log=lambda line: None
+) -> dict[str, float]:
     """Run `trials` trials (odd ones to `s3_url`, a bucket, even ones to a local folder); returns the totals."""
     totals = dict.fromkeys(("trials", "froze", "lost", "doubled", "unreadable", "wrong", "other"), 0)
     t0 = time.monotonic()
@@ -39,8 +40,13 @@ def soak(conn: redis.Redis, redis_url: str, root: str, trials: int, seed: int, s
         out = f"{s3_url}/t{i}" if i % 2 else f"file://{d}/out"
         lengths = [rng.randint(1, 40) for _ in range(rng.randint(3, 9))]
         t = FreezeTrial(conn, redis_url, d, out, lengths, run=f"t{i}", shard_samples=rng.randint(1, 4))
-        case = {"point": rng.choice(CRASH_POINTS), "order": rng.choice(ORDERS), "at": rng.randint(1, 2),
-                "b_point": rng.choice(B_POINTS), "tend_at": rng.choice((None, "frozen", "resumed"))}
+        case = {
+            "point": rng.choice(CRASH_POINTS),
+            "order": rng.choice(ORDERS),
+            "at": rng.randint(1, 2),
+            "b_point": rng.choice(B_POINTS),
+            "tend_at": rng.choice((None, "frozen", "resumed")),
+        }
         try:
             t.execute(**case)
             found = t.problems()
@@ -70,13 +76,26 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="freeze-soak-") as root:
         server = RedisServer(os.path.join(root, "redis")).start()
         moto, endpoint = moto_server()
-        os.environ.update({"HARVEST_S3_ENDPOINT": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"})
+        os.environ.update(
+            {
+                "HARVEST_S3_ENDPOINT": endpoint,
+                "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_REGION": "us-east-1",
+            }
+        )
         try:
             bucket = f"harvest-{uuid.uuid4().hex[:12]}"
             boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-            totals = soak(redis.Redis.from_url(server.url), server.url, root, args.trials, args.seed,
-                          f"s3://{bucket}", log=lambda line: print(line, flush=True))
+            totals = soak(
+                redis.Redis.from_url(server.url),
+                server.url,
+                root,
+                args.trials,
+                args.seed,
+                f"s3://{bucket}",
+                log=lambda line: print(line, flush=True),
+            )
         finally:
             moto.terminate()
             moto.wait()

@@ -68,8 +68,11 @@ def literals(path: str) -> list[str]:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
                 docstrings.add(id(first.value))
-    return [n.value for n in ast.walk(tree)
-            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings]
+    return [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+    ]
 
 
 def source_files() -> list[str]:
@@ -126,9 +129,9 @@ def bindings(path: str) -> list[tuple[str, float | str, int]]:
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             a = n.args
             positional = a.posonlyargs + a.args
-            for arg, default in zip(positional[len(positional) - len(a.defaults):], a.defaults):
+            for arg, default in zip(positional[len(positional) - len(a.defaults) :], a.defaults, strict=False):
                 bind(arg.arg, default)
-            for arg, default in zip(a.kwonlyargs, a.kw_defaults):
+            for arg, default in zip(a.kwonlyargs, a.kw_defaults, strict=False):
                 bind(arg.arg, default)
         elif isinstance(n, ast.Call):
             for kw in n.keywords:

@@ -16,24 +16,52 @@ from typing import Any
 from tests.support.kube import containers, pod_templates
 
 LWS_SPEC = {"leaderWorkerTemplate", "networkConfig", "replicas", "rolloutStrategy", "startupPolicy"}
-LWS_TEMPLATE = {"leaderTemplate", "persistentVolumeClaimRetentionPolicy", "restartPolicy", "size",
-                "subGroupPolicy", "volumeClaimTemplates", "workerTemplate"}
+LWS_TEMPLATE = {
+    "leaderTemplate",
+    "persistentVolumeClaimRetentionPolicy",
+    "restartPolicy",
+    "size",
+    "subGroupPolicy",
+    "volumeClaimTemplates",
+    "workerTemplate",
+}
 LWS_RESTART = {"Default", "RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"}
 LWS_STARTUP = {"LeaderCreated", "LeaderReady"}
-SM_SPEC = {"attachMetadata", "bodySizeLimit", "convertClassicHistogramsToNHCB", "endpoints",
-           "fallbackScrapeProtocol", "jobLabel", "keepDroppedTargets", "labelLimit", "labelNameLengthLimit",
-           "labelValueLengthLimit", "namespaceSelector", "nativeHistogramBucketLimit",
-           "nativeHistogramMinBucketFactor", "podTargetLabels", "sampleLimit", "scrapeClass",
-           "scrapeClassicHistograms", "scrapeNativeHistograms", "scrapeProtocols", "selector", "selectorMechanism",
-           "serviceDiscoveryRole", "targetLabels", "targetLimit"}
+SM_SPEC = {
+    "attachMetadata",
+    "bodySizeLimit",
+    "convertClassicHistogramsToNHCB",
+    "endpoints",
+    "fallbackScrapeProtocol",
+    "jobLabel",
+    "keepDroppedTargets",
+    "labelLimit",
+    "labelNameLengthLimit",
+    "labelValueLengthLimit",
+    "namespaceSelector",
+    "nativeHistogramBucketLimit",
+    "nativeHistogramMinBucketFactor",
+    "podTargetLabels",
+    "sampleLimit",
+    "scrapeClass",
+    "scrapeClassicHistograms",
+    "scrapeNativeHistograms",
+    "scrapeProtocols",
+    "selector",
+    "selectorMechanism",
+    "serviceDiscoveryRole",
+    "targetLabels",
+    "targetLimit",
+}
 DURATION = re.compile(r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$")
 
 
 def _fields(where: str, obj: Any, allowed: set[str], required: set[str]) -> list[str]:
     if not isinstance(obj, dict):
         return [f"{where}: not an object"]
-    return ([f"{where}.{k}: not a field of the CRD" for k in sorted(set(obj) - allowed)]
-            + [f"{where}.{k}: required" for k in sorted(required - set(obj))])
+    return [f"{where}.{k}: not a field of the CRD" for k in sorted(set(obj) - allowed)] + [
+        f"{where}.{k}: required" for k in sorted(required - set(obj))
+    ]
 
 
 def _int(where: str, value: Any, minimum: int) -> list[str]:
@@ -59,8 +87,9 @@ def leaderworkerset_problems(doc: dict[str, Any]) -> list[str]:
         if "size" in lwt:
             out += _int("spec.leaderWorkerTemplate.size", lwt["size"], 1)
         if lwt.get("restartPolicy", "RecreateGroupOnPodRestart") not in LWS_RESTART:
-            out.append(f"spec.leaderWorkerTemplate.restartPolicy: {lwt['restartPolicy']!r} "
-                       f"not one of {sorted(LWS_RESTART)}")
+            out.append(
+                f"spec.leaderWorkerTemplate.restartPolicy: {lwt['restartPolicy']!r} not one of {sorted(LWS_RESTART)}"
+            )
     return out
 
 
@@ -106,8 +135,9 @@ def reference_problems(docs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _workload_problems(d: dict[str, Any], services: dict[str, dict[str, Any]],
-                       pods: list[tuple[dict[str, str], set[str]]]) -> list[str]:
+def _workload_problems(
+    d: dict[str, Any], services: dict[str, dict[str, Any]], pods: list[tuple[dict[str, str], set[str]]]
+) -> list[str]:
     """The unresolved references of one object's pod templates (and a StatefulSet's Service); each
     template's labels and port names are appended to `pods`."""
     out = []
@@ -135,8 +165,9 @@ def _workload_problems(d: dict[str, Any], services: dict[str, dict[str, Any]],
 
 def _container_problems(where: str, c: dict[str, Any], volumes: set[str], named: set[str]) -> list[str]:
     """A container's mounts of no volume of its pod, and its probes naming a port it does not name."""
-    out = [f"{where}: mounts {m['name']}, no such volume"
-           for m in c.get("volumeMounts", []) if m["name"] not in volumes]
+    out = [
+        f"{where}: mounts {m['name']}, no such volume" for m in c.get("volumeMounts", []) if m["name"] not in volumes
+    ]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         for kind in ("httpGet", "tcpSocket"):
             port = c.get(probe, {}).get(kind, {}).get("port")
@@ -162,8 +193,11 @@ def _monitor_problems(docs: list[dict[str, Any]], services: dict[str, dict[str, 
     """ServiceMonitors selecting no Service, or naming a port none of their Services has."""
     out = []
     for sm in (d for d in docs if d["kind"] == "ServiceMonitor"):
-        chosen = [s for s in services.values()
-                  if _selects(sm["spec"]["selector"].get("matchLabels", {}), s["metadata"].get("labels", {}))]
+        chosen = [
+            s
+            for s in services.values()
+            if _selects(sm["spec"]["selector"].get("matchLabels", {}), s["metadata"].get("labels", {}))
+        ]
         if not chosen:
             out.append(f"ServiceMonitor/{sm['metadata']['name']}: selects no Service")
         for ep in sm["spec"]["endpoints"]:

@@ -62,8 +62,9 @@ class LocalRun:
         return committed(self.out / self.run)
 
 
-def start_run(tiny_model: str, tmp_path: Path, run: str, samples: int, seed: int, *extra: str,
-              env: dict[str, str] | None = None) -> LocalRun:
+def start_run(
+    tiny_model: str, tmp_path: Path, run: str, samples: int, seed: int, *extra: str, env: dict[str, str] | None = None
+) -> LocalRun:
     """`harvest run` over `samples` random rows (fp32, 2-sample jobs, 1 s packing waits); `extra`
     are more flags (`--redis URL`). Its stdout and stderr go to files under `tmp_path`."""
     from transformers import AutoConfig
@@ -76,9 +77,38 @@ def start_run(tiny_model: str, tmp_path: Path, run: str, samples: int, seed: int
     work, out = tmp_path / "work", tmp_path / "out"
     with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
         p = subprocess.Popen(
-            [sys.executable, "-m", "harvest.cli", "run", str(data), "--model", tiny_model, "--out", str(out),
-             "--run", run, "--dtype", "fp32", "--batch-samples", "2", "--max-wait", "1", "--chunked-prefill-size",
-             "32", "--no-progress", "--work-dir", str(work), "--dump-dir", str(tmp_path / "dumps"), *extra],
-            cwd=REPO, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, **(env or {})})
+            [
+                sys.executable,
+                "-m",
+                "harvest.cli",
+                "run",
+                str(data),
+                "--model",
+                tiny_model,
+                "--out",
+                str(out),
+                "--run",
+                run,
+                "--dtype",
+                "fp32",
+                "--batch-samples",
+                "2",
+                "--max-wait",
+                "1",
+                "--chunked-prefill-size",
+                "32",
+                "--no-progress",
+                "--work-dir",
+                str(work),
+                "--dump-dir",
+                str(tmp_path / "dumps"),
+                *extra,
+            ],
+            cwd=REPO,
+            stdout=stdout,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
     return LocalRun(p, run, expected, tmp_path, work, out)

@@ -14,8 +14,11 @@ from tests.support.wait import wait_for
 def moto_server() -> tuple[subprocess.Popen, str]:
     """Start `python -m moto.server` on a free port; returns the process and its endpoint URL."""
     port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
     def up() -> bool:
         try:

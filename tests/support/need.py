@@ -27,8 +27,9 @@ def need(thing: str, why: str, *, module: bool = False) -> NoReturn:
     `module`, at import) or, under CI=true, fails it."""
     message = f"{thing} missing: {why}"
     if in_ci():
-        pytest.fail(f"{message} (CI=true: a part CI is meant to run fails the test, it does not skip it)",
-                    pytrace=False)
+        pytest.fail(
+            f"{message} (CI=true: a part CI is meant to run fails the test, it does not skip it)", pytrace=False
+        )
     pytest.skip(message, allow_module_level=module)
 
 

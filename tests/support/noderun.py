@@ -34,8 +34,22 @@ class SharedRun:
     nodes: list[subprocess.Popen] = field(default_factory=list)
 
     def produce(self) -> subprocess.CompletedProcess:
-        res = harvest_cli("produce", str(self.data), "--run", self.run, "--redis", self.redis_url, "--model",
-                          self.model, "--out", str(self.out), "--dtype", "fp32", "--batch-samples", "2")
+        res = harvest_cli(
+            "produce",
+            str(self.data),
+            "--run",
+            self.run,
+            "--redis",
+            self.redis_url,
+            "--model",
+            self.model,
+            "--out",
+            str(self.out),
+            "--dtype",
+            "fp32",
+            "--batch-samples",
+            "2",
+        )
         assert res.returncode == 0, res.stdout + res.stderr
         return res
 
@@ -43,10 +57,28 @@ class SharedRun:
         """`harvest node` for the run, its output in TMP/NAME.out and TMP/NAME.err, its work dir TMP/work-NAME."""
         with open(self.tmp / f"{name}.out", "w") as out, open(self.tmp / f"{name}.err", "w") as err:
             p = subprocess.Popen(
-                [sys.executable, "-m", "harvest.cli", "node", "--run", self.run, "--redis", self.redis_url,
-                 "--work", str(self.work(name)), "--node", name, *extra],
-                cwd=REPO, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
-                env={**os.environ, **(env or {})})
+                [
+                    sys.executable,
+                    "-m",
+                    "harvest.cli",
+                    "node",
+                    "--run",
+                    self.run,
+                    "--redis",
+                    self.redis_url,
+                    "--work",
+                    str(self.work(name)),
+                    "--node",
+                    name,
+                    *extra,
+                ],
+                cwd=REPO,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
         self.nodes.append(p)
         return p
 

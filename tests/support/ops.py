@@ -35,9 +35,14 @@ class Procs:
 
     def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        p = subprocess.Popen([sys.executable, "-m", "harvest.cli", "-v", *args], cwd=REPO, stdout=log,
-                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env={**os.environ, **env} if env else None)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "harvest.cli", "-v", *args],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **env} if env else None,
+        )
         log.close()
         self.procs[name] = p
         return p
@@ -48,7 +53,9 @@ class Procs:
 
     def engine(self, name: str, model: str, dump_dir: str, layers: str = "eagle3", port: int | None = None) -> str:
         port = port or free_port()
-        p = self.start(name, "engine", "--model", model, "--dump-dir", dump_dir, "--port", str(port), "--layers", layers)
+        p = self.start(
+            name, "engine", "--model", model, "--dump-dir", dump_dir, "--port", str(port), "--layers", layers
+        )
         url = f"http://127.0.0.1:{port}"
 
         def up() -> bool:
@@ -82,13 +89,15 @@ class Procs:
                 p.wait()
 
 
-def new_run(conn: redis.Redis, run: str, model: str, out: str, batch: int = 4, dtype: str = "fp32",
-            spool_grace_s: float = 120.0) -> RunConfig:
+def new_run(
+    conn: redis.Redis, run: str, model: str, out: str, batch: int = 4, dtype: str = "fp32", spool_grace_s: float = 120.0
+) -> RunConfig:
     """Publish a run whose jobs hold `batch` samples (several jobs from a small dataset)."""
     from harvest.config import build_config
 
-    cfg = dataclasses.replace(build_config(run, model, out, "eagle3", dtype, spool_grace_s=spool_grace_s),
-                              max_batch_samples=batch)
+    cfg = dataclasses.replace(
+        build_config(run, model, out, "eagle3", dtype, spool_grace_s=spool_grace_s), max_batch_samples=batch
+    )
     return publish_run(conn, cfg)
 
 
@@ -106,8 +115,9 @@ def enqueue(conn: redis.Redis, cfg: RunConfig, samples: list[Sample]) -> str:
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harvest.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "harvest.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def reconcile_if_new(conn: redis.Redis, run: str) -> None:

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from safetensors import safe_open
 
-from harvest.engines.sglang_launch import launch_spec, venv_python
 from harvest.cli.demo import build_tiny_model
 from harvest.cli.redisproc import free_port
+from harvest.engines.sglang_launch import launch_spec, venv_python
 from harvest.health import wait_healthy
 from harvest.read.reader import RunReader
 from tests.support.need import need
@@ -54,15 +54,36 @@ def build_model(path: str, seed: int = 7) -> str:
 class SGLangServer:
     """One SGLang CPU server process (the command `harvest sglang-args --device cpu` prints)."""
 
-    def __init__(self, python: str, model: str, points: list[int], num_layers: int, dump_dir: str, log_path: str,
-                 chunked_prefill_size: int = 8192, radix_cache: bool = False, tp_size: int = 1,
-                 extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        python: str,
+        model: str,
+        points: list[int],
+        num_layers: int,
+        dump_dir: str,
+        log_path: str,
+        chunked_prefill_size: int = 8192,
+        radix_cache: bool = False,
+        tp_size: int = 1,
+        extra_args: tuple[str, ...] = (),
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env, argv = launch_spec(model, points, num_layers, dump_dir=dump_dir, port=self.port, device="cpu",
-                                python=python, dtype="float32", chunked_prefill_size=chunked_prefill_size,
-                                tp_size=tp_size, extra_args=extra_args)
+        env, argv = launch_spec(
+            model,
+            points,
+            num_layers,
+            dump_dir=dump_dir,
+            port=self.port,
+            device="cpu",
+            python=python,
+            dtype="float32",
+            chunked_prefill_size=chunked_prefill_size,
+            tp_size=tp_size,
+            extra_args=extra_args,
+        )
         if radix_cache:
             argv.remove("--disable-radix-cache")
         self.env, self.argv = {**env, **(extra_env or {})}, argv
@@ -72,8 +93,9 @@ class SGLangServer:
     def start(self, timeout: float = 600) -> SGLangServer:
         log = open(self.log_path, "a")
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
         def running() -> None:
             if self.proc.poll() is not None:
@@ -194,7 +216,9 @@ def dump_files(dumps: str) -> dict[str, list[tuple[int, int, object]]]:
         with safe_open(os.path.join(dumps, name), "pt") as f:
             meta = f.metadata()
             assert meta["capture_points"] == str(POINTS)
-            out.setdefault(meta["rid"], []).append((int(meta["start"]), int(meta["end"]), f.get_tensor("hidden_states")))
+            out.setdefault(meta["rid"], []).append(
+                (int(meta["start"]), int(meta["end"]), f.get_tensor("hidden_states"))
+            )
     return {rid: sorted(v, key=lambda t: t[0]) for rid, v in out.items()}
 
 

@@ -65,8 +65,13 @@ class Slurm:
 
     def sbatch(self, *argv: str, env: dict[str, str] | None = None) -> str:
         """Submit; the job id (`--parsable`)."""
-        res = subprocess.run(["sbatch", "--parsable", *argv], capture_output=True, text=True,
-                             env={**self.env(), **(env or {})}, timeout=60)
+        res = subprocess.run(
+            ["sbatch", "--parsable", *argv],
+            capture_output=True,
+            text=True,
+            env={**self.env(), **(env or {})},
+            timeout=60,
+        )
         if res.returncode != 0:
             raise AssertionError(f"sbatch {' '.join(argv)}: exit {res.returncode}: {res.stderr}")
         return res.stdout.strip().split(";")[0]
@@ -90,8 +95,12 @@ class Slurm:
 
     def wait_state(self, job: str, states: set[str], timeout: float) -> dict[str, str]:
         """The job's fields once its state is one of `states`."""
-        return wait_for(lambda: (j := self.jobs().get(job)) and j["JobState"] in states and j, timeout,
-                        f"job {job} in {sorted(states)} (now {self.state(job)})", poll=0.5)
+        return wait_for(
+            lambda: (j := self.jobs().get(job)) and j["JobState"] in states and j,
+            timeout,
+            f"job {job} in {sorted(states)} (now {self.state(job)})",
+            poll=0.5,
+        )
 
     def log(self, name: str) -> str:
         p = self.root / "log" / name
@@ -100,8 +109,9 @@ class Slurm:
     def stop(self) -> None:
         """Cancel what is left, then the daemons, last started first, by their pids."""
         if self.procs.get("slurmctld") and self.procs["slurmctld"].poll() is None:
-            subprocess.run(["scancel", "--full", "--signal=KILL", "--user=root"], env=self.env(),
-                           capture_output=True, timeout=30)
+            subprocess.run(
+                ["scancel", "--full", "--signal=KILL", "--user=root"], env=self.env(), capture_output=True, timeout=30
+            )
             subprocess.run(["scancel", "--user=root"], env=self.env(), capture_output=True, timeout=30)
         for name in reversed(DAEMONS):
             p = self.procs.get(name)
@@ -170,31 +180,52 @@ def start_slurm(root: Path, timeout: float = 60) -> Slurm:
     logs = root / "log"
     try:
         cluster.procs["munged"] = subprocess.Popen(
-            ["munged", "--foreground", "--force", f"--socket={root}/munge/munge.socket", f"--key-file={key}",
-             f"--log-file={logs}/munged.log", f"--pid-file={root}/munge/munged.pid",
-             f"--seed-file={root}/munge/munged.seed"],
-            stdout=subprocess.DEVNULL, stderr=open(logs / "munged.err", "w"), start_new_session=True)
-        wait_for(lambda: (root / "munge" / "munge.socket").exists() or cluster.procs["munged"].poll() is not None,
-                 timeout, "munged's socket")
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={root}/munge/munge.socket",
+                f"--key-file={key}",
+                f"--log-file={logs}/munged.log",
+                f"--pid-file={root}/munge/munged.pid",
+                f"--seed-file={root}/munge/munged.seed",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(logs / "munged.err", "w"),
+            start_new_session=True,
+        )
+        wait_for(
+            lambda: (root / "munge" / "munge.socket").exists() or cluster.procs["munged"].poll() is not None,
+            timeout,
+            "munged's socket",
+        )
         for name in ("slurmctld", "slurmd"):
             argv = [name, "-D", "-f", str(cluster.conf)] + (["-i"] if name == "slurmctld" else [])
-            cluster.procs[name] = subprocess.Popen(argv, stdout=subprocess.DEVNULL,
-                                                   stderr=open(logs / f"{name}.err", "w"),
-                                                   env=cluster.env(), start_new_session=True)
+            cluster.procs[name] = subprocess.Popen(
+                argv,
+                stdout=subprocess.DEVNULL,
+                stderr=open(logs / f"{name}.err", "w"),
+                env=cluster.env(),
+                start_new_session=True,
+            )
 
         def idle() -> bool:
             for name, p in cluster.procs.items():
                 if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited {p.returncode}: {(logs / f'{name}.err').read_text()}"
-                                       f"{cluster.log(f'{name}.log')[-3000:]}")
+                    raise RuntimeError(
+                        f"{name} exited {p.returncode}: {(logs / f'{name}.err').read_text()}"
+                        f"{cluster.log(f'{name}.log')[-3000:]}"
+                    )
             res = cluster.run("sinfo", "-h", "-o", "%t", check=False)
             return res.returncode == 0 and res.stdout.strip() == "idle"
 
         deadline = time.monotonic() + timeout
         while not idle():
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the node is not idle within {timeout:.0f}s: "
-                                   f"{cluster.run('sinfo', check=False).stdout}{cluster.log('slurmctld.log')[-3000:]}")
+                raise RuntimeError(
+                    f"the node is not idle within {timeout:.0f}s: "
+                    f"{cluster.run('sinfo', check=False).stdout}{cluster.log('slurmctld.log')[-3000:]}"
+                )
             time.sleep(0.5)
     except BaseException:
         cluster.stop()

@@ -15,10 +15,25 @@ POINTS = [2, 4, 5, 8]  # eagle3 preset of an 8-layer model
 HIDDEN = 16
 
 
-def make_config(out_url: str, run: str = "r", dtype: str = "bf16", shard_bytes: int = 1 << 30, hidden: int = HIDDEN,
-                codec: str = "none") -> RunConfig:
-    return RunConfig(run=run, model="synthetic", capture_points=POINTS, hidden_size=hidden, out_url=out_url,
-                     storage_dtype=dtype, shard_bytes=shard_bytes, num_layers=8, codec=codec)
+def make_config(
+    out_url: str,
+    run: str = "r",
+    dtype: str = "bf16",
+    shard_bytes: int = 1 << 30,
+    hidden: int = HIDDEN,
+    codec: str = "none",
+) -> RunConfig:
+    return RunConfig(
+        run=run,
+        model="synthetic",
+        capture_points=POINTS,
+        hidden_size=hidden,
+        out_url=out_url,
+        storage_dtype=dtype,
+        shard_bytes=shard_bytes,
+        num_layers=8,
+        codec=codec,
+    )
 
 
 def make_sample(seed: int, n: int, cfg: RunConfig) -> tuple[SpooledSample, torch.Tensor]:

@@ -44,8 +44,7 @@ class OutputReader:
         with self._lock:
             return "".join(self._parts)
 
-    def wait_for(self, pred: Callable[[str], object], timeout: float, what: str,
-                 proc: subprocess.Popen | None = None):
+    def wait_for(self, pred: Callable[[str], object], timeout: float, what: str, proc: subprocess.Popen | None = None):
         """Wait until `pred(output so far)` holds; fail at once, with the output, if `proc` exits first."""
 
         def check():

@@ -98,9 +98,31 @@ def _faulty_run(base, tiny_model) -> Faulty:
     """The run of the module's docstring in `base`, with each fault's expected audit line."""
     dataset = write_jsonl(str(base / "d.jsonl"), demo_rows(24))
     out, work = base / "out", base / "work"
-    args = ["run", dataset, "--model", tiny_model, "--out", f"file://{out}", "--run", RUN, "--dtype", "fp32",
-            "--workers", "1", "--shard-mb", "1", "--max-wait", "1", "--chunked-prefill-size", "64", "--no-progress",
-            "--work-dir", str(work), "--dump-dir", str(base / "dumps")]
+    args = [
+        "run",
+        dataset,
+        "--model",
+        tiny_model,
+        "--out",
+        f"file://{out}",
+        "--run",
+        RUN,
+        "--dtype",
+        "fp32",
+        "--workers",
+        "1",
+        "--shard-mb",
+        "1",
+        "--max-wait",
+        "1",
+        "--chunked-prefill-size",
+        "64",
+        "--no-progress",
+        "--work-dir",
+        str(work),
+        "--dump-dir",
+        str(base / "dumps"),
+    ]
     res = harvest_cli(*args, env={"HARVEST_ENGINE_FAULTS": FAULTS, **ONE_THREAD})
     assert res.returncode == 0, res.stdout + res.stderr
     assert "samples: 25 done, 0 failed" in res.stdout  # the worker's checks pass every fault
@@ -113,13 +135,15 @@ def _faulty_run(base, tiny_model) -> Faulty:
     def head(sid: str, label: str = "FAIL") -> str:
         return f"{label} sample {sid} (shard {reader.shard_of(sid)}, {tokens[sid]} tokens): "
 
-    (rid, a, b), = re.findall(r"injected fault shift-chunk: (\S+) rows \[(\d+), (\d+)\)", log)
+    ((rid, a, b),) = re.findall(r"injected fault shift-chunk: (\S+) rows \[(\d+), (\d+)\)", log)
     sid, a, b = parse_rid(rid)[0], int(a), int(b)
-    expected[sid] = head(sid) + f"misaligned: rows {_range(a, b)} hold the states of the position before them " \
-                                "(every capture point)"
+    expected[sid] = (
+        head(sid) + f"misaligned: rows {_range(a, b)} hold the states of the position before them (every capture point)"
+    )
     reasons[sid], rows[sid] = "misaligned", range(a, b)
-    (rid, point, layer), = re.findall(r"injected fault wrong-layer: (\S+) capture point (\d+) taken from layer (\d+)",
-                                      log)
+    ((rid, point, layer),) = re.findall(
+        r"injected fault wrong-layer: (\S+) capture point (\d+) taken from layer (\d+)", log
+    )
     sid = parse_rid(rid)[0]
     assert (point, layer) == ("2", "3")  # eagle3 of 8 layers: [2, 4, 5, 8]
     expected[sid] = head(sid) + "wrong-layer: capture point 2 holds layer 3's states"
@@ -128,22 +152,26 @@ def _faulty_run(base, tiny_model) -> Faulty:
     assert len({h[0] for h in hits}) == 1
     sid = parse_rid(hits[0][0])[0]
     a, b = min(int(h[1]) for h in hits), max(int(h[2]) for h in hits)
-    expected[sid] = head(sid) + f"drift: {b - a} of {tokens[sid]} rows beyond the bound, rows {_range(a, b)} " \
-                                "(every capture point)"
+    expected[sid] = (
+        head(sid) + f"drift: {b - a} of {tokens[sid]} rows beyond the bound, rows {_range(a, b)} (every capture point)"
+    )
     reasons[sid], rows[sid] = "drift", range(a, b)
     assert len(reasons) == 3
     sid = next(s for s in reader.sample_ids if s not in reasons and tokens[s] > 1)
     begin, end, found, recorded = _flip_a_byte(loc, reader, sid)
-    expected[sid] = head(sid, "CORRUPT") + f"corrupt: tensor hidden_states, bytes [{begin}, {end}) of the shard have " \
-                                           f"crc32 {found}, its index records {recorded}: corruption at rest, not drift"
+    expected[sid] = (
+        head(sid, "CORRUPT") + f"corrupt: tensor hidden_states, bytes [{begin}, {end}) of the shard have "
+        f"crc32 {found}, its index records {recorded}: corruption at rest, not drift"
+    )
     reasons[sid] = "corrupt"
     return Faulty(args, loc, str(work), sorted(reader.sample_ids), expected, reasons, rows)
 
 
 def _audit(f: Faulty, *args: str):
     with RedisServer(os.path.join(f.work, "redis")) as server:  # the run's private Redis, again
-        return harvest_cli("audit", "--run", RUN, "--redis", server.url, "--no-progress", *args, env=ONE_THREAD), \
-            server.url
+        return harvest_cli(
+            "audit", "--run", RUN, "--redis", server.url, "--no-progress", *args, env=ONE_THREAD
+        ), server.url
 
 
 def _committed_bytes(loc: Location) -> str:
@@ -154,9 +182,12 @@ def _committed_bytes(loc: Location) -> str:
     return h.hexdigest()
 
 
-def _check_caught(f: Faulty, res, route_line: str,
-                  verdict: str = "4 of 25 samples not within the bound (1 drift, 1 misaligned, 1 wrong-layer, "
-                                 "1 corrupt)") -> None:
+def _check_caught(
+    f: Faulty,
+    res,
+    route_line: str,
+    verdict: str = "4 of 25 samples not within the bound (1 drift, 1 misaligned, 1 wrong-layer, 1 corrupt)",
+) -> None:
     assert res.returncode == 1, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     assert lines[0].startswith(f"audit of run {RUN}: 25 of 25 committed samples (seed 3, stratified by length: 1-")
@@ -183,14 +214,22 @@ def _check_caught(f: Faulty, res, route_line: str,
 def test_each_fault_is_caught_against_the_engine_with_its_reason_and_rows(faulty):
     before = _committed_bytes(faulty.loc)
     res, _ = _audit(faulty, "--against", "engine", "--samples", "100", "--seed", "3")
-    _check_caught(faulty, res, r"against engine: reference engine at http://127\.0\.0\.1:\d+ \(started by the audit\), "
-                               r"chunked prefill 61, each sample alone with a fresh rid")
+    _check_caught(
+        faulty,
+        res,
+        r"against engine: reference engine at http://127\.0\.0\.1:\d+ \(started by the audit\), "
+        r"chunked prefill 61, each sample alone with a fresh rid",
+    )
     assert _committed_bytes(faulty.loc) == before  # an audit changes no committed byte
     record = re.fullmatch(r"recorded: (.*/audits/\d{8}T\d{6}Z-3\.json)", res.stdout.splitlines()[-1])
     assert record, res.stdout
     doc = json.loads(open(record.group(1)).read())
     assert (doc["verdict"], doc["route"], doc["samples"], doc["outcomes"]) == (
-        "fail", "engine", 25, {"ok": 21, "drift": 1, "misaligned": 1, "wrong-layer": 1, "corrupt": 1})
+        "fail",
+        "engine",
+        25,
+        {"ok": 21, "drift": 1, "misaligned": 1, "wrong-layer": 1, "corrupt": 1},
+    )
     assert {r["sample"]: r["outcome"] for r in doc["results"] if r["outcome"] != "ok"} == faulty.reasons
     latest = faulty.loc.read_json("audits/latest.json")
     assert latest["record"] == "audits/" + os.path.basename(record.group(1)) and latest["verdict"] == "fail"
@@ -206,10 +245,29 @@ def test_each_fault_is_caught_against_transformers_with_its_reason_and_rows(faul
 def _engine(model: str, dumps: str, faults: str):
     """A reference engine of the run's kind, capture points and chunk, with test faults on for good."""
     port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "harvest.cli", "engine", "--model", model, "--dump-dir", dumps,
-                          "--port", str(port), "--layers", "2,4,5,8", "--chunked-prefill-size", "64"],
-                         cwd=REPO, env={**os.environ, "HARVEST_ENGINE_FAULTS": faults, **ONE_THREAD},
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "harvest.cli",
+            "engine",
+            "--model",
+            model,
+            "--dump-dir",
+            dumps,
+            "--port",
+            str(port),
+            "--layers",
+            "2,4,5,8",
+            "--chunked-prefill-size",
+            "64",
+        ],
+        cwd=REPO,
+        env={**os.environ, "HARVEST_ENGINE_FAULTS": faults, **ONE_THREAD},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         assert wait_healthy(f"http://127.0.0.1:{port}", 120), "the reference engine did not start"
         yield f"http://127.0.0.1:{port}"
@@ -222,16 +280,24 @@ def test_requeue_bad_extracts_them_again_once_and_both_routes_then_pass(repairab
     res, _ = _audit(repairable, "--against", "hf", "--samples", "100", "--seed", "3", "--requeue-bad")
     assert res.returncode == 1, res.stdout + res.stderr
     lines = res.stdout.splitlines()
-    assert re.fullmatch(r"requeue-bad: excluded 4 samples from \d index files; marked 0 samples done from storage; "
-                        r"4 done in the ledger but committed by no index went back to the queue", lines[-2]), lines[-2]
+    assert re.fullmatch(
+        r"requeue-bad: excluded 4 samples from \d index files; marked 0 samples done from storage; "
+        r"4 done in the ledger but committed by no index went back to the queue",
+        lines[-2],
+    ), lines[-2]
     assert len(RunReader(repairable.loc.url())) == 21  # excluded: no reader reads the wrong copies any more
-    res = harvest_cli(*repairable.args, env=ONE_THREAD)  # the run again, its engine without faults: the four extracted anew
+    res = harvest_cli(
+        *repairable.args, env=ONE_THREAD
+    )  # the run again, its engine without faults: the four extracted anew
     assert res.returncode == 0, res.stdout + res.stderr
     assert "samples: 25 done, 0 failed (0 enqueued now, 25 already known)" in res.stdout
     reader = RunReader(repairable.loc.url())
     assert sorted(reader.sample_ids) == repairable.before and reader.duplicates == {}
-    copies = Counter(s for n in repairable.loc.list(INDEX, ".json")
-                     for s in committed_samples(repairable.loc.read_json(f"{INDEX}/{n}")))
+    copies = Counter(
+        s
+        for n in repairable.loc.list(INDEX, ".json")
+        for s in committed_samples(repairable.loc.read_json(f"{INDEX}/{n}"))
+    )
     assert set(copies.values()) == {1} and sorted(copies) == repairable.before  # each committed once
     for sid in repairable.reasons:
         reader.get(sid)  # read back whole and checked
@@ -239,7 +305,9 @@ def test_requeue_bad_extracts_them_again_once_and_both_routes_then_pass(repairab
     # fault is on for good: sent alone, no sample meets it.
     dumps = tmp_path / "dumps"
     with _engine(tiny_model, str(dumps), "perturb") as url:
-        engine, _ = _audit(repairable, "--engine-url", url, "--dump-dir", str(dumps), "--samples", "100", "--seed", "11")
+        engine, _ = _audit(
+            repairable, "--engine-url", url, "--dump-dir", str(dumps), "--samples", "100", "--seed", "11"
+        )
     hf, _ = _audit(repairable, "--against", "hf", "--samples", "100", "--seed", "11")
     for res in (engine, hf):
         assert res.returncode == 0, res.stdout + res.stderr
@@ -247,8 +315,11 @@ def test_requeue_bad_extracts_them_again_once_and_both_routes_then_pass(repairab
         assert lines[2] == "stored bytes: 25 of 25 samples match their index's crc32s"
         assert not [ln for ln in lines if ln.startswith(("FAIL ", "CORRUPT ", "UNCHECKED "))]
         assert lines[-2] == "verdict: pass: 25 of 25 samples within the bound"
-    assert re.fullmatch(rf"against engine: reference engine at {re.escape(url)} \(given\), chunked prefill 64, each "
-                        r"sample alone with a fresh rid", engine.stdout.splitlines()[1])
+    assert re.fullmatch(
+        rf"against engine: reference engine at {re.escape(url)} \(given\), chunked prefill 64, each "
+        r"sample alone with a fresh rid",
+        engine.stdout.splitlines()[1],
+    )
     assert [f for f in os.listdir(dumps) if not f.startswith(".")] == []  # every dump the audit caused, claimed
     with RedisServer(os.path.join(repairable.work, "redis")) as server:
         status = harvest_cli("status", "--run", RUN, "--redis", server.url)
@@ -258,8 +329,11 @@ def test_requeue_bad_extracts_them_again_once_and_both_routes_then_pass(repairab
 
         fams = {m.name: m for m in RedisCollector(redis.Redis.from_url(server.url), [RUN]).collect()}
     line = next(ln for ln in status.stdout.splitlines() if ln.startswith("  audit    "))
-    assert re.fullmatch(r"  audit    pass \S+ \S+, against hf, 25 samples \(seed 11\), worst relative error \S+ "
-                        r"\(bound 1.00e-04\)", line), line
+    assert re.fullmatch(
+        r"  audit    pass \S+ \S+, against hf, 25 samples \(seed 11\), worst relative error \S+ "
+        r"\(bound 1.00e-04\)",
+        line,
+    ), line
     assert [(s.labels, s.value) for s in fams["harvest_audit_samples"].samples] == [({"run": RUN, "outcome": "ok"}, 25)]
     (stamp,) = fams["harvest_audit_timestamp_seconds"].samples
     assert stamp.labels == {"run": RUN, "route": "hf", "verdict": "pass"} and stamp.value > 0

@@ -50,11 +50,24 @@ def _rows_of(stderr):
 
 
 @pytest.mark.parametrize("processes", ["1", "2"])
-def test_bad_rows_are_reported_and_every_row_after_them_is_enqueued(conn, redis_server, tiny_model, tmp_path,
-                                                                   processes):
+def test_bad_rows_are_reported_and_every_row_after_them_is_enqueued(
+    conn, redis_server, tiny_model, tmp_path, processes
+):
     p = _dataset(tmp_path / "d.jsonl")
-    r = harvest_cli("produce", str(p), "--run", "bad", "--redis", redis_server.url, "--model", tiny_model,
-                    "--out", str(tmp_path / "out"), "--processes", processes)
+    r = harvest_cli(
+        "produce",
+        str(p),
+        "--run",
+        "bad",
+        "--redis",
+        redis_server.url,
+        "--model",
+        tiny_model,
+        "--out",
+        str(tmp_path / "out"),
+        "--processes",
+        processes,
+    )
     assert r.returncode == 1, r.stderr
     assert _rows_of(r.stderr) == _reported(p)
     head, body, tail = r.stdout.strip().split("; ")
@@ -75,7 +88,8 @@ def test_overlong_rows_skip_truncate_or_fail(tiny_model, tmp_path):
     r = harvest_cli(*dry, "--overlong", "fail")
     assert r.returncode == 2
     assert r.stderr.splitlines()[-1] == "harvest: error: overlong row: " + _reported(p, "fail")[3].removeprefix(
-        "overlong row ")
+        "overlong row "
+    )
     assert r.stdout == ""
     # --max-len below the context is the limit; above it, the model's context still is
     r = harvest_cli(*dry, "--max-len", "2")
@@ -88,13 +102,17 @@ def test_an_empty_dataset_is_an_error_that_names_it_and_writes_nothing(conn, red
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
     out = tmp_path / "out"
-    msg = (f"harvest: error: dataset {empty} holds no rows (the file is empty or blank): nothing to extract; check the "
-           "DATASET argument")
-    r = harvest_cli("produce", str(empty), "--run", "e", "--redis", redis_server.url, "--model", tiny_model,
-                    "--out", str(out))
+    msg = (
+        f"harvest: error: dataset {empty} holds no rows (the file is empty or blank): nothing to extract; check the "
+        "DATASET argument"
+    )
+    r = harvest_cli(
+        "produce", str(empty), "--run", "e", "--redis", redis_server.url, "--model", tiny_model, "--out", str(out)
+    )
     assert (r.returncode, r.stdout, r.stderr.strip()) == (2, "", msg)
-    r = harvest_cli("run", str(empty), "--model", tiny_model, "--out", str(out), "--work-dir", str(tmp_path / "w"),
-                    "--no-progress")
+    r = harvest_cli(
+        "run", str(empty), "--model", tiny_model, "--out", str(out), "--work-dir", str(tmp_path / "w"), "--no-progress"
+    )
     assert (r.returncode, r.stdout, r.stderr.strip()) == (2, "", msg)
     assert not out.exists() and not (tmp_path / "w").exists() and conn.keys("harvest:e:*") == []
 
@@ -104,17 +122,35 @@ def test_harvest_run_goes_on_past_every_bad_row_and_says_so(tiny_model, tmp_path
     file and line, the overlong one never reaches the engine; exit 1 (rows were bad)."""
     p = _dataset(tmp_path / "d.jsonl")
     out = tmp_path / "out"
-    r = harvest_cli("run", str(p), "--model", tiny_model, "--out", str(out), "--run", "rows", "--workers", "1",
-                    "--work-dir", str(tmp_path / "work"), "--max-wait", "1")
+    r = harvest_cli(
+        "run",
+        str(p),
+        "--model",
+        tiny_model,
+        "--out",
+        str(out),
+        "--run",
+        "rows",
+        "--workers",
+        "1",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--max-wait",
+        "1",
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert _rows_of(r.stderr) == _reported(p)
     # stderr is no terminal: progress as whole lines, the last with the final counts, no \r frames
     assert "\r" not in r.stderr
     assert [line for line in r.stderr.splitlines() if line.startswith("extract: ")][-1].startswith(
-        "extract: 3 samples of 3 (100%), "), r.stderr
+        "extract: 3 samples of 3 (100%), "
+    ), r.stderr
     lines = r.stdout.splitlines()
     assert "  samples: 3 done, 0 failed (3 enqueued now, 0 already known)" in lines, r.stdout
     assert "  bad rows: 4 (each reported above on stderr with its file and line)" in lines, r.stdout
-    assert any(line.startswith("  produced: rows 8: 3 samples (") and
-               line.endswith("; bad 4, empty 0, overlong 1 skipped, truncated 0") for line in lines), r.stdout
+    assert any(
+        line.startswith("  produced: rows 8: 3 samples (")
+        and line.endswith("; bad 4, empty 0, overlong 1 skipped, truncated 0")
+        for line in lines
+    ), r.stdout
     assert len(RunReader(str(out / "rows"))) == 3

@@ -26,19 +26,28 @@ def test_kills_with_engine_faults_on_s3(tiny_model, tmp_path, s3_bucket):
     # Every kind of engine fault at once, a few times each: each hit sample must end failed
     # with the fault's reason or (transient ones) done after a retry; never lost or doubled.
     env = {"HARVEST_ENGINE_FAULTS": "http500:2,nan:1,bad-ids:1,cached:1,drop-chunk:1"}
-    result = Trial(str(tmp_path), tiny_model, 21, samples=50, kills=4, out_url=s3_bucket, env=env,
-                   kinds=KILLS).execute()
+    result = Trial(
+        str(tmp_path), tiny_model, 21, samples=50, kills=4, out_url=s3_bucket, env=env, kinds=KILLS
+    ).execute()
     assert result.ok, result.summary()
     assert set(result.failure_reasons) <= {"nonfinite", "token-mismatch", "prefix-cached", "incomplete-dump"}
     assert result.failed >= 1, result.summary()  # the permanent faults hit at least one sample
 
 
-
 def test_node_faults_lose_and_double_nothing(tiny_model, tmp_path):
     # Three nodes sharing Redis and the output: one lost node back within the spool grace, one back
     # after its spool was reclaimed (its disk with it), one never back.
-    result = Trial(str(tmp_path), tiny_model, 31, samples=40, kills=3, workers=1, nodes=3, kinds=("node",),
-                   returns=("within", "after", "never")).execute()
+    result = Trial(
+        str(tmp_path),
+        tiny_model,
+        31,
+        samples=40,
+        kills=3,
+        workers=1,
+        nodes=3,
+        kinds=("node",),
+        returns=("within", "after", "never"),
+    ).execute()
     assert result.ok, result.summary()
     assert result.node_returns == {"within": 1, "after": 1, "never": 1}, result.summary()
     assert result.spools_revoked >= 1, result.summary()  # the late one, at least (the lost one if it was seen silent)
@@ -46,8 +55,17 @@ def test_node_faults_lose_and_double_nothing(tiny_model, tmp_path):
 
 
 def test_every_kind_of_kill_on_two_nodes_to_s3(tiny_model, tmp_path, s3_bucket):
-    result = Trial(str(tmp_path), tiny_model, 41, samples=40, kills=5, workers=1, nodes=2, out_url=s3_bucket,
-                   kinds=(*KILLS, "node")).execute()
+    result = Trial(
+        str(tmp_path),
+        tiny_model,
+        41,
+        samples=40,
+        kills=5,
+        workers=1,
+        nodes=2,
+        out_url=s3_bucket,
+        kinds=(*KILLS, "node"),
+    ).execute()
     assert result.ok, result.summary()
     assert result.done + result.failed == 40
 
@@ -55,8 +73,9 @@ def test_every_kind_of_kill_on_two_nodes_to_s3(tiny_model, tmp_path, s3_bucket):
 def test_frozen_nodes_lose_and_double_nothing(tiny_model, tmp_path):
     # A node frozen (SIGSTOP, every process of it) at a random commit step of its collector, resumed
     # within the spool grace or past it (its spool reclaimed and its samples committed elsewhere).
-    result = Trial(str(tmp_path), tiny_model, 51, samples=60, kills=3, workers=1, nodes=2, kinds=("freeze",),
-                   on_commit=True).execute()
+    result = Trial(
+        str(tmp_path), tiny_model, 51, samples=60, kills=3, workers=1, nodes=2, kinds=("freeze",), on_commit=True
+    ).execute()
     assert result.ok, (result.summary(), result.timeline)
     assert result.kills["freeze"] == 3 and any(" frozen, resumes at " in t for t in result.timeline), result.timeline
     assert result.done + result.failed == 60

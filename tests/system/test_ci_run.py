@@ -14,10 +14,11 @@ import pytest
 
 from tests.support.cli import REPO
 
-STUB = "#!/bin/sh\necho \"$(basename \"$0\") $*\" >> \"$CALLS\"\nexit 0\n"
+STUB = '#!/bin/sh\necho "$(basename "$0") $*" >> "$CALLS"\nexit 0\n'
 # python3 -m pytest exits with $PYTEST_RC; everything else python3 is asked (pip, the torch check) works
-PYTHON = ("#!/bin/sh\necho \"python3 $*\" >> \"$CALLS\"\n"
-          "if [ \"$1 $2\" = \"-m pytest\" ]; then exit \"${PYTEST_RC:-0}\"; fi\nexit 0\n")
+PYTHON = (
+    '#!/bin/sh\necho "python3 $*" >> "$CALLS"\nif [ "$1 $2" = "-m pytest" ]; then exit "${PYTEST_RC:-0}"; fi\nexit 0\n'
+)
 
 
 def _ci_run(tmp_path: Path, failing: str | None, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, list[str]]:
@@ -37,16 +38,28 @@ def _ci_run(tmp_path: Path, failing: str | None, env: dict[str, str]) -> tuple[s
         p.chmod(0o755)
     calls = tmp_path / "calls"
     calls.touch()
-    res = subprocess.run(["bash", str(repo / ".ci" / "run")], capture_output=True, text=True, timeout=60,
-                         env={"PATH": f"{bin_}:/usr/bin:/bin", "CALLS": str(calls), "HOME": str(tmp_path),
-                              "TMPDIR": str(tmp_path), **env})
+    res = subprocess.run(
+        ["bash", str(repo / ".ci" / "run")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            "PATH": f"{bin_}:/usr/bin:/bin",
+            "CALLS": str(calls),
+            "HOME": str(tmp_path),
+            "TMPDIR": str(tmp_path),
+            **env,
+        },
+    )
     return res, calls.read_text().splitlines()
 
 
 def test_under_ci_a_part_that_cannot_be_installed_fails_the_run_naming_it(tmp_path):
     res, calls = _ci_run(tmp_path, "vllm_venv.sh", {"CI": "true"})
     assert res.returncode == 1, res.stdout + res.stderr
-    assert "ci: FAIL: CI=true and the vLLM venv (scripts/vllm_venv.sh) could not be installed or started\n" in res.stderr
+    assert (
+        "ci: FAIL: CI=true and the vLLM venv (scripts/vllm_venv.sh) could not be installed or started\n" in res.stderr
+    )
     assert not [c for c in calls if c.startswith("python3 -m pytest")]  # the tests were not started
     assert "compose_ci.sh " not in calls
 

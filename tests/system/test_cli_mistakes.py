@@ -21,8 +21,11 @@ from tests.support.cli import REPO
 HANG_GUARD_S = 20.0
 # The environment of a machine with no S3 credentials anywhere (no variables, no files, no
 # instance metadata), whatever the machine running the test has.
-NO_AWS = {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
-          "AWS_EC2_METADATA_DISABLED": "true"}
+NO_AWS = {
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+    "AWS_CONFIG_FILE": "/nonexistent",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
 
 
 def _harvest(*args: str, cwd: str = REPO, env: dict | None = None, drop: tuple = ()) -> tuple[int, str, float]:
@@ -32,8 +35,9 @@ def _harvest(*args: str, cwd: str = REPO, env: dict | None = None, drop: tuple =
     full.update(env or {})
     full["PYTHONPATH"] = REPO
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "harvest.cli", *args], cwd=cwd, capture_output=True, text=True,
-                       timeout=120, env=full)
+    p = subprocess.run(
+        [sys.executable, "-m", "harvest.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=full
+    )
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
 
 
@@ -61,20 +65,24 @@ def data(tmp_path) -> str:
 REDIS_FIX = ("cannot reach Redis at redis://127.0.0.1:", "--redis URL", "HARVEST_REDIS_URL", "start redis-server")
 
 
-@pytest.mark.parametrize("cmd", [
-    ["worker", "--run", "r1", "--dump-dir", "{tmp}/dumps", "--spool-dir", "{tmp}/spool"],
-    ["collect", "--run", "r1", "--spool-dir", "{tmp}/spool"],
-    ["requeue", "--run", "r1", "--all"],
-    ["requeue", "--run", "r1", "--node", "n1"],
-    ["status", "--run", "r1"],
-    ["produce", "{data}", "--run", "r1", "--model", "{model}", "--out", "{tmp}/out"],
-    ["produce", "{data}", "--run", "r1"],
-    ["janitor", "--run", "r1"],
-    ["runs"],
-    ["metrics", "--port", "0"],
-    ["reconcile", "--run", "r1"],
-    ["run", "{data}", "--model", "{model}", "--out", "{tmp}/out"],
-], ids=lambda c: "-".join(a for a in c[:2] if not a.startswith("{")))
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["worker", "--run", "r1", "--dump-dir", "{tmp}/dumps", "--spool-dir", "{tmp}/spool"],
+        ["collect", "--run", "r1", "--spool-dir", "{tmp}/spool"],
+        ["requeue", "--run", "r1", "--all"],
+        ["requeue", "--run", "r1", "--node", "n1"],
+        ["status", "--run", "r1"],
+        ["produce", "{data}", "--run", "r1", "--model", "{model}", "--out", "{tmp}/out"],
+        ["produce", "{data}", "--run", "r1"],
+        ["janitor", "--run", "r1"],
+        ["runs"],
+        ["metrics", "--port", "0"],
+        ["reconcile", "--run", "r1"],
+        ["run", "{data}", "--model", "{model}", "--out", "{tmp}/out"],
+    ],
+    ids=lambda c: "-".join(a for a in c[:2] if not a.startswith("{")),
+)
 def test_redis_down_names_the_url_and_the_fix(cmd, dead_redis, tmp_path, data, tiny_model):
     args = [a.format(tmp=tmp_path, data=data, model=tiny_model) for a in cmd]
     rc, out, secs = _harvest(*args, "--redis", dead_redis)
@@ -99,26 +107,42 @@ def test_default_redis_url_comes_from_the_environment(tmp_path):
 @pytest.mark.parametrize("cmd", ["run", "produce"])
 def test_s3_without_credentials_names_the_variables(cmd, tmp_path, data, tiny_model, conn, redis_server):
     extra = ["--run", "r1"] if cmd == "produce" else []
-    rc, out, secs = _harvest(cmd, data, *extra, "--model", tiny_model, "--out", "s3://harvest-bucket/out",
-                             "--redis", redis_server.url)
-    _assert_clear(rc, out, secs, "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HARVEST_S3_ENDPOINT",
-                  "s3://harvest-bucket/out")
+    rc, out, secs = _harvest(
+        cmd, data, *extra, "--model", tiny_model, "--out", "s3://harvest-bucket/out", "--redis", redis_server.url
+    )
+    _assert_clear(
+        rc, out, secs, "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HARVEST_S3_ENDPOINT", "s3://harvest-bucket/out"
+    )
     assert conn.keys("*") == []
 
 
 def test_s3_endpoint_down_names_the_endpoint(tmp_path, data, tiny_model, conn, redis_server):
     endpoint = f"http://127.0.0.1:{free_port()}"
-    rc, out, secs = _harvest("produce", data, "--run", "r1", "--model", tiny_model, "--out", "s3://b/out",
-                             "--redis", redis_server.url, "--s3-endpoint", endpoint,
-                             env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+    rc, out, secs = _harvest(
+        "produce",
+        data,
+        "--run",
+        "r1",
+        "--model",
+        tiny_model,
+        "--out",
+        "s3://b/out",
+        "--redis",
+        redis_server.url,
+        "--s3-endpoint",
+        endpoint,
+        env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"},
+    )
     _assert_clear(rc, out, secs, endpoint, "--s3-endpoint", "HARVEST_S3_ENDPOINT")
     assert conn.keys("*") == []
 
 
-def test_an_output_that_is_neither_local_nor_s3_is_refused_before_anything(tmp_path, data, tiny_model, conn,
-                                                                           redis_server):
-    rc, out, secs = _harvest("produce", data, "--run", "r1", "--model", tiny_model, "--out", "gs://bucket/out",
-                             "--redis", redis_server.url)
+def test_an_output_that_is_neither_local_nor_s3_is_refused_before_anything(
+    tmp_path, data, tiny_model, conn, redis_server
+):
+    rc, out, secs = _harvest(
+        "produce", data, "--run", "r1", "--model", tiny_model, "--out", "gs://bucket/out", "--redis", redis_server.url
+    )
     _assert_clear(rc, out, secs, "gs://bucket/out", "file://", "s3://")
     assert conn.keys("*") == []
 
@@ -133,8 +157,15 @@ def test_collect_and_worker_of_an_s3_run_without_credentials(cmd, tmp_path, conn
     # reads its jobs' rows there) must say what they lack before packing or taking a job.
     raw = conn.get("harvest:r1:config").decode().replace(str(tmp_path / "out"), "s3://bucket/out")
     conn.set("harvest:r1:config", raw)
-    rc, out, secs = _harvest(*(a.format(tmp=tmp_path) for a in cmd), "--run", "r1", "--redis", redis_server.url,
-                             "--spool-dir", str(tmp_path / "spool"))
+    rc, out, secs = _harvest(
+        *(a.format(tmp=tmp_path) for a in cmd),
+        "--run",
+        "r1",
+        "--redis",
+        redis_server.url,
+        "--spool-dir",
+        str(tmp_path / "spool"),
+    )
     _assert_clear(rc, out, secs, "AWS_ACCESS_KEY_ID", "HARVEST_S3_ENDPOINT")
     assert not (tmp_path / "spool").exists() and not (tmp_path / "dumps").exists()
     keys = Keys("r1")  # no heartbeat and no spool lease was ever written
@@ -150,21 +181,42 @@ def test_engine_layers_out_of_range_is_one_line(tmp_path, tiny_model):
 @pytest.mark.parametrize("cmd", ["run", "produce"])
 def test_missing_dataset_leaves_nothing_behind(cmd, tmp_path, tiny_model, conn, redis_server):
     extra = ["--run", "r1"] if cmd == "produce" else ["--run", "r1", "--work-dir", str(tmp_path / "work")]
-    rc, out, secs = _harvest(cmd, str(tmp_path / "nope.jsonl"), *extra, "--model", tiny_model,
-                             "--out", str(tmp_path / "out"), "--redis", redis_server.url)
+    rc, out, secs = _harvest(
+        cmd,
+        str(tmp_path / "nope.jsonl"),
+        *extra,
+        "--model",
+        tiny_model,
+        "--out",
+        str(tmp_path / "out"),
+        "--redis",
+        redis_server.url,
+    )
     _assert_clear(rc, out, secs, "nope.jsonl does not exist", "DATASET")
     assert not (tmp_path / "out").exists()
     assert not (tmp_path / "work").exists()
     assert conn.keys("*") == []
 
 
-@pytest.mark.parametrize("cmd", [["run", "--out", "out"], ["produce", "--run", "r1", "--dry-run"],
-                                 ["produce", "--run", "r1", "--out", "out"]], ids=lambda c: "-".join(c[:1] + c[3:]))
+@pytest.mark.parametrize(
+    "cmd",
+    [["run", "--out", "out"], ["produce", "--run", "r1", "--dry-run"], ["produce", "--run", "r1", "--out", "out"]],
+    ids=lambda c: "-".join(c[:1] + c[3:]),
+)
 def test_typo_in_a_relative_model_path_never_asks_the_hub(cmd, tmp_path, data, tiny_model, conn, redis_server):
     os.makedirs(tmp_path / "models")
     os.symlink(tiny_model, tmp_path / "models" / "tiny")
-    rc, out, secs = _harvest(cmd[0], data, *cmd[1:], "--model", "models/tiny2", "--redis", redis_server.url,
-                             cwd=str(tmp_path), drop=("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    rc, out, secs = _harvest(
+        cmd[0],
+        data,
+        *cmd[1:],
+        "--model",
+        "models/tiny2",
+        "--redis",
+        redis_server.url,
+        cwd=str(tmp_path),
+        drop=("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"),
+    )
     _assert_clear(rc, out, secs, "'models/tiny2' does not exist", "not looked up on the model hub", "--model")
     assert not (tmp_path / "out").exists()
     assert conn.keys("*") == []
@@ -172,8 +224,18 @@ def test_typo_in_a_relative_model_path_never_asks_the_hub(cmd, tmp_path, data, t
 
 def test_model_folder_without_config(tmp_path, data, conn, redis_server):
     (tmp_path / "empty").mkdir()
-    rc, out, secs = _harvest("produce", data, "--run", "r1", "--model", str(tmp_path / "empty"), "--out",
-                             str(tmp_path / "out"), "--redis", redis_server.url)
+    rc, out, secs = _harvest(
+        "produce",
+        data,
+        "--run",
+        "r1",
+        "--model",
+        str(tmp_path / "empty"),
+        "--out",
+        str(tmp_path / "out"),
+        "--redis",
+        redis_server.url,
+    )
     _assert_clear(rc, out, secs, "has no config.json", "--model")
     assert conn.keys("*") == []
 

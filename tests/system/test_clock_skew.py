@@ -137,8 +137,10 @@ def _skewed_env(tmp_path, shift: int) -> dict[str, str]:
     d = tmp_path / f"clock{shift:+d}"
     d.mkdir()
     (d / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return {"PYTHONPATH": os.pathsep.join(p for p in (str(d), os.environ.get("PYTHONPATH", "")) if p),
-            "HARVEST_TEST_CLOCK_SHIFT_S": str(shift)}
+    return {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(d), os.environ.get("PYTHONPATH", "")) if p),
+        "HARVEST_TEST_CLOCK_SHIFT_S": str(shift),
+    }
 
 
 def _node(tmp_path, procs, tiny_model, name: str) -> tuple[str, str, str, str]:
@@ -153,8 +155,15 @@ def _node(tmp_path, procs, tiny_model, name: str) -> tuple[str, str, str, str]:
 
 def _busy(conn, run, name_prefix: str, taken: set[str]) -> dict:
     def busy():
-        return next((w for w in read_workers(conn, run)[0]
-                     if w["state"] == "busy" and w["name"].startswith(name_prefix) and w["job"] not in taken), None)
+        return next(
+            (
+                w
+                for w in read_workers(conn, run)[0]
+                if w["state"] == "busy" and w["name"].startswith(name_prefix) and w["job"] not in taken
+            ),
+            None,
+        )
+
     return wait_until(busy, 60, f"a worker of {name_prefix} busy with a job")
 
 
@@ -189,8 +198,25 @@ def test_skewed_nodes_fail_or_strand_no_other_nodes_job(tmp_path, conn, redis_se
 
     def worker(name: str, node: str, engine: str, dumps: str, spool: str, shift: int = 0):
         env = _skewed_env(tmp_path, shift) if shift else None
-        return procs.start(name, "worker", "--run", run, "--redis", url, "--engine-url", engine, "--dump-dir", dumps,
-                           "--spool-dir", spool, "--node", node, "--max-spool-mb", "1", env=env)
+        return procs.start(
+            name,
+            "worker",
+            "--run",
+            run,
+            "--redis",
+            url,
+            "--engine-url",
+            engine,
+            "--dump-dir",
+            dumps,
+            "--spool-dir",
+            spool,
+            "--node",
+            node,
+            "--max-spool-mb",
+            "1",
+            env=env,
+        )
 
     a1 = worker("worker-a1", "node-a", a_url, a_dumps, a_spool)
     ja = _busy(conn, run, "node-a-", set())
@@ -213,8 +239,20 @@ def test_skewed_nodes_fail_or_strand_no_other_nodes_job(tmp_path, conn, redis_se
     assert {jb["job"], jc["job"]} <= set(q.started_job_registry.get_job_ids(cleanup=False))
     os.unlink(b_block)
     for node, spool in (("a", a_spool), ("b", b_spool)):
-        procs.start(f"collector-{node}", "collect", "--run", run, "--redis", url, "--spool-dir", spool,
-                    "--node", f"node-{node}", "--max-wait", "1")
+        procs.start(
+            f"collector-{node}",
+            "collect",
+            "--run",
+            run,
+            "--redis",
+            url,
+            "--spool-dir",
+            spool,
+            "--node",
+            f"node-{node}",
+            "--max-wait",
+            "1",
+        )
     wait_until(lambda: led.counts()["done"] == total, 120, "every sample committed")
 
     assert led.counts() == {"queued": 0, "spooled": 0, "done": total, "failed": 0, "total": total}

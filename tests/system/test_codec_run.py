@@ -24,9 +24,31 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as tests/system/test_audit.py: two core
 def test_a_coded_run_is_audited_repaired_and_measured_like_any_other(tmp_path, tiny_model):
     dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(12))
     out, work = tmp_path / "out", tmp_path / "work"
-    args = ["run", dataset, "--model", tiny_model, "--out", f"file://{out}", "--run", "coded", "--codec", "blosc2-zstd",
-            "--workers", "1", "--shard-mb", "1", "--max-wait", "1", "--chunked-prefill-size", "32", "--no-progress",
-            "--work-dir", str(work), "--dump-dir", str(tmp_path / "dumps")]
+    args = [
+        "run",
+        dataset,
+        "--model",
+        tiny_model,
+        "--out",
+        f"file://{out}",
+        "--run",
+        "coded",
+        "--codec",
+        "blosc2-zstd",
+        "--workers",
+        "1",
+        "--shard-mb",
+        "1",
+        "--max-wait",
+        "1",
+        "--chunked-prefill-size",
+        "32",
+        "--no-progress",
+        "--work-dir",
+        str(work),
+        "--dump-dir",
+        str(tmp_path / "dumps"),
+    ]
     res = harvest_cli(*args, env=ONE_THREAD)
     assert res.returncode == 0, res.stdout + res.stderr
     n = int(re.search(r"samples: (\d+) done, 0 failed", res.stdout).group(1))

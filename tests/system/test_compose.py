@@ -40,8 +40,10 @@ def compose() -> list[str]:
     """The compose command; a test that needs it is skipped (failed under CI=true) without one."""
     cmd = _compose_cmd()
     if cmd is None:
-        need("docker-compose or `docker compose` on PATH", "the test validates docker-compose.yml with it "
-             "(.ci/run installs Debian's docker-compose)")
+        need(
+            "docker-compose or `docker compose` on PATH",
+            "the test validates docker-compose.yml with it (.ci/run installs Debian's docker-compose)",
+        )
     return cmd
 
 
@@ -66,15 +68,23 @@ def test_compose_config_is_valid_and_needs_the_env_file(tmp_path):
     cmd = _compose_cmd()
     for files in (["-f", COMPOSE], ["-f", COMPOSE, "-f", COMPOSE_CI]):
         for profile in ([], ["--profile", "cpu"], ["--profile", "gpu"], ["--profile", "producer"]):
-            res = subprocess.run([*cmd, *files, "--env-file", ENV_EXAMPLE, *profile, "config", "-q"],
-                                 capture_output=True, text=True, cwd=REPO)
+            res = subprocess.run(
+                [*cmd, *files, "--env-file", ENV_EXAMPLE, *profile, "config", "-q"],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+            )
             assert res.returncode == 0, res.stderr
     # Without the secrets, compose refuses to start rather than run with a default password.
     empty = tmp_path / "empty.env"
     empty.write_text("")
-    res = subprocess.run([*cmd, "-f", COMPOSE, "--env-file", str(empty), "config", "-q"], capture_output=True,
-                         text=True, cwd=str(tmp_path), env={k: v for k, v in os.environ.items()
-                                                            if k not in _env_example()})
+    res = subprocess.run(
+        [*cmd, "-f", COMPOSE, "--env-file", str(empty), "config", "-q"],
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
+        env={k: v for k, v in os.environ.items() if k not in _env_example()},
+    )
     assert res.returncode != 0 and "set REDIS_PASSWORD in .env" in res.stderr + res.stdout
 
 
@@ -129,6 +139,7 @@ def test_structural_promises(spec):
     # shared volumes: dumps between engines and workers (in memory), spool between workers and collector
     def vols(name):
         return {v.split(":")[0] for v in s[name].get("volumes", [])}
+
     assert "dumps" in vols("sglang") & vols("engine") & vols("worker")
     assert "spool" in vols("worker") & vols("collector")
     assert spec["volumes"]["dumps"]["driver_opts"]["type"] == "tmpfs"
@@ -167,6 +178,7 @@ def _minutes(v: str) -> float:
 
 # --- the CI form: compose.ci.yml over docker-compose.yml --------------------------------------------
 
+
 def _config(*files: str) -> dict:
     cmd = _compose_cmd()
     args = [a for f in files for a in ("-f", f)]
@@ -193,14 +205,20 @@ def test_ci_form_is_all_host_network_on_loopback():
     merged = _render(_config(COMPOSE, COMPOSE_CI))
     assert merged["networks"]["default"] == {"external": True, "name": "host"}
     started = {n: s for n, s in merged["services"].items() if _ci_started(s)}
-    assert {"redis", "s3", "s3-bucket", "engine", "worker", "collector", "metrics", "dashboard", "producer"} <= set(started)
+    assert {"redis", "s3", "s3-bucket", "engine", "worker", "collector", "metrics", "dashboard", "producer"} <= set(
+        started
+    )
     ports = {}
     for name, svc in started.items():
         assert svc.get("network_mode") == "host", name
         assert "ports" not in svc and "networks" not in svc, name
         if "build" in svc:
-            assert svc["build"]["network"] == "host" and svc["build"]["args"]["BASE_IMAGE"] == "local/debian:bookworm", name
-        text = " ".join(map(str, svc.get("command") or [])) if not isinstance(svc.get("command"), str) else svc["command"]
+            assert (
+                svc["build"]["network"] == "host" and svc["build"]["args"]["BASE_IMAGE"] == "local/debian:bookworm"
+            ), name
+        text = (
+            " ".join(map(str, svc.get("command") or [])) if not isinstance(svc.get("command"), str) else svc["command"]
+        )
         for flag in ("--port", "-p"):
             toks = text.split()
             if flag in toks:
@@ -209,7 +227,10 @@ def test_ci_form_is_all_host_network_on_loopback():
     assert ports == {"redis": "16379", "s3": "16900", "engine": "16000", "metrics": "16108", "dashboard": "16181"}
     assert "6379" not in ports.values()  # the machine's own Redis
     env = started["worker"]["environment"]
-    assert env["HARVEST_REDIS_URL"].endswith("@127.0.0.1:16379/0") and env["HARVEST_S3_ENDPOINT"] == "http://127.0.0.1:16900"
+    assert (
+        env["HARVEST_REDIS_URL"].endswith("@127.0.0.1:16379/0")
+        and env["HARVEST_S3_ENDPOINT"] == "http://127.0.0.1:16900"
+    )
     assert "http://127.0.0.1:16000" in started["worker"]["command"]
     # the production file keeps its networks and ports
     base = _config(COMPOSE)
@@ -255,7 +276,9 @@ def test_ci_override_changes_nothing_but_addresses():
             assert _sorted_volumes(c) == _sorted_volumes(b), name
             continue
         _only_addresses(b.get("command"), c.get("command"), f"{name} command")
-        _only_addresses(b.get("healthcheck", {}).get("test"), c.get("healthcheck", {}).get("test"), f"{name} healthcheck")
+        _only_addresses(
+            b.get("healthcheck", {}).get("test"), c.get("healthcheck", {}).get("test"), f"{name} healthcheck"
+        )
         be, ce = b.get("environment", {}), c.get("environment", {})
         for k in set(be) | set(ce):
             if be.get(k) != ce.get(k):

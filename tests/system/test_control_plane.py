@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 import redis
 
+from harvest.cli.redisproc import RedisServer, free_port
 from harvest.collector.collector import Collector
+from harvest.config import RunConfig
 from harvest.engines.reference import serve
 from harvest.engines.synthetic import SyntheticEngine
-from harvest.cli.redisproc import RedisServer, free_port
-from harvest.config import RunConfig
 from harvest.node.dumpdir import claim_dir
 from harvest.node.paths import private_dir
 from harvest.ops.metrics import RedisCollector, failure_reasons
@@ -38,11 +38,11 @@ from harvest.state.heartbeat import WorkerBeat
 from harvest.state.jobs import SERIALIZER, run_queue
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
-from tests.support.ops import enqueue
 from harvest.workers.clients.sglang import SGLangClient
 from harvest.workers.context import WorkerContext, install
 from harvest.workers.rqworker import HarvestWorker
 from harvest.workers.safejob import HarvestJob
+from tests.support.ops import enqueue
 
 N = 32  # samples a job: the issue's target is per job of 32
 POINTS, HIDDEN = [2, 4, 5, 8], 4
@@ -79,7 +79,7 @@ def grow(led: Ledger, n: int, start: int, failed_share: int = 0) -> None:
     for lo in range(start, start + n, 10_000):
         ids = [f"{i:032x}" for i in range(lo, min(start + n, lo + 10_000))]
         led.add_queued(ids)
-        failed = ids[:: failed_share] if failed_share else []
+        failed = ids[::failed_share] if failed_share else []
         if failed:
             led.mark_failed({i: (reasons[k % 4], f"synthetic {k}") for k, i in enumerate(failed)})
         led.mark_done([i for i in ids if i not in set(failed)])
@@ -89,9 +89,19 @@ def grow(led: Ledger, n: int, start: int, failed_share: int = 0) -> None:
 def fleet_node(r, tmp_path):
     """One simulated node in this process: the run, the synthetic engine on a port, a worker
     context (as `harvest worker` installs it) and a collector."""
-    cfg = publish_run(r, RunConfig(run="cp", model="synthetic", capture_points=POINTS, hidden_size=HIDDEN,
-                                   out_url=f"file://{tmp_path / 'out'}", storage_dtype="fp32", num_layers=8,
-                                   max_batch_samples=N))
+    cfg = publish_run(
+        r,
+        RunConfig(
+            run="cp",
+            model="synthetic",
+            capture_points=POINTS,
+            hidden_size=HIDDEN,
+            out_url=f"file://{tmp_path / 'out'}",
+            storage_dtype="fp32",
+            num_layers=8,
+            max_batch_samples=N,
+        ),
+    )
     dump, spool = str(tmp_path / "dump"), str(tmp_path / "spool")
     port = free_port()
     httpd = serve(SyntheticEngine(dump, POINTS, HIDDEN), "127.0.0.1", port)
@@ -99,8 +109,16 @@ def fleet_node(r, tmp_path):
     beat = WorkerBeat(r, cfg.run, "node-a-1-aaaaaa", "node-a", f"http://127.0.0.1:{port}")
     beat.start()
     claim = private_dir(claim_dir(private_dir(dump, "dump dir"), beat.name), "claim dir")
-    ctx = WorkerContext(conn=r, cfg=cfg, engine=SGLangClient(f"http://127.0.0.1:{port}"), dump_dir=dump, spool_dir=spool,
-                        claim_dir=claim, beat=beat, node="node-a")
+    ctx = WorkerContext(
+        conn=r,
+        cfg=cfg,
+        engine=SGLangClient(f"http://127.0.0.1:{port}"),
+        dump_dir=dump,
+        spool_dir=spool,
+        claim_dir=claim,
+        beat=beat,
+        node="node-a",
+    )
     install(ctx)
     yield cfg, ctx, beat, Collector(r, cfg, spool, node="node-a", max_wait=3600)
     install(None)  # type: ignore[arg-type]  # no context left behind for another test of this process
@@ -118,8 +136,14 @@ def test_one_job_and_its_shard_cost_the_same_commands_whatever_the_ledger_holds(
     def one_job_and_shard() -> tuple[Counter, Counter]:
         samples = [Sample.build(rng.integers(0, 128_000, 64)) for _ in range(N)]
         enqueue(r, cfg, samples)
-        worker = HarvestWorker([run_queue(r, cfg.run, job_class=HarvestJob)], connection=r, serializer=SERIALIZER,
-                               name=beat.name, job_class=HarvestJob, beat=beat)
+        worker = HarvestWorker(
+            [run_queue(r, cfg.run, job_class=HarvestJob)],
+            connection=r,
+            serializer=SERIALIZER,
+            name=beat.name,
+            job_class=HarvestJob,
+            beat=beat,
+        )
         job = executed(r, lambda: worker.work(burst=True, logging_level="WARNING"))
         assert led.states([s.id for s in samples]) == ["s"] * N
         shard = executed(r, lambda: collector.step(force=True))
@@ -159,8 +183,14 @@ def _burst(r, cfg, rng, beat, rq_conn, jobs: int) -> int:
     for _ in range(jobs):
         enqueue(r, cfg, [Sample.build(rng.integers(0, 128_000, 16)) for _ in range(4)])
     _CountingConnection.sends = 0
-    HarvestWorker([run_queue(rq_conn, cfg.run, job_class=HarvestJob)], connection=rq_conn, serializer=SERIALIZER,
-                  name=beat.name, job_class=HarvestJob, beat=beat).work(burst=True, logging_level="WARNING")
+    HarvestWorker(
+        [run_queue(rq_conn, cfg.run, job_class=HarvestJob)],
+        connection=rq_conn,
+        serializer=SERIALIZER,
+        name=beat.name,
+        job_class=HarvestJob,
+        beat=beat,
+    ).work(burst=True, logging_level="WARNING")
     return _CountingConnection.sends
 
 
@@ -211,12 +241,25 @@ def test_a_jobs_own_calls_are_one_round_trip_whatever_the_jobs(server, r, fleet_
     assert int(r.hget(hist, "count")) == observed + 8
     assert Ledger(r, cfg.run).stats()["samples_spooled"] == spooled + 8 * 4
     assert {k: r.hget(mine.key, k) for k in ("state", "job", "job_samples", "attempt")} == {
-        "state": b"idle", "job": b"", "job_samples": b"0", "attempt": b""}
+        "state": b"idle",
+        "job": b"",
+        "job_samples": b"0",
+        "attempt": b"",
+    }
 
 
 def test_status_and_metrics_cost_the_same_on_a_ledger_of_100k(r):
-    publish_run(r, RunConfig(run="big", model="synthetic", capture_points=POINTS, hidden_size=HIDDEN,
-                             out_url="/nonexistent", num_layers=8))
+    publish_run(
+        r,
+        RunConfig(
+            run="big",
+            model="synthetic",
+            capture_points=POINTS,
+            hidden_size=HIDDEN,
+            out_url="/nonexistent",
+            num_layers=8,
+        ),
+    )
     led = Ledger(r, "big")
     grow(led, 1_000, 0, failed_share=100)
     small = executed(r, lambda: compute_status(r, "big"))

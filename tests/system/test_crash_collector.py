@@ -40,7 +40,7 @@ def test_state_after_kill_at_each_point_then_restart_finishes(conn, redis_server
     first = t.order[:3]
     assert t.run(crash=point, part_bytes=5 << 20) == -signal.SIGKILL
     t.check_invariants()
-    states = dict(zip(t.order, t.ledger.states(t.order)))
+    states = dict(zip(t.order, t.ledger.states(t.order), strict=False))
     spooled = [s for s, _, _ in list_spooled(t.spool)]
     raw = t.conn.get(t.ledger.keys.packing(NODE))
     if point in ("marked", "unlinking"):  # the record went in the call that marked the samples done
@@ -66,7 +66,9 @@ def test_state_after_kill_at_each_point_then_restart_finishes(conn, redis_server
         bucket = t.loc.root.split("/")[0]
         s3 = boto3.client("s3", endpoint_url=os.environ["HARVEST_S3_ENDPOINT"], region_name="us-east-1")
         uploads = [u["Key"] for u in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
-        assert uploads == ([f"out/r/{shard_file(sid)}"] if point in ("packing", "header-sent", "uploading", "packed") else [])
+        assert uploads == (
+            [f"out/r/{shard_file(sid)}"] if point in ("packing", "header-sent", "uploading", "packed") else []
+        )
         assert (s3.list_objects_v2(Bucket=bucket, Prefix="out/r/shards/").get("KeyCount", 0) == 1) == shard_there
     claimed = point not in ("recorded",)  # the samples are claimed in storage before any byte is packed
     assert [t.loc.exists(claim_file(s)) for s in first] == [claimed] * 3
@@ -76,12 +78,15 @@ def test_state_after_kill_at_each_point_then_restart_finishes(conn, redis_server
     # The commits' stats: exact, a decided shard's counted from its record's index as the restart
     # finishes it; but a kill after the first shard's move takes its stats along, in the killed
     # collector's tally, never written (harvest.state.tally)
-    tokens = {s.id: n for s, n in zip(t.samples, lengths)}
+    tokens = {s.id: n for s, n in zip(t.samples, lengths, strict=False)}
     nbytes = {shard: json.loads(t.loc.read_bytes(index_file(shard)))["bytes"] for shard in t.committed()}
     lost = first if point in ("marked", "unlinking") else []
     assert t.ledger.stats() == {
-        "samples_done": 5 - len(lost), "tokens_done": sum(lengths) - sum(tokens[s] for s in lost),
-        "shards": 2 - bool(lost), "bytes_done": sum(nbytes.values()) - (nbytes[sid] if lost else 0)}
+        "samples_done": 5 - len(lost),
+        "tokens_done": sum(lengths) - sum(tokens[s] for s in lost),
+        "shards": 2 - bool(lost),
+        "bytes_done": sum(nbytes.values()) - (nbytes[sid] if lost else 0),
+    }
     # every committed sample's claim names the shard whose index commits it, and nothing else is claimed
     holder = {s: shard for shard, ids in t.committed().items() for s in ids}
     assert {s: json.loads(t.loc.read_bytes(claim_file(s)))["shard"] for s in t.order} == holder
@@ -95,10 +100,14 @@ def test_randomized_kills_then_restart(conn, redis_server, tmp_path, request):
     for trial in range(20):
         rng = random.Random(1000 + trial)
         kind = "s3" if trial % 3 == 0 else "file"
-        out = _out(kind, tmp_path / f"t{trial}", request) if kind == "s3" else f"file://{tmp_path / f't{trial}' / 'out'}"
+        out = (
+            _out(kind, tmp_path / f"t{trial}", request) if kind == "s3" else f"file://{tmp_path / f't{trial}' / 'out'}"
+        )
         lengths = [rng.randint(1, 120) for _ in range(rng.randint(4, 12))]
         row = 4 * 16 * 2
-        t = Trial(conn, redis_server.url, tmp_path, out, lengths, shard_bytes=rng.randint(60, 200) * row, run=f"t{trial}")
+        t = Trial(
+            conn, redis_server.url, tmp_path, out, lengths, shard_bytes=rng.randint(60, 200) * row, run=f"t{trial}"
+        )
         for _ in range(rng.randint(1, 3)):
             if rng.random() < 0.6:
                 code = t.run(crash=f"{rng.choice(CRASH_POINTS)}:{rng.randint(1, 2)}")

@@ -42,7 +42,8 @@ def dashboard_queries(node=None) -> list[str]:
     node = json.load(open(DASHBOARD)) if node is None else node
     if isinstance(node, dict):
         return ([node["expr"]] if isinstance(node.get("expr"), str) else []) + [
-            q for k, v in node.items() if k != "expr" for q in dashboard_queries(v)]
+            q for k, v in node.items() if k != "expr" for q in dashboard_queries(v)
+        ]
     if isinstance(node, list):
         return [q for v in node for q in dashboard_queries(v)]
     return []
@@ -51,8 +52,19 @@ def dashboard_queries(node=None) -> list[str]:
 def test_dashboard_covers_the_panels_the_issue_asks_for():
     d = json.load(open(DASHBOARD))
     titles = " | ".join(p["title"] for p in d["panels"]).lower()
-    for want in ("queue depth", "samples by state", "samples/s", "tokens/s", "mb/s", "eta", "failed samples by reason",
-                 "workers per host", "spool backlog per node", "job latency", "engine latency"):
+    for want in (
+        "queue depth",
+        "samples by state",
+        "samples/s",
+        "tokens/s",
+        "mb/s",
+        "eta",
+        "failed samples by reason",
+        "workers per host",
+        "spool backlog per node",
+        "job latency",
+        "engine latency",
+    ):
         assert want in titles, want
     assert all(p["datasource"]["uid"] == "prometheus" for p in d["panels"])
     assert len(dashboard_queries()) >= 20
@@ -76,12 +88,22 @@ def procs(tmp_path):
 def _start_prometheus(tmp_path, target: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(f"global: {{scrape_interval: 1s, evaluation_interval: 1s}}\n"
-                   f"scrape_configs:\n  - job_name: harvest\n    static_configs: [{{targets: ['{target}']}}]\n")
+    cfg.write_text(
+        f"global: {{scrape_interval: 1s, evaluation_interval: 1s}}\n"
+        f"scrape_configs:\n  - job_name: harvest\n    static_configs: [{{targets: ['{target}']}}]\n"
+    )
     log = open(tmp_path / "prometheus.log", "wb")
-    p = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                          f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [
+            PROMETHEUS,
+            f"--config.file={cfg}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     log.close()
     url = f"http://127.0.0.1:{port}"
 
@@ -122,17 +144,49 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path, con
         dumps, spool = str(tmp_path / "dumps"), str(tmp_path / "spool")
         engine = procs.engine("engine", tiny_model, dumps)
         for w in ("w1", "w2"):
-            procs.start(w, "worker", "--run", run, "--redis", url, "--engine-url", engine, "--dump-dir", dumps,
-                        "--spool-dir", spool, "--node", "nodeA")
-        procs.start("collector", "collect", "--run", run, "--redis", url, "--spool-dir", spool, "--node", "nodeA",
-                    "--max-wait", "1")
+            procs.start(
+                w,
+                "worker",
+                "--run",
+                run,
+                "--redis",
+                url,
+                "--engine-url",
+                engine,
+                "--dump-dir",
+                dumps,
+                "--spool-dir",
+                spool,
+                "--node",
+                "nodeA",
+            )
+        procs.start(
+            "collector",
+            "collect",
+            "--run",
+            run,
+            "--redis",
+            url,
+            "--spool-dir",
+            spool,
+            "--node",
+            "nodeA",
+            "--max-wait",
+            "1",
+        )
         led = Ledger(conn, run)
-        wait_until(lambda: (lambda c: c["total"] and c["done"] + c["failed"] == c["total"])(led.counts()), 180,
-                   "every sample settled")
+        wait_until(
+            lambda: (lambda c: c["total"] and c["done"] + c["failed"] == c["total"])(led.counts()),
+            180,
+            "every sample settled",
+        )
         assert led.counts()["failed"] == 2
         settled = f'sum(harvest_samples{{run="{run}",state=~"done|failed"}})'  # scraped once the run settled
-        wait_until(lambda: [s["value"][1] for s in _query(purl, settled)] == [str(led.counts()["total"])], 60,
-                   "Prometheus scraping the settled run (workers and collector still alive)")
+        wait_until(
+            lambda: [s["value"][1] for s in _query(purl, settled)] == [str(led.counts()["total"])],
+            60,
+            "Prometheus scraping the settled run (workers and collector still alive)",
+        )
 
         queries = [q.replace("$run", run) for q in dashboard_queries()]
         missing: dict[str, list] = {}
@@ -152,8 +206,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path, con
         series = httpx.get(f"{purl}/api/v1/series", params={"match[]": "harvest_samples"}, timeout=10).json()
         assert run in {s["run"] for s in series["data"]}
         # And the numbers are the run's: every sample settled, two failed by the engine's refusal.
-        assert _query(purl, f'sum(harvest_samples{{run="{run}",state=~"done|failed"}})')[0]["value"][1] == \
-            str(led.counts()["total"])
+        assert _query(purl, f'sum(harvest_samples{{run="{run}",state=~"done|failed"}})')[0]["value"][1] == str(
+            led.counts()["total"]
+        )
         (fail,) = _query(purl, f'harvest_failed_samples{{run="{run}"}}')
         assert (fail["metric"]["reason"], fail["value"][1]) == ("engine-rejected", "2")
     finally:

@@ -46,21 +46,36 @@ def _setup(tmp_path, conn, redis_server, tiny_model, procs, run):
     with open(blocker, "wb") as f:
         f.write(b"\0" * (2 << 20))
     url = procs.engine("engine", tiny_model, dumps)
-    worker_args = ["worker", "--run", run, "--redis", redis_server.url, "--engine-url", url, "--dump-dir", dumps,
-                   "--spool-dir", spool]
+    worker_args = [
+        "worker",
+        "--run",
+        run,
+        "--redis",
+        redis_server.url,
+        "--engine-url",
+        url,
+        "--dump-dir",
+        dumps,
+        "--spool-dir",
+        spool,
+    ]
     return cfg, dumps, spool, blocker, worker_args
 
 
 def _warm_stop_recorded(conn, name: str) -> None:
     """Until RQ has handled a worker's SIGTERM in the middle of its job (it records the request's date)."""
-    wait_until(lambda: conn.hget(rq_worker_key(name), "shutdown_requested_date"), 60,
-               f"worker {name} handling SIGTERM (RQ's shutdown_requested_date)")
+    wait_until(
+        lambda: conn.hget(rq_worker_key(name), "shutdown_requested_date"),
+        60,
+        f"worker {name} handling SIGTERM (RQ's shutdown_requested_date)",
+    )
 
 
 def _busy_worker(conn, run) -> dict:
     def busy():
         alive, _ = read_workers(conn, run)
         return next((w for w in alive if w["state"] == "busy"), None)
+
     return wait_until(busy, 60, "a worker busy with a job")
 
 
@@ -94,13 +109,18 @@ def test_sigkilled_workers_job_is_done_by_another_worker_within_60s(tmp_path, co
     def job_done():
         return all(st in ("s", "d") for st in led.states(mine))
 
-    wait_until(job_done, RECOVERY_BOUND_S,
-               f"the samples of job {job_id}, whose worker was SIGKILLed, spooled by another worker")
+    wait_until(
+        job_done,
+        RECOVERY_BOUND_S,
+        f"the samples of job {job_id}, whose worker was SIGKILLed, spooled by another worker",
+    )
     recovered = time.monotonic() - killed_at
     print(f"\nSIGKILLed worker's job done by another worker {recovered:.1f}s after the kill")
     wait_until(lambda: not os.path.exists(claim_dir), 60, f"the dead worker's claim dir {claim_dir} removed")
 
-    procs.start("collector", "collect", "--run", run, "--redis", redis_server.url, "--spool-dir", spool, "--max-wait", "1")
+    procs.start(
+        "collector", "collect", "--run", run, "--redis", redis_server.url, "--spool-dir", spool, "--max-wait", "1"
+    )
     wait_until(lambda: led.counts()["done"] == total, 120, "every sample done")
     assert led.counts() == {"queued": 0, "spooled": 0, "done": total, "failed": 0, "total": total}
     reader = RunReader(f"file://{tmp_path}/out/{run}")
@@ -232,11 +252,27 @@ def test_sigterm_while_waiting_for_the_engine_leaves_nothing_behind(tmp_path, co
     run = "waitstop"
     new_run(conn, run, tiny_model, f"file://{tmp_path}/out")
     dumps = str(tmp_path / "dumps")
-    p = procs.start("worker", "worker", "--run", run, "--redis", redis_server.url, "--engine-url",
-                    "http://127.0.0.1:9", "--dump-dir", dumps, "--spool-dir", str(tmp_path / "spool"),
-                    "--engine-wait", "120")
-    w = wait_until(lambda: next((x for x in read_workers(conn, run)[0] if x["state"] == "waiting for engine"), None),
-                   60, "the worker waiting for its engine")
+    p = procs.start(
+        "worker",
+        "worker",
+        "--run",
+        run,
+        "--redis",
+        redis_server.url,
+        "--engine-url",
+        "http://127.0.0.1:9",
+        "--dump-dir",
+        dumps,
+        "--spool-dir",
+        str(tmp_path / "spool"),
+        "--engine-wait",
+        "120",
+    )
+    w = wait_until(
+        lambda: next((x for x in read_workers(conn, run)[0] if x["state"] == "waiting for engine"), None),
+        60,
+        "the worker waiting for its engine",
+    )
     assert os.path.isdir(os.path.join(dumps, f".claimed-{w['name']}"))
     p.send_signal(signal.SIGTERM)
     assert procs.wait("worker", 20) == 0

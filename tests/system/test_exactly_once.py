@@ -27,9 +27,29 @@ def _copies(out: str) -> Counter:
 
 
 def _run_args(dataset, model, out, tmp_path, name):
-    return ["run", dataset, "--model", model, "--out", f"file://{out}", "--run", "twice", "--dtype", "fp32",
-            "--workers", "1", "--shard-mb", "1", "--max-wait", "1", "--no-progress",
-            "--work-dir", str(tmp_path / f"work-{name}"), "--dump-dir", str(tmp_path / f"dumps-{name}")]
+    return [
+        "run",
+        dataset,
+        "--model",
+        model,
+        "--out",
+        f"file://{out}",
+        "--run",
+        "twice",
+        "--dtype",
+        "fp32",
+        "--workers",
+        "1",
+        "--shard-mb",
+        "1",
+        "--max-wait",
+        "1",
+        "--no-progress",
+        "--work-dir",
+        str(tmp_path / f"work-{name}"),
+        "--dump-dir",
+        str(tmp_path / f"dumps-{name}"),
+    ]
 
 
 def _finished_run(tmp_path, tiny_model) -> tuple[list[str], Location, Counter]:
@@ -47,9 +67,17 @@ def test_two_runners_with_two_private_redis_commit_each_sample_once(tmp_path, ti
     # that never talk): each extracts every sample, and the claims in storage decide who commits.
     dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(60))
     out = tmp_path / "out"
-    procs = [subprocess.Popen([sys.executable, "-m", "harvest.cli", *_run_args(dataset, tiny_model, out, tmp_path, n)],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for n in "ab"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "harvest.cli", *_run_args(dataset, tiny_model, out, tmp_path, n)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for n in "ab"
+    ]
     try:
         logs = [p.communicate(timeout=400)[0] for p in procs]
     finally:
@@ -86,8 +114,17 @@ def test_aof_cut_back_right_after_a_commit_finishes_by_itself_with_every_sample_
     # earlier (what `appendfsync everysec` may lose), then restarted. Nothing else is restarted.
     # The rollback may forget the enqueue of a job a worker already holds: the worker spools those
     # samples anyway (Ledger.mark_spooled takes absent ones), or they would sit on the spool for good.
-    result = Trial(str(tmp_path), tiny_model, 51 + int(lag), samples=40, kills=1, kinds=("rollback",),
-                   on_commit=True, rollback_lags=(lag,), deadline_s=300).execute()
+    result = Trial(
+        str(tmp_path),
+        tiny_model,
+        51 + int(lag),
+        samples=40,
+        kills=1,
+        kinds=("rollback",),
+        on_commit=True,
+        rollback_lags=(lag,),
+        deadline_s=300,
+    ).execute()
     assert result.ok, result.summary() + "\n" + "\n".join(result.timeline)
     assert result.kills == {"rollback": 1} and result.done == 40 and result.failed == 0, result.summary()
     assert result.restarts_on_exit == {}, result.summary()  # the run finished by itself: nothing had to be restarted
@@ -104,8 +141,9 @@ def test_reconcile_dedupes_a_seeded_duplicate_and_sends_a_corrupt_sample_back_fo
     doc = loc.read_json(f"{INDEX}/{first}")
     dup_id = "f" * 32
     loc.write_atomic(f"shards/{dup_id}.safetensors", loc.read_bytes(doc["shard"]))
-    loc.write_atomic(f"{INDEX}/{dup_id}.json", encode_index({**doc, "shard_id": dup_id,
-                                                             "shard": f"shards/{dup_id}.safetensors"}))
+    loc.write_atomic(
+        f"{INDEX}/{dup_id}.json", encode_index({**doc, "shard_id": dup_id, "shard": f"shards/{dup_id}.safetensors"})
+    )
     reader = RunReader(loc.url())
     assert sorted(reader.sample_ids) == sorted(before) and set(reader.duplicates) == set(doc["samples"])
     # a flipped byte in one sample's hidden states
@@ -125,13 +163,21 @@ def test_reconcile_dedupes_a_seeded_duplicate_and_sends_a_corrupt_sample_back_fo
         res = harvest_cli("reconcile", "--run", "twice", "--redis", server.url, "--dedupe", "--verify", "--no-progress")
         assert res.returncode == 0, res.stderr
         lines = res.stdout.splitlines()
-        assert lines[0] == f"deduplicated {len(doc['samples'])} samples committed by more than one shard (1 index files rewritten)"
+        assert (
+            lines[0]
+            == f"deduplicated {len(doc['samples'])} samples committed by more than one shard (1 index files rewritten)"
+        )
         assert lines[1].startswith("verified ") and lines[1].endswith(": 1 corrupt, excluded from 1 index files")
         assert lines[2].startswith(f"  sample {bad} of shard {bad_doc['shard_id']}: corrupt: tensor hidden_states")
-        assert lines[3] == "marked 0 samples done from storage; 1 done in the ledger but committed by no index went " \
-                           "back to the queue"
+        assert (
+            lines[3] == "marked 0 samples done from storage; 1 done in the ledger but committed by no index went "
+            "back to the queue"
+        )
         res = harvest_cli("reconcile", "--run", "twice", "--redis", server.url, "--dedupe", "--no-progress")
-        assert res.stdout.splitlines()[0] == "deduplicated 0 samples committed by more than one shard (0 index files rewritten)"
+        assert (
+            res.stdout.splitlines()[0]
+            == "deduplicated 0 samples committed by more than one shard (0 index files rewritten)"
+        )
         kept = min(doc["shard_id"], dup_id)  # every claim names the copy readers read
         assert {json.loads(loc.read_bytes(f"claims/{s}.json"))["shard"] for s in doc["samples"]} == {kept}
     res = harvest_cli(*args)  # the run again: it extracts the corrupt sample anew

@@ -12,8 +12,8 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from harvest.collector.collector import Collector
 from harvest.cli.demo import build_tiny_model
+from harvest.collector.collector import Collector
 from harvest.read.reader import RunReader
 from harvest.read.specforge import sample_file
 from harvest.read.speculators import MANIFEST, hs_file
@@ -79,11 +79,22 @@ def test_export_specforge_from_s3(conn, tmp_path, s3_bucket):
     assert rel in after and not [k for k in after if os.path.basename(k).startswith(".tmp-")]
 
     # Another dtype on request, with the warning that SpecForge will not read it.
-    res = harvest_cli("export", "--run-url", run_url, "--format", "specforge", str(tmp_path / "sf32"), "--dtype", "fp32",
-                      "--no-progress")
+    res = harvest_cli(
+        "export",
+        "--run-url",
+        run_url,
+        "--format",
+        "specforge",
+        str(tmp_path / "sf32"),
+        "--dtype",
+        "fp32",
+        "--no-progress",
+    )
     assert res.returncode == 0, res.stderr
-    assert res.stderr == ("harvest: warning: SpecForge reads bf16 only (its TargetHead is bf16 and casts nothing): "
-                          "these float32 files fail at training time\n")
+    assert res.stderr == (
+        "harvest: warning: SpecForge reads bf16 only (its TargetHead is bf16 and casts nothing): "
+        "these float32 files fail at training time\n"
+    )
     sid = next(iter(samples))
     assert torch.load(sample_file(str(tmp_path / "sf32"), where[sid], sid))["hidden_state"].dtype == torch.float32
 
@@ -99,12 +110,15 @@ def test_export_speculators_from_s3_and_a_run_that_grew(conn, tmp_path, s3_bucke
 
     res = harvest_cli("export", "--run-url", run_url, "--format", "speculators", str(sp), "--no-progress")
     assert res.returncode == 2 and res.stdout == ""
-    assert res.stderr == ("harvest: error: cannot read synthetic/config.json (No such file or directory): the run's "
-                          "checkpoint holds the final norm (pass --model with its path here)\n")
+    assert res.stderr == (
+        "harvest: error: cannot read synthetic/config.json (No such file or directory): the run's "
+        "checkpoint holds the final norm (pass --model with its path here)\n"
+    )
     assert not sp.exists()
 
-    res = harvest_cli("export", "--run-url", run_url, "--format", "speculators", str(sp), "--model", model,
-                      "--no-progress")
+    res = harvest_cli(
+        "export", "--run-url", run_url, "--format", "speculators", str(sp), "--model", model, "--no-progress"
+    )
     assert res.returncode == 0 and res.stderr == "", res.stderr
     assert res.stdout == f"exported 5 samples to {sp} (0 already there)\n"
 
@@ -137,14 +151,16 @@ def test_export_speculators_from_s3_and_a_run_that_grew(conn, tmp_path, s3_bucke
     (sp / "d2t-32.npy").write_bytes(b"stale")
     (sp / "t2d-32.npy").write_bytes(b"stale")
     more = _commit(conn, tmp_path, cfg, [3, 11], seed0=100)
-    res = harvest_cli("export", "--run-url", run_url, "--format", "speculators", str(sp), "--model", model,
-                      "--no-progress")
+    res = harvest_cli(
+        "export", "--run-url", run_url, "--format", "speculators", str(sp), "--model", model, "--no-progress"
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout == f"exported 2 samples to {sp} (5 already there)\n"
     assert check({**samples, **more})[:5] == rows
     after = _files(sp)
-    assert {k: after[k] for k in before if k.startswith("hidden_states/")} == \
-           {k: v for k, v in before.items() if k.startswith("hidden_states/")}
+    assert {k: after[k] for k in before if k.startswith("hidden_states/")} == {
+        k: v for k, v in before.items() if k.startswith("hidden_states/")
+    }
     assert "d2t-32.npy" not in after and "t2d-32.npy" not in after
     assert not [k for k in after if ".tmp-" in k]
 
@@ -152,10 +168,13 @@ def test_export_speculators_from_s3_and_a_run_that_grew(conn, tmp_path, s3_bucke
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    res = harvest_cli("export", "--run-url", run_url, "--format", "speculators", str(other), "--model", model,
-                      "--no-progress")
+    res = harvest_cli(
+        "export", "--run-url", run_url, "--format", "speculators", str(other), "--model", model, "--no-progress"
+    )
     assert res.returncode == 2
-    assert res.stderr == f"harvest: error: {other} is not empty and holds no harvest export: choose an empty or new DEST\n"
+    assert (
+        res.stderr == f"harvest: error: {other} is not empty and holds no harvest export: choose an empty or new DEST\n"
+    )
     assert os.listdir(other) == ["notes.txt"]
 
 
@@ -169,7 +188,8 @@ def test_export_refuses_a_layer_set_the_trainers_cannot_train_on(conn, tmp_path)
         assert res.stderr == (
             f"harvest: error: run 'r' captured layers [2, 4, 5] of a 8-layer model; {trainer} trains EAGLE-3 on three "
             "aux layers and the final state (index 8): re-run with --layers eagle3, --layers <draft config.json>, "
-            "or --layers a,b,c,8\n")
+            "or --layers a,b,c,8\n"
+        )
         assert not (tmp_path / fmt).exists()
 
 
@@ -177,13 +197,26 @@ def test_export_names_the_trainer_flag_a_non_default_layer_set_needs(conn, tmp_p
     out = tmp_path / "out"
     cfg = publish_run(conn, dataclasses.replace(make_config(f"file://{out}"), capture_points=[1, 3, 6, 8]))
     _commit(conn, tmp_path, cfg, [6])
-    res = harvest_cli("export", "--run-url", str(out / "r"), "--format", "specforge", str(tmp_path / "sf"), "--no-progress")
+    res = harvest_cli(
+        "export", "--run-url", str(out / "r"), "--format", "specforge", str(tmp_path / "sf"), "--no-progress"
+    )
     assert res.returncode == 0, res.stderr
-    assert res.stderr == ("harvest: train a draft whose config has eagle_config.eagle_aux_hidden_state_layer_ids "
-                          "[0, 2, 5] (SGLang's ids of this run's aux layers [1, 3, 6]), or set "
-                          "model.aux_hidden_state_layer_ids [0, 2, 5]\n")
+    assert res.stderr == (
+        "harvest: train a draft whose config has eagle_config.eagle_aux_hidden_state_layer_ids "
+        "[0, 2, 5] (SGLang's ids of this run's aux layers [1, 3, 6]), or set "
+        "model.aux_hidden_state_layer_ids [0, 2, 5]\n"
+    )
     model = build_tiny_model(str(tmp_path / "model16"), hidden=HIDDEN)
-    res = harvest_cli("export", "--run-url", str(out / "r"), "--format", "speculators", str(tmp_path / "sp"),
-                      "--model", model, "--no-progress")
+    res = harvest_cli(
+        "export",
+        "--run-url",
+        str(out / "r"),
+        "--format",
+        "speculators",
+        str(tmp_path / "sp"),
+        "--model",
+        model,
+        "--no-progress",
+    )
     assert res.returncode == 0, res.stderr
     assert res.stderr == "harvest: train with --target-layer-ids 1 3 6 (this run's aux layers; the default is 2 4 5)\n"

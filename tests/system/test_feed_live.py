@@ -60,8 +60,9 @@ def procs(tmp_path):
     p.close()
 
 
-def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(tmp_path, conn, redis_server,
-                                                                               tiny_model, procs):
+def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(
+    tmp_path, conn, redis_server, tiny_model, procs
+):
     run, out = "live", f"file://{tmp_path}/out"
     url = f"{out}/{run}"
     new_run(conn, run, tiny_model, out, batch=4, spool_grace_s=6)
@@ -70,8 +71,19 @@ def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(t
 
     # one engine serves both nodes (its dump dir shared, as workers of one host share it)
     dumps, a_spool, port = str(tmp_path / "dumps"), str(tmp_path / "spool-a"), free_port()
-    engine = procs.start("engine", "engine", "--model", tiny_model, "--dump-dir", dumps, "--port", str(port),
-                         "--layers", "eagle3", env=PACE)
+    engine = procs.start(
+        "engine",
+        "engine",
+        "--model",
+        tiny_model,
+        "--dump-dir",
+        dumps,
+        "--port",
+        str(port),
+        "--layers",
+        "eagle3",
+        env=PACE,
+    )
     engine_url = f"http://127.0.0.1:{port}"
     wait_for(lambda: engine.poll() is None and healthy(engine_url, 1), 120, "the engine healthy")
     # Node a: a worker that takes 2 jobs and exits, and its keeper, a worker on the same spool that
@@ -82,11 +94,42 @@ def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(t
     # runner's worker, and nothing would ever commit (CI saw that).
     mute = socket.socket()
     mute.bind(("127.0.0.1", 0))
-    procs.start("worker-a", "worker", "--run", run, "--redis", redis_server.url, "--engine-url", engine_url,
-                "--dump-dir", dumps, "--spool-dir", a_spool, "--node", "a", "--max-jobs", "2")
-    procs.start("keeper-a", "worker", "--run", run, "--redis", redis_server.url, "--engine-url",
-                f"http://127.0.0.1:{mute.getsockname()[1]}", "--engine-wait", "3600", "--dump-dir", dumps,
-                "--spool-dir", a_spool, "--node", "a")
+    procs.start(
+        "worker-a",
+        "worker",
+        "--run",
+        run,
+        "--redis",
+        redis_server.url,
+        "--engine-url",
+        engine_url,
+        "--dump-dir",
+        dumps,
+        "--spool-dir",
+        a_spool,
+        "--node",
+        "a",
+        "--max-jobs",
+        "2",
+    )
+    procs.start(
+        "keeper-a",
+        "worker",
+        "--run",
+        run,
+        "--redis",
+        redis_server.url,
+        "--engine-url",
+        f"http://127.0.0.1:{mute.getsockname()[1]}",
+        "--engine-wait",
+        "3600",
+        "--dump-dir",
+        dumps,
+        "--spool-dir",
+        a_spool,
+        "--node",
+        "a",
+    )
     # worker-a waits on the queue before the runner enqueues (the keeper, waiting for its engine, never
     # registers with RQ): a loaded machine that started worker-a late let the runner's worker take every
     # job, and node a had none to lose (CI saw that)
@@ -96,10 +139,35 @@ def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(t
 
     def runner() -> None:
         result["res"] = harvest_cli(
-            "run", data, "--model", tiny_model, "--out", out, "--run", run, "--redis", redis_server.url,
-            "--engine-url", engine_url, "--layers", "eagle3", "--dtype", "fp32", "--workers", "1", "--max-wait", "1",
-            "--spool-grace", "6", "--work-dir", str(tmp_path / "work"), "--dump-dir", dumps, "--no-progress",
-            timeout=300)
+            "run",
+            data,
+            "--model",
+            tiny_model,
+            "--out",
+            out,
+            "--run",
+            run,
+            "--redis",
+            redis_server.url,
+            "--engine-url",
+            engine_url,
+            "--layers",
+            "eagle3",
+            "--dtype",
+            "fp32",
+            "--workers",
+            "1",
+            "--max-wait",
+            "1",
+            "--spool-grace",
+            "6",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--dump-dir",
+            dumps,
+            "--no-progress",
+            timeout=300,
+        )
 
     main = threading.Thread(target=runner, daemon=True)
     main.start()
@@ -110,13 +178,21 @@ def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(t
 
     wait_for(lambda: committed() >= ROWS // 5, 300, "a fifth of the run committed")
     rdv = str(tmp_path / "rdv")  # the gloo job's rendezvous file
-    readers = [subprocess.Popen([sys.executable, "-c", READER, url, str(rank), rdv], cwd=REPO, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-               for rank in range(2)]
+    readers = [
+        subprocess.Popen(
+            [sys.executable, "-c", READER, url, str(rank), rdv],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        for rank in range(2)
+    ]
     outs = [OutputReader(p.stdout) for p in readers]
     try:
         views = []
-        for i, (o, p) in enumerate(zip(outs, readers)):
+        for i, (o, p) in enumerate(zip(outs, readers, strict=False)):
             o.wait_for(lambda t: t.startswith("view "), 120, f"reader {i} open", proc=p)
             views.append(int(o.text.split()[1]))
         # Node a spooled a job (it takes 2 at most; on a loaded machine the runner's worker may leave it
@@ -131,7 +207,7 @@ def test_readers_started_a_fifth_in_read_every_sample_once_through_a_node_loss(t
         res = result["res"]
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         got = []
-        for o, p in zip(outs, readers):
+        for o, p in zip(outs, readers, strict=False):
             assert p.wait(120) == 0, p.stderr.read()[-3000:]
             got += json.loads(o.close().strip().splitlines()[-1])
     finally:

@@ -24,9 +24,12 @@ def _out(kind, tmp_path, request):
 # out the store client's own retries), the shard visible (the interleaving that lost a shard when
 # names were shared), the fence passed.
 ORDERS = ("before-fence", "after-commit")
-CASES = [(p, "file", o) for p in CRASH_POINTS for o in ORDERS] + \
-    [("claimed", "s3", "after-commit"), ("packed", "s3", "before-fence"), ("uploaded", "s3", "before-fence"),
-     ("fenced", "s3", "after-commit")]
+CASES = [(p, "file", o) for p in CRASH_POINTS for o in ORDERS] + [
+    ("claimed", "s3", "after-commit"),
+    ("packed", "s3", "before-fence"),
+    ("uploaded", "s3", "before-fence"),
+    ("fenced", "s3", "after-commit"),
+]
 
 
 @pytest.mark.parametrize(("point", "kind", "order"), CASES)
@@ -50,5 +53,10 @@ def test_freeze_soak_a_few_trials(conn, redis_server, tmp_path, request):
     s3 = request.getfixturevalue("s3_bucket")
     totals = soak(conn, redis_server.url, str(tmp_path), trials=2, seed=7, s3_url=s3)
     assert totals["trials"] == 2 and totals["froze"] >= 1, totals
-    assert {k: totals[k] for k in ("lost", "doubled", "unreadable", "wrong", "other")} == \
-        {"lost": 0, "doubled": 0, "unreadable": 0, "wrong": 0, "other": 0}, totals
+    assert {k: totals[k] for k in ("lost", "doubled", "unreadable", "wrong", "other")} == {
+        "lost": 0,
+        "doubled": 0,
+        "unreadable": 0,
+        "wrong": 0,
+        "other": 0,
+    }, totals

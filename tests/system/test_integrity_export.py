@@ -30,12 +30,15 @@ def _export(run_url: str, fmt: str, dest, *extra: str):
     return harvest_cli("export", "--run-url", run_url, "--format", fmt, str(dest), "--no-progress", *extra)
 
 
-def _error_lines(loc: Location, shard_id: str, sample_id: str, tensor: str, begin: int, end: int,
-                 expected: int, found: int) -> str:
-    return (f"harvest: not exported: sample {sample_id} of shard {shard_id} is corrupt (tensor {tensor}, bytes "
-            f"[{begin}, {end}) of {loc.path(shard_file(shard_id))} have crc32 {found}, its index records {expected})\n"
-            f"harvest: error: 1 corrupt sample not exported; run `harvest reconcile --verify --run r --out "
-            f"{os.path.dirname(loc.root)}` to drop it from the index and extract it again, then export again\n")
+def _error_lines(
+    loc: Location, shard_id: str, sample_id: str, tensor: str, begin: int, end: int, expected: int, found: int
+) -> str:
+    return (
+        f"harvest: not exported: sample {sample_id} of shard {shard_id} is corrupt (tensor {tensor}, bytes "
+        f"[{begin}, {end}) of {loc.path(shard_file(shard_id))} have crc32 {found}, its index records {expected})\n"
+        f"harvest: error: 1 corrupt sample not exported; run `harvest reconcile --verify --run r --out "
+        f"{os.path.dirname(loc.root)}` to drop it from the index and extract it again, then export again\n"
+    )
 
 
 @pytest.mark.parametrize("tensor", ["hidden_states", "input_ids"])
@@ -70,9 +73,12 @@ def test_an_export_names_each_sample_of_a_shard_that_is_gone(tmp_path):
     assert res.returncode == 1 and res.stdout == f"exported 3 samples to {sf} (0 already there)\n"
     assert res.stderr == "".join(
         f"harvest: not exported: sample {s.id} of shard {b} is corrupt (its shard cannot be read: the file "
-        f"{loc.path(shard_file(b))} is missing)\n" for s in samples[3:5]) + (
+        f"{loc.path(shard_file(b))} is missing)\n"
+        for s in samples[3:5]
+    ) + (
         f"harvest: error: 2 corrupt samples not exported; run `harvest reconcile --verify --run r --out "
-        f"{os.path.dirname(loc.root)}` to drop them from the index and extract them again, then export again\n")
+        f"{os.path.dirname(loc.root)}` to drop them from the index and extract them again, then export again\n"
+    )
 
 
 def test_speculators_export_writes_every_other_row_and_leaves_the_dataset_unwritten(tmp_path):
@@ -101,10 +107,16 @@ def test_a_sample_in_two_shards_is_exported_once(tmp_path):
     sf = tmp_path / "sf"
     res = _export(loc.root, "specforge", sf)
     assert res.returncode == 0 and res.stdout == f"exported 5 samples to {sf} (0 already there)\n"
-    assert re.fullmatch(r"\S+ \S+ harvest\.read WARNING " + re.escape(
-        f"{loc.root}: 1 sample is committed by more than one shard (e.g. {samples[2].id}, read from shard {kept}, "
-        f"also in {max(shards)}); each is read once, from the shard with the smallest id; `harvest reconcile "
-        "--dedupe` removes the extra copies from the index") + "\n", res.stderr), res.stderr
+    assert re.fullmatch(
+        r"\S+ \S+ harvest\.read WARNING "
+        + re.escape(
+            f"{loc.root}: 1 sample is committed by more than one shard (e.g. {samples[2].id}, read from shard {kept}, "
+            f"also in {max(shards)}); each is read once, from the shard with the smallest id; `harvest reconcile "
+            "--dedupe` removes the extra copies from the index"
+        )
+        + "\n",
+        res.stderr,
+    ), res.stderr
     files = sorted(os.path.relpath(os.path.join(d, n), sf) for d, _, names in os.walk(sf) for n in names)
     assert len(files) == 5 and [f for f in files if samples[2].id in f] == [f"{kept}/data_{samples[2].id}.ckpt"]
 
@@ -122,10 +134,12 @@ def test_a_corrupt_sample_on_s3_names_the_object_and_the_output_url(tmp_path, s3
     assert str(e.value) == (
         f"{s3_bucket}/out/r/{shard_file(shard)}: sample {samples[2].id} is corrupt: tensor hidden_states, bytes "
         f"[{begin}, {end}) of the shard have crc32 {found}, its index records {expected}; run `harvest reconcile "
-        f"--verify --run r --out {s3_bucket}/out` to drop it from the index and extract it again")
+        f"--verify --run r --out {s3_bucket}/out` to drop it from the index and extract it again"
+    )
     assert torch.equal(reader.get(samples[0].id)["input_ids"], samples[0].input_ids)
     rep = verify_run(loc, exclude=True)
-    assert [(c.shard_id, c.sample_id, c.tensor, c.begin, c.end) for c in rep.corrupt] == \
-           [(shard, samples[2].id, "hidden_states", begin, end)]
+    assert [(c.shard_id, c.sample_id, c.tensor, c.begin, c.end) for c in rep.corrupt] == [
+        (shard, samples[2].id, "hidden_states", begin, end)
+    ]
     assert list(loc.read_json(index_file(shard))["excluded"]) == [samples[2].id]
     assert sorted(RunReader(f"{s3_bucket}/out/r").sample_ids) == sorted(s.id for s in samples[:2])

@@ -22,14 +22,16 @@ from tests.support.need import need, need_module
 K8S_VERSION = "1.37"  # the newest Kubernetes release whose schemas kubernetes-validate ships
 CRD_KINDS = {"LeaderWorkerSet": leaderworkerset_problems, "ServiceMonitor": servicemonitor_problems}
 BASE = ["secret.yaml", "run-config.yaml", "redis.yaml", "producer.yaml", "node.yaml", "metrics.yaml"]
-COMPONENTS = {"servicemonitor": ["servicemonitor/servicemonitor.yaml"],
-              "multinode": ["multinode/leaderworkerset.yaml"]}
+COMPONENTS = {"servicemonitor": ["servicemonitor/servicemonitor.yaml"], "multinode": ["multinode/leaderworkerset.yaml"]}
 
 
 @pytest.fixture(scope="module")
 def kv() -> ModuleType:
-    return need_module("kubernetes_validate", "kubernetes-validate",
-                       "the Kubernetes schemas the manifests are validated against (pip install -e '.[dev]')")
+    return need_module(
+        "kubernetes_validate",
+        "kubernetes-validate",
+        "the Kubernetes schemas the manifests are validated against (pip install -e '.[dev]')",
+    )
 
 
 def problems(kv: ModuleType, doc: dict) -> list[str]:
@@ -37,8 +39,12 @@ def problems(kv: ModuleType, doc: dict) -> list[str]:
     if doc["kind"] in CRD_KINDS:
         out = CRD_KINDS[doc["kind"]](doc)
         for label, template in pod_templates(doc):
-            out += [f"{label}Template: {p}" for p in problems(kv, {"apiVersion": "v1", "kind": "PodTemplate",
-                                                                   "metadata": {"name": "t"}, "template": template})]
+            out += [
+                f"{label}Template: {p}"
+                for p in problems(
+                    kv, {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}
+                )
+            ]
         return out
     try:
         assert kv.validate(doc, K8S_VERSION, strict=True) == K8S_VERSION
@@ -61,6 +67,7 @@ def test_the_kustomization_lists_every_manifest():
     def listed(folder: str) -> list[str]:
         with open(os.path.join(KUBE_DIR, folder, "kustomization.yaml")) as f:
             return [os.path.join(folder, r) if folder else r for r in yaml.safe_load(f)["resources"]]
+
     files = [os.path.relpath(f, KUBE_DIR) for f in manifest_files()]
     assert sorted(listed("") + listed("servicemonitor") + listed("multinode")) == sorted(files)
     assert listed("") == BASE
@@ -79,8 +86,9 @@ def test_the_validation_refuses_what_a_cluster_would(kv):
     bad = copy.deepcopy(node)
     c = bad["spec"]["template"]["spec"]["containers"][0]
     c["volumeMount"] = c.pop("volumeMounts")  # a misspelt field
-    assert problems(kv, bad) == ["spec.template.spec.containers.0: Additional properties are not allowed "
-                                 "('volumeMount' was unexpected)"]
+    assert problems(kv, bad) == [
+        "spec.template.spec.containers.0: Additional properties are not allowed ('volumeMount' was unexpected)"
+    ]
     bad = copy.deepcopy(node)
     bad["spec"]["replicas"] = "two"
     assert problems(kv, bad) == ["spec.replicas: 'two' is not of type 'integer', 'null'"]
@@ -99,12 +107,15 @@ def test_the_validation_refuses_what_a_cluster_would(kv):
         "spec.leaderWorkerTemplate.size: 0 is not an integer >= 1",
         "spec.leaderWorkerTemplate.restartPolicy: 'Always' not one of "
         "['Default', 'None', 'RecreateGroupAfterStart', 'RecreateGroupOnPodRestart']",
-        "leaderTemplate: template.spec.containers.0.imagePullPolicy: 1 is not of type 'string', 'null'"]
+        "leaderTemplate: template.spec.containers.0.imagePullPolicy: 1 is not of type 'string', 'null'",
+    ]
     sm = copy.deepcopy(find(docs["servicemonitor/servicemonitor.yaml"], "ServiceMonitor", "harvest"))
     sm["spec"]["endpoints"][0]["interval"] = "15 seconds"
     del sm["spec"]["selector"]
-    assert problems(kv, sm) == ["spec.selector: required",
-                                "spec.endpoints[0].interval: '15 seconds' is not a Prometheus duration"]
+    assert problems(kv, sm) == [
+        "spec.selector: required",
+        "spec.endpoints[0].interval: '15 seconds' is not a Prometheus duration",
+    ]
 
 
 @pytest.mark.parametrize("parts", [(), ("servicemonitor",), ("multinode",), ("servicemonitor", "multinode")])
@@ -116,21 +127,25 @@ def test_a_broken_reference_is_found():
     docs = deployment(("servicemonitor",))
     bad = copy.deepcopy(docs)
     node = find(bad, "StatefulSet", "harvest-node")
-    node["spec"]["template"]["spec"]["volumes"] = [v for v in node["spec"]["template"]["spec"]["volumes"]
-                                                   if v["name"] != "dumps"]
+    node["spec"]["template"]["spec"]["volumes"] = [
+        v for v in node["spec"]["template"]["spec"]["volumes"] if v["name"] != "dumps"
+    ]
     find(bad, "Service", "harvest-metrics")["spec"]["ports"][0]["name"] = "http"
     find(bad, "StatefulSet", "harvest-redis")["spec"]["serviceName"] = "redis"
     assert reference_problems(bad) == [
         "StatefulSet/harvest-redis: serviceName 'redis' is no headless Service here",
         "StatefulSet/harvest-node template engine: mounts dumps, no such volume",
         "StatefulSet/harvest-node template node: mounts dumps, no such volume",
-        "ServiceMonitor/harvest: port metrics is no port of its Service"]
+        "ServiceMonitor/harvest: port metrics is no port of its Service",
+    ]
 
 
 def test_the_node_pod_shares_a_memory_dump_dir_and_stops_the_engine_last():
     docs = manifests()
     node = find(docs["node.yaml"], "StatefulSet", "harvest-node")
-    leader = dict(pod_templates(find(docs["multinode/leaderworkerset.yaml"], "LeaderWorkerSet", "harvest-node")))["leader"]
+    leader = dict(pod_templates(find(docs["multinode/leaderworkerset.yaml"], "LeaderWorkerSet", "harvest-node")))[
+        "leader"
+    ]
     for template in (node["spec"]["template"], leader):
         spec = template["spec"]
         (engine,) = spec["initContainers"]
@@ -141,7 +156,10 @@ def test_the_node_pod_shares_a_memory_dump_dir_and_stops_the_engine_last():
         assert {"name": "dumps", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}} in spec["volumes"]
         mounts = {c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in (engine, harvest)}
         # harvest node (uid 0) reads run R's dumps from /dev/shm/harvest-0/R, where SGLang writes them
-        assert {n: m["dumps"] for n, m in mounts.items()} == {"engine": "/dev/shm/harvest-0", "node": "/dev/shm/harvest-0"}
+        assert {n: m["dumps"] for n, m in mounts.items()} == {
+            "engine": "/dev/shm/harvest-0",
+            "node": "/dev/shm/harvest-0",
+        }
         assert kube_env(engine)["HARVEST_DUMP_DIR"] == "/dev/shm/harvest-0/{RUN}"
         assert mounts["node"]["work"] == harvest["args"][harvest["args"].index("--work") + 1]
         grace = float(harvest["args"][harvest["args"].index("--stop-grace") + 1])
@@ -181,8 +199,12 @@ def test_kustomize_renders_the_base_and_its_components_into_those_objects(kv, tm
 def test_every_pod_running_harvest_lets_sigterm_reach_it():
     # harvest's image has no init: as a container's PID 1, a process without a SIGTERM handler
     # (the collector, metrics) would ignore SIGTERM; with the pod's pause process as PID 1 it does not.
-    pods = [(f"{d['kind']}/{d['metadata']['name']} {label}", t["spec"]) for docs in manifests().values()
-            for d in docs for label, t in pod_templates(d)
-            if any(c["image"].startswith("harvest:") for c in t["spec"]["containers"])]
+    pods = [
+        (f"{d['kind']}/{d['metadata']['name']} {label}", t["spec"])
+        for docs in manifests().values()
+        for d in docs
+        for label, t in pod_templates(d)
+        if any(c["image"].startswith("harvest:") for c in t["spec"]["containers"])
+    ]
     assert len(pods) == 4  # the node StatefulSet, the LeaderWorkerSet's leader, the producer, metrics
     assert {name: spec.get("shareProcessNamespace") for name, spec in pods} == {name: True for name, _ in pods}

@@ -32,8 +32,10 @@ from tests.support.kube import (
 # (compose value, Kubernetes value) of what only the addressing changes
 ADDRESSES = {
     "--engine-url": ("http://engine:30000", "http://127.0.0.1:30000"),  # the engine is in the worker's pod
-    "HARVEST_REDIS_URL": ("redis://:{REDIS_PASSWORD}@{REDIS_HOST}:6379/0",
-                          "redis://:{REDIS_PASSWORD}@harvest-redis:6379/0"),  # the headless Service
+    "HARVEST_REDIS_URL": (
+        "redis://:{REDIS_PASSWORD}@{REDIS_HOST}:6379/0",
+        "redis://:{REDIS_PASSWORD}@harvest-redis:6379/0",
+    ),  # the headless Service
     # where the engine writes dumps for harvest node: its default dump dir for the run, as uid 0
     "HARVEST_DUMP_DIR": ("/dumps", "/dev/shm/harvest-0/{RUN}"),
 }
@@ -42,8 +44,11 @@ ADDRESSES = {
 NODE_DROPS = ("--dump-dir", "--spool-dir", "--engine-wait")
 NODE_FLAGS = {"--workers": "3", "--work": "/work", "--stop-grace": "500"}
 # SGLang over the nodes of a LeaderWorkerSet group; the controller sets these variables
-LWS_FLAGS = {"--nnodes": "{LWS_GROUP_SIZE}", "--node-rank": "{LWS_WORKER_INDEX}",
-             "--dist-init-addr": "{LWS_LEADER_ADDRESS}:20000"}
+LWS_FLAGS = {
+    "--nnodes": "{LWS_GROUP_SIZE}",
+    "--node-rank": "{LWS_WORKER_INDEX}",
+    "--dist-init-addr": "{LWS_LEADER_ADDRESS}:20000",
+}
 LWS_ENV = frozenset({"LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "LWS_LEADER_ADDRESS"})
 NODE = ("node.yaml", "StatefulSet", "harvest-node", "template")
 LEADER = ("multinode/leaderworkerset.yaml", "LeaderWorkerSet", "harvest-node", "leader")
@@ -72,13 +77,18 @@ def _undefined(container: dict, injected: frozenset[str]) -> list[str]:
         used = VAR.findall(kube_env({"env": [e]})[e["name"]]) if "value" in e else []
         out += [f"env {e['name']} uses {{{v}}}, set by no earlier env entry" for v in used if v not in defined]
         defined.add(e["name"])
-    out += [f"the command uses {{{v}}}, set by no env entry" for a in kube_argv(container)
-            for v in VAR.findall(a) if v not in defined]
+    out += [
+        f"the command uses {{{v}}}, set by no env entry"
+        for a in kube_argv(container)
+        for v in VAR.findall(a)
+        if v not in defined
+    ]
     return out
 
 
-def differences(service: dict, container: dict, extra_flags: dict | None = None,
-                injected: frozenset[str] = frozenset()) -> list[str]:
+def differences(
+    service: dict, container: dict, extra_flags: dict | None = None, injected: frozenset[str] = frozenset()
+) -> list[str]:
     """What differs between a compose service and a Kubernetes container of the same role, as
     lines; [] when they run the same command with the same flags and environment."""
     out = []
@@ -100,9 +110,9 @@ def differences(service: dict, container: dict, extra_flags: dict | None = None,
                 out.append(f"env {name}: compose {want!r} != kubernetes {got!r}")
         elif name not in env_file_names():
             out.append(f"env {name}: only in kubernetes, and not a setting of .env.example")
-        elif k_env[name] not in ("{%s}" % name, "{metadata.name}" if name == "NODE_NAME" else None):
+        elif k_env[name] not in (f"{{{name}}}", "{metadata.name}" if name == "NODE_NAME" else None):
             out.append(f"env {name}: reads {k_env[name]}, not the key {name}")
-        elif "{%s}" % name not in used:
+        elif f"{{{name}}}" not in used:
             out.append(f"env {name}: set and never used")
     return out + _undefined(container, injected)
 
@@ -122,7 +132,7 @@ def node_from_compose(services: dict) -> dict:
     argv[0] = "node"
     for flag in NODE_DROPS:
         i = argv.index(flag)
-        del argv[i:i + 2]
+        del argv[i : i + 2]
     for flag, value in NODE_FLAGS.items():
         argv += [flag, value]
     return {**worker, "command": argv}
@@ -154,56 +164,75 @@ def test_a_drift_on_either_side_is_found(docs, services):
 
     def compose_workers(s):
         s["command"][s["command"].index("--workers") + 1] = "2"
-    assert drift("node", worker, edit_compose=compose_workers) == [
-        "flag --workers: compose '2' != kubernetes '3'"]
+
+    assert drift("node", worker, edit_compose=compose_workers) == ["flag --workers: compose '2' != kubernetes '3'"]
 
     def compose_engine_url(s):
         s["command"][s["command"].index("--engine-url") + 1] = "http://engine:30001"
+
     assert drift("node", worker, edit_compose=compose_engine_url) == [
-        "flag --engine-url: compose 'http://engine:30001' != kubernetes 'http://127.0.0.1:30000'"]
+        "flag --engine-url: compose 'http://engine:30001' != kubernetes 'http://127.0.0.1:30000'"
+    ]
 
     def kube_no_stop_grace(c):
         i = c["args"].index("--stop-grace")
-        del c["args"][i:i + 2]
+        del c["args"][i : i + 2]
+
     assert drift("node", (*LEADER, "node"), edit_kube=kube_no_stop_grace) == [
-        "flag --stop-grace: compose '500' != kubernetes None"]
+        "flag --stop-grace: compose '500' != kubernetes None"
+    ]
 
     def kube_fsync_always(c):
         c["args"][c["args"].index("everysec")] = "always"
-    assert drift("redis", ("redis.yaml", "StatefulSet", "harvest-redis", "template", "redis"),
-                 edit_kube=kube_fsync_always) == ["flag --appendfsync: compose 'everysec' != kubernetes 'always'"]
+
+    assert drift(
+        "redis", ("redis.yaml", "StatefulSet", "harvest-redis", "template", "redis"), edit_kube=kube_fsync_always
+    ) == ["flag --appendfsync: compose 'everysec' != kubernetes 'always'"]
 
     def kube_radix_cache_on(c):
         c["command"].remove("--disable-radix-cache")
+
     assert drift("sglang", (*NODE, "engine"), edit_kube=kube_radix_cache_on) == [
-        "flag --disable-radix-cache: compose True != kubernetes None"]
-    assert drift("sglang", (*LEADER, "engine"))[:1] == ["flag --dist-init-addr: compose None != kubernetes "
-                                                        "'{LWS_LEADER_ADDRESS}:20000'"]
+        "flag --disable-radix-cache: compose True != kubernetes None"
+    ]
+    assert drift("sglang", (*LEADER, "engine"))[:1] == [
+        "flag --dist-init-addr: compose None != kubernetes '{LWS_LEADER_ADDRESS}:20000'"
+    ]
 
     def compose_new_env(s):
         s["environment"]["HARVEST_SOMETHING"] = "1"
-    assert drift("metrics", ("metrics.yaml", "Deployment", "harvest-metrics", "template", "metrics"),
-                 edit_compose=compose_new_env) == ["env HARVEST_SOMETHING: compose '1' != kubernetes None"]
+
+    assert drift(
+        "metrics",
+        ("metrics.yaml", "Deployment", "harvest-metrics", "template", "metrics"),
+        edit_compose=compose_new_env,
+    ) == ["env HARVEST_SOMETHING: compose '1' != kubernetes None"]
 
     producer = ("producer.yaml", "Job", "harvest-produce", "template", "producer")
 
     def kube_region(c):
         next(e for e in c["env"] if e["name"] == "AWS_REGION")["value"] = "eu-west-1"
+
     assert drift("producer", producer, edit_kube=kube_region) == [
-        "env AWS_REGION: compose 'us-east-1' != kubernetes 'eu-west-1'"]
+        "env AWS_REGION: compose 'us-east-1' != kubernetes 'eu-west-1'"
+    ]
 
     def kube_wrong_key(c):
         next(e for e in c["env"] if e["name"] == "DTYPE")["valueFrom"]["configMapKeyRef"]["key"] = "LAYERS"
+
     assert drift("producer", producer, edit_kube=kube_wrong_key) == ["env DTYPE: reads {LAYERS}, not the key DTYPE"]
 
     def kube_run_unset(c):
         c["env"] = [e for e in c["env"] if e["name"] != "RUN"]
+
     assert drift("node", worker, edit_kube=kube_run_unset) == ["the command uses {RUN}, set by no env entry"]
 
     def kube_password_after_url(c):
         c["env"].sort(key=lambda e: e["name"] != "HARVEST_REDIS_URL")
+
     assert drift("node", worker, edit_kube=kube_password_after_url) == [
-        "env HARVEST_REDIS_URL uses {REDIS_PASSWORD}, set by no earlier env entry"]
+        "env HARVEST_REDIS_URL uses {REDIS_PASSWORD}, set by no earlier env entry"
+    ]
 
 
 def test_every_setting_read_is_in_the_configmap_or_secret_and_every_one_there_is_read(docs):
@@ -219,7 +248,9 @@ def test_every_setting_read_is_in_the_configmap_or_secret_and_every_one_there_is
                         for kind, ref in e.get("valueFrom", {}).items():
                             if kind in read:
                                 read[kind].add(ref["key"])
-                                assert ref["name"] == {"configMapKeyRef": "harvest-run",
-                                                       "secretKeyRef": "harvest-secrets"}[kind]
+                                assert (
+                                    ref["name"]
+                                    == {"configMapKeyRef": "harvest-run", "secretKeyRef": "harvest-secrets"}[kind]
+                                )
     assert read["configMapKeyRef"] == set(config)
     assert read["secretKeyRef"] == set(secret)

@@ -44,8 +44,13 @@ def _listening(port: int) -> list[str]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-X", "importtime", "-m", "harvest.cli", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "harvest.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture
@@ -55,10 +60,17 @@ def run(conn, tmp_path, tiny_model) -> str:
     return "light"
 
 
-@pytest.mark.parametrize("args", [["status", "--run", "{run}"], ["status", "--run", "{run}", "--json"],
-                                  ["requeue", "--run", "{run}", "--all", "--dry-run"],
-                                  ["janitor", "--run", "{run}", "--dump-dir", "{tmp}/dumps"], ["runs"]],
-                         ids=lambda a: "-".join(a[:1] + a[3:4]))
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status", "--run", "{run}"],
+        ["status", "--run", "{run}", "--json"],
+        ["requeue", "--run", "{run}", "--all", "--dry-run"],
+        ["janitor", "--run", "{run}", "--dump-dir", "{tmp}/dumps"],
+        ["runs"],
+    ],
+    ids=lambda a: "-".join(a[:1] + a[3:4]),
+)
 def test_light_command_imports_no_torch(args, run, redis_server, tmp_path):
     res = _cli(*[a.format(run=run, tmp=tmp_path) for a in args], "--redis", redis_server.url)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -69,10 +81,26 @@ def test_light_command_imports_no_torch(args, run, redis_server, tmp_path):
 
 def test_metrics_serves_a_scrape_without_torch_on_loopback(run, redis_server):
     port = free_port()
-    p = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "harvest.cli", "metrics", "--redis",
-                          redis_server.url, "--port", str(port)], cwd=REPO, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "harvest.cli",
+            "metrics",
+            "--redis",
+            redis_server.url,
+            "--port",
+            str(port),
+        ],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
+
         def scrape():
             try:
                 return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text

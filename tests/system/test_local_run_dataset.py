@@ -54,10 +54,34 @@ def test_reruns_on_an_edited_dataset_say_what_the_run_holds_beyond_it(tiny_model
         return [[(t + 1) % vocab for t in r] if i in at else r for i, r in enumerate(rs)]
 
     server = RedisServer(str(tmp_path / "redis")).start()
-    common = ["--model", tiny_model, "--out", str(out), "--run", "edits", "--redis", server.url, "--dtype", "fp32",
-              "--batch-samples", "2"]
-    run = ["run", str(data), *common, "--max-wait", "1", "--chunked-prefill-size", "32", "--no-progress",
-           "--work-dir", str(tmp_path / "work"), "--dump-dir", str(tmp_path / "dumps")]
+    common = [
+        "--model",
+        tiny_model,
+        "--out",
+        str(out),
+        "--run",
+        "edits",
+        "--redis",
+        server.url,
+        "--dtype",
+        "fp32",
+        "--batch-samples",
+        "2",
+    ]
+    run = [
+        "run",
+        str(data),
+        *common,
+        "--max-wait",
+        "1",
+        "--chunked-prefill-size",
+        "32",
+        "--no-progress",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--dump-dir",
+        str(tmp_path / "dumps"),
+    ]
     try:
         # A run stopped with its samples queued (its producer alone ran), then 3 rows edited.
         write(rows)
@@ -67,8 +91,9 @@ def test_reruns_on_an_edited_dataset_say_what_the_run_holds_beyond_it(tiny_model
         write(rows)
         res = harvest_cli(*run, "--prune")
         assert res.returncode == 0, res.stdout + res.stderr
-        assert (f"harvest: run edits holds samples that {data} no longer holds: 3 queued, dropped (--prune)\n"
-                in res.stderr), res.stderr
+        assert (
+            f"harvest: run edits holds samples that {data} no longer holds: 3 queued, dropped (--prune)\n" in res.stderr
+        ), res.stderr
         assert "  samples: 12 done, 0 failed (3 enqueued now, 9 already known)\n" in res.stdout, res.stdout
         assert "  not in the dataset: 3 queued, dropped (--prune)\n" in res.stdout, res.stdout
         assert _committed(str(out / "edits")) == sorted(_ids(rows))
@@ -79,8 +104,9 @@ def test_reruns_on_an_edited_dataset_say_what_the_run_holds_beyond_it(tiny_model
         write(rows)
         res = harvest_cli(*run)
         assert res.returncode == 0, res.stdout + res.stderr
-        assert (f"harvest: run edits holds samples that {data} no longer holds: 2 committed ({KEPT_LINE})\n"
-                in res.stderr), res.stderr
+        assert (
+            f"harvest: run edits holds samples that {data} no longer holds: 2 committed ({KEPT_LINE})\n" in res.stderr
+        ), res.stderr
         assert "  samples: 14 done, 0 failed (2 enqueued now, 10 already known)\n" in res.stdout, res.stdout
         assert f"  not in the dataset: 2 committed ({KEPT_LINE})\n" in res.stdout, res.stdout
         assert _committed(str(out / "edits")) == sorted(set(_ids(rows)) | set(_ids(old)))
@@ -89,8 +115,12 @@ def test_reruns_on_an_edited_dataset_say_what_the_run_holds_beyond_it(tiny_model
         docs = _docs(str(out / "edits"))
         whole = sum(d["bytes"] for d in docs)
         victim = _ids(rows)[3]
-        flip(run_location(str(out), "edits"), next(d["shard_id"] for d in docs if victim in d["samples"]), victim,
-             "hidden_states")
+        flip(
+            run_location(str(out), "edits"),
+            next(d["shard_id"] for d in docs if victim in d["samples"]),
+            victim,
+            "hidden_states",
+        )
         res = harvest_cli("reconcile", "--run", "edits", "--redis", server.url, "--verify", "--no-progress")
         assert res.returncode == 0, res.stdout + res.stderr
         res = harvest_cli(*run)
@@ -99,8 +129,12 @@ def test_reruns_on_an_edited_dataset_say_what_the_run_holds_beyond_it(tiny_model
         docs = _docs(str(out / "edits"))
         kept = kept_copies(docs).kept
         assert sorted(kept) == sorted(set(_ids(rows)) | set(_ids(old)))
-        share = {d["shard_id"]: sum(t for s, t in zip(d["samples"], d["tokens"]) if kept.get(s) == d["shard_id"])
-                 for d in docs}
+        share = {
+            d["shard_id"]: sum(
+                t for s, t in zip(d["samples"], d["tokens"], strict=False) if kept.get(s) == d["shard_id"]
+            )
+            for d in docs
+        }
         tokens = sum(share.values())
         nbytes = sum(d["bytes"] * share[d["shard_id"]] // sum(d["tokens"]) for d in docs)
         assert nbytes < sum(d["bytes"] for d in docs)  # the shard holding the excluded copy counts less

@@ -35,16 +35,41 @@ def _fill(fs: str) -> str:
 def _args(tmp_path, fs: str) -> tuple[list[str], str]:
     dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(10, seed=4))
     work = os.path.join(fs, "work")
-    return (["run", dataset, "--model", "MODEL", "--out", str(tmp_path / "out"), "--run", "full", "--work-dir", work,
-             "--dump-dir", str(tmp_path / "dumps"), "--min-free-mb", "8", "--no-progress",
-             # 5 jobs: a worker started before a pause finishes the job it took; the run's first
-             # jobs must not be all of it
-             "--batch-samples", "2"], work)
+    return (
+        [
+            "run",
+            dataset,
+            "--model",
+            "MODEL",
+            "--out",
+            str(tmp_path / "out"),
+            "--run",
+            "full",
+            "--work-dir",
+            work,
+            "--dump-dir",
+            str(tmp_path / "dumps"),
+            "--min-free-mb",
+            "8",
+            "--no-progress",
+            # 5 jobs: a worker started before a pause finishes the job it took; the run's first
+            # jobs must not be all of it
+            "--batch-samples",
+            "2",
+        ],
+        work,
+    )
 
 
 def _start(args: list[str]) -> tuple[subprocess.Popen, OutputReader, OutputReader]:
-    p = subprocess.Popen([sys.executable, "-m", "harvest.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "harvest.cli", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     return p, OutputReader(p.stdout), OutputReader(p.stderr)
 
 
@@ -63,8 +88,10 @@ def test_a_full_work_dir_pauses_the_run_and_it_goes_on_when_space_returns(tmp_pa
         line = next(x for x in err.text.splitlines() if x.startswith(_paused(tiny_fs, work)))
         assert ", less than --min-free-mb 8; the spool (" in line and f"{work}/spool) holds " in line
         assert f"the private Redis's append-only file ({work}/redis) " in line
-        assert line.endswith("The workers are stopped; free space there and the run goes on by itself (at 12.0 MiB "
-                             "free), or Ctrl-C stops it cleanly")
+        assert line.endswith(
+            "The workers are stopped; free space there and the run goes on by itself (at 12.0 MiB "
+            "free), or Ctrl-C stops it cleanly"
+        )
         assert p.poll() is None  # paused, not ended
         # full from the start: the workers were never started (a first job would have filled it more)
         assert not os.path.exists(os.path.join(work, "logs", "worker-1.log"))
@@ -126,15 +153,42 @@ def test_a_work_dir_full_to_the_last_byte_mid_run_is_a_pause_and_the_run_goes_on
     redis_server = RedisServer(str(tmp_path / "redis")).start()
     dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(24, seed=6))
     work = os.path.join(tiny_fs, "work")
-    args = ["run", dataset, "--model", tiny_model, "--out", str(tmp_path / "out"), "--run", "fills", "--work-dir", work,
-            "--dump-dir", str(tmp_path / "dumps"), "--min-free-mb", "8", "--no-progress", "--batch-samples", "2",
-            "--max-wait", "1", "--redis", redis_server.url]
-    p = subprocess.Popen([sys.executable, "-m", "harvest.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         env={**os.environ, "HARVEST_ENGINE_FAULTS": "hang", "HARVEST_ENGINE_HANG_S": "1"})
+    args = [
+        "run",
+        dataset,
+        "--model",
+        tiny_model,
+        "--out",
+        str(tmp_path / "out"),
+        "--run",
+        "fills",
+        "--work-dir",
+        work,
+        "--dump-dir",
+        str(tmp_path / "dumps"),
+        "--min-free-mb",
+        "8",
+        "--no-progress",
+        "--batch-samples",
+        "2",
+        "--max-wait",
+        "1",
+        "--redis",
+        redis_server.url,
+    ]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "harvest.cli", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "HARVEST_ENGINE_FAULTS": "hang", "HARVEST_ENGINE_HANG_S": "1"},
+    )
     stdout, err = OutputReader(p.stdout), OutputReader(p.stderr)
     conn = redis.Redis.from_url(redis_server.url)
     try:
+
         def mid_run() -> bool:
             assert p.poll() is None, err.text
             c = {k.decode(): int(v) for k, v in conn.hgetall(Keys("fills").counts).items()}

@@ -22,8 +22,16 @@ SAMPLES = 40
 
 def test_a_redis_that_came_back_empty_mid_run_leaves_no_sample_behind(tiny_model, tmp_path):
     server = RedisServer(str(tmp_path / "redis"), appendonly=False).start()  # no persistence: a restart is empty
-    run = start_run(tiny_model, tmp_path, "empty", SAMPLES, 51, "--redis", server.url,
-                    env={"HARVEST_ENGINE_FAULTS": "hang", "HARVEST_ENGINE_HANG_S": "1"})  # a job a second at most
+    run = start_run(
+        tiny_model,
+        tmp_path,
+        "empty",
+        SAMPLES,
+        51,
+        "--redis",
+        server.url,
+        env={"HARVEST_ENGINE_FAULTS": "hang", "HARVEST_ENGINE_HANG_S": "1"},
+    )  # a job a second at most
     try:
         conn = redis.Redis.from_url(server.url)
 
@@ -43,17 +51,24 @@ def test_a_redis_that_came_back_empty_mid_run_leaves_no_sample_behind(tiny_model
         assert rc == 0, text + err
         assert at_restart["q"] >= 8
         assert f"samples: {SAMPLES} done, 0 failed ({SAMPLES} enqueued now, 0 already known)" in text, text + err
-        again = re.search(r"\n  enqueued again: (\d+) samples of the dataset that Redis had lost \(a producer pass "
-                          r"after the extraction\)\n", text)
+        again = re.search(
+            r"\n  enqueued again: (\d+) samples of the dataset that Redis had lost \(a producer pass "
+            r"after the extraction\)\n",
+            text,
+        )
         # Samples queued at the snapshot may still be taken by a worker before the kill; a worker settles
         # those into the new Redis, so they are not lost. Those done at the snapshot are in the index files.
         assert again and 0 < int(again.group(1)) <= SAMPLES - at_restart["d"], text + err
-        assert re.search(r"harvest: \d+ samples of the dataset are in no state \(a Redis that came back without "
-                         r"them\): enqueuing them again\n", err), err
+        assert re.search(
+            r"harvest: \d+ samples of the dataset are in no state \(a Redis that came back without "
+            r"them\): enqueuing them again\n",
+            err,
+        ), err
         assert run.committed() == Counter({sid: 1 for sid in run.expected})
         res = harvest_cli("status", "--run", "empty", "--redis", server.url, "--check")
         assert res.returncode == 0, res.stdout + res.stderr
-        assert res.stdout == (f"ledger of run empty: consistent ({SAMPLES} samples: queued 0, spooled 0, "
-                              f"done {SAMPLES}, failed 0)\n")
+        assert res.stdout == (
+            f"ledger of run empty: consistent ({SAMPLES} samples: queued 0, spooled 0, done {SAMPLES}, failed 0)\n"
+        )
     finally:
         server.stop()

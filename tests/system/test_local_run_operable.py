@@ -27,9 +27,15 @@ RUN = "ops"
 
 def _cli(*args: str, cwd: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`harvest ...` typed in `cwd` (its own session: whatever it starts goes with it)."""
-    return subprocess.run([sys.executable, "-m", "harvest.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": REPO, **(env or {})}, timeout=timeout,
-                          start_new_session=True)
+    return subprocess.run(
+        [sys.executable, "-m", "harvest.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO, **(env or {})},
+        timeout=timeout,
+        start_new_session=True,
+    )
 
 
 def _printed(stdout: str, label: str) -> list[str]:
@@ -54,8 +60,21 @@ def finished(tmp_path_factory, tiny_model):
     elsewhere = tmp_path_factory.mktemp("elsewhere")  # another folder, long after the run's Redis stopped
     os.symlink(tiny_model, home / "tiny")
     write_jsonl(str(home / "data.jsonl"), demo_rows(10, seed=5))
-    args = ["run", "data.jsonl", "--model", "tiny/", "--out", "out", "--run", RUN, "--work-dir", "work",
-            "--dump-dir", str(home / "dumps"), "--no-progress"]
+    args = [
+        "run",
+        "data.jsonl",
+        "--model",
+        "tiny/",
+        "--out",
+        "out",
+        "--run",
+        RUN,
+        "--work-dir",
+        "work",
+        "--dump-dir",
+        str(home / "dumps"),
+        "--no-progress",
+    ]
     work = str(home / "work")
     first = _cli(*args, cwd=str(home), env={"HARVEST_ENGINE_FAULTS": "nan:2"})
     status = [*STATUS, work]
@@ -86,8 +105,9 @@ def test_the_summary_prints_commands_that_work_as_printed_and_requeue_the_failur
     assert res.returncode == 0 and RUN in res.stdout, res.stdout + res.stderr
     res = steps["requeue"]
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("requeued 2 failed samples in ") and res.stdout.endswith(" jobs, 2 nonfinite\n"), \
+    assert res.stdout.startswith("requeued 2 failed samples in ") and res.stdout.endswith(" jobs, 2 nonfinite\n"), (
         res.stdout
+    )
     again = finished["again"]
     assert again.returncode == 0, again.stdout + again.stderr
     n = len(RunReader(str(home / "out" / RUN)))
@@ -102,8 +122,16 @@ def test_a_finished_run_exports_from_another_folder(finished, tmp_path):
     first_line = finished["first"].stdout.splitlines()[0]
     assert first_line == f"run {RUN} -> {home / 'out'}"
     # speculators reads the final norm from the run's model path: relative, it would not be found here
-    res = _cli("export", "--run-url", str(home / "out" / RUN), "--format", "speculators", "exp", "--no-progress",
-               cwd=str(tmp_path))
+    res = _cli(
+        "export",
+        "--run-url",
+        str(home / "out" / RUN),
+        "--format",
+        "speculators",
+        "exp",
+        "--no-progress",
+        cwd=str(tmp_path),
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.splitlines()[-1].startswith("exported ")
 
@@ -133,7 +161,8 @@ def test_a_rejected_configuration_leaves_nothing_behind(finished):
     args[args.index("--out") + 1] = "o4"
     res = _cli(*args, "--layers", "2,4,6", cwd=str(home))
     assert res.returncode == 2, res.stdout + res.stderr
-    assert res.stderr.startswith(f"harvest: error: run {RUN!r} already exists with a different configuration in "
-                                 f"Redis key "), res.stderr
+    assert res.stderr.startswith(
+        f"harvest: error: run {RUN!r} already exists with a different configuration in Redis key "
+    ), res.stderr
     assert "capture_points: [2, 4, 5, 8] there, [2, 4, 6] now" in res.stderr
     assert not (home / "o4").exists()  # no run.json in the new output

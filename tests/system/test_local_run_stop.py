@@ -68,6 +68,7 @@ class Terminal:
             if pid:
                 self.status = os.waitstatus_to_exitcode(status)
             return self.status is not None
+
         if self.status is None:
             wait_for(done, timeout, f"harvest run to exit; its terminal said:\n{self.text[-3000:]}")
         self._reader.join(10)
@@ -84,26 +85,43 @@ class Terminal:
 def _run_args(tmp_path, n: int = 16) -> tuple[list[str], str]:
     dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(n, seed=11))
     work = str(tmp_path / "work")
-    return (["run", dataset, "--model", "MODEL", "--out", str(tmp_path / "out"), "--run", "stop", "--work-dir", work,
-             "--dump-dir", str(tmp_path / "dumps"), "--batch-samples", "4", "--no-progress"], work)
+    return (
+        [
+            "run",
+            dataset,
+            "--model",
+            "MODEL",
+            "--out",
+            str(tmp_path / "out"),
+            "--run",
+            "stop",
+            "--work-dir",
+            work,
+            "--dump-dir",
+            str(tmp_path / "dumps"),
+            "--batch-samples",
+            "4",
+            "--no-progress",
+        ],
+        work,
+    )
 
 
 def _private_redis(work: str) -> redis.Redis:
     """The runner's private Redis: its URL is in the work dir's lock file (harvest.cli.workdir)."""
+
     def url():
         try:
             with open(os.path.join(work, "runner.lock")) as f:
                 return json.load(f).get("redis")
         except (OSError, ValueError):
             return None
+
     return redis.Redis.from_url(wait_for(url, 120, "the runner's Redis URL in runner.lock"))
 
 
 def _busy_worker(conn: redis.Redis) -> bool:
-    for key in conn.scan_iter(match="harvest:worker:*"):
-        if conn.hget(key, "state") == b"busy":
-            return True
-    return False
+    return any(conn.hget(key, "state") == b"busy" for key in conn.scan_iter(match="harvest:worker:*"))
 
 
 def _log(work: str) -> list[str]:
@@ -146,14 +164,22 @@ def test_ctrl_c_in_a_terminal_stops_in_order_and_leaves_nothing_uncommitted(tmp_
         term.kill()
     assert status == 130, term.text
     assert "harvest: stopping: the workers finish their jobs, the collector commits what is spooled" in term.text
-    assert (f"harvest: interrupted: the run's processes are stopped; run the same command again to resume (where it "
-            f"stands: harvest status --run stop --work-dir {work})") in term.text
+    assert (
+        f"harvest: interrupted: the run's processes are stopped; run the same command again to resume (where it "
+        f"stands: harvest status --run stop --work-dir {work})"
+    ) in term.text
     log = _log(work)
-    assert log == ["stopping worker-1, worker-2",
-                   "worker-1 stopped (exit status 0)", "worker-2 stopped (exit status 0)",  # each finished its job
-                   "stopping collector", "collector stopped (exit status 0)",
-                   "stopping engine", "engine stopped (exit status 0)",
-                   "stopping redis-server", "redis-server stopped (exit status 0)"], log
+    assert log == [
+        "stopping worker-1, worker-2",
+        "worker-1 stopped (exit status 0)",
+        "worker-2 stopped (exit status 0)",  # each finished its job
+        "stopping collector",
+        "collector stopped (exit status 0)",
+        "stopping engine",
+        "engine stopped (exit status 0)",
+        "stopping redis-server",
+        "redis-server stopped (exit status 0)",
+    ], log
     for name in ("worker-1", "worker-2", "collector", "engine"):
         text = open(os.path.join(work, "logs", f"{name}.log")).read()
         assert "Traceback" not in text and "Aborted!" not in text, (name, text[-2000:])
@@ -212,9 +238,14 @@ def test_a_sigkilled_runner_leaves_no_child_behind_and_the_same_command_resumes(
     args, work = _run_args(tmp_path, n=12)
     args[args.index("MODEL")] = tiny_model
     argv = [sys.executable, "-m", "harvest.cli", *args]
-    p = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True, env={**os.environ, "HARVEST_ENGINE_FAULTS": "hang",
-                                                      "HARVEST_ENGINE_HANG_S": "2"})
+    p = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "HARVEST_ENGINE_FAULTS": "hang", "HARVEST_ENGINE_HANG_S": "2"},
+    )
     try:
         wait_for(lambda: _busy_worker(_private_redis(work)), 180, "a worker busy with a job")
         port = _private_redis(work).connection_pool.connection_kwargs["port"]

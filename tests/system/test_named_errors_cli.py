@@ -38,14 +38,18 @@ def test_a_garbled_index_or_run_json_is_named_by_export_and_reconcile(conn, redi
     assert r.stderr == (
         f"harvest: error: index file {run_url}/index/{index} is not JSON ({JSON_ERR} at line 1 column 2): garbled or "
         f"cut short; move it out of {run_url}/index (its shard is then uncommitted) and run `harvest reconcile --run r` "
-        "(with the run's --redis or --work-dir) to extract its samples again\n")
+        "(with the run's --redis or --work-dir) to extract its samples again\n"
+    )
     r = harvest_cli("reconcile", "--run", "r", "--redis", redis_server.url, "--out", out_url)
     assert r.returncode == 2 and r.stderr.splitlines()[-1] == (
-        f"harvest: error: {run_url}/index/{index} is not JSON ({JSON_ERR} at line 1 column 2): garbled or cut short")
+        f"harvest: error: {run_url}/index/{index} is not JSON ({JSON_ERR} at line 1 column 2): garbled or cut short"
+    )
 
     loc.fs.pipe_file(loc.path("index", index), good)
     loc.fs.pipe_file(loc.path("run.json"), b"{x")
     r = harvest_cli("export", "--run-url", run_url, "--format", "specforge", str(tmp_path / "sf"), "--no-progress")
     assert (r.returncode, r.stdout) == (2, "")
-    assert r.stderr == (f"harvest: error: {run_url}/run.json is not a harvest run.json (JSONDecodeError: {JSON_ERR}: "
-                        "line 1 column 2 (char 1)): garbled, or not written by harvest\n")
+    assert r.stderr == (
+        f"harvest: error: {run_url}/run.json is not a harvest run.json (JSONDecodeError: {JSON_ERR}: "
+        "line 1 column 2 (char 1)): garbled, or not written by harvest\n"
+    )

@@ -39,13 +39,39 @@ class Node:
     def start(self, worker=True, collector=True, collector_env=None, burst_collector=False):
         if worker:
             self.url = self.url or self.procs.engine(f"engine-{self.name}", self.model, self.dumps)
-            self.procs.start(f"worker-{self.name}", "worker", "--run", self.run, "--redis", self.redis_url,
-                             "--engine-url", self.url, "--dump-dir", self.dumps, "--spool-dir", self.spool,
-                             "--node", self.name)
+            self.procs.start(
+                f"worker-{self.name}",
+                "worker",
+                "--run",
+                self.run,
+                "--redis",
+                self.redis_url,
+                "--engine-url",
+                self.url,
+                "--dump-dir",
+                self.dumps,
+                "--spool-dir",
+                self.spool,
+                "--node",
+                self.name,
+            )
         if collector:
-            self.procs.start(f"collector-{self.name}", "collect", "--run", self.run, "--redis", self.redis_url,
-                             "--spool-dir", self.spool, "--node", self.name, "--max-wait", "1",
-                             *(["--burst"] if burst_collector else []), env=collector_env)
+            self.procs.start(
+                f"collector-{self.name}",
+                "collect",
+                "--run",
+                self.run,
+                "--redis",
+                self.redis_url,
+                "--spool-dir",
+                self.spool,
+                "--node",
+                self.name,
+                "--max-wait",
+                "1",
+                *(["--burst"] if burst_collector else []),
+                env=collector_env,
+            )
 
     def lose(self):
         """Every process of the node SIGKILLed at once; its spool stays as it was."""
@@ -99,8 +125,9 @@ def _check_every_sample_once(conn, run, out_url, total):
     wait_until(lambda: not list(conn.scan_iter(match=f"{ledger.keys.prefix}:packing:*")), 30, "packing records cleared")
 
 
-def test_a_lost_nodes_spooled_samples_are_reclaimed_and_committed_elsewhere(tmp_path, conn, redis_server,
-                                                                          tiny_model, procs):
+def test_a_lost_nodes_spooled_samples_are_reclaimed_and_committed_elsewhere(
+    tmp_path, conn, redis_server, tiny_model, procs
+):
     run, out = "lost", f"file://{tmp_path}/out"
     total, a = _spooled_then_lost(tmp_path, conn, redis_server, tiny_model, procs, run, out, grace=6)
     stranded, files = a.spooled(conn), sorted(os.listdir(a.spool))
@@ -111,8 +138,11 @@ def test_a_lost_nodes_spooled_samples_are_reclaimed_and_committed_elsewhere(tmp_
     stats = Ledger(conn, run).stats()
     assert stats["spools_reclaimed"] == 1 and stats["samples_reclaimed"] == stranded
     st = _status(run, redis_server.url)
-    assert {s["spool"]: (s["node"], s["state"], s["samples"]) for s in st["spools"]}[a.spool_id()] == \
-        ("a", "reclaimed", 0)
+    assert {s["spool"]: (s["node"], s["state"], s["samples"]) for s in st["spools"]}[a.spool_id()] == (
+        "a",
+        "reclaimed",
+        0,
+    )
     assert st["spools_reclaimed"] == 1 and st["samples_reclaimed"] == stranded
     assert sorted(os.listdir(a.spool)) == files  # the lost disk was not touched
 
@@ -127,8 +157,9 @@ def test_a_node_back_within_the_grace_commits_its_own_samples(tmp_path, conn, re
     assert Ledger(conn, run).stats().get("spools_reclaimed", 0) == 0 and a.spool_id() == spool_id
 
 
-def test_a_disk_back_after_its_reclaim_commits_nothing_twice_and_leaves_no_orphan(tmp_path, conn, redis_server,
-                                                                                 tiny_model, procs, s3_bucket):
+def test_a_disk_back_after_its_reclaim_commits_nothing_twice_and_leaves_no_orphan(
+    tmp_path, conn, redis_server, tiny_model, procs, s3_bucket
+):
     run, out = "late", f"{s3_bucket}/out"
     _, total = _produce(tmp_path, conn, redis_server, tiny_model, run, out, grace=6)
     a = Node("a", tmp_path, procs, redis_server.url, run, tiny_model)
@@ -139,8 +170,11 @@ def test_a_disk_back_after_its_reclaim_commits_nothing_twice_and_leaves_no_orpha
     assert procs.wait("collector-a", 180) == -signal.SIGKILL
     a.lose()
     keys = Ledger(conn, run).keys
-    recs = [json.loads(conn.get(k)) for k in (keys.packing("a"), *conn.scan_iter(match=keys.packing_extra_pattern("a")))
-            if conn.get(k) is not None]
+    recs = [
+        json.loads(conn.get(k))
+        for k in (keys.packing("a"), *conn.scan_iter(match=keys.packing_extra_pattern("a")))
+        if conn.get(k) is not None
+    ]
     assert recs and all("index" not in r and r["spool"] == a.spool_id() for r in recs)
     stored = Location.from_url(f"{out}/{run}")
     assert any(stored.exists(f"{SHARDS}/{r['shard_id']}.safetensors") for r in recs)
@@ -163,14 +197,18 @@ def test_an_operator_reclaims_a_node_known_to_be_gone(tmp_path, conn, redis_serv
     total, a = _spooled_then_lost(tmp_path, conn, redis_server, tiny_model, procs, run, out, grace=3600)
     stranded = a.spooled(conn)
     res = cli("requeue", "--run", run, "--redis", redis_server.url, "--node", "a", "--dry-run")
-    assert res.returncode == 0 and res.stdout == f"would reclaim spool {a.spool_id()} of node a: {stranded} spooled samples\n"
+    assert (
+        res.returncode == 0
+        and res.stdout == f"would reclaim spool {a.spool_id()} of node a: {stranded} spooled samples\n"
+    )
     assert Ledger(conn, run).counts()["spooled"] == stranded  # a dry run changes nothing
     res = cli("requeue", "--run", run, "--redis", redis_server.url, "--node", "a")
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith(f"reclaimed spool {a.spool_id()} of node a: {stranded} samples back on the queue in ")
     res = cli("requeue", "--run", run, "--redis", redis_server.url, "--node", "zz")
-    assert res.returncode == 2 and res.stderr == (f"harvest: error: node 'zz' has no spool in run {run} "
-                                                  f"(`harvest status --run {run}` lists the spools)\n")
+    assert res.returncode == 2 and res.stderr == (
+        f"harvest: error: node 'zz' has no spool in run {run} (`harvest status --run {run}` lists the spools)\n"
+    )
     b = Node("b", tmp_path, procs, redis_server.url, run, tiny_model)
     b.start()
     wait_until(lambda: Ledger(conn, run).counts()["done"] == total, 240, "every sample done")

@@ -49,8 +49,9 @@ def gpus_on_path(root: Path, n: int | None) -> dict[str, str]:
 
 
 def node(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return harvest_cli("node", "--run", "r", "--redis", "redis://127.0.0.1:1/0", "--join-wait", "0", *args,
-                       env=env, timeout=120)
+    return harvest_cli(
+        "node", "--run", "r", "--redis", "redis://127.0.0.1:1/0", "--join-wait", "0", *args, env=env, timeout=120
+    )
 
 
 def refused(res: subprocess.CompletedProcess, status: int, line: str) -> None:
@@ -68,13 +69,19 @@ def test_sglang_missing_is_refused_naming_both_ways_to_install_it(tmp_path):
     if subprocess.run([sys.executable, "-c", "import sglang"], capture_output=True).returncode == 0:
         pytest.skip("SGLang is installed in this Python environment")
     env = {"HOME": str(tmp_path), "HARVEST_SGLANG_VENV": ""}  # no default venv under this HOME
-    refused(node("--engine", "sglang", env=env), 78,
-            f"SGLang is not installed in this Python environment ({sys.executable}): {PIP}, or point "
-            "HARVEST_SGLANG_VENV at a venv that has it (scripts/sglang_venv.sh builds one)")
+    refused(
+        node("--engine", "sglang", env=env),
+        78,
+        f"SGLang is not installed in this Python environment ({sys.executable}): {PIP}, or point "
+        "HARVEST_SGLANG_VENV at a venv that has it (scripts/sglang_venv.sh builds one)",
+    )
     bare = sglang_venv(tmp_path / "bare", None)
-    refused(node("--engine", "sglang", env={"HARVEST_SGLANG_VENV": str(bare)}), 78,
-            f"SGLang is not installed for {bare}/bin/python: {PIP} there, or point HARVEST_SGLANG_VENV at a venv that "
-            "has it (scripts/sglang_venv.sh builds one)")
+    refused(
+        node("--engine", "sglang", env={"HARVEST_SGLANG_VENV": str(bare)}),
+        78,
+        f"SGLang is not installed for {bare}/bin/python: {PIP} there, or point HARVEST_SGLANG_VENV at a venv that "
+        "has it (scripts/sglang_venv.sh builds one)",
+    )
 
 
 def test_an_sglang_outside_the_supported_range_is_refused(tmp_path, tiny_model):
@@ -82,8 +89,20 @@ def test_an_sglang_outside_the_supported_range_is_refused(tmp_path, tiny_model):
     line = f"SGLang 0.4.6 (in {old}/bin/python) is outside the supported range {RANGE}: {PIP}"
     refused(node("--engine", "sglang", env={"HARVEST_SGLANG_VENV": str(old)}), 78, line)
     data = write_jsonl(str(tmp_path / "d.jsonl"), [{"input_ids": [5, 6, 7]}])
-    res = harvest_cli("run", data, "--model", tiny_model, "--out", str(tmp_path / "out"), "--engine", "sglang",
-                      "--work-dir", str(tmp_path / "work"), "--no-progress", env={"HARVEST_SGLANG_VENV": str(old)})
+    res = harvest_cli(
+        "run",
+        data,
+        "--model",
+        tiny_model,
+        "--out",
+        str(tmp_path / "out"),
+        "--engine",
+        "sglang",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--no-progress",
+        env={"HARVEST_SGLANG_VENV": str(old)},
+    )
     refused(res, 2, line)
     assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()  # nothing started, nothing written
 
@@ -91,35 +110,59 @@ def test_an_sglang_outside_the_supported_range_is_refused(tmp_path, tiny_model):
 def test_too_few_gpus_or_cores_for_tp_times_dp_are_refused(tmp_path):
     venv = {"HARVEST_SGLANG_VENV": str(sglang_venv(tmp_path / "ok", "0.5.23"))}
     two = gpus_on_path(tmp_path / "two", 2)
-    refused(node("--engine", "sglang", "--tp", "2", "--dp", "2", env={**venv, **two}), 78,
-            "too few GPUs: --tp 2 x --dp 2 needs 4, this node has 2 (nvidia-smi -L, within CUDA_VISIBLE_DEVICES): "
-            "lower --tp or --dp")
-    refused(node("--engine", "sglang", "--tp", "2", env={**venv, **two, "CUDA_VISIBLE_DEVICES": "1"}), 78,
-            "too few GPUs: --tp 2 x --dp 1 needs 2, this node has 1 (nvidia-smi -L, within CUDA_VISIBLE_DEVICES): "
-            "lower --tp or --dp")
+    refused(
+        node("--engine", "sglang", "--tp", "2", "--dp", "2", env={**venv, **two}),
+        78,
+        "too few GPUs: --tp 2 x --dp 2 needs 4, this node has 2 (nvidia-smi -L, within CUDA_VISIBLE_DEVICES): "
+        "lower --tp or --dp",
+    )
+    refused(
+        node("--engine", "sglang", "--tp", "2", env={**venv, **two, "CUDA_VISIBLE_DEVICES": "1"}),
+        78,
+        "too few GPUs: --tp 2 x --dp 1 needs 2, this node has 1 (nvidia-smi -L, within CUDA_VISIBLE_DEVICES): "
+        "lower --tp or --dp",
+    )
     cores = cpu_cores()
     none = gpus_on_path(tmp_path / "none", None)
-    refused(node("--engine", "sglang", "--tp", str(cores + 1), env={**venv, **none}), 78,
-            f"too few cores for the SGLang CPU engine (no GPU: nvidia-smi -L lists none): --tp {cores + 1} x --dp 1 "
-            f"needs {cores + 1}, this node has {cores}: lower --tp or --dp")
+    refused(
+        node("--engine", "sglang", "--tp", str(cores + 1), env={**venv, **none}),
+        78,
+        f"too few cores for the SGLang CPU engine (no GPU: nvidia-smi -L lists none): --tp {cores + 1} x --dp 1 "
+        f"needs {cores + 1}, this node has {cores}: lower --tp or --dp",
+    )
 
 
 def test_the_reference_engine_takes_no_tp(tmp_path, tiny_model):
-    refused(node("--engine", "reference", "--tp", "2"), 78,
-            "--tp 2: the reference engine runs in one CPU process; use --dp N for N of them, or --engine sglang/vllm "
-            "for tensor parallelism")
+    refused(
+        node("--engine", "reference", "--tp", "2"),
+        78,
+        "--tp 2: the reference engine runs in one CPU process; use --dp N for N of them, or --engine sglang/vllm "
+        "for tensor parallelism",
+    )
 
 
 def test_a_model_that_is_not_the_runs_is_refused(tmp_path, tiny_model):
     server = RedisServer(str(tmp_path / "redis")).start()
     try:
         data = write_jsonl(str(tmp_path / "d.jsonl"), [{"input_ids": [5, 6, 7]}])
-        res = harvest_cli("produce", data, "--run", "r", "--redis", server.url, "--model", tiny_model, "--out",
-                          str(tmp_path / "out"))
+        res = harvest_cli(
+            "produce", data, "--run", "r", "--redis", server.url, "--model", tiny_model, "--out", str(tmp_path / "out")
+        )
         assert res.returncode == 0, res.stderr
         other = build_tiny_model(str(tmp_path / "other"), seed=1)
-        res = harvest_cli("node", "--run", "r", "--redis", server.url, "--model", other, "--join-wait", "5",
-                          "--work", str(tmp_path / "work"))
+        res = harvest_cli(
+            "node",
+            "--run",
+            "r",
+            "--redis",
+            server.url,
+            "--model",
+            other,
+            "--join-wait",
+            "5",
+            "--work",
+            str(tmp_path / "work"),
+        )
         assert res.returncode == 78, res.stdout + res.stderr
         assert res.stderr.startswith("harvest: error: ") and "fingerprint" in res.stderr, res.stderr
         assert res.stderr.count("\n") == 1 and not (tmp_path / "work").exists()

@@ -45,8 +45,12 @@ def test_sigterm_mid_run_exits_75_with_nothing_lost_and_a_second_start_finishes(
         assert rc == 75, said + log
         assert took < 30 + 5, took
         assert "harvest node: stopped by a signal; the spool in" in said, said
-        assert log.index("stopping within 30s (a signal)") < log.index("stopping worker-1, worker-2") \
-            < log.index("stopping collector") < log.index("stopping engine"), log
+        assert (
+            log.index("stopping within 30s (a signal)")
+            < log.index("stopping worker-1, worker-2")
+            < log.index("stopping collector")
+            < log.index("stopping engine")
+        ), log
         c = Ledger(conn, "preempted").counts()
         copies = run.committed()
         assert c["spooled"] == 0 and c["failed"] == 0, c  # the collector committed what was spooled

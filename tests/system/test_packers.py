@@ -39,8 +39,9 @@ def test_two_packers_commit_disjoint_slices_each_sample_once(conn, redis_server,
 
 @pytest.mark.parametrize("kind", ["file", "s3"])
 @pytest.mark.parametrize("point", ["packing", "header-sent", "uploaded", "fenced", "marked"])
-def test_kill_with_two_packers_mid_commit_then_restart_with_two_or_one(conn, redis_server, tmp_path, request, kind,
-                                                                       point):
+def test_kill_with_two_packers_mid_commit_then_restart_with_two_or_one(
+    conn, redis_server, tmp_path, request, kind, point
+):
     out = f"file://{tmp_path / 'out'}" if kind == "file" else f"{request.getfixturevalue('s3_bucket')}/out"
     t = _trial(conn, redis_server, tmp_path, out)
     assert t.run(crash=point, pack_workers=2) == -signal.SIGKILL

@@ -16,8 +16,23 @@ def test_job_sizes_follow_the_flags(conn, redis_server, tiny_model, tmp_path):
     data = tmp_path / "d.jsonl"
     rows = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((10, 10, 10, 10, 30))]  # distinct samples
     data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
-    res = harvest_cli("produce", str(data), "--run", "b", "--redis", redis_server.url, "--model", tiny_model,
-                      "--out", str(tmp_path / "out"), "--batch-samples", "3", "--batch-tokens", "25", "--no-progress")
+    res = harvest_cli(
+        "produce",
+        str(data),
+        "--run",
+        "b",
+        "--redis",
+        redis_server.url,
+        "--model",
+        tiny_model,
+        "--out",
+        str(tmp_path / "out"),
+        "--batch-samples",
+        "3",
+        "--batch-tokens",
+        "25",
+        "--no-progress",
+    )
     assert res.returncode == 0, res.stderr
     q = Queue(Keys("b").queue_name, connection=conn, serializer=JSONSerializer)
     sizes = [[s.num_tokens for s in decode_batch(job.args[0])[1]] for job in q.get_jobs()]

@@ -7,12 +7,12 @@ import pyarrow.parquet as pq
 from rq import Queue
 from rq.serializers import JSONSerializer
 
-from harvest.state.keys import Keys
-from harvest.state.ledger import Ledger
-from harvest.state.payload import decode_batch
 from harvest.producer.rowkinds import FieldMap
 from harvest.producer.rows import Row
 from harvest.producer.tokenize import LengthPolicy, RowTokenizer
+from harvest.state.keys import Keys
+from harvest.state.ledger import Ledger
+from harvest.state.payload import decode_batch
 from tests.support.cli import harvest_cli
 from tests.support.templates import CHATML
 
@@ -32,7 +32,9 @@ def _write(path, rows, extra=b""):
 
 def test_dry_run_counts_without_redis_and_reports_bad_rows(tiny_model, tmp_path):
     p = _write(tmp_path / "d.jsonl", ROWS, b'{"text": ""}\n{oops\n{"text": "\xff"}\n{"foo": 1}\n')
-    r = harvest_cli("produce", str(p), "--run", "x", "--model", tiny_model, "--dry-run", "--redis", "redis://127.0.0.1:1")
+    r = harvest_cli(
+        "produce", str(p), "--run", "x", "--model", tiny_model, "--dry-run", "--redis", "redis://127.0.0.1:1"
+    )
     assert r.returncode == 1, r.stderr
     assert r.stdout.startswith("rows 9: 5 samples (")
     assert "; dry run, nothing enqueued; bad 3, empty 1, overlong 0 skipped, truncated 0" in r.stdout
@@ -60,8 +62,26 @@ def test_enqueue_with_fields_template_and_length_policy(conn, redis_server, toke
     p = _write(tmp_path / "d.jsonl", rows)
     tpl = tmp_path / "chatml.jinja"
     tpl.write_text(CHATML)
-    args = ["produce", str(p), "--run", "f", "--redis", redis_server.url, "--model", tiny_model, "--out", str(tmp_path / "o"),
-            "--field", "text=body", "--field", "messages=dialog", "--chat-template", str(tpl), "--max-len", "11"]
+    args = [
+        "produce",
+        str(p),
+        "--run",
+        "f",
+        "--redis",
+        redis_server.url,
+        "--model",
+        tiny_model,
+        "--out",
+        str(tmp_path / "o"),
+        "--field",
+        "text=body",
+        "--field",
+        "messages=dialog",
+        "--chat-template",
+        str(tpl),
+        "--max-len",
+        "11",
+    ]
     r = harvest_cli(*args, "--overlong", "truncate")
     assert r.returncode == 0, r.stderr
     assert "rows 3: 2 samples (22 tokens); enqueued 2 in 1 jobs (22 tokens)" in r.stdout
@@ -69,7 +89,9 @@ def test_enqueue_with_fields_template_and_length_policy(conn, redis_server, toke
     assert r.stderr.splitlines()[-1] == f"empty row {p}:3: empty sample (0 tokens)"
     q = Queue(Keys("f").queue_name, connection=conn, serializer=JSONSerializer)
     _, samples = decode_batch(q.jobs[0].args[0])
-    ref = RowTokenizer(tokenizer, FieldMap.parse(["text=body", "messages=dialog"]), CHATML, LengthPolicy(11, "truncate"))
+    ref = RowTokenizer(
+        tokenizer, FieldMap.parse(["text=body", "messages=dialog"]), CHATML, LengthPolicy(11, "truncate")
+    )
     want = ref([Row(rows[0], "x"), Row(rows[1], "x")])
     assert [(s.input_ids.tolist(), s.loss_mask.tolist()) for s in samples] == [
         (w.input_ids.tolist(), w.loss_mask.tolist()) for w in want

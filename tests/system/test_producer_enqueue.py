@@ -19,11 +19,11 @@ from rq.serializers import JSONSerializer
 
 from harvest.config import RunConfig, build_config
 from harvest.ids import sample_id
+from harvest.producer.producer import produce
 from harvest.state.keys import Keys
 from harvest.state.ledger import Ledger
 from harvest.state.payload import decode_batch
 from harvest.state.runstore import publish_run
-from harvest.producer.producer import produce
 from tests.support.cli import REPO
 from tests.support.wait import wait_for
 
@@ -72,15 +72,43 @@ def _commit_in_storage(run_dir, ids: list[str]) -> None:
     from harvest.storage import atomic_write_local
 
     shard = "0" * 32
-    atomic_write_local(str(run_dir / "index" / f"{shard}.json"), encode_index({
-        "format": FORMAT, "shard_id": shard, "shard": f"shards/{shard}.safetensors", "samples": ids,
-        "tokens": [1] * len(ids), "offsets": list(range(len(ids) + 1)), "bytes": 0, "sha256": "", "dtype": "bf16",
-        "capture_points": [2, 4, 5, 8]}))
+    atomic_write_local(
+        str(run_dir / "index" / f"{shard}.json"),
+        encode_index(
+            {
+                "format": FORMAT,
+                "shard_id": shard,
+                "shard": f"shards/{shard}.safetensors",
+                "samples": ids,
+                "tokens": [1] * len(ids),
+                "offsets": list(range(len(ids) + 1)),
+                "bytes": 0,
+                "sha256": "",
+                "dtype": "bf16",
+                "capture_points": [2, 4, 5, 8],
+            }
+        ),
+    )
 
 
 def produce_cli(redis_url, dataset, run, *extra, tiny_model, out, popen=False):
-    args = [sys.executable, "-m", "harvest.cli", "produce", str(dataset), "--run", run, "--redis", redis_url,
-            "--model", tiny_model, "--out", str(out), "--no-progress", *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "harvest.cli",
+        "produce",
+        str(dataset),
+        "--run",
+        run,
+        "--redis",
+        redis_url,
+        "--model",
+        tiny_model,
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
     if popen:
         return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -91,8 +119,9 @@ def test_ledger_move_and_rq_job_are_one_transaction(conn, redis_server, tokenize
     hashes and queue pushes, so a kill leaves both or neither (Redis discards a MULTI whose client
     dies before EXEC)."""
     write_rows(tmp_path / "d.jsonl", 5)
-    cfg = RunConfig(run="m", model=tiny_model, capture_points=[2, 4], hidden_size=64, out_url=str(tmp_path),
-                    max_batch_samples=2)
+    cfg = RunConfig(
+        run="m", model=tiny_model, capture_points=[2, 4], hidden_size=64, out_url=str(tmp_path), max_batch_samples=2
+    )
     mon_conn = redis.Redis.from_url(redis_server.url)
     seen, ready = [], threading.Event()
 
@@ -113,7 +142,7 @@ def test_ledger_move_and_rq_job_are_one_transaction(conn, redis_server, tokenize
     assert (s.enqueued, s.jobs) == (5, 3)
     verbs = [c.split(" ", 1)[0].upper() for c in seen]
     txs, cur = [], None
-    for verb, c in zip(verbs, seen):
+    for verb, c in zip(verbs, seen, strict=False):
         if verb == "MULTI":
             cur = []
         elif verb == "EXEC":
@@ -150,8 +179,16 @@ def test_100k_rows_bounded_queue_drained_exactly_once_rerun_enqueues_nothing(con
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    proc = produce_cli(redis_server.url, tmp_path / "big.jsonl", "big", "--max-queued", str(bound),
-                       tiny_model=tiny_model, out=tmp_path / "out", popen=True)
+    proc = produce_cli(
+        redis_server.url,
+        tmp_path / "big.jsonl",
+        "big",
+        "--max-queued",
+        str(bound),
+        tiny_model=tiny_model,
+        out=tmp_path / "out",
+        popen=True,
+    )
     got = Counter()
     while True:
         ids = drain_one(conn, "big", led)
@@ -194,8 +231,16 @@ def test_sigkill_mid_dataset_then_rerun_loses_and_doubles_nothing(conn, redis_se
     expected = set(write_rows(tmp_path / "d.jsonl", n))
     led = Ledger(conn, "k")
     for kill_at in (2_000, 25_000):
-        proc = produce_cli(redis_server.url, tmp_path / "d.jsonl", "k", "--max-queued", str(n),
-                           tiny_model=tiny_model, out=tmp_path / "out", popen=True)
+        proc = produce_cli(
+            redis_server.url,
+            tmp_path / "d.jsonl",
+            "k",
+            "--max-queued",
+            str(n),
+            tiny_model=tiny_model,
+            out=tmp_path / "out",
+            popen=True,
+        )
         while led.counts()["total"] < kill_at and proc.poll() is None:
             time.sleep(0.001)
         proc.send_signal(signal.SIGKILL)
@@ -203,8 +248,9 @@ def test_sigkill_mid_dataset_then_rerun_loses_and_doubles_nothing(conn, redis_se
         assert proc.returncode == -signal.SIGKILL
         assert kill_at <= led.counts()["total"] < n  # killed mid-dataset
         _assert_queue_matches_ledger(conn, "k")
-    done = produce_cli(redis_server.url, tmp_path / "d.jsonl", "k", "--max-queued", str(n),
-                       tiny_model=tiny_model, out=tmp_path / "out")
+    done = produce_cli(
+        redis_server.url, tmp_path / "d.jsonl", "k", "--max-queued", str(n), tiny_model=tiny_model, out=tmp_path / "out"
+    )
     assert done.returncode == 0, done.stderr
     before = n - int(done.stdout.split("enqueued ")[1].split(" ")[0])
     assert f"skipped {before} already known" in done.stdout
@@ -216,9 +262,23 @@ def test_two_producers_at_once_enqueue_each_sample_once(conn, redis_server, tiny
     n = 20_000
     expected = set(write_rows(tmp_path / "d.jsonl", n))
     publish_run(conn, build_config("two", tiny_model, str(tmp_path / "out"), "2,4"))
-    args = [sys.executable, "-m", "harvest.cli", "produce", str(tmp_path / "d.jsonl"), "--run", "two",
-            "--redis", redis_server.url, "--max-queued", str(n), "--no-progress"]
-    procs = [subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    args = [
+        sys.executable,
+        "-m",
+        "harvest.cli",
+        "produce",
+        str(tmp_path / "d.jsonl"),
+        "--run",
+        "two",
+        "--redis",
+        redis_server.url,
+        "--max-queued",
+        str(n),
+        "--no-progress",
+    ]
+    procs = [
+        subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     enq = [int(o.split("enqueued ")[1].split(" ")[0]) for o, _ in outs]
@@ -245,13 +305,26 @@ def test_rerun_after_done_and_failed_enqueues_nothing(conn, tiny_model, tokenize
 def test_job_batches_are_bounded_by_count_and_tokens(conn, tiny_model, tokenizer, tmp_path):
     rows = [{"input_ids": [5 + i] * (1 + i % 7)} for i in range(200)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = RunConfig(run="b", model=tiny_model, capture_points=[2, 4], hidden_size=64, out_url=str(tmp_path),
-                    max_batch_samples=10, max_batch_tokens=20)
+    cfg = RunConfig(
+        run="b",
+        model=tiny_model,
+        capture_points=[2, 4],
+        hidden_size=64,
+        out_url=str(tmp_path),
+        max_batch_samples=10,
+        max_batch_tokens=20,
+    )
     s = produce(conn, cfg, str(tmp_path / "d.jsonl"), tokenizer=tokenizer, progress=False)
     jobs = queued_jobs(conn, "b")
     assert s.enqueued == 200 and len(jobs) == s.jobs
-    sizes = {sid: len(r["input_ids"]) for sid, r in zip(
-        [sample_id(np.array(r["input_ids"]), np.ones(len(r["input_ids"]), np.uint8)) for r in rows], rows)}
+    sizes = {
+        sid: len(r["input_ids"])
+        for sid, r in zip(
+            [sample_id(np.array(r["input_ids"]), np.ones(len(r["input_ids"]), np.uint8)) for r in rows],
+            rows,
+            strict=False,
+        )
+    }
     for job in jobs:
         assert 1 <= len(job) <= 10
         assert sum(sizes[i] for i in job) <= 20 or len(job) == 1

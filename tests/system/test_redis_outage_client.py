@@ -67,8 +67,11 @@ def test_calls_made_while_redis_is_away_return_when_it_is_back(server, caplog):
     o = outage_of(conn)
     wait_until(lambda: o.since is not None, 10, "the client noticed the outage")
     t0 = time.monotonic()
-    wait_until(lambda: time.monotonic() - t0 > 3 and all(c.is_alive() for c in calls), 10,
-               "the calls still waiting 3 s into the outage")
+    wait_until(
+        lambda: time.monotonic() - t0 > 3 and all(c.is_alive() for c in calls),
+        10,
+        "the calls still waiting 3 s into the outage",
+    )
     _start(server)  # same port, same data dir: the AOF brings the keys back
     for c in calls:
         c.join(30)

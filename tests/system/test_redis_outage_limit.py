@@ -47,8 +47,19 @@ def test_a_worker_past_its_limit_stops_and_its_job_is_done_by_another(tmp_path, 
         with open(blocker, "wb") as f:
             f.write(b"\0" * (2 << 20))
         url = procs.engine("engine", tiny_model, dumps)
-        args = ["worker", "--run", run, "--redis", server.url, "--engine-url", url, "--dump-dir", dumps,
-                "--spool-dir", spool]
+        args = [
+            "worker",
+            "--run",
+            run,
+            "--redis",
+            server.url,
+            "--engine-url",
+            url,
+            "--dump-dir",
+            dumps,
+            "--spool-dir",
+            spool,
+        ]
         procs.start("a", *args, "--max-spool-mb", "1", "--redis-wait", "3")
 
         def busy():
@@ -63,7 +74,8 @@ def test_a_worker_past_its_limit_stops_and_its_job_is_done_by_another(tmp_path, 
         assert procs.wait("a", 60) == 75
         lines = [ln for ln in procs.log("a").splitlines() if ln.startswith("harvest: error: ")]
         assert len(lines) == 1 and lines[0].startswith(
-            f"harvest: error: lost Redis at {server.url}: it answered, then went away ("), lines
+            f"harvest: error: lost Redis at {server.url}: it answered, then went away ("
+        ), lines
         assert "did not come back within 3 s (waited 3 s). Start Redis again" in lines[0], lines
         claim_dir = os.path.join(dumps, f".claimed-{_worker_name(procs.log('a'))}")
         assert os.path.isdir(claim_dir), os.listdir(dumps)  # left as it was: the janitor removes it
@@ -72,8 +84,9 @@ def test_a_worker_past_its_limit_stops_and_its_job_is_done_by_another(tmp_path, 
         conn = redis.Redis.from_url(server.url)
         assert job in run_queue(conn, run).started_job_registry.get_job_ids()
         procs.start("b", *args)
-        procs.start("collector", "collect", "--run", run, "--redis", server.url, "--spool-dir", spool,
-                    "--max-wait", "1")
+        procs.start(
+            "collector", "collect", "--run", run, "--redis", server.url, "--spool-dir", spool, "--max-wait", "1"
+        )
         ledger = Ledger(conn, run)
         wait_until(lambda: ledger.counts()["done"] == len(expected), 120, "every sample committed")
         c = ledger.counts()
@@ -104,14 +117,27 @@ def test_a_collector_past_its_limit_stops_with_exit_75(tmp_path, tiny_model):
         conn = redis.Redis.from_url(server.url)
         new_run(conn, "clim", tiny_model, f"file://{tmp_path}/out")
         conn.close()
-        procs.start("collector", "collect", "--run", "clim", "--redis", server.url, "--spool-dir",
-                    str(tmp_path / "spool"), "--redis-wait", "2", "--pack-workers", "2")
+        procs.start(
+            "collector",
+            "collect",
+            "--run",
+            "clim",
+            "--redis",
+            server.url,
+            "--spool-dir",
+            str(tmp_path / "spool"),
+            "--redis-wait",
+            "2",
+            "--pack-workers",
+            "2",
+        )
         wait_until(lambda: "collector started: " in procs.log("collector"), 60, "the collector started")
         server.kill()
         assert procs.wait("collector", 60) == 75
         lines = [ln for ln in procs.log("collector").splitlines() if ln.startswith("harvest: error: ")]
-        assert len(lines) == 1 and lines[0].startswith(f"harvest: error: lost Redis at {server.url}: it answered, "
-                                                       "then went away ("), lines
+        assert len(lines) == 1 and lines[0].startswith(
+            f"harvest: error: lost Redis at {server.url}: it answered, then went away ("
+        ), lines
         assert "did not come back within 2 s" in lines[0] and "Traceback" not in procs.log("collector")
     finally:
         procs.close()
@@ -124,11 +150,35 @@ def test_harvest_run_whose_redis_cannot_come_back_stops_with_exit_75(tmp_path, t
     data = write_jsonl(str(tmp_path / "data.jsonl"), demo_rows(12, seed=5))
     work = tmp_path / "work"
     p = subprocess.Popen(
-        [sys.executable, "-m", "harvest.cli", "run", data, "--model", tiny_model, "--out", str(tmp_path / "out"),
-         "--run", "gone", "--batch-samples", "2", "--no-progress", "--work-dir", str(work), "--dump-dir",
-         str(tmp_path / "dumps"), "--redis-wait", "4"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "harvest.cli",
+            "run",
+            data,
+            "--model",
+            tiny_model,
+            "--out",
+            str(tmp_path / "out"),
+            "--run",
+            "gone",
+            "--batch-samples",
+            "2",
+            "--no-progress",
+            "--work-dir",
+            str(work),
+            "--dump-dir",
+            str(tmp_path / "dumps"),
+            "--redis-wait",
+            "4",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         pid, port = wait_until(lambda: _private_redis(p), 60, "harvest run's redis-server")
         conn = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
@@ -146,10 +196,15 @@ def test_harvest_run_whose_redis_cannot_come_back_stops_with_exit_75(tmp_path, t
     assert p.returncode == 75, stdout + stderr
     lines = [ln for ln in stderr.splitlines() if ln.startswith("harvest: error: ")]
     assert len(lines) == 1, stderr
-    assert lines[0].startswith(f"harvest: error: lost Redis at redis://127.0.0.1:{port}/0: it answered, then went "
-                               "away ("), lines
-    assert ("did not come back within 4 s" in lines[0] and "; its private redis-server did not start again: "
-            f"redis-server exited with 1; see {work}/redis/redis.log. Start Redis again" in lines[0]), lines
+    assert lines[0].startswith(
+        f"harvest: error: lost Redis at redis://127.0.0.1:{port}/0: it answered, then went away ("
+    ), lines
+    assert (
+        "did not come back within 4 s" in lines[0]
+        and "; its private redis-server did not start again: "
+        f"redis-server exited with 1; see {work}/redis/redis.log. Start Redis again"
+        in lines[0]
+    ), lines
     assert "Traceback" not in stderr, stderr
     with pytest.raises(redis.ConnectionError):  # the keeper stopped trying when the run stopped
         redis.Redis.from_url(f"redis://127.0.0.1:{port}/0").ping()

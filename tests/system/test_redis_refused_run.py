@@ -15,9 +15,11 @@ from tests.support.localrun import start_run
 from tests.support.ops import wait_until
 from tests.system.test_redis_outage import _busy, _private_redis  # its harness
 
-LINE = ("refuses writes (OOM: Redis is out of memory (used memory over maxmemory, policy noeviction)): waiting up to "
-        "300 s for it to take them again; fix: raise its maxmemory (redis-cli CONFIG SET maxmemory ...) or free memory "
-        "on it; keep the policy noeviction, harvest's keys must not be evicted")
+LINE = (
+    "refuses writes (OOM: Redis is out of memory (used memory over maxmemory, policy noeviction)): waiting up to "
+    "300 s for it to take them again; fix: raise its maxmemory (redis-cli CONFIG SET maxmemory ...) or free memory "
+    "on it; keep the policy noeviction, harvest's keys must not be evicted"
+)
 
 
 def test_harvest_run_waits_out_a_full_redis_and_finishes(tiny_model, tmp_path):
@@ -37,8 +39,11 @@ def test_harvest_run_waits_out_a_full_redis_and_finishes(tiny_model, tmp_path):
         at_full = wait_until(mid_run, 120, "the run half way with a job in flight", poll=0.01)
         conn.config_set("maxmemory", 1)
         try:
-            wait_until(lambda: all(f"Redis at {url} {LINE}" in path.read_text(errors="replace") for path in
-                                   logs.values()), 60, "every worker and the collector waiting for writes")
+            wait_until(
+                lambda: all(f"Redis at {url} {LINE}" in path.read_text(errors="replace") for path in logs.values()),
+                60,
+                "every worker and the collector waiting for writes",
+            )
             assert p.poll() is None
         finally:
             conn.config_set("maxmemory", 0)

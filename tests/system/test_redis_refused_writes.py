@@ -43,6 +43,7 @@ def _misconf(admin: redis.Redis, tmp_path) -> Callable[[], None]:
     def fix() -> None:
         shutil.rmtree(blocker.parent)
         admin.bgsave()
+
     return fix
 
 
@@ -55,12 +56,15 @@ def _readonly(admin: redis.Redis, tmp_path) -> Callable[[], None]:
     def fix() -> None:
         admin.replicaof("NO", "ONE")
         primary.stop()
+
     return fix
 
 
-CASES = {"OOM": (_oom, "Redis is out of memory", "raise its maxmemory"),
-         "MISCONF": (_misconf, "Redis cannot save to disk", "free or fix the disk under Redis's dir"),
-         "READONLY": (_readonly, "Redis is a read-only replica", "point harvest at the primary")}
+CASES = {
+    "OOM": (_oom, "Redis is out of memory", "raise its maxmemory"),
+    "MISCONF": (_misconf, "Redis cannot save to disk", "free or fix the disk under Redis's dir"),
+    "READONLY": (_readonly, "Redis is a read-only replica", "point harvest at the primary"),
+}
 
 
 @pytest.mark.parametrize("code", sorted(CASES))
@@ -94,7 +98,7 @@ def test_a_watched_transaction_reads_again_once_writes_are_taken(server, tmp_pat
     admin = redis.Redis.from_url(server.url)
     client = redis_client(server.url, outage_s=60)
     client.set("n", 1)
-    end = _oom(admin, tmp_path)
+    _oom(admin, tmp_path)
     reads: list[int] = []
 
     def incr_watched() -> None:
@@ -127,8 +131,10 @@ def test_refused_past_the_limit_is_redis_lost_naming_the_refusal(server, tmp_pat
     with pytest.raises(RedisLost) as e:
         client.set("k", "v")
     assert e.value.refused and e.value.exit_status == 75
-    assert e.value.line().startswith(f"Redis at {server.url} refused writes for 1 s (waited 1 s): Redis is out of "
-                                      "memory (used memory over maxmemory, policy noeviction); raise its maxmemory")
+    assert e.value.line().startswith(
+        f"Redis at {server.url} refused writes for 1 s (waited 1 s): Redis is out of "
+        "memory (used memory over maxmemory, policy noeviction); raise its maxmemory"
+    )
     with pytest.raises(RedisLost):  # latched: nothing more reaches Redis
         client.get("k")
     admin.config_set("maxmemory", 0)

@@ -25,9 +25,9 @@ from harvest.read.reader import RunReader
 from harvest.sample import Sample
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
+from harvest.workers.claim import assemble, claim
 from tests.support.need import need
 from tests.support.synth import make_config
-from harvest.workers.claim import assemble, claim
 
 POINTS, HIDDEN, TOKENS = [2, 4, 5, 8], 1024, 256  # 2 MiB of bf16 hidden states a sample
 
@@ -70,7 +70,7 @@ def _through_the_node(base: str, conn, run: str) -> tuple[dict[str, int], int, l
         s = Sample.build(ids.tolist())
         hs = torch.randn(TOKENS, len(POINTS), HIDDEN, generator=g).to(torch.bfloat16)
         cuts = [0, 128, TOKENS] if i % 2 else [0, TOKENS]  # half the samples in two prefill chunks
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in zip(cuts, cuts[1:], strict=False):
             write_chunk(dumps, Chunk(rid_for(s.id, 1), a, b, torch.from_numpy(ids[a:b]), hs[a:b]), POINTS, "m")
         samples.append(s)
         hidden.append(hs)
@@ -109,7 +109,7 @@ def _through_the_node(base: str, conn, run: str) -> tuple[dict[str, int], int, l
 def _check_shard(base: str, run: str, samples, hidden) -> None:
     reader = RunReader(f"{base}/{run}/out/{run}")
     assert len(reader) == 8
-    for s, hs in zip(samples, hidden):
+    for s, hs in zip(samples, hidden, strict=False):
         got = reader.get(s.id)
         assert got["input_ids"].tolist() == s.input_ids.tolist()
         assert torch.equal(got["hidden_states"].view(torch.int16), hs.view(torch.int16))
@@ -117,8 +117,10 @@ def _check_shard(base: str, run: str, samples, hidden) -> None:
 
 def test_on_reflink_xfs_spool_and_shard_are_clones_not_copies(xfs, tmp_path, conn):
     used, nbytes, samples, hidden = _through_the_node(xfs, conn, "xfs")
-    print(f"\nXFS: spooling took {used['spooled'] - used['dumps']} bytes, packing {used['packed'] - used['claimed gone']}, "
-          f"for {nbytes} bytes of hidden states")
+    print(
+        f"\nXFS: spooling took {used['spooled'] - used['dumps']} bytes, packing {used['packed'] - used['claimed gone']}, "
+        f"for {nbytes} bytes of hidden states"
+    )
     assert used["spooled"] - used["dumps"] < nbytes // 10  # the spool shares the dumps' blocks
     assert used["packed"] - used["claimed gone"] < nbytes // 10  # the shard shares the spool's blocks
     _check_shard(xfs, "xfs", samples, hidden)

@@ -48,13 +48,31 @@ from tests.support.ops import Procs
 from tests.support.wait import wait_for
 
 REGEN = ("--max-new-tokens", "32", "--on-length", "keep")  # the tiny random model seldom stops before
-WORDS = ("the", "model", "writes", "its", "own", "answers", "before", "states", "are", "taken", "from", "every",
-         "layer", "and", "nothing", "is", "lost")
+WORDS = (
+    "the",
+    "model",
+    "writes",
+    "its",
+    "own",
+    "answers",
+    "before",
+    "states",
+    "are",
+    "taken",
+    "from",
+    "every",
+    "layer",
+    "and",
+    "nothing",
+    "is",
+    "lost",
+)
 
 
 def make_chats(n: int, rng: random.Random, min_turns: int = 1, max_turns: int = 3) -> list[dict]:
     """Chat rows of `min_turns`..`max_turns` answered user turns; about a third end on the user (one
     more answer to write), about a third have a system prompt."""
+
     def say(k: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(k))
 
@@ -62,8 +80,10 @@ def make_chats(n: int, rng: random.Random, min_turns: int = 1, max_turns: int = 
     for _ in range(n):
         msgs = [{"role": "system", "content": say(4)}] if rng.random() < 0.3 else []
         for _ in range(rng.randint(min_turns, max_turns)):
-            msgs += [{"role": "user", "content": say(rng.randint(2, 12))},
-                     {"role": "assistant", "content": say(rng.randint(2, 12))}]
+            msgs += [
+                {"role": "user", "content": say(rng.randint(2, 12))},
+                {"role": "assistant", "content": say(rng.randint(2, 12))},
+            ]
         rows.append({"messages": msgs[:-1] if rng.random() < 0.3 else msgs})
     return rows
 
@@ -114,13 +134,16 @@ class RegenResult(TrialResult):
 
     @property
     def ok(self) -> bool:
-        return super().ok and not (self.generated_missing or self.generated_doubled or self.generated_wrong
-                                   or self.generated_without_index)
+        return super().ok and not (
+            self.generated_missing or self.generated_doubled or self.generated_wrong or self.generated_without_index
+        )
 
     def summary(self) -> str:
-        return (f"{super().summary()}; generated: missing {self.generated_missing[:3]}, doubled "
-                f"{self.generated_doubled[:3]}, wrong {self.generated_wrong[:3]}, files without index "
-                f"{self.generated_without_index[:3]}, kills mid-generation {self.kills_mid_generation}")
+        return (
+            f"{super().summary()}; generated: missing {self.generated_missing[:3]}, doubled "
+            f"{self.generated_doubled[:3]}, wrong {self.generated_wrong[:3]}, files without index "
+            f"{self.generated_without_index[:3]}, kills mid-generation {self.kills_mid_generation}"
+        )
 
 
 class RegenTrial(Trial):
@@ -131,9 +154,19 @@ class RegenTrial(Trial):
     `lose_spooled` loses the first node whose spool holds samples the ledger has spooled. `args`:
     more flags for a process, by name (`collector1`) or kind (`producer`); a later flag wins."""
 
-    def __init__(self, root: str, model: str, seed: int, *, regenerate: tuple[str, ...] = REGEN,
-                 mid_generation: bool = False, lose_spooled: bool = False,
-                 args: dict[str, tuple[str, ...]] | None = None, min_turns: int = 1, **kw) -> None:
+    def __init__(
+        self,
+        root: str,
+        model: str,
+        seed: int,
+        *,
+        regenerate: tuple[str, ...] = REGEN,
+        mid_generation: bool = False,
+        lose_spooled: bool = False,
+        args: dict[str, tuple[str, ...]] | None = None,
+        min_turns: int = 1,
+        **kw,
+    ) -> None:
         super().__init__(root, model, seed, kills=0, **kw)
         self.result = RegenResult(seed, self.n)
         self.flags, self.args, self.min_turns = regenerate, args or {}, min_turns
@@ -197,7 +230,12 @@ class RegenTrial(Trial):
         for w in self.conn.smembers(Keys(self.run).workers):
             b = {k.decode(): v.decode() for k, v in self.conn.hgetall(worker_key(w.decode())).items()}
             name, job = live.get(b.get("pid", "")), b.get("job", "")
-            if name is None or b.get("state") != "busy" or not job or _written(self._log(name, self.log_from[name]), job):
+            if (
+                name is None
+                or b.get("state") != "busy"
+                or not job
+                or _written(self._log(name, self.log_from[name]), job)
+            ):
                 continue
             n = int(name.removeprefix("worker").split(".")[0])
             tokens = _get(f"http://127.0.0.1:{self.port + n}/get_server_info").get("generated_tokens")
@@ -221,8 +259,12 @@ class RegenTrial(Trial):
         except Exception as e:  # noqa: BLE001 - a generated dataset that cannot be read: counted, as the base does
             self.result.unreadable, entries = f"generated dataset: {type(e).__name__}: {e}", {}
         # The base compares each committed sample's input_ids with `expected`: the skeleton with its turns.
-        self.expected = {sid: s.conv.splice(s.conv.pieces(s.input_ids), [t["tokens"] for t in entries[sid]["turns"]])[0]
-                         .tolist() if sid in entries else s.input_ids.tolist() for sid, s in self.conversations.items()}
+        self.expected = {
+            sid: s.conv.splice(s.conv.pieces(s.input_ids), [t["tokens"] for t in entries[sid]["turns"]])[0].tolist()
+            if sid in entries
+            else s.input_ids.tolist()
+            for sid, s in self.conversations.items()
+        }
         super()._account(conn)
 
     def account_generated(self) -> dict[str, dict]:
@@ -269,9 +311,18 @@ def _get(url: str) -> dict:
 def test_a_worker_killed_mid_generation_loses_and_doubles_no_conversation(tiny_model, tmp_path):
     # Jobs of 4 chats of 2-3 turns of 64 tokens: each spends a second or more in its generation step, a
     # window the strike (polled every 0.2 s) hits, and verifies from the killed worker's log that it did.
-    trial = RegenTrial(str(tmp_path), tiny_model, 51, samples=10, workers=1, deadline_s=240, mid_generation=True,
-                       regenerate=("--max-new-tokens", "64", "--on-length", "keep"), min_turns=2,
-                       args={"producer": ("--batch-samples", "4")})
+    trial = RegenTrial(
+        str(tmp_path),
+        tiny_model,
+        51,
+        samples=10,
+        workers=1,
+        deadline_s=240,
+        mid_generation=True,
+        regenerate=("--max-new-tokens", "64", "--on-length", "keep"),
+        min_turns=2,
+        args={"producer": ("--batch-samples", "4")},
+    )
     result = trial.execute()
     assert result.ok, result.summary() + "\n" + "\n".join(result.timeline)
     assert result.kills == {"worker": 1} and result.kills_mid_generation == 1, "\n".join(result.timeline)
@@ -285,8 +336,10 @@ def _accounting_catches_tampering(trial: RegenTrial) -> None:
     loc = Location.from_url(f"{trial.out}/{trial.run}")
     names = [n.removesuffix(".json") for n in loc.list("index", ".json")]
     assert len(names) >= 2, names  # several jobs, max-wait 1 s: several shards
-    kept = {n: {p: loc.read_bytes(p) for p in (f"index/{n}.json", loc.read_json(f"index/{n}.json")["generated"]["file"])}
-            for n in names}
+    kept = {
+        n: {p: loc.read_bytes(p) for p in (f"index/{n}.json", loc.read_json(f"index/{n}.json")["generated"]["file"])}
+        for n in names
+    }
 
     def rewrite(name: str, edit) -> None:
         doc = loc.read_json(f"index/{name}.json")
@@ -325,10 +378,20 @@ def test_a_lost_node_with_written_uncommitted_conversations_commits_each_once_el
     # The collectors would wait an hour for a shard (they commit early only once nothing is queued): the
     # first node whose spool holds conversations its worker wrote and extracted is lost, for good, then.
     # Sampled (temperature 1): the other node writes the reclaimed conversations again with the same seeds.
-    trial = RegenTrial(str(tmp_path), tiny_model, 52, samples=10, workers=1, nodes=2, returns=("never",),
-                       grace_s=5, deadline_s=240, lose_spooled=True,
-                       regenerate=(*REGEN, "--temperature", "1.0", "--top-p", "0.9"),
-                       args={"producer": ("--batch-samples", "2"), "collector": ("--max-wait", "3600")})
+    trial = RegenTrial(
+        str(tmp_path),
+        tiny_model,
+        52,
+        samples=10,
+        workers=1,
+        nodes=2,
+        returns=("never",),
+        grace_s=5,
+        deadline_s=240,
+        lose_spooled=True,
+        regenerate=(*REGEN, "--temperature", "1.0", "--top-p", "0.9"),
+        args={"producer": ("--batch-samples", "2"), "collector": ("--max-wait", "3600")},
+    )
     result = trial.execute()
     assert result.ok, result.summary() + "\n" + "\n".join(result.timeline)
     assert result.kills == {"node": 1} and result.node_returns == {"never": 1}, result.summary()
@@ -343,8 +406,19 @@ def test_a_lost_node_with_written_uncommitted_conversations_commits_each_once_el
         assert [t["tokens"] for t in json.loads(s.generation)["turns"]] == [t["tokens"] for t in committed[s.id]]
 
 
-SEEDED = ("--regenerate", "--temperature", "1.0", "--top-p", "0.9", "--max-new-tokens", "8", "--on-length", "keep",
-          "--batch-samples", "1")
+SEEDED = (
+    "--regenerate",
+    "--temperature",
+    "1.0",
+    "--top-p",
+    "0.9",
+    "--max-new-tokens",
+    "8",
+    "--on-length",
+    "keep",
+    "--batch-samples",
+    "1",
+)
 
 
 def _turns(run_url: str) -> dict[str, list[list[int]]]:
@@ -364,16 +438,44 @@ def test_a_failed_sample_written_again_samples_the_same_tokens(tiny_model, tmp_p
     procs = Procs(str(tmp_path / "logs"))
     try:
         port = free_port()
-        engine = procs.start("engine", "engine", "--model", tiny_model, "--dump-dir", dumps, "--port", str(port),
-                             env={"HARVEST_ENGINE_FAULTS": "bad-ids:1,nan:1"})
+        engine = procs.start(
+            "engine",
+            "engine",
+            "--model",
+            tiny_model,
+            "--dump-dir",
+            dumps,
+            "--port",
+            str(port),
+            env={"HARVEST_ENGINE_FAULTS": "bad-ids:1,nan:1"},
+        )
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: healthy(url, 1) or engine.poll() is not None, 120, "the engine healthy")
         assert engine.poll() is None, procs.log("engine")
 
         def run(name: str, work: str):
-            return harvest_cli("run", data, "--model", tiny_model, "--out", out, "--run", name, "--dtype", "fp32",
-                               "--workers", "1", "--no-progress", "--engine-url", url, "--dump-dir", dumps,
-                               "--work-dir", str(tmp_path / work), *SEEDED)
+            return harvest_cli(
+                "run",
+                data,
+                "--model",
+                tiny_model,
+                "--out",
+                out,
+                "--run",
+                name,
+                "--dtype",
+                "fp32",
+                "--workers",
+                "1",
+                "--no-progress",
+                "--engine-url",
+                url,
+                "--dump-dir",
+                dumps,
+                "--work-dir",
+                str(tmp_path / work),
+                *SEEDED,
+            )
 
         res = run("faulted", "w1")
         assert res.returncode == 1 and "samples: 2 done, 2 failed" in res.stdout, res.stdout + res.stderr

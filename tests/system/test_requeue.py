@@ -38,7 +38,9 @@ def _queued_payload_ids(conn, run) -> list[str]:
     return out
 
 
-def test_requeue_brings_back_exactly_the_failed_samples_once_and_they_finish(tmp_path, conn, redis_server, tiny_model, procs):
+def test_requeue_brings_back_exactly_the_failed_samples_once_and_they_finish(
+    tmp_path, conn, redis_server, tiny_model, procs
+):
     run, url = "rq1", redis_server.url
     new_run(conn, run, tiny_model, f"file://{tmp_path}/out", batch=4)
     data = write_jsonl(str(tmp_path / "data.jsonl"), demo_rows(14, seed=5))
@@ -55,8 +57,21 @@ def test_requeue_brings_back_exactly_the_failed_samples_once_and_they_finish(tmp
     # An engine started with the wrong capture points: every good sample fails verification.
     dumps, spool = str(tmp_path / "dumps"), str(tmp_path / "spool")
     wrong = procs.engine("engine-wrong", tiny_model, dumps, layers="1,3")
-    procs.start("worker-1", "worker", "--run", run, "--redis", url, "--engine-url", wrong, "--dump-dir", dumps,
-                "--spool-dir", spool, "--burst")
+    procs.start(
+        "worker-1",
+        "worker",
+        "--run",
+        run,
+        "--redis",
+        url,
+        "--engine-url",
+        wrong,
+        "--dump-dir",
+        dumps,
+        "--spool-dir",
+        spool,
+        "--burst",
+    )
     assert procs.wait("worker-1") == 0
     assert led.counts() == {"queued": 0, "spooled": 0, "done": 0, "failed": n + 2, "total": n + 2}
     fails = led.failures()
@@ -72,8 +87,21 @@ def test_requeue_brings_back_exactly_the_failed_samples_once_and_they_finish(tmp
     assert led.counts()["failed"] == n + 2 and Queue(Keys(run).queue_name, connection=conn).count == 0
 
     # Two requeues at once: the samples come back exactly once between them.
-    args = [sys.executable, "-m", "harvest.cli", "requeue", "--run", run, "--redis", url, "--reason", "capture-mismatch"]
-    both = [subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    args = [
+        sys.executable,
+        "-m",
+        "harvest.cli",
+        "requeue",
+        "--run",
+        run,
+        "--redis",
+        url,
+        "--reason",
+        "capture-mismatch",
+    ]
+    both = [
+        subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     outs = [p.communicate(timeout=120) for p in both]
     assert [p.returncode for p in both] == [0, 0], outs
     moved = sorted(int(o.split()[1]) for o, _ in outs)
@@ -82,11 +110,25 @@ def test_requeue_brings_back_exactly_the_failed_samples_once_and_they_finish(tmp
     assert led.counts() == {"queued": n, "spooled": 0, "done": 0, "failed": 2, "total": n + 2}
     assert conn.hlen(Keys(run).failed_payload) == 2  # the rows of the requeued samples went with them
     assert cli("requeue", "--run", run, "--redis", url, "--reason", "capture-mismatch").stdout.startswith(
-        "requeued 0 failed samples")
+        "requeued 0 failed samples"
+    )
 
     right = procs.engine("engine-right", tiny_model, dumps)
-    procs.start("worker-2", "worker", "--run", run, "--redis", url, "--engine-url", right, "--dump-dir", dumps,
-                "--spool-dir", spool, "--burst")
+    procs.start(
+        "worker-2",
+        "worker",
+        "--run",
+        run,
+        "--redis",
+        url,
+        "--engine-url",
+        right,
+        "--dump-dir",
+        dumps,
+        "--spool-dir",
+        spool,
+        "--burst",
+    )
     assert procs.wait("worker-2") == 0
     procs.start("collector", "collect", "--run", run, "--redis", url, "--spool-dir", spool, "--max-wait", "1")
     wait_until(lambda: led.counts()["done"] == n, 120, "the requeued samples done")

@@ -33,8 +33,24 @@ def test_engine_down_retries_then_fails_then_requeue_finishes(tmp_path, conn, re
     port = free_port()  # nothing listens here yet
     engine_url = f"http://127.0.0.1:{port}"
     dumps, spool = str(tmp_path / "dumps"), str(tmp_path / "spool")
-    procs.start("worker", "worker", "--run", run, "--redis", url, "--engine-url", engine_url, "--dump-dir", dumps,
-                "--spool-dir", spool, "--retries", "2", "--retry-backoff", "1")
+    procs.start(
+        "worker",
+        "worker",
+        "--run",
+        run,
+        "--redis",
+        url,
+        "--engine-url",
+        engine_url,
+        "--dump-dir",
+        dumps,
+        "--spool-dir",
+        spool,
+        "--retries",
+        "2",
+        "--retry-backoff",
+        "1",
+    )
 
     # First failed attempt: the job waits in RQ's scheduled registry, its samples still queued.
     wait_until(lambda: led.stats().get("job_retries", 0) >= 1, 60, "the job put back for a retry")
@@ -45,8 +61,11 @@ def test_engine_down_retries_then_fails_then_requeue_finishes(tmp_path, conn, re
     fails = led.failures()
     assert {f["reason"] for f in fails.values()} == {"engine-unavailable"}
     # the engine client's tries within the last attempt ("failed 5 times") apart from the job's attempts
-    assert all(f["message"].startswith(f"engine {engine_url} failed 5 times; last error: ") and
-               f["message"].endswith(" (the job's attempt 3 of 3: it gave up after 2 retries)") for f in fails.values())
+    assert all(
+        f["message"].startswith(f"engine {engine_url} failed 5 times; last error: ")
+        and f["message"].endswith(" (the job's attempt 3 of 3: it gave up after 2 retries)")
+        for f in fails.values()
+    )
     q = run_queue(conn, run)
     assert (q.count, q.scheduled_job_registry.count, q.failed_job_registry.count) == (0, 0, 0)
 

@@ -39,8 +39,25 @@ def test_harvest_run_end_to_end_matches_hf_forward(tmp_path, tiny_model, tokeniz
     assert any(sum(m["role"] == "assistant" for m in r.get("messages", [])) > 1 for r in rows)
 
     out = tmp_path / "out"
-    args = ["run", dataset, "--model", tiny_model, "--out", f"file://{out}", "--run", "mixed", "--dtype", "fp32",
-            "--workers", "2", "--chunked-prefill-size", "64", "--no-progress", "--dump-dir", str(tmp_path / "dumps")]
+    args = [
+        "run",
+        dataset,
+        "--model",
+        tiny_model,
+        "--out",
+        f"file://{out}",
+        "--run",
+        "mixed",
+        "--dtype",
+        "fp32",
+        "--workers",
+        "2",
+        "--chunked-prefill-size",
+        "64",
+        "--no-progress",
+        "--dump-dir",
+        str(tmp_path / "dumps"),
+    ]
     res = harvest_cli(*args, "--work-dir", str(tmp_path / "work1"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"samples: {len(expected)} done, 0 failed ({len(expected)} enqueued now, 0 already known)" in res.stdout

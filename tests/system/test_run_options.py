@@ -12,18 +12,50 @@ from tests.support.cli import harvest_cli
 
 def test_run_takes_every_producer_option(tmp_path, tiny_model):
     data = tmp_path / "rows.jsonl"
-    rows = [{"content": "the model reads a long prompt"}, {"content": "alpha beta gamma"},
-            {"content": " ".join(["river mountain forest city"] * 40)},  # far over --max-len
-            {"conv": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "seven"}]}]
+    rows = [
+        {"content": "the model reads a long prompt"},
+        {"content": "alpha beta gamma"},
+        {"content": " ".join(["river mountain forest city"] * 40)},  # far over --max-len
+        {"conv": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "seven"}]},
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tpl = tmp_path / "chat.jinja"
     tpl.write_text(CHAT_TEMPLATE)
     out = tmp_path / "out"
-    res = harvest_cli("run", str(data), "--model", tiny_model, "--out", str(out), "--run", "opts", "--workers", "1",
-                      "--work-dir", str(tmp_path / "work"), "--no-progress", "--field", "text=content",
-                      "--field", "messages=conv", "--max-len", "24", "--overlong", "truncate", "--chat-template",
-                      str(tpl), "--batch-samples", "2", "--batch-tokens", "4096", "--strict", "--processes", "1",
-                      "--max-wait", "1")
+    res = harvest_cli(
+        "run",
+        str(data),
+        "--model",
+        tiny_model,
+        "--out",
+        str(out),
+        "--run",
+        "opts",
+        "--workers",
+        "1",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--no-progress",
+        "--field",
+        "text=content",
+        "--field",
+        "messages=conv",
+        "--max-len",
+        "24",
+        "--overlong",
+        "truncate",
+        "--chat-template",
+        str(tpl),
+        "--batch-samples",
+        "2",
+        "--batch-tokens",
+        "4096",
+        "--strict",
+        "--processes",
+        "1",
+        "--max-wait",
+        "1",
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "samples: 4 done, 0 failed" in res.stdout, res.stdout
     # The long text and the templated chat (its special tokens and role names) are cut to 24.

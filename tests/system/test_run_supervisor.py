@@ -34,10 +34,32 @@ def test_a_killed_worker_is_restarted_and_the_run_finishes(tmp_path, tiny_model,
     dataset = write_jsonl(str(tmp_path / "d.jsonl"), rows)
     out = tmp_path / "out"
     p = subprocess.Popen(
-        [sys.executable, "-m", "harvest.cli", "run", dataset, "--model", tiny_model, "--out", f"file://{out}",
-         "--run", "sup", "--redis", redis_server.url, "--no-progress", "--work-dir", str(tmp_path / "work"),
-         "--dump-dir", str(tmp_path / "dumps")],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "harvest.cli",
+            "run",
+            dataset,
+            "--model",
+            tiny_model,
+            "--out",
+            f"file://{out}",
+            "--run",
+            "sup",
+            "--redis",
+            redis_server.url,
+            "--no-progress",
+            "--work-dir",
+            str(tmp_path / "work"),
+            "--dump-dir",
+            str(tmp_path / "dumps"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         os.kill(_busy_worker_pid(redis.Redis.from_url(redis_server.url)), signal.SIGKILL)
         stdout, stderr = p.communicate(timeout=600)
@@ -59,8 +81,21 @@ def test_bad_rows_make_run_exit_1_and_are_named(tmp_path, tiny_model):
             f.write(json.dumps(r) + "\n")
         f.write("{not json\n")
         f.write(json.dumps({"colour": "blue"}) + "\n")
-    res = harvest_cli("run", str(path), "--model", tiny_model, "--out", str(tmp_path / "out"), "--run", "bad",
-                      "--no-progress", "--work-dir", str(tmp_path / "work"), "--dump-dir", str(tmp_path / "dumps"))
+    res = harvest_cli(
+        "run",
+        str(path),
+        "--model",
+        tiny_model,
+        "--out",
+        str(tmp_path / "out"),
+        "--run",
+        "bad",
+        "--no-progress",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--dump-dir",
+        str(tmp_path / "dumps"),
+    )
     assert res.returncode == 1, res.stdout + res.stderr
     assert "bad rows: 2 (each reported above on stderr with its file and line)" in res.stdout
     n = len(rows)
@@ -86,8 +121,10 @@ def test_a_child_that_keeps_dying_at_start_ends_the_run(tmp_path):
 
 def test_a_child_that_dies_once_is_started_again(tmp_path):
     marker = tmp_path / "ran-once"
-    code = (f"import os, sys, time\nif not os.path.exists({str(marker)!r}):\n    open({str(marker)!r}, 'w').close()\n"
-            "    sys.exit(1)\ntime.sleep(60)\n")
+    code = (
+        f"import os, sys, time\nif not os.path.exists({str(marker)!r}):\n    open({str(marker)!r}, 'w').close()\n"
+        "    sys.exit(1)\ntime.sleep(60)\n"
+    )
     sup = Supervisor(str(tmp_path), backoff_s=(0.05,))
     sup.start("once", [], cmd=[sys.executable, "-c", code])
     deadline = time.monotonic() + 30

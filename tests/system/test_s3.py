@@ -43,7 +43,9 @@ def test_commit_to_s3_then_read_samples_by_byte_ranges(conn, tmp_path, s3_bucket
         pass
     loc = Location.from_url(f"{s3_bucket}/out/r")
     shards, indexes = loc.list(SHARDS), loc.list(INDEX)
-    assert len(shards) >= 2 and [s.removesuffix(".safetensors") for s in shards] == [i.removesuffix(".json") for i in indexes]
+    assert len(shards) >= 2 and [s.removesuffix(".safetensors") for s in shards] == [
+        i.removesuffix(".json") for i in indexes
+    ]
     for name in indexes:
         doc = loc.read_json(f"{INDEX}/{name}")
         assert loc.size(doc["shard"]) == doc["bytes"]
@@ -77,7 +79,8 @@ def test_commit_to_s3_then_read_samples_by_byte_ranges(conn, tmp_path, s3_bucket
     assert shard_reads[0] == (0, -(-(1024 + 40 * len(doc["samples"])) // 4096) * 4096)
     small = ("input_ids", "loss_mask", "offsets")
     assert sorted(shard_reads[1:]) == sorted(
-        [(min(spans[n].begin for n in small), max(spans[n].end for n in small)), rows])
+        [(min(spans[n].begin for n in small), max(spans[n].end for n in small)), rows]
+    )
     fetched.clear()
     j = 0 if i else 1
     reader.get(doc["samples"][j])  # the same shard again: its rows, perhaps with its neighbours' (read ahead)
@@ -169,15 +172,30 @@ def test_transient_upload_errors_are_retried(conn, tmp_path, s3_bucket):
     assert all(torch.equal(reader.get(s.id)["hidden_states"], s.hidden_states) for s in samples)
 
 
-def test_collect_cli_stops_on_missing_bucket_then_finishes_the_recorded_shard(conn, redis_server, tmp_path, s3_bucket, s3_endpoint):
+def test_collect_cli_stops_on_missing_bucket_then_finishes_the_recorded_shard(
+    conn, redis_server, tmp_path, s3_bucket, s3_endpoint
+):
     cfg, spool, samples = _setup(conn, tmp_path, f"{s3_bucket}/out", [3, 5, 8])
     bucket = s3_bucket.removeprefix("s3://")
     s3 = _s3(s3_endpoint)
     s3.delete_object(Bucket=bucket, Key="out/r/run.json")
     s3.delete_bucket(Bucket=bucket)
-    args = ["collect", "--run", "r", "--redis", redis_server.url, "--spool-dir", spool, "--burst", "--node", "n1",
-            "--pack-workers", "1",
-            "--s3-endpoint", s3_endpoint]
+    args = [
+        "collect",
+        "--run",
+        "r",
+        "--redis",
+        redis_server.url,
+        "--spool-dir",
+        spool,
+        "--burst",
+        "--node",
+        "n1",
+        "--pack-workers",
+        "1",
+        "--s3-endpoint",
+        s3_endpoint,
+    ]
     res = harvest_cli(*args, env={"HARVEST_S3_ENDPOINT": "http://127.0.0.1:1"})  # the flag wins over the environment
     ids = [sid for sid, _, _ in list_spooled(spool)]
     from harvest.state.ledger import Ledger
@@ -229,15 +247,35 @@ def test_harvest_run_writes_fp8_to_s3_and_the_dataset_reads_it(tmp_path, tiny_mo
 
     dataset = write_jsonl(str(tmp_path / "d.jsonl"), demo_rows(8))
     out = f"{s3_bucket}/out"
-    res = harvest_cli("run", dataset, "--model", tiny_model, "--out", out, "--run", "s3run", "--dtype", "fp8_e4m3",
-                      "--no-progress", "--work-dir", str(tmp_path / "work"), "--dump-dir", str(tmp_path / "dumps"),
-                      "--s3-endpoint", s3_endpoint, env={"HARVEST_S3_ENDPOINT": ""})
+    res = harvest_cli(
+        "run",
+        dataset,
+        "--model",
+        tiny_model,
+        "--out",
+        out,
+        "--run",
+        "s3run",
+        "--dtype",
+        "fp8_e4m3",
+        "--no-progress",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--dump-dir",
+        str(tmp_path / "dumps"),
+        "--s3-endpoint",
+        s3_endpoint,
+        env={"HARVEST_S3_ENDPOINT": ""},
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     reader = RunReader(f"{out}/s3run")
     assert reader.config.storage_dtype == "fp8_e4m3" and len(reader) >= 6
     sid = reader.sample_ids[0]
     raw = reader.get(sid)
-    assert raw["hidden_states"].dtype == torch.float8_e4m3fn and raw["hidden_scale"].shape == raw["hidden_states"].shape[:2]
+    assert (
+        raw["hidden_states"].dtype == torch.float8_e4m3fn
+        and raw["hidden_scale"].shape == raw["hidden_states"].shape[:2]
+    )
     item = HiddenStateDataset(f"{out}/s3run")[0]
     t = raw["input_ids"].shape[0]
     assert item["hidden_state"].shape == (t, 64) and item["aux_hidden_state"].shape == (t, 3 * 64)
@@ -264,8 +302,11 @@ def test_bucket_lost_mid_run_stops_the_run_loop_with_spool_and_record_intact(con
     packers.first = packers.packers[0] = LosesItsBucket(conn, cfg, spool, node="n1", max_wait=0, retry_delay=0.01)
     order = [sid for sid, _, _ in list_spooled(spool)]
     # the shard's samples are claimed in storage before it is packed: the first claim meets the lost bucket
-    with pytest.raises(StorageError, match=rf"^claiming {bucket}/out/r/claims/{order[0]}\.json failed: "
-                                           "FileNotFoundError: The specified bucket does not exist$"):
+    with pytest.raises(
+        StorageError,
+        match=rf"^claiming {bucket}/out/r/claims/{order[0]}\.json failed: "
+        "FileNotFoundError: The specified bucket does not exist$",
+    ):
         packers.run(should_stop=lambda: False, poll=0.05)
     rec = json.loads(conn.get(Ledger(conn, "r").keys.packing("n1")))
     assert rec["sample_ids"] == order

@@ -29,8 +29,21 @@ def procs(tmp_path):
 
 
 def _worker_burst(procs: Procs, redis_url: str, url: str, tmp_path, run: str) -> str:
-    procs.start("worker", "worker", "--run", run, "--redis", redis_url, "--engine-url", url,
-                "--dump-dir", str(tmp_path / "dumps"), "--spool-dir", str(tmp_path / "spool"), "--burst")
+    procs.start(
+        "worker",
+        "worker",
+        "--run",
+        run,
+        "--redis",
+        redis_url,
+        "--engine-url",
+        url,
+        "--dump-dir",
+        str(tmp_path / "dumps"),
+        "--spool-dir",
+        str(tmp_path / "spool"),
+        "--burst",
+    )
     assert procs.wait("worker") == 0, procs.log("worker")
     return procs.log("worker")
 
@@ -41,14 +54,19 @@ def test_a_job_naming_another_function_never_runs(tmp_path, conn, redis_server, 
     # as a JSON job that names the function. Neither may run; the job fails with the reason.
     new_run(conn, "sec", tiny_model, f"file://{tmp_path}/out")
     flag = tmp_path / "pwned"
-    q = Queue(Keys("sec").queue_name, connection=conn, **({"serializer": JSONSerializer} if serializer == "json" else {}))
+    q = Queue(
+        Keys("sec").queue_name, connection=conn, **({"serializer": JSONSerializer} if serializer == "json" else {})
+    )
     q.enqueue_call("os.system", args=(f"touch {flag}",), job_id="evil")
     url = procs.engine("engine", tiny_model, str(tmp_path / "dumps"))
     log = _worker_burst(procs, redis_server.url, url, tmp_path, "sec")
     assert not flag.exists()
     assert conn.hget("rq:job:evil", "status") == b"failed"
     if serializer == "json":
-        assert "job evil names function 'os.system'; this worker runs only harvest.workers.job.process_batch: refused" in log
+        assert (
+            "job evil names function 'os.system'; this worker runs only harvest.workers.job.process_batch: refused"
+            in log
+        )
     else:
         assert "DeserializationError" in log
 
@@ -63,13 +81,28 @@ def test_password_redis_and_s3_secrets_stay_out_of_logs(tmp_path, tiny_model, pr
         with pytest.raises(redis.AuthenticationError):
             redis.Redis.from_url(url_redis.replace(f":{password}@", "")).ping()
         data = write_jsonl(str(tmp_path / "data.jsonl"), demo_rows(6, seed=5))
-        outputs = [cli("-v", "produce", data, "--run", "pw", "--redis", url_redis, "--model", tiny_model,
-                       "--out", s3_bucket, "--no-progress")]
+        outputs = [
+            cli(
+                "-v",
+                "produce",
+                data,
+                "--run",
+                "pw",
+                "--redis",
+                url_redis,
+                "--model",
+                tiny_model,
+                "--out",
+                s3_bucket,
+                "--no-progress",
+            )
+        ]
         assert outputs[0].returncode == 0, outputs[0].stderr
         engine = procs.engine("engine", tiny_model, str(tmp_path / "dumps"))
         _worker_burst(procs, url_redis, engine, tmp_path, "pw")
-        outputs.append(cli("-v", "collect", "--run", "pw", "--redis", url_redis, "--spool-dir", str(tmp_path / "spool"),
-                           "--burst"))
+        outputs.append(
+            cli("-v", "collect", "--run", "pw", "--redis", url_redis, "--spool-dir", str(tmp_path / "spool"), "--burst")
+        )
         outputs.append(cli("status", "--run", "pw", "--redis", url_redis))
         assert all(o.returncode == 0 for o in outputs), [o.stderr for o in outputs]
         st = json.loads(cli("status", "--run", "pw", "--redis", url_redis, "--json").stdout)

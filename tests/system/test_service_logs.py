@@ -26,8 +26,9 @@ def procs(tmp_path):
 
 def _quiet(*args: str) -> str:
     """A service run to its end the way an operator starts it (no -v); its stderr."""
-    res = subprocess.run([sys.executable, "-m", "harvest.cli", *args], cwd=REPO, capture_output=True, text=True,
-                         timeout=180)
+    res = subprocess.run(
+        [sys.executable, "-m", "harvest.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=180
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stderr
 
@@ -41,10 +42,28 @@ def test_services_log_start_job_and_shard_lines(tmp_path, conn, redis_server, ti
     dumps, spool = str(tmp_path / "dumps"), str(tmp_path / "spool")
     engine = procs.engine("engine", tiny_model, dumps)
 
-    w = _quiet("worker", "--run", run, "--redis", url, "--engine-url", engine, "--dump-dir", dumps, "--spool-dir",
-               spool, "--burst", "--node", "nodeA")
-    start = re.findall(r"worker started: \S+, run logs1, node nodeA, engine reference at (\S+), spool (\S+) "
-                       r"\(id [0-9a-f]{32}\), dump dir (\S+)$", w, re.M)
+    w = _quiet(
+        "worker",
+        "--run",
+        run,
+        "--redis",
+        url,
+        "--engine-url",
+        engine,
+        "--dump-dir",
+        dumps,
+        "--spool-dir",
+        spool,
+        "--burst",
+        "--node",
+        "nodeA",
+    )
+    start = re.findall(
+        r"worker started: \S+, run logs1, node nodeA, engine reference at (\S+), spool (\S+) "
+        r"\(id [0-9a-f]{32}\), dump dir (\S+)$",
+        w,
+        re.M,
+    )
     assert start == [(engine, spool, dumps)], w
     jobs = re.findall(r"job (\S+): (\d+) samples, (\d+) tokens, [0-9.]+s: spooled (\d+), failed (\d+)(.*)$", w, re.M)
     assert len(jobs) == 4, w  # 9 rows (demo_rows adds a long one) in jobs of 4, and the two rejected samples
@@ -53,8 +72,12 @@ def test_services_log_start_job_and_shard_lines(tmp_path, conn, redis_server, ti
     assert sum(int(j[2]) for j in jobs) == Ledger(conn, run).stats()["tokens_spooled"] + 3, w
 
     c = _quiet("collect", "--run", run, "--redis", url, "--spool-dir", spool, "--node", "nodeA", "--burst")
-    assert re.search(rf"collector started: run logs1, node nodeA, spool {re.escape(spool)} \(id [0-9a-f]{{32}}\), "
-                     r"output file://\S+/out/logs1, shards of 1024 MiB, max wait 60s, \d packer\(s\)$", c, re.M), c
+    assert re.search(
+        rf"collector started: run logs1, node nodeA, spool {re.escape(spool)} \(id [0-9a-f]{{32}}\), "
+        r"output file://\S+/out/logs1, shards of 1024 MiB, max wait 60s, \d packer\(s\)$",
+        c,
+        re.M,
+    ), c
     shards = re.findall(r"committed shard [0-9a-f]{32}: (\d+) samples, (\d+) tokens, [0-9.]+ MB to file://", c)
     assert sum(int(n) for n, _ in shards) == 9, c
     assert sum(int(t) for _, t in shards) == Ledger(conn, run).stats()["tokens_done"]

@@ -21,19 +21,38 @@ from harvest.engines import sglang_plugin as sp
 from tests.support.need import need
 
 PLUGIN_VERSIONS = ["0.5.23", "0.5.18", "0.5.11"]
-CACHE = os.environ.get("HARVEST_SGLANG_WHEELS") or os.path.join(os.path.expanduser("~"), ".cache", "harvest", "sglang-wheels")
+CACHE = os.environ.get("HARVEST_SGLANG_WHEELS") or os.path.join(
+    os.path.expanduser("~"), ".cache", "harvest", "sglang-wheels"
+)
 
 
 def _wheel(version: str) -> zipfile.ZipFile:
     found = glob.glob(os.path.join(CACHE, f"sglang-{version}-*.whl"))
     if not found:
         os.makedirs(CACHE, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
-               "--platform", "manylinux_2_34_x86_64", "-d", CACHE, "-q", f"sglang=={version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.11",
+            "--platform",
+            "manylinux_2_34_x86_64",
+            "-d",
+            CACHE,
+            "-q",
+            f"sglang=={version}",
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         found = glob.glob(os.path.join(CACHE, f"sglang-{version}-*.whl"))
         if not found:
-            need(f"the sglang {version} wheel", f"cannot download it from the package index (offline?): {r.stderr[-300:]}")
+            need(
+                f"the sglang {version} wheel",
+                f"cannot download it from the package index (offline?): {r.stderr[-300:]}",
+            )
     return zipfile.ZipFile(found[0])
 
 
@@ -75,7 +94,11 @@ class Source:
         return out
 
     def grep(self, needle: str, under: str = "sglang/srt/") -> bool:
-        return any(needle in self.zip.read(n).decode(errors="ignore") for n in self.names if n.startswith(under) and n.endswith(".py"))
+        return any(
+            needle in self.zip.read(n).decode(errors="ignore")
+            for n in self.names
+            if n.startswith(under) and n.endswith(".py")
+        )
 
 
 @pytest.fixture(scope="module", params=PLUGIN_VERSIONS)
@@ -102,7 +125,11 @@ def test_forward_batch_fields(src):
 
 
 def test_models_expose_eagle3_capture(src):
-    for model, cls in [("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM"), ("deepseek_v2", "DeepseekV2ForCausalLM")]:
+    for model, cls in [
+        ("llama", "LlamaForCausalLM"),
+        ("qwen3", "Qwen3ForCausalLM"),
+        ("deepseek_v2", "DeepseekV2ForCausalLM"),
+    ]:
         src.method(f"sglang.srt.models.{model}", cls, "set_eagle3_layers_to_capture")
     llama = src.text("sglang/srt/models/llama.py")
     assert "layers_to_capture" in llama and "capture_aux_hidden_states" in llama
@@ -132,7 +159,12 @@ def test_model_runner_load_model_and_layer_count(src):
 def test_plugin_framework_and_hook_types(src):
     assert "sglang.srt.plugins" in src.text("sglang/srt/plugins/__init__.py")
     src.method("sglang.srt.plugins.hook_registry", "HookRegistry", "register")
-    members = {t.id for n in src.cls("sglang.srt.plugins.hook_registry", "HookType").body if isinstance(n, ast.Assign) for t in n.targets}
+    members = {
+        t.id
+        for n in src.cls("sglang.srt.plugins.hook_registry", "HookType").body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+    }
     assert {"AFTER", "AROUND"} <= members
     assert "SGLANG_PLUGINS" in src.text("sglang/srt/environ.py")
 

@@ -30,8 +30,8 @@ import httpx
 import numpy as np
 import pytest
 
-from harvest.engines.sglang_launch import default_venv
 from harvest.cli.demo import demo_rows, write_jsonl
+from harvest.engines.sglang_launch import default_venv
 from harvest.ids import rid_for, sample_id
 from harvest.read.reader import RunReader
 from tests.support.cli import REPO, harvest_cli, kill_group
@@ -51,7 +51,6 @@ from tests.support.sglang_server import (
 )
 
 SGLANG_PYTHON = sglang_python_or_skip()
-
 
 
 @pytest.fixture(scope="module")
@@ -85,23 +84,55 @@ def _log_since(path: str, offset: int) -> str:
 def test_plugin_unit_tests_pass_inside_sglangs_venv():
     """The plugin's and the launch's unit tests with the real sglang importable (4 plugin tests
     failed there before: _tp_writer met 0.5.23's ValueError outside a server)."""
-    r = subprocess.run([SGLANG_PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",  # no xdist there
-                        "tests/unit/test_sglang_plugin.py", "tests/unit/test_sglang_launch.py"],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            SGLANG_PYTHON,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",  # no xdist there
+            "tests/unit/test_sglang_plugin.py",
+            "tests/unit/test_sglang_launch.py",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 def test_sglang_args_prints_the_command_these_tests_run(model, tmp_path):
     """`harvest sglang-args --device cpu` prints the venv's python and the CPU flags the servers here get."""
-    res = harvest_cli("sglang-args", "--model", model, "--device", "cpu", "--dtype", "float32", "--layers",
-                      ",".join(map(str, POINTS)), "--port", "31234", "--dump-dir", str(tmp_path),
-                      "--chunked-prefill-size", str(CHUNK), env={"HARVEST_SGLANG_VENV": default_venv()})
+    res = harvest_cli(
+        "sglang-args",
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--layers",
+        ",".join(map(str, POINTS)),
+        "--port",
+        "31234",
+        "--dump-dir",
+        str(tmp_path),
+        "--chunked-prefill-size",
+        str(CHUNK),
+        env={"HARVEST_SGLANG_VENV": default_venv()},
+    )
     assert res.returncode == 0, res.stderr
     words = shlex.split(res.stdout.replace("\\\n", " "))
-    env = dict(w.split("=", 1) for w in words[:words.index(SGLANG_PYTHON)])
-    s = SGLangServer(SGLANG_PYTHON, model, POINTS, L, str(tmp_path), str(tmp_path / "unused.log"), chunked_prefill_size=CHUNK)
+    env = dict(w.split("=", 1) for w in words[: words.index(SGLANG_PYTHON)])
+    s = SGLangServer(
+        SGLANG_PYTHON, model, POINTS, L, str(tmp_path), str(tmp_path / "unused.log"), chunked_prefill_size=CHUNK
+    )
     argv = [("31234" if a == str(s.port) else a) for a in s.argv]
-    assert (env, words[len(env):]) == (s.env, argv)
+    assert (env, words[len(env) :]) == (s.env, argv)
 
 
 def test_run_engine_sglang_mixed_dataset_matches_fp32_forward(tmp_path, model, reference, tokenizer):
@@ -115,10 +146,33 @@ def test_run_engine_sglang_mixed_dataset_matches_fp32_forward(tmp_path, model, r
     dataset = write_jsonl(str(tmp_path / "mixed.jsonl"), rows)
     out, work, dumps = tmp_path / "out", tmp_path / "work", tmp_path / "dumps"
     t0 = time.monotonic()
-    res = harvest_cli("run", dataset, "--model", model, "--out", f"file://{out}", "--run", "mixed", "--dtype", "fp32",
-                      "--layers", ",".join(map(str, POINTS)), "--engine", "sglang", "--chunked-prefill-size", str(CHUNK),
-                      "--workers", "2", "--no-progress", "--dump-dir", str(dumps), "--work-dir", str(work), timeout=900,
-                      env={"HARVEST_SGLANG_VENV": default_venv()})
+    res = harvest_cli(
+        "run",
+        dataset,
+        "--model",
+        model,
+        "--out",
+        f"file://{out}",
+        "--run",
+        "mixed",
+        "--dtype",
+        "fp32",
+        "--layers",
+        ",".join(map(str, POINTS)),
+        "--engine",
+        "sglang",
+        "--chunked-prefill-size",
+        str(CHUNK),
+        "--workers",
+        "2",
+        "--no-progress",
+        "--dump-dir",
+        str(dumps),
+        "--work-dir",
+        str(work),
+        timeout=900,
+        env={"HARVEST_SGLANG_VENV": default_venv()},
+    )
     seconds = time.monotonic() - t0
     engine_log = (work / "logs" / "engine.log").read_text(errors="replace")
     assert res.returncode == 0, res.stdout + res.stderr + engine_log[-3000:]
@@ -139,17 +193,31 @@ def test_concurrent_requests_batch_and_plain_requests_leave_no_files(server, ref
     tokens) beside them leave no file."""
     offset = os.path.getsize(server.log_path)
     prompts = {rid_for(f"{i:032x}", 1): [5 + (i * 13 + j * 7) % 500 for j in range(10 + 23 * i)] for i in range(8)}
-    plain = [{"text": "the model reads a long prompt", "sampling_params": {"max_new_tokens": 8}},
-             {"input_ids": list(range(40, 140)), "sampling_params": {"max_new_tokens": 4}},
-             {"rid": "not-harvest-1", "input_ids": list(range(7, 30)), "sampling_params": {"max_new_tokens": 1}}]
+    plain = [
+        {"text": "the model reads a long prompt", "sampling_params": {"max_new_tokens": 8}},
+        {"input_ids": list(range(40, 140)), "sampling_params": {"max_new_tokens": 4}},
+        {"rid": "not-harvest-1", "input_ids": list(range(7, 30)), "sampling_params": {"max_new_tokens": 1}},
+    ]
     answers: dict = {}
 
     def post(key, body):
         answers[key] = httpx.post(f"{server.url}/generate", json=body, timeout=300)
 
-    threads = [threading.Thread(target=post, args=(rid, {"rid": rid, "input_ids": ids, "extra_key": rid,
-                                                         "sampling_params": {"max_new_tokens": 1, "temperature": 0}}))
-               for rid, ids in prompts.items()]
+    threads = [
+        threading.Thread(
+            target=post,
+            args=(
+                rid,
+                {
+                    "rid": rid,
+                    "input_ids": ids,
+                    "extra_key": rid,
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                },
+            ),
+        )
+        for rid, ids in prompts.items()
+    ]
     threads += [threading.Thread(target=post, args=(f"plain-{i}", b)) for i, b in enumerate(plain)]
     for t in threads:
         t.start()
@@ -162,7 +230,7 @@ def test_concurrent_requests_batch_and_plain_requests_leave_no_files(server, ref
     for rid, parts in files.items():
         ids = prompts[rid]
         assert parts[0][0] == 0 and parts[-1][1] == len(ids)
-        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))  # contiguous, no gap or overlap
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False))  # contiguous, no gap or overlap
         assert all(e - s <= CHUNK for s, e, _ in parts)
         for s, e, hs in parts:
             reference.check(hs, ids, POINTS, s, e)
@@ -182,11 +250,38 @@ def test_engine_killed_mid_run_every_sample_exactly_once(tmp_path, model, server
     dataset = write_jsonl(str(tmp_path / "crash.jsonl"), rows)
     out, work = tmp_path / "out", tmp_path / "work"
     run = subprocess.Popen(
-        [sys.executable, "-m", "harvest.cli", "run", dataset, "--model", model,
-         "--out", f"file://{out}", "--run", "crash", "--dtype", "fp32", "--layers", ",".join(map(str, POINTS)),
-         "--engine-url", server.url, "--workers", "2", "--no-progress", "--dump-dir", server.dumps,
-         "--work-dir", str(work)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "harvest.cli",
+            "run",
+            dataset,
+            "--model",
+            model,
+            "--out",
+            f"file://{out}",
+            "--run",
+            "crash",
+            "--dtype",
+            "fp32",
+            "--layers",
+            ",".join(map(str, POINTS)),
+            "--engine-url",
+            server.url,
+            "--workers",
+            "2",
+            "--no-progress",
+            "--dump-dir",
+            server.dumps,
+            "--work-dir",
+            str(work),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not [n for n in os.listdir(server.dumps) if n.startswith("hv-")]:  # a job is in the engine
@@ -199,7 +294,9 @@ def test_engine_killed_mid_run_every_sample_exactly_once(tmp_path, model, server
         kill_group(run)  # the run and whatever it started (not the module's server: a session of its own)
     assert run.returncode == 0, stdout
     assert f"samples: {len(expected)} done, 0 failed" in stdout, stdout
-    worker_logs = "".join((work / "logs" / n).read_text(errors="replace") for n in os.listdir(work / "logs") if n.startswith("worker"))
+    worker_logs = "".join(
+        (work / "logs" / n).read_text(errors="replace") for n in os.listdir(work / "logs") if n.startswith("worker")
+    )
     assert re.search(r"job hv-crash-\w+: engine-unavailable .*; retry 1 of 5", worker_logs), worker_logs[-2000:]
     check_run(f"file://{out}/crash", expected, reference)
     assert reference.worst_abs <= ABS_BOUND, reference.worst_abs
@@ -214,22 +311,59 @@ def test_audit_of_a_run_passes_against_the_sglang_server_and_transformers(tmp_pa
     lengths = sorted(len(ids) for ids, _ in _expected(tokenizer, rows).values())
     dataset = write_jsonl(str(tmp_path / "audit.jsonl"), rows)
     out, work = tmp_path / "out", tmp_path / "work"
-    res = harvest_cli("run", dataset, "--model", model, "--out", f"file://{out}", "--run", "audited", "--dtype", "fp32",
-                      "--layers", ",".join(map(str, POINTS)), "--engine", "sglang", "--engine-url", server.url,
-                      "--workers", "1", "--no-progress", "--dump-dir", server.dumps, "--work-dir", str(work),
-                      timeout=600)
+    res = harvest_cli(
+        "run",
+        dataset,
+        "--model",
+        model,
+        "--out",
+        f"file://{out}",
+        "--run",
+        "audited",
+        "--dtype",
+        "fp32",
+        "--layers",
+        ",".join(map(str, POINTS)),
+        "--engine",
+        "sglang",
+        "--engine-url",
+        server.url,
+        "--workers",
+        "1",
+        "--no-progress",
+        "--dump-dir",
+        server.dumps,
+        "--work-dir",
+        str(work),
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     from harvest.cli.redisproc import RedisServer
 
     with RedisServer(str(work / "redis")) as redis_server:
-        for route in (["--against", "engine", "--engine-url", server.url, "--dump-dir", server.dumps],
-                      ["--against", "hf"]):
-            res = harvest_cli("audit", "--run", "audited", "--redis", redis_server.url, "--samples", "6",
-                              "--seed", "1", "--no-progress", *route, timeout=600)
+        for route in (
+            ["--against", "engine", "--engine-url", server.url, "--dump-dir", server.dumps],
+            ["--against", "hf"],
+        ):
+            res = harvest_cli(
+                "audit",
+                "--run",
+                "audited",
+                "--redis",
+                redis_server.url,
+                "--samples",
+                "6",
+                "--seed",
+                "1",
+                "--no-progress",
+                *route,
+                timeout=600,
+            )
             assert res.returncode == 0, res.stdout + res.stderr
             lines = res.stdout.splitlines()
-            assert lines[0].startswith(f"audit of run audited: 6 of {len(lengths)} committed samples (seed 1, "
-                                       "stratified by length: "), lines[0]
+            assert lines[0].startswith(
+                f"audit of run audited: 6 of {len(lengths)} committed samples (seed 1, stratified by length: "
+            ), lines[0]
             assert lines[0].endswith(f"-{lengths[-1]} tokens), fp32, capture points 0, 2, 4, 7, 8"), lines[0]
             assert lines[-2] == "verdict: pass: 6 of 6 samples within the bound", res.stdout
             print("\n" + res.stdout)
@@ -244,15 +378,48 @@ def test_regenerated_turns_equal_hf_generate_and_are_extracted_exactly(tmp_path,
     from harvest.read.generated import iter_generated
     from tests.support.expected import expected_regenerated
 
-    chats = [[{"role": "user", "content": "the first question"}, {"role": "assistant", "content": "old"}],
-             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "two turns"},
-              {"role": "assistant", "content": "old"}, {"role": "user", "content": "and the second"}]]
+    chats = [
+        [{"role": "user", "content": "the first question"}, {"role": "assistant", "content": "old"}],
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "two turns"},
+            {"role": "assistant", "content": "old"},
+            {"role": "user", "content": "and the second"},
+        ],
+    ]
     dataset = write_jsonl(str(tmp_path / "chats.jsonl"), [{"messages": m} for m in chats])
     out, work = tmp_path / "out", tmp_path / "work"
-    res = harvest_cli("run", dataset, "--model", model, "--out", f"file://{out}", "--run", "regen", "--dtype", "fp32",
-                      "--layers", ",".join(map(str, POINTS)), "--engine", "sglang", "--engine-url", server.url,
-                      "--workers", "1", "--no-progress", "--dump-dir", server.dumps, "--work-dir", str(work),
-                      "--regenerate", "--max-new-tokens", "8", "--on-length", "keep", timeout=600)
+    res = harvest_cli(
+        "run",
+        dataset,
+        "--model",
+        model,
+        "--out",
+        f"file://{out}",
+        "--run",
+        "regen",
+        "--dtype",
+        "fp32",
+        "--layers",
+        ",".join(map(str, POINTS)),
+        "--engine",
+        "sglang",
+        "--engine-url",
+        server.url,
+        "--workers",
+        "1",
+        "--no-progress",
+        "--dump-dir",
+        server.dumps,
+        "--work-dir",
+        str(work),
+        "--regenerate",
+        "--max-new-tokens",
+        "8",
+        "--on-length",
+        "keep",
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"samples: {len(chats)} done, 0 failed" in res.stdout, res.stdout
     generated = list(iter_generated(f"file://{out}/regen"))

@@ -41,35 +41,88 @@ def test_radix_cache_on_is_guarded(tmp_path, model, reference):
     prefix-cached while the others are stored."""
     dumps = tmp_path / "dumps"
     dumps.mkdir(mode=0o700)
-    s = SGLangServer(SGLANG_PYTHON, model, POINTS, L, str(dumps), str(tmp_path / "server.log"),
-                     chunked_prefill_size=CHUNK, radix_cache=True).start()
+    s = SGLangServer(
+        SGLANG_PYTHON,
+        model,
+        POINTS,
+        L,
+        str(dumps),
+        str(tmp_path / "server.log"),
+        chunked_prefill_size=CHUNK,
+        radix_cache=True,
+    ).start()
     proxy = None
     try:
         warmed = [{"input_ids": [10 + i, *[5 + (i * 11 + j * 3) % 500 for j in range(40)]]} for i in range(3)]
         fresh = [{"input_ids": [20 + i, *[5 + (i * 17 + j * 5) % 500 for j in range(50)]]} for i in range(3)]
         for r in warmed:  # plain requests fill the cache (no extra_key)
-            httpx.post(f"{s.url}/generate", json={**r, "sampling_params": {"max_new_tokens": 1}}, timeout=60).raise_for_status()
-        again = httpx.post(f"{s.url}/generate", json={**warmed[0], "sampling_params": {"max_new_tokens": 1}}, timeout=60)
+            httpx.post(
+                f"{s.url}/generate", json={**r, "sampling_params": {"max_new_tokens": 1}}, timeout=60
+            ).raise_for_status()
+        again = httpx.post(
+            f"{s.url}/generate", json={**warmed[0], "sampling_params": {"max_new_tokens": 1}}, timeout=60
+        )
         assert again.json()["meta_info"]["cached_tokens"] >= 40, again.text
         assert [n for n in os.listdir(dumps)] == []
         dataset = write_jsonl(str(tmp_path / "radix.jsonl"), [*warmed, *fresh])
-        common = ["--model", model, "--dtype", "fp32", "--layers", ",".join(map(str, POINTS)), "--workers", "1",
-                  "--no-progress", "--dump-dir", str(dumps)]
-        res = harvest_cli("run", dataset, "--out", f"file://{tmp_path}/out", "--run", "isolated", "--engine-url", s.url,
-                          "--work-dir", str(tmp_path / "w1"), *common, timeout=600)
+        common = [
+            "--model",
+            model,
+            "--dtype",
+            "fp32",
+            "--layers",
+            ",".join(map(str, POINTS)),
+            "--workers",
+            "1",
+            "--no-progress",
+            "--dump-dir",
+            str(dumps),
+        ]
+        res = harvest_cli(
+            "run",
+            dataset,
+            "--out",
+            f"file://{tmp_path}/out",
+            "--run",
+            "isolated",
+            "--engine-url",
+            s.url,
+            "--work-dir",
+            str(tmp_path / "w1"),
+            *common,
+            timeout=600,
+        )
         assert res.returncode == 0 and "samples: 6 done, 0 failed" in res.stdout, res.stdout + res.stderr
-        expected = {sample_id(np.array(r["input_ids"]), np.ones(len(r["input_ids"]))): (r["input_ids"], [1] * len(r["input_ids"]))
-                    for r in [*warmed, *fresh]}
+        expected = {
+            sample_id(np.array(r["input_ids"]), np.ones(len(r["input_ids"]))): (
+                r["input_ids"],
+                [1] * len(r["input_ids"]),
+            )
+            for r in [*warmed, *fresh]
+        }
         check_run(f"file://{tmp_path}/out/isolated", expected, reference)
 
         proxy = StripExtraKey(s.url)
-        res = harvest_cli("run", dataset, "--out", f"file://{tmp_path}/out", "--run", "stripped", "--engine-url", proxy.url,
-                          "--work-dir", str(tmp_path / "w2"), *common, timeout=600)
+        res = harvest_cli(
+            "run",
+            dataset,
+            "--out",
+            f"file://{tmp_path}/out",
+            "--run",
+            "stripped",
+            "--engine-url",
+            proxy.url,
+            "--work-dir",
+            str(tmp_path / "w2"),
+            *common,
+            timeout=600,
+        )
         assert res.returncode == 1, res.stdout + res.stderr
         assert "samples: 3 done, 3 failed" in res.stdout and "failed because prefix-cached: 3" in res.stdout, res.stdout
         reader = RunReader(f"file://{tmp_path}/out/stripped")
-        assert sorted(reader.sample_ids) == sorted(sample_id(np.array(r["input_ids"]), np.ones(len(r["input_ids"])))
-                                                   for r in fresh)
+        assert sorted(reader.sample_ids) == sorted(
+            sample_id(np.array(r["input_ids"]), np.ones(len(r["input_ids"]))) for r in fresh
+        )
         assert [n for n in os.listdir(dumps) if n.startswith("hv-")] == []  # the cached samples' partial dumps cleared
     finally:
         if proxy is not None:
@@ -88,11 +141,35 @@ def test_run_engine_sglang_tp_2_only_rank_0_writes(tmp_path, model, reference):
     expected = {sample_id(np.array(p, np.int32), np.ones(len(p), np.uint8)): (p, [1] * len(p)) for p in prompts}
     dataset = write_jsonl(str(tmp_path / "tp2.jsonl"), [{"input_ids": p} for p in prompts])
     work = tmp_path / "work"
-    res = harvest_cli("run", dataset, "--model", model, "--out", f"file://{tmp_path}/out", "--run", "tp2", "--dtype",
-                      "fp32", "--layers", ",".join(map(str, POINTS)), "--engine", "sglang", "--tp", "2",
-                      "--chunked-prefill-size", str(CHUNK), "--workers", "1", "--no-progress", "--work-dir", str(work),
-                      "--dump-dir", str(tmp_path / "dumps"), timeout=600,
-                      env={"HARVEST_SGLANG_VENV": os.path.dirname(os.path.dirname(SGLANG_PYTHON))})
+    res = harvest_cli(
+        "run",
+        dataset,
+        "--model",
+        model,
+        "--out",
+        f"file://{tmp_path}/out",
+        "--run",
+        "tp2",
+        "--dtype",
+        "fp32",
+        "--layers",
+        ",".join(map(str, POINTS)),
+        "--engine",
+        "sglang",
+        "--tp",
+        "2",
+        "--chunked-prefill-size",
+        str(CHUNK),
+        "--workers",
+        "1",
+        "--no-progress",
+        "--work-dir",
+        str(work),
+        "--dump-dir",
+        str(tmp_path / "dumps"),
+        timeout=600,
+        env={"HARVEST_SGLANG_VENV": os.path.dirname(os.path.dirname(SGLANG_PYTHON))},
+    )
     log = (work / "logs" / "engine.log").read_text(errors="replace")
     assert res.returncode == 0, res.stdout + res.stderr + log[-3000:]
     assert f"samples: {len(prompts)} done, 0 failed" in res.stdout, res.stdout

@@ -47,8 +47,10 @@ NODE_FLAGS = "--engine reference --workers 1 --stop-grace 30"
 @pytest.fixture
 def slurm(tmp_path):
     if missing():
-        need("slurm-wlm (slurmctld, slurmd, munge)",
-             f"{', '.join(missing())} not on PATH (apt-get install slurm-wlm munge): the SLURM tests run a real cluster")
+        need(
+            "slurm-wlm (slurmctld, slurmd, munge)",
+            f"{', '.join(missing())} not on PATH (apt-get install slurm-wlm munge): the SLURM tests run a real cluster",
+        )
     if os.geteuid() != 0:
         need("root", "slurmd runs the test's jobs as root (SlurmUser=root)")
     cluster = start_slurm(tmp_path / "slurm")
@@ -77,22 +79,36 @@ class Fleet:
         import subprocess
 
         self.t0 = time.monotonic()
-        res = subprocess.run([os.path.join(SLURM_DIR, "submit.sh"), str(nodes)], cwd=self.tmp, capture_output=True,
-                             text=True, env={**self.cluster.env(), **self.env}, timeout=60)
+        res = subprocess.run(
+            [os.path.join(SLURM_DIR, "submit.sh"), str(nodes)],
+            cwd=self.tmp,
+            capture_output=True,
+            text=True,
+            env={**self.cluster.env(), **self.env},
+            timeout=60,
+        )
         assert res.returncode == 0, res.stderr
         ids = dict(w.split("=") for w in res.stdout.split())
         self.head, self.nodes = ids["head"], ids["nodes"]
 
     def add_node(self, task: int, flags: str) -> str:
         """One more node job, as a user adds one to a running run (its own flags)."""
-        job = self.cluster.sbatch("--chdir", str(self.tmp), f"--array={task}", "--job-name=extra",
-                                  os.path.join(SLURM_DIR, "node.sbatch"),
-                                  env={**self.env, "HARVEST_NODE_ARGS": flags})
+        job = self.cluster.sbatch(
+            "--chdir",
+            str(self.tmp),
+            f"--array={task}",
+            "--job-name=extra",
+            os.path.join(SLURM_DIR, "node.sbatch"),
+            env={**self.env, "HARVEST_NODE_ARGS": flags},
+        )
         return f"{job}_{task}"
 
     def redis(self) -> redis.Redis:
-        url = wait_for(lambda: (self.shared / "redis.url").exists() and (self.shared / "redis.url").read_text().strip(),
-                       60, "the head's redis.url")
+        url = wait_for(
+            lambda: (self.shared / "redis.url").exists() and (self.shared / "redis.url").read_text().strip(),
+            60,
+            "the head's redis.url",
+        )
         return redis.Redis.from_url(url)
 
     def log(self, job: str) -> str:
@@ -101,7 +117,9 @@ class Fleet:
         return p.read_text(errors="replace") if p.exists() else f"(no {name})"
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(self.tmp.glob("slurm-*.out")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(self.tmp.glob("slurm-*.out"))
+        )
 
     def finish(self, timeout: float = 150) -> dict[str, str]:
         """The head job's fields once it ended (it ends when the run is done and its nodes are gone)."""
@@ -115,13 +133,14 @@ class Fleet:
         copies = committed(self.tmp / "out" / self.run)
         lost = len(self.expected - set(copies))
         doubled = sum(n - 1 for n in copies.values() if n > 1)
-        print(f"\nslurm case {case}: samples {len(self.expected)}, committed {len(copies)}, lost {lost}, "
-              f"doubled {doubled}, stray {len(set(copies) - self.expected)}, wall {time.monotonic() - self.t0:.1f}s")
+        print(
+            f"\nslurm case {case}: samples {len(self.expected)}, committed {len(copies)}, lost {lost}, "
+            f"doubled {doubled}, stray {len(set(copies) - self.expected)}, wall {time.monotonic() - self.t0:.1f}s"
+        )
         return lost, doubled
 
 
-def new_fleet(cluster: Slurm, tmp: Path, tiny_model: str, run: str, samples: int, *,
-              spool_grace: float = 120) -> Fleet:
+def new_fleet(cluster: Slurm, tmp: Path, tiny_model: str, run: str, samples: int, *, spool_grace: float = 120) -> Fleet:
     from transformers import AutoConfig
 
     rows = make_rows(samples, AutoConfig.from_pretrained(tiny_model).vocab_size, random.Random(samples))
@@ -131,27 +150,36 @@ def new_fleet(cluster: Slurm, tmp: Path, tiny_model: str, run: str, samples: int
     redis_port, metrics_port = block.ports
     block.close()
     env = {
-        "HARVEST": f"{sys.executable} -m harvest", "PYTHONPATH": REPO,
-        "HARVEST_RUN": run, "HARVEST_SHARED": str(tmp / "shared"), "HARVEST_DATASET": str(tmp / "data.jsonl"),
-        "HARVEST_MODEL": tiny_model, "HARVEST_OUT": str(tmp / "out"),
+        "HARVEST": f"{sys.executable} -m harvest",
+        "PYTHONPATH": REPO,
+        "HARVEST_RUN": run,
+        "HARVEST_SHARED": str(tmp / "shared"),
+        "HARVEST_DATASET": str(tmp / "data.jsonl"),
+        "HARVEST_MODEL": tiny_model,
+        "HARVEST_OUT": str(tmp / "out"),
         "HARVEST_PRODUCE_ARGS": f"--dtype fp32 --batch-samples 2 --spool-grace {spool_grace:g}",
         "HARVEST_NODE_ARGS": f"{NODE_FLAGS} --model {tiny_model}",
-        "HARVEST_NODE_WORK": str(tmp / "nodes"), "HARVEST_REDIS_PORT": str(redis_port),
-        "HARVEST_METRICS_PORT": str(metrics_port), "HARVEST_HEAD_POLL": "2", "HARVEST_HEAD_LINGER": "60",
+        "HARVEST_NODE_WORK": str(tmp / "nodes"),
+        "HARVEST_REDIS_PORT": str(redis_port),
+        "HARVEST_METRICS_PORT": str(metrics_port),
+        "HARVEST_HEAD_POLL": "2",
+        "HARVEST_HEAD_LINGER": "60",
         "HARVEST_JOIN_WAIT": "120",
     }
     return Fleet(cluster, tmp, run, expected, env)
 
 
-def test_a_run_over_two_node_jobs_commits_every_sample_once_one_requeued_at_its_time_limit(slurm, tmp_path,
-                                                                                             tiny_model):
+def test_a_run_over_two_node_jobs_commits_every_sample_once_one_requeued_at_its_time_limit(slurm, tmp_path, tiny_model):
     from harvest.state.ledger import Ledger
 
     fleet = new_fleet(slurm, tmp_path, tiny_model, "sl-two", 16)
     fleet.submit(2)
     conn = fleet.redis()
-    wait_for(lambda: Ledger(conn, fleet.run).counts()["spooled"] + Ledger(conn, fleet.run).counts()["done"], 120,
-             "the nodes extracting")
+    wait_for(
+        lambda: Ledger(conn, fleet.run).counts()["spooled"] + Ledger(conn, fleet.run).counts()["done"],
+        120,
+        "the nodes extracting",
+    )
     # what `--signal=B:USR1@180` sends the batch script before the time limit
     timed_out = f"{fleet.nodes}_1"
     slurm.run("scancel", "--batch", "--signal=USR1", timed_out)
@@ -160,7 +188,9 @@ def test_a_run_over_two_node_jobs_commits_every_sample_once_one_requeued_at_its_
     assert fleet.figures("two node jobs, one requeued at its time limit") == (0, 0)
     jobs = slurm.jobs()
     assert [(j["JobState"], j["ExitCode"], j["Restarts"]) for j in (jobs[f"{fleet.nodes}_0"], jobs[timed_out])] == [
-        ("COMPLETED", "0:0", "0"), ("COMPLETED", "0:0", "1")], fleet.logs()
+        ("COMPLETED", "0:0", "0"),
+        ("COMPLETED", "0:0", "1"),
+    ], fleet.logs()
     log = fleet.log(timed_out)
     assert "SIGUSR1: stopping harvest node" in log and "harvest node exited 75" in log, log
     assert f"requeueing job {timed_out}" in log and f"job {timed_out} (restart 1)" in log, log
@@ -195,8 +225,10 @@ def test_node_jobs_cancelled_or_killed_mid_run_have_their_spools_taken_over(slur
     wait_for(both_spooled, 120, "samples on both nodes' spools")
     lost_node, cancelled = names
     spooled = on_spools()[lost_node]  # its collector commits none of them before the queue runs dry
-    pids = [int(line.split()[0]) for line in
-            slurm.run("scontrol", "listpids", slurm.jobs()[lost_node]["JobId"]).stdout.splitlines()[1:]]
+    pids = [
+        int(line.split()[0])
+        for line in slurm.run("scontrol", "listpids", slurm.jobs()[lost_node]["JobId"]).stdout.splitlines()[1:]
+    ]
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     slurm.run("scancel", cancelled)
@@ -204,12 +236,14 @@ def test_node_jobs_cancelled_or_killed_mid_run_have_their_spools_taken_over(slur
     assert slurm.wait_state(cancelled, {"FAILED", "CANCELLED", "COMPLETED"}, 90)["JobState"] == "CANCELLED"
     fleet.add_node(2, NODE_FLAGS + f" --model {tiny_model}")
     # the run is not done before node 0's spool is reclaimed: this holds while the head waits on
-    reclaimed = wait_for(lambda: Ledger(conn, fleet.run).stats().get("samples_reclaimed", 0), 120,
-                         "node 0's spool reclaimed")
+    reclaimed = wait_for(
+        lambda: Ledger(conn, fleet.run).stats().get("samples_reclaimed", 0), 120, "node 0's spool reclaimed"
+    )
     head = fleet.finish()
     assert (head["JobState"], head["ExitCode"]) == ("COMPLETED", "0:0"), fleet.logs()
-    assert fleet.figures(f"node 0 killed with {spooled} samples spooled, node 1 scancelled: "
-                         f"{reclaimed} samples taken over") == (0, 0)
+    assert fleet.figures(
+        f"node 0 killed with {spooled} samples spooled, node 1 scancelled: {reclaimed} samples taken over"
+    ) == (0, 0)
     assert "SIGTERM: stopping harvest node" in fleet.log(cancelled)
 
 

@@ -85,7 +85,9 @@ def _check(t, victim, sums, retry: int = 1) -> None:
     others = [s for s in t.order if s != victim.id]
     committed = t.committed()
     assert list(committed.values()) == [others]
-    assert dict(zip(t.order, t.ledger.states(t.order))) == {s: "q" if s == victim.id else "d" for s in t.order}
+    assert dict(zip(t.order, t.ledger.states(t.order), strict=False)) == {
+        s: "q" if s == victim.id else "d" for s in t.order
+    }
     aside = set_aside_path(spool_path(t.spool, victim.id))
     assert sorted(os.listdir(t.spool)) == sorted([".spool-id", os.path.basename(aside)])
     jobs = [fetch_job(t.conn, j) for j in run_queue(t.conn, t.cfg.run).job_ids]
@@ -116,14 +118,17 @@ def _check(t, victim, sums, retry: int = 1) -> None:
 
 
 def _queued_line(problem: str, path: str, retry: int = 1) -> str:
-    return (f"{problem}: its sample goes back to the queue to be extracted again (retry {retry} of {DAMAGED_RETRIES}); "
-            f"the file is set aside as {set_aside_path(path)}")
+    return (
+        f"{problem}: its sample goes back to the queue to be extracted again (retry {retry} of {DAMAGED_RETRIES}); "
+        f"the file is set aside as {set_aside_path(path)}"
+    )
 
 
 @pytest.mark.parametrize("kind", ["file", "s3"])
 @pytest.mark.parametrize("damage", ["hidden_states", "input_ids", "truncated"])
-def test_a_damaged_spool_file_is_set_aside_its_sample_queued_and_the_rest_committed(conn, redis_server, tmp_path,
-                                                                                  request, caplog, kind, damage):
+def test_a_damaged_spool_file_is_set_aside_its_sample_queued_and_the_rest_committed(
+    conn, redis_server, tmp_path, request, caplog, kind, damage
+):
     t, victim = _trial(conn, redis_server, tmp_path, request, kind)
     sums = _sums(t)
     path = spool_path(t.spool, victim.id)
@@ -145,8 +150,9 @@ def test_a_damaged_spool_file_is_set_aside_its_sample_queued_and_the_rest_commit
 
 @pytest.mark.parametrize("kind", ["file", "s3"])
 @pytest.mark.parametrize("damage", ["hidden_states", "truncated"])
-def test_a_resumed_shard_whose_spool_file_was_damaged_is_voided_not_committed(conn, redis_server, tmp_path, request,
-                                                                             caplog, kind, damage):
+def test_a_resumed_shard_whose_spool_file_was_damaged_is_voided_not_committed(
+    conn, redis_server, tmp_path, request, caplog, kind, damage
+):
     """Killed with its shard recorded and claimed; the file damaged before the restart, which
     finishes the record: the shard is voided, not committed nor re-packed on every restart."""
     t, victim = _trial(conn, redis_server, tmp_path, request, kind)
@@ -164,8 +170,9 @@ def test_a_resumed_shard_whose_spool_file_was_damaged_is_voided_not_committed(co
 
 
 @pytest.mark.parametrize("kind", ["file", "s3"])
-def test_a_spool_file_truncated_while_its_shard_is_packed(conn, redis_server, tmp_path, request, caplog, monkeypatch,
-                                                          kind):
+def test_a_spool_file_truncated_while_its_shard_is_packed(
+    conn, redis_server, tmp_path, request, caplog, monkeypatch, kind
+):
     """Its header was sound when chosen; the copy meets its end: the shard is voided, not the collector stopped."""
     t, victim = _trial(conn, redis_server, tmp_path, request, kind)
     sums = _sums(t)

@@ -61,8 +61,11 @@ def test_status_and_metrics_exact_during_and_after_a_run_with_failures(tmp_path,
     assert cli("produce", data, "--run", run, "--redis", url).returncode == 0
     q = run_queue(conn, run)
     good_jobs = list(q.job_ids)
-    good = {s.id: s.num_tokens for j in good_jobs
-            for s in decode_batch(Job.fetch(j, connection=conn, serializer=JSONSerializer).args[0])[1]}
+    good = {
+        s.id: s.num_tokens
+        for j in good_jobs
+        for s in decode_batch(Job.fetch(j, connection=conn, serializer=JSONSerializer).args[0])[1]
+    }
     n = len(good)
     rejected = [Sample.build([10**6, 3]), Sample.build([4, 10**6]), Sample.build([10**6])]
     enqueue(conn, load_run(conn, run), rejected)
@@ -102,7 +105,7 @@ def test_status_and_metrics_exact_during_and_after_a_run_with_failures(tmp_path,
     st = _status(url, run)
     assert _counts(st) == (n + 3, n + 3 - first_n, first_n, 0, 0, 0)
     assert st["jobs"]["started"] == 1 and st["jobs"]["queued"] == jobs - 1
-    (host, ws), = st["workers"].items()
+    ((host, ws),) = st["workers"].items()
     assert [(w["state"], w["job"], w["job_samples"], w["engine"]) for w in ws] == [("busy", first_job, first_n, engine)]
     m = _scrape(port)
     assert m[("harvest_workers", (("host", host), ("state", "busy")))] == 1
@@ -126,8 +129,11 @@ def test_status_and_metrics_exact_during_and_after_a_run_with_failures(tmp_path,
     # After: the collector commits; status and metrics agree on every count.
     procs.start("collector", "collect", "--run", run, "--redis", url, "--spool-dir", spool, "--max-wait", "1")
     wait_until(lambda: Ledger(conn, run).counts()["done"] == n, 120, "every good sample done")
-    wait_until(lambda: (_status(url, run)["collectors"] or [{}])[0].get("spool_files") == 0, 30,
-               "the collector's heartbeat showing an empty spool")
+    wait_until(
+        lambda: (_status(url, run)["collectors"] or [{}])[0].get("spool_files") == 0,
+        30,
+        "the collector's heartbeat showing an empty spool",
+    )
     st = _status(url, run)
     assert _counts(st) == (n + 3, 0, 0, 0, n, 3)
     assert st["tokens_done"] == sum(good.values())
@@ -141,7 +147,11 @@ def test_status_and_metrics_exact_during_and_after_a_run_with_failures(tmp_path,
 
     m = _scrape(port)
     assert {s: m[("harvest_samples", (("state", s),))] for s in ("queued", "spooled", "done", "failed")} == {
-        "queued": 0, "spooled": 0, "done": n, "failed": 3}
+        "queued": 0,
+        "spooled": 0,
+        "done": n,
+        "failed": 3,
+    }
     assert m[("harvest_failed_samples", (("reason", "engine-rejected"),))] == 3
     assert m[("harvest_samples_done_total", ())] == n
     assert m[("harvest_samples_spooled_total", ())] == n
@@ -162,8 +172,23 @@ def test_status_and_metrics_exact_during_and_after_a_run_with_failures(tmp_path,
 
 def test_status_watch_refreshes_in_place(conn, redis_server, tiny_model, tmp_path):
     new_run(conn, "stat2", tiny_model, f"file://{tmp_path}/out")
-    p = subprocess.Popen([sys.executable, "-m", "harvest.cli", "status", "--run", "stat2", "--redis", redis_server.url,
-                          "--watch", "0.5"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "harvest.cli",
+            "status",
+            "--run",
+            "stat2",
+            "--redis",
+            redis_server.url,
+            "--watch",
+            "0.5",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     reader = OutputReader(p.stdout)
     try:  # Ctrl-C once two whole frames are out (a signal before the CLI is up would kill it, not stop it)
         reader.wait_for(lambda out: out.count("  samples  total 0") >= 2, 120, "two frames of `status --watch`", p)

@@ -37,11 +37,33 @@ def run(tmp_path_factory, tiny_model):
     rows = [r for r in demo_rows(24) if "input_ids" not in r or len(r["input_ids"]) > 1]
     data = write_jsonl(str(tmp / "rows.jsonl"), rows)
     draft = tmp / "draft.json"  # SGLang ids 1, 2, 5: HF 2, 3, 6 (the preset would be 2, 4, 5)
-    draft.write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
-                                 "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 5]}}))
-    res = harvest_cli("run", data, "--model", tiny_model, "--out", f"file://{tmp}/out", "--run", "tr", "--workers", "1",
-                      "--layers", str(draft), "--no-progress", "--work-dir", str(tmp / "work"),
-                      "--dump-dir", str(tmp / "dumps"))
+    draft.write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 5]},
+            }
+        )
+    )
+    res = harvest_cli(
+        "run",
+        data,
+        "--model",
+        tiny_model,
+        "--out",
+        f"file://{tmp}/out",
+        "--run",
+        "tr",
+        "--workers",
+        "1",
+        "--layers",
+        str(draft),
+        "--no-progress",
+        "--work-dir",
+        str(tmp / "work"),
+        "--dump-dir",
+        str(tmp / "dumps"),
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert RunReader(f"{tmp}/out/tr").capture_points == [2, 3, 6, 8]
     return tmp, f"{tmp}/out/tr"
@@ -72,7 +94,7 @@ def _indexed_checkpoint(model: str, where: str) -> str:
     for name in os.listdir(model):
         os.symlink(os.path.join(model, name), os.path.join(where, name))
     with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
-        weight_map = {k: "model.safetensors" for k in f.keys()}
+        weight_map = {k: "model.safetensors" for k in f}
     with open(os.path.join(where, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     return where
@@ -88,13 +110,24 @@ def _specforge_targets(dest: str, head):
 
     provider = builtin_algorithm_registry().resolve("eagle3").providers.offline_for("text")
     refs = provider.build_reader(dest, run_id="t", ttt_length=7, max_len=2048).read()
-    loader = FeatureDataLoader(LocalFeatureStore("t"), refs=refs, batch_size=1, collate_fn=provider.build_collator(),
-                               per_sample_transform=provider.build_normalizer(2048, ttt_length=7), strategy="eagle3")
+    loader = FeatureDataLoader(
+        LocalFeatureStore("t"),
+        refs=refs,
+        batch_size=1,
+        collate_fn=provider.build_collator(),
+        per_sample_transform=provider.build_normalizer(2048, ttt_length=7),
+        strategy="eagle3",
+    )
     for batch in loader:
         b = batch.tensors
-        _, target, _ = _prepare_eagle_target(target_head=head, target_repr=batch.metadata["target_repr"],
-                                             input_ids=b["input_ids"], target=b["target"], loss_mask=b["loss_mask"],
-                                             device=torch.device("cpu"))
+        _, target, _ = _prepare_eagle_target(
+            target_head=head,
+            target_repr=batch.metadata["target_repr"],
+            input_ids=b["input_ids"],
+            target=b["target"],
+            loss_mask=b["loss_mask"],
+            device=torch.device("cpu"),
+        )
         yield b, target
 
 
@@ -106,9 +139,11 @@ def test_specforge_reads_the_export_and_its_targets_are_the_models_logits(run, h
     dest = str(tmp / "specforge")
     res = harvest_cli("export", "--run-url", run_url, "--format", "specforge", dest, "--no-progress")
     assert res.returncode == 0, res.stderr
-    assert res.stderr == ("harvest: train a draft whose config has eagle_config.eagle_aux_hidden_state_layer_ids "
-                          "[1, 2, 5] (SGLang's ids of this run's aux layers [2, 3, 6]), or set "
-                          "model.aux_hidden_state_layer_ids [1, 2, 5]\n")  # the draft config the run came from
+    assert res.stderr == (
+        "harvest: train a draft whose config has eagle_config.eagle_aux_hidden_state_layer_ids "
+        "[1, 2, 5] (SGLang's ids of this run's aux layers [2, 3, 6]), or set "
+        "model.aux_hidden_state_layer_ids [1, 2, 5]\n"
+    )  # the draft config the run came from
     head = TargetHead.from_pretrained(_indexed_checkpoint(tiny_model, str(tmp / "indexed")))
     worst, agree, n, samples = 0.0, 0, 0, 0
     for b, target in _specforge_targets(dest, head):
@@ -127,8 +162,12 @@ def test_specforge_reads_the_export_and_its_targets_are_the_models_logits(run, h
 
     # The warning an fp32 export prints is real: SpecForge's bf16 TargetHead does not take it.
     dest32 = str(tmp / "specforge32")
-    assert harvest_cli("export", "--run-url", run_url, "--format", "specforge", dest32, "--dtype", "fp32",
-                       "--no-progress").returncode == 0
+    assert (
+        harvest_cli(
+            "export", "--run-url", run_url, "--format", "specforge", dest32, "--dtype", "fp32", "--no-progress"
+        ).returncode
+        == 0
+    )
     with pytest.raises(RuntimeError, match="dtype"):
         next(_specforge_targets(dest32, head))
 
@@ -174,12 +213,36 @@ def test_speculators_trains_on_the_export_and_its_targets_are_the_models_logits(
     reader = RunReader(run_url)
 
     monkeypatch.setattr(cli, "Trainer", _CpuTrainer)
-    cfg = TrainConfig.resolve([
-        "--speculator-type", "eagle3", "--verifier-name-or-path", tiny_model, "--data-path", dest,
-        "--draft-vocab-size", "128", "--total-seq-len", "1024", "--epochs", "1", "--save-path", str(tmp / "ckpt"),
-        "--on-missing", "raise", "--num-workers", "0", "--target-layer-ids", "2", "3", "6",  # as the export said
-        "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",  # flex attention and fused losses need a GPU
-    ])
+    cfg = TrainConfig.resolve(
+        [
+            "--speculator-type",
+            "eagle3",
+            "--verifier-name-or-path",
+            tiny_model,
+            "--data-path",
+            dest,
+            "--draft-vocab-size",
+            "128",
+            "--total-seq-len",
+            "1024",
+            "--epochs",
+            "1",
+            "--save-path",
+            str(tmp / "ckpt"),
+            "--on-missing",
+            "raise",
+            "--num-workers",
+            "0",
+            "--target-layer-ids",
+            "2",
+            "3",
+            "6",  # as the export said
+            "--draft-attn-impl",
+            "sdpa",
+            "--loss-implementation",
+            "eager",  # flex attention and fused losses need a GPU
+        ]
+    )
     cli.main(cfg)  # speculators' entry point: vocab mapping from token_freq.pt, draft and verifier weights, loaders
     seen = _CpuTrainer.seen
     assert torch.isfinite(seen["loss"]) and seen["loss"].item() > 0
@@ -209,8 +272,10 @@ def test_speculators_trains_on_the_export_and_its_targets_are_the_models_logits(
         worst, agree, n = max(worst, rel), agree + a, n + c
         stored = reader.get(sid)["hidden_states"][1:, -1]  # harvest's post-norm state, as the old export wrote it
         agree_twice += _agreement(_CpuTrainer.targets_of(stored), ref)[1]
-    print(f"speculators: loss {seen['loss'].item():.4f}, worst |target - HF logits| / max {worst:.4f}, argmax "
-          f"{agree}/{n}; with the norm applied twice {agree_twice}/{n}")
+    print(
+        f"speculators: loss {seen['loss'].item():.4f}, worst |target - HF logits| / max {worst:.4f}, argmax "
+        f"{agree}/{n}; with the norm applied twice {agree_twice}/{n}"
+    )
     assert worst < 0.02, worst
     assert n > 200 and agree / n >= 0.99, (agree, n)
     assert agree_twice / n < 0.9, agree_twice / n  # the norm applied twice (the old export) is visibly wrong

@@ -103,13 +103,30 @@ def test_speculators_reads_the_run_in_place_from_s3(run, s3_run, hf, tiny_model,
     tmp, run_url = run
     full, small = str(tmp / "spec-full"), str(tmp / "spec-in-place")
     assert harvest_cli("export", "--run-url", run_url, "--format", "speculators", full, "--no-progress").returncode == 0
-    res = harvest_cli("export", "--run-url", s3_run, "--format", "speculators", small, "--in-place", "--no-progress",
-                      "--model", tiny_model)
+    res = harvest_cli(
+        "export",
+        "--run-url",
+        s3_run,
+        "--format",
+        "speculators",
+        small,
+        "--in-place",
+        "--no-progress",
+        "--model",
+        tiny_model,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stderr == "harvest: train with --target-layer-ids 2 3 6 (this run's aux layers; the default is 2 4 5)\n"
     assert sorted(os.listdir(small)) == sorted(
-        ["data-00000-of-00001.arrow", "dataset_info.json", "state.json", "token_freq.pt", "harvest-export.json",
-         "harvest-final-norm.safetensors"])  # no hidden_states/
+        [
+            "data-00000-of-00001.arrow",
+            "dataset_info.json",
+            "state.json",
+            "token_freq.pt",
+            "harvest-export.json",
+            "harvest-final-norm.safetensors",
+        ]
+    )  # no hidden_states/
     manifest = json.load(open(os.path.join(small, "harvest-export.json")))
     assert manifest["run_url"] == s3_run and manifest["in_place"] is True
     assert manifest["samples"] == json.load(open(os.path.join(full, "harvest-export.json")))["samples"]
@@ -127,21 +144,48 @@ def test_speculators_reads_the_run_in_place_from_s3(run, s3_run, hf, tiny_model,
         assert transfer.get_cached(len(rows)) is None  # past the rows: speculators' --on-missing decides
 
     monkeypatch.setattr(cli, "Trainer", _FeedTrainer)
-    cfg = TrainConfig.resolve([
-        "--speculator-type", "eagle3", "--verifier-name-or-path", tiny_model, "--data-path", small,
-        "--hidden-states-backend", "harvest",  # the run's URL from the manifest: s3://
-        "--draft-vocab-size", "128", "--total-seq-len", "1024", "--epochs", "1", "--save-path", str(tmp / "ckpt-ip"),
-        "--on-missing", "raise", "--num-workers", "0", "--target-layer-ids", "2", "3", "6",
-        "--draft-attn-impl", "sdpa", "--loss-implementation", "eager",
-    ])
+    cfg = TrainConfig.resolve(
+        [
+            "--speculator-type",
+            "eagle3",
+            "--verifier-name-or-path",
+            tiny_model,
+            "--data-path",
+            small,
+            "--hidden-states-backend",
+            "harvest",  # the run's URL from the manifest: s3://
+            "--draft-vocab-size",
+            "128",
+            "--total-seq-len",
+            "1024",
+            "--epochs",
+            "1",
+            "--save-path",
+            str(tmp / "ckpt-ip"),
+            "--on-missing",
+            "raise",
+            "--num-workers",
+            "0",
+            "--target-layer-ids",
+            "2",
+            "3",
+            "6",
+            "--draft-attn-impl",
+            "sdpa",
+            "--loss-implementation",
+            "eager",
+        ]
+    )
     cli.main(cfg)
     seen = _FeedTrainer.seen
     assert torch.isfinite(seen["loss"]) and seen["loss"].item() > 0
     assert seen["model"].target_layer_ids == [2, 3, 6] and seen["batches"] >= 1
     loader = seen["loader"]
     assert type(loader.dataset.transfer).__name__ == "HarvestTransfer" and loader.dataset.transfer.run_url == s3_run
-    fed = hidden_bytes(reader, [rows[i] for i in range(loader.dataset.start_file_idx,
-                                                       loader.dataset.start_file_idx + len(loader.dataset))])
+    fed = hidden_bytes(
+        reader,
+        [rows[i] for i in range(loader.dataset.start_file_idx, loader.dataset.start_file_idx + len(loader.dataset))],
+    )
     print(f"speculators in place: {fed} hidden bytes fed, {seen['written']} bytes written to disk")
     assert wrote_no_copy(seen["written"], fed), (seen["written"], fed)
 
@@ -195,8 +239,11 @@ def test_specforge_reads_the_run_in_place_through_pointer_files(run, s3_run, hf,
         assert res.returncode == 0, res.stderr
     reader = RunReader(run_url)
     files = {d: list_feature_files(d) for d in (full, small, small_s3)}
-    assert [os.path.relpath(p, full) for p in files[full]] == [os.path.relpath(p, small) for p in files[small]] \
-        == [os.path.relpath(p, small_s3) for p in files[small_s3]]  # the same samples in SpecForge's order
+    assert (
+        [os.path.relpath(p, full) for p in files[full]]
+        == [os.path.relpath(p, small) for p in files[small]]
+        == [os.path.relpath(p, small_s3) for p in files[small_s3]]
+    )  # the same samples in SpecForge's order
     assert len(files[small]) == len(reader)
     size = sum(os.path.getsize(p) for p in files[small])
     assert size < 0.2 * sum(os.path.getsize(p) for p in files[full]), size
@@ -212,7 +259,7 @@ def test_specforge_reads_the_run_in_place_through_pointer_files(run, s3_run, hf,
     store = LocalFeatureStore("t")
     for where in (small, small_s3):
         refs = OfflineManifestReader(where, run_id="t").read()
-        for ref, path in zip(refs, files[full]):
+        for ref, path in zip(refs, files[full], strict=False):
             got, handle = store.get(ref)
             want = load_feature_file(path)
             assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want), path
@@ -230,8 +277,10 @@ def test_specforge_reads_the_run_in_place_through_pointer_files(run, s3_run, hf,
         worst, agree, n, samples = max(worst, rel), agree + a, n + c, samples + 1
     written = disk_written(before)
     fed = hidden_bytes(reader, reader.sample_ids)
-    print(f"specforge in place: {samples} samples, {fed} hidden bytes fed, {written} bytes written to disk, worst "
-          f"|target - HF logits| / max {worst:.4f}, argmax {agree}/{n}")
+    print(
+        f"specforge in place: {samples} samples, {fed} hidden bytes fed, {written} bytes written to disk, worst "
+        f"|target - HF logits| / max {worst:.4f}, argmax {agree}/{n}"
+    )
     assert samples == len(reader)
     assert wrote_no_copy(written, fed), (written, fed)
     assert worst < 0.02, worst

@@ -20,8 +20,8 @@ import os
 import numpy as np
 import torch
 
-from harvest.engines.vllm_launch import default_venv, venv_python
 from harvest.cli.demo import demo_rows, write_jsonl
+from harvest.engines.vllm_launch import default_venv, venv_python
 from harvest.ids import sample_id
 from harvest.read.reader import RunReader, hidden_at
 from tests.support.cli import harvest_cli
@@ -54,19 +54,40 @@ def test_vllm_run_matches_hf_forward(tmp_path, tiny_model, tokenizer):
 
     out, dumps = tmp_path / "out", tmp_path / "dumps"
     res = harvest_cli(
-        "run", dataset, "--model", tiny_model, "--out", f"file://{out}", "--run", "vllm", "--dtype", "fp32",
-        "--layers", ",".join(map(str, POINTS)), "--engine", "vllm", "--workers", "2", "--no-progress",
-        "--dump-dir", str(dumps), "--work-dir", str(tmp_path / "work"), timeout=1200,
+        "run",
+        dataset,
+        "--model",
+        tiny_model,
+        "--out",
+        f"file://{out}",
+        "--run",
+        "vllm",
+        "--dtype",
+        "fp32",
+        "--layers",
+        ",".join(map(str, POINTS)),
+        "--engine",
+        "vllm",
+        "--workers",
+        "2",
+        "--no-progress",
+        "--dump-dir",
+        str(dumps),
+        "--work-dir",
+        str(tmp_path / "work"),
+        timeout=1200,
         env={"HARVEST_VLLM_VENV": default_venv()},
     )
-    engine_log = (tmp_path / "work" / "logs" / "engine.log")
+    engine_log = tmp_path / "work" / "logs" / "engine.log"
     tail = engine_log.read_text(errors="replace")[-3000:] if engine_log.exists() else ""
     assert res.returncode == 0, res.stdout + res.stderr + tail  # an overlong row skipped is no bad row
     n = len(expected)
     assert f"samples: {n} done, 0 failed ({n} enqueued now, 0 already known)" in res.stdout, res.stdout + tail
     assert "overlong 1 skipped" in res.stdout
-    assert (f"overlong row {dataset}:{len(rows) + 1}: 5000 tokens, over the model's context of 4096 "
-            "(max_position_embeddings in its config.json; --overlong skip)") in res.stderr.splitlines()
+    assert (
+        f"overlong row {dataset}:{len(rows) + 1}: 5000 tokens, over the model's context of 4096 "
+        "(max_position_embeddings in its config.json; --overlong skip)"
+    ) in res.stderr.splitlines()
 
     reader = RunReader(f"file://{out}/vllm")
     assert sorted(reader.sample_ids) == sorted(expected)  # each exactly once (the reader refuses duplicates)
@@ -99,16 +120,46 @@ def test_vllm_regenerates_turns_equal_to_hf_generate_and_extracts_them(tmp_path,
     from harvest.read.generated import iter_generated
     from tests.support.expected import expected_regenerated
 
-    chats = [[{"role": "user", "content": "the first question"}, {"role": "assistant", "content": "old"}],
-             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "two turns"},
-              {"role": "assistant", "content": "old"}, {"role": "user", "content": "and the second"}]]
+    chats = [
+        [{"role": "user", "content": "the first question"}, {"role": "assistant", "content": "old"}],
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "two turns"},
+            {"role": "assistant", "content": "old"},
+            {"role": "user", "content": "and the second"},
+        ],
+    ]
     dataset = write_jsonl(str(tmp_path / "chats.jsonl"), [{"messages": m} for m in chats])
     out, dumps = tmp_path / "out", tmp_path / "dumps"
     res = harvest_cli(
-        "run", dataset, "--model", tiny_model, "--out", f"file://{out}", "--run", "regen", "--dtype", "fp32",
-        "--layers", ",".join(map(str, POINTS)), "--engine", "vllm", "--workers", "1", "--no-progress",
-        "--dump-dir", str(dumps), "--work-dir", str(tmp_path / "work"), "--regenerate", "--max-new-tokens", "8",
-        "--on-length", "keep", timeout=1200, env={"HARVEST_VLLM_VENV": default_venv()},
+        "run",
+        dataset,
+        "--model",
+        tiny_model,
+        "--out",
+        f"file://{out}",
+        "--run",
+        "regen",
+        "--dtype",
+        "fp32",
+        "--layers",
+        ",".join(map(str, POINTS)),
+        "--engine",
+        "vllm",
+        "--workers",
+        "1",
+        "--no-progress",
+        "--dump-dir",
+        str(dumps),
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--regenerate",
+        "--max-new-tokens",
+        "8",
+        "--on-length",
+        "keep",
+        timeout=1200,
+        env={"HARVEST_VLLM_VENV": default_venv()},
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"samples: {len(chats)} done, 0 failed" in res.stdout, res.stdout

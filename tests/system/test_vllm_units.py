@@ -17,13 +17,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from harvest.engines.vllm_launch import launch_spec, needs_final_norm, vllm_layer_ids
 from harvest.config import RunConfig
+from harvest.engines.vllm_launch import launch_spec, needs_final_norm, vllm_layer_ids
 from harvest.formats.dump import chunk_name, read_chunk
 from harvest.formats.stformat import read_file_header
 from harvest.node.dumpdir import vllm_dir as storage_dir
 from harvest.read.final_norm import FinalNorm, FinalNormError
-from tests.support.cli import REPO, harvest_cli
 from harvest.workers.clients.vllm import (
     CONNECTOR_FORMAT,
     VllmClient,
@@ -32,6 +31,7 @@ from harvest.workers.clients.vllm import (
     to_capture_points,
     wait_unlocked,
 )
+from tests.support.cli import REPO, harvest_cli
 
 RID = "hv-" + "ab" * 16 + "-1"
 
@@ -132,8 +132,15 @@ def test_wait_unlocked_waits_for_the_writer_and_times_out(tmp_path):
 
 
 def _cfg(model: str, points=(2, 4, 8)) -> RunConfig:
-    return RunConfig(run="r", model=model, capture_points=list(points), hidden_size=64, out_url="file:///x",
-                     engine="vllm", num_layers=8)
+    return RunConfig(
+        run="r",
+        model=model,
+        capture_points=list(points),
+        hidden_size=64,
+        out_url="file:///x",
+        engine="vllm",
+        num_layers=8,
+    )
 
 
 def test_convert_writes_a_verified_chunk_and_removes_vllm_files(tmp_path, tiny_model):
@@ -187,8 +194,10 @@ def test_convert_refuses_foreign_paths_and_files(tmp_path, tiny_model):
         recorded = json.loads(read_file_header(path)[1]["crc32"])["hidden_states"]
         with pytest.raises(VllmDumpError) as e:
             client._convert(RID, path)
-        assert str(e.value) == (f"{path}: hidden_states has crc32 {found}, the connector recorded {recorded}: the file "
-                                "changed after the connector wrote it (a disk or memory fault on this node?)")
+        assert str(e.value) == (
+            f"{path}: hidden_states has crc32 {found}, the connector recorded {recorded}: the file "
+            "changed after the connector wrote it (a disk or memory fault on this node?)"
+        )
         assert not os.path.exists(path)
         assert [n for n in os.listdir(dump) if n.startswith("hv-")] == []
     finally:
@@ -196,8 +205,9 @@ def test_convert_refuses_foreign_paths_and_files(tmp_path, tiny_model):
 
 
 def test_launch_spec_names_connector_layers_and_storage():
-    env, args = launch_spec("/m", [8, 2, 4, 5], 8, dump_dir="/dev/shm/h", port=8123, python="/v/bin/python",
-                            dtype="float32")
+    env, args = launch_spec(
+        "/m", [8, 2, 4, 5], 8, dump_dir="/dev/shm/h", port=8123, python="/v/bin/python", dtype="float32"
+    )
     assert env == {"VLLM_CPU_KVCACHE_SPACE": "1"}
     assert args[:3] == ["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert "--no-enable-prefix-caching" in args
@@ -205,8 +215,12 @@ def test_launch_spec_names_connector_layers_and_storage():
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5, 8]
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert kv == {"kv_connector": "HarvestHiddenStatesConnector", "kv_connector_module_path": "harvest.engines.vllm_connector",
-                  "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": "/dev/shm/h/.vllm"}}
+    assert kv == {
+        "kv_connector": "HarvestHiddenStatesConnector",
+        "kv_connector_module_path": "harvest.engines.vllm_connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": "/dev/shm/h/.vllm"},
+    }
     # The connector module really defines the class the config names (checked without importing vLLM).
     src = open(os.path.join(REPO, "engines", "vllm_connector.py")).read()
     assert "class HarvestHiddenStatesConnector(ExampleHiddenStatesConnector):" in src
@@ -235,7 +249,8 @@ def test_sweep_removes_only_old_harvest_files_in_vllm_storage(tmp_path, tiny_mod
             os.utime(p, (time.time() - 3600, time.time() - 3600))
         assert client.sweep() == 2
         assert sorted(os.listdir(storage_dir(str(dump)))) == sorted(
-            [os.path.basename(fresh), os.path.basename(fresh) + ".lock", "cmpl-1234-0.safetensors"])
+            [os.path.basename(fresh), os.path.basename(fresh) + ".lock", "cmpl-1234-0.safetensors"]
+        )
     finally:
         client.close()
 
@@ -246,8 +261,20 @@ def test_produce_records_the_vllm_engine_kind_for_workers(tmp_path, tiny_model, 
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": "hello world"}) + "\n")
-    res = harvest_cli("produce", str(data), "--run", "v", "--redis", redis_server.url, "--model", tiny_model,
-                      "--out", f"file://{tmp_path}/out", "--engine", "vllm")
+    res = harvest_cli(
+        "produce",
+        str(data),
+        "--run",
+        "v",
+        "--redis",
+        redis_server.url,
+        "--model",
+        tiny_model,
+        "--out",
+        f"file://{tmp_path}/out",
+        "--engine",
+        "vllm",
+    )
     assert res.returncode == 0, res.stderr
     cfg = load_run(conn, "v")
     assert cfg.engine == "vllm" and cfg.num_layers == 8
@@ -262,8 +289,9 @@ def test_unreachable_server_is_transient(tmp_path, tiny_model):
     from harvest.cli.redisproc import free_port
     from harvest.workers.clients.base import EngineUnavailable
 
-    client = VllmClient(f"http://127.0.0.1:{free_port()}", _cfg(tiny_model), str(tmp_path / "dump"),
-                        retries=1, backoff=0.01)
+    client = VllmClient(
+        f"http://127.0.0.1:{free_port()}", _cfg(tiny_model), str(tmp_path / "dump"), retries=1, backoff=0.01
+    )
     try:
         assert client.health() is False
         with pytest.raises(EngineUnavailable, match="failed 2 times"):

@@ -44,11 +44,35 @@ def test_grouped_files_run_on_one_worker_each(tmp_path):
     (root / "unit" / "test_free2.py").write_text(_file("free2"))
     out = tmp_path / "ran"
     out.mkdir()
-    res = subprocess.run([sys.executable, "-m", "pytest", "-c", os.devnull, "--rootdir", str(tmp_path), "-p",
-                          "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder", "-q",
-                          str(root)], cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
-                         env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
-                              "PYTHONPATH": REPO, "GROUPS_OUT": str(out)})
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-c",
+            os.devnull,
+            "--rootdir",
+            str(tmp_path),
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "--no-loadscope-reorder",
+            "-q",
+            str(root),
+        ],
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
+            "PYTHONPATH": REPO,
+            "GROUPS_OUT": str(out),
+        },
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     workers: dict[str, set[str]] = defaultdict(set)
     for name in os.listdir(out):

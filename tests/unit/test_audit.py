@@ -79,10 +79,14 @@ def _dump(engine: ReferenceEngine, tmp_path, samples: list[Sample], tag: str) ->
     engine.writer.flush()
     mine = tmp_path / f"claimed-{tag}"
     mine.mkdir()
-    claimed, failed = claim(engine.dump_dir, str(mine), {r: s.num_tokens for r, s in zip(rids, samples)}, timeout=5)
+    claimed, failed = claim(
+        engine.dump_dir, str(mine), {r: s.num_tokens for r, s in zip(rids, samples, strict=False)}, timeout=5
+    )
     assert failed == {}
-    return {s.id: assemble(claimed[r], s, engine.capture_points, torch.float32).hidden_states
-            for r, s in zip(rids, samples)}
+    return {
+        s.id: assemble(claimed[r], s, engine.capture_points, torch.float32).hidden_states
+        for r, s in zip(rids, samples, strict=False)
+    }
 
 
 def test_audit_faults_pass_the_workers_checks_and_the_comparison_names_them(tiny_model, tmp_path, monkeypatch):
@@ -95,8 +99,12 @@ def test_audit_faults_pass_the_workers_checks_and_the_comparison_names_them(tiny
     with torch.no_grad():
         every = faulty.model(torch.tensor([samples[1].input_ids.tolist()]), output_hidden_states=True).hidden_states
     layers = {p: h[0] for p, h in enumerate(every)}
-    res = [compare_sample(SampleResult(s.id, "x", 20), [2, 4, 8], got[s.id], want[s.id], TOLERANCE["fp32"],
-                          layers if i == 1 else None) for i, s in enumerate(samples)]
+    res = [
+        compare_sample(
+            SampleResult(s.id, "x", 20), [2, 4, 8], got[s.id], want[s.id], TOLERANCE["fp32"], layers if i == 1 else None
+        )
+        for i, s in enumerate(samples)
+    ]
     assert [(r.outcome, r.detail) for r in res] == [
         (MISALIGNED, "rows 9-15 hold the states of the position before them (every capture point)"),
         (WRONG_LAYER, "capture point 2 holds layer 3's states"),
@@ -109,12 +117,22 @@ def test_audit_faults_pass_the_workers_checks_and_the_comparison_names_them(tiny
 
 def test_status_line_says_when_how_and_the_verdict():
     assert status_line(None, "r1") == "  audit    never (harvest audit --run r1)"
-    doc = {"verdict": "fail", "at": 0, "route": "hf", "samples": 25, "seed": 7, "worst_rel": 0.98, "tolerance": 1e-4,
-           "outcomes": {"ok": 22, "drift": 1, "misaligned": 2}, "requeued": ["a"]}
+    doc = {
+        "verdict": "fail",
+        "at": 0,
+        "route": "hf",
+        "samples": 25,
+        "seed": 7,
+        "worst_rel": 0.98,
+        "tolerance": 1e-4,
+        "outcomes": {"ok": 22, "drift": 1, "misaligned": 2},
+        "requeued": ["a"],
+    }
     line = status_line(doc, "r1")
     assert line.startswith("  audit    fail ") and line.endswith(
         ", against hf, 25 samples (seed 7), worst relative error 9.8e-01 (bound 1.00e-04): 1 drift, 2 misaligned; "
-        "1 requeued")
+        "1 requeued"
+    )
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "fp8_e4m3"])

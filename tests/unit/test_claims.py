@@ -91,8 +91,9 @@ def test_a_claim_of_this_ledger_that_no_record_names_is_taken_over(conn, tmp_pat
     assert f"sample {ids[0]}: took over its claim by shard {'0' * 32}" in caplog.text
 
 
-def test_a_ledger_id_redis_lost_comes_back_with_a_record_and_one_taken_meanwhile_voids_the_shard(conn, tmp_path,
-                                                                                                  caplog):
+def test_a_ledger_id_redis_lost_comes_back_with_a_record_and_one_taken_meanwhile_voids_the_shard(
+    conn, tmp_path, caplog
+):
     _, _, ids, ledger, c = _node(conn, tmp_path, "a")
     known = c.claimer.ledger_id
     conn.delete(ledger.keys.ledger_id)  # a Redis that lost it (a rollback past its creation)
@@ -147,9 +148,11 @@ def test_reconcile_sends_samples_of_a_lost_index_back_to_the_queue_or_forgets_th
     (job,) = run_queue(conn, cfg.run).get_jobs()
     _, samples = decode_batch(job.args[0])
     assert [s.id for s in samples] == [ids[0]]
-    assert rep.line() == ("marked 0 samples done from storage; 1 done in the ledger but committed by no index went "
-                          "back to the queue; 1 done in the ledger whose tokens are in no shard were forgotten (run the "
-                          "producer again to enqueue them)")
+    assert rep.line() == (
+        "marked 0 samples done from storage; 1 done in the ledger but committed by no index went "
+        "back to the queue; 1 done in the ledger whose tokens are in no shard were forgotten (run the "
+        "producer again to enqueue them)"
+    )
     again = reconcile(conn, cfg)
     assert (again.marked_done, again.requeued, again.forgotten) == (0, [], [])
 

@@ -50,7 +50,9 @@ def _collected(conn, tmp_path, out_url: str, run: str, dtype: str, codec_name: s
     ids = [s.id for s in samples]
     ledger.add_queued(ids)
     ledger.mark_spooled(ids)
-    c = Collector(conn, cfg, spool, node="n1", shard_bytes=3 * os.path.getsize(os.path.join(spool, f"{ids[0]}.safetensors")))
+    c = Collector(
+        conn, cfg, spool, node="n1", shard_bytes=3 * os.path.getsize(os.path.join(spool, f"{ids[0]}.safetensors"))
+    )
     while c.step(force=True):
         pass
     assert ledger.counts()["done"] == len(LENGTHS)
@@ -65,7 +67,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _same(a: dict, b: dict) -> bool:
     """Two samples (or training items) as readers hand them out: the same keys, tensors equal bit for bit."""
     return a.keys() == b.keys() and all(
-        torch.equal(_bits(a[k]), _bits(b[k])) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+        torch.equal(_bits(a[k]), _bits(b[k])) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -90,12 +93,16 @@ def test_a_coded_run_reads_bit_identical_to_one_without_a_codec(conn, tmp_path, 
         assert torch.equal(_bits(b["hidden_states"]), _bits(s.hidden_states))
         if dtype == "fp8_e4m3":
             assert torch.equal(b["hidden_scale"], s.hidden_scale)
-            assert torch.equal(_bits(readers["coded"].get(s.id, torch.bfloat16)["hidden_states"]),
-                               _bits(readers["plain"].get(s.id, torch.bfloat16)["hidden_states"]))
+            assert torch.equal(
+                _bits(readers["coded"].get(s.id, torch.bfloat16)["hidden_states"]),
+                _bits(readers["plain"].get(s.id, torch.bfloat16)["hidden_states"]),
+            )
     reader = ShardReader(coded, docs[0])
     n = docs[0]["offsets"][-1]
     whole = torch.cat([RunReader(url["plain"]).get(sid)["hidden_states"] for sid in docs[0]["samples"]])
-    assert torch.equal(_bits(reader.rows("hidden_states", 1, n - 1)), _bits(whole[1 : n - 1]))  # ranges that cut samples
+    assert torch.equal(
+        _bits(reader.rows("hidden_states", 1, n - 1)), _bits(whole[1 : n - 1])
+    )  # ranges that cut samples
 
     ds = {p: HiddenStateDataset(u) for p, u in url.items()}  # storage orders differ: shard names are random
     assert sorted(ds["plain"].sample_ids) == sorted(ds["coded"].sample_ids)
@@ -144,10 +151,14 @@ def test_a_flipped_coded_byte_fails_that_sample_alone_named_and_verify_finds_it(
         reader.get(victim.id)
     err = e.value
     assert (err.sample_id, err.shard_id, err.tensor, err.begin, err.end) == (victim.id, a, "hidden_states", begin, end)
-    assert str(err).startswith(f"{loc.path(shard_file(a))}: sample {victim.id} is corrupt: tensor hidden_states, "
-                               f"bytes [{begin}, {end}) of the shard ")
-    assert str(err).endswith(f"run `harvest reconcile --verify --run r --out {os.path.dirname(loc.root)}` to drop it "
-                             "from the index and extract it again")
+    assert str(err).startswith(
+        f"{loc.path(shard_file(a))}: sample {victim.id} is corrupt: tensor hidden_states, "
+        f"bytes [{begin}, {end}) of the shard "
+    )
+    assert str(err).endswith(
+        f"run `harvest reconcile --verify --run r --out {os.path.dirname(loc.root)}` to drop it "
+        "from the index and extract it again"
+    )
     assert "decode" in err.problem
     if err.expected is not None:  # it decoded, to other bytes: its crc32 says so
         assert err.expected == zlib.crc32(_bits(victim.hidden_states).numpy().tobytes()) != err.found
@@ -202,7 +213,10 @@ def test_speculators_in_place_rows_of_a_coded_run_are_the_export_files_of_one_wi
     _, coded, _, _ = make_run(tmp_path / "coded", groups, codec=CODED)
     full, small = str(tmp_path / "full"), str(tmp_path / "small")
     assert export_speculators(RunReader(plain.root), full, None, NORM, _atomic, progress=False)[:2] == (6, 0)
-    assert export_speculators(RunReader(coded.root), small, None, NORM, _atomic, progress=False, in_place=True)[:2] == (6, 0)
+    assert export_speculators(RunReader(coded.root), small, None, NORM, _atomic, progress=False, in_place=True)[:2] == (
+        6,
+        0,
+    )
     transfer = pickle.loads(pickle.dumps(open_transfer(small)))
     for row in range(6):
         got, want = transfer.get_cached(row), load_file(hs_file(full, row))

@@ -65,8 +65,12 @@ def test_packs_by_target_bytes_and_commits_in_order(conn, tmp_path):
     assert ledger.counts() == {"queued": 0, "spooled": 0, "done": 10, "failed": 0, "total": 10}
     assert ledger.stats() == {}  # counted in the tally, written at the node's beat (harvest.collector.packers)
     assert c.tally.flush()
-    assert ledger.stats() == {"samples_done": 10, "tokens_done": sum(lengths), "shards": len(expected_groups),
-                              "bytes_done": sum(d["bytes"] for d in indexes)}
+    assert ledger.stats() == {
+        "samples_done": 10,
+        "tokens_done": sum(lengths),
+        "shards": len(expected_groups),
+        "bytes_done": sum(d["bytes"] for d in indexes),
+    }
     assert os.listdir(spool) == [".spool-id"] and conn.get(c.packing_key) is None
     reader = RunReader(f"file://{out}")
     for s in samples:
@@ -95,8 +99,10 @@ def test_a_spool_file_that_does_not_match_the_run_fails_its_sample_and_is_kept_a
     assert c.step(force=True) == 2
     assert ledger.states([s.id for s in samples]) == ["d", "f", "d"]
     fail = ledger.failures()[samples[1].id]
-    assert fail == {"reason": "bad-spool",
-                    "message": f"{bad}: holds sample {samples[0].id!r}, its name says {samples[1].id}"}
+    assert fail == {
+        "reason": "bad-spool",
+        "message": f"{bad}: holds sample {samples[0].id!r}, its name says {samples[1].id}",
+    }
     assert sorted(os.listdir(spool)) == [f".bad-{samples[1].id}.safetensors", ".spool-id"]
 
 
@@ -107,12 +113,21 @@ def test_a_spool_file_without_checksums_fails_its_sample_as_bad_spool(conn, tmp_
     s = samples[1]
     bad = os.path.join(spool, f"{s.id}.safetensors")
     with open(bad, "wb") as f:  # as a worker that records no crc32 writes it
-        f.write(encode({"hidden_states": s.hidden_states, "input_ids": s.input_ids, "loss_mask": s.loss_mask},
-                       {"sample_id": s.id, "run": cfg.run}, BLOCK))
+        f.write(
+            encode(
+                {"hidden_states": s.hidden_states, "input_ids": s.input_ids, "loss_mask": s.loss_mask},
+                {"sample_id": s.id, "run": cfg.run},
+                BLOCK,
+            )
+        )
     assert Collector(conn, cfg, spool, node="n1").step(force=True) == 1
     assert ledger.states([x.id for x in samples]) == ["d", "f"]
-    assert ledger.failures() == {s.id: {"reason": "bad-spool", "message": f"{bad}: records no crc32 of its tensors "
-                                                                          "(written by a worker without them)"}}
+    assert ledger.failures() == {
+        s.id: {
+            "reason": "bad-spool",
+            "message": f"{bad}: records no crc32 of its tensors (written by a worker without them)",
+        }
+    }
     assert sorted(os.listdir(spool)) == [f".bad-{s.id}.safetensors", ".spool-id"]
 
 
@@ -122,7 +137,9 @@ def test_persistent_storage_error_stops_with_spool_and_record_intact(conn, tmp_p
     shards = tmp_path / "out" / "r" / SHARDS
     os.rmdir(shards)
     shards.write_text("not a folder")  # every write below it fails with ENOTDIR
-    with pytest.raises(StorageError, match=r"^packing .*/shards/\.tmp-n1-[0-9a-f]{32}\.safetensors failed: FileExistsError: "):
+    with pytest.raises(
+        StorageError, match=r"^packing .*/shards/\.tmp-n1-[0-9a-f]{32}\.safetensors failed: FileExistsError: "
+    ):
         c.step(force=True)
     assert len(list_spooled(spool)) == 2
     assert ledger.counts()["spooled"] == 2
@@ -267,7 +284,8 @@ def test_spool_files_of_samples_the_ledger_forgot_are_taken_up_and_committed(con
 
 
 def test_a_shard_its_view_chose_is_recorded_asking_only_the_spools_revocation_and_the_fence_asks_each_sample(
-        conn, tmp_path):
+    conn, tmp_path
+):
     cfg, spool, samples, ledger = _setup(conn, tmp_path, [5, 6, 7])
     c = Collector(conn, cfg, spool, node="n1")
     chosen = c.choose(force=True)
@@ -301,8 +319,9 @@ def test_the_commits_stats_go_in_the_beats_round_trip_before_it_and_at_a_stop(co
     monkeypatch.setattr(tally_module, "send_together", send_together)
     packers.resume()
     assert packers.first.step(force=True) == 3 and ledger.stats() == {}
-    (index,) = [json.loads((tmp_path / "out" / "r" / INDEX / n).read_text())
-                for n in os.listdir(tmp_path / "out" / "r" / INDEX)]
+    (index,) = [
+        json.loads((tmp_path / "out" / "r" / INDEX / n).read_text()) for n in os.listdir(tmp_path / "out" / "r" / INDEX)
+    ]
     exact = {"samples_done": 3, "tokens_done": 21, "shards": 1, "bytes_done": index["bytes"]}
     assert CollectorBeat(conn, cfg.run, "n1", spool).maybe_beat(1, send=packers.beat_with_stats)
     assert trips == [["stats", "beat"]] and ledger.stats() == exact

@@ -37,5 +37,7 @@ def test_the_image_constraints_pin_the_hosts_moto_whatever_it_is():
     assert other == "boto3==1.40.1\nMoto==5.1.4\nflask==3.1.0\n"
     with pytest.raises(SystemExit) as e:
         ci.host_constraints("boto3==1.40.1\n")
-    assert str(e.value) == ("compose_ci.py: moto not installed here: the CI images take its version from this host; "
-                            "pip install -e '.[dev]' first")
+    assert str(e.value) == (
+        "compose_ci.py: moto not installed here: the CI images take its version from this host; "
+        "pip install -e '.[dev]' first"
+    )

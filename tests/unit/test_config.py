@@ -13,9 +13,14 @@ def test_eagle3_preset_in_hf_indices():
 
 def test_parse_layers_errors_are_exact():
     assert parse_layers("7,2,4,2", 8) == [2, 4, 7]
-    with pytest.raises(ConfigurationError, match=r"--layers \[9\]: capture points must lie in \[0, 8\] for a 8-layer model"):
+    with pytest.raises(
+        ConfigurationError, match=r"--layers \[9\]: capture points must lie in \[0, 8\] for a 8-layer model"
+    ):
         parse_layers("2,9", 8)
-    with pytest.raises(ConfigurationError, match="expected 'eagle3', comma-separated integers like 2,4,7, or a draft model's config.json"):
+    with pytest.raises(
+        ConfigurationError,
+        match="expected 'eagle3', comma-separated integers like 2,4,7, or a draft model's config.json",
+    ):
         parse_layers("two", 8)
 
 

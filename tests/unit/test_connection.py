@@ -105,19 +105,28 @@ def test_a_lost_redis_is_one_line_naming_url_limit_and_wait_with_exit_75():
     res = CliRunner().invoke(cli, ["svc"])
     assert res.exit_code == REDIS_LOST_EXIT == 75
     lines = [ln for ln in res.output.splitlines() if ln]
-    assert lines == [(
-        "harvest: error: lost Redis at redis://alice:***@10.0.0.5:6379/0: it answered, then went away (Connection "
-        "refused.) and did not come back within 300 s (waited 301 s). Start Redis again (with its data: AOF) and "
-        "run the same command: the spool, the packing records and the jobs in flight resume (--redis-wait or "
-        "HARVEST_REDIS_OUTAGE_S waits longer)")]
+    assert lines == [
+        (
+            "harvest: error: lost Redis at redis://alice:***@10.0.0.5:6379/0: it answered, then went away (Connection "
+            "refused.) and did not come back within 300 s (waited 301 s). Start Redis again (with its data: AOF) and "
+            "run the same command: the spool, the packing records and the jobs in flight resume (--redis-wait or "
+            "HARVEST_REDIS_OUTAGE_S waits longer)"
+        )
+    ]
 
 
 def test_a_hint_is_added_to_the_line():
     e = RedisLost("redis://127.0.0.1:7/0", 12, 10, "Connection refused.")
     e.hint = "its private redis-server did not start again: redis-server exited with 1"
-    assert translate(e).for_user().startswith("lost Redis at redis://127.0.0.1:7/0: it answered, then went away (Connection "
-                                 "refused.) and did not come back within 10 s (waited 12 s); its private "
-                                 "redis-server did not start again: redis-server exited with 1. Start Redis")
+    assert (
+        translate(e)
+        .for_user()
+        .startswith(
+            "lost Redis at redis://127.0.0.1:7/0: it answered, then went away (Connection "
+            "refused.) and did not come back within 10 s (waited 12 s); its private "
+            "redis-server did not start again: redis-server exited with 1. Start Redis"
+        )
+    )
 
 
 def test_the_wait_option_help_names_the_contract():
@@ -131,4 +140,3 @@ def test_the_wait_option_help_names_the_contract():
     text = " ".join(CliRunner().invoke(cmd, ["--help"]).output.split())
     assert f"exit status {REDIS_LOST_EXIT}" in text
     assert f"[default: {OUTAGE_ENV}, else {DEFAULT_OUTAGE_S:.0f}]" in text
-

@@ -62,11 +62,15 @@ def test_the_dataset_by_state_and_the_run_beyond_it(conn, tmp_path):
     assert cov.by_state == Counter({"queued": 3, "spooled": 1, "done": 2, "failed": 1, "absent": 3})
     assert cov.stray == Counter({"queued": 2, "spooled": 1, "done": 1})
     assert cov.missing == 7
-    assert cov.missing_line() == ("7 of 10 samples are neither committed nor failed (3 queued, 1 spooled, 3 in no "
-                                  "state (a Redis that came back without them))")
-    assert cov.stray_line() == ("1 committed (kept: harvest deletes no committed sample; a run that must hold exactly "
-                                "this dataset is a new --run); 3 queued or spooled, extracted too (--prune drops the "
-                                "queued ones)")
+    assert cov.missing_line() == (
+        "7 of 10 samples are neither committed nor failed (3 queued, 1 spooled, 3 in no "
+        "state (a Redis that came back without them))"
+    )
+    assert cov.stray_line() == (
+        "1 committed (kept: harvest deletes no committed sample; a run that must hold exactly "
+        "this dataset is a new --run); 3 queued or spooled, extracted too (--prune drops the "
+        "queued ones)"
+    )
 
 
 def test_prune_drops_only_the_queued_samples_the_dataset_no_longer_holds(conn, tmp_path):
@@ -79,9 +83,11 @@ def test_prune_drops_only_the_queued_samples_the_dataset_no_longer_holds(conn, t
     assert led.states(data + old) == ["q"] * 5 + ["d", "s", None, None]
     assert led.counts() == {"queued": 5, "spooled": 1, "done": 1, "failed": 0, "total": 7}
     cov = coverage(conn, cfg.run, _set(data))
-    assert cov.stray_line(pruned=2) == ("1 committed (kept: harvest deletes no committed sample; a run that must hold "
-                                        "exactly this dataset is a new --run); 2 queued, dropped (--prune); 1 queued "
-                                        "or spooled, extracted too (--prune drops the queued ones)")
+    assert cov.stray_line(pruned=2) == (
+        "1 committed (kept: harvest deletes no committed sample; a run that must hold "
+        "exactly this dataset is a new --run); 2 queued, dropped (--prune); 1 queued "
+        "or spooled, extracted too (--prune drops the queued ones)"
+    )
 
 
 def test_status_check_names_the_samples_a_redis_forgot(conn, tmp_path):
@@ -93,25 +99,44 @@ def test_status_check_names_the_samples_a_redis_forgot(conn, tmp_path):
     led.mark_done(data[:2])
     assert dataset_check(conn, cfg) == [
         "dataset of run r: 2 of 6 samples are in no state (neither queued, spooled, committed nor failed: a Redis "
-        "that came back without them); run the same `harvest run` command again: its producer pass enqueues them"]
+        "that came back without them); run the same `harvest run` command again: its producer pass enqueues them"
+    ]
     led.add_queued(data[4:])
     assert dataset_check(conn, cfg) == []  # queued: a run in progress
 
 
 def _summary(**kw) -> RunSummary:
-    base = dict(run="r", out="/o", enqueued=40, skipped=0, bad_rows=0, done=16, failed=0, tokens=1, bytes=2,
-                seconds=1.0, where="--redis redis://h:1/0")
+    base = dict(
+        run="r",
+        out="/o",
+        enqueued=40,
+        skipped=0,
+        bad_rows=0,
+        done=16,
+        failed=0,
+        tokens=1,
+        bytes=2,
+        seconds=1.0,
+        where="--redis redis://h:1/0",
+    )
     return RunSummary(**{**base, **kw})
 
 
 def test_a_summary_with_samples_missing_exits_75_naming_them_and_the_fix():
-    s = _summary(missing="24 of 40 samples are neither committed nor failed (24 in no state (a Redis that came back "
-                         "without them))", again=10)
+    s = _summary(
+        missing="24 of 40 samples are neither committed nor failed (24 in no state (a Redis that came back "
+        "without them))",
+        again=10,
+    )
     assert s.exit_status == 75
     lines = s.lines()
-    assert "  enqueued again: 10 samples of the dataset that Redis had lost (a producer pass after the extraction)" \
+    assert (
+        "  enqueued again: 10 samples of the dataset that Redis had lost (a producer pass after the extraction)"
         in lines
-    assert lines[-1] == ("  unfinished: 24 of 40 samples are neither committed nor failed (24 in no state (a Redis "
-                         "that came back without them)): run the same `harvest run` command again to finish them")
+    )
+    assert lines[-1] == (
+        "  unfinished: 24 of 40 samples are neither committed nor failed (24 in no state (a Redis "
+        "that came back without them)): run the same `harvest run` command again to finish them"
+    )
     assert _summary(failed=2).exit_status == 1 and _summary().exit_status == 0
     assert json.dumps(_summary(stray="1 committed").lines()).count("not in the dataset: 1 committed") == 1

@@ -33,6 +33,7 @@ DOCS = ROOT / "docs"
 
 # --- the built site -------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def site(tmp_path_factory) -> Path:
     """The site, built once with --strict into a temporary folder."""
@@ -40,8 +41,14 @@ def site(tmp_path_factory) -> Path:
         need("mkdocs (the docs extra)", "pip install -e '.[docs]' builds the documentation site")
     out = tmp_path_factory.mktemp("site") / "site"
     env = {**os.environ, "PYTHONPATH": REPO, "NO_MKDOCS_2_WARNING": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     return out
 
@@ -49,7 +56,7 @@ def site(tmp_path_factory) -> Path:
 def text_of(page: Path) -> str:
     """A built page's text: tags removed, entities decoded, whitespace collapsed."""
     raw = page.read_text()
-    body = raw.split('<article', 1)[-1]  # the page's content, not the navigation
+    body = raw.split("<article", 1)[-1]  # the page's content, not the navigation
     return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", body)).split())
 
 
@@ -57,8 +64,10 @@ def sections(page: Path) -> dict[str, str]:
     """A built page's text under each heading, by the heading's id."""
     raw = page.read_text()
     parts = re.split(r'<h[1-6] id="([^"]+)"', raw)
-    return {parts[i]: " ".join(html.unescape(re.sub(r"<[^>]+>", " ", parts[i + 1])).split())
-            for i in range(1, len(parts) - 1, 2)}
+    return {
+        parts[i]: " ".join(html.unescape(re.sub(r"<[^>]+>", " ", parts[i + 1])).split())
+        for i in range(1, len(parts) - 1, 2)
+    }
 
 
 def commands() -> list[tuple[str, click.Command]]:
@@ -88,8 +97,11 @@ def test_every_command_and_option_is_in_the_cli_reference(site):
         section = by_id[anchor]
         for param in cmd.params:
             if isinstance(param, click.Option) and not param.hidden:
-                missing += [f"{name} {opt}" for opt in param.opts + param.secondary_opts
-                            if not re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", section)]
+                missing += [
+                    f"{name} {opt}"
+                    for opt in param.opts + param.secondary_opts
+                    if not re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", section)
+                ]
     assert len(commands()) > 15 and not missing, missing
 
 
@@ -120,8 +132,11 @@ def test_every_failure_reason_is_in_the_troubleshooting_page(site):
 def exit_codes() -> set[int]:
     """Every exit status the CLI returns: the errors' statuses, the constants, and sys.exit(N)."""
     codes = set()
-    for path in [ROOT / "harvest" / "errors.py", ROOT / "harvest" / "state" / "connection.py",
-                 *(ROOT / "harvest" / "cli").glob("*.py")]:
+    for path in [
+        ROOT / "harvest" / "errors.py",
+        ROOT / "harvest" / "state" / "connection.py",
+        *(ROOT / "harvest" / "cli").glob("*.py"),
+    ]:
         source = path.read_text()
         codes |= {int(c) for c in re.findall(r"(?:exit_status|_EXIT)\s*=\s*(\d+)", source)}
         codes |= {int(c) for c in re.findall(r"sys\.exit\((\d+)\)", source)}
@@ -156,8 +171,7 @@ def history(text: str) -> list[str]:
     prose = INLINE.sub(" ", prose)
 
     def hashes(s: str, allowed: set[int]) -> list[str]:
-        return [w for w in HEX.findall(s)
-                if re.search(r"[a-f]", w) and re.search(r"\d", w) and len(w) not in allowed]
+        return [w for w in HEX.findall(s) if re.search(r"[a-f]", w) and re.search(r"\d", w) and len(w) not in allowed]
 
     found += hashes(prose, set())
     for block in code:
@@ -174,17 +188,20 @@ def test_user_documents_name_no_issue_and_no_commit(path):
     assert history(path.read_text()) == []
 
 
-@pytest.mark.parametrize("text, found", [
-    ("fixed in issue 12, see #29", ["issue 12", "#29"]),
-    ("as stop 53 measured", ["stop 53"]),
-    ("at 2342cb7 the figure", ["2342cb7"]),
-    ("`before is 7d85523`", ["7d85523"]),
-    ("```\ncommit 0a1b2c3d4e5f60718293a4b5c6d7e8f901234567\n```", ["0a1b2c3d4e5f60718293a4b5c6d7e8f901234567"]),
-    ("```\nFAIL sample 8117c9289f0739d73a0cb618850da2c3 (shard 594f456123a7bb6f34fd4f36d8874900)\n```", []),
-    ("fingerprint `3f2a9c0e41b7`", []),
-    ("a 32-hex id outside code: 8117c9289f0739d73a0cb618850da2c3", ["8117c9289f0739d73a0cb618850da2c3"]),
-    ("blake2b-128, fp8_e4m3, 1e-4, deadbeef, [link](#failure-reasons)", []),
-])
+@pytest.mark.parametrize(
+    "text, found",
+    [
+        ("fixed in issue 12, see #29", ["issue 12", "#29"]),
+        ("as stop 53 measured", ["stop 53"]),
+        ("at 2342cb7 the figure", ["2342cb7"]),
+        ("`before is 7d85523`", ["7d85523"]),
+        ("```\ncommit 0a1b2c3d4e5f60718293a4b5c6d7e8f901234567\n```", ["0a1b2c3d4e5f60718293a4b5c6d7e8f901234567"]),
+        ("```\nFAIL sample 8117c9289f0739d73a0cb618850da2c3 (shard 594f456123a7bb6f34fd4f36d8874900)\n```", []),
+        ("fingerprint `3f2a9c0e41b7`", []),
+        ("a 32-hex id outside code: 8117c9289f0739d73a0cb618850da2c3", ["8117c9289f0739d73a0cb618850da2c3"]),
+        ("blake2b-128, fp8_e4m3, 1e-4, deadbeef, [link](#failure-reasons)", []),
+    ],
+)
 def test_the_history_check_finds_issues_and_hashes_and_spares_format_ids(text, found):
     assert history(text) == found
 

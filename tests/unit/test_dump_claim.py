@@ -12,8 +12,8 @@ from harvest.formats.dump import Chunk, write_chunk
 from harvest.ids import rid_for
 from harvest.sample import Sample
 from harvest.state.failures import SampleFailure
-from tests.support.need import need
 from harvest.workers.claim import assemble, claim
+from tests.support.need import need
 
 SAMPLE = Sample.build(list(range(10, 20)))
 RID = rid_for(SAMPLE.id, 1)
@@ -66,7 +66,11 @@ def test_overlapping_chunks_fail_at_once(dirs):
 @pytest.mark.parametrize(
     "kwargs, reason, text",
     [
-        ({"ids": torch.tensor([10, 11, 99, 13, 14, 15, 16, 17, 18, 19])}, "token-mismatch", "position 2 is 99, sent 12"),
+        (
+            {"ids": torch.tensor([10, 11, 99, 13, 14, 15, 16, 17, 18, 19])},
+            "token-mismatch",
+            "position 2 is 99, sent 12",
+        ),
         ({"points": (2, 5)}, "capture-mismatch", "engine captured layers [2, 5], the run captures [2, 4]"),
         ({"hs": torch.full((10, 2, 4), float("nan"))}, "nonfinite", "NaN/Inf (first at position 0, capture slot 0)"),
     ],
@@ -106,13 +110,17 @@ def test_finiteness_check_by_bits_agrees_with_isfinite(dtype, monkeypatch):
     assert _all_finite(t)
 
 
-@pytest.mark.parametrize("dumped,stored,kernel", [
-    (torch.bfloat16, torch.bfloat16, True),  # stored as dumped: the spool takes the dump's bytes by the kernel
-    (torch.float32, torch.bfloat16, False),  # cast: written from the tensor
-    (torch.bfloat16, torch.float8_e4m3fn, False),  # quantized, with scales: written from the tensor
-])
-def test_spool_file_takes_the_dumped_bytes_by_the_kernel_only_when_stored_as_dumped(dirs, tmp_path, dumped, stored,
-                                                                                    kernel):
+@pytest.mark.parametrize(
+    "dumped,stored,kernel",
+    [
+        (torch.bfloat16, torch.bfloat16, True),  # stored as dumped: the spool takes the dump's bytes by the kernel
+        (torch.float32, torch.bfloat16, False),  # cast: written from the tensor
+        (torch.bfloat16, torch.float8_e4m3fn, False),  # quantized, with scales: written from the tensor
+    ],
+)
+def test_spool_file_takes_the_dumped_bytes_by_the_kernel_only_when_stored_as_dumped(
+    dirs, tmp_path, dumped, stored, kernel
+):
     """A sample of three chunks: when nothing converts its hidden states, the spool file's copy comes
     from the claimed dump files' ranges (block-aligned, so a reflink filesystem clones them), and
     the file is byte for byte the one written from the tensor."""
@@ -149,10 +157,12 @@ def test_spool_file_takes_the_dumped_bytes_by_the_kernel_only_when_stored_as_dum
     assert (s.hidden_crc32 is not None) is kernel
     path = spool_path(str(tmp_path / "kernel"), s.id)
     spans, meta = read_file_header(path)
-    assert json.loads(meta["crc32"]) == {name: zlib.crc32(files["kernel"][span.begin:span.end])
-                                         for name, span in spans.items()}
-    assert sorted(spans) == sorted(["hidden_states", "input_ids", "loss_mask"] + (["hidden_scale"] if not kernel and
-                                                                                  stored.itemsize == 1 else []))
+    assert json.loads(meta["crc32"]) == {
+        name: zlib.crc32(files["kernel"][span.begin : span.end]) for name, span in spans.items()
+    }
+    assert sorted(spans) == sorted(
+        ["hidden_states", "input_ids", "loss_mask"] + (["hidden_scale"] if not kernel and stored.itemsize == 1 else [])
+    )
 
 
 def test_dumps_on_another_filesystem_are_spooled_from_the_tensor(tmp_path, monkeypatch):
@@ -217,8 +227,10 @@ def test_a_dump_file_changed_after_the_engine_wrote_it_is_refused(dirs, tensor):
     with pytest.raises(SampleFailure) as e:
         assemble(ok[RID], SAMPLE, [2, 4], torch.float32)
     assert (e.value.reason, e.value.message) == (
-        "bad-dump", f"{claimed / name}: {tensor} has crc32 {found}, the engine recorded {recorded}: the file changed "
-        "after the engine wrote it (a disk or memory fault on this node?)")
+        "bad-dump",
+        f"{claimed / name}: {tensor} has crc32 {found}, the engine recorded {recorded}: the file changed "
+        "after the engine wrote it (a disk or memory fault on this node?)",
+    )
 
 
 def test_a_dump_file_without_checksums_is_refused(dirs):
@@ -227,8 +239,11 @@ def test_a_dump_file_without_checksums_is_refused(dirs):
     dump, claimed = dirs
     name = f"{RID}.0-10.safetensors"
     meta = {"format": "harvest-dump-1", "rid": RID, "start": "0", "end": "10", "capture_points": "[2, 4]", "model": "m"}
-    save_file({"hidden_states": HS, "input_ids": torch.tensor(SAMPLE.input_ids.astype(np.int64))}, str(dump / name),
-              metadata=meta)
+    save_file(
+        {"hidden_states": HS, "input_ids": torch.tensor(SAMPLE.input_ids.astype(np.int64))},
+        str(dump / name),
+        metadata=meta,
+    )
     ok, _ = claim(str(dump), str(claimed), {RID: 10}, timeout=1)
     with pytest.raises(SampleFailure) as e:
         assemble(ok[RID], SAMPLE, [2, 4], torch.float32)

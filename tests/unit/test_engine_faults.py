@@ -29,9 +29,11 @@ def _extract(engine: ReferenceEngine, tmp_path, samples: list[Sample]):
     engine.writer.flush()
     claim_dir = tmp_path / "claimed"
     claim_dir.mkdir(exist_ok=True)
-    claimed, failed = claim(engine.dump_dir, str(claim_dir), {r: s.num_tokens for r, s in zip(rids, samples)}, timeout=0.2)
+    claimed, failed = claim(
+        engine.dump_dir, str(claim_dir), {r: s.num_tokens for r, s in zip(rids, samples, strict=False)}, timeout=0.2
+    )
     results = {}
-    for r, s in zip(rids, samples):
+    for r, s in zip(rids, samples, strict=False):
         if r in failed:
             results[s.id] = failed[r].reason
             continue

@@ -21,11 +21,12 @@ from tests.support.cli import REPO
 PACKAGES = ("harvest", "producer", "workers", "collector", "engines")
 ROOT = "HarvestError"
 
+
 def test_the_kinds_at_runtime():
     from harvest.ids import InvalidId
+    from harvest.producer.rowkinds import RowError
     from harvest.state.connection import REDIS_LOST_EXIT, RedisLost
     from harvest.storage import StorageError as StorageStorageError
-    from harvest.producer.rowkinds import RowError
 
     assert issubclass(ConfigurationError, ValueError)
     assert issubclass(InvalidId, InputError) and issubclass(RowError, InputError)
@@ -36,6 +37,7 @@ def test_the_kinds_at_runtime():
 
 
 # -- the translation table at the CLI boundary -------------------------------------------------
+
 
 def _cli(body) -> click.Group:
     @click.group(cls=HarvestGroup)
@@ -83,8 +85,10 @@ def test_a_botocore_no_credentials_error_is_one_line_exit_2():
 
     res = CliRunner().invoke(_cli(body), ["cmd"])
     assert res.exit_code == 2, res.output
-    assert _one_line(res) == ("harvest: error: no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                              "(or AWS_PROFILE), and HARVEST_S3_ENDPOINT or --s3-endpoint for MinIO/Ceph")
+    assert _one_line(res) == (
+        "harvest: error: no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+        "(or AWS_PROFILE), and HARVEST_S3_ENDPOINT or --s3-endpoint for MinIO/Ceph"
+    )
     e = NoCredentialsError()
     err = translate(e)
     assert isinstance(err, ConfigurationError) and err.__cause__ is e and err.exit_status == 2
@@ -92,8 +96,10 @@ def test_a_botocore_no_credentials_error_is_one_line_exit_2():
 
 def test_the_table_looks_up_only_what_is_imported():
     assert {row.module for row in FOREIGN} == {"redis.exceptions", "botocore.exceptions"}
-    code = ("import sys, harvest.cli; from harvest.cli.errors import translate; translate(ValueError()); "
-            "print(sorted(m for m in ('redis', 'botocore') if m in sys.modules))")
+    code = (
+        "import sys, harvest.cli; from harvest.cli.errors import translate; translate(ValueError()); "
+        "print(sorted(m for m in ('redis', 'botocore') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out
 
@@ -116,6 +122,7 @@ def test_an_os_error_elsewhere_keeps_its_traceback(tmp_path):
 
 
 # -- a bug is a bug ------------------------------------------------------------------------------
+
 
 def test_an_unexpected_value_error_keeps_its_traceback():
     def body(_):
@@ -147,8 +154,11 @@ def test_a_value_error_inside_produce_is_not_a_mistake(small_inputs, monkeypatch
     monkeypatch.setattr(pp, "load_tokenizer", lambda path: None)
     monkeypatch.setattr(pp, "produce", buggy)
     with pytest.raises(ValueError, match="a bug in the producer"):
-        CliRunner().invoke(main, ["produce", data, "--run", "r1", "--model", model, "--dry-run", "--no-progress"],
-                           catch_exceptions=False)
+        CliRunner().invoke(
+            main,
+            ["produce", data, "--run", "r1", "--model", model, "--dry-run", "--no-progress"],
+            catch_exceptions=False,
+        )
 
 
 def test_a_runtime_error_inside_run_is_not_a_mistake(small_inputs, tmp_path, monkeypatch):
@@ -166,8 +176,9 @@ def test_a_runtime_error_inside_run_is_not_a_mistake(small_inputs, tmp_path, mon
     monkeypatch.setattr(config, "build_config", lambda **kw: None)
     monkeypatch.setattr(runner, "run_all", buggy)
     with pytest.raises(RuntimeError, match="a bug in the runner"):
-        CliRunner().invoke(main, ["run", data, "--model", model, "--out", str(tmp_path / "out")],
-                           catch_exceptions=False)
+        CliRunner().invoke(
+            main, ["run", data, "--model", model, "--out", str(tmp_path / "out")], catch_exceptions=False
+        )
 
 
 def test_fail_never_returns():

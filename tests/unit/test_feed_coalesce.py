@@ -95,7 +95,8 @@ def read_all(run: FeedRun, **kw) -> list[tuple[str, dict[str, torch.Tensor]]]:
 def same(a: list[tuple[str, dict]], b: list[tuple[str, dict]]) -> bool:
     return [s for s, _ in a] == [s for s, _ in b] and all(
         x.keys() == y.keys() and all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x)
-        for (_, x), (_, y) in zip(a, b))
+        for (_, x), (_, y) in zip(a, b, strict=False)
+    )
 
 
 def per_shard(seen) -> Counter:
@@ -111,7 +112,7 @@ def test_the_feed_reads_each_small_shard_in_one_get_and_the_same_bytes(s3run, ge
     assert same(coalesced, one_each) and len(coalesced) == sum(SHARDS)
     # a read a sample: the header, the small tensors at the end, then each sample; coalesced: the
     # whole file, in the read that opens it
-    assert alone == {shard_file(s).split("/")[-1]: 2 + n for s, n in zip(s3run.shards, SHARDS)}
+    assert alone == {shard_file(s).split("/")[-1]: 2 + n for s, n in zip(s3run.shards, SHARDS, strict=False)}
     assert per_shard(gets) == {shard_file(s).split("/")[-1]: 1 for s in s3run.shards}
     assert all(start == 0 for _, start, _ in gets)
 
@@ -121,7 +122,7 @@ def test_a_cap_below_the_shard_reads_adjacent_samples_in_runs_of_the_cap(s3run, 
     gets.clear()
     got = read_all(s3run, coalesce_bytes=2 * SAMPLE, readahead_bytes=0)
     assert same(got, one_each)
-    for shard, n in zip(s3run.shards, SHARDS):  # header, small tensors, then runs of at most 2 samples
+    for shard, n in zip(s3run.shards, SHARDS, strict=False):  # header, small tensors, then runs of at most 2 samples
         mine = [(a, b) for name, a, b in gets if name == shard_file(shard).split("/")[-1]]
         runs_read = [b - a for a, b in mine[2:]]
         assert set(runs_read) <= {SAMPLE, 2 * SAMPLE} and sum(runs_read) == n * SAMPLE
@@ -184,7 +185,7 @@ def test_the_random_access_reader_reads_ahead_only_in_order_and_gives_the_same_b
     gets.clear()
     shared = RunReader(s3run.url)
     with ThreadPoolExecutor(4) as pool:
-        threaded = dict(zip(shared.sample_ids, pool.map(shared.get, shared.sample_ids)))
+        threaded = dict(zip(shared.sample_ids, pool.map(shared.get, shared.sample_ids), strict=False))
     assert all(torch.equal(threaded[s]["hidden_states"], expect[s]["hidden_states"]) for s in expect)
     assert len(gets) < alone
 

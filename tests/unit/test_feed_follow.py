@@ -41,8 +41,10 @@ class Reader(threading.Thread):
 def test_followers_read_every_sample_committed_until_the_run_settles_once(tmp_path):
     run = FeedRun(tmp_path, 24)
     run.commit_sizes([4, 6])  # 10 samples committed when training starts
-    readers = [Reader(run, HiddenStateIterable(run.url, seed=1, rank=r, world_size=2, follow=True, poll_s=0.05,
-                                               wait_s=60)) for r in range(2)]
+    readers = [
+        Reader(run, HiddenStateIterable(run.url, seed=1, rank=r, world_size=2, follow=True, poll_s=0.05, wait_s=60))
+        for r in range(2)
+    ]
     for r in readers:
         r.start()
     wait_for(lambda: sum(len(r.got) for r in readers) == 10, 60, "the view read by both ranks")
@@ -80,8 +82,9 @@ def test_each_epoch_sees_the_shards_committed_when_it_starts(tmp_path):
     # a position in a follower's tail cannot be saved: its order depends on when shards appeared
     follower = HiddenStateIterable(run.url, follow=True, world_size=2, batch_size=2, num_workers=0)
     assert follower.state_dict(batches=2)["stages"][0]["consumed"] == [4, 4]  # spans 5 and 4: in the view
-    with pytest.raises(ConfigurationError, match="a rank is past its part of the epoch's view, in a followed run's "
-                                                 "tail"):
+    with pytest.raises(
+        ConfigurationError, match="a rank is past its part of the epoch's view, in a followed run's tail"
+    ):
         follower.state_dict(batches=3)  # rank 1's 4 samples are 2 batches: its loop is in the tail
 
 
@@ -90,8 +93,13 @@ def test_the_settled_marker_is_rewritten_only_when_it_would_say_something_else(t
     path = run.loc.path(SETTLED)
     settle(run.loc, "r", 5, 1)
     first = (open(path, "rb").read(), os.stat(path).st_mtime_ns)
-    assert read_settled(run.loc) | {"at": None} == {"format": "harvest-settled-1", "run": "r", "done": 5, "failed": 1,
-                                                   "at": None}
+    assert read_settled(run.loc) | {"at": None} == {
+        "format": "harvest-settled-1",
+        "run": "r",
+        "done": 5,
+        "failed": 1,
+        "at": None,
+    }
     settle(run.loc, "r", 5, 1)  # a rerun with nothing to do: not a byte changed
     assert (open(path, "rb").read(), os.stat(path).st_mtime_ns) == first
     settle(run.loc, "r", 6, 0)
@@ -111,10 +119,16 @@ def test_a_follower_that_waits_in_vain_says_so_by_name(tmp_path):
         for x in feed:
             got.append(run.sid(x))
     assert sorted(got) == sorted(run.ids) and time.monotonic() - t0 >= 0.3
-    assert re.fullmatch(re.escape(f"{run.loc.url()}: no new index file for ") + r"\d+" + re.escape(
-        "s and the run is not settled (no settled.json); 3 samples committed so far this epoch. Is the run still "
-        "going? (`harvest status --run r`) Pass wait_s= to wait longer, or follow=False to read only what is "
-        "committed"), str(e.value))
+    assert re.fullmatch(
+        re.escape(f"{run.loc.url()}: no new index file for ")
+        + r"\d+"
+        + re.escape(
+            "s and the run is not settled (no settled.json); 3 samples committed so far this epoch. Is the run still "
+            "going? (`harvest status --run r`) Pass wait_s= to wait longer, or follow=False to read only what is "
+            "committed"
+        ),
+        str(e.value),
+    )
 
 
 def test_read_ahead_keeps_order_hands_errors_over_in_place_and_stays_under_its_cap():

@@ -83,8 +83,9 @@ def test_every_rank_reads_the_same_number_of_samples_to_within_one(world_size):
         assert max(counts) - min(counts) <= 1, (world_size, workers, n, counts)
         every = [s for r in ranks for s in r]
         assert sorted(every, key=int) == [str(i) for i in range(n)], (world_size, workers, n)
-    assert sorted({part_of(r, k, world_size, 3) for r in range(world_size) for k in range(3)}) == \
-        list(range(3 * world_size))  # one span per (rank, worker)
+    assert sorted({part_of(r, k, world_size, 3) for r in range(world_size) for k in range(3)}) == list(
+        range(3 * world_size)
+    )  # one span per (rank, worker)
     with pytest.raises(ValueError, match=f"rank {world_size} of {world_size}, worker 0 of 2: out of range"):
         part_of(world_size, 0, world_size, 2)
 
@@ -119,7 +120,7 @@ def test_a_remainder_is_exactly_what_no_part_handed_out_and_stages_replay_in_ord
     for parts in (6, 4, 5):  # a job resumed twice, each time with another shape
         cut = spans(current, parts)
         consumed = tuple(rng.randint(0, len(sp)) for sp in cut)
-        taken += [s for c, sp in zip(consumed, cut) for s in sp[:c]]
+        taken += [s for c, sp in zip(consumed, cut, strict=False) for s in sp[:c]]
         stages.append(Stage(parts, False, consumed))
         current = remainder(current, stages[-1])
         assert replay(order, stages) == current

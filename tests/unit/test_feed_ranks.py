@@ -123,8 +123,9 @@ def test_ranks_that_list_a_live_run_at_different_moments_deal_rank_0s_view(tmp_p
     run.commit_sizes(SHARDS)
     newest = run.commit([31, 32, 33])  # committed between the two ranks' listings
     out = str(tmp_path / "ranks")
-    mp.start_processes(_rank_main, args=(run.url, f"file://{tmp_path / 'rdv'}", out, newest), nprocs=2,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        _rank_main, args=(run.url, f"file://{tmp_path / 'rdv'}", out, newest), nprocs=2, join=True, start_method="spawn"
+    )
     got = [json.load(open(f"{out}.{r}")) for r in range(2)]
     assert got[0]["view"] == got[1]["view"] and newest in got[1]["view"]
     by = {str(s.input_ids.long().tolist()): s.id for s in run.samples}
@@ -144,7 +145,8 @@ def test_ranks_following_a_live_run_without_torch_distributed_are_warned(tmp_pat
         HiddenStateIterable(run.url, follow=True)
     assert [r.getMessage() for r in caplog.records] == [
         f"rank 1 of 2 lists the live run {run.url} on its own (no torch.distributed): a shard committed between "
-        "the ranks' listings is read twice or never"]
+        "the ranks' listings is read twice or never"
+    ]
     caplog.clear()
     write_settled(run.loc, run.cfg.run, 6, 0)
     with caplog.at_level("WARNING", logger="harvest.read"):

@@ -27,8 +27,9 @@ def run(tmp_path):
 def feeds(run, world_size, workers, batch_size, state=None, epoch=2):
     out = []
     for rank in range(world_size):
-        f = HiddenStateIterable(run.url, seed=9, rank=rank, world_size=world_size, batch_size=batch_size,
-                                num_workers=workers, window=3)
+        f = HiddenStateIterable(
+            run.url, seed=9, rank=rank, world_size=world_size, batch_size=batch_size, num_workers=workers, window=3
+        )
         f.set_epoch(epoch)
         if state is not None:
             f.load_state_dict(state)
@@ -54,16 +55,20 @@ def once(got, run):
     assert sorted(got) == sorted(run.ids), "a sample skipped"
 
 
-@pytest.mark.parametrize("world_size,workers,batch_size,batches,handed,then", [
-    (1, 0, 1, 7, 7, (1, 0)),  # in process, no batching
-    (2, 0, 3, 2, 12, (2, 0)),
-    (2, 2, 3, 3, 18, (2, 2)),  # 2 DataLoader workers: each loop saw batches of worker 0, 1, 0
-    (2, 2, 3, 3, 18, (3, 1)),  # resumed into another world size and worker count
-    # spans 6, 6, 6 | 5, 5, 5 (worker 0's of ranks 0-2, then worker 1's): 5 batches of 2 hand 10 on every rank
-    (3, 2, 2, 5, 30, (1, 2)),
-])
-def test_a_resumed_epoch_yields_exactly_what_no_loop_was_handed(run, world_size, workers, batch_size, batches, handed,
-                                                                then):
+@pytest.mark.parametrize(
+    "world_size,workers,batch_size,batches,handed,then",
+    [
+        (1, 0, 1, 7, 7, (1, 0)),  # in process, no batching
+        (2, 0, 3, 2, 12, (2, 0)),
+        (2, 2, 3, 3, 18, (2, 2)),  # 2 DataLoader workers: each loop saw batches of worker 0, 1, 0
+        (2, 2, 3, 3, 18, (3, 1)),  # resumed into another world size and worker count
+        # spans 6, 6, 6 | 5, 5, 5 (worker 0's of ranks 0-2, then worker 1's): 5 batches of 2 hand 10 on every rank
+        (3, 2, 2, 5, 30, (1, 2)),
+    ],
+)
+def test_a_resumed_epoch_yields_exactly_what_no_loop_was_handed(
+    run, world_size, workers, batch_size, batches, handed, then
+):
     before = []
     first = feeds(run, world_size, workers, batch_size)
     for f in first:

@@ -25,7 +25,9 @@ def test_unapply_then_the_trainers_norm_gives_the_stored_state_back():
 
 
 def test_unapply_refuses_what_it_cannot_invert():
-    with pytest.raises(FinalNormError, match=r"model type 'gemma2' scales its final norm by \(1 \+ w\).*--format specforge"):
+    with pytest.raises(
+        FinalNormError, match=r"model type 'gemma2' scales its final norm by \(1 \+ w\).*--format specforge"
+    ):
         norm = FinalNorm(torch.ones(8), 1e-6, offset=True)
         norm.model_type = "gemma2"
         norm.unapply(torch.ones(2, 8))

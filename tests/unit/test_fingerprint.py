@@ -137,10 +137,13 @@ def test_a_run_refuses_its_model_path_holding_another_checkpoint(model, tmp_path
         f"run 'fp' was extracted from the model with fingerprint {short(stored.model_fingerprint)} (at {model}, "
         f"recorded in RUNJSON), but {model} has fingerprint {short(now.model_fingerprint)}; differs in {name}: "
         f"another checkpoint, or the same path with other weights; use another --run, or `harvest accept-model --run "
-        f"fp --model {model}` if it is the same model saved again")
+        f"fp --model {model}` if it is the same model saved again"
+    )
     with pytest.raises(ConfigurationError, match="^run 'fp' was extracted from the model with fingerprint"):
         check_model_dir(stored, model)
-    with pytest.raises(ConfigurationError, match=f"^{model} has model fingerprint {short(now.model_fingerprint)}, not the "):
+    with pytest.raises(
+        ConfigurationError, match=f"^{model} has model fingerprint {short(now.model_fingerprint)}, not the "
+    ):
         check_digest(stored.model_fingerprint["digest"], model)
     check_digest(now.model_fingerprint["digest"], model)
 
@@ -156,7 +159,8 @@ def test_a_run_json_without_a_fingerprint_is_refused_with_the_way_to_record_one(
     assert str(e.value) == (
         f"run 'fp' records no model fingerprint in RUNJSON: it cannot tell whether {model} "
         f"(fingerprint {short(now.model_fingerprint)}) is its model; `harvest accept-model --run fp --model {model}` "
-        "records it, if it is")
+        "records it, if it is"
+    )
 
 
 def test_a_hub_id_is_still_known_by_its_name(model, tmp_path):

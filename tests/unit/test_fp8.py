@@ -14,8 +14,8 @@ from harvest.read.reader import RunReader
 from harvest.sample import Sample
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
-from tests.support.synth import POINTS, make_config
 from harvest.workers.claim import assemble, claim
+from tests.support.synth import POINTS, make_config
 
 
 def _hidden(t=37, h=64, seed=0):
@@ -51,7 +51,9 @@ def test_fp8_through_assemble_spool_shard_and_reader(conn, tmp_path):
     sample = Sample.build(list(range(100, 137)))
     rid = rid_for(sample.id, 1)
     for a, b in [(0, 16), (16, 37)]:  # two prefill chunks
-        write_chunk(str(dump), Chunk(rid, a, b, torch.tensor(sample.input_ids[a:b].astype(np.int64)), x[a:b]), POINTS, "m")
+        write_chunk(
+            str(dump), Chunk(rid, a, b, torch.tensor(sample.input_ids[a:b].astype(np.int64)), x[a:b]), POINTS, "m"
+        )
     ok, failed = claim(str(dump), str(claimed), {rid: 37}, timeout=1)
     assert failed == {}
     s = assemble(ok[rid], sample, POINTS, cfg.torch_dtype)
@@ -67,7 +69,9 @@ def test_fp8_through_assemble_spool_shard_and_reader(conn, tmp_path):
 
     reader = RunReader(cfg.out_url + "/r")
     raw = reader.get(s.id)
-    assert raw["hidden_states"].dtype == FP8 and torch.equal(raw["hidden_states"].view(torch.uint8), q.view(torch.uint8))
+    assert raw["hidden_states"].dtype == FP8 and torch.equal(
+        raw["hidden_states"].view(torch.uint8), q.view(torch.uint8)
+    )
     assert torch.equal(raw["hidden_scale"], scale)
     up = reader.get(s.id, torch.float32)
     assert "hidden_scale" not in up and torch.equal(up["hidden_states"], dequantize(q, scale, torch.float32))

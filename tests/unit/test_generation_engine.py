@@ -17,8 +17,8 @@ import httpx
 import pytest
 import torch
 
-from harvest.engines.reference import BadRequest, ReferenceEngine, serve
 from harvest.config import RunConfig
+from harvest.engines.reference import BadRequest, ReferenceEngine, serve
 from harvest.workers.clients.base import Completion, EngineUnavailable, GenParams, Rejected
 from harvest.workers.clients.sglang import SGLangClient
 from harvest.workers.clients.vllm import VllmClient
@@ -55,9 +55,15 @@ def hf(tiny_model):
 def hf_greedy(hf, prompt: list[int], n: int, stop: list[int]) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                          eos_token_id=stop, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=stop,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 EOS = 2  # the tiny model's </s>: engines stop at the model's EOS too, as SGLang does
@@ -107,8 +113,9 @@ def test_top_p_keeps_only_the_nucleus():
 
 
 def test_concurrent_completes_equal_sequential(client):
-    jobs = [(f"hg-conc-{i}", PROMPTS[i % 3], GenParams(12, temperature=1.0 if i % 2 else 0.0, seed=i))
-            for i in range(8)]
+    jobs = [
+        (f"hg-conc-{i}", PROMPTS[i % 3], GenParams(12, temperature=1.0 if i % 2 else 0.0, seed=i)) for i in range(8)
+    ]
     sequential = [client.complete(*j).tokens for j in jobs]
     with ThreadPoolExecutor(4) as pool:
         concurrent = [c.tokens for c in pool.map(lambda j: client.complete(*j), jobs)]
@@ -123,8 +130,12 @@ def test_overlong_and_bad_requests_are_rejected(client, engine):
     assert isinstance(got, Rejected) and "reaches the model's context of 4096" in got.message
     got = client.complete("hg-bad-0", PROMPT, GenParams(max_new_tokens=4, top_p=0.0))
     assert isinstance(got, Rejected) and "top_p" in got.message
-    for sp in ({"max_new_tokens": 4, "temperature": -1}, {"max_new_tokens": 4, "stop_token_ids": "2"},
-               {"max_new_tokens": 4, "sampling_seed": 1.5}, {"max_new_tokens": 0}):
+    for sp in (
+        {"max_new_tokens": 4, "temperature": -1},
+        {"max_new_tokens": 4, "stop_token_ids": "2"},
+        {"max_new_tokens": 4, "sampling_seed": 1.5},
+        {"max_new_tokens": 0},
+    ):
         r = httpx.post(f"{engine.url}/generate", json={"input_ids": PROMPT, "rid": "hg-bad-1", "sampling_params": sp})
         assert r.status_code == 400 and r.json()["error"]["message"], sp
 
@@ -138,14 +149,20 @@ def test_generation_dumps_only_hv_rids(client, engine):
     engine.writer.flush()
     assert set(os.listdir(engine.dump_dir)) == before
     rid = "hv-" + "ab" * 16 + "-0"
-    r = httpx.post(f"{engine.url}/generate", timeout=60,
-                   json={"input_ids": PROMPT, "rid": rid, "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    r = httpx.post(
+        f"{engine.url}/generate",
+        timeout=60,
+        json={"input_ids": PROMPT, "rid": rid, "sampling_params": {"max_new_tokens": 3, "temperature": 0}},
+    )
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 3  # greedy: no EOS in the first three
     engine.writer.flush()
     assert any(rid in name for name in set(os.listdir(engine.dump_dir)) - before)
     # an extraction request is answered as before: one greedy token, finish length 1
-    one = httpx.post(f"{engine.url}/generate", timeout=60, json={
-        "input_ids": PROMPT, "rid": "warm-0", "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    one = httpx.post(
+        f"{engine.url}/generate",
+        timeout=60,
+        json={"input_ids": PROMPT, "rid": "warm-0", "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+    )
     assert one.json()["output_ids"] == r.json()["output_ids"][:1]
     assert one.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 1}
 
@@ -160,6 +177,7 @@ def test_synthetic_engine_still_refuses_generation(tmp_path):
 
 
 # --- vLLM ---------------------------------------------------------------------------------------
+
 
 class FakeVllm:
     """Stands in for vLLM 0.32's `/v1/completions` (a real one runs in tests/system/test_vllm.py):
@@ -195,13 +213,30 @@ class FakeVllm:
 def vllm_answer(token_ids, text, finish_reason, stop_reason=None, prompt_tokens=5) -> dict:
     """The shape of vLLM's CompletionResponse with return_token_ids (no kv_transfer_params: the
     connector saves nothing for generation requests)."""
-    return {"id": "cmpl-hg-x-0", "object": "text_completion", "created": 0, "model": "tiny",
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                         "stop_reason": stop_reason, "token_ids": token_ids, "prompt_logprobs": None,
-                         "prompt_token_ids": None}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
-                      "total_tokens": prompt_tokens + len(token_ids)},
-            "kv_transfer_params": None}
+    return {
+        "id": "cmpl-hg-x-0",
+        "object": "text_completion",
+        "created": 0,
+        "model": "tiny",
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+                "token_ids": token_ids,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(token_ids),
+            "total_tokens": prompt_tokens + len(token_ids),
+        },
+        "kv_transfer_params": None,
+    }
 
 
 def test_vllm_complete_request_and_parsing(tmp_path):
@@ -215,16 +250,33 @@ def test_vllm_complete_request_and_parsing(tmp_path):
             (200, vllm_answer([11, 2], "a", "stop", None)),  # the model's EOS: stop_reason None
             (200, vllm_answer([11, 12], "ab", "stop", 4)),  # a stop token left out of token_ids is appended
             (200, vllm_answer([11] * 8, "a" * 8, "length")),
-            (400, {"error": {"message": "This model's maximum context length is 4096 tokens.",
-                             "type": "BadRequestError", "code": 400}}),
+            (
+                400,
+                {
+                    "error": {
+                        "message": "This model's maximum context length is 4096 tokens.",
+                        "type": "BadRequestError",
+                        "code": 400,
+                    }
+                },
+            ),
             (200, vllm_answer([11], "a", "abort")),
             (200, vllm_answer([11], "a", "repetition", "repetition_detected")),
         ]
         got = client.complete("hg-x-0", [1, 2, 3, 4, 5], params)
         assert got == Completion("hg-x-0", [11, 12, 4], "ab", "stop", 5)
-        assert fake.requests[0] == {"path": "/v1/completions", "prompt": [1, 2, 3, 4, 5], "max_tokens": 8,
-                                    "temperature": 0.7, "top_p": 0.9, "seed": 123, "stop_token_ids": [4, 2],
-                                    "skip_special_tokens": True, "return_token_ids": True, "request_id": "hg-x-0"}
+        assert fake.requests[0] == {
+            "path": "/v1/completions",
+            "prompt": [1, 2, 3, 4, 5],
+            "max_tokens": 8,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "seed": 123,
+            "stop_token_ids": [4, 2],
+            "skip_special_tokens": True,
+            "return_token_ids": True,
+            "request_id": "hg-x-0",
+        }
         assert client.complete("hg-x-0", [1], params).tokens == [11, 2]
         assert client.complete("hg-x-0", [1], params).tokens == [11, 12, 4]
         got = client.complete("hg-x-0", [1], params)
@@ -251,17 +303,38 @@ def test_sglang_complete_appends_a_left_out_stop_token_and_maps_abort():
     meta = {"id": "hg-y-0", "prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 0}
     try:
         fake.answers = [
-            (200, {"text": "ab", "output_ids": [11, 12],
-                   "meta_info": {**meta, "finish_reason": {"type": "stop", "matched": 4}}}),
-            (200, {"text": "a", "output_ids": [11],
-                   "meta_info": {**meta, "finish_reason": {"type": "abort", "message": "gone"}}}),
+            (
+                200,
+                {
+                    "text": "ab",
+                    "output_ids": [11, 12],
+                    "meta_info": {**meta, "finish_reason": {"type": "stop", "matched": 4}},
+                },
+            ),
+            (
+                200,
+                {
+                    "text": "a",
+                    "output_ids": [11],
+                    "meta_info": {**meta, "finish_reason": {"type": "abort", "message": "gone"}},
+                },
+            ),
         ]
         params = GenParams(max_new_tokens=4, temperature=0.5, top_p=0.8, seed=9, stop_token_ids=(4,))
         assert client.complete("hg-y-0", [1, 2, 3], params) == Completion("hg-y-0", [11, 12, 4], "ab", "stop", 3)
-        assert fake.requests[0] == {"path": "/generate", "input_ids": [1, 2, 3], "rid": "hg-y-0",
-                                    "sampling_params": {"max_new_tokens": 4, "temperature": 0.5, "top_p": 0.8,
-                                                        "sampling_seed": 9, "stop_token_ids": [4],
-                                                        "skip_special_tokens": True}}
+        assert fake.requests[0] == {
+            "path": "/generate",
+            "input_ids": [1, 2, 3],
+            "rid": "hg-y-0",
+            "sampling_params": {
+                "max_new_tokens": 4,
+                "temperature": 0.5,
+                "top_p": 0.8,
+                "sampling_seed": 9,
+                "stop_token_ids": [4],
+                "skip_special_tokens": True,
+            },
+        }
         with pytest.raises(EngineUnavailable, match="gone"):
             client.complete("hg-y-0", [1, 2, 3], params)
     finally:

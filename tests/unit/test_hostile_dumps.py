@@ -84,7 +84,10 @@ def test_symlinked_chunk_is_refused_not_followed(dirs, tmp_path):
     os.symlink(elsewhere, dump / chunk_name(RID, 0, 10))
     out = _verify(dump, claimed)
     assert out[GOOD_RID] == "ok"
-    assert out[RID] == f"bad-dump: {claimed}/{chunk_name(RID, 0, 10)}: {claimed}/{chunk_name(RID, 0, 10)} is a symlink; refused"
+    assert (
+        out[RID]
+        == f"bad-dump: {claimed}/{chunk_name(RID, 0, 10)}: {claimed}/{chunk_name(RID, 0, 10)} is a symlink; refused"
+    )
     assert elsewhere.exists()  # the link's target is never touched
 
 

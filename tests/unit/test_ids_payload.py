@@ -39,8 +39,13 @@ def test_job_and_shard_ids_depend_on_order_and_content():
 
 def test_payload_round_trip_is_json_with_ids_in_the_fewest_bytes_and_mask_bits():
     big = 1 << 24
-    s = [Sample.build([5, 6, 70000]), Sample.build([9], [0]), Sample.build([1, 65535], [1, 0]),
-         Sample.build([big, 0, big + 7]), Sample.build(list(range(20)), [i % 3 == 0 for i in range(20)])]
+    s = [
+        Sample.build([5, 6, 70000]),
+        Sample.build([9], [0]),
+        Sample.build([1, 65535], [1, 0]),
+        Sample.build([big, 0, big + 7]),
+        Sample.build(list(range(20)), [i % 3 == 0 for i in range(20)]),
+    ]
     p = encode_batch("run1", s)
     rows = p["samples"]
     assert [r["w"] for r in rows] == [3, 2, 2, 4, 2]
@@ -56,12 +61,15 @@ def test_payload_round_trip_is_json_with_ids_in_the_fewest_bytes_and_mask_bits()
     assert [x.loss_mask.tolist() for x in back] == [x.loss_mask.tolist() for x in s]
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"w": 5}, "token id width 5 is not 2, 3 or 4"),
-    ({"w": 3}, "bytes of 3-byte token ids"),
-    ({"bits": base64.b64encode(b"\x01\x00").decode()}, "2 bytes of mask bits for 3 tokens"),
-    ({"ids": "not base64!"}, "malformed sample in payload"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"w": 5}, "token id width 5 is not 2, 3 or 4"),
+        ({"w": 3}, "bytes of 3-byte token ids"),
+        ({"bits": base64.b64encode(b"\x01\x00").decode()}, "2 bytes of mask bits for 3 tokens"),
+        ({"ids": "not base64!"}, "malformed sample in payload"),
+    ],
+)
 def test_malformed_rows_are_refused(change, message):
     p = encode_batch("r", [Sample.build([5, 6, 7])])
     p["samples"][0].update(change)

@@ -107,8 +107,10 @@ def test_pointer_files_are_the_export_files_and_carry_their_tokens_alone(tmp_pat
     reader = RunReader(loc.root)
     for shard in shards:
         for sid in reader.shard_samples(shard):
-            full, ptr = specforge.sample_file(str(tmp_path / "full"), shard, sid), specforge.sample_file(
-                str(tmp_path / "ptr"), shard, sid)
+            full, ptr = (
+                specforge.sample_file(str(tmp_path / "full"), shard, sid),
+                specforge.sample_file(str(tmp_path / "ptr"), shard, sid),
+            )
             for p in (full, ptr):
                 os.makedirs(os.path.dirname(p), exist_ok=True)
             specforge.write_sample(reader.get(sid, torch.bfloat16), reader, full, _atomic)
@@ -141,13 +143,16 @@ def test_a_pointer_follows_a_run_that_grew_and_refuses_a_newer_format_or_a_sampl
     grown = RunReader(loc.root)
     second = str(tmp_path / "b.ckpt")
     feed.write_pointer(grown, samples[3].id, torch.bfloat16, second, _atomic)
-    assert torch.equal(_load(second)["aux_hidden_state"][0], grown.get(samples[3].id, torch.bfloat16)[
-        "hidden_states"][:, :3].reshape(samples[3].num_tokens, -1))
+    assert torch.equal(
+        _load(second)["aux_hidden_state"][0],
+        grown.get(samples[3].id, torch.bfloat16)["hidden_states"][:, :3].reshape(samples[3].num_tokens, -1),
+    )
     assert later in grown.shard_ids()
 
     with pytest.raises(feed.PointerError, match="format 2 .*upgrade harvest"):
         feed._restore(feed.FORMAT + 1, loc.url(), samples[0].id, torch.zeros(1), torch.zeros(1), "bfloat16")
-    gone = feed.HarvestFeatures(loc.url(), "0" * 32, torch.zeros(1, dtype=torch.int64),
-                                torch.zeros(1, dtype=torch.int64), "bfloat16")
+    gone = feed.HarvestFeatures(
+        loc.url(), "0" * 32, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), "bfloat16"
+    )
     with pytest.raises(feed.PointerError, match="is not committed in"):
         gone["hidden_state"]  # noqa: B018

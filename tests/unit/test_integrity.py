@@ -74,11 +74,14 @@ def flip(loc: Location, shard_id: str, sample_id: str, tensor: str) -> tuple[int
     return begin, end, expected, zlib.crc32(data[begin:end])
 
 
-def corrupt_message(loc: Location, shard_id: str, sample_id: str, tensor: str, begin: int, end: int,
-                    expected: int, found: int) -> str:
-    return (f"{loc.path(shard_file(shard_id))}: sample {sample_id} is corrupt: tensor {tensor}, bytes [{begin}, {end}) "
-            f"of the shard have crc32 {found}, its index records {expected}; run `harvest reconcile --verify --run r "
-            f"--out {os.path.dirname(loc.root)}` to drop it from the index and extract it again")
+def corrupt_message(
+    loc: Location, shard_id: str, sample_id: str, tensor: str, begin: int, end: int, expected: int, found: int
+) -> str:
+    return (
+        f"{loc.path(shard_file(shard_id))}: sample {sample_id} is corrupt: tensor {tensor}, bytes [{begin}, {end}) "
+        f"of the shard have crc32 {found}, its index records {expected}; run `harvest reconcile --verify --run r "
+        f"--out {os.path.dirname(loc.root)}` to drop it from the index and extract it again"
+    )
 
 
 def raw(path: str) -> bytes:
@@ -131,8 +134,10 @@ def test_a_flipped_byte_fails_that_sample_alone_until_verify_excludes_it(tmp_pat
     with pytest.raises(CorruptSample) as e:
         ds[k]
     assert str(e.value) == msg
-    assert [torch.equal(ds[i]["input_ids"], samples[j].input_ids.long())
-            for i, j in ((ds.sample_ids.index(s.id), n) for n, s in enumerate(samples[:5]) if s is not victim)] == [True] * 4
+    assert [
+        torch.equal(ds[i]["input_ids"], samples[j].input_ids.long())
+        for i, j in ((ds.sample_ids.index(s.id), n) for n, s in enumerate(samples[:5]) if s is not victim)
+    ] == [True] * 4
 
     caplog.set_level(logging.ERROR, "harvest.read")
     it = HiddenStateIterable(url)
@@ -172,9 +177,12 @@ def test_a_sample_in_two_shards_is_read_once_everywhere_until_dedupe_excludes_th
 
     reader = RunReader(url)
     assert [r.getMessage() for r in caplog.records] == [
-        (f"{url}: 1 sample is committed by more than one shard (e.g. {dup.id}, read from shard {kept}, also in "
-         f"{other}); each is read once, from the shard with the smallest id; `harvest reconcile --dedupe` removes the "
-         "extra copies from the index")]
+        (
+            f"{url}: 1 sample is committed by more than one shard (e.g. {dup.id}, read from shard {kept}, also in "
+            f"{other}); each is read once, from the shard with the smallest id; `harvest reconcile --dedupe` removes the "
+            "extra copies from the index"
+        )
+    ]
     unique = [s.id for s in samples[:5]]
     assert len(reader) == 5 and sorted(reader.sample_ids) == sorted(unique) and reader.duplicates == {dup.id: [other]}
     assert reader.shard_of(dup.id) == kept and reader.shard_samples(kept).count(dup.id) == 1
@@ -195,8 +203,7 @@ def test_a_sample_in_two_shards_is_read_once_everywhere_until_dedupe_excludes_th
     assert raw(loc.path(index_file(kept))) == before[kept]  # the kept copy's index is untouched
     doc = json.loads(raw(loc.path(index_file(other))))
     assert doc["excluded"] == {dup.id: f"duplicate: kept in shard {kept}"}
-    assert raw(loc.path(index_file(other))) == encode_index({**json.loads(before[other]),
-                                                                          "excluded": doc["excluded"]})
+    assert raw(loc.path(index_file(other))) == encode_index({**json.loads(before[other]), "excluded": doc["excluded"]})
     after = {s: raw(loc.path(index_file(s))) for s in shards}
     assert dedupe_run(loc) == DedupeReport()  # a second run changes nothing
     assert {s: raw(loc.path(index_file(s))) for s in shards} == after
@@ -224,8 +231,10 @@ def test_a_shard_that_cannot_be_opened_is_skipped_by_the_iterable_dataset_and_re
         os.unlink(path)
         why = f"the file {path} is missing"
     url = str(loc.root)
-    msg = (f"shard {b} cannot be read ({why}); its 2 samples: run `harvest reconcile --verify --run r --out "
-           f"{os.path.dirname(loc.root)}` to drop them from the index and extract them again")
+    msg = (
+        f"shard {b} cannot be read ({why}); its 2 samples: run `harvest reconcile --verify --run r --out "
+        f"{os.path.dirname(loc.root)}` to drop them from the index and extract them again"
+    )
     reader = RunReader(url)
     with pytest.raises(UnreadableShard) as e:
         reader.get(samples[3].id)
@@ -244,9 +253,20 @@ def test_index_checksum_and_exclusion_fields_are_checked():
     from harvest.formats.index import FORMAT
 
     def doc(**extra):
-        return {"format": FORMAT, "shard_id": "a" * 32, "shard": f"shards/{'a' * 32}.safetensors",
-                "samples": ["s1", "s2"], "tokens": [3, 1], "offsets": [0, 3, 4], "bytes": 10, "sha256": "0" * 64,
-                "dtype": "bfloat16", "capture_points": [2, 4, 5, 8], "final_state": "post-norm", **extra}
+        return {
+            "format": FORMAT,
+            "shard_id": "a" * 32,
+            "shard": f"shards/{'a' * 32}.safetensors",
+            "samples": ["s1", "s2"],
+            "tokens": [3, 1],
+            "offsets": [0, 3, 4],
+            "bytes": 10,
+            "sha256": "0" * 64,
+            "dtype": "bfloat16",
+            "capture_points": [2, 4, 5, 8],
+            "final_state": "post-norm",
+            **extra,
+        }
 
     names = ["hidden_states", "input_ids", "loss_mask"]
     sums = {"crc32": [[1, 2, 3], [4, 5, 2**32 - 1]], "crc32_tensors": names}
@@ -255,8 +275,10 @@ def test_index_checksum_and_exclusion_fields_are_checked():
     assert encode_index(ok) == json.dumps(ok, indent=1).encode()
     for bad, message in [
         (doc(crc32=[[1, 2, 3]], crc32_tensors=names), "i: 2 samples but 1 crc32 entries"),
-        (doc(crc32=[[1, 2, 3], [4, 5]], crc32_tensors=names),
-         "i: crc32 of sample 1 is not 3 unsigned 32-bit ints (one per tensor of ['hidden_states', 'input_ids', 'loss_mask'])"),
+        (
+            doc(crc32=[[1, 2, 3], [4, 5]], crc32_tensors=names),
+            "i: crc32 of sample 1 is not 3 unsigned 32-bit ints (one per tensor of ['hidden_states', 'input_ids', 'loss_mask'])",
+        ),
         (doc(crc32=[[1, 2, 3], [4, 5, 2**32]], crc32_tensors=names), "i: crc32 of sample 1 is not 3 unsigned"),
         (doc(crc32=[[1, 2, 3], [4, 5, True]], crc32_tensors=names), "i: crc32 of sample 1 is not 3 unsigned"),
         (doc(crc32=[[1], [2]]), "i: index lacks its field 'crc32_tensors'"),

@@ -17,7 +17,9 @@ from harvest.state.ledger import Ledger
 
 
 def _file(d, sid: str, attempt: int) -> str:
-    return os.path.basename(write_chunk(str(d), Chunk(rid_for(sid, attempt), 0, 2, torch.arange(2), torch.zeros(2, 1, 4)), [1], "m"))
+    return os.path.basename(
+        write_chunk(str(d), Chunk(rid_for(sid, attempt), 0, 2, torch.arange(2), torch.zeros(2, 1, 4)), [1], "m")
+    )
 
 
 class _Clock:
@@ -39,9 +41,17 @@ def test_done_failed_and_ended_attempts_dumps_go_running_ones_stay(conn, tmp_pat
     os.makedirs(claim_dir(str(tmp_path), "w-live"))
     os.makedirs(claim_dir(str(tmp_path), "w-dead"))  # a worker whose heartbeat expired
     live.job_started("job-2", 1, 22)  # running attempt 22; its attempt 21 ended
-    names = {k: _file(tmp_path, sid, n) for k, sid, n in
-             (("done", done, 22), ("failed", failed, 22), ("ended", ended, 21), ("dead", dead, 7),
-              ("running", running, 22), ("unknown", unknown, 9))}
+    names = {
+        k: _file(tmp_path, sid, n)
+        for k, sid, n in (
+            ("done", done, 22),
+            ("failed", failed, 22),
+            ("ended", ended, 21),
+            ("dead", dead, 7),
+            ("running", running, 22),
+            ("unknown", unknown, 9),
+        )
+    }
     later = time.time() + 5  # past the 2 s grace, far from the 15 min limit
     clock = _Clock()
     unnamed = UnnamedDumps(clock)
@@ -52,8 +62,9 @@ def test_done_failed_and_ended_attempts_dumps_go_running_ones_stay(conn, tmp_pat
     # a new Redis holds reaping: a heartbeat missing proves nothing, so only the ledger's d and f count
     assert clean(keep_claim_dirs=True) == ([], 2)
     claim_dirs = [f"{CLAIM_PREFIX}w-live", f"{CLAIM_PREFIX}w-dead"]
-    assert sorted(os.listdir(tmp_path)) == sorted([names[k] for k in ("ended", "dead", "running", "unknown")]
-                                                  + claim_dirs)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [names[k] for k in ("ended", "dead", "running", "unknown")] + claim_dirs
+    )
     # a heartbeat that names no attempt (no harvest worker writes one so): its node's attempts are unknown
     conn.hset(worker_key("w-old"), "name", "w-old")
     os.makedirs(claim_dir(str(tmp_path), "w-old"))

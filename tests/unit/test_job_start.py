@@ -15,17 +15,18 @@ from harvest.state.heartbeat import WorkerBeat
 from harvest.state.jobs import SERIALIZER, fetch_job, run_queue
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
-from tests.support.ops import enqueue
 from harvest.workers.context import WorkerContext, install
 from harvest.workers.job import BatchJob
 from harvest.workers.rqworker import HarvestWorker
 from harvest.workers.safejob import HarvestJob
+from tests.support.ops import enqueue
 
 
 @pytest.fixture
 def started(conn, tmp_path):
-    cfg = publish_run(conn, RunConfig(run="js", model="/m", capture_points=[2], hidden_size=4,
-                                      out_url=str(tmp_path / "out")))
+    cfg = publish_run(
+        conn, RunConfig(run="js", model="/m", capture_points=[2], hidden_size=4, out_url=str(tmp_path / "out"))
+    )
     samples = [Sample.build(np.arange(i + 2)) for i in range(3)]
     job_id = enqueue(conn, cfg, samples)
     led = Ledger(conn, cfg.run)
@@ -34,13 +35,27 @@ def started(conn, tmp_path):
     dirs = [tmp_path / d for d in ("dump", "spool", "claim")]
     for d in dirs:
         d.mkdir()
-    ctx = WorkerContext(conn=conn, cfg=cfg, engine=None, dump_dir=str(dirs[0]), spool_dir=str(dirs[1]),
-                        claim_dir=str(dirs[2]), beat=beat, recovery=Recovery(conn, cfg))
+    ctx = WorkerContext(
+        conn=conn,
+        cfg=cfg,
+        engine=None,
+        dump_dir=str(dirs[0]),
+        spool_dir=str(dirs[1]),
+        claim_dir=str(dirs[2]),
+        beat=beat,
+        recovery=Recovery(conn, cfg),
+    )
     install(ctx)
     ctx.check_recovery()  # a running worker's: the ledger known reconciled on this server
     led.mark_done([samples[0].id])  # committed by an earlier run of the job
-    worker = HarvestWorker([run_queue(conn, cfg.run, job_class=HarvestJob)], connection=conn, serializer=SERIALIZER,
-                           name=beat.name, job_class=HarvestJob, beat=beat)
+    worker = HarvestWorker(
+        [run_queue(conn, cfg.run, job_class=HarvestJob)],
+        connection=conn,
+        serializer=SERIALIZER,
+        name=beat.name,
+        job_class=HarvestJob,
+        beat=beat,
+    )
     job = fetch_job(conn, job_id)
     execution = worker.prepare_execution(job)
     worker.prepare_job_execution(job)
@@ -55,7 +70,12 @@ def test_the_job_takes_up_the_start_made_with_its_execution(conn, started):
     assert states == {samples[0].id: "d", samples[1].id: "q", samples[2].id: "q"} and gen == ctx.recovery_generation()
     named = {k.decode(): v.decode() for k, v in conn.hgetall(ctx.beat.key).items()}
     assert {k: named[k] for k in ("state", "job", "execution", "job_samples", "attempt")} == {
-        "state": "busy", "job": job.id, "execution": execution.id, "job_samples": "3", "attempt": str(attempt)}
+        "state": "busy",
+        "job": job.id,
+        "execution": execution.id,
+        "job_samples": "3",
+        "attempt": str(attempt),
+    }
     assert float(named["job_started"]) > 0  # stamped by Redis's TIME
     assert fetch_job(conn, job.id).get_status() == "started"
 
@@ -87,14 +107,25 @@ def test_rqs_outcome_leaves_the_heartbeat_idle_however_the_job_ended(conn, start
         pipe.execute()
     named = {k.decode(): v.decode() for k, v in conn.hgetall(ctx.beat.key).items()}
     assert {k: named[k] for k in ("state", "job", "execution", "job_samples", "attempt")} == {
-        "state": "idle", "job": "", "execution": "", "job_samples": "0", "attempt": ""}
+        "state": "idle",
+        "job": "",
+        "execution": "",
+        "job_samples": "0",
+        "attempt": "",
+    }
 
 
 @pytest.mark.parametrize("case", ["no sample", "another function", "another heartbeat"])
 def test_no_start_where_the_job_makes_its_own_or_rq_fails_it(conn, started, case):
     ctx, job, _, _, _ = started
-    worker = HarvestWorker([run_queue(conn, ctx.cfg.run, job_class=HarvestJob)], connection=conn,
-                           serializer=SERIALIZER, name=ctx.beat.name, job_class=HarvestJob, beat=ctx.beat)
+    worker = HarvestWorker(
+        [run_queue(conn, ctx.cfg.run, job_class=HarvestJob)],
+        connection=conn,
+        serializer=SERIALIZER,
+        name=ctx.beat.name,
+        job_class=HarvestJob,
+        beat=ctx.beat,
+    )
     beat = ctx.beat
     if case == "no sample":
         job.args = ({**{k: v for k, v in job.args[0].items() if k != "samples"}, "ids": []},)

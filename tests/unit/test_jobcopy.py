@@ -38,8 +38,15 @@ def _enqueued(conn, run: str, samples: list[Sample], job_id: str) -> Ledger:
     return ledger
 
 
-def _settle(ledger: Ledger, run: str, samples: list[Sample], job_id: str, spooled: list[Sample], owner: str,
-            failures: dict | None = None) -> tuple[list[str], list[str]]:
+def _settle(
+    ledger: Ledger,
+    run: str,
+    samples: list[Sample],
+    job_id: str,
+    spooled: list[Sample],
+    owner: str,
+    failures: dict | None = None,
+) -> tuple[list[str], list[str]]:
     rows = {s.id: payload_row(run, s) for s in samples}
     refs = {s.id: jobcopy.ref(job_id, i) for i, s in enumerate(samples)}
     return ledger.settle_job([s.id for s in spooled], owner, rows, failures or {}, refs=refs)
@@ -54,8 +61,9 @@ def test_refs_are_kept_counted_and_the_copy_goes_with_the_last(conn):
     run, jid = "jc1", "hv-jc1-job"
     samples = _samples(5)
     ledger = _enqueued(conn, run, samples, jid)
-    marked, failed = _settle(ledger, run, samples, jid, samples[:4], "spool1",
-                             failures={samples[4].id: ("bad-dump", "x")})
+    marked, failed = _settle(
+        ledger, run, samples, jid, samples[:4], "spool1", failures={samples[4].id: ("bad-dump", "x")}
+    )
     assert marked == [s.id for s in samples[:4]] and failed == [samples[4].id]
     kept = conn.hmget(ledger.keys.state, [s.id for s in samples[:4]])  # the refs are in the state values
     assert [k.decode() for k in kept] == [f"s:spool1@{jid}#{i}" for i in range(4)]
@@ -70,8 +78,9 @@ def test_refs_are_kept_counted_and_the_copy_goes_with_the_last(conn):
     assert ledger.failed_payloads([samples[4].id]) == [payload_row(run, samples[4])]
     conn.delete(fetch_job(conn, jid).key)  # RQ deletes its job when the job ends: the copy stays
     rows = ledger.spooled_payloads([s.id for s in samples[:4]])
-    assert [decode_batch({"v": 2, "run": run, "samples": [json.loads(r)]})[1][0].id for r in rows] == \
-        [s.id for s in samples[:4]]
+    assert [decode_batch({"v": 2, "run": run, "samples": [json.loads(r)]})[1][0].id for r in rows] == [
+        s.id for s in samples[:4]
+    ]
     assert ledger.mark_done([samples[0].id, samples[1].id]) == [samples[0].id, samples[1].id]
     assert _refs(conn, ledger, jid) == 2
     assert ledger.mark_failed({samples[2].id: ("bad-spool", "y")}) == [samples[2].id]
@@ -146,8 +155,10 @@ def test_the_ledger_check_drops_a_stray_ref_with_its_count(conn):
     conn.hincrby(ledger.keys.counts, "d", 1)
     conn.hincrby(ledger.keys.spool_counts, "spool1", -1)
     rep = check_ledger(conn, run)
-    assert rep.problems == [f"payload without spooled: 1 (e.g. {samples[1].id})",
-                            f"copy of job {jid}: its counter says 3 refs, the ledger holds 2"]
+    assert rep.problems == [
+        f"payload without spooled: 1 (e.g. {samples[1].id})",
+        f"copy of job {jid}: its counter says 3 refs, the ledger holds 2",
+    ]
     check_ledger(conn, run, repair=True)
     assert _refs(conn, ledger, jid) == 1 and conn.exists(ledger.keys.spooled_payload) == 0
     assert check_ledger(conn, run).ok

@@ -19,6 +19,7 @@ from harvest.formats import jobrows
 from harvest.formats.runfile import run_location
 from harvest.ops.reclaim import reclaim_spool
 from harvest.ops.stranded import STRANDED_GRACE_S, sweep, tend_stranded
+from harvest.producer.enqueue import Enqueuer
 from harvest.sample import Sample
 from harvest.state import jobcopy
 from harvest.state.failures import JOB_LOST
@@ -27,20 +28,22 @@ from harvest.state.ledger import Ledger
 from harvest.state.payload import PayloadError, batch_ids, decode_batch, inline, payload_row
 from harvest.state.runstore import publish_run
 from harvest.state.spools import SpoolLeases, redis_time
-from harvest.producer.enqueue import Enqueuer
 from harvest.workers.context import WorkerContext
 from harvest.workers.job import BatchJob
 
 
 def _samples(n: int, tokens: int = 700, seed: int = 0) -> list[Sample]:
     rng = np.random.default_rng(seed)
-    return [Sample.build(rng.integers(0, 150_000, size=tokens).tolist(), rng.integers(0, 2, size=tokens).tolist())
-            for _ in range(n)]
+    return [
+        Sample.build(rng.integers(0, 150_000, size=tokens).tolist(), rng.integers(0, 2, size=tokens).tolist())
+        for _ in range(n)
+    ]
 
 
 def _produce(conn, tmp_path, run: str, samples: list[Sample], per_job: int = 4) -> RunConfig:
-    cfg = RunConfig(run=run, model="/m", capture_points=[2], hidden_size=4, out_url=str(tmp_path / "out"),
-                    max_batch_samples=per_job)
+    cfg = RunConfig(
+        run=run, model="/m", capture_points=[2], hidden_size=4, out_url=str(tmp_path / "out"), max_batch_samples=per_job
+    )
     enq = Enqueuer(conn, cfg, max_queued=len(samples))
     for s in samples:
         enq.add(s)
@@ -63,8 +66,9 @@ def test_a_producers_job_names_its_rows_in_one_object_and_decodes_to_the_exact_s
     jobs = _jobs(conn, "jr1")
     assert [len(decode_batch(j.args[0])[1]) for j in jobs] == [4, 4, 2]
     got = [s for j in jobs for s in decode_batch(j.args[0])[1]]
-    assert sorted((s.id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in got) == \
-        sorted((s.id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in samples)
+    assert sorted((s.id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in got) == sorted(
+        (s.id, s.input_ids.tolist(), s.loss_mask.tolist()) for s in samples
+    )
     payload = jobs[0].args[0]
     assert "samples" not in payload and payload["rows"]["url"] == str(folder / name)
     assert batch_ids(payload) == [s.id for s in decode_batch(payload)[1]]  # who it covers, from Redis alone
@@ -91,8 +95,11 @@ def test_rows_that_are_gone_or_changed_or_named_outside_jobs_are_refused_by_name
     raw = open(path, "rb").read()
     with open(path, "wb") as f:
         f.write(raw.replace(raw[10:14], b"AAAA", 1) if raw[10:14] != b"AAAA" else raw.replace(raw[10:14], b"BBBB", 1))
-    with pytest.raises(PayloadError, match=rf"^job rows {path} \[0, {ref['at'][1]}\) changed since they were written "
-                                           r"\(digest differs\)$"):
+    with pytest.raises(
+        PayloadError,
+        match=rf"^job rows {path} \[0, {ref['at'][1]}\) changed since they were written "
+        r"\(digest differs\)$",
+    ):
         decode_batch(job.args[0])
     os.unlink(path)
     with pytest.raises(PayloadError, match=rf"^job rows {path} are missing: deleted from the run's jobs/ folder\?$"):
@@ -130,8 +137,9 @@ def test_a_worker_hands_a_job_back_when_the_store_fails_and_refuses_rows_that_ar
     dirs = [tmp_path / d for d in ("dump", "spool", "claim")]
     for d in dirs:
         d.mkdir()
-    ctx = WorkerContext(conn=conn, cfg=cfg, engine=None, dump_dir=str(dirs[0]), spool_dir=str(dirs[1]),
-                        claim_dir=str(dirs[2]))
+    ctx = WorkerContext(
+        conn=conn, cfg=cfg, engine=None, dump_dir=str(dirs[0]), spool_dir=str(dirs[1]), claim_dir=str(dirs[2])
+    )
     path = job.args[0]["rows"]["url"]
     os.rename(path, path + ".away")
     os.mkdir(path)  # the store answers with an error that is not "no such object" (a directory: EISDIR)
@@ -190,7 +198,8 @@ def test_a_store_that_is_down_strands_nothing_and_fails_nothing_as_lost(conn, tm
 
 
 def test_requeue_all_puts_rq_failed_jobs_back_without_reading_their_rows_so_a_store_that_is_down_stops_nothing(
-        conn, tmp_path):
+    conn, tmp_path
+):
     """`requeue --all` puts RQ's failed jobs back as they are (their sample ids are in Redis) and then the
     ledger's failed samples: a store that is down must not stop either part (no StorageError from a
     failed job's rows before every failed sample went back)."""

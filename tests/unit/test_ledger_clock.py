@@ -28,8 +28,10 @@ def run(conn, tmp_path) -> str:
 
 def _buckets(conn) -> dict[int, dict[str, int]]:
     prefix = Keys(RUN).rate(0)[:-1]
-    return {int(k.decode()[len(prefix):]): {f.decode(): int(v) for f, v in conn.hgetall(k).items()}
-            for k in conn.scan_iter(match=prefix + "*")}
+    return {
+        int(k.decode()[len(prefix) :]): {f.decode(): int(v) for f, v in conn.hgetall(k).items()}
+        for k in conn.scan_iter(match=prefix + "*")
+    }
 
 
 @pytest.mark.parametrize("shift", [SHIFT_S, -SHIFT_S])
@@ -57,8 +59,13 @@ def test_a_skewed_nodes_stats_land_in_the_servers_bucket_and_status_reads_them(c
     for h in buckets.values():
         for f, v in h.items():
             total[f] = total.get(f, 0) + v
-    assert total == {"samples_spooled": 6, "samples_failed": 1, "samples_done": 3, "tokens_done": 60,
-                     "bytes_done": 1000}
+    assert total == {
+        "samples_spooled": 6,
+        "samples_failed": 1,
+        "samples_done": 3,
+        "tokens_done": 60,
+        "bytes_done": 1000,
+    }
     assert skewed[0] == total
     assert conn.hgetall(Keys(RUN).histogram("engine_seconds")) == {b"0.25": b"1", b"count": b"1", b"sum": b"0.25"}
     assert skewed_status.window_counts == total

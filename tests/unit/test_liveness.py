@@ -26,11 +26,11 @@ from harvest.state.keys import Keys, rq_execution_key, worker_key
 from harvest.state.ledger import Ledger
 from harvest.state.runstore import publish_run
 from harvest.state.spools import redis_time
+from harvest.workers.rqworker import PUBSUB_POLL_S, HarvestWorker
+from harvest.workers.safejob import HarvestJob
 from tests.support.ops import enqueue
 from tests.support.synth import make_config
 from tests.support.wait import wait_for
-from harvest.workers.rqworker import PUBSUB_POLL_S, HarvestWorker
-from harvest.workers.safejob import HarvestJob
 
 RUN = "r"
 
@@ -214,9 +214,14 @@ def test_retries_are_due_by_redis_time_and_a_due_time_absurdly_far_ahead_is_due_
         q.remove(j)
     now = redis_time(conn)
     reg = q.scheduled_job_registry
-    conn.zadd(reg.key, {jobs[0]: math.floor(now) - 5,  # due
-                        jobs[1]: math.floor(now) + 100,  # backing off
-                        jobs[2]: math.floor(now) + 7200})  # scheduled by a node whose clock runs 2 h ahead
+    conn.zadd(
+        reg.key,
+        {
+            jobs[0]: math.floor(now) - 5,  # due
+            jobs[1]: math.floor(now) + 100,  # backing off
+            jobs[2]: math.floor(now) + 7200,
+        },
+    )  # scheduled by a node whose clock runs 2 h ahead
     assert promote_due_retries(conn, RUN, now) == [jobs[0], jobs[2]]
     assert q.job_ids == [jobs[0], jobs[2]] and reg.get_job_ids(cleanup=False) == [jobs[1]]
     conn.zadd(reg.key, {jobs[1]: math.floor(now) + MAX_RETRY_INTERVAL_S})  # the longest backoff: not absurd

@@ -19,8 +19,24 @@ from harvest.state.scripts import LUA_DIR, Segment
 from tests.support.need import need
 
 # What Redis's Lua gives every script; KEYS and ARGV are the script's own, never a shared piece's.
-BUILTINS = {"redis", "cjson", "string", "math", "table", "tonumber", "tostring", "type", "pairs", "ipairs",
-            "next", "unpack", "pcall", "error", "select", "assert"}
+BUILTINS = {
+    "redis",
+    "cjson",
+    "string",
+    "math",
+    "table",
+    "tonumber",
+    "tostring",
+    "type",
+    "pairs",
+    "ipairs",
+    "next",
+    "unpack",
+    "pcall",
+    "error",
+    "select",
+    "assert",
+}
 K = Keys("lua")
 
 
@@ -147,7 +163,7 @@ def test_every_wrapper_builds_a_call_its_script_runs(conn):
     each runs on a real Redis, in a transaction too."""
     calls = wrapper_calls()
     assert set(calls) == {lua.name for lua in scripts.ALL}
-    for name, call in calls.items():
+    for _name, call in calls.items():
         call.run(conn)
     with conn.pipeline(transaction=True) as pipe:
         for call in calls.values():

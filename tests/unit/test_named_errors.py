@@ -16,8 +16,12 @@ def test_an_error_that_names_nothing_is_told_with_its_object_and_keeps_its_type(
     e = named(PermissionError("Access Denied"), "s3://b/r/index/x.json")  # as s3fs raises it
     assert type(e) is PermissionError and str(e) == "s3://b/r/index/x.json: Access Denied"
     e = named(PermissionError(13, "Access Denied"), "s3://b/r/run.json")
-    assert (type(e), e.errno, e.filename, str(e)) == (PermissionError, 13, "s3://b/r/run.json",
-                                                      "[Errno 13] Access Denied: 's3://b/r/run.json'")
+    assert (type(e), e.errno, e.filename, str(e)) == (
+        PermissionError,
+        13,
+        "s3://b/r/run.json",
+        "[Errno 13] Access Denied: 's3://b/r/run.json'",
+    )
     already = FileNotFoundError(2, "No such file or directory", "/o/r/run.json")
     assert named(already, "/o/r/run.json") is already
 
@@ -37,8 +41,10 @@ def test_location_reads_name_what_failed(tmp_path):
     (tmp_path / "b.json").write_bytes(b'{"x": "\xff"}')
     with pytest.raises(UnreadableDocument) as e:
         loc.read_json("b.json")
-    assert str(e.value) == (f"{tmp_path}/b.json is not JSON (UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in "
-                            "position 7: invalid start byte): garbled or cut short")
+    assert str(e.value) == (
+        f"{tmp_path}/b.json is not JSON (UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in "
+        "position 7: invalid start byte): garbled or cut short"
+    )
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}/nope.json"):
         loc.read_json("nope.json")
 
@@ -52,19 +58,29 @@ def test_a_garbled_index_names_itself_and_the_repair(tmp_path):
     assert str(e.value) == (
         f"index file {run}/index/abc.json is not JSON (Expecting property name enclosed in double quotes at line 1 "
         f"column 2): garbled or cut short; move it out of {run}/index (its shard is then uncommitted) and run "
-        "`harvest reconcile --run r` (with the run's --redis or --work-dir) to extract its samples again")
+        "`harvest reconcile --run r` (with the run's --redis or --work-dir) to extract its samples again"
+    )
     (run / "index" / "abc.json").write_text("[1]")
     with pytest.raises(ShardError, match=rf"^{run}/index/abc.json: an index file holds a JSON object, found list$"):
         read_index(Location.from_url(str(run)), "abc.json")
 
 
-@pytest.mark.parametrize("text,why", [
-    ("{x", "is not a harvest run.json (JSONDecodeError: Expecting property name enclosed in double quotes: line 1 "
-           "column 2 (char 1)): garbled, or not written by harvest"),
-    (json.dumps({"run": "r", "zz": 1}), ": run config has unknown fields ['zz']: written by a newer harvest?"),
-    (json.dumps({"run": "r"}), "is not a harvest run.json (RunConfig.__init__() missing 4 required positional "
-                               "arguments: 'model', 'capture_points', 'hidden_size', and 'out_url')"),
-])
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        (
+            "{x",
+            "is not a harvest run.json (JSONDecodeError: Expecting property name enclosed in double quotes: line 1 "
+            "column 2 (char 1)): garbled, or not written by harvest",
+        ),
+        (json.dumps({"run": "r", "zz": 1}), ": run config has unknown fields ['zz']: written by a newer harvest?"),
+        (
+            json.dumps({"run": "r"}),
+            "is not a harvest run.json (RunConfig.__init__() missing 4 required positional "
+            "arguments: 'model', 'capture_points', 'hidden_size', and 'out_url')",
+        ),
+    ],
+)
 def test_a_broken_run_json_names_itself(tmp_path, text, why):
     (tmp_path / "run.json").write_text(text)
     with pytest.raises(ConfigurationError) as e:

@@ -11,8 +11,8 @@ import pytest
 import redis
 from redis.client import Pipeline
 
-from harvest.collector.collector import Collector
 from harvest.cli.redisproc import RedisServer
+from harvest.collector.collector import Collector
 from harvest.formats.index import index_file
 from harvest.ops.reclaim import reclaim_spool
 from harvest.ops.reconcile import reconcile
@@ -69,11 +69,13 @@ def _jobs(conn, run) -> list[list[str]]:
 @pytest.fixture(params=["restart", "flush"])
 def forget(request, monkeypatch, server, conn):
     """Make the server forget the ledger's scripts in the way the test is parametrized with."""
+
     def go() -> list[int]:
         if request.param == "flush":
             conn.script_flush()
             return [1]
         return _restart_before_exec(monkeypatch, server)
+
     return go
 
 

@@ -15,7 +15,7 @@ def test_reserved_ports_are_below_the_ephemeral_range_and_held_from_other_proces
     block = ports.reserve_ports(3)
     try:
         assert block.ports == [block.first, block.first + 1, block.first + 2]
-        assert ports.LOWEST <= block.first and block.first + 2 < ports._ephemeral_start()
+        assert block.first >= ports.LOWEST and block.first + 2 < ports._ephemeral_start()
         held = block.first + 1
         code = f"from tests.support import ports; print(ports._lock({held}) is None)"
         other = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -35,8 +35,9 @@ def test_a_port_something_listens_on_is_not_bindable():
 
 def test_a_reservation_ends_with_its_process():
     code = "from tests.support import ports; b = ports.reserve_ports(1); print(b.first)"
-    first = int(subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                               check=True).stdout)
+    first = int(
+        subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    )
     fd = ports._lock(first)  # the process exited without close(): the kernel dropped its lock
     assert fd is not None
     os.close(fd)

@@ -9,12 +9,12 @@ from rq.serializers import JSONSerializer
 
 from harvest.config import RunConfig
 from harvest.ids import sample_id
-from harvest.state.keys import Keys
-from harvest.state.ledger import Ledger
-from harvest.state.payload import PAYLOAD_VERSION, decode_batch
 from harvest.producer.producer import produce
 from harvest.producer.rows import BadRow, Row
 from harvest.producer.tokenize import RowTokenizer
+from harvest.state.keys import Keys
+from harvest.state.ledger import Ledger
+from harvest.state.payload import PAYLOAD_VERSION, decode_batch
 from tests.support.wait import wait_for
 
 
@@ -34,7 +34,7 @@ def test_row_kinds(tokenizer):
     enc = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert s.input_ids.tolist() == enc["input_ids"] and s.loss_mask.tolist() == enc["assistant_masks"]
     # the mask is the assistant content and its end-of-turn token, not the header
-    masked = tokenizer.decode([i for i, m in zip(s.input_ids, s.loss_mask) if m])
+    masked = tokenizer.decode([i for i, m in zip(s.input_ids, s.loss_mask, strict=False) if m])
     assert masked == "the data<|im_end|>"
 
 
@@ -43,8 +43,14 @@ def test_bad_rows_name_file_and_line(tokenizer):
     cases = [
         ({"input_ids": [1, 99999]}, "f:1: token id 99999 ('input_ids'[1]) outside the vocabulary [0, 512)"),
         ({"input_ids": "1 2"}, "f:1: 'input_ids' must be a list of integers (token ids), got str"),
-        ({"foo": 1}, "f:1: no usable field: expected one of input_ids, messages, conversations, prompt, text; got ['foo']"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "f:1: 'messages'[0] has role 'robot'; expected one of system, user, assistant, tool"),
+        (
+            {"foo": 1},
+            "f:1: no usable field: expected one of input_ids, messages, conversations, prompt, text; got ['foo']",
+        ),
+        (
+            {"messages": [{"role": "robot", "content": "x"}]},
+            "f:1: 'messages'[0] has role 'robot'; expected one of system, user, assistant, tool",
+        ),
         ({"text": ""}, "f:1: empty sample (0 tokens)"),
         ([1, 2], "f:1: row is a list, expected an object"),
     ]
@@ -166,13 +172,20 @@ def test_worker_processes_give_the_same_samples_in_the_same_order(conn, tiny_mod
     seen = {1: [], 2: []}
     for procs in (1, 2):
         conn.flushall()
-        s = produce(conn, _cfg(tiny_model, tmp_path), path, tokenizer=tokenizer, progress=False, processes=procs,
-                    on_bad=lambda r, p=procs: seen[p].append(str(r)))
+        s = produce(
+            conn,
+            _cfg(tiny_model, tmp_path),
+            path,
+            tokenizer=tokenizer,
+            progress=False,
+            processes=procs,
+            on_bad=lambda r, p=procs: seen[p].append(str(r)),
+        )
         q = Queue(Keys("p").queue_name, connection=conn, serializer=JSONSerializer)
         ids = [x.id for job in q.jobs for x in decode_batch(job.args[0])[1]]
         seen[procs].append((s.text(), ids))
     assert seen[1] == seen[2]
-    assert producer_mod.BATCH_ROWS < len(rows)  # several batches crossed the processes
+    assert len(rows) > producer_mod.BATCH_ROWS  # several batches crossed the processes
 
 
 def test_a_sample_failed_with_its_tokens_lost_is_enqueued_again_by_the_producer(conn, tiny_model, tokenizer, tmp_path):

@@ -72,7 +72,7 @@ def test_messages_with_row_level_system(tokenizer):
     full = [{"role": "system", "content": "Be brief."}, *msgs]
     ref = tokenizer.apply_chat_template(full, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert pairs(s) == (list(ref["input_ids"]), list(ref["assistant_masks"]))
-    masked = tokenizer.decode([i for i, m in zip(*pairs(s)) if m])
+    masked = tokenizer.decode([i for i, m in zip(*pairs(s), strict=False) if m])
     assert masked == "the model<|im_end|>"
     # a chat that already starts with a system message keeps its own
     own = t.one(Row({"system": "ignored", "messages": full}, "f:2"))
@@ -87,7 +87,9 @@ def test_sharegpt_conversations_map_to_roles(tokenizer):
         {"from": "human", "value": "and?"},
         {"from": "gpt", "value": "a data token."},
     ]
-    msgs = [{"role": {"human": "user", "gpt": "assistant"}.get(c["from"], c["from"]), "content": c["value"]} for c in conv]
+    msgs = [
+        {"role": {"human": "user", "gpt": "assistant"}.get(c["from"], c["from"]), "content": c["value"]} for c in conv
+    ]
     t = RowTokenizer(tokenizer)
     assert pairs(t.one(Row({"conversations": conv}, "f:1"))) == pairs(t.one(Row({"messages": msgs}, "f:2")))
     s = t.one(Row({"conversations": conv[1:], "system": "Be brief."}, "f:3"))
@@ -96,8 +98,10 @@ def test_sharegpt_conversations_map_to_roles(tokenizer):
 
 def test_content_parts_are_joined(tokenizer):
     t = RowTokenizer(tokenizer)
-    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]},
-             {"role": "assistant", "content": "the model"}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]},
+        {"role": "assistant", "content": "the model"},
+    ]
     plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the model"}]
     assert pairs(t.one(Row({"messages": parts}, "f:1"))) == pairs(t.one(Row({"messages": plain}, "f:1")))
 
@@ -105,10 +109,14 @@ def test_content_parts_are_joined(tokenizer):
 def test_field_names_are_configurable(tokenizer):
     fields = FieldMap.parse(["text=content", "messages=dialog", "input_ids=tokens", "loss_mask=labels_mask"])
     t = RowTokenizer(tokenizer, fields=fields)
-    assert pairs(t.one(Row({"content": "the model"}, "f:1"))) == pairs(RowTokenizer(tokenizer).one(Row({"text": "the model"}, "f:1")))
+    assert pairs(t.one(Row({"content": "the model"}, "f:1"))) == pairs(
+        RowTokenizer(tokenizer).one(Row({"text": "the model"}, "f:1"))
+    )
     assert pairs(t.one(Row({"tokens": [7, 8], "labels_mask": [0, 1]}, "f:2"))) == ([7, 8], [0, 1])
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "the model"}]
-    assert pairs(t.one(Row({"dialog": msgs}, "f:3"))) == pairs(RowTokenizer(tokenizer).one(Row({"messages": msgs}, "f:3")))
+    assert pairs(t.one(Row({"dialog": msgs}, "f:3"))) == pairs(
+        RowTokenizer(tokenizer).one(Row({"messages": msgs}, "f:3"))
+    )
     assert str(t.one(Row({"text": "x"}, "f:4"))) == (
         "f:4: no usable field: expected one of tokens, dialog, conversations, prompt, content; got ['text']"
     )
@@ -138,43 +146,77 @@ def test_empty_samples_are_reported(tokenizer):
         assert isinstance(r, BadRow) and r.kind == "empty" and str(r) == "f:1: empty sample (0 tokens)"
 
 
-@pytest.mark.parametrize("data,msg", [
-    ({"input_ids": [1, 99999]}, "token id 99999 ('input_ids'[1]) outside the vocabulary [0, 512)"),
-    ({"input_ids": [-1, 2]}, "token id -1 ('input_ids'[0]) outside the vocabulary [0, 512)"),
-    ({"input_ids": "1 2"}, "'input_ids' must be a list of integers (token ids), got str"),
-    ({"input_ids": None}, "'input_ids' must be a list of integers (token ids), got null"),
-    ({"input_ids": [1.5, 2]}, "'input_ids' must be a list of integers (token ids): 'input_ids'[0] is 1.5 (a number with a fraction)"),
-    ({"input_ids": [[1], [2]]}, "'input_ids' must be a list of integers (token ids): 'input_ids'[0] is a list"),
-    ({"input_ids": [5, True, 7]}, "'input_ids' must be a list of integers (token ids): 'input_ids'[1] is true (a boolean, not an integer)"),
-    ({"input_ids": [5, "6"]}, "'input_ids' must be a list of integers (token ids): 'input_ids'[1] is '6' (a string)"),
-    ({"input_ids": [5, 10 ** 30]}, "token id 1000000000000000000000000000000 ('input_ids'[1]) outside the vocabulary [0, 512)"),
-    ({"input_ids": [1, 2], "loss_mask": [1, 2]}, "'loss_mask' must be a list of 0 and 1: 'loss_mask'[1] is 2"),
-    ({"input_ids": [1, 2], "loss_mask": [1, None]}, "'loss_mask' must be a list of 0 and 1: 'loss_mask'[1] is null"),
-    ({"input_ids": [1, 2], "loss_mask": [1.0, 0]}, "'loss_mask' must be a list of 0 and 1: 'loss_mask'[0] is 1.0 (a number with a fraction)"),
-    ({"input_ids": [1, 2], "loss_mask": {"a": 1}}, "'loss_mask' must be a list of 0 and 1, got dict"),
-    ({"input_ids": [1, 2], "loss_mask": [1]}, "'loss_mask' has 1 entries for 2 tokens"),
-    ({"text": 5}, "'text' must be a string, got int"),
-    ({"text": None}, "'text' must be a string, got null"),
-    ({"text": "ab\ud800c"}, "'text' is not valid Unicode: a lone surrogate '\\ud800' at character 2"),
-    ({"prompt": "a", "completion": "\udfff"}, "'completion' is not valid Unicode: a lone surrogate '\\udfff' at character 0"),
-    ({"messages": [{"role": "user", "content": "hi \ud800"}]},
-     "'messages'[0] content is not valid Unicode: a lone surrogate '\\ud800' at character 3"),
-    ({"conversations": [{"from": "human", "value": [{"type": "text", "text": "\ud800"}]}]},
-     "'conversations'[0] content is not valid Unicode: a lone surrogate '\\ud800' at character 0"),
-    ({"prompt": "a"}, "'prompt' without 'completion' or 'response'"),
-    ({"prompt": "a", "completion": ["x"]}, "'completion' must be a string, got list"),
-    ({"messages": []}, "'messages' must be a non-empty list of messages, got an empty list"),
-    ({"messages": "hi"}, "'messages' must be a non-empty list of messages, got str"),
-    ({"messages": ["hi"]}, "'messages'[0] must be an object, got str"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "'messages'[0] has role 'robot'; expected one of system, user, assistant, tool"),
-    ({"messages": [{"role": "user", "content": 3}]}, "'messages'[0] content must be a string, got int"),
-    ({"conversations": [{"from": "alien", "value": "x"}]}, "'conversations'[0] has from 'alien'; expected one of "
-     "system, human, user, gpt, assistant, model, chatgpt, bard, tool, function, observation, function_response, ipython"),
-    ({"system": 1, "messages": [{"role": "user", "content": "x"}]}, "'system' must be a string, got int"),
-    ({"foo": 1}, "no usable field: expected one of input_ids, messages, conversations, prompt, text; got ['foo']"),
-    ([1, 2], "row is a list, expected an object"),
-    ("x", "row is a str, expected an object"),
-])
+@pytest.mark.parametrize(
+    "data,msg",
+    [
+        ({"input_ids": [1, 99999]}, "token id 99999 ('input_ids'[1]) outside the vocabulary [0, 512)"),
+        ({"input_ids": [-1, 2]}, "token id -1 ('input_ids'[0]) outside the vocabulary [0, 512)"),
+        ({"input_ids": "1 2"}, "'input_ids' must be a list of integers (token ids), got str"),
+        ({"input_ids": None}, "'input_ids' must be a list of integers (token ids), got null"),
+        (
+            {"input_ids": [1.5, 2]},
+            "'input_ids' must be a list of integers (token ids): 'input_ids'[0] is 1.5 (a number with a fraction)",
+        ),
+        ({"input_ids": [[1], [2]]}, "'input_ids' must be a list of integers (token ids): 'input_ids'[0] is a list"),
+        (
+            {"input_ids": [5, True, 7]},
+            "'input_ids' must be a list of integers (token ids): 'input_ids'[1] is true (a boolean, not an integer)",
+        ),
+        (
+            {"input_ids": [5, "6"]},
+            "'input_ids' must be a list of integers (token ids): 'input_ids'[1] is '6' (a string)",
+        ),
+        (
+            {"input_ids": [5, 10**30]},
+            "token id 1000000000000000000000000000000 ('input_ids'[1]) outside the vocabulary [0, 512)",
+        ),
+        ({"input_ids": [1, 2], "loss_mask": [1, 2]}, "'loss_mask' must be a list of 0 and 1: 'loss_mask'[1] is 2"),
+        (
+            {"input_ids": [1, 2], "loss_mask": [1, None]},
+            "'loss_mask' must be a list of 0 and 1: 'loss_mask'[1] is null",
+        ),
+        (
+            {"input_ids": [1, 2], "loss_mask": [1.0, 0]},
+            "'loss_mask' must be a list of 0 and 1: 'loss_mask'[0] is 1.0 (a number with a fraction)",
+        ),
+        ({"input_ids": [1, 2], "loss_mask": {"a": 1}}, "'loss_mask' must be a list of 0 and 1, got dict"),
+        ({"input_ids": [1, 2], "loss_mask": [1]}, "'loss_mask' has 1 entries for 2 tokens"),
+        ({"text": 5}, "'text' must be a string, got int"),
+        ({"text": None}, "'text' must be a string, got null"),
+        ({"text": "ab\ud800c"}, "'text' is not valid Unicode: a lone surrogate '\\ud800' at character 2"),
+        (
+            {"prompt": "a", "completion": "\udfff"},
+            "'completion' is not valid Unicode: a lone surrogate '\\udfff' at character 0",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi \ud800"}]},
+            "'messages'[0] content is not valid Unicode: a lone surrogate '\\ud800' at character 3",
+        ),
+        (
+            {"conversations": [{"from": "human", "value": [{"type": "text", "text": "\ud800"}]}]},
+            "'conversations'[0] content is not valid Unicode: a lone surrogate '\\ud800' at character 0",
+        ),
+        ({"prompt": "a"}, "'prompt' without 'completion' or 'response'"),
+        ({"prompt": "a", "completion": ["x"]}, "'completion' must be a string, got list"),
+        ({"messages": []}, "'messages' must be a non-empty list of messages, got an empty list"),
+        ({"messages": "hi"}, "'messages' must be a non-empty list of messages, got str"),
+        ({"messages": ["hi"]}, "'messages'[0] must be an object, got str"),
+        (
+            {"messages": [{"role": "robot", "content": "x"}]},
+            "'messages'[0] has role 'robot'; expected one of system, user, assistant, tool",
+        ),
+        ({"messages": [{"role": "user", "content": 3}]}, "'messages'[0] content must be a string, got int"),
+        (
+            {"conversations": [{"from": "alien", "value": "x"}]},
+            "'conversations'[0] has from 'alien'; expected one of "
+            "system, human, user, gpt, assistant, model, chatgpt, bard, tool, function, observation, function_response, ipython",
+        ),
+        ({"system": 1, "messages": [{"role": "user", "content": "x"}]}, "'system' must be a string, got int"),
+        ({"foo": 1}, "no usable field: expected one of input_ids, messages, conversations, prompt, text; got ['foo']"),
+        ([1, 2], "row is a list, expected an object"),
+        ("x", "row is a str, expected an object"),
+    ],
+)
 def test_bad_rows_are_reported_with_their_place(tokenizer, data, msg):
     r = RowTokenizer(tokenizer).one(Row(data, "d.jsonl:12"))
     assert isinstance(r, BadRow) and r.kind == "bad"

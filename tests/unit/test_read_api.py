@@ -105,8 +105,13 @@ def test_a_run_is_read_without_redis_or_rq(conn, tmp_path):
         pass
     url = f"{cfg.out_url}/{cfg.run}"
 
-    proc = subprocess.run([sys.executable, "-c", READ_WITHOUT_REDIS, url, str(tmp_path / "export")],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", READ_WITHOUT_REDIS, url, str(tmp_path / "export")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -78,6 +78,9 @@ def test_iterable_dataset_yields_each_sample_once_across_workers_and_ranks(conn,
 
 def test_run_without_final_state_is_refused_with_the_fix():
     cfg = RunConfig(run="r", model="m", capture_points=[2, 4], hidden_size=4, out_url="x", num_layers=8)
-    with pytest.raises(NoFinalState, match=r"run 'r' captured layers \[2, 4\] of a 8-layer model, not the final hidden "
-                                           r"state \(index 8\): re-run with --layers eagle3"):
+    with pytest.raises(
+        NoFinalState,
+        match=r"run 'r' captured layers \[2, 4\] of a 8-layer model, not the final hidden "
+        r"state \(index 8\): re-run with --layers eagle3",
+    ):
         eagle3_item({"hidden_states": torch.zeros(1, 2, 4)}, cfg)

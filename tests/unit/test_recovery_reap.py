@@ -116,7 +116,10 @@ def test_the_operators_janitor_right_after_a_rollback_holds_reaping(conn, redis_
     args = ("janitor", "--run", RUN, "--redis", redis_server.url)
     res = harvest_cli(*args, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert f"Redis server {server_id(conn)[:12]} is new to run {RUN} and its ledger is not reconciled on it yet" in res.stderr
+    assert (
+        f"Redis server {server_id(conn)[:12]} is new to run {RUN} and its ledger is not reconciled on it yet"
+        in res.stderr
+    )
     assert res.stdout.startswith("reaped 0 jobs") and conn.exists(keys.reap_after)
     assert job_id in run_queue(conn, RUN).started_job_registry.get_job_ids(cleanup=False)
     res = harvest_cli("reconcile", "--run", RUN, "--redis", redis_server.url, timeout=120)  # as a worker would

@@ -20,8 +20,11 @@ def test_server_info_counts_requests_tokens_and_busy_time(tiny_model, tmp_path):
         info = http.get("/get_server_info").json()
         assert (info["requests"], info["prefill_tokens"], info["busy_seconds"]) == (0, 0, 0.0)
         assert info["capture_points"] == [2, 4, 8] and info["threads"] >= 1
-        body = {"input_ids": [[5, 6, 7, 8, 9], [5, 6, 7]], "rid": ["warm-0", "warm-1"],
-                "sampling_params": {"max_new_tokens": 1}}
+        body = {
+            "input_ids": [[5, 6, 7, 8, 9], [5, 6, 7]],
+            "rid": ["warm-0", "warm-1"],
+            "sampling_params": {"max_new_tokens": 1},
+        }
         t0 = time.perf_counter()
         assert http.post("/generate", json=body).status_code == 200
         wall = time.perf_counter() - t0

@@ -7,16 +7,20 @@ the worker's splice, which is the same for every engine."""
 
 from __future__ import annotations
 
-from harvest.regeneration import Regeneration
-from harvest.sample import Sample
 from harvest.producer.rows import Row
 from harvest.producer.tokenize import RowTokenizer
+from harvest.regeneration import Regeneration
+from harvest.sample import Sample
 from harvest.workers.clients.base import Completion
 from harvest.workers.regenerate import write_turns
 
-CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first question"},
-        {"role": "assistant", "content": "old one"}, {"role": "user", "content": "second question"},
-        {"role": "assistant", "content": "old two"}]
+CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": "old one"},
+    {"role": "user", "content": "second question"},
+    {"role": "assistant", "content": "old two"},
+]
 MAX_NEW = 4
 
 
@@ -54,7 +58,7 @@ def test_a_cut_turn_is_closed_as_the_template_renders_the_stored_messages(tokeni
     assert decode(ids) == render(messages)
     # the mask holds exactly the model's tokens: not the <|im_end|> that closes the cut turn
     turns = [t["tokens"] for t in written.record["turns"]]
-    assert [i for i, m in zip(ids, mask) if m] == turns[0] + turns[1]
+    assert [i for i, m in zip(ids, mask, strict=False) if m] == turns[0] + turns[1]
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     at = engine.prompts[1].index(end, len(engine.prompts[0]))
     assert at == len(engine.prompts[0]) + MAX_NEW and mask[at] == 0  # right after the cut turn's tokens

@@ -13,16 +13,20 @@ import pytest
 
 from harvest.formats.generated import decode_generated, encode_generated, entry
 from harvest.formats.index import ShardError
+from harvest.producer.rows import BadRow, Row
+from harvest.producer.tokenize import RowTokenizer
 from harvest.sample import Sample
 from harvest.state.conversation import Conversation, ConversationError, turn_seed
 from harvest.state.payload import PayloadError, decode_batch, encode_batch, payload_rows
-from harvest.producer.rows import BadRow, Row
-from harvest.producer.tokenize import RowTokenizer
 from tests.support.cli import REPO
 
-CHAT = [{"role": "system", "content": "short"}, {"role": "user", "content": "first question"},
-        {"role": "assistant", "content": "first answer"}, {"role": "user", "content": "second"},
-        {"role": "assistant", "content": "second answer"}]
+CHAT = [
+    {"role": "system", "content": "short"},
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": "first answer"},
+    {"role": "user", "content": "second"},
+    {"role": "assistant", "content": "second answer"},
+]
 
 
 def test_a_chat_is_cut_into_the_template_pieces_around_its_turns(tokenizer):
@@ -32,8 +36,8 @@ def test_a_chat_is_cut_into_the_template_pieces_around_its_turns(tokenizer):
     render = lambda msgs, gen=False: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
     pieces = [tokenizer.decode(p) for p in s.conv.pieces(s.input_ids)]
     assert pieces[0] == render(CHAT[:2], gen=True)  # up to the first turn's header
-    assert pieces[1] == render(CHAT[:4], gen=True)[len(render(CHAT[:3])):]  # after its <|im_end|>, to the next header
-    assert pieces[2] == render(CHAT)[len(render(CHAT)):]  # nothing follows the last turn in this template
+    assert pieces[1] == render(CHAT[:4], gen=True)[len(render(CHAT[:3])) :]  # after its <|im_end|>, to the next header
+    assert pieces[2] == render(CHAT)[len(render(CHAT)) :]  # nothing follows the last turn in this template
     assert s.conv.stop == tuple(sorted({tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id}))
     assert s.conv.close == tokenizer.convert_tokens_to_ids("<|im_end|>")  # the template's end-of-turn, not EOS
     assert not s.loss_mask.any()
@@ -49,8 +53,10 @@ def test_a_chat_ending_on_a_user_turn_gets_one_turn_to_write_and_other_rows_are_
     assert s.conv.turns == 1 and [m["role"] for m in s.conv.messages] == ["system", "user", "assistant"]
     bad = rt.one(Row({"text": "plain text"}, "d:2"))
     assert isinstance(bad, BadRow) and bad.kind == "bad"
-    assert str(bad) == ("d:2: --regenerate writes the assistant turns of chat rows ('messages' or 'conversations'); "
-                        "this row is text, with none")
+    assert str(bad) == (
+        "d:2: --regenerate writes the assistant turns of chat rows ('messages' or 'conversations'); "
+        "this row is text, with none"
+    )
 
 
 def test_a_conversation_travels_in_a_payload_and_its_id_covers_its_structure(tokenizer):
@@ -71,8 +77,9 @@ def test_a_conversation_travels_in_a_payload_and_its_id_covers_its_structure(tok
 
 
 def test_splice_puts_each_turn_between_its_pieces_and_masks_exactly_the_turns():
-    conv = Conversation((3, 2, 1), (9, 11), ({"role": "user"}, {"role": "assistant"}, {"role": "user"},
-                                              {"role": "assistant"}), 9)
+    conv = Conversation(
+        (3, 2, 1), (9, 11), ({"role": "user"}, {"role": "assistant"}, {"role": "user"}, {"role": "assistant"}), 9
+    )
     s = Sample.build([1, 2, 3, 4, 5, 6], [0] * 6, conv)
     pieces = conv.pieces(s.input_ids)
     prompt, _ = conv.splice(pieces, [])
@@ -90,15 +97,25 @@ def test_splice_puts_each_turn_between_its_pieces_and_masks_exactly_the_turns():
     done = s.regenerated(ids, mask)
     assert done.id == s.id and done.conv is None
     assert turn_seed(s.id, 0) == turn_seed(s.id, 0) != turn_seed(s.id, 1)
-    assert 0 <= turn_seed(s.id, 1) < 2 ** 31
+    assert 0 <= turn_seed(s.id, 1) < 2**31
 
 
 def test_the_generated_file_round_trips_and_is_checked_against_its_index():
-    rows = [{"id": "a" * 32, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}],
-             "turns": [{"tokens": [5, 6, 4], "finish_reason": "stop", "seed": 7, "prompt_tokens": 12}]},
-            {"id": "b" * 32, "messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]},
-                                          {"role": "assistant", "content": "s"}],
-             "turns": [{"tokens": [8], "finish_reason": "length", "seed": 9, "prompt_tokens": 3}]}]
+    rows = [
+        {
+            "id": "a" * 32,
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}],
+            "turns": [{"tokens": [5, 6, 4], "finish_reason": "stop", "seed": 7, "prompt_tokens": 12}],
+        },
+        {
+            "id": "b" * 32,
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "parts"}]},
+                {"role": "assistant", "content": "s"},
+            ],
+            "turns": [{"tokens": [8], "finish_reason": "length", "seed": 9, "prompt_tokens": 3}],
+        },
+    ]
     data = encode_generated(rows)
     e = entry("generated/x.parquet", data, 2)
     back = decode_generated(data, "generated/x.parquet", e["sha256"])
@@ -120,8 +137,10 @@ def test_reading_the_generated_dataset_of_a_run_without_it_is_refused_by_name(tm
     publish_run_json(cfg)
     with pytest.raises(NotRegenerated) as e:
         iter_generated(f"file://{tmp_path}/out/plain")  # refused at the call, before any row is asked for
-    assert str(e.value) == (f"run plain in file://{tmp_path}/out/plain was not started with --regenerate: the target "
-                            "model wrote none of its answers, so it has no generated conversations")
+    assert str(e.value) == (
+        f"run plain in file://{tmp_path}/out/plain was not started with --regenerate: the target "
+        "model wrote none of its answers, so it has no generated conversations"
+    )
 
 
 def test_reading_a_generated_file_starts_no_native_thread():

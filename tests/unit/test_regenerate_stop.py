@@ -14,9 +14,9 @@ from harvest.config import RunConfig
 from harvest.sample import Sample
 from harvest.state.conversation import Conversation
 from harvest.state.failures import ENGINE_UNAVAILABLE, SampleFailure
-from tests.support.synth import make_config
 from harvest.workers.clients.base import Completion, EngineUnavailable
 from harvest.workers.regenerate import regenerate
+from tests.support.synth import make_config
 
 
 class _DownAfter:
@@ -36,16 +36,19 @@ class _DownAfter:
 
 def _conversations(n: int, turns: int) -> list[Sample]:
     msgs = tuple(m for _ in range(turns) for m in ({"role": "user", "content": "q"}, {"role": "assistant"}))
-    return [Sample.build([i + 10] * (turns + 1), [0] * (turns + 1), Conversation((1,) * (turns + 1), (2,), msgs, 2))
-            for i in range(n)]
+    return [
+        Sample.build([i + 10] * (turns + 1), [0] * (turns + 1), Conversation((1,) * (turns + 1), (2,), msgs, 2))
+        for i in range(n)
+    ]
 
 
 def _cfg(tmp_path) -> RunConfig:
     import dataclasses
 
     cfg = make_config(f"file://{tmp_path}/out")
-    return dataclasses.replace(cfg, regenerate={"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0,
-                                                "on_length": "keep", "context": None})
+    return dataclasses.replace(
+        cfg, regenerate={"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "on_length": "keep", "context": None}
+    )
 
 
 def test_an_engine_down_stops_the_step_without_sending_the_rest(tmp_path):
@@ -60,9 +63,17 @@ def test_an_engine_down_stops_the_step_without_sending_the_rest(tmp_path):
 
 def test_every_conversation_is_written_when_the_engine_answers(tmp_path):
     samples = _conversations(10, turns=2)
-    engine = _DownAfter(10 ** 6)
+    engine = _DownAfter(10**6)
     out = regenerate(engine, samples, 1, _cfg(tmp_path), in_flight=4)
     assert engine.calls == 20 and sorted(out.written) == sorted(s.id for s in samples) and out.failures == {}
     w = out.written[samples[0].id]
-    assert w.sample.input_ids.tolist() == [10, 7, 2, 10, 7, 2, 10] and w.sample.loss_mask.tolist() == [0, 1, 1, 0, 1, 1, 0]
+    assert w.sample.input_ids.tolist() == [10, 7, 2, 10, 7, 2, 10] and w.sample.loss_mask.tolist() == [
+        0,
+        1,
+        1,
+        0,
+        1,
+        1,
+        0,
+    ]
     assert [t["tokens"] for t in w.record["turns"]] == [[7, 2], [7, 2]] and w.tokens == 4

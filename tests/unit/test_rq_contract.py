@@ -27,9 +27,9 @@ from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
 from harvest.state.jobs import JOB_FUNCTION, SERIALIZER, PayloadJob
 from harvest.state.keys import rq_execution_key, rq_job_prefix, rq_worker_key
-from tests.support.cli import REPO
 from harvest.workers.rqworker import HarvestWorker
 from harvest.workers.safejob import HarvestJob
+from tests.support.cli import REPO
 
 
 def test_rq_is_bounded_to_the_major_tested_here():
@@ -45,18 +45,32 @@ def test_rq_is_bounded_to_the_major_tested_here():
 # Per harvest class: its RQ base, the RQ methods and properties it overrides, and its own names
 # (which RQ must not define: a later RQ calling one of them would call harvest's).
 CLASSES = {
-    HarvestWorker: (SimpleWorker, {
-        "__init__", "request_force_stop", "subscribe", "heartbeat",
-        "clean_registries", "prepare_execution", "cleanup_execution", "handle_job_retry",
-        "handle_job_success"}, {"beat", "_start_of"}),
+    HarvestWorker: (
+        SimpleWorker,
+        {
+            "__init__",
+            "request_force_stop",
+            "subscribe",
+            "heartbeat",
+            "clean_registries",
+            "prepare_execution",
+            "cleanup_execution",
+            "handle_job_retry",
+            "handle_job_success",
+        },
+        {"beat", "_start_of"},
+    ),
     PayloadJob: (Job, {"to_dict"}, set()),
-    HarvestJob: (PayloadJob, {"func", "success_callback", "failure_callback", "stopped_callback"}, {"_refuse_callback"}),
+    HarvestJob: (
+        PayloadJob,
+        {"func", "success_callback", "failure_callback", "stopped_callback"},
+        {"_refuse_callback"},
+    ),
 }
 
 
 def own_names(cls: type) -> set[str]:
-    return {n for n, v in vars(cls).items()
-            if callable(v) or isinstance(v, (property, classmethod, staticmethod))}
+    return {n for n, v in vars(cls).items() if callable(v) or isinstance(v, (property, classmethod, staticmethod))}
 
 
 def params(f) -> list[tuple[str, object]]:
@@ -69,8 +83,11 @@ def takes_what_rq_passes(ours, theirs) -> bool:
     o = inspect.signature(ours).parameters.values()
     kinds = {p.kind for p in o}
     if {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} <= kinds:
-        return all(p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-                   for p in o if p.name != "self")
+        return all(
+            p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            for p in o
+            if p.name != "self"
+        )
     return params(ours) == params(theirs)
 
 
@@ -100,8 +117,10 @@ CALLS = [
     (Job.to_dict, ["self", "include_meta", "include_result"]),
     (Job.restore, ["self", "raw_data"]),
     (Job.fetch_many, ["job_ids", "connection", "serializer"]),
-    (Queue.enqueue_call, ["self", "func", "args", "description", "job_id", "timeout", "result_ttl", "failure_ttl",
-                          "pipeline"]),
+    (
+        Queue.enqueue_call,
+        ["self", "func", "args", "description", "job_id", "timeout", "result_ttl", "failure_ttl", "pipeline"],
+    ),
     (Queue.enqueue_job, ["self", "job", "pipeline"]),
     (Queue.dequeue_any, ["queues", "timeout", "connection", "job_class", "serializer", "death_penalty_class"]),
     (FailedJobRegistry.add, ["self", "job", "ttl", "pipeline", "exc_string"]),
@@ -128,17 +147,53 @@ def test_the_rq_calls_harvest_makes_take_the_arguments_it_passes(f, passed):
 def test_the_rq_attributes_harvest_reads_and_sets_exist(conn):
     queue = Queue("contract", connection=conn)
     worker = SimpleWorker([queue], connection=conn, name="contract-w")
-    for attr in ("_state", "executions", "worker_ttl", "last_cleaned_at", "pubsub_channel_name", "handle_payload",
-                 "_pubsub_exception_handler", "default_result_ttl", "queues", "key", "log", "connection", "job_class",
-                 "serializer", "get_redis_server_version"):
+    for attr in (
+        "_state",
+        "executions",
+        "worker_ttl",
+        "last_cleaned_at",
+        "pubsub_channel_name",
+        "handle_payload",
+        "_pubsub_exception_handler",
+        "default_result_ttl",
+        "queues",
+        "key",
+        "log",
+        "connection",
+        "job_class",
+        "serializer",
+        "get_redis_server_version",
+    ):
         assert hasattr(worker, attr), attr
     job = queue.enqueue_call(JOB_FUNCTION, args=("p",), job_id="contract-j")
-    for attr in ("_data", "_status", "repeats_left", "has_rate_limit", "group_id", "execution_registry", "key",
-                 "dependents_key", "dependencies_key", "number_of_retries", "func_name", "instance", "args",
-                 "_success_callback_name", "_failure_callback_name", "_stopped_callback_name", "failure_ttl"):
+    for attr in (
+        "_data",
+        "_status",
+        "repeats_left",
+        "has_rate_limit",
+        "group_id",
+        "execution_registry",
+        "key",
+        "dependents_key",
+        "dependencies_key",
+        "number_of_retries",
+        "func_name",
+        "instance",
+        "args",
+        "_success_callback_name",
+        "_failure_callback_name",
+        "_stopped_callback_name",
+        "failure_ttl",
+    ):
         assert hasattr(job, attr), attr
-    for reg in ("scheduled_job_registry", "canceled_job_registry", "deferred_job_registry", "finished_job_registry",
-                "failed_job_registry", "started_job_registry"):
+    for reg in (
+        "scheduled_job_registry",
+        "canceled_job_registry",
+        "deferred_job_registry",
+        "finished_job_registry",
+        "failed_job_registry",
+        "started_job_registry",
+    ):
         assert getattr(queue, reg).key.endswith(":contract"), reg
 
 
@@ -150,9 +205,12 @@ def test_rqs_keys_are_where_harvest_and_rqs_tools_look(conn):
     assert Job.key_for("j1") == "rq:job:j1"
     assert queue.key == "rq:queue:run-x"
     assert queue.intermediate_queue_key == "rq:queue:run-x:intermediate"
-    assert (queue.started_job_registry.key, queue.failed_job_registry.key, queue.finished_job_registry.key,
-            queue.scheduled_job_registry.key) == ("rq:wip:run-x", "rq:failed:run-x", "rq:finished:run-x",
-                                                  "rq:scheduled:run-x")
+    assert (
+        queue.started_job_registry.key,
+        queue.failed_job_registry.key,
+        queue.finished_job_registry.key,
+        queue.scheduled_job_registry.key,
+    ) == ("rq:wip:run-x", "rq:failed:run-x", "rq:finished:run-x", "rq:scheduled:run-x")
     assert rq_execution_key("j1", "e1") == "rq:execution:j1:e1"
     assert rq_worker_key("w1") == "rq:worker:w1"
     assert (REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY % "run-x") == ("rq:workers", "rq:workers:run-x")
@@ -163,8 +221,16 @@ def test_a_job_enqueued_as_harvest_does_is_a_hash_whose_data_the_job_copy_reads(
     (function, instance, args, kwargs)."""
     queue = Queue("contract", connection=conn, serializer=SERIALIZER, job_class=PayloadJob)
     with conn.pipeline() as pipe:
-        queue.enqueue_call(JOB_FUNCTION, args=('{"v": 2}',), description="d", job_id="j1", timeout=60,
-                           result_ttl=0, failure_ttl=100, pipeline=pipe)
+        queue.enqueue_call(
+            JOB_FUNCTION,
+            args=('{"v": 2}',),
+            description="d",
+            job_id="j1",
+            timeout=60,
+            result_ttl=0,
+            failure_ttl=100,
+            pipeline=pipe,
+        )
         pipe.execute()
     assert conn.lrange(queue.key, 0, -1) == [b"j1"]
     raw = conn.hgetall(rq_job_prefix() + "j1")
@@ -237,8 +303,11 @@ def _after_success(conn, cls: type[SimpleWorker]) -> tuple[set[str], dict[bytes,
     worker.prepare_job_execution(job, remove_from_intermediate_queue=True)
     job.started_at = job.ended_at = now()
     worker.handle_job_success(job, queue, queue.started_job_registry, execution)
-    counters = {k: v for k, v in conn.hgetall(worker.key).items()
-                if k in (b"successful_job_count", b"failed_job_count", b"total_working_time")}
+    counters = {
+        k: v
+        for k, v in conn.hgetall(worker.key).items()
+        if k in (b"successful_job_count", b"failed_job_count", b"total_working_time")
+    }
     return {k.decode() for k in conn.keys("*")}, counters
 
 

@@ -25,8 +25,11 @@ def _ledger_at(conn, run: str, ids: list[str], kinds: list[str]) -> Ledger:
     s-row (owned by `other`, its row kept in full), s-bare (an older harvest's bare `s`, its owner
     and row in the side hashes)."""
     led = Ledger(conn, run)
-    led.add_queued([i for i, k in zip(ids, kinds) if k != "absent"])
-    of = {k: [i for i, kk in zip(ids, kinds) if kk == k] for k in ("s", "s-mine", "s-none", "s-row", "s-bare", "d")}
+    led.add_queued([i for i, k in zip(ids, kinds, strict=False) if k != "absent"])
+    of = {
+        k: [i for i, kk in zip(ids, kinds, strict=False) if kk == k]
+        for k in ("s", "s-mine", "s-none", "s-row", "s-bare", "d")
+    }
     old = {i: jobcopy.ref(_job(conn, "old"), n) for n, i in enumerate(ids)}
     rows = {i: f'{{"id": "{i}"}}' for i in ids}
     led.settle_job(of["s"], "other", {}, {}, refs=old)
@@ -37,19 +40,26 @@ def _ledger_at(conn, run: str, ids: list[str], kinds: list[str]) -> Ledger:
         conn.hset(led.keys.state, i, "s")
         conn.hset(led.keys.spool_owner, i, "other")
     led.mark_done(of["d"])
-    led.mark_failed({i: ("bad-dump", "x") for i, k in zip(ids, kinds) if k == "f"})
-    values = dict(zip(ids, conn.hmget(led.keys.state, ids)))
-    assert all(values[i].decode().startswith(("s:other@old#", "s:mine@old#", "s:@old#"))
-               for i in of["s"] + of["s-mine"] + of["s-none"])  # each with its ref: `old` is there to copy
+    led.mark_failed({i: ("bad-dump", "x") for i, k in zip(ids, kinds, strict=False) if k == "f"})
+    values = dict(zip(ids, conn.hmget(led.keys.state, ids), strict=False))
+    assert all(
+        values[i].decode().startswith(("s:other@old#", "s:mine@old#", "s:@old#"))
+        for i in of["s"] + of["s-mine"] + of["s-none"]
+    )  # each with its ref: `old` is there to copy
     assert {values[i] for i in of["s-row"]} <= {b"s:other"} and {values[i] for i in of["s-bare"]} <= {b"s"}
     return led
 
 
 def _snapshot(conn, led: Ledger, jobs: list[str]) -> dict:
     k = led.keys
-    return {"state": conn.hgetall(k.state), "counts": conn.hgetall(k.counts), "spools": conn.hgetall(k.spool_counts),
-            "owners": conn.hgetall(k.spool_owner), "rows": conn.hgetall(k.spooled_payload),
-            "refs": {j: conn.hget(k.job_copy(j), jobcopy.REFS_FIELD) for j in jobs}}
+    return {
+        "state": conn.hgetall(k.state),
+        "counts": conn.hgetall(k.counts),
+        "spools": conn.hgetall(k.spool_counts),
+        "owners": conn.hgetall(k.spool_owner),
+        "rows": conn.hgetall(k.spooled_payload),
+        "refs": {j: conn.hget(k.job_copy(j), jobcopy.REFS_FIELD) for j in jobs},
+    }
 
 
 KINDS = ("absent", "q", "d", "f", "s", "s-mine", "s-none", "s-row", "s-bare")
@@ -79,7 +89,7 @@ def test_a_jobs_spool_writes_what_the_general_move_writes(conn, seed, size, dups
     expected = general._move(listed, SPOOLED, QUEUED + ABSENT, [owner] * len(listed), rows=[refs[i] for i in listed])
     assert failed == []
     assert moved == expected
-    assert moved == ([] if revoked else [i for i, k in zip(ids, kinds) if k in ("absent", "q")])
+    assert moved == ([] if revoked else [i for i, k in zip(ids, kinds, strict=False) if k in ("absent", "q")])
     assert _snapshot(conn, hot, ["old", job]) == _snapshot(conn, general, ["old", job])
     values = [v.decode() for v in conn.hmget(hot.keys.state, moved)] if moved else []
     assert values == [f"s:{owner}@{job}#{ids.index(i)}" for i in moved]
@@ -93,13 +103,13 @@ def test_a_shards_commit_writes_what_the_general_move_writes(conn, seed, size, d
     # harvest's values) goes `move`'s, and both write the same.
     ids, kinds, listed = _case(seed, size, dups, ("s", "s-mine", "s-none", "d") if mix == "spooled and done" else KINDS)
     if mix == "any state":
-        kinds[:len(KINDS)] = KINDS
+        kinds[: len(KINDS)] = KINDS
     hot, general = _ledger_at(conn, f"hot{seed}", ids, kinds), _ledger_at(conn, f"gen{seed}", ids, kinds)
     moved = hot.mark_done(listed, tokens=[100 + n for n in range(len(listed))])
     with conn.pipeline(transaction=True) as pipe:
         general.mark_done(listed, pipe=pipe)
         expected = [i.decode() for i in pipe.execute()[0]]
-    assert moved == expected == [i for i, k in zip(ids, kinds) if k != "d"]
+    assert moved == expected == [i for i, k in zip(ids, kinds, strict=False) if k != "d"]
     assert _snapshot(conn, hot, ["old"]) == _snapshot(conn, general, ["old"])
     assert set(conn.hvals(hot.keys.state)) == {b"d"} and hot.counts()["done"] == len(ids)
     first = {i: n for n, i in reversed(list(enumerate(listed)))}
@@ -145,6 +155,8 @@ def test_a_job_is_named_only_in_a_worker_jobs_spool(conn):
     led = Ledger(conn, "bad")
     led.add_queued(["a" * 32])
     seg = ("d", "q_", False, "", "", "job-x", ["a" * 32], [], ["0"])
-    with pytest.raises(redis.ResponseError, match="^HARVEST_BAD_SEGMENT a job is named only in the spool of a worker job$"):
+    with pytest.raises(
+        redis.ResponseError, match="^HARVEST_BAD_SEGMENT a job is named only in the spool of a worker job$"
+    ):
         led._settle([seg], {})
     assert led.states(["a" * 32]) == ["q"]

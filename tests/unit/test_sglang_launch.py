@@ -16,15 +16,51 @@ from tests.support.cli import REPO
 
 
 def test_cpu_form_exactly():
-    env, argv = sl.launch_spec("/m/tiny", [0, 2, 8], 8, dump_dir="/dev/shm/d", port=31000, device="cpu",
-                               python="/venv/bin/python", dtype="float32", chunked_prefill_size=64)
-    assert env == {"SGLANG_PLUGINS": "harvest", "HARVEST_DUMP_DIR": "/dev/shm/d", "HARVEST_CAPTURE": "0,2,8",
-                   "HARVEST_MODEL_NAME": "tiny", "SGLANG_USE_CPU_ENGINE": "1"}
-    assert argv == ["/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/m/tiny", "--tp-size", "1",
-                    "--host", "127.0.0.1", "--port", "31000", "--trust-remote-code", "--disable-radix-cache",
-                    "--chunked-prefill-size", "64", "--disable-prefill-cuda-graph", "--skip-server-warmup",
-                    "--dtype", "float32", "--device", "cpu", "--attention-backend", "torch_native",
-                    "--max-total-tokens", "16384"]
+    env, argv = sl.launch_spec(
+        "/m/tiny",
+        [0, 2, 8],
+        8,
+        dump_dir="/dev/shm/d",
+        port=31000,
+        device="cpu",
+        python="/venv/bin/python",
+        dtype="float32",
+        chunked_prefill_size=64,
+    )
+    assert env == {
+        "SGLANG_PLUGINS": "harvest",
+        "HARVEST_DUMP_DIR": "/dev/shm/d",
+        "HARVEST_CAPTURE": "0,2,8",
+        "HARVEST_MODEL_NAME": "tiny",
+        "SGLANG_USE_CPU_ENGINE": "1",
+    }
+    assert argv == [
+        "/venv/bin/python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/m/tiny",
+        "--tp-size",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31000",
+        "--trust-remote-code",
+        "--disable-radix-cache",
+        "--chunked-prefill-size",
+        "64",
+        "--disable-prefill-cuda-graph",
+        "--skip-server-warmup",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--max-total-tokens",
+        "16384",
+    ]
 
 
 def test_a_runs_model_digest_goes_to_the_plugin(tiny_model):
@@ -38,7 +74,9 @@ def test_a_runs_model_digest_goes_to_the_plugin(tiny_model):
     assert env["HARVEST_MODEL_FINGERPRINT"] == digest
     assert "HARVEST_MODEL_FINGERPRINT" not in sl.launch_spec(tiny_model, [2, 8], 8, dump_dir="/dev/shm/d")[0]
     check_digest(digest, tiny_model)
-    with pytest.raises(ConfigurationError, match=f"^{tiny_model} has model fingerprint {digest[:12]}, not the run's 0{{12}} "):
+    with pytest.raises(
+        ConfigurationError, match=f"^{tiny_model} has model fingerprint {digest[:12]}, not the run's 0{{12}} "
+    ):
         check_digest("0" * 64, tiny_model)
 
 
@@ -48,10 +86,16 @@ def test_gpu_form_has_no_cpu_flags_and_older_spelling():
     assert "--disable-piecewise-cuda-graph" in argv and "--disable-prefill-cuda-graph" not in argv
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"sglang_version": "0.5.10"}, "SGLang 0.5.10 is not supported: the plugin needs SGLang's plugin framework (0.5.11 or newer)"),
-    ({"device": "tpu"}, "device 'tpu': choose one of cuda, cpu"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"sglang_version": "0.5.10"},
+            "SGLang 0.5.10 is not supported: the plugin needs SGLang's plugin framework (0.5.11 or newer)",
+        ),
+        ({"device": "tpu"}, "device 'tpu': choose one of cuda, cpu"),
+    ],
+)
 def test_refusals(kwargs, message):
     with pytest.raises(ValueError) as e:
         sl.launch_spec("/m/x", [2, 8], 8, dump_dir="/d", **kwargs)
@@ -81,8 +125,9 @@ def standin(monkeypatch):
 def test_standin_assigns_each_requests_slice(standin):
     req_to_token = torch.zeros(4, 10, dtype=torch.int32)
     out_cache_loc = torch.arange(100, 109, dtype=torch.int64)  # 3 + 0 + 6 slots, back to back
-    standin.assign_req_to_token_pool_cpu(torch.tensor([2, 0, 1]), req_to_token, torch.tensor([4, 3, 0]),
-                                         torch.tensor([7, 3, 6]), out_cache_loc, 10)
+    standin.assign_req_to_token_pool_cpu(
+        torch.tensor([2, 0, 1]), req_to_token, torch.tensor([4, 3, 0]), torch.tensor([7, 3, 6]), out_cache_loc, 10
+    )
     want = torch.zeros(4, 10, dtype=torch.int32)
     want[2, 4:7] = torch.tensor([100, 101, 102])
     want[1, 0:6] = torch.tensor([103, 104, 105, 106, 107, 108])
@@ -91,7 +136,9 @@ def test_standin_assigns_each_requests_slice(standin):
 
 def test_standin_refuses_every_other_op_and_keeps_amx_off(standin):
     assert "test-only stand-in for SGLang's CPU kernels" in standin.__doc__
-    with pytest.raises(NotImplementedError, match=r"^sgl_kernel.verify_tree_greedy_cpu: not in harvest's test-only stand-in"):
+    with pytest.raises(
+        NotImplementedError, match=r"^sgl_kernel.verify_tree_greedy_cpu: not in harvest's test-only stand-in"
+    ):
         standin.verify_tree_greedy_cpu()
     mamba = importlib.import_module("sgl_kernel.mamba")
     with pytest.raises(NotImplementedError, match=r"^sgl_kernel.causal_conv1d_fn_cpu: "):

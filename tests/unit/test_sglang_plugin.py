@@ -36,8 +36,13 @@ class Mode:
 
 
 def fb(rids, prefix, seq, input_ids, mode=None):
-    return SimpleNamespace(forward_mode=mode or Mode(), rids=rids, extend_prefix_lens_cpu=prefix,
-                           extend_seq_lens_cpu=seq, input_ids=input_ids)
+    return SimpleNamespace(
+        forward_mode=mode or Mode(),
+        rids=rids,
+        extend_prefix_lens_cpu=prefix,
+        extend_seq_lens_cpu=seq,
+        input_ids=input_ids,
+    )
 
 
 def states(rows, pad=0, seed=0):
@@ -63,11 +68,24 @@ def expected_bytes(rid, start, end, ids, hs):
     hs_bytes = hs.contiguous().numpy().tobytes()
     ids_bytes = ids.to(torch.int64).numpy().tobytes()
     sums = f'{{"hidden_states":{zlib.crc32(hs_bytes)},"input_ids":{zlib.crc32(ids_bytes)}}}'
-    meta = {"capture_points": "[2, 4, 5, 8]", "crc32": sums, "end": str(end), "format": "harvest-dump-1",
-            "model": "tiny", "rid": rid, "start": str(start)}
-    doc = {"__metadata__": meta,
-           "hidden_states": {"dtype": "F32", "shape": list(hs.shape), "data_offsets": [0, len(hs_bytes)]},
-           "input_ids": {"dtype": "I64", "shape": [len(ids)], "data_offsets": [len(hs_bytes), len(hs_bytes) + len(ids_bytes)]}}
+    meta = {
+        "capture_points": "[2, 4, 5, 8]",
+        "crc32": sums,
+        "end": str(end),
+        "format": "harvest-dump-1",
+        "model": "tiny",
+        "rid": rid,
+        "start": str(start),
+    }
+    doc = {
+        "__metadata__": meta,
+        "hidden_states": {"dtype": "F32", "shape": list(hs.shape), "data_offsets": [0, len(hs_bytes)]},
+        "input_ids": {
+            "dtype": "I64",
+            "shape": [len(ids)],
+            "data_offsets": [len(hs_bytes), len(hs_bytes) + len(ids_bytes)],
+        },
+    }
     js = json.dumps(doc, separators=(",", ":")).encode()
     js += b" " * (-(8 + len(js)) % 4096)
     data = struct.pack("<Q", len(js)) + js + hs_bytes + ids_bytes
@@ -110,7 +128,9 @@ def test_one_request_over_three_chunks_assembles_exactly(tmp_path):
     ids = torch.tensor(sample.input_ids, dtype=torch.int64)
     for a, b in [(0, 4), (4, 8), (8, 10)]:  # chunked prefill: three forwards
         cap.on_logits(fb([rid], [a], [b - a], ids[a:b]), final[a:b], [x[a:b] for x in aux])
-        cap.on_logits(fb([A], [20], [1], ids[:1], mode=Mode(extend=False)), final[:1], [x[:1] for x in aux])  # decode step
+        cap.on_logits(
+            fb([A], [20], [1], ids[:1], mode=Mode(extend=False)), final[:1], [x[:1] for x in aux]
+        )  # decode step
     cap.writer().flush()
     assert sorted(os.listdir(dump)) == [f"{rid}.0-4.safetensors", f"{rid}.4-8.safetensors", f"{rid}.8-10.safetensors"]
     ok, failed = claim(str(dump), str(claimed), {rid: 10}, timeout=1)
@@ -191,6 +211,7 @@ def test_tp_writer_outside_a_server_is_the_only_rank(monkeypatch):
     try:
         import sglang.srt.runtime_context  # noqa: F401
     except ImportError:
+
         def get_parallel():
             raise ValueError("config namespace 'parallel' not published")
 
@@ -213,8 +234,22 @@ def _graph_config(prefill_backend):
     "args, on",
     [
         # 0.5.23: the resolved config decides; on CPU its prefill backend is "disabled" without any flag
-        ({"disable_prefill_cuda_graph": False, "cuda_graph_backend_prefill": None, "cuda_graph_config": _graph_config("disabled")}, False),
-        ({"disable_prefill_cuda_graph": False, "cuda_graph_backend_prefill": None, "cuda_graph_config": _graph_config("breakable")}, True),
+        (
+            {
+                "disable_prefill_cuda_graph": False,
+                "cuda_graph_backend_prefill": None,
+                "cuda_graph_config": _graph_config("disabled"),
+            },
+            False,
+        ),
+        (
+            {
+                "disable_prefill_cuda_graph": False,
+                "cuda_graph_backend_prefill": None,
+                "cuda_graph_config": _graph_config("breakable"),
+            },
+            True,
+        ),
         ({"disable_cuda_graph": True, "cuda_graph_config": _graph_config("full")}, False),
         ({"disable_prefill_cuda_graph": False, "cuda_graph_config": None}, True),  # not resolved: the flags decide
         ({"disable_prefill_cuda_graph": False}, True),  # 0.5.14-0.5.22 default
@@ -222,7 +257,7 @@ def _graph_config(prefill_backend):
         ({"disable_prefill_cuda_graph": False, "cuda_graph_backend_prefill": "disabled"}, False),
         ({"disable_cuda_graph": True, "disable_prefill_cuda_graph": False}, False),
         ({"disable_piecewise_cuda_graph": False}, True),  # 0.5.11-0.5.13 default
-            ],
+    ],
 )
 def test_prefill_graph_detection(args, on):
     assert sp.prefill_graphs_on(SimpleNamespace(**args)) is on

@@ -47,8 +47,10 @@ def _reference_crc32(ref: dict, offsets: list[int]) -> list[list[int]]:
     """zlib.crc32 of each sample's rows of each tensor but `offsets`, in sorted name order, computed
     from the reference tensors' own bytes (not from the shard)."""
     names = sorted(n for n in ref if n != "offsets")
-    return [[zlib.crc32(ref[n][a:b].contiguous().view(torch.uint8).numpy().tobytes()) for n in names]
-            for a, b in itertools.pairwise(offsets)]
+    return [
+        [zlib.crc32(ref[n][a:b].contiguous().view(torch.uint8).numpy().tobytes()) for n in names]
+        for a, b in itertools.pairwise(offsets)
+    ]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32", "fp8_e4m3"])
@@ -70,12 +72,19 @@ def test_streamed_shard_equals_reference_encoding_and_reads_back_by_range(tmp_pa
     }
     if dtype == "fp8_e4m3":
         ref["hidden_scale"] = torch.cat([s.hidden_scale for s in samples])
-    meta = {"format": "harvest-shard-1", "run": "r", "sample_ids": json.dumps([s.id for s in samples]),
-            "capture_points": json.dumps(POINTS)}
+    meta = {
+        "format": "harvest-shard-1",
+        "run": "r",
+        "sample_ids": json.dumps([s.id for s in samples]),
+        "capture_points": json.dumps(POINTS),
+    }
     assert data == encode(ref, meta, BLOCK)  # tensor data on a filesystem block (harvest.formats.filecopy)
     assert sha.sha256 == hashlib.sha256(data).hexdigest() and plan.nbytes == len(data)
-    names = ["hidden_scale", "hidden_states", "input_ids", "loss_mask"] if dtype == "fp8_e4m3" else \
-        ["hidden_states", "input_ids", "loss_mask"]
+    names = (
+        ["hidden_scale", "hidden_states", "input_ids", "loss_mask"]
+        if dtype == "fp8_e4m3"
+        else ["hidden_states", "input_ids", "loss_mask"]
+    )
     assert sha.crc32 == _reference_crc32(ref, offsets) and len(sha.crc32) == 4 and len(sha.crc32[0]) == len(names)
     assert _copy(plan, str(tmp_path / "copied")) == (data, sha)  # a local output: the kernel's copy, summed aside
     index = plan.index(sha)
@@ -167,7 +176,9 @@ def test_spool_file_of_another_dtype_cannot_join_a_shard(tmp_path):
     cfg = make_config(str(tmp_path / "out"))
     spool = str(tmp_path / "spool")
     s = spool_samples(spool, make_config("x", dtype="fp16"), [3])[0]
-    with pytest.raises(SpoolError, match="hidden_states is torch.float16 \\[3, 4, 16\\], the run stores torch.bfloat16"):
+    with pytest.raises(
+        SpoolError, match="hidden_states is torch.float16 \\[3, 4, 16\\], the run stores torch.bfloat16"
+    ):
         inspect_sample(spool_path(spool, s.id), s.id, len(POINTS), HIDDEN, cfg.torch_dtype)
     with pytest.raises(ShardError, match="at least one sample"):
         plan_shard([], "r", POINTS, torch.bfloat16)
@@ -186,7 +197,10 @@ def test_crc32_of_samples_read_in_pieces_cut_anywhere(tmp_path, monkeypatch, how
     want_bytes, want = _stream(plan)  # 8 MiB buffers: every sample in one piece
     monkeypatch.setattr(shard, "COPY_BUFFER", 1000)
     got = _stream(plan) if how == "streaming" else _copy(plan, str(tmp_path / "copied"))
-    ref = {"hidden_scale": torch.cat([s.hidden_scale for s in samples]),
-           "hidden_states": torch.cat([s.hidden_states for s in samples]),
-           "input_ids": torch.cat([s.input_ids for s in samples]), "loss_mask": torch.cat([s.loss_mask for s in samples])}
+    ref = {
+        "hidden_scale": torch.cat([s.hidden_scale for s in samples]),
+        "hidden_states": torch.cat([s.hidden_states for s in samples]),
+        "input_ids": torch.cat([s.input_ids for s in samples]),
+        "loss_mask": torch.cat([s.loss_mask for s in samples]),
+    }
     assert got == (want_bytes, want) and want.crc32 == _reference_crc32(ref, [0, 40, 41, 74, 81])

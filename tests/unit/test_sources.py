@@ -23,11 +23,14 @@ def _read(path):
     return [(r.data, r.where) if isinstance(r, Row) else str(r) for r in read_dataset(str(path))]
 
 
-@pytest.mark.parametrize("suffix,pack", [
-    (".jsonl", lambda b: b),
-    (".jsonl.gz", gzip.compress),
-    (".jsonl.zst", lambda b: zstandard.ZstdCompressor().compress(b)),
-])
+@pytest.mark.parametrize(
+    "suffix,pack",
+    [
+        (".jsonl", lambda b: b),
+        (".jsonl.gz", gzip.compress),
+        (".jsonl.zst", lambda b: zstandard.ZstdCompressor().compress(b)),
+    ],
+)
 def test_jsonl_plain_and_compressed(tmp_path, suffix, pack):
     p = tmp_path / f"d{suffix}"
     p.write_bytes(pack(_jsonl(ROWS)))
@@ -56,7 +59,9 @@ def test_parquet_streams_by_record_batch(tmp_path, monkeypatch):
 
 
 def test_arrow_stream_and_file_formats(tmp_path):
-    table = pa.Table.from_pylist([{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, {"input_ids": [4], "loss_mask": [1]}])
+    table = pa.Table.from_pylist(
+        [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, {"input_ids": [4], "loss_mask": [1]}]
+    )
     s, f = tmp_path / "s.arrow", tmp_path / "f.arrow"
     with pa.OSFile(str(s), "wb") as out, pa.ipc.new_stream(out, table.schema) as w:
         for b in table.to_batches(max_chunksize=1):
@@ -88,7 +93,10 @@ def test_dataset_dict_asks_for_a_split(tmp_path):
     d.save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(ValueError) as e:
         read_dataset(str(tmp_path / "dd"))
-    assert str(e.value) == f"dataset {tmp_path}/dd is a DatasetDict with splits ['train']: pass one split's folder, e.g. {tmp_path}/dd/train"
+    assert (
+        str(e.value)
+        == f"dataset {tmp_path}/dd is a DatasetDict with splits ['train']: pass one split's folder, e.g. {tmp_path}/dd/train"
+    )
 
 
 def test_missing_and_unsupported_paths(tmp_path):

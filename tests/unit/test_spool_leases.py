@@ -65,7 +65,9 @@ def test_reclaim_puts_exactly_the_silent_spools_samples_back_with_their_jobs(con
     time.sleep(0.6)
     assert leases.renew(b, "node-b")  # b's processes beat on; a's node went silent
     reps = reclaim_lost_spools(conn, cfg)
-    assert [(r.spool, r.node, sorted(r.samples), r.lost, r.decided) for r in reps] == [(a, "node-a", sorted(a_ids), [], [])]
+    assert [(r.spool, r.node, sorted(r.samples), r.lost, r.decided) for r in reps] == [
+        (a, "node-a", sorted(a_ids), [], [])
+    ]
     assert ledger.states(a_ids) == ["q"] * 5 and ledger.states(b_ids) == ["s"] * 3
     assert ledger.counts() == {"queued": 5, "spooled": 3, "done": 0, "failed": 0, "total": 8}
     assert ledger.spool_owners(a_ids) == [None] * 5 and ledger.spool_owners(b_ids) == [b] * 3
@@ -146,7 +148,9 @@ def test_a_restarted_collector_voids_the_shard_of_its_reclaimed_spool(conn, tmp_
     cfg, (a_dir, a, a_ids, _), _ = _setup(conn, tmp_path)
     out, c, plan, packed = _packing(conn, cfg, a_dir)
     tmp = packed.tmp
-    out.put_file(tmp, shard_file(plan.shard_id))  # uploaded (a local output renames); the collector died before its fence
+    out.put_file(
+        tmp, shard_file(plan.shard_id)
+    )  # uploaded (a local output renames); the collector died before its fence
     assert out.exists(shard_file(plan.shard_id)) and not os.path.exists(tmp)
     assert PackingRecord.from_json(conn.get(c.packing_key)).spool == a
     reclaim_spool(conn, cfg, a)

@@ -88,6 +88,8 @@ def test_the_ledger_check_counts_each_spools_samples_from_the_owners_in_the_stat
     led.mark_spooled([C], owner="spool2")
     conn.hset(led.keys.spool_counts, mapping={"spool1": 5, "spool9": 1})
     rep = check_ledger(conn, "so4", repair=True)
-    assert rep.problems == ["spool spool1: its counter says 5 spooled samples, the state hash 2",
-                            "spool spool9: its counter says 1 spooled samples, the state hash 0"]
+    assert rep.problems == [
+        "spool spool1: its counter says 5 spooled samples, the state hash 2",
+        "spool spool9: its counter says 1 spooled samples, the state hash 0",
+    ]
     assert conn.hgetall(led.keys.spool_counts) == {b"spool1": b"2", b"spool2": b"1"}

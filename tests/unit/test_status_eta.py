@@ -44,8 +44,10 @@ def test_status_eta_from_the_spool_rate_before_the_first_commit(conn, run):
     Ledger(conn, run).add_stats(samples_spooled=30)
     st = compute_status(conn, run, now=now)
     assert st.eta_basis == "spooled" and st.eta_seconds == pytest.approx(120 / (30 / st.window_seconds))
-    assert "(from the spool rate: nothing committed yet; a partial shard commits once its oldest sample is " \
-           "the collector's --max-wait old)" in render(st)
+    assert (
+        "(from the spool rate: nothing committed yet; a partial shard commits once its oldest sample is "
+        "the collector's --max-wait old)" in render(st)
+    )
     assert _eta_metric(conn, run) == [pytest.approx(st.eta_seconds, rel=0.2)]  # its own clock, a moment later
 
     Ledger(conn, run).add_stats(samples_done=12)

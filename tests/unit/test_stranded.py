@@ -36,8 +36,11 @@ def cfg(conn, tmp_path):
 
 
 def _stamps(conn) -> dict[str, float]:
-    return {m.decode(): s for m, s in conn.zrange(Keys(RUN).stranded, 0, -1, withscores=True)
-            if m.decode() not in (CHECK, SWEEP)}
+    return {
+        m.decode(): s
+        for m, s in conn.zrange(Keys(RUN).stranded, 0, -1, withscores=True)
+        if m.decode() not in (CHECK, SWEEP)
+    }
 
 
 def _queued_jobs(conn) -> dict[str, list[list[int]]]:
@@ -56,14 +59,22 @@ def test_samples_of_a_job_rq_failed_are_enqueued_again_after_the_grace(conn, cfg
     w.prepare_job_execution(job, remove_from_intermediate_queue=True)
     # What RQ's maintenance on a node whose clock runs 2 h ahead does to that running job:
     q.started_job_registry.cleanup(timestamp=redis_time(conn) + 7200)
-    assert q.failed_job_registry.get_job_ids(cleanup=False) == [ja] and q.started_job_registry.get_job_ids(cleanup=False) == []
+    assert (
+        q.failed_job_registry.get_job_ids(cleanup=False) == [ja]
+        and q.started_job_registry.get_job_ids(cleanup=False) == []
+    )
     led = Ledger(conn, RUN)
     assert led.counts()["queued"] == 5 and q.job_ids == [jb]
 
     t = redis_time(conn)
     rep = tend_stranded(conn, cfg, t)
     assert (rep.checked, rep.excess, rep.swept, sorted(rep.stranded), rep.requeued) == (
-        True, 3, True, sorted(s.id for s in a), [])
+        True,
+        3,
+        True,
+        sorted(s.id for s in a),
+        [],
+    )
     assert _stamps(conn) == {s.id: t for s in a}
     assert tend_stranded(conn, cfg, t + CHECK_INTERVAL_S - 1).checked is False  # one check per interval, fleet-wide
     rep = tend_stranded(conn, cfg, t + 20)  # checked, still stranded, not yet due: no sweep
@@ -97,7 +108,8 @@ def test_rows_come_from_wherever_redis_kept_one_and_samples_without_any_fail_as_
     rep = tend_stranded(conn, cfg, t + STRANDED_GRACE_S)
     assert sorted(rep.requeued) == sorted([with_row.id, orphan.id]) and rep.lost == [nothing.id]
     assert sorted(map(sorted, _queued_jobs(conn).values())) == sorted(
-        map(sorted, [[with_row.input_ids.tolist(), orphan.input_ids.tolist()]]))
+        map(sorted, [[with_row.input_ids.tolist(), orphan.input_ids.tolist()]])
+    )
     assert {sid: f["reason"] for sid, f in led.failures().items()} == {nothing.id: JOB_LOST}
     assert "produce the dataset again" in led.failures()[nothing.id]["message"]
     lost_lines = [r for r in caplog.records if JOB_LOST in r.getMessage()]
@@ -115,8 +127,9 @@ def test_no_sweep_while_every_queued_sample_is_queued_dequeued_started_or_schedu
     w.prepare_job_execution(started, remove_from_intermediate_queue=True)
     dequeued, _ = w.dequeue_job_and_maintain_ttl(timeout=1)  # only dequeued (in RQ's intermediate list)
     q.remove(jobs[2])
-    q.scheduled_job_registry.schedule(Job.fetch(jobs[2], connection=conn, serializer=SERIALIZER),
-                                      datetime.now(UTC) + timedelta(seconds=30))  # a retry backing off
+    q.scheduled_job_registry.schedule(
+        Job.fetch(jobs[2], connection=conn, serializer=SERIALIZER), datetime.now(UTC) + timedelta(seconds=30)
+    )  # a retry backing off
     assert (started.id, dequeued.id, q.job_ids) == (jobs[0], jobs[1], [jobs[3]])
     t = redis_time(conn)
     rep = tend_stranded(conn, cfg, t)

@@ -69,8 +69,16 @@ class Completion:
 FINISH_STOP, FINISH_LENGTH = "stop", "length"
 
 
-def finished(rid: str, tokens: list[int], text: str, kind: object, matched: object, prompt_tokens: int,
-             engine: str, detail: str = "") -> Completion | Rejected:
+def finished(
+    rid: str,
+    tokens: list[int],
+    text: str,
+    kind: object,
+    matched: object,
+    prompt_tokens: int,
+    engine: str,
+    detail: str = "",
+) -> Completion | Rejected:
     """A `Completion` from an engine's finish reason (`kind`: "stop", "length", anything else) and the
     token it matched (an int for a stop token; None for EOS on vLLM, whose ids end with it anyway).
     "abort" (the server dropped the request: shutdown, memory, a cancelled request) and no reason
@@ -106,8 +114,9 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-def post_with_retries(http: httpx.Client, url: str, body: dict, retries: int, backoff: float,
-                      what: str) -> tuple[int, object]:
+def post_with_retries(
+    http: httpx.Client, url: str, body: dict, retries: int, backoff: float, what: str
+) -> tuple[int, object]:
     """POST `body`; transport errors and 5xx are retried with exponential backoff, anything
     else is returned as (status, JSON). Raises EngineUnavailable once the retries are spent."""
     last = ""

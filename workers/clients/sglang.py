@@ -69,7 +69,7 @@ class SGLangClient:
             if len(items) != len(rids):
                 raise EngineUnavailable(f"engine answered {len(items)} results for {len(rids)} prompts")
             out: list[Generated | Rejected] = []
-            for rid, item in zip(rids, items):
+            for rid, item in zip(rids, items, strict=False):
                 meta = (item or {}).get("meta_info") or {}
                 if meta.get("id", rid) != rid:
                     raise EngineUnavailable(f"engine answered rid {meta.get('id')!r} in the place of {rid!r}")
@@ -80,7 +80,7 @@ class SGLangClient:
             return [Rejected(rids[0], f"engine rejected the request (HTTP {status}): {message}")]
         log.warning("engine rejected a batch of %d (HTTP %d: %s); retrying one by one", len(rids), status, message)
         out = []
-        for rid, p in zip(rids, prompts):
+        for rid, p in zip(rids, prompts, strict=False):
             out.extend(self.generate([rid], [p]))
         return out
 
@@ -99,8 +99,9 @@ class SGLangClient:
                 "skip_special_tokens": True,
             },
         }
-        status, out = post_with_retries(self.http, f"{self.url}/generate", body, self.retries, self.backoff,
-                                        f"engine {self.url}")
+        status, out = post_with_retries(
+            self.http, f"{self.url}/generate", body, self.retries, self.backoff, f"engine {self.url}"
+        )
         if status >= 400:
             return Rejected(rid, f"engine rejected the request (HTTP {status}): {error_message(out)}")
         if isinstance(out, list) and len(out) == 1:
@@ -112,9 +113,16 @@ class SGLangClient:
             raise EngineUnavailable(f"engine answered rid {meta.get('id')!r} in the place of {rid!r}")
         reason = meta.get("finish_reason")
         kind, matched = (reason.get("type"), reason.get("matched")) if isinstance(reason, dict) else (reason, None)
-        return finished(rid, [int(t) for t in out["output_ids"]], out.get("text") or "", kind, matched,
-                        int(meta.get("prompt_tokens", -1)), f"engine {self.url}",
-                        str(reason.get("message", "")) if isinstance(reason, dict) else "")
+        return finished(
+            rid,
+            [int(t) for t in out["output_ids"]],
+            out.get("text") or "",
+            kind,
+            matched,
+            int(meta.get("prompt_tokens", -1)),
+            f"engine {self.url}",
+            str(reason.get("message", "")) if isinstance(reason, dict) else "",
+        )
 
     def _post(self, rids: list[str], prompts: list[list[int]]) -> tuple[int, object]:
         body = {
@@ -123,4 +131,6 @@ class SGLangClient:
             "sampling_params": {"max_new_tokens": 1, "temperature": 0},
             "extra_key": rids,
         }
-        return post_with_retries(self.http, f"{self.url}/generate", body, self.retries, self.backoff, f"engine {self.url}")
+        return post_with_retries(
+            self.http, f"{self.url}/generate", body, self.retries, self.backoff, f"engine {self.url}"
+        )

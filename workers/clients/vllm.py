@@ -131,8 +131,9 @@ def read_vllm_file(path: str) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     return layer_ids, hs, ids
 
 
-def to_capture_points(layer_ids: Sequence[int], hidden_states: torch.Tensor, num_layers: int,
-                      norm: FinalNorm | None) -> tuple[list[int], torch.Tensor]:
+def to_capture_points(
+    layer_ids: Sequence[int], hidden_states: torch.Tensor, num_layers: int, norm: FinalNorm | None
+) -> tuple[list[int], torch.Tensor]:
     """vLLM slots -> harvest capture points (HF indices, ascending) and `[T, K, H]` in that order.
     The slot of id L gets the final norm, turning it into HF's `hidden_states[L]`."""
     order = sorted(range(len(layer_ids)), key=lambda j: layer_ids[j])
@@ -150,8 +151,17 @@ def to_capture_points(layer_ids: Sequence[int], hidden_states: torch.Tensor, num
 class VllmClient:
     """`generate(rids, prompts)` against a vLLM server; leaves one harvest dump chunk per rid."""
 
-    def __init__(self, url: str, cfg: RunConfig, dump_dir: str, concurrency: int = 32, timeout: float = 600.0,
-                 retries: int = 4, backoff: float = 0.5, lock_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        cfg: RunConfig,
+        dump_dir: str,
+        concurrency: int = 32,
+        timeout: float = 600.0,
+        retries: int = 4,
+        backoff: float = 0.5,
+        lock_timeout: float = 60.0,
+    ) -> None:
         if cfg.num_layers < 1:
             raise ValueError(f"run {cfg.run} records no layer count; the vLLM engine needs it to place the final norm")
         self.url = url.rstrip("/")
@@ -206,7 +216,7 @@ class VllmClient:
             self.sweep()
         if self.cfg.num_layers in self.cfg.capture_points:
             _ = self.norm  # load once, before the threads start (a bad checkpoint fails the job, not each request)
-        futures = [self.pool.submit(self._one, rid, p) for rid, p in zip(rids, prompts)]
+        futures = [self.pool.submit(self._one, rid, p) for rid, p in zip(rids, prompts, strict=False)]
         out, unavailable = [], None
         for f in futures:
             try:
@@ -227,8 +237,11 @@ class VllmClient:
         details = usage.get("prompt_tokens_details") or {}
         path = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
-            return Rejected(rid, "vLLM returned no kv_transfer_params.hidden_states_path: launch it with the "
-                                 "extract_hidden_states speculative config and harvest's connector (harvest vllm-args)")
+            return Rejected(
+                rid,
+                "vLLM returned no kv_transfer_params.hidden_states_path: launch it with the "
+                "extract_hidden_states speculative config and harvest's connector (harvest vllm-args)",
+            )
         try:
             self._convert(rid, path)
         except VllmDumpError as e:
@@ -242,8 +255,10 @@ class VllmClient:
         # Only files in this node's vLLM storage dir, and only this request's, are read or deleted.
         ours = name.startswith(f"cmpl-{rid}-") and name.endswith(".safetensors")
         if os.path.dirname(real) != self.storage or not ours:
-            raise VllmDumpError(f"response names {path!r}, not a file of this request in {self.storage}: "
-                                f"the server's shared_storage_path must be <dump dir>/.vllm (harvest vllm-args)")
+            raise VllmDumpError(
+                f"response names {path!r}, not a file of this request in {self.storage}: "
+                f"the server's shared_storage_path must be <dump dir>/.vllm (harvest vllm-args)"
+            )
         try:
             wait_unlocked(real, self.lock_timeout)
             layer_ids, hs, ids = read_vllm_file(real)
@@ -277,14 +292,23 @@ class VllmClient:
             return Rejected(rid, f"engine rejected the request (HTTP {status}): {error_message(out)}")
         choices = out.get("choices") if isinstance(out, dict) else None
         if not choices or not isinstance(choices[0], dict) or not isinstance(choices[0].get("token_ids"), list):
-            raise EngineUnavailable(f"vLLM answered {str(out)[:200]!r} for {rid} (no choices[0].token_ids: "
-                                    f"a vLLM without return_token_ids?)")
+            raise EngineUnavailable(
+                f"vLLM answered {str(out)[:200]!r} for {rid} (no choices[0].token_ids: "
+                f"a vLLM without return_token_ids?)"
+            )
         choice, usage = choices[0], out.get("usage") or {}
-        return finished(rid, [int(t) for t in choice["token_ids"]], choice.get("text") or "",
-                        choice.get("finish_reason"), choice.get("stop_reason"), int(usage.get("prompt_tokens", -1)),
-                        what)
+        return finished(
+            rid,
+            [int(t) for t in choice["token_ids"]],
+            choice.get("text") or "",
+            choice.get("finish_reason"),
+            choice.get("stop_reason"),
+            int(usage.get("prompt_tokens", -1)),
+            what,
+        )
 
     def _post(self, rid: str, prompt: list[int]) -> tuple[int, object]:
         body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "request_id": rid}
-        return post_with_retries(self.http, f"{self.url}/v1/completions", body, self.retries, self.backoff,
-                                 f"vLLM {self.url}")
+        return post_with_retries(
+            self.http, f"{self.url}/v1/completions", body, self.retries, self.backoff, f"vLLM {self.url}"
+        )

@@ -35,17 +35,20 @@ def assign_req_to_token_pool_cpu(
     """req_to_token[req_pool_indices[i], start[i]:end[i]] = the i-th request's slice of
     out_cache_loc (the slices lie back to back), as SGLang's triton `assign_req_to_token_pool`."""
     pos = 0
-    for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()):
+    for row, start, end in zip(req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist(), strict=False):
         n = end - start
         if n > 0:
-            req_to_token[row, start:end] = out_cache_loc[pos:pos + n].to(req_to_token.dtype)
+            req_to_token[row, start:end] = out_cache_loc[pos : pos + n].to(req_to_token.dtype)
         pos += max(n, 0)
 
 
 def _missing(name: str) -> Callable[..., None]:
     def op(*args, **kwargs) -> None:
-        raise NotImplementedError(f"sgl_kernel.{name}: not in harvest's test-only stand-in for SGLang's CPU kernels "
-                                  "(needs the real CPU build of sgl-kernel)")
+        raise NotImplementedError(
+            f"sgl_kernel.{name}: not in harvest's test-only stand-in for SGLang's CPU kernels "
+            "(needs the real CPU build of sgl-kernel)"
+        )
+
     op.__name__ = op.__qualname__ = name
     return op
 
