@@ -38,6 +38,7 @@ from collections import Counter
 
 import redis
 from rq import Retry, get_current_job
+from rq.job import Job
 from rq.timeouts import JobTimeoutException
 
 from harvest.errors import StorageError
@@ -86,7 +87,7 @@ class BatchJob:
     engine call), `claim` (the dumps), `spool` (assembled, durable, in place), `mark` (the
     ledger), `finish` (the result, or the transient failure)."""
 
-    def __init__(self, ctx: WorkerContext, payload: dict, job) -> None:
+    def __init__(self, ctx: WorkerContext, payload: dict, job: Job) -> None:
         self.ctx, self.payload, self.job = ctx, payload, job
         self.name = job.id if job else "?"
         self.samples: list[Sample] = []  # the payload's, from `load`

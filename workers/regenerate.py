@@ -26,8 +26,10 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from harvest.config import RunConfig
 from harvest.regeneration import Regeneration
@@ -42,11 +44,12 @@ from harvest.state.failures import (
     PROMPT_LENGTH,
     SampleFailure,
 )
-from harvest.workers.clients.base import EngineUnavailable, GenParams, Rejected
+from harvest.workers.clients.base import Engine, EngineUnavailable, GenParams, Rejected
 
 log = logging.getLogger("harvest.worker")
 
 MAX_IN_FLIGHT = 64  # generation requests a worker keeps at its engine
+T = TypeVar("T")
 
 
 @dataclass
@@ -83,7 +86,7 @@ class Regenerated:
 
 
 def regenerate(
-    engine, samples: list[Sample], attempt: int, cfg: RunConfig, job: str = "?", in_flight: int = MAX_IN_FLIGHT
+    engine: Engine, samples: list[Sample], attempt: int, cfg: RunConfig, job: str = "?", in_flight: int = MAX_IN_FLIGHT
 ) -> Regenerated:
     """Every conversation of `samples` (of job `job`) written, at most `in_flight` at once, with the
     run's settings, under rids of the job's `attempt` (harvest.state.conversation.gen_rid). A
@@ -113,7 +116,7 @@ class _Stopped(Exception):
     a bug, RQ's job timeout), and whatever it wrote would be thrown away."""
 
 
-def _regenerate(engine, samples: list[Sample], attempt: int, reg: Regeneration, in_flight: int) -> Regenerated:
+def _regenerate(engine: Engine, samples: list[Sample], attempt: int, reg: Regeneration, in_flight: int) -> Regenerated:
     """The first error that is not a sample's own (EngineUnavailable, a bug, RQ's timeout in this
     thread) stops the step: conversations not started are cancelled, those in flight stop before
     their next turn, and it is raised once they have (each holds one request at most)."""
@@ -142,7 +145,7 @@ def _regenerate(engine, samples: list[Sample], attempt: int, reg: Regeneration, 
     return out
 
 
-def _stopping(stop: threading.Event, fn, *args):
+def _stopping(stop: threading.Event, fn: Callable[..., T], *args: object) -> T:
     """`fn(*args)`, setting `stop` at once if it raises what is not a sample's own failure: the
     other conversations then stop before their next request, not when this one is noticed."""
     try:
@@ -154,7 +157,9 @@ def _stopping(stop: threading.Event, fn, *args):
         raise
 
 
-def write_turns(engine, s: Sample, attempt: int, reg: Regeneration, stop: threading.Event | None = None) -> Written:
+def write_turns(
+    engine: Engine, s: Sample, attempt: int, reg: Regeneration, stop: threading.Event | None = None
+) -> Written:
     """Conversation `s`'s turns, in order, each generated from the regenerated ones before it.
     Raises SampleFailure (generation-empty, generation-length, context-length, engine-rejected,
     prompt-length) for a turn that cannot stand; `_Stopped` before a turn once `stop` is set."""

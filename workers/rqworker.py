@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 import time
+from types import FrameType
+from typing import Any
 
 import redis
 from rq import Retry, worker_registration
@@ -48,7 +50,7 @@ PUBSUB_POLL_S = 1.0  # how long RQ's command thread waits between looks at its s
 
 
 class HarvestWorker(SimpleWorker):
-    def __init__(self, *args, beat: WorkerBeat | None = None, **kwargs) -> None:
+    def __init__(self, *args: Any, beat: WorkerBeat | None = None, **kwargs: Any) -> None:
         """`beat`: this worker's harvest heartbeat; by default the one this process started under
         the worker's name (harvest.state.heartbeat.live_beat)."""
         super().__init__(*args, **kwargs)
@@ -57,7 +59,7 @@ class HarvestWorker(SimpleWorker):
         self._cold_stop = False  # a cold stop (SystemExit) was raised: later signals change nothing
 
     # RQ's signal handler: test_rq_contract test_harvest_overrides_exactly_these_rq_methods_with_rqs_parameters
-    def request_force_stop(self, signum, frame) -> None:
+    def request_force_stop(self, signum: int, frame: FrameType | None) -> None:
         """RQ's cold stop, honoured once. `harvest run` repeats a hurried stop's SIGTERM until the
         worker exits (RQ ignores one within 1 s of handling the first, and the runner cannot tell
         when that ran); a repeat must not interrupt the job's hand-back (harvest.workers.job)."""
@@ -82,7 +84,7 @@ class HarvestWorker(SimpleWorker):
         )
 
     # RQ's; the same records: test_rq_contract test_harvests_execution_start_and_heartbeat_write_what_rqs_do
-    def heartbeat(self, timeout: int | None = None, pipeline=None) -> None:
+    def heartbeat(self, timeout: int | None = None, pipeline: redis.client.Pipeline | None = None) -> None:
         """RQ's worker heartbeat: in RQ's own transaction as RQ sends it; on its own at most every
         `worker_ttl / 6` s, its three commands in one round trip. Why: RQ sends it three times a
         job, a round trip a command; only `rq info` reads it, and the worker key's TTL
@@ -163,7 +165,7 @@ class HarvestWorker(SimpleWorker):
         return (ctx, ids) if ids else (None, [])
 
     # RQ's: test_rq_contract test_an_execution_is_a_job_colon_execution_entry_and_a_hash_naming_its_worker
-    def cleanup_execution(self, job: Job, pipeline, execution: Execution | None = None) -> None:
+    def cleanup_execution(self, job: Job, pipeline: redis.client.Pipeline, execution: Execution | None = None) -> None:
         """RQ removes the execution in `pipeline` (its success, failure or retry transaction); the
         heartbeat stops naming it in the same one."""
         super().cleanup_execution(job, pipeline, execution)

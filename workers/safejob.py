@@ -10,6 +10,8 @@ to Redis would get code execution on every GPU node. A worker therefore accepts 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from harvest.state.jobs import JOB_FUNCTION, PayloadJob
 
@@ -22,7 +24,7 @@ class RefusedJob(RuntimeError):
 
 class HarvestJob(PayloadJob):
     @property
-    def func(self):
+    def func(self) -> Callable[..., Any]:
         name = self.func_name
         if name != JOB_FUNCTION or self.instance is not None:
             raise RefusedJob(f"job {self.id} names function {name!r}; this worker runs only {JOB_FUNCTION}: refused")
@@ -36,13 +38,13 @@ class HarvestJob(PayloadJob):
         return None
 
     @property
-    def success_callback(self):
+    def success_callback(self) -> None:
         return self._refuse_callback("success", self._success_callback_name)
 
     @property
-    def failure_callback(self):
+    def failure_callback(self) -> None:
         return self._refuse_callback("failure", self._failure_callback_name)
 
     @property
-    def stopped_callback(self):
+    def stopped_callback(self) -> None:
         return self._refuse_callback("stopped", self._stopped_callback_name)

@@ -28,6 +28,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import redis
 import torch
@@ -117,7 +118,9 @@ class _NoTracebackForLost(logging.Filter):
         return True
 
 
-def _quiet_thread_exit(args: threading.ExceptHookArgs, default=threading.excepthook) -> None:
+def _quiet_thread_exit(
+    args: threading.ExceptHookArgs, default: Callable[[threading.ExceptHookArgs], object] = threading.excepthook
+) -> None:
     """RQ's pubsub thread ends by raising RedisLost (after logging it): no traceback for that."""
     if not isinstance(args.exc_value, RedisLost):
         default(args)
@@ -157,7 +160,7 @@ def _first_check(ctx: WorkerContext) -> None:
         log.warning("checking Redis for a restart before the first job: %s: %s", type(e).__name__, e)
 
 
-def _stop_before_work(*_) -> None:
+def _stop_before_work(*_: object) -> None:
     raise SystemExit(0)
 
 

@@ -66,7 +66,7 @@ class Ledger:
         to: str,
         allowed: str,
         infos: list[str] | None = None,
-        pipe=None,
+        pipe: redis.client.Pipeline | None = None,
         rows: list[str] | None = None,
         keep: bool = False,
     ) -> list[str]:
@@ -178,7 +178,7 @@ class Ledger:
             for seg, got in zip(segments, res, strict=False)
         ]  # a count: every id moved
 
-    def add_queued(self, ids: list[str], pipe=None) -> list[str]:
+    def add_queued(self, ids: list[str], pipe: redis.client.Pipeline | None = None) -> list[str]:
         """New samples only: an id with any state is left as it is (idempotent enqueue). Its own
         script (lua/add_queued.lua), not `_move`. Returns the ids moved, in order (none in `pipe`)."""
         if not ids:
@@ -190,7 +190,7 @@ class Ledger:
         left = {r.decode() if isinstance(r, bytes) else r for r in call.run(self.conn)}
         return list(dict.fromkeys(i for i in ids if i not in left))
 
-    def requeue(self, ids: list[str], pipe=None) -> list[str]:
+    def requeue(self, ids: list[str], pipe: redis.client.Pipeline | None = None) -> list[str]:
         return self._move(ids, QUEUED, FAILED, pipe=pipe)
 
     def mark_spooled(self, ids: list[str], owner: str = "", rows: list[str] | None = None) -> list[str]:
@@ -204,7 +204,7 @@ class Ledger:
         is `d` again first (the worker reconciles), and the claims in storage keep a second copy out."""
         return self._move(ids, SPOOLED, QUEUED + ABSENT, [owner] * len(ids), rows=rows)
 
-    def reclaim(self, spool: str, ids: list[str], pipe=None) -> list[str]:
+    def reclaim(self, spool: str, ids: list[str], pipe: redis.client.Pipeline | None = None) -> list[str]:
         """s -> q for those of `ids` that `spool` still owns (the janitor, after revoking it)."""
         if not ids:
             return []
@@ -234,7 +234,7 @@ class Ledger:
             old = self.conn.get(self.keys.ledger_id)
         return old.decode() if old is not None else new
 
-    def requeue_done(self, ids: list[str], pipe=None) -> list[str]:
+    def requeue_done(self, ids: list[str], pipe: redis.client.Pipeline | None = None) -> list[str]:
         """d -> q for samples no index in storage names, with the new jobs enqueued in `pipe`
         (harvest.ops.reconcile rebuilds them from the shard that still holds their tokens)."""
         return self._move(ids, QUEUED, DONE, pipe=pipe)
@@ -309,7 +309,7 @@ class Ledger:
     def mark_done(
         self,
         ids: list[str],
-        pipe=None,
+        pipe: redis.client.Pipeline | None = None,
         tokens: list[int] | None = None,
         stats: Mapping[str, int] | None = None,
         clear: tuple[str, str] | None = None,
