@@ -94,7 +94,7 @@ def _indexed_checkpoint(model: str, where: str) -> str:
     for name in os.listdir(model):
         os.symlink(os.path.join(model, name), os.path.join(where, name))
     with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
-        weight_map = {k: "model.safetensors" for k in f}
+        weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     with open(os.path.join(where, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     return where

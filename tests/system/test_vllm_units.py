@@ -314,7 +314,10 @@ def test_compose_vllm_service_matches_harvest_vllm_args():
     svc = spec["services"]["vllm"]
     assert svc["profiles"] == ["vllm"] and "engine" in svc["networks"]["default"]["aliases"]
     assert svc["entrypoint"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
-    assert "./engines:/opt/harvest/harvest/engines:ro" in svc["volumes"] and svc["environment"]["PYTHONPATH"] == "/opt/harvest"
+    assert (
+        "./engines:/opt/harvest/harvest/engines:ro" in svc["volumes"]
+        and svc["environment"]["PYTHONPATH"] == "/opt/harvest"
+    )
     # The compose file's capture points come from .env; substitute the example's (eagle3 on 8 layers).
     compose_args = [re.sub(r"\$\{CAPTURE_POINTS:\?[^}]*\}", "2,4,5,8", a) for a in svc["command"]]
     flags = dict(a.split("=", 1) if "=" in a else (a, None) for a in compose_args)
