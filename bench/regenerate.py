@@ -78,44 +78,10 @@ from harvest.workers.clients.base import GenParams, Rejected  # noqa: E402
 from harvest.workers.clients.sglang import SGLangClient  # noqa: E402
 from tests.support.benchengine import start_pinned_engine  # noqa: E402
 
-WORDS = [
-    "the",
-    "model",
-    "reads",
-    "a",
-    "long",
-    "prompt",
-    "and",
-    "writes",
-    "hidden",
-    "states",
-    "for",
-    "every",
-    "token",
-    "so",
-    "that",
-    "a",
-    "small",
-    "draft",
-    "network",
-    "can",
-    "learn",
-    "to",
-    "guess",
-    "what",
-    "the",
-    "large",
-    "target",
-    "network",
-    "will",
-    "say",
-    "next",
-    "river",
-    "mountain",
-    "forest",
-    "city",
-    "code",
-]
+WORDS = (
+    "the model reads a long prompt and writes hidden states for every token so that a small draft network "
+    "can learn to guess what the large target network will say next river mountain forest city code"
+).split()
 
 
 def make_chats(n: int, seed: int) -> list[list[dict]]:

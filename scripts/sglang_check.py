@@ -38,22 +38,7 @@ from harvest.engines.sglang_launch import cpu_pythonpath, launch_spec, venv_pyth
 from harvest.health import wait_healthy  # noqa: E402
 from harvest.read.reader import RunReader  # noqa: E402
 
-WORDS = [
-    "the",
-    "a",
-    "model",
-    "token",
-    "layer",
-    "state",
-    "hidden",
-    "draft",
-    "speculative",
-    "decode",
-    "prefill",
-    "batch",
-    "queue",
-    "shard",
-]
+WORDS = "the a model token layer state hidden draft speculative decode prefill batch queue shard".split()
 
 
 def dataset_rows(n: int, seed: int, long_words: int = 1500) -> list[dict]:
