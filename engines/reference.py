@@ -7,12 +7,12 @@ takes up to that many prompt tokens across the waiting requests, continuing each
 from its KV cache, and dumps one chunk per request per step.
 
 It also generates, as SGLang does, for regeneration (harvest's `hg-` rids) and any request with
-`max_new_tokens > 1`: the prefill above (dumps for `hv-` rids only, as ever), then a KV-cached
+`max_new_tokens > 1`: the prefill above (dumps for `hv-` rids only), then a KV-cached
 decode loop, greedy below temperature 1e-6, else temperature, top-p and `torch.multinomial` with
 a `torch.Generator` seeded by `sampling_seed`, until a stop token (stop_token_ids or the model's
 EOS, unless `ignore_eos`; kept in `output_ids`, cut from `text`, as SGLang does) or
 max_new_tokens (the request rules: engines/generation.py). A request with `max_new_tokens <= 1`
-and no `hg-` rid is an extraction request, answered exactly as before (one greedy token).
+and no `hg-` rid is an extraction request: the prefill and one greedy token.
 """
 
 from __future__ import annotations

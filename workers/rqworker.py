@@ -149,8 +149,8 @@ class HarvestWorker(SimpleWorker):
         the heartbeat, its samples' states read: harvest.workers.job `BatchJob.choose`) rides in the
         transaction that starts its execution: one round trip a job less. (None, []) where the job
         does it itself: no context, another heartbeat than the context's, no sample, or a job whose
-        data cannot be read or that will be refused (harvest.workers.safejob): RQ's own path fails it, as
-        before. A SimpleWorker runs one job at a time: a start left by a job whose function never
+        data cannot be read or that will be refused (harvest.workers.safejob): RQ's own path fails it.
+        A SimpleWorker runs one job at a time: a start left by a job whose function never
         ran (refused, a stop between) is dropped here."""
         ctx = installed()
         if ctx is None or beat is None or ctx.beat is not beat:

@@ -55,17 +55,17 @@ def _module_file(parts: list[str]) -> str | None:
 
 
 def _defined(path: str) -> set[str]:
-    """Every name a file defines: functions, classes, assigned names, at any depth."""
+    """Every name a file defines: functions, classes, names and attributes assigned, imports, at any depth."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             out.add(node.name)
-        elif isinstance(node, (ast.Name, ast.alias)):
-            out.add(node.id if isinstance(node, ast.Name) else (node.asname or node.name))
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            out.add(node.attr)
+        elif isinstance(node, ast.alias):  # a name a module imports is one it offers too
+            out.add(node.asname or node.name)
+        elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+            out.add(node.id if isinstance(node, ast.Name) else node.attr)
     return out
 
 
